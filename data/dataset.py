@@ -1,0 +1,204 @@
+"""Utterances from manifests as (features, target ids), and their collation into padded batches."""
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils.data import Dataset
+
+from data.audio import AudioError, load_audio
+from data.features import FeatureExtractor, SpecAugment
+from data.manifest import Utterance, read_manifest
+from data.text import encode, invalid_characters, normalize_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    features: torch.Tensor  # (T, F) float32
+    targets: torch.Tensor  # (L,) int64, no blanks
+    index: int  # position in the dataset
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # (B, T_max, F) float32, zero after each utterance's end
+    feature_lengths: torch.Tensor  # (B,) int64
+    targets: torch.Tensor  # (sum of L,) int64, the utterances' targets one after another
+    target_lengths: torch.Tensor  # (B,) int64
+    indices: torch.Tensor  # (B,) int64 dataset positions
+    num_skipped: int  # samples of this batch dropped because their audio could not be used
+
+    def pin_memory(self) -> "Batch":
+        """Called by DataLoader(pin_memory=True), so that `to(..., non_blocking=True)` really overlaps."""
+        return self._map(lambda tensor: tensor.pin_memory())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+    def _map(self, function) -> "Batch":
+        return replace(
+            self,
+            features=function(self.features),
+            feature_lengths=function(self.feature_lengths),
+            targets=function(self.targets),
+            target_lengths=function(self.target_lengths),
+            indices=function(self.indices),
+        )
+
+
+def min_ctc_frames(targets: Sequence[int]) -> int:
+    """Output frames CTC needs for `targets`: one per label, plus a blank between equal adjacent labels."""
+    num_repeats = sum(first == second for first, second in zip(targets, targets[1:]))
+    return len(targets) + num_repeats
+
+
+class SpeechDataset(Dataset):
+    """The utterances of one or more manifests, as Samples of features and target ids.
+
+    Utterances that can never train are dropped at construction, each named in a warning and counted by
+    reason in `skipped`: an empty transcript, characters outside the alphabet, or a transcript with more
+    characters than the model's output frames can hold (estimated from the manifest's duration). Utterances
+    longer than `max_duration` seconds are dropped too, counted but not named one by one: that is a choice,
+    not a fault in the data.
+
+    Audio is read when an item is asked for; `__getitem__` returns None (and warns once for that file) when it
+    cannot be read, has no samples, or turns out too short for its transcript after all. `collate` drops these.
+
+    Args:
+        manifest_paths: JSONL manifests (see data.manifest), read in order.
+        features: turns a waveform into (T, F) features; its sample rate is the one audio is read at.
+        augment: applied to the features of every item (pass it for training data only).
+        time_stride: how many feature frames the model merges into one output frame.
+        max_duration: seconds; longer utterances are dropped. None keeps all.
+        seed: with `set_epoch`, fixes the augmentation of each item (see `__getitem__`).
+    """
+
+    def __init__(
+        self,
+        manifest_paths: Sequence[str | os.PathLike],
+        features: FeatureExtractor,
+        augment: SpecAugment | None = None,
+        time_stride: int = 1,
+        max_duration: float | None = None,
+        seed: int = 0,
+    ):
+        if isinstance(manifest_paths, str | os.PathLike):
+            manifest_paths = [manifest_paths]  # a lone path would otherwise be read as a list of characters
+        if time_stride < 1:
+            raise ValueError(f"time_stride must be at least 1, got {time_stride}")
+        self.features = features
+        self.augment = augment
+        self.time_stride = time_stride
+        self.seed = seed
+        self.epoch = 0
+        self.utterances: list[Utterance] = []
+        self.targets: list[list[int]] = []
+        self.skipped: Counter[str] = Counter()
+        self._warned: set[int] = set()
+        for path in manifest_paths:
+            for utterance in read_manifest(path):
+                self._add(utterance, max_duration)
+        logger.info(
+            "%d utterances from %s; skipped %s",
+            len(self.utterances),
+            ", ".join(map(str, manifest_paths)),
+            dict(self.skipped) or "none",
+        )
+
+    def _add(self, utterance: Utterance, max_duration: float | None) -> None:
+        if max_duration is not None and utterance.duration > max_duration:
+            self.skipped["longer than max_duration"] += 1
+            return
+        text = normalize_text(utterance.text)
+        if not text:
+            self._skip(utterance, "empty transcript", "its transcript is empty")
+            return
+        bad = invalid_characters(text)
+        if bad:
+            detail = f"its transcript has characters outside the alphabet: {bad}"
+            self._skip(utterance, "characters outside the alphabet", detail)
+            return
+        targets = encode(text)
+        num_samples = round(utterance.duration * self.features.sample_rate)
+        num_outputs = math.ceil(self.features.num_frames(num_samples) / self.time_stride)
+        if num_outputs < min_ctc_frames(targets):
+            self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
+            return
+        self.utterances.append(utterance)
+        self.targets.append(targets)
+
+    def _skip(self, utterance: Utterance, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        logger.warning("skipping %s: %s", utterance.audio_filepath, detail)
+
+    def _too_long_detail(self, num_outputs: int, targets: list[int]) -> str:
+        return (
+            f"the model has {num_outputs} output frames for it at time stride {self.time_stride}, "
+            f"fewer than the {min_ctc_frames(targets)} its {len(targets)}-character transcript needs"
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def durations(self) -> list[float]:
+        """Seconds of each utterance, in dataset order (what the batch sampler buckets by)."""
+        return [utterance.duration for utterance in self.utterances]
+
+    def __len__(self) -> int:
+        return len(self.utterances)
+
+    def __getitem__(self, index: int) -> Sample | None:
+        utterance, targets = self.utterances[index], self.targets[index]
+        try:
+            waveform = load_audio(utterance.audio_filepath, self.features.sample_rate)
+        except AudioError as error:
+            self._warn_once(index, f"skipping {error}")
+            return None
+        features = self.features(waveform)  # (T, F)
+        num_outputs = math.ceil(len(features) / self.time_stride)
+        if num_outputs < min_ctc_frames(targets):
+            detail = self._too_long_detail(num_outputs, targets)
+            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
+            return None
+        if self.augment is not None:
+            # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
+            # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + index)
+                features = self.augment(features)
+        return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
+
+    def _warn_once(self, index: int, message: str) -> None:
+        if index not in self._warned:
+            self._warned.add(index)
+            logger.warning(message)
+
+
+def collate(samples: Sequence[Sample | None]) -> Batch:
+    """Pad the usable samples into one Batch; None entries are dropped and counted in `num_skipped`.
+
+    With no usable sample the Batch has B = 0 (features of shape (0, 0, 0)): the training loop skips it.
+    """
+    usable = [sample for sample in samples if sample is not None]
+    num_skipped = len(samples) - len(usable)
+    feature_lengths = torch.tensor([len(sample.features) for sample in usable], dtype=torch.int64)
+    num_features = usable[0].features.shape[1] if usable else 0
+    max_frames = int(feature_lengths.max()) if usable else 0
+    features = torch.zeros(len(usable), max_frames, num_features)  # (B, T_max, F)
+    for row, sample in enumerate(usable):
+        features[row, : len(sample.features)] = sample.features
+    targets = [sample.targets for sample in usable]
+    return Batch(
+        features=features,
+        feature_lengths=feature_lengths,
+        targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64),
+        target_lengths=torch.tensor([len(target) for target in targets], dtype=torch.int64),
+        indices=torch.tensor([sample.index for sample in usable], dtype=torch.int64),
+        num_skipped=num_skipped,
+    )

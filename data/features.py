@@ -1,0 +1,114 @@
+"""Log spectral features of a waveform, and SpecAugment masking for training.
+
+Features are time-major, (T, F): T frames of F features.
+"""
+import torch
+import torchaudio.transforms
+from torch import nn
+
+FEATURE_KINDS = ("spectrogram", "mel")
+
+
+class FeatureExtractor(nn.Module):
+    """Waveform -> (T, F) float32 log features.
+
+    kind="spectrogram": log(1 + |STFT|) with a Hamming window, n_fft = window length (20 ms at 16 kHz: 320
+    samples -> 161 bins), as DeepSpeech2 uses. kind="mel": log of an `n_mels`-band mel power spectrogram; its FFT
+    is zero-padded to the next power of two because 80 mel bands over 161 bins would leave the narrow
+    low-frequency bands without a bin. Frames are centred, so N samples give 1 + N // hop frames; the ends are
+    padded with zeros, not reflected, so that audio shorter than half a window still gives a frame.
+
+    normalize: scale each feature to zero mean and unit variance over the utterance, which removes the
+    recording's gain and channel colour.
+    """
+
+    def __init__(
+        self,
+        kind: str = "spectrogram",
+        sample_rate: int = 16000,
+        window_ms: float = 20,
+        hop_ms: float = 10,
+        n_mels: int = 80,
+        normalize: bool = True,
+    ):
+        super().__init__()
+        if kind not in FEATURE_KINDS:
+            raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
+        self.kind = kind
+        self.sample_rate = sample_rate
+        self.normalize = normalize
+        window_length = round(sample_rate * window_ms / 1000)
+        self.hop_length = round(sample_rate * hop_ms / 1000)
+        if window_length < 2 or self.hop_length < 1:
+            raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
+        if kind == "spectrogram":
+            self.transform = torchaudio.transforms.Spectrogram(
+                n_fft=window_length,
+                win_length=window_length,
+                hop_length=self.hop_length,
+                window_fn=torch.hamming_window,
+                pad_mode="constant",
+                power=1.0,
+            )
+            self._num_features = window_length // 2 + 1
+        else:
+            self.transform = torchaudio.transforms.MelSpectrogram(
+                sample_rate=sample_rate,
+                n_fft=1 << (window_length - 1).bit_length(),
+                win_length=window_length,
+                hop_length=self.hop_length,
+                n_mels=n_mels,
+                window_fn=torch.hamming_window,
+                pad_mode="constant",
+            )
+            self._num_features = n_mels
+
+    @property
+    def num_features(self) -> int:
+        return self._num_features
+
+    def num_frames(self, num_samples: int) -> int:
+        """Frames produced from `num_samples` samples (centred frames)."""
+        return 1 + num_samples // self.hop_length
+
+    def forward(self, waveform: torch.Tensor) -> torch.Tensor:
+        """(N,) waveform at `sample_rate` -> (T, F) float32 features, T = num_frames(N)."""
+        spectrum = self.transform(waveform.float())  # (F, T)
+        if self.kind == "spectrogram":
+            features = torch.log1p(spectrum)
+        else:
+            # The floor keeps log finite in digital silence.
+            features = torch.log(spectrum.clamp(min=1e-10))
+        features = features.T.contiguous()  # (T, F)
+        if self.normalize:
+            mean = features.mean(dim=0, keepdim=True)
+            std = features.std(dim=0, keepdim=True, correction=0)
+            features = (features - mean) / (std + 1e-5)
+        return features
+
+
+class SpecAugment(nn.Module):
+    """SpecAugment (Park et al. 2019) without time warping: zero bands of features and spans of frames.
+
+    Each of the `num_freq_masks` masks zeros up to `freq_mask` adjacent features, each of the `num_time_masks`
+    up to `time_mask` adjacent frames and at most `max_time_fraction` of them, so that short utterances can
+    keep most of their speech. Zero is the mean of normalised features. Draws from torch's global generator, so
+    `torch.manual_seed` makes it repeatable (DataLoader workers are seeded apart).
+    """
+
+    def __init__(
+        self,
+        freq_mask: int = 15,
+        time_mask: int = 35,
+        num_freq_masks: int = 2,
+        num_time_masks: int = 2,
+        max_time_fraction: float = 1.0,
+    ):
+        super().__init__()
+        masks = [torchaudio.transforms.FrequencyMasking(freq_mask) for _ in range(num_freq_masks)]
+        masks += [torchaudio.transforms.TimeMasking(time_mask, p=max_time_fraction) for _ in range(num_time_masks)]
+        self.masks = nn.Sequential(*masks)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """(T, F) features -> (T, F) features with the masked entries zeroed."""
+        return self.masks(features.T).T  # torchaudio masks (F, T)

@@ -1,0 +1,70 @@
+"""JSONL manifests: one utterance a line, {"audio_filepath", "duration", "text", "speaker"}.
+
+The format is NeMo's, so manifests written elsewhere load too; there `speaker` may be absent.
+"""
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Utterance:
+    audio_filepath: str  # absolute once read
+    duration: float  # seconds
+    text: str
+    speaker: str
+
+
+def read_manifest(path: str | os.PathLike) -> list[Utterance]:
+    """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
+
+    Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
+    line that is not a JSON object with a string `audio_filepath` and `text` and a non-negative `duration`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {path} does not exist")
+    utterances = []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if line.strip():
+                utterances.append(_parse_line(line, path, line_number))
+    return utterances
+
+
+def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
+    where = f"{path}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
+    speaker = record.get("speaker", "")
+    if not isinstance(audio_filepath, str) or not audio_filepath:
+        raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
+    # bool is an int subclass, and True is no duration.
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or duration < 0:
+        raise ValueError(f"{where}: 'duration' must be a non-negative number of seconds, got {duration!r}")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
+    if not isinstance(speaker, str):
+        raise ValueError(f"{where}: 'speaker' must be a string, got {speaker!r}")
+    return Utterance(str(path.parent.absolute() / audio_filepath), float(duration), text, speaker)
+
+
+def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:
+    """Write `utterances` as JSONL, creating the folder.
+
+    The file appears complete or not at all (written beside it, then renamed), so an interrupted run never
+    leaves a truncated manifest that looks newer than its sources, and ranks preparing at once don't collide.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with partial.open("w", encoding="utf-8") as out:
+        for utterance in utterances:
+            out.write(json.dumps(asdict(utterance), ensure_ascii=False) + "\n")
+    partial.replace(path)

@@ -1,0 +1,159 @@
+"""Turn a speech corpus into JSONL manifests (see data.manifest) with absolute audio paths.
+
+    python -m data.prepare an4 --source DIR --out DIR          # writes an4_train.jsonl and an4_test.jsonl
+    python -m data.prepare librispeech --source DIR --out DIR [--name NAME]   # writes NAME.jsonl
+
+AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N of one matching line N of
+the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
+each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
+
+Utterances whose audio is missing or unreadable are skipped with a warning naming the file, and counted.
+"""
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import soundfile
+
+from data.manifest import Utterance, write_manifest
+from data.text import normalize_text
+
+logger = logging.getLogger(__name__)
+
+AN4_SPLITS = ("train", "test")
+AN4_AUDIO_SUFFIXES = (".flac", ".wav", ".sph")
+
+# "<s> YES </s> (an251-fash-b)" in train, "RUBOUT G M E F THREE NINE (an406-fcaw-b)" in test.
+_AN4_LINE = re.compile(r"^\s*(?:<s>)?(?P<text>.*?)(?:</s>)?\s*\((?P<id>[^()]+)\)\s*$")
+
+
+def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
+    """Write an4_train.jsonl and an4_test.jsonl into `out`, unless they are already newer than their sources.
+
+    Returns: {"train": path, "test": path}.
+    Raises: FileNotFoundError naming a missing folder or file; ValueError naming the file and line of a
+    transcription that does not match its fileids.
+    """
+    source, out = _require(Path(source).absolute(), folder=True), Path(out)
+    manifests = {}
+    for split in AN4_SPLITS:
+        fileids = _require(source / "etc" / f"an4_{split}.fileids")
+        transcription = _require(source / "etc" / f"an4_{split}.transcription")
+        manifest = out / f"an4_{split}.jsonl"
+        manifests[split] = manifest
+        if _newer_than(manifest, [fileids, transcription]):
+            logger.info("%s is up to date", manifest)
+            continue
+        utterances, num_skipped = _an4_utterances(source, fileids, transcription)
+        _write(f"an4 {split}", manifest, utterances, num_skipped)
+    return manifests
+
+
+def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = None) -> Path:
+    """Write NAME.jsonl (NAME defaults to the source folder's name, e.g. dev-clean) from every *.trans.txt.
+
+    Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file.
+    """
+    source = _require(Path(source).absolute(), folder=True)
+    transcripts = sorted(source.rglob("*.trans.txt"))
+    if not transcripts:
+        raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
+    utterances, num_skipped = [], 0
+    for transcript in transcripts:
+        for line_number, line in enumerate(transcript.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            utterance_id, _, text = line.strip().partition(" ")
+            if not text:
+                raise ValueError(f"{transcript}:{line_number}: expected 'ID TEXT', got {line!r}")
+            audio_stem = transcript.parent / utterance_id
+            utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
+            if utterance is None:
+                num_skipped += 1
+            else:
+                utterances.append(utterance)
+    manifest = Path(out) / f"{name or source.name}.jsonl"
+    _write(f"librispeech {source.name}", manifest, utterances, num_skipped)
+    return manifest
+
+
+def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], int]:
+    ids = fileids.read_text(encoding="utf-8").split()
+    lines = [line for line in transcription.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(ids) != len(lines):
+        raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
+    utterances, num_skipped = [], 0
+    for line_number, (fileid, line) in enumerate(zip(ids, lines), start=1):
+        match = _AN4_LINE.match(line)
+        if match is None or match["id"] != Path(fileid).name:
+            raise ValueError(f"{transcription}:{line_number}: expected 'TEXT ({Path(fileid).name})', got {line!r}")
+        # The fileid's folder is the speaker: an4_clstk/fash/an251-fash-b -> fash.
+        speaker = Path(fileid).parent.name
+        utterance = _utterance(source / "wav" / fileid, AN4_AUDIO_SUFFIXES, normalize_text(match["text"]), speaker)
+        if utterance is None:
+            num_skipped += 1
+        else:
+            utterances.append(utterance)
+    return utterances, num_skipped
+
+
+def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str) -> Utterance | None:
+    """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (with a warning
+    naming the file) when there is no such file or it cannot be read."""
+    candidates = [audio_stem.with_name(audio_stem.name + suffix) for suffix in suffixes]
+    audio = next((path for path in candidates if path.is_file()), None)
+    if audio is None:
+        logger.warning("skipping %s: no %s file", audio_stem, " / ".join(suffixes))
+        return None
+    try:
+        duration = soundfile.info(str(audio)).duration
+    except soundfile.LibsndfileError as error:
+        logger.warning("skipping %s: cannot read audio (%s)", audio, error.error_string)
+        return None
+    return Utterance(str(audio), duration, text, speaker)
+
+
+def _write(label: str, manifest: Path, utterances: list[Utterance], num_skipped: int) -> None:
+    write_manifest(manifest, utterances)
+    hours = sum(utterance.duration for utterance in utterances) / 3600
+    logger.info(
+        "%s: wrote %d utterances (%.2f h) to %s; skipped %d without usable audio",
+        label, len(utterances), hours, manifest, num_skipped,
+    )
+
+
+def _require(path: Path, folder: bool = False) -> Path:
+    if not (path.is_dir() if folder else path.is_file()):
+        raise FileNotFoundError(f"{'folder' if folder else 'file'} {path} does not exist")
+    return path
+
+
+def _newer_than(target: Path, sources: Iterable[Path]) -> bool:
+    return target.is_file() and all(target.stat().st_mtime > source.stat().st_mtime for source in sources)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    corpora = parser.add_subparsers(dest="corpus", required=True)
+    an4 = corpora.add_parser("an4", help="CMU AN4 (etc/ and wav/ folders)")
+    librispeech = corpora.add_parser("librispeech", help="a LibriSpeech-layout tree of *.trans.txt and .flac")
+    librispeech.add_argument("--name", help="manifest name (default: the source folder's name)")
+    for corpus in (an4, librispeech):
+        corpus.add_argument("--source", type=Path, required=True, help="the corpus folder")
+        corpus.add_argument("--out", type=Path, required=True, help="folder for the manifests")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        if args.corpus == "an4":
+            prepare_an4(args.source, args.out)
+        else:
+            prepare_librispeech(args.source, args.out, args.name)
+    except (FileNotFoundError, ValueError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,122 @@
+"""Length-bucketed batches split across data-parallel ranks, resumable mid-epoch at any world size.
+
+A global batch is the `global_batch_size` utterances that all ranks together train on in one step. It is
+built from utterances of similar duration (little padding) and cut into `world_size` contiguous shards, one
+per rank, so that every rank gets utterances of similar length and no rank waits long for the others.
+"""
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+
+class BucketBatchSampler(Sampler[list[int]]):
+    """Yields this rank's dataset indices for each global batch of an epoch.
+
+    Epoch 0 with `sortagrad`: global batches from shortest to longest (SortaGrad, DeepSpeech2 sec. 3.1: short
+    utterances first steady early training). Other epochs: utterances sorted by duration after a seeded
+    relative jitter of up to +-`jitter` so groupings change from epoch to epoch, then the global batches in a
+    seeded random order. Each epoch drops `len(durations) % global_batch_size` utterances so that every rank
+    takes the same number of steps; after SortaGrad the dropped ones are a seeded random mix of the shortest
+    and the longest. Everything depends on `seed` and the epoch only, never on the rank, so ranks agree.
+
+    The state ({"epoch", "position"}: global batches handed out so far this epoch) does not depend on rank or
+    world size, so a run saved with N ranks resumes with M. Finishing an epoch's iteration moves to the next
+    epoch; `set_epoch` moves to another one and starts it from the beginning.
+    """
+
+    def __init__(
+        self,
+        durations: Sequence[float],
+        global_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        sortagrad: bool = True,
+        jitter: float = 0.1,
+    ):
+        super().__init__()
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if global_batch_size < 1 or global_batch_size % world_size != 0:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
+            )
+        if len(durations) < global_batch_size:
+            raise ValueError(
+                f"{len(durations)} utterances do not fill one global batch of global_batch_size {global_batch_size}"
+            )
+        self.durations = torch.tensor(durations, dtype=torch.float64)
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.sortagrad = sortagrad
+        self.jitter = jitter
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Global batches (steps) per epoch."""
+        return len(self.durations) // self.global_batch_size
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batches in training order, each `global_batch_size` dataset indices."""
+        num_batches = len(self)
+        num_used = num_batches * self.global_batch_size
+        if self.sortagrad and epoch == 0:
+            # A stable sort keeps equal durations in manifest order, so this is the same on every rank.
+            order = torch.argsort(self.durations, stable=True)[:num_used]
+            return order.view(num_batches, self.global_batch_size).tolist()
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        noise = torch.rand(len(self.durations), generator=generator, dtype=torch.float64) * 2 - 1
+        order = torch.argsort(self.durations * (1 + self.jitter * noise), stable=True)
+        start = int(torch.randint(len(order) - num_used + 1, (1,), generator=generator))
+        batches = order[start : start + num_used].view(num_batches, self.global_batch_size)
+        return batches[torch.randperm(num_batches, generator=generator)].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.global_batches(self.epoch)
+        shard_size = self.global_batch_size // self.world_size
+        first = self.rank * shard_size
+        while self.position < len(batches):
+            batch = batches[self.position]
+            # Counted before it is handed out: a state saved after training on it resumes with the next one.
+            self.position += 1
+            yield batch[first : first + shard_size]
+        self.set_epoch(self.epoch + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first global batch, unless it is the current epoch (keep a resumed position)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """{"epoch", "position"}. With a DataLoader that prefetches (num_workers > 0), `position` is ahead of
+        the steps trained by the batches in flight; a trainer that needs the exact step stores its own count
+        of steps taken this epoch as `position`."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from `state`: the next iteration starts with global batch `position` of `epoch`."""
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"sampler position {state['position']} is outside an epoch of {len(self)} global batches")
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+
+
+def eval_shard(durations: Sequence[float], rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """This rank's batches for evaluating every utterance exactly once across `world_size` ranks.
+
+    Utterances sorted by duration are dealt to ranks in turn and cut into batches of `batch_size`, so batch k
+    holds similar lengths on every rank. The last batch may be smaller, and a rank may have one batch fewer
+    than another: sum the results after the loop rather than synchronising per batch.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    order = torch.argsort(torch.tensor(durations, dtype=torch.float64), stable=True)
+    mine = order[rank::world_size].tolist()
+    return [mine[start : start + batch_size] for start in range(0, len(mine), batch_size)]

@@ -1,0 +1,137 @@
+"""SpeechDataset: what it drops, what it returns, and how samples are collated."""
+import logging
+from collections import Counter
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from torch.utils.data import DataLoader
+
+from data.dataset import SpeechDataset, collate, min_ctc_frames
+from data.features import FeatureExtractor, SpecAugment
+from data.manifest import Utterance, write_manifest
+from data.sampler import BucketBatchSampler
+from data.text import encode
+
+RATE = 16000
+
+
+def write_noise(path, seconds):
+    samples = np.random.default_rng(0).uniform(-0.1, 0.1, round(seconds * RATE)).astype(np.float32)
+    soundfile.write(path, samples, RATE)
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    """Two good utterances, then one of each bad-input case (kept ones first, dataset order = manifest order)."""
+    write_noise(tmp_path / "good1.wav", 1.0)
+    write_noise(tmp_path / "good2.flac", 0.5)
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    write_noise(tmp_path / "empty.wav", 0.0)
+    write_noise(tmp_path / "short.wav", 0.1)
+    utterances = [
+        Utterance(str(tmp_path / "good1.wav"), 1.0, "HELLO", "a"),
+        Utterance(str(tmp_path / "good2.flac"), 0.5, "hi  there", "a"),  # normalised, not dropped
+        Utterance(str(tmp_path / "corrupt.flac"), 1.0, "A", "b"),
+        Utterance(str(tmp_path / "empty.wav"), 0.0, "A", "b"),
+        # The manifest claims 3 s, so only reading the audio shows 0.1 s cannot hold 10 characters.
+        Utterance(str(tmp_path / "short.wav"), 3.0, "ABCDEFGHIJ", "b"),
+        Utterance(str(tmp_path / "blank_text.wav"), 1.0, "  ", "c"),
+        Utterance(str(tmp_path / "foreign.wav"), 1.0, "CAFÉ 42", "c"),
+        Utterance(str(tmp_path / "crammed.wav"), 0.1, "THIS IS FAR TOO LONG", "c"),
+        Utterance(str(tmp_path / "lecture.wav"), 30.0, "LONG", "c"),
+    ]
+    path = tmp_path / "m.jsonl"
+    write_manifest(path, utterances)
+    return path
+
+
+def make_dataset(manifest, **kwargs):
+    return SpeechDataset([manifest], FeatureExtractor("spectrogram"), time_stride=2, max_duration=20, **kwargs)
+
+
+def test_min_ctc_frames_counts_a_blank_between_repeated_characters():
+    assert min_ctc_frames(encode("HELLO")) == 6
+    assert min_ctc_frames(encode("AAA")) == 5
+    assert min_ctc_frames([]) == 0
+
+
+def test_construction_drops_and_counts_each_unusable_transcript(manifest, caplog):
+    with caplog.at_level(logging.WARNING):
+        dataset = make_dataset(manifest)
+    assert len(dataset) == 5
+    assert dataset.skipped == Counter(
+        {
+            "empty transcript": 1,
+            "characters outside the alphabet": 1,
+            "too long for stride": 1,
+            "longer than max_duration": 1,
+        }
+    )
+    for name in ("blank_text.wav", "foreign.wav", "crammed.wav"):
+        assert name in caplog.text
+    assert "outside the alphabet: ['2', '4', 'É']" in caplog.text
+    assert dataset.durations == [1.0, 0.5, 1.0, 0.0, 3.0]
+
+
+def test_unreadable_empty_or_too_short_audio_gives_none_and_warns_once(manifest, caplog):
+    dataset = make_dataset(manifest)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert [dataset[index] is None for index in range(5)] == [False, False, True, True, True]
+        assert dataset[2] is None
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 3
+    assert "corrupt.flac" in messages[0] and "empty.wav" in messages[1] and "no samples" in messages[1]
+    assert "short.wav" in messages[2] and "6 output frames" in messages[2]
+
+
+def test_sample_holds_features_targets_and_index(manifest):
+    sample = make_dataset(manifest)[1]
+    assert sample.features.shape == (51, 161) and sample.features.dtype == torch.float32
+    assert sample.targets.dtype == torch.int64 and sample.targets.tolist() == encode("HI THERE")
+    assert sample.index == 1
+
+
+def test_collate_pads_concatenates_and_counts_skipped(manifest):
+    dataset = make_dataset(manifest)
+    batch = collate([dataset[index] for index in range(5)])
+    assert batch.features.shape == (2, 101, 161)
+    assert batch.feature_lengths.tolist() == [101, 51]
+    torch.testing.assert_close(batch.features[1, :51], dataset[1].features)
+    assert bool((batch.features[1, 51:] == 0).all())
+    assert batch.targets.tolist() == encode("HELLO") + encode("HI THERE")
+    assert batch.target_lengths.tolist() == [5, 8]
+    assert batch.indices.tolist() == [0, 1]
+    assert batch.num_skipped == 3
+    assert all(tensor.dtype == torch.int64 for tensor in (batch.feature_lengths, batch.targets, batch.target_lengths))
+
+
+def test_collate_of_only_unusable_samples_is_an_empty_batch():
+    batch = collate([None, None])
+    assert batch.features.shape[0] == 0 and batch.targets.numel() == 0 and batch.indices.numel() == 0
+    assert batch.num_skipped == 2
+
+
+def test_augment_masks_the_training_features(manifest):
+    plain = make_dataset(manifest)[0].features
+    torch.manual_seed(0)
+    augmented = make_dataset(manifest, augment=SpecAugment(freq_mask=30, time_mask=30))[0].features
+    assert augmented.shape == plain.shape
+    changed = augmented != plain
+    assert changed.any() and bool((augmented[changed] == 0).all())
+
+
+def test_a_lone_path_is_one_manifest(manifest):
+    assert len(SpeechDataset(manifest, FeatureExtractor("mel"))) == 6  # no stride or length limit: 6 kept
+
+
+def test_data_loader_with_bucket_sampler_and_a_worker(manifest):
+    dataset = make_dataset(manifest)
+    sampler = BucketBatchSampler(dataset.durations, global_batch_size=2)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=1)
+    batches = list(loader)
+    assert len(batches) == 2
+    assert sorted(index for batch in batches for index in batch.indices.tolist()) == [0, 1]
+    assert sum(batch.num_skipped for batch in batches) == 2  # the third bad one fell into the dropped remainder

@@ -1,0 +1,109 @@
+"""Audio reading, log spectral features and SpecAugment."""
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from data.audio import AudioError, load_audio
+from data.features import FeatureExtractor, SpecAugment
+
+
+def tone(frequency: float, seconds: float, rate: int) -> np.ndarray:
+    return (0.5 * np.sin(2 * np.pi * frequency * np.arange(round(seconds * rate)) / rate)).astype(np.float32)
+
+
+def test_stereo_is_averaged_to_mono_float32(tmp_path):
+    left_right = np.stack([np.full(1000, 0.25), np.full(1000, 0.5)], axis=1).astype(np.float32)
+    soundfile.write(tmp_path / "stereo.wav", left_right, 16000, subtype="FLOAT")
+    waveform = load_audio(tmp_path / "stereo.wav")
+    assert waveform.dtype == torch.float32 and waveform.shape == (1000,)
+    torch.testing.assert_close(waveform, torch.full((1000,), 0.375))
+
+
+def test_other_sample_rates_are_resampled_keeping_the_pitch(tmp_path):
+    soundfile.write(tmp_path / "8k.flac", tone(440, 1.0, 8000), 8000)
+    waveform = load_audio(tmp_path / "8k.flac", sample_rate=16000)
+    assert waveform.shape == (16000,)
+    spectrum = torch.fft.rfft(waveform).abs()  # 1 Hz per bin over 1 s
+    assert int(spectrum.argmax()) == 440
+
+
+def test_nist_sphere_is_read(tmp_path):
+    samples = tone(300, 0.5, 16000)
+    soundfile.write(tmp_path / "a.sph", samples, 16000, format="NIST", subtype="PCM_16")
+    torch.testing.assert_close(load_audio(tmp_path / "a.sph"), torch.from_numpy(samples), atol=1e-4, rtol=0)
+
+
+def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
+    (tmp_path / "corrupt.flac").write_bytes(b"this is not audio" * 100)
+    soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
+    reasons = {
+        "corrupt.flac": "cannot read audio",
+        "empty.wav": "audio holds no samples",
+        "missing.wav": "no such audio file",
+    }
+    for name, reason in reasons.items():
+        with pytest.raises(AudioError, match=f"{name}: {reason}"):
+            load_audio(tmp_path / name)
+    assert issubclass(AudioError, ValueError)
+
+
+def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
+    extractor = FeatureExtractor("spectrogram", normalize=False)
+    features = extractor(torch.from_numpy(tone(1000, 1.0, 16000)))
+    assert extractor.num_features == 161
+    assert features.shape == (101, 161) == (extractor.num_frames(16000), 161)
+    assert features.dtype == torch.float32 and bool((features >= 0).all())  # log(1 + magnitude)
+    assert int(features[50].argmax()) == 20  # 1000 Hz / 50 Hz per bin
+
+
+def test_mel_features():
+    extractor = FeatureExtractor("mel", n_mels=64, normalize=False)
+    features = extractor(torch.from_numpy(tone(1000, 0.5, 16000)))
+    assert extractor.num_features == 64 and features.shape == (51, 64)
+    assert torch.isfinite(features).all()
+
+
+@pytest.mark.parametrize("kind", ["spectrogram", "mel"])
+def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
+    noise = 0.01 * torch.randn(16000, generator=torch.Generator().manual_seed(0))
+    waveform = torch.from_numpy(tone(700, 1.0, 16000)) + noise
+    features = FeatureExtractor(kind)(waveform)
+    torch.testing.assert_close(features.mean(dim=0), torch.zeros(features.shape[1]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(features.std(dim=0, correction=0), torch.ones(features.shape[1]), atol=1e-3, rtol=0)
+
+
+def test_unknown_feature_kind_is_a_value_error():
+    with pytest.raises(ValueError, match="'mfcc'"):
+        FeatureExtractor("mfcc")
+
+
+def test_spec_augment_zeroes_whole_bands_and_spans_and_repeats_under_a_seed():
+    features = torch.ones(300, 161)  # (T, F)
+    augment = SpecAugment(freq_mask=15, time_mask=35)
+    torch.manual_seed(3)
+    first = augment(features)
+    torch.manual_seed(3)
+    assert torch.equal(augment(features), first)
+    assert not torch.equal(augment(features), first)  # the generator moved on
+    zero = first == 0
+    masked_features, masked_frames = zero.all(dim=0), zero.all(dim=1)
+    assert 0 < int(masked_features.sum()) <= 2 * 14 and 0 < int(masked_frames.sum()) <= 2 * 34
+    # Every zero lies in a masked band or span: nothing else is touched.
+    assert torch.equal(zero, masked_features[None, :] | masked_frames[:, None])
+    assert features.eq(1).all()  # the input is left alone
+
+
+def test_spec_augment_time_masks_respect_max_time_fraction():
+    augment = SpecAugment(num_freq_masks=0, time_mask=35, max_time_fraction=0.1)
+    torch.manual_seed(0)
+    for _ in range(20):
+        masked_frames = (augment(torch.ones(100, 8)) == 0).all(dim=1)
+        assert int(masked_frames.sum()) <= 2 * 10
+
+
+@pytest.mark.parametrize("kind", ["spectrogram", "mel"])
+def test_audio_shorter_than_half_a_window_gives_one_frame(kind):
+    extractor = FeatureExtractor(kind)
+    features = extractor(torch.from_numpy(tone(440, 0.003, 16000)))  # 48 samples
+    assert features.shape == (1, extractor.num_features) and torch.isfinite(features).all()

@@ -1,0 +1,55 @@
+"""Reading and writing JSONL manifests."""
+import json
+
+import pytest
+
+from data.manifest import Utterance, read_manifest, write_manifest
+
+
+def test_write_then_read_gives_the_same_utterances(tmp_path):
+    utterances = [
+        Utterance(str(tmp_path / "a.flac"), 1.25, "HELLO WORLD", "spk1"),
+        Utterance(str(tmp_path / "b c.wav"), 0.5, "DON'T", "spk2"),
+    ]
+    path = tmp_path / "nested" / "m.jsonl"
+    write_manifest(path, utterances)
+    assert read_manifest(path) == utterances
+    assert [p.name for p in path.parent.iterdir()] == ["m.jsonl"]  # no partial file left behind
+
+
+def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
+    path = tmp_path / "sub" / "m.jsonl"
+    path.parent.mkdir()
+    records = [
+        {"audio_filepath": "wav/a.flac", "duration": 1, "text": "A", "speaker": "s"},
+        {"audio_filepath": "/abs/b.flac", "duration": 2.5, "text": "B"},  # NeMo style: no speaker
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records) + "\n")
+    first, second = read_manifest(path)
+    assert first == Utterance(str(tmp_path / "sub" / "wav" / "a.flac"), 1.0, "A", "s")
+    assert second == Utterance("/abs/b.flac", 2.5, "B", "")
+
+
+def test_missing_manifest_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_manifest(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.parametrize(
+    "bad_line, complaint",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"audio_filepath": "a.wav", "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": "1.0", "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": -1, "text": "A"}', "'duration'"),
+        ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
+    ],
+)
+def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint):
+    path = tmp_path / "m.jsonl"
+    good = json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": "A"})
+    path.write_text(f"{good}\n{bad_line}\n")
+    with pytest.raises(ValueError, match=f"m.jsonl:2: .*{complaint}"):
+        read_manifest(path)

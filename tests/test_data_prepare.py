@@ -1,0 +1,133 @@
+"""Corpus preparation: AN4 and LibriSpeech layouts to JSONL manifests, and its errors."""
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from data.manifest import Utterance, read_manifest
+from data.prepare import main, prepare_an4
+
+RATE = 16000
+
+
+def write_audio(path: Path, seconds: float, **format_args) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    noise = np.random.default_rng(0).uniform(-0.1, 0.1, round(seconds * RATE)).astype(np.float32)
+    soundfile.write(path, noise, RATE, **format_args)
+
+
+@pytest.fixture
+def tiny_an4(tmp_path) -> Path:
+    """An AN4-shaped corpus: each audio format, two speakers, one train utterance without audio."""
+    root = tmp_path / "an4"
+    etc = root / "etc"
+    etc.mkdir(parents=True)
+    (etc / "an4_train.fileids").write_text(
+        "an4_clstk/fash/an251-fash-b\nan4_clstk/fash/an253-fash-b\nan4_clstk/mgah/cen1-mgah-b\n"
+        "an4_clstk/mgah/cen2-mgah-b\n"
+    )
+    (etc / "an4_train.transcription").write_text(
+        "<s> YES </s> (an251-fash-b)\n<s> go  on </s> (an253-fash-b)\n"
+        "<s> SIX TWO </s> (cen1-mgah-b)\n<s> NO AUDIO </s> (cen2-mgah-b)\n"
+    )
+    (etc / "an4_test.fileids").write_text("an4test_clstk/fcaw/an406-fcaw-b\n")
+    (etc / "an4_test.transcription").write_text("RUBOUT G M E F THREE NINE (an406-fcaw-b)\n")
+    wav = root / "wav"
+    write_audio(wav / "an4_clstk/fash/an251-fash-b.flac", 1.0)
+    write_audio(wav / "an4_clstk/fash/an253-fash-b.wav", 0.5)
+    write_audio(wav / "an4_clstk/mgah/cen1-mgah-b.sph", 0.75, format="NIST", subtype="PCM_16")
+    write_audio(wav / "an4test_clstk/fcaw/an406-fcaw-b.flac", 2.0)
+    return root
+
+
+def test_an4_manifests_have_clean_text_speakers_durations_and_absolute_paths(tiny_an4, tmp_path, caplog):
+    out = tmp_path / "manifests"
+    with caplog.at_level(logging.INFO):
+        main(["an4", "--source", str(tiny_an4), "--out", str(out)])
+    wav = tiny_an4 / "wav"
+    assert read_manifest(out / "an4_train.jsonl") == [
+        Utterance(str(wav / "an4_clstk/fash/an251-fash-b.flac"), 1.0, "YES", "fash"),
+        Utterance(str(wav / "an4_clstk/fash/an253-fash-b.wav"), 0.5, "GO ON", "fash"),
+        Utterance(str(wav / "an4_clstk/mgah/cen1-mgah-b.sph"), 0.75, "SIX TWO", "mgah"),
+    ]
+    assert read_manifest(out / "an4_test.jsonl") == [
+        Utterance(str(wav / "an4test_clstk/fcaw/an406-fcaw-b.flac"), 2.0, "RUBOUT G M E F THREE NINE", "fcaw")
+    ]
+    written = [json.loads(line) for line in (out / "an4_train.jsonl").read_text().splitlines()]
+    assert all(Path(record["audio_filepath"]).is_absolute() for record in written)
+    assert "skipping " + str(wav / "an4_clstk/mgah/cen2-mgah-b") in caplog.text
+    assert "wrote 3 utterances" in caplog.text and "skipped 1 without usable audio" in caplog.text
+
+
+def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
+    manifests = prepare_an4(tiny_an4, tmp_path / "out")
+    assert set(manifests) == {"train", "test"}
+    train = manifests["train"]
+    for source in (tiny_an4 / "etc").iterdir():
+        os.utime(source, (1e9, 1e9))
+    os.utime(train, (1e9, 1.2e9))  # newer than the sources
+    prepare_an4(tiny_an4, tmp_path / "out")
+    assert train.stat().st_mtime == 1.2e9
+    os.utime(tiny_an4 / "etc" / "an4_train.transcription", (1e9, 1.3e9))
+    prepare_an4(tiny_an4, tmp_path / "out")
+    assert train.stat().st_mtime != 1.2e9
+
+
+def test_an4_transcript_for_another_fileid_names_file_and_line(tiny_an4, tmp_path):
+    (tiny_an4 / "etc" / "an4_test.transcription").write_text("RUBOUT (an999-fcaw-b)\n")
+    with pytest.raises(ValueError, match=r"an4_test.transcription:1: .*an406-fcaw-b"):
+        prepare_an4(tiny_an4, tmp_path / "out")
+
+
+def test_real_an4(an4_source, tmp_path):
+    manifests = prepare_an4(an4_source, tmp_path)
+    train, test = read_manifest(manifests["train"]), read_manifest(manifests["test"])
+    assert (len(train), len(test)) == (948, 130)
+    assert (train[0].text, train[0].speaker) == ("YES", "fash")
+    assert (test[0].text, test[0].speaker) == ("RUBOUT G M E F THREE NINE", "fcaw")
+    assert all(0.5 < utterance.duration < 7 for utterance in train + test)
+    assert (len({u.speaker for u in train}), len({u.speaker for u in test})) == (74, 10)
+
+
+def test_librispeech_layout(tmp_path, caplog):
+    source = tmp_path / "dev-clean"
+    chapter = source / "84" / "121123"
+    chapter.mkdir(parents=True)
+    (chapter / "84-121123.trans.txt").write_text("84-121123-0000 GO DO YOU HEAR\n84-121123-0001 BUT IN LESS\n")
+    write_audio(chapter / "84-121123-0000.flac", 1.5)
+    other = source / "174" / "50561"
+    other.mkdir(parents=True)
+    (other / "174-50561.trans.txt").write_text("174-50561-0000 FORGOTTEN TOO THE NAME OF GILLIAN\n")
+    write_audio(other / "174-50561-0000.flac", 0.25)
+    with caplog.at_level(logging.INFO):
+        main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out")])
+    assert read_manifest(tmp_path / "out" / "dev-clean.jsonl") == [
+        Utterance(str(other / "174-50561-0000.flac"), 0.25, "FORGOTTEN TOO THE NAME OF GILLIAN", "174"),
+        Utterance(str(chapter / "84-121123-0000.flac"), 1.5, "GO DO YOU HEAR", "84"),
+    ]
+    assert "skipping " + str(chapter / "84-121123-0001") in caplog.text
+    main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev"])
+    assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 2
+
+
+@pytest.mark.parametrize(
+    "corpus, missing",
+    [("an4", "nowhere"), ("an4", "etc/an4_train.fileids"), ("librispeech", "nowhere"), ("librispeech", ".")],
+)
+def test_missing_source_exits_2_naming_the_path(tiny_an4, tmp_path, capsys, corpus, missing):
+    if missing == "nowhere":
+        source, named = tmp_path / "nowhere", tmp_path / "nowhere"
+    elif missing == ".":
+        source, named = tiny_an4, tiny_an4  # exists, but holds no *.trans.txt
+    else:
+        source, named = tiny_an4, tiny_an4 / missing
+        named.unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main([corpus, "--source", str(source), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert str(named) in stderr and "Traceback" not in stderr

@@ -1,0 +1,133 @@
+"""BucketBatchSampler and eval_shard: coverage across ranks, ordering, determinism and resumption."""
+
+import pytest
+
+from data.sampler import BucketBatchSampler, eval_shard
+
+# 103 distinct durations from 1 to 16 s in scrambled order; 103 is prime, so every batch size leaves a remainder.
+DURATIONS = [1 + (37 * index % 103) * 15 / 102 for index in range(103)]
+GLOBAL_BATCH = 8
+
+
+def rank_batches(world_size: int, epoch: int, **kwargs) -> list[list[list[int]]]:
+    """For each rank, the index lists it yields in `epoch`."""
+    per_rank = []
+    for rank in range(world_size):
+        sampler = BucketBatchSampler(DURATIONS, GLOBAL_BATCH, rank=rank, world_size=world_size, **kwargs)
+        sampler.set_epoch(epoch)
+        per_rank.append(list(sampler))
+    return per_rank
+
+
+def spread(batch: list[int]) -> float:
+    lengths = [DURATIONS[index] for index in batch]
+    return max(lengths) - min(lengths)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_rank_shards_tile_each_global_batch_without_overlap(world_size, epoch):
+    global_batches = BucketBatchSampler(DURATIONS, GLOBAL_BATCH).global_batches(epoch)
+    per_rank = rank_batches(world_size, epoch)
+    assert len(global_batches) == 103 // GLOBAL_BATCH
+    for rank_batch_lists in per_rank:
+        assert len(rank_batch_lists) == len(global_batches)  # every rank takes the same number of steps
+    for step, global_batch in enumerate(global_batches):
+        shards = [per_rank[rank][step] for rank in range(world_size)]
+        assert all(len(shard) == GLOBAL_BATCH // world_size for shard in shards)
+        assert sum(shards, []) == global_batch  # contiguous shards in rank order
+    seen = sum(global_batches, [])
+    assert len(seen) == len(set(seen)) == len(global_batches) * GLOBAL_BATCH
+
+
+def test_global_batch_must_split_evenly_across_ranks():
+    with pytest.raises(ValueError, match="global_batch_size 6 .* world_size 4"):
+        BucketBatchSampler(DURATIONS, 6, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="rank 4"):
+        BucketBatchSampler(DURATIONS, 8, rank=4, world_size=4)
+    with pytest.raises(ValueError, match="3 utterances"):
+        BucketBatchSampler([1.0, 2.0, 3.0], 4)
+
+
+def test_sortagrad_epoch_goes_shortest_first_then_epochs_shuffle():
+    sampler = BucketBatchSampler(DURATIONS, GLOBAL_BATCH)
+    first_epoch = sampler.global_batches(0)
+    for earlier, later in zip(first_epoch, first_epoch[1:]):
+        assert max(DURATIONS[i] for i in earlier) <= min(DURATIONS[i] for i in later)
+    assert set(sum(first_epoch, [])) == set(sorted(range(103), key=DURATIONS.__getitem__)[: 12 * GLOBAL_BATCH])
+    without_sortagrad = BucketBatchSampler(DURATIONS, GLOBAL_BATCH, sortagrad=False)
+    for shuffled in (sampler.global_batches(1), without_sortagrad.global_batches(0)):
+        shortest = [min(DURATIONS[i] for i in batch) for batch in shuffled]
+        assert shortest != sorted(shortest)
+
+
+def test_batches_group_similar_lengths_every_epoch():
+    # Sorted order packs 8 of these 103 durations into about 1.1 s; random batches would span about 12 s.
+    for epoch in range(4):
+        batches = BucketBatchSampler(DURATIONS, GLOBAL_BATCH).global_batches(epoch)
+        assert max(spread(batch) for batch in batches) < 4.0
+        assert sum(spread(batch) for batch in batches) / len(batches) < 2.5
+
+
+def test_order_depends_on_seed_and_epoch_only():
+    assert rank_batches(2, epoch=3, seed=5) == rank_batches(2, epoch=3, seed=5)
+    epoch1, epoch2 = (BucketBatchSampler(DURATIONS, GLOBAL_BATCH).global_batches(epoch) for epoch in (1, 2))
+    assert epoch1 != epoch2
+    assert BucketBatchSampler(DURATIONS, GLOBAL_BATCH, seed=1).global_batches(1) != epoch1
+    assert BucketBatchSampler(DURATIONS, GLOBAL_BATCH, rank=1, world_size=2).global_batches(1) == epoch1
+    # The jitter regroups utterances between epochs, not only reorders the same groups.
+    assert {tuple(sorted(batch)) for batch in epoch1} != {tuple(sorted(batch)) for batch in epoch2}
+
+
+def test_iteration_counts_position_and_rolls_into_the_next_epoch():
+    sampler = BucketBatchSampler(DURATIONS, GLOBAL_BATCH)
+    assert sampler.state_dict() == {"epoch": 0, "position": 0}
+    iterator = iter(sampler)
+    for _ in range(3):
+        next(iterator)
+    assert sampler.state_dict() == {"epoch": 0, "position": 3}
+    assert len(list(iterator)) == len(sampler) - 3
+    assert sampler.state_dict() == {"epoch": 1, "position": 0}
+    assert list(sampler) == sampler.global_batches(1)  # a second pass is the next epoch
+
+
+@pytest.mark.parametrize("saved_world_size, resumed_world_size", [(1, 1), (2, 2), (2, 4), (4, 1)])
+def test_resume_continues_with_the_next_global_batch_at_any_world_size(saved_world_size, resumed_world_size):
+    epoch, consumed = 2, 5
+    saved = BucketBatchSampler(DURATIONS, GLOBAL_BATCH, rank=saved_world_size - 1, world_size=saved_world_size)
+    saved.set_epoch(epoch)
+    iterator = iter(saved)
+    for _ in range(consumed):
+        next(iterator)
+    state = saved.state_dict()
+    assert state == {"epoch": epoch, "position": consumed}
+
+    expected = saved.global_batches(epoch)[consumed:]
+    resumed_shards = []
+    for rank in range(resumed_world_size):
+        resumed = BucketBatchSampler(DURATIONS, GLOBAL_BATCH, rank=rank, world_size=resumed_world_size)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(epoch)  # what a training loop does at the top of each epoch: keeps the position
+        resumed_shards.append(list(resumed))
+    assert [sum(step, []) for step in zip(*resumed_shards)] == expected
+
+
+def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
+    sampler = BucketBatchSampler(DURATIONS, GLOBAL_BATCH)
+    sampler.load_state_dict({"epoch": 1, "position": 4})
+    sampler.set_epoch(2)
+    assert sampler.state_dict() == {"epoch": 2, "position": 0}
+    with pytest.raises(ValueError, match="position 13"):
+        sampler.load_state_dict({"epoch": 0, "position": 13})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_eval_shard_covers_every_utterance_once_in_length_sorted_batches(world_size):
+    shards = [eval_shard(DURATIONS, rank, world_size, batch_size=5) for rank in range(world_size)]
+    everything = [index for shard in shards for batch in shard for index in batch]
+    assert sorted(everything) == list(range(103))
+    for shard in shards:
+        assert all(1 <= len(batch) <= 5 for batch in shard)
+        lengths = [DURATIONS[index] for batch in shard for index in batch]
+        assert lengths == sorted(lengths)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1

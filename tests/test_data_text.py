@@ -1,0 +1,38 @@
+"""The alphabet and the transcript <-> id mapping."""
+import pytest
+
+from data.text import ALPHABET, BLANK, NUM_CLASSES, decode, encode, normalize_text
+
+
+def test_alphabet_has_the_blank_first_then_apostrophe_letters_and_space():
+    assert ALPHABET[BLANK] == "_" and BLANK == 0
+    assert NUM_CLASSES == 29 == len(ALPHABET)
+    assert ALPHABET[1:] == "'" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + " "
+
+
+def test_normalize_upper_cases_and_collapses_whitespace():
+    assert normalize_text("  it's\tten\n o'clock  ") == "IT'S TEN O'CLOCK"
+    assert normalize_text(" \t\n") == ""
+
+
+def test_encode_decode_round_trip_never_uses_the_blank():
+    text = "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG'S BACK"
+    ids = encode(text)
+    assert len(ids) == len(text)
+    assert all(1 <= index < NUM_CLASSES for index in ids)
+    assert decode(ids) == text
+    assert encode("") == []
+
+
+@pytest.mark.parametrize("text, offending", [("hello", "'e'"), ("CAFÉ", "'É'"), ("A_B", "'_'"), ("1 2", "'1'")])
+def test_encode_names_characters_outside_the_alphabet(text, offending):
+    with pytest.raises(ValueError, match=offending):
+        encode(text)
+
+
+def test_decode_shows_blanks_and_rejects_ids_outside_the_alphabet():
+    assert decode([BLANK, encode("A")[0], BLANK]) == "_A_"
+    with pytest.raises(ValueError, match="id 29"):
+        decode([1, NUM_CLASSES])
+    with pytest.raises(ValueError, match="id -1"):
+        decode([-1])
