@@ -1,0 +1,9 @@
+"""Persistent RNN kernels for PyTorch: drop-in RNN / GRU / LSTM modules and the pure-PyTorch reference recurrence.
+
+The CUDA side (`prnn_kernels.persistent`) is imported only when a module runs on it, so this package imports on
+machines without a GPU or a compiler.
+"""
+from prnn_kernels.modules import BACKENDS, GRU, LSTM, RNN
+from prnn_kernels.reference import NUM_GATES, reference_layer, relative_error
+
+__all__ = ["BACKENDS", "GRU", "LSTM", "NUM_GATES", "RNN", "reference_layer", "relative_error"]

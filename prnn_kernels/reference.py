@@ -1,0 +1,83 @@
+"""Pure-PyTorch recurrence of one layer in one direction: numerics oracle for the persistent kernel and the CPU path.
+
+`reference_layer` and `prnn_kernels.persistent.persistent_layer` share one signature and compute the same function;
+tests hold them together with `relative_error`.
+"""
+import torch
+import torch.nn.functional as F
+
+# Gates stacked along the rows of weight_ih / weight_hh, in torch.nn order: GRU (r, z, n), LSTM (i, f, g, o).
+NUM_GATES = {"relu": 1, "tanh": 1, "gru": 3, "lstm": 4}
+
+
+def _relu_step(input_gates, hidden_gates, state):
+    return (torch.relu(input_gates + hidden_gates),)
+
+
+def _tanh_step(input_gates, hidden_gates, state):
+    return (torch.tanh(input_gates + hidden_gates),)
+
+
+def _gru_step(input_gates, hidden_gates, state):
+    (h,) = state
+    input_r, input_z, input_n = input_gates.chunk(3, dim=1)
+    hidden_r, hidden_z, hidden_n = hidden_gates.chunk(3, dim=1)
+    reset = torch.sigmoid(input_r + hidden_r)
+    update = torch.sigmoid(input_z + hidden_z)
+    # As torch.nn.GRU: the reset gate scales W_hn h + b_hn, bias included.
+    candidate = torch.tanh(input_n + reset * hidden_n)
+    return ((1 - update) * candidate + update * h,)
+
+
+def _lstm_step(input_gates, hidden_gates, state):
+    _, c = state
+    i, f, g, o = (input_gates + hidden_gates).chunk(4, dim=1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return (torch.sigmoid(o) * torch.tanh(c), c)
+
+
+# Each step maps (input gates (B, G*H), hidden gates (B, G*H), state) to the new state; a state is a tuple of
+# (B, H) tensors, (h,) or (h, c), whose first element is the step's output.
+_STEPS = {"relu": _relu_step, "tanh": _tanh_step, "gru": _gru_step, "lstm": _lstm_step}
+
+
+def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
+    """Runs one recurrent layer in one direction over padded sequences, one timestep at a time.
+
+    Args:
+        cell: "relu" | "tanh" | "gru" | "lstm".
+        input_proj: (T, B, G*H) input projection x @ weight_ih^T + bias_ih for every timestep, G = NUM_GATES[cell].
+        hx: (B, H) initial state; for "lstm" a tuple (h0, c0) of (B, H).
+        weight_hh: (G*H, H) recurrent weights.
+        bias_hh: (G*H,) recurrent bias, or None.
+        lengths: (B,) int64 valid steps per sample, on any device.
+        reverse: run t = T-1 .. 0; a sample's pass then starts from hx at its own last valid step.
+
+    Returns:
+        output: (T, B, H), zero at t >= lengths[b].
+        h_n: (B, H) state after each sample's last valid step (hx where lengths[b] == 0); for "lstm" (h_n, c_n).
+
+    Computed in input_proj's dtype, with autograd through the loop.
+    """
+    if cell not in _STEPS:
+        raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
+    step = _STEPS[cell]
+    num_steps = input_proj.shape[0]
+    # (T, B, 1): whether sample b still has input at step t.
+    valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths.to(input_proj.device)[None, :]
+    valid = valid.unsqueeze(2)
+    state = tuple(hx) if cell == "lstm" else (hx,)
+    outputs = [None] * num_steps
+    for t in reversed(range(num_steps)) if reverse else range(num_steps):
+        new_state = step(input_proj[t], F.linear(state[0], weight_hh, bias_hh), state)
+        # torch.where, not a multiply by the mask, so nothing computed from padding reaches the state.
+        state = tuple(torch.where(valid[t], new, old) for new, old in zip(new_state, state))
+        outputs[t] = torch.where(valid[t], new_state[0], 0.0)
+    output = torch.stack(outputs)
+    return output, (state if cell == "lstm" else state[0])
+
+
+def relative_error(actual, expected):
+    """||actual - expected|| / ||expected|| over all elements, as a float: the measure that holds fast paths to the
+    reference."""
+    return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected)).item()

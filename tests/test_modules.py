@@ -1,0 +1,159 @@
+"""prnn_kernels.RNN / GRU / LSTM: the reference stack against torch.nn in float64, state dicts, backend choice."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import prnn_kernels
+from prnn_kernels import relative_error
+
+TOLERANCE = 1e-10
+NUM_STEPS = 8
+INPUT_SIZE = 5
+
+
+def module_pair(cell, **kwargs):
+    """(torch.nn module, prnn_kernels module with the torch module's weights loaded), float64."""
+    kwargs = dict(kwargs, dtype=torch.float64)
+    if cell in ("relu", "tanh"):
+        kwargs["nonlinearity"] = cell
+    name = {"relu": "RNN", "tanh": "RNN", "gru": "GRU", "lstm": "LSTM"}[cell]
+    theirs = getattr(nn, name)(INPUT_SIZE, **kwargs)
+    ours = getattr(prnn_kernels, name)(INPUT_SIZE, backend="reference", **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def run_torch_packed(module, x, hx, lengths):
+    """torch.nn over a packed batch: the ground truth for ragged sequences."""
+    packed = pack_padded_sequence(x, lengths, batch_first=module.batch_first, enforce_sorted=False)
+    output, h_n = module(packed, hx)
+    num_steps = x.shape[1 if module.batch_first else 0]
+    return pad_packed_sequence(output, batch_first=module.batch_first, total_length=num_steps)[0], h_n
+
+
+def flatten(output, h_n):
+    return [output, *(h_n if isinstance(h_n, tuple) else (h_n,))]
+
+
+@pytest.mark.parametrize("cell", ["relu", "tanh", "gru", "lstm"])
+@pytest.mark.parametrize(
+    "batch_size, hidden_size, num_layers, bidirectional, batch_first, bias",
+    [
+        (1, 7, 1, False, False, True),
+        (3, 13, 2, True, False, True),
+        (7, 33, 3, True, True, True),
+        (3, 6, 2, False, True, False),
+    ],
+)
+def test_reference_stack_matches_torch(cell, batch_size, hidden_size, num_layers, bidirectional, batch_first, bias):
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=hidden_size, num_layers=num_layers, bidirectional=bidirectional)
+    theirs, ours = module_pair(cell, **sizes, batch_first=batch_first, bias=bias)
+    shape = (batch_size, NUM_STEPS, INPUT_SIZE) if batch_first else (NUM_STEPS, batch_size, INPUT_SIZE)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    lengths = torch.randint(1, NUM_STEPS + 1, (batch_size,))
+    lengths[-1] = NUM_STEPS
+    state_shape = (num_layers * (2 if bidirectional else 1), batch_size, hidden_size)
+    num_states = 2 if cell == "lstm" else 1
+    states = [torch.randn(state_shape, dtype=torch.float64, requires_grad=True) for _ in range(num_states)]
+    hx = tuple(states) if cell == "lstm" else states[0]
+
+    expected = flatten(*run_torch_packed(theirs, x, hx, lengths))
+    actual = flatten(*ours(x, hx, lengths=lengths))
+    for name, a, e in zip(["output", "h_n", "c_n"], actual, expected):
+        assert relative_error(a, e) < TOLERANCE, name
+
+    upstream = [torch.randn_like(e) for e in expected]
+    their_leaves = [x, *states, *theirs.parameters()]
+    our_leaves = [x, *states, *ours.parameters()]
+    names = ["input", *(f"hx[{i}]" for i in range(len(states))), *(name for name, _ in ours.named_parameters())]
+    expected_grads = torch.autograd.grad(sum((e * g).sum() for e, g in zip(expected, upstream)), their_leaves)
+    actual_grads = torch.autograd.grad(sum((a * g).sum() for a, g in zip(actual, upstream)), our_leaves)
+    for name, a, e in zip(names, actual_grads, expected_grads, strict=True):
+        assert relative_error(a, e) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("cell", ["tanh", "lstm"])
+def test_full_length_without_lengths_or_hx(cell):
+    torch.manual_seed(0)
+    theirs, ours = module_pair(cell, hidden_size=9, num_layers=2, bidirectional=True)
+    x = torch.randn(NUM_STEPS, 3, INPUT_SIZE, dtype=torch.float64)
+    for a, e in zip(flatten(*ours(x)), flatten(*theirs(x)), strict=True):
+        assert relative_error(a, e) < TOLERANCE
+
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_padding_values_change_nothing(backend):
+    torch.manual_seed(0)
+    _, module = module_pair("gru", hidden_size=6, num_layers=2, bidirectional=True)
+    module.backend = backend
+    lengths = torch.tensor([NUM_STEPS, 2, 5])
+    padded = torch.arange(NUM_STEPS)[:, None] >= lengths[None, :]  # (T, B)
+    x = torch.randn(NUM_STEPS, 3, INPUT_SIZE, dtype=torch.float64)
+    other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(x), x)
+    results = []
+    for values in (x, other_padding):
+        values = values.clone().requires_grad_()
+        output, h_n = module(values, lengths=lengths)
+        grads = torch.autograd.grad(output.sum() + h_n.sum(), [values, *module.parameters()])
+        results.append([output, h_n, *grads])
+    for first, second in zip(*results):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert not results[0][0][padded].any()
+
+
+def test_state_dict_loads_into_torch():
+    torch.manual_seed(0)
+    ours = prnn_kernels.LSTM(INPUT_SIZE, 11, num_layers=2, bidirectional=True, backend="reference", dtype=torch.float64)
+    theirs = nn.LSTM(INPUT_SIZE, 11, num_layers=2, bidirectional=True, dtype=torch.float64)
+    theirs.load_state_dict(ours.state_dict())
+    assert list(theirs.state_dict()) == list(ours.state_dict())
+    x = torch.randn(NUM_STEPS, 2, INPUT_SIZE, dtype=torch.float64)
+    for a, e in zip(flatten(*ours(x)), flatten(*theirs(x)), strict=True):
+        assert relative_error(a, e) < TOLERANCE
+
+
+def test_dropout_between_layers_only_in_training():
+    torch.manual_seed(0)
+    theirs, ours = module_pair("gru", hidden_size=8, num_layers=2, dropout=0.5)
+    x = torch.randn(NUM_STEPS, 3, INPUT_SIZE, dtype=torch.float64)
+    theirs.eval()
+    ours.eval()
+    assert relative_error(ours(x)[0], theirs(x)[0]) < TOLERANCE
+    ours.train()
+    assert relative_error(ours(x)[0], theirs(x)[0]) > 1e-3
+
+
+def test_auto_on_cpu_runs_torch_silently():
+    torch.manual_seed(0)
+    _, module = module_pair("lstm", hidden_size=6)
+    module.backend = "auto"
+    x = torch.randn(NUM_STEPS, 2, INPUT_SIZE, dtype=torch.float64)
+    lengths = torch.tensor([3, NUM_STEPS])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        automatic = flatten(*module(x, lengths=lengths))
+    module.backend = "cudnn"
+    for a, e in zip(automatic, flatten(*module(x, lengths=lengths)), strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_backend_errors():
+    with pytest.raises(ValueError, match="backend='fast'"):
+        prnn_kernels.GRU(4, 8, backend="fast")
+    with pytest.raises(ValueError, match="proj_size=3"):
+        prnn_kernels.LSTM(4, 8, proj_size=3)
+    with pytest.raises(ValueError, match="3-D"):
+        prnn_kernels.GRU(4, 8)(torch.randn(5, 4))
+    with pytest.raises(RuntimeError, match="input_size"):  # torch.nn's own check, on the reference path too
+        prnn_kernels.GRU(4, 8, backend="reference")(torch.randn(5, 2, 3))
+
+
+def test_persistent_backend_on_cpu_says_why():
+    pytest.importorskip("prnn_kernels.persistent")
+    module = prnn_kernels.GRU(4, 8, backend="persistent")
+    with pytest.raises(ValueError, match="CUDA"):
+        module(torch.randn(5, 2, 4))

@@ -1,0 +1,105 @@
+"""reference_layer against torch.nn in float64: outputs, final states and every gradient, over ragged batches."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from prnn_kernels import NUM_GATES, reference_layer, relative_error
+
+TOLERANCE = 1e-10
+NUM_STEPS = 9
+INPUT_SIZE = 4
+
+
+def torch_bidirectional_layer(cell, hidden_size, bias):
+    """A one-layer bidirectional torch.nn module: its two directions hold the weights for both `reverse` values."""
+    kwargs = dict(bias=bias, bidirectional=True, dtype=torch.float64)
+    if cell in ("relu", "tanh"):
+        return nn.RNN(INPUT_SIZE, hidden_size, nonlinearity=cell, **kwargs)
+    return {"gru": nn.GRU, "lstm": nn.LSTM}[cell](INPUT_SIZE, hidden_size, **kwargs)
+
+
+def ragged_lengths(batch_size):
+    lengths = torch.randint(1, NUM_STEPS + 1, (batch_size,))
+    lengths[0] = NUM_STEPS
+    return lengths
+
+
+@pytest.mark.parametrize("cell", ["relu", "tanh", "gru", "lstm"])
+@pytest.mark.parametrize(
+    "batch_size, hidden_size, reverse, bias",
+    [(1, 5, False, True), (3, 13, True, True), (7, 37, False, False), (7, 37, True, True)],
+)
+def test_layer_matches_torch(cell, batch_size, hidden_size, reverse, bias):
+    torch.manual_seed(0)
+    module = torch_bidirectional_layer(cell, hidden_size, bias)
+    direction = 1 if reverse else 0
+    x = torch.randn(NUM_STEPS, batch_size, INPUT_SIZE, dtype=torch.float64, requires_grad=True)
+    lengths = ragged_lengths(batch_size)
+    # (2, B, H) per state, shared by both computations so their gradients land in the same leaves.
+    states = [torch.randn(2, batch_size, hidden_size, dtype=torch.float64, requires_grad=True)
+              for _ in range(2 if cell == "lstm" else 1)]
+
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    packed_output, torch_final = module(packed, tuple(states) if cell == "lstm" else states[0])
+    torch_output = pad_packed_sequence(packed_output, total_length=NUM_STEPS)[0]
+    torch_output = torch_output[..., direction * hidden_size:(direction + 1) * hidden_size]
+    torch_final = [s[direction] for s in (torch_final if cell == "lstm" else (torch_final,))]
+
+    weight_ih, weight_hh, *biases = module.all_weights[direction]
+    bias_ih, bias_hh = biases if bias else (None, None)
+    hx = tuple(s[direction] for s in states) if cell == "lstm" else states[0][direction]
+    output, final = reference_layer(cell, F.linear(x, weight_ih, bias_ih), hx, weight_hh, bias_hh, lengths, reverse)
+    final = list(final) if cell == "lstm" else [final]
+
+    upstream = [torch.randn_like(output)] + [torch.randn_like(s) for s in final]
+    leaves = [x, *states, *module.all_weights[direction]]
+
+    def gradients(results):
+        loss = sum((r * g).sum() for r, g in zip(results, upstream))
+        return torch.autograd.grad(loss, leaves)
+
+    expected = [torch_output, *torch_final]
+    actual = [output, *final]
+    for name, a, e in zip(["output", "h_n", "c_n"], actual, expected):
+        assert relative_error(a, e) < TOLERANCE, name
+    for index, (a, e) in enumerate(zip(gradients(actual), gradients(expected))):
+        assert relative_error(a, e) < TOLERANCE, f"gradient of leaf {index}"
+
+
+@pytest.mark.parametrize("cell", ["relu", "tanh", "gru", "lstm"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_padding_is_ignored(cell, reverse):
+    torch.manual_seed(1)
+    batch_size, hidden_size = 4, 6
+    lengths = torch.tensor([NUM_STEPS, 3, 0, 1])
+    gates = NUM_GATES[cell] * hidden_size
+    weight_hh = torch.randn(gates, hidden_size, dtype=torch.float64, requires_grad=True)
+    bias_hh = torch.randn(gates, dtype=torch.float64)
+    hx = torch.randn(batch_size, hidden_size, dtype=torch.float64)
+    hx = (hx, torch.randn_like(hx)) if cell == "lstm" else hx
+    padded = torch.arange(NUM_STEPS)[:, None] >= lengths[None, :]  # (T, B)
+    input_proj = torch.randn(NUM_STEPS, batch_size, gates, dtype=torch.float64)
+    other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(input_proj), input_proj)
+
+    results = []
+    for values in (input_proj, other_padding):
+        values = values.clone().requires_grad_()
+        output, final = reference_layer(cell, values, hx, weight_hh, bias_hh, lengths, reverse)
+        final = final[0] if cell == "lstm" else final
+        input_grad, weight_grad = torch.autograd.grad((output.sum() + final.sum()), [values, weight_hh])
+        results.append((output, final, input_grad, weight_grad))
+
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+    output, final, input_grad, _ = results[0]
+    assert not output[padded].any()
+    assert not input_grad[padded].any()
+    # The sample with no steps keeps its initial state.
+    assert torch.equal(final[2], (hx[0] if cell == "lstm" else hx)[2])
+
+
+def test_unknown_cell_is_rejected():
+    with pytest.raises(ValueError, match="'elman'"):
+        reference_layer("elman", torch.zeros(2, 1, 3), torch.zeros(1, 3), torch.eye(3), None, torch.tensor([2]), False)
