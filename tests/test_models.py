@@ -1,0 +1,209 @@
+"""DeepSpeech2: shapes, output lengths, padding masked everywhere, deep residual stacks, backends, synced batch norm."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from models import DeepSpeech2, MaskedBatchNorm
+from models.deepspeech2 import Lookahead
+from prnn_kernels import relative_error
+
+NUM_FEATURES = 13
+NUM_CLASSES = 6
+LENGTHS = [23, 14, 5]
+# (cell, bidirectional, batch_norm): every cell both ways with batch norm, and one without it.
+ARCHITECTURES = [(cell, bidir, True) for cell in ("relu", "tanh", "gru", "lstm") for bidir in (True, False)]
+ARCHITECTURES.append(("gru", False, False))
+
+
+def small_model(cell, bidirectional, batch_norm=True, **kwargs):
+    torch.manual_seed(0)
+    kwargs = dict(depth=2, hidden=10, lookahead=3, conv_channels=4) | kwargs
+    kwargs |= dict(cell=cell, bidirectional=bidirectional, batch_norm=batch_norm)
+    return DeepSpeech2(NUM_FEATURES, NUM_CLASSES, **kwargs)
+
+
+def ragged_batch(dtype=torch.float32):
+    """features (B, T, F) with random values in the padding too, and lengths (B,)."""
+    lengths = torch.tensor(LENGTHS)
+    return torch.randn(len(LENGTHS), max(LENGTHS), NUM_FEATURES, dtype=dtype), lengths
+
+
+@pytest.mark.parametrize("cell, bidirectional, batch_norm", ARCHITECTURES)
+def test_output_shapes_and_lengths(cell, bidirectional, batch_norm):
+    model = small_model(cell, bidirectional, batch_norm)
+    features, lengths = ragged_batch()
+    log_probs, out_lengths = model(features, lengths)
+    num_frames = model.output_lengths(torch.tensor(max(LENGTHS))).item()
+    assert log_probs.shape == (num_frames, len(LENGTHS), NUM_CLASSES)
+    assert log_probs.dtype == torch.float32
+    torch.testing.assert_close(log_probs.logsumexp(dim=2), torch.zeros(num_frames, len(LENGTHS)))
+    assert torch.equal(out_lengths, model.output_lengths(lengths))
+    assert torch.equal(out_lengths, (lengths + model.time_stride - 1) // model.time_stride)
+
+
+@pytest.mark.parametrize("cell, bidirectional, batch_norm", ARCHITECTURES)
+def test_each_sample_decodes_as_if_alone(cell, bidirectional, batch_norm):
+    model = small_model(cell, bidirectional, batch_norm).double()
+    features, lengths = ragged_batch(torch.float64)
+    model(features, lengths)  # one training step's batch statistics, so eval's running statistics are not trivial
+    model.eval()
+    with torch.no_grad():
+        log_probs, out_lengths = model(features, lengths)
+        for b, length in enumerate(lengths):
+            alone, alone_length = model(features[b : b + 1, :length], length[None])
+            assert alone.shape[0] == alone_length.item() == out_lengths[b].item()
+            assert relative_error(log_probs[: alone.shape[0], b], alone[:, 0]) < 1e-10
+
+
+@pytest.mark.parametrize("cell, bidirectional, batch_norm", ARCHITECTURES)
+def test_padding_values_change_nothing_in_training(cell, bidirectional, batch_norm):
+    model = small_model(cell, bidirectional, batch_norm).double()
+    features, lengths = ragged_batch(torch.float64)
+    padded = torch.arange(features.shape[1])[None, :] >= lengths[:, None]  # (B, T)
+    other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(features), features)
+    results = []
+    for values in (features, other_padding):
+        values = values.clone().requires_grad_()
+        log_probs, _ = model(values, lengths)
+        upstream = torch.linspace(-1, 1, log_probs.numel(), dtype=log_probs.dtype).view_as(log_probs)
+        grads = torch.autograd.grad((log_probs * upstream).sum(), [values, *model.parameters()])
+        results.append([log_probs, *grads])
+    for first, second in zip(*results, strict=True):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert not results[0][1][padded].any()
+
+
+def test_hundred_layer_residual_stack_trains():
+    model = small_model("gru", True, depth=100, hidden=4, residual=True, conv_channels=2)
+    features, lengths = ragged_batch()
+    log_probs, out_lengths = model(features, lengths)
+    targets, target_lengths = torch.tensor([[1, 2], [3, 3], [4, 5]]), torch.tensor([2, 2, 1])
+    loss = torch.nn.functional.ctc_loss(log_probs, targets, out_lengths, target_lengths)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, parameter in model.named_parameters():
+        assert torch.isfinite(parameter.grad).all(), name
+    assert model.front_end.convs[0].weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("cell, bidirectional", [("relu", True), ("tanh", False), ("gru", True), ("lstm", False)])
+def test_reference_and_cudnn_backends_agree(cell, bidirectional):
+    features, lengths = ragged_batch(torch.float64)
+    reference = small_model(cell, bidirectional, backend="reference").double()
+    cudnn = small_model(cell, bidirectional, backend="cudnn").double()
+    cudnn.load_state_dict(reference.state_dict())
+    for train in (False, True):
+        reference.train(train)
+        cudnn.train(train)
+        expected = cudnn(features, lengths)[0]
+        actual = reference(features, lengths)[0]
+        assert relative_error(actual, expected) < 1e-10, f"train={train}"
+    upstream = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), list(cudnn.parameters()))
+    actual_grads = torch.autograd.grad((actual * upstream).sum(), list(reference.parameters()))
+    for (name, _), a, e in zip(reference.named_parameters(), actual_grads, expected_grads, strict=True):
+        assert relative_error(a, e) < 1e-10, name
+
+
+def test_lookahead_mixes_the_current_and_next_frames():
+    lookahead = Lookahead(channels=1, lookahead=2)
+    with torch.no_grad():
+        lookahead.conv.weight.copy_(torch.tensor([[[1.0, 10.0, 100.0]]]))  # weights for frames t, t+1, t+2
+    impulse = torch.zeros(6, 1, 1)  # (T, B, H)
+    impulse[3] = 1
+    assert lookahead(impulse).flatten().tolist() == [0.0, 100.0, 10.0, 1.0, 0.0, 0.0]
+
+
+def test_invalid_arguments_are_rejected():
+    with pytest.raises(ValueError, match="cell='elman'"):
+        DeepSpeech2(NUM_FEATURES, NUM_CLASSES, cell="elman")
+    with pytest.raises(ValueError, match="depth=0"):
+        DeepSpeech2(NUM_FEATURES, NUM_CLASSES, depth=0)
+    with pytest.raises(ValueError, match="backend='fast'"):
+        DeepSpeech2(NUM_FEATURES, NUM_CLASSES, hidden=8, backend="fast")
+
+
+@pytest.mark.parametrize("channel_dim", [1, 2])
+def test_masked_batch_norm_is_batch_norm_over_valid_frames(channel_dim):
+    torch.manual_seed(0)
+    channels = 5
+    lengths = torch.tensor([6, 1, 4])  # the random values past them must not count
+    valid = torch.arange(6)[None, :] < lengths[:, None]  # (B, T)
+    if channel_dim == 2:  # sequence-wise: (T, B, H)
+        x = 2 * torch.randn(6, 3, channels, dtype=torch.float64) + 1
+        mask = valid.t().unsqueeze(2)
+        channels_last = x
+    else:  # conv front end: (B, C, F, T)
+        x = 2 * torch.randn(3, channels, 4, 6, dtype=torch.float64) + 1
+        mask = valid[:, None, None, :]
+        channels_last = x.permute(0, 2, 3, 1)
+    masked = MaskedBatchNorm(channels, channel_dim).double()
+    plain = torch.nn.BatchNorm1d(channels, dtype=torch.float64)
+    for train in (True, False):
+        masked.train(train)
+        plain.train(train)
+        output = masked(x, mask)
+        output_channels_last = output.permute(0, 2, 3, 1) if channel_dim == 1 else output
+        valid_positions = torch.broadcast_to(mask, x.shape).movedim(channel_dim, -1)[..., 0]
+        expected = plain(channels_last[valid_positions])  # (N valid, C)
+        assert relative_error(output_channels_last[valid_positions], expected) < 1e-12, f"train={train}"
+        assert not output_channels_last[~valid_positions].any()
+    assert relative_error(masked.running_var, plain.running_var) < 1e-12
+    assert relative_error(masked.running_mean, plain.running_mean) < 1e-12
+
+
+# Synced batch norm: two gloo ranks, each with half the batch and a different number of valid frames, must
+# normalise exactly as one process does with the whole batch.
+SYNC_WORLD_SIZE = 2
+SYNC_LENGTHS = [6, 1, 4, 5]  # rank 0 holds 7 valid frames, rank 1 holds 9
+
+
+def sync_batch():
+    """x (T, B, H) with a non-zero mean, mask (T, B, 1), upstream gradient (T, B, H); the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(SYNC_LENGTHS)
+    x = 3 * torch.randn(max(SYNC_LENGTHS), len(SYNC_LENGTHS), 5, generator=generator, dtype=torch.float64) + 1
+    mask = (torch.arange(x.shape[0])[:, None] < lengths[None, :]).unsqueeze(2)
+    return x, mask, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+
+def normalise(x, mask, upstream, sync_stats):
+    norm = MaskedBatchNorm(x.shape[2], channel_dim=2).double()
+    norm.sync_stats = sync_stats
+    x = x.clone().requires_grad_()
+    output = norm(x, mask)
+    (output * upstream).sum().backward()
+    return {
+        "output": output.detach(),
+        "input_grad": x.grad,
+        "weight_grad": norm.weight.grad,
+        "bias_grad": norm.bias.grad,
+        "running_mean": norm.running_mean,
+        "running_var": norm.running_var,
+    }
+
+
+def sync_worker(rank, directory):
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=SYNC_WORLD_SIZE)
+    try:
+        shard = slice(rank * 2, rank * 2 + 2)
+        result = normalise(*(tensor[:, shard] for tensor in sync_batch()), sync_stats=True)
+        # The trainer's DDP sums parameter gradients across ranks; do the same here.
+        for key in ("weight_grad", "bias_grad"):
+            dist.all_reduce(result[key])
+        torch.save(result, f"{directory}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_stats_matches_whole_batch(tmp_path):
+    torch.multiprocessing.spawn(sync_worker, args=(str(tmp_path),), nprocs=SYNC_WORLD_SIZE)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(SYNC_WORLD_SIZE)]
+    expected = normalise(*sync_batch(), sync_stats=False)
+    for key in ("output", "input_grad"):
+        actual = torch.cat([result[key] for result in ranks], dim=1)
+        assert relative_error(actual, expected[key]) < 1e-12, key
+    for result in ranks:
+        for key in ("weight_grad", "bias_grad", "running_mean", "running_var"):
+            assert relative_error(result[key], expected[key]) < 1e-12, key
