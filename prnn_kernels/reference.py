@@ -65,11 +65,14 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     num_steps = input_proj.shape[0]
     # (T, B, 1): whether sample b still has input at step t.
     valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths.to(input_proj.device)[None, :]
-    valid = valid.unsqueeze(2)
+    valid = valid.unsqueeze(2).unbind(0)
+    # unbind, not input_proj[t]: its backward stacks the step gradients once, where indexing would write each
+    # into a fresh zero tensor of the full input's size (quadratic in T).
+    step_inputs = input_proj.unbind(0)
     state = tuple(hx) if cell == "lstm" else (hx,)
     outputs = [None] * num_steps
     for t in reversed(range(num_steps)) if reverse else range(num_steps):
-        new_state = step(input_proj[t], F.linear(state[0], weight_hh, bias_hh), state)
+        new_state = step(step_inputs[t], F.linear(state[0], weight_hh, bias_hh), state)
         # torch.where, not a multiply by the mask, so nothing computed from padding reaches the state.
         state = tuple(torch.where(valid[t], new, old) for new, old in zip(new_state, state))
         outputs[t] = torch.where(valid[t], new_state[0], 0.0)

@@ -1,0 +1,172 @@
+"""Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO_ROOT
+from data.dataset import collate, Sample
+from data.text import ALPHABET, encode
+from trainer import build, checkpoint
+from trainer.distributed import DistEnv
+from trainer.metrics import ErrorCounts, edit_distance, greedy_decode
+from trainer.train import train_step
+
+
+# --- decoding and error rates -------------------------------------------------------------------------------------
+
+def one_hot_log_probs(paths: list[str]) -> torch.Tensor:
+    """(T, B, V) log-probs whose best path spells each string, '_' being the blank."""
+    num_steps = max(len(path) for path in paths)
+    log_probs = torch.full((num_steps, len(paths), len(ALPHABET)), -10.0)
+    for b, path in enumerate(paths):
+        for t, char in enumerate(path):
+            log_probs[t, b, ALPHABET.index(char)] = 0.0
+    return log_probs
+
+
+def test_greedy_decode_collapses_repeats_and_removes_blanks():
+    log_probs = one_hot_log_probs(["HHE_LL_LLO", "__NN_O___"])
+    assert greedy_decode(log_probs, torch.tensor([10, 9])) == ["HELLO", "NO"]
+    # Frames past a length are ignored even when they spell something.
+    assert greedy_decode(log_probs, torch.tensor([3, 4])) == ["HE", "N"]
+
+
+def test_edit_distance_hand_worked():
+    assert edit_distance("KITTEN", "SITTING") == 3
+    assert edit_distance([], list("ABC")) == 3
+    assert edit_distance(list("ABC"), []) == 3
+    assert edit_distance("SAME", "SAME") == 0
+
+
+def test_corpus_error_rates_are_ratios_of_sums():
+    counts = ErrorCounts()
+    # "TWO SIX EIGHT" -> "TWO SIX": one deletion of 3 words; "YES" -> "YES": none.
+    assert counts.add("TWO SIX EIGHT", "TWO SIX") == (1, 6)
+    assert counts.add("YES", "YES") == (0, 0)
+    assert counts.wer == pytest.approx(100 * 1 / 4)
+    assert counts.cer == pytest.approx(100 * 6 / (13 + 3))
+    # Substitution plus insertion: "GO" -> "NO NO" is 1 substitution + 1 insertion over 1 word.
+    other = ErrorCounts()
+    other.add("GO", "NO NO")
+    assert other.wer == pytest.approx(200.0)
+    assert ErrorCounts.from_tensor(counts.as_tensor()) == counts
+
+
+# --- configuration --------------------------------------------------------------------------------------------------
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+@pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
+def test_every_experiment_composes_and_builds(experiment):
+    cfg = compose_config([f"experiment={experiment}", "model.depth=2", "model.hidden=16"])
+    features = build.features(cfg.data)
+    model = build.model(cfg.model, features.num_features)
+    assert len(model.layers) == 2
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_command_line_overrides_reach_the_model():
+    cfg = compose_config(["model.depth=100", "model.hidden=1152", "model.cell=lstm", "model.backend=reference"])
+    assert (cfg.model.depth, cfg.model.hidden, cfg.model.cell, cfg.model.backend) == (100, 1152, "lstm", "reference")
+    deep = build.model(compose_config(["experiment=deep100", "model.hidden=8", "model.conv_channels=2"]).model, 161)
+    recurrent = [m for m in deep.modules() if isinstance(m, torch.nn.RNNBase)]
+    assert len(recurrent) == 100 and all(m.hidden_size == 8 for m in recurrent)
+
+
+def test_unknown_config_key_is_refused():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="model.depht"):
+        compose_config(["model.depht=3"])
+
+
+def test_unknown_optimizer_names_the_key():
+    cfg = compose_config(["optim.name=adagrad"])
+    with pytest.raises(ValueError, match="optim.name"):
+        build.optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(1))])
+
+
+def test_lr_schedule_warms_up_then_anneals_per_epoch():
+    cfg = compose_config(["optim=adamw", "optim.lr=1.0", "optim.warmup_steps=4", "optim.anneal=0.5"])
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = build.optimizer(cfg.optim, [parameter])
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+    rates = []
+    for _ in range(25):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert rates[9] == pytest.approx(1.0) and rates[10] == pytest.approx(0.5) and rates[20] == pytest.approx(0.25)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
+    state = {"model": {"w": torch.randn(3)}, "train_state": {"epoch": 2, "best_wer": math.inf}, "rng": [checkpoint.rng_state()]}
+    checkpoint.save(tmp_path / "c.pt", state)
+    loaded = checkpoint.load(tmp_path / "c.pt")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert loaded["train_state"] == state["train_state"]
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
+
+
+class Payload:
+    """Something a malicious checkpoint could carry: unpickling it would run __reduce__."""
+
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_checkpoint_with_code_is_refused(tmp_path, capsys):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "extra": Payload()}, path)
+    with pytest.raises(ValueError, match="evil.pt"):
+        checkpoint.load(path)
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        checkpoint.load(tmp_path / "nope.pt")
+
+
+# --- the training step ----------------------------------------------------------------------------------------------
+
+def tiny_setup(nan_in_features: bool):
+    torch.manual_seed(0)
+    cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "model.backend=reference",
+                          "data.features.kind=mel", "data.features.n_mels=20", "train.amp=none"])
+    model = build.model(cfg.model, 20)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+    features = torch.randn(2, 60, 20)
+    if nan_in_features:
+        features[1, 10, 3] = math.nan
+    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0), Sample(features[1], torch.tensor(encode("NO")), 1)])
+    return cfg, model, optimizer, schedule, batch
+
+
+def test_train_step_updates_weights():
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    assert outcome == "ok" and math.isfinite(loss) and loss > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_nan_loss_skips_the_step_and_leaves_weights_untouched():
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=True)
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    assert outcome == "non-finite loss or gradient" and math.isnan(loss)
+    # Weights and batch-norm running statistics alike: the bad batch leaves no trace.
+    assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
+    assert all(p.grad is None for p in model.parameters())
+    assert not optimizer.state  # no momentum or Adam moments recorded from the bad batch

@@ -1,0 +1,52 @@
+"""Builds features, model, optimizer and schedule from the config: shared by training, evaluation and transcription."""
+from omegaconf import DictConfig, OmegaConf
+
+import torch
+
+from data.features import FeatureExtractor
+from data.text import ALPHABET
+from models import DeepSpeech2
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def features(data_cfg: DictConfig) -> FeatureExtractor:
+    return FeatureExtractor(**OmegaConf.to_container(data_cfg.features))
+
+
+def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
+    return DeepSpeech2(num_features=num_features, num_classes=len(ALPHABET), **OmegaConf.to_container(model_cfg))
+
+
+def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
+    if optim_cfg.name == "sgd":
+        return torch.optim.SGD(
+            parameters, lr=optim_cfg.lr, momentum=optim_cfg.momentum, nesterov=True, weight_decay=optim_cfg.weight_decay
+        )
+    if optim_cfg.name == "adamw":
+        return torch.optim.AdamW(
+            parameters, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        )
+    raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {optim_cfg.name!r}")
+
+
+def lr_schedule(optim_cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
+    """Linear warm-up over `warmup_steps`, then the rate is multiplied by `anneal` at every epoch boundary."""
+
+    def factor(step: int) -> float:
+        warmup = min(1.0, (step + 1) / optim_cfg.warmup_steps) if optim_cfg.warmup_steps > 0 else 1.0
+        return warmup * optim_cfg.anneal ** (step // steps_per_epoch)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExtractor, DictConfig]:
+    """Rebuilds the model and its feature extractor from the config stored inside a checkpoint (eval mode)."""
+    from trainer import checkpoint
+
+    saved = checkpoint.load(path)
+    cfg = OmegaConf.create(saved["config"])
+    extractor = features(cfg.data)
+    network = model(cfg.model, extractor.num_features)
+    network.load_state_dict(saved["model"])
+    return network.to(device).eval(), extractor, cfg

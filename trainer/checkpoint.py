@@ -1,0 +1,42 @@
+"""Checkpoints: named parts in one file, written atomically, read back with weights_only=True.
+
+A checkpoint holds only state dicts, tensors and plain data (the resolved config as a dict), so loading one
+never runs code: torch.load(..., weights_only=True) refuses anything else.
+"""
+import os
+import random
+from pathlib import Path
+
+import torch
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(path: Path, state: dict) -> None:
+    """Writes to a temporary file beside the target, then renames: a crash mid-write never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def load(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
+        raise ValueError(f"cannot load checkpoint {path}: {error}") from error

@@ -1,0 +1,146 @@
+"""Process-group set-up for `mpirun -np N python -m trainer`.
+
+The one place that reads rank information. Rank, world size and local rank come from MPI through mpi4py; the
+launcher's variables (OpenMPI, MPICH/PMI, SLURM) are the fallback where mpi4py is unavailable. Rank 0's address
+and a free port are broadcast over MPI, then torch.distributed starts: NCCL on GPUs, gloo on CPUs. A process
+started without a launcher is a world of one and never imports MPI.
+"""
+import datetime
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# (rank, size, local rank) variables of each launcher, checked in order.
+LAUNCHER_VARIABLES = [
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # OpenMPI
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH (hydra), Intel MPI
+    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),  # PMIx launchers
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
+]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_mpi() -> bool:
+    return any(size in os.environ and int(os.environ[size]) > 1 for _, size, _ in LAUNCHER_VARIABLES)
+
+
+def _ranks_from_mpi() -> tuple[int, int, int, "object"]:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    local_rank = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    return world.Get_rank(), world.Get_size(), local_rank, world
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 without one); readable before and after the process group."""
+    for rank, size, _ in LAUNCHER_VARIABLES:
+        if size in os.environ and int(os.environ[size]) > 1:
+            return int(os.environ[rank])
+    return 0
+
+
+def _ranks_from_launcher() -> tuple[int, int, int]:
+    for rank, size, local in LAUNCHER_VARIABLES:
+        if size in os.environ and int(os.environ[size]) > 1:
+            return int(os.environ[rank]), int(os.environ[size]), int(os.environ.get(local, 0))
+    raise AssertionError("called without a launcher")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _main_address() -> str:
+    """MASTER_ADDR wins (multi-node jobs name the interface there); otherwise this host's resolved address."""
+    return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+
+
+def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
+    """Starts the process group when launched by MPI; picks this rank's device.
+
+    device: "auto" (this rank's local GPU when CUDA is available, else CPU), "cpu" or "cuda".
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was asked for but no CUDA GPU is visible")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+    if not launched_by_mpi():
+        return DistEnv(0, 1, 0, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
+
+    try:
+        rank, world_size, local_rank, world = _ranks_from_mpi()
+        address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
+    except ImportError:
+        rank, world_size, local_rank = _ranks_from_launcher()
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
+        address, port = _main_address(), int(os.environ["MASTER_PORT"])
+
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        rank_device = torch.device("cuda", local_rank)
+    else:
+        rank_device = torch.device("cpu")
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=rank_device if use_cuda else None,
+    )
+    log.info("rank %d of %d (local rank %d) on %s, rendezvous %s:%d", rank, world_size, local_rank, rank_device, address, port)
+    return DistEnv(rank, world_size, local_rank, rank_device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sums a tensor over ranks in place (a no-op in a world of one)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_job(exit_code: int = 1) -> None:
+    """Ends every rank now. A rank that raised calls this so the others exit instead of waiting on a collective."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if launched_by_mpi():
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            os._exit(exit_code)  # the launcher ends the other ranks when one exits non-zero
+        MPI.COMM_WORLD.Abort(exit_code)
+    sys.exit(exit_code)

@@ -1,0 +1,73 @@
+"""Greedy-decoding evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint.
+
+    python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
+"""
+import argparse
+import logging
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+from data.dataset import SpeechDataset, collate
+from data.sampler import eval_shard
+from trainer.metrics import ErrorCounts, greedy_decode
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
+             num_workers: int = 0) -> tuple[ErrorCounts, list[dict]]:
+    """Decodes the given batches of `dataset`; returns the error counts and one row per utterance."""
+    model.eval()
+    counts = ErrorCounts()
+    rows = []
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
+    for batch in loader:
+        if len(batch.indices) == 0:
+            continue
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16" and device.type == "cuda"):
+            log_probs, out_lengths = model(batch.features.to(device), batch.feature_lengths.to(device))
+        for index, hypothesis in zip(batch.indices.tolist(), greedy_decode(log_probs, out_lengths)):
+            utterance = dataset.utterances[index]
+            word_errors, char_errors = counts.add(utterance.text, hypothesis)
+            rows.append({
+                "audio_filepath": utterance.audio_filepath, "reference": utterance.text, "hypothesis": hypothesis,
+                "word_errors": word_errors, "char_errors": char_errors,
+            })
+    model.train()
+    return counts, rows
+
+
+def main(argv=None) -> int:
+    from trainer import build
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
+    parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
+    parser.add_argument("--out", help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        device = torch.device(args.device)
+        model, features, cfg = build.from_checkpoint(args.checkpoint, device)
+        dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
+    counts, rows = evaluate(model, dataset, batches, device)
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")
+            for row in sorted(rows, key=lambda row: row["audio_filepath"]):
+                out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
+    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Training, top to bottom: distributed init -> data -> model -> optimizer -> epochs of (steps, evaluation, checkpoint).
+
+One call of `train_step` is exactly one optimizer step. Only rank 0 writes checkpoints, logs, TensorBoard and the
+progress bar; every rank can resume from what it wrote.
+"""
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from data.dataset import Batch, SpeechDataset, collate
+from data.features import SpecAugment
+from data.prepare import prepare_an4
+from data.sampler import BucketBatchSampler, eval_shard
+from trainer import build, checkpoint, distributed
+from trainer.distributed import DistEnv
+from trainer.evaluate import evaluate
+from trainer.metrics import ErrorCounts
+
+log = logging.getLogger(__name__)
+
+
+def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
+    """With `data.an4_source` set, rank 0 writes the AN4 manifests (skipped when up to date); the others wait."""
+    if data_cfg.an4_source is not None and env.is_main:
+        prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
+    distributed.barrier()
+
+
+def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
+    """One optimizer step on this rank's shard of a global batch.
+
+    Returns ("ok", mean loss per utterance) or (reason, nan) for a skipped step; ranks always agree on skipping,
+    so none waits on a collective that another never joins.
+    """
+    device = env.device
+    local_count = len(batch.indices)
+    # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty.
+    global_count, empty_shards = distributed.all_reduce_sum(
+        torch.tensor([local_count, int(local_count == 0)], dtype=torch.float64, device=device)
+    ).tolist()
+    if empty_shards:
+        return "empty shard (all its audio unreadable)", math.nan
+
+    # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
+    statistics = [buffer.clone() for buffer in model.buffers()]
+    amp = cfg.train.amp == "bf16" and device.type == "cuda"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+        log_probs, out_lengths = model(
+            batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True)
+        )
+    loss_sum = F.ctc_loss(
+        log_probs.float(),
+        batch.targets.to(device, non_blocking=True),
+        out_lengths,
+        batch.target_lengths.to(device, non_blocking=True),
+        blank=0,
+        reduction="sum",
+        zero_infinity=True,
+    )
+    # DDP averages gradients over ranks, so scaling by world / global count gives the global per-utterance mean.
+    (loss_sum * (env.world_size / global_count)).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip_norm)
+    # Host sync 2: a non-finite gradient (allreduced, so the same on every rank) skips the step untouched.
+    loss_value, norm_value = torch.stack([loss_sum.detach() / local_count, grad_norm.detach()]).tolist()
+    if not math.isfinite(norm_value):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), statistics):
+                buffer.copy_(saved)
+        return "non-finite loss or gradient", math.nan
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return "ok", loss_value
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
+    env = distributed.init(cfg.device, cfg.distributed.timeout_s)
+    try:
+        return _train(cfg, run_dir, env)
+    finally:
+        distributed.shutdown()
+
+
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
+    if env.device.type == "cpu":
+        # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
+        # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
+        torch.backends.mkldnn.enabled = False
+    torch.manual_seed(cfg.seed + env.rank)
+    random.seed(cfg.seed + env.rank)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
+
+    prepare_manifests(cfg.data, env)
+    features = build.features(cfg.data)
+    model = build.model(cfg.model, features.num_features).to(env.device)
+    augment = SpecAugment(**OmegaConf.to_container(cfg.data.augment.masks)) if cfg.data.augment.enabled else None
+    train_set = SpeechDataset(
+        list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
+    )
+    eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
+    sampler = BucketBatchSampler(
+        train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
+    )
+    eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
+    if env.is_main:
+        for name, dataset in (("training", train_set), ("test", eval_set)):
+            if dataset.skipped:
+                log.warning("%s set: left out %s", name, ", ".join(f"{n} ({reason})" for reason, n in dataset.skipped.items()))
+        log.info(
+            "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch",
+            sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),
+        )
+
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
+    # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
+    # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_wer": math.inf}
+    if cfg.train.resume:
+        saved = checkpoint.load(cfg.train.resume)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        sampler.load_state_dict(saved["sampler"])
+        state = saved["train_state"]
+        checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
+        log.info("resumed from %s at epoch %d, step %d", cfg.train.resume, state["epoch"], state["step"])
+
+    if env.world_size > 1:
+        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
+        wrapped = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    else:
+        wrapped = model
+    writer = SummaryWriter(run_dir / "tensorboard") if env.is_main else None
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if env.is_main else None
+
+    def save(name: str) -> None:
+        """Rank 0 writes; the RNG states of all ranks travel in one list so each rank resumes its own stream."""
+        rng_states = [None] * env.world_size
+        if env.world_size > 1:
+            torch.distributed.all_gather_object(rng_states, checkpoint.rng_state())
+        else:
+            rng_states = [checkpoint.rng_state()]
+        if env.is_main:
+            checkpoint.save(
+                run_dir / "checkpoints" / name,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "sampler": {"epoch": state["epoch"], "position": state["epoch_step"]},
+                    "train_state": state,
+                    "rng": rng_states,
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                },
+            )
+
+    result = {}
+    max_steps = cfg.train.max_steps
+    run_started = time.perf_counter()
+    for epoch in range(state["epoch"], cfg.train.epochs):
+        state["epoch"] = epoch
+        sampler.set_epoch(epoch)
+        train_set.set_epoch(epoch)
+        loader = DataLoader(
+            train_set,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=cfg.train.num_workers,
+            pin_memory=env.device.type == "cuda",
+            generator=torch.Generator().manual_seed(cfg.seed + epoch),
+        )
+        skipped = Counter()
+        losses = []
+        utterances = 0
+        started = time.perf_counter()
+        wrapped.train()
+        progress = tqdm(
+            loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
+            initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
+        )
+        for batch in progress:
+            if batch.num_skipped:
+                skipped["unreadable or too-long utterance"] += batch.num_skipped
+            outcome, loss = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
+            state["step"] += 1
+            state["epoch_step"] += 1
+            if outcome != "ok":
+                skipped[f"step skipped: {outcome}"] += 1
+                log.warning("step %d skipped: %s", state["step"], outcome)
+                continue
+            losses.append(loss)
+            utterances += len(batch.indices) * env.world_size
+            if env.is_main:
+                rate = utterances / (time.perf_counter() - started)
+                progress.set_postfix(loss=f"{loss:.3f}", utt_per_s=f"{rate:.1f}")
+                metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss}) + "\n")
+                writer.add_scalar("train/loss", loss, state["step"])
+                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
+            if max_steps is not None and state["step"] >= max_steps:
+                break
+        progress.close()
+        if state["epoch_step"] < len(sampler):  # stopped by train.max_steps inside the epoch
+            save("last.pt")
+            log.info("stopped at step %d (train.max_steps); resume with train.resume=%s", state["step"], run_dir / "checkpoints" / "last.pt")
+            break
+
+        counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers)
+        counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
+        state["epoch"], state["epoch_step"] = epoch + 1, 0
+        mean_loss = sum(losses) / max(len(losses), 1)
+        result = {"epoch": epoch + 1, "loss": mean_loss, "wer": counts.wer, "cer": counts.cer}
+        if env.is_main:
+            log.info(
+                "epoch %d: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s",
+                epoch + 1, mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
+                "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
+            )
+            writer.add_scalar("eval/wer", counts.wer, epoch + 1)
+            writer.add_scalar("eval/cer", counts.cer, epoch + 1)
+            metrics_file.write(json.dumps({
+                "epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
+                "elapsed_s": round(time.perf_counter() - run_started, 1),
+            }) + "\n")
+            metrics_file.flush()
+        if counts.wer < state["best_wer"]:
+            state["best_wer"] = counts.wer
+            save("best.pt")
+        save("last.pt")
+        if max_steps is not None and state["step"] >= max_steps:
+            break
+
+    if env.is_main:
+        writer.close()
+        metrics_file.close()
+    return result

@@ -1,0 +1,40 @@
+"""Prints the greedy transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`."""
+import argparse
+import sys
+
+import torch
+
+from data.audio import AudioError, load_audio
+from trainer.metrics import greedy_decode
+
+
+def main(argv=None) -> int:
+    from trainer import build
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to 16 kHz)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+        model, features, _ = build.from_checkpoint(args.checkpoint, device)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    failures = 0
+    with torch.no_grad():
+        for path in args.audio:
+            try:
+                feats = features(load_audio(path))
+            except (AudioError, FileNotFoundError) as error:
+                print(f"{path}\terror: {error}", file=sys.stderr)
+                failures += 1
+                continue
+            log_probs, out_lengths = model(feats.unsqueeze(0).to(device), torch.tensor([feats.shape[0]], device=device))
+            print(f"{path}\t{greedy_decode(log_probs, out_lengths)[0]}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
