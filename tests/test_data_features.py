@@ -37,7 +37,9 @@ def test_nist_sphere_is_read(tmp_path):
 def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     (tmp_path / "corrupt.flac").write_bytes(b"this is not audio" * 100)
     soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
+    soundfile.write(tmp_path / "nan.wav", np.array([0.1, np.nan, 0.2] * 100, np.float32), 16000, subtype="FLOAT")
     reasons = {
+        "nan.wav": "audio holds NaN or infinite samples",
         "corrupt.flac": "cannot read audio",
         "empty.wav": "audio holds no samples",
         "missing.wav": "no such audio file",

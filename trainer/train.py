@@ -89,10 +89,11 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
     env = distributed.init(cfg.device, cfg.distributed.timeout_s)
-    try:
-        return _train(cfg, run_dir, env)
-    finally:
-        distributed.shutdown()
+    # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
+    # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
+    result = _train(cfg, run_dir, env)
+    distributed.shutdown()
+    return result
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
@@ -198,7 +199,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         )
         for batch in progress:
             if batch.num_skipped:
-                skipped["unreadable or too-long utterance"] += batch.num_skipped
+                skipped["utterances unreadable or too long"] += batch.num_skipped
             outcome, loss = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
             state["step"] += 1
             state["epoch_step"] += 1

@@ -1,0 +1,162 @@
+"""The real entry points end to end on CPU: `python -m trainer` on real AN4 speech, resume, bad input, user errors,
+then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from conftest import REPO_ROOT
+from data.manifest import read_manifest, write_manifest
+from data.prepare import prepare_an4
+
+# A small model that learns AN4 words on a CPU in minutes.
+TINY = [
+    "device=cpu", "model.depth=2", "model.hidden=128", "model.conv_channels=8", "model.backend=reference",
+    "data.features.kind=mel", "data.features.n_mels=40", "train.amp=none", "train.num_workers=0",
+    "train.progress_bar=false", "train.global_batch_size=8", "data.augment.enabled=false", "optim.warmup_steps=10",
+]
+
+
+def run(module: str, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
+    result.output = result.stdout + result.stderr
+    return result
+
+
+def train(run_dir, manifest, *overrides, check=True, timeout=900):
+    args = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}",
+            f"hydra.run.dir={run_dir}", *TINY, *overrides]
+    result = run("trainer", args, timeout)
+    if check:
+        assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def read_metrics(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {line["step"]: line["loss"] for line in lines if "step" in line}
+    epochs = [line for line in lines if "eval_wer" in line]
+    return steps, epochs
+
+
+@pytest.fixture(scope="session")
+def an4_train(an4_source, tmp_path_factory):
+    return read_manifest(prepare_an4(an4_source, tmp_path_factory.mktemp("manifests"))["train"])
+
+
+def write_slice(path, utterances):
+    write_manifest(path, utterances)
+    return path
+
+
+@pytest.mark.slow
+def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tmp_path):
+    # AN4's one-word commands (YES, NO, GO, STOP, START, HELP, REPEAT): 64 to train on, the rest, spoken by
+    # other speakers, to test on.
+    words = [u for u in an4_train if len(u.text.split()) == 1 and u.text != "THIRTY"]
+    train_manifest = write_slice(tmp_path / "train.jsonl", words[:64])
+    test_manifest = write_slice(tmp_path / "test.jsonl", words[64:])
+    run_dir = tmp_path / "run"
+    args = ["data=manifest", f"data.train_manifests=[{train_manifest}]", f"data.eval_manifest={test_manifest}",
+            f"hydra.run.dir={run_dir}", *TINY, "train.epochs=20", "optim.lr=3e-3", "optim.anneal=1.0"]
+    result = run("trainer", args)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "final test WER" in result.stdout
+
+    steps, epochs = read_metrics(run_dir)
+    first, last = np.mean(list(steps.values())[:8]), np.mean(list(steps.values())[-8:])
+    assert last < 0.2 * first, f"loss fell only from {first:.1f} to {last:.1f}"
+    best_wer = min(epoch["eval_wer"] for epoch in epochs)
+    assert epochs[0]["eval_wer"] > 90 and best_wer < 70, [epoch["eval_wer"] for epoch in epochs]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
+
+    # The evaluation tool reproduces the best epoch's WER from best.pt and writes one line per utterance.
+    errors = tmp_path / "errors.tsv"
+    result = run("trainer.evaluate", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"),
+                                      "--manifest", str(test_manifest), "--out", str(errors)])
+    assert result.returncode == 0, result.output
+    assert f"WER {best_wer:.2f}%" in result.stdout
+    rows = errors.read_text().splitlines()
+    assert len(rows) == 1 + len(words[64:]) and rows[0].startswith("audio_filepath\tword_errors")
+
+    audio = [read_manifest(test_manifest)[index].audio_filepath for index in (0, 1)]
+    result = run("trainer.transcribe", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"), *audio])
+    assert result.returncode == 0, result.output
+    transcripts = dict(line.split("\t") for line in result.stdout.splitlines())
+    assert set(transcripts) == set(audio)
+    assert all(set(text) <= set("'ABCDEFGHIJKLMNOPQRSTUVWXYZ ") for text in transcripts.values())
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4", "train.num_workers=1", "data.augment.enabled=true"]
+    # 16 utterances in global batches of 4: 4 steps an epoch, so step 6 is in the second epoch.
+    train(tmp_path / "whole", utterances, *common, "train.max_steps=6")
+    train(tmp_path / "split", utterances, *common, "train.max_steps=3")
+    checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
+    train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
+
+    whole, _ = read_metrics(tmp_path / "whole")
+    split, _ = read_metrics(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert split[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"step {step}"
+    whole_model = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    split_model = torch.load(checkpoint_path, weights_only=True)["model"]
+    for name, tensor in whole_model.items():
+        torch.testing.assert_close(split_model[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
+    good = [u for u in an4_train if u.duration < 2.5][:8]
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
+    soundfile.write(tmp_path / "nan.wav", np.full(16000, np.nan, np.float32), 16000, subtype="FLOAT")
+    template = good[0]
+    bad = [
+        template.__class__(str(tmp_path / "corrupt.flac"), 1.0, "YES", "x"),
+        template.__class__(str(tmp_path / "empty.wav"), 1.0, "NO", "x"),
+        template.__class__(str(tmp_path / "nan.wav"), 1.0, "GO", "x"),
+        template.__class__(good[1].audio_filepath, good[1].duration, "   ", "x"),  # empty transcript
+        template.__class__(good[2].audio_filepath, good[2].duration, "NUMBER 42", "x"),  # digits: not in the alphabet
+        template.__class__(good[3].audio_filepath, 0.05, "A VERY LONG TRANSCRIPT FOR A TINY CLIP", "x"),
+    ]
+    manifest = write_slice(tmp_path / "mixed.jsonl", good + bad)
+    result = train(tmp_path / "run", manifest, "model.hidden=32", "train.epochs=1", "train.global_batch_size=2")
+
+    for name in ("corrupt.flac", "empty.wav", "nan.wav"):
+        assert name in result.output, f"{name} not named"
+    assert "empty transcript" in result.output and "characters" in result.output and "['2', '4']" in result.output
+    assert "too long for stride" in result.output
+    # Three unreadable files skipped at load time, counted in the epoch summary; training finished and evaluated.
+    assert "3 utterances unreadable or too long" in result.output
+    _, epochs = read_metrics(tmp_path / "run")
+    assert len(epochs) == 1
+
+
+def test_missing_manifest_is_one_clear_error(tmp_path):
+    result = train(tmp_path / "run", tmp_path / "absent.jsonl", check=False, timeout=300)
+    assert result.returncode == 2
+    assert "absent.jsonl" in result.output and "Traceback" not in result.output
+
+
+def test_missing_corpus_folder_is_one_clear_error(tmp_path):
+    result = run("trainer", [f"data.an4_source={tmp_path / 'no_an4'}", f"hydra.run.dir={tmp_path}", *TINY], 300)
+    assert result.returncode == 2
+    assert "no_an4" in result.output and "Traceback" not in result.output
+
+
+def test_unknown_config_key_is_one_clear_error(tmp_path):
+    result = run("trainer", ["model.depht=3", f"hydra.run.dir={tmp_path}"], 300)
+    assert result.returncode != 0
+    assert "depht" in result.output and "Traceback" not in result.output
