@@ -1,0 +1,70 @@
+// Conversions between the storage dtype (float or bf16) and the fp32 the kernels compute in, and weight access.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "persistent_rnn.h"
+
+namespace prnn {
+
+__host__ __device__ constexpr int round_up(int value, int multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+__host__ __device__ constexpr int ceil_div(int value, int divisor) { return (value + divisor - 1) / divisor; }
+
+__device__ __forceinline__ float to_float(float value) { return value; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+
+template <class Element>
+__device__ __forceinline__ Element from_float(float value);
+template <>
+__device__ __forceinline__ float from_float<float>(float value) { return value; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16(value); }
+
+// Element (row, k) of the matrix this pass multiplies by, 0 outside H x H (the padding of the tiles).
+template <class Element>
+__device__ __forceinline__ Element weight_at(const RnnParams<Element>& p, int row, int k) {
+  if (row >= p.hidden || k >= p.hidden) return from_float<Element>(0.f);
+  return p.weight[static_cast<size_t>(row) * p.weight_row_stride + static_cast<size_t>(k) * p.weight_col_stride];
+}
+
+// Zeroes `bytes` (a multiple of 16) of shared memory with the whole CTA.
+__device__ __forceinline__ void zero_shared(void* base, int bytes) {
+  float4* words = reinterpret_cast<float4*>(base);
+  for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) words[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// Loads the published fp32 vector (B, HS) 16 bytes at a time from L2 (it was written by other SMs this step) and
+// hands each chunk, with entries k >= H zeroed, to store(sample, k, value). Several loads are issued before the first
+// store so their latencies overlap.
+template <class Store>
+__device__ __forceinline__ void load_published(const float* source, int batch, int hidden, int state_stride,
+                                               Store store) {
+  constexpr int kInFlight = 4;
+  const int chunks_per_row = state_stride / 4;
+  const int total = batch * chunks_per_row;
+  const float4* chunks = reinterpret_cast<const float4*>(source);
+  for (int base = threadIdx.x; base < total; base += kInFlight * blockDim.x) {
+    float4 value[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) value[u] = __ldcg(chunks + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) {
+        const int sample = i / chunks_per_row;
+        const int k = (i - sample * chunks_per_row) * 4;
+        if (k + 1 >= hidden) value[u].y = 0.f;  // the row's padding to HS may hold anything
+        if (k + 2 >= hidden) value[u].z = 0.f;
+        if (k + 3 >= hidden) value[u].w = 0.f;
+        store(sample, k, value[u]);
+      }
+    }
+  }
+}
+
+}  // namespace prnn

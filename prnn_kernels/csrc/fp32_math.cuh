@@ -1,0 +1,122 @@
+// fp32 matrix-vector engine: weights in registers, the published vector in shared memory, FFMA.
+//
+// A CTA owns R = G * kRowsPerThread rows. Thread tid sits in row group g = tid % G (rows g + G*i) and K split
+// s = tid / G; it holds its rows' weights at the 16-byte chunks c_j = s + j * k_splits (k = 4 c_j .. 4 c_j + 3) in
+// registers for the whole sequence. The lanes of a warp with different s read adjacent chunks of the staged vector
+// (at most 8 distinct 16-byte addresses, one shared-memory wavefront) and every load feeds 4 * kRowsPerThread FMAs.
+// Partial sums are reduced across the lanes of a warp with shuffles, then across warps through shared memory.
+#pragma once
+
+#include <vector>
+
+#include "element.cuh"
+
+namespace prnn {
+
+template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_>
+struct Fp32Math {
+  static constexpr int kMaxThreads = kMaxThreads_;
+  using Element = float;
+  using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= H zero
+
+  float4 weight[kRowsPerThread][kChunksPerThread];
+  int group;  // g
+  int split;  // s
+
+  __host__ __device__ static int staged_bytes(const Tiling& tiling, int batch) {
+    return round_up(batch, 4) * tiling.padded_k * static_cast<int>(sizeof(float));
+  }
+
+  static std::vector<Tiling> tilings(int hidden, int batch) {
+    std::vector<Tiling> result;
+    for (int groups = 32; groups >= 1; groups /= 2) {
+      Tiling t{};
+      t.row_groups = groups;
+      t.rows_per_cta = groups * kRowsPerThread;
+      t.num_ctas = ceil_div(hidden, t.rows_per_cta);
+      int k_splits = ceil_div(ceil_div(hidden, 4), kChunksPerThread);
+      // Enough threads to finish the CTA's rows_per_cta * batch outputs each step.
+      k_splits = k_splits > ceil_div(t.rows_per_cta * batch, kElementsPerThread * groups)
+                     ? k_splits
+                     : ceil_div(t.rows_per_cta * batch, kElementsPerThread * groups);
+      t.k_splits = round_up(k_splits, 32 / groups);  // whole warps
+      t.threads = groups * t.k_splits;
+      t.padded_k = 4 * t.k_splits * kChunksPerThread;
+      t.num_partials = t.threads / 32;
+      t.smem_bytes = staged_bytes(t, batch) + t.num_partials * batch * t.rows_per_cta * 4 + 16;
+      if (t.threads <= 1024) result.push_back(t);
+    }
+    return result;
+  }
+
+  __device__ void load_weights(const RnnParams<float>& p, int cta) {
+    const Tiling& t = p.tiling;
+    group = threadIdx.x % t.row_groups;
+    split = threadIdx.x / t.row_groups;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = cta * t.rows_per_cta + group + t.row_groups * i;
+#pragma unroll
+      for (int j = 0; j < kChunksPerThread; ++j) {
+        const int k = 4 * (split + j * t.k_splits);
+        weight[i][j] = make_float4(weight_at(p, row, k), weight_at(p, row, k + 1), weight_at(p, row, k + 2),
+                                   weight_at(p, row, k + 3));
+      }
+    }
+  }
+
+  __device__ void stage(const RnnParams<float>& p, const float* published, float* staged) const {
+    const int stride = p.tiling.padded_k;
+    load_published(published, p.batch, p.hidden, p.state_stride, [&](int sample, int k, float4 value) {
+      *reinterpret_cast<float4*>(staged + sample * stride + k) = value;
+    });
+  }
+
+  // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
+  __device__ void multiply(const RnnParams<float>& p, const float* staged, float* partials) const {
+    const Tiling& t = p.tiling;
+    const float4* chunks = reinterpret_cast<const float4*>(staged);
+    const int chunks_per_sample = t.padded_k / 4;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    for (int first = 0; first < p.batch; first += 4) {
+      float sum[kRowsPerThread][4] = {};
+#pragma unroll
+      for (int j = 0; j < kChunksPerThread; ++j) {
+        const int chunk = split + j * t.k_splits;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
+#pragma unroll
+          for (int i = 0; i < kRowsPerThread; ++i) {
+            sum[i][b] = fmaf(weight[i][j].x, v.x, sum[i][b]);
+            sum[i][b] = fmaf(weight[i][j].y, v.y, sum[i][b]);
+            sum[i][b] = fmaf(weight[i][j].z, v.z, sum[i][b]);
+            sum[i][b] = fmaf(weight[i][j].w, v.w, sum[i][b]);
+          }
+        }
+      }
+      // Lanes of one row group differ in the lane bits above log2(G).
+      for (int offset = t.row_groups; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+          for (int b = 0; b < 4; ++b) sum[i][b] += __shfl_xor_sync(0xffffffffu, sum[i][b], offset);
+        }
+      }
+      if (lane < t.row_groups) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          if (first + b < p.batch) {
+#pragma unroll
+            for (int i = 0; i < kRowsPerThread; ++i) {
+              partials[(warp * p.batch + first + b) * t.rows_per_cta + group + t.row_groups * i] = sum[i][b];
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace prnn

@@ -1,0 +1,133 @@
+// The one tiling chooser and the one launch path for every persistent kernel (torch-free host code).
+//
+// Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
+// from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
+// and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
+// threads (enough warps to hide latency, few partial sums), then fewer CTAs.
+#include <cuda_bf16.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "persistent_rnn.h"
+
+namespace prnn {
+namespace {
+
+std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass) {
+  if (precision == Precision::kFloat32) {
+    return pass == Pass::kForward ? fp32_forward_variants() : fp32_backward_variants();
+  }
+  return pass == Pass::kForward ? bf16_forward_variants() : bf16_backward_variants();
+}
+
+LaunchPlan refuse(const std::string& reason) { return LaunchPlan{false, reason, Tiling{}, nullptr}; }
+
+std::string cuda_failure(const char* what, cudaError_t error) {
+  return std::string(what) + " failed: " + cudaGetErrorString(error);
+}
+
+LaunchPlan choose(Precision precision, Pass pass, int hidden, int batch, int device) {
+  if (batch < 1 || batch > kMaxBatch) {
+    return refuse("batch size " + std::to_string(batch) + " is out of range: the persistent kernel runs 1.." +
+                  std::to_string(kMaxBatch) + " samples");
+  }
+  if (hidden < 1) return refuse("hidden size must be positive, got " + std::to_string(hidden));
+  int num_sms = 0, smem_optin = 0, cooperative = 0;
+  cudaError_t error = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (error == cudaSuccess) {
+    error = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  if (error != cudaSuccess) return refuse(cuda_failure("reading the device properties", error));
+  if (!cooperative) return refuse("the device cannot launch cooperative kernels, so CTAs cannot be made co-resident");
+
+  bool found = false;
+  Tiling best{};
+  const void* best_kernel = nullptr;
+  std::tuple<int, long long, int, int> best_score;
+  int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
+  for (const KernelVariant& variant : kernel_variants(precision, pass)) {
+    error = cudaFuncSetAttribute(variant.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
+    if (error != cudaSuccess) return refuse(cuda_failure("cudaFuncSetAttribute", error));
+    for (const Tiling& t : variant.tilings(hidden, batch)) {
+      if (t.threads > variant.max_threads || t.smem_bytes > smem_optin) continue;
+      int per_sm = 0;
+      error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
+      if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
+      if (per_sm == 0) continue;
+      if (t.num_ctas > per_sm * num_sms) {
+        if (fewest_ctas_not_resident == 0 || t.num_ctas < fewest_ctas_not_resident) {
+          fewest_ctas_not_resident = t.num_ctas;
+          most_resident = per_sm * num_sms;
+        }
+        continue;
+      }
+      const int ctas_per_sm = (t.num_ctas + num_sms - 1) / num_sms;
+      const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
+                                         std::abs(t.threads - 512), t.num_ctas);
+      if (!found || score < best_score) {
+        found = true;
+        best = t;
+        best_kernel = variant.kernel;
+        best_score = score;
+      }
+    }
+  }
+  if (found) return LaunchPlan{true, "", best, best_kernel};
+
+  char megabytes[32];
+  std::snprintf(megabytes, sizeof(megabytes), "%.1f",
+                static_cast<double>(hidden) * hidden * (precision == Precision::kFloat32 ? 4 : 2) / 1e6);
+  std::string reason = "weights of hidden size " + std::to_string(hidden) + " (" +
+                       (precision == Precision::kFloat32 ? "fp32" : "bf16") + ", " + megabytes +
+                       " MB) are too large for on-chip memory on this device (" + std::to_string(num_sms) + " SMs)";
+  if (fewest_ctas_not_resident > 0) {
+    reason += ": the smallest tiling that fits one SM's registers and shared memory needs " +
+              std::to_string(fewest_ctas_not_resident) + " co-resident CTAs, the device holds " +
+              std::to_string(most_resident);
+  } else {
+    reason += ": no tiling fits one SM's registers and shared memory with batch " + std::to_string(batch);
+  }
+  return refuse(reason);
+}
+
+}  // namespace
+
+LaunchPlan plan_launch(Precision precision, Pass pass, int hidden, int batch) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int, int>, LaunchPlan> cache;
+  int device = 0;
+  const cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return refuse(cuda_failure("cudaGetDevice", error));
+  const auto key = std::make_tuple(device, static_cast<int>(precision), static_cast<int>(pass), hidden, batch);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found == cache.end()) found = cache.emplace(key, choose(precision, pass, hidden, batch, device)).first;
+  return found->second;
+}
+
+template <class Element>
+cudaError_t launch(const LaunchPlan& plan, const RnnParams<Element>& params, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(plan.tiling.num_ctas);
+  config.blockDim = dim3(plan.tiling.threads);
+  config.dynamicSmemBytes = plan.tiling.smem_bytes;
+  config.stream = stream;
+  // Cooperative: the driver launches all CTAs at once or fails, so no CTA spins on one that never starts.
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  void* arguments[] = {const_cast<RnnParams<Element>*>(&params)};
+  return cudaLaunchKernelExC(&config, plan.kernel, arguments);
+}
+
+template cudaError_t launch<float>(const LaunchPlan&, const RnnParams<float>&, cudaStream_t);
+template cudaError_t launch<__nv_bfloat16>(const LaunchPlan&, const RnnParams<__nv_bfloat16>&, cudaStream_t);
+
+}  // namespace prnn

@@ -1,0 +1,71 @@
+// Step-stamped publication between persistent CTAs, and the bounded wait for it.
+//
+// After finishing step s a CTA stores s + 1 into its own flag (one 128-byte line per flag). A CTA about to run step
+// s needs the whole vector published by step s - 1, so it waits until every flag reads >= s. Vectors of different
+// steps live in different rows of the state buffer, so a fast CTA never overwrites what a slow one still reads, and
+// nothing is reset between steps. Every wait is bounded by %globaltimer: past the bound the CTA records
+// kStatusTimedOut and returns, and a CTA that sees a nonzero status stops waiting too, so a launch that cannot make
+// progress ends instead of hanging.
+#pragma once
+
+#include "persistent_rnn.h"
+
+namespace prnn {
+
+// An acquire load, not a relaxed load plus fence.acq_rel: that fence (MEMBAR.ALL.GPU) also waits for every memory
+// operation the thread still has in flight, such as the next step's input loads from HBM.
+__device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ int load_relaxed(const int* address) {
+  int value;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Waits until every CTA has published `stamp` steps: thread t polls the flag of CTA t (and t + blockDim, ...), so
+// all flags are read in parallel, then the CTA meets at a barrier. Returns false, for every thread of the CTA, when
+// the launch is failing and the kernel must return.
+template <class Element>
+__device__ bool wait_for_step(const RnnParams<Element>& p, unsigned stamp, int* abort_s) {
+  const unsigned long long start = global_ns();
+  bool failed = false;
+  for (int cta = threadIdx.x; cta < p.tiling.num_ctas && !failed; cta += blockDim.x) {
+    const unsigned* flag = p.flags + static_cast<size_t>(cta) * kFlagStride;
+    unsigned polls = 0;
+    while (load_acquire(flag) < stamp) {
+      // The clock is checked on every miss (a zero timeout fails at once; the tests use that); the status word,
+      // which every SM would otherwise hammer, only every 256 misses.
+      if (global_ns() - start >= p.timeout_ns || ((++polls & 255) == 0 && load_relaxed(p.status) != 0)) {
+        failed = true;
+        break;
+      }
+    }
+  }
+  if (failed) {
+    atomicCAS(p.status, 0, kStatusTimedOut);  // keeps the first cause if another CTA already failed
+    *abort_s = 1;
+  }
+  __syncthreads();  // carries each polling thread's acquire on to the whole CTA's reads of the published vector
+  return *abort_s == 0;
+}
+
+// Call after a barrier that follows every thread's stores of this step: a release store orders them GPU-wide before
+// the stamp. The CTA's last thread stores it: it rarely owns outputs, so no input loads of its own delay the release.
+__device__ __forceinline__ void publish(unsigned* flags, unsigned stamp) {
+  if (threadIdx.x == blockDim.x - 1) {
+    unsigned* flag = flags + static_cast<size_t>(blockIdx.x) * kFlagStride;
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(stamp) : "memory");
+  }
+}
+
+}  // namespace prnn

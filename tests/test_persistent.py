@@ -1,0 +1,225 @@
+"""persistent_layer against the float64 reference: outputs and every gradient over many shapes, the refusals, a launch
+that times out, CUDA-graph capture and the custom ops' registration (opcheck)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prnn_kernels import persistent
+from prnn_kernels.persistent import persistent_layer, support
+from prnn_kernels.reference import reference_layer, relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+CUDA = torch.device("cuda")
+
+
+def test_support_without_cuda_says_why():
+    verdict = support("relu", 2048, 4, torch.float32, "cpu")
+    assert not verdict.ok and verdict.reason == "needs a CUDA GPU"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Outputs start as NaN, so an element the kernel never writes fails the comparison."""
+    monkeypatch.setattr(persistent, "POISON_OUTPUTS", True)
+
+
+def random_layer(num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_on_cpu=False):
+    """Inputs as torch.nn initialises and feeds a layer (weights U(-1/sqrt(H), 1/sqrt(H))), ragged lengths.
+
+    Returns (leaves in dtype with requires_grad, lengths): leaves = [input_proj, hx, weight_hh, bias_hh or None].
+    """
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    bound = 1 / math.sqrt(hidden_size)
+
+    def uniform(*shape):
+        return (torch.rand(*shape, device=CUDA, generator=generator) * 2 - 1) * bound
+
+    leaves = [
+        torch.randn(num_steps, batch_size, hidden_size, device=CUDA, generator=generator),
+        torch.randn(batch_size, hidden_size, device=CUDA, generator=generator) * 0.5,
+        uniform(hidden_size, hidden_size),
+        uniform(hidden_size) if bias else None,
+    ]
+    leaves = [None if t is None else t.to(dtype).requires_grad_() for t in leaves]
+    lengths = torch.randint(0, num_steps + 1, (batch_size,), device=CUDA, generator=generator)
+    lengths[0] = num_steps  # someone runs the whole sequence
+    if batch_size >= 3:
+        lengths[-1] = 0  # and someone runs none of it: h_n = hx
+    return leaves, (lengths.cpu() if lengths_on_cpu else lengths)
+
+
+def outputs_and_gradients(layer, cell, leaves, lengths, reverse, upstream):
+    output, h_n = layer(cell, *leaves, lengths, reverse)
+    loss = (output * upstream[0]).sum() + (h_n * upstream[1]).sum()
+    wanted = [leaf for leaf in leaves if leaf is not None]
+    return [output, h_n, *torch.autograd.grad(loss, wanted)]
+
+
+CASES = [
+    # cell, T, B, H, dtype, reverse, bias
+    ("relu", 1, 1, 32, torch.float32, False, True),
+    ("tanh", 2, 3, 33, torch.float32, True, True),
+    ("relu", 17, 4, 100, torch.float32, True, False),
+    ("tanh", 17, 7, 257, torch.float32, False, True),
+    ("tanh", 2, 16, 31, torch.float32, False, True),
+    ("tanh", 17, 7, 1000, torch.float32, True, True),
+    ("relu", 256, 1, 1152, torch.float32, False, True),
+    ("tanh", 256, 16, 1025, torch.float32, True, True),
+    ("relu", 17, 3, 2047, torch.float32, False, True),
+    ("relu", 17, 16, 2048, torch.float32, True, True),
+    ("relu", 256, 4, 2048, torch.float32, False, True),
+    ("tanh", 2, 1, 33, torch.bfloat16, False, True),
+    ("tanh", 17, 3, 100, torch.bfloat16, True, True),
+    ("relu", 256, 7, 1152, torch.bfloat16, True, False),
+    ("relu", 256, 4, 2048, torch.bfloat16, False, True),
+    ("tanh", 17, 4, 2304, torch.bfloat16, False, True),
+    ("relu", 17, 16, 2816, torch.bfloat16, True, True),
+]
+
+
+def relu_reference_with_pattern(passed):
+    """reference_layer's ReLU recurrence in float64, except that which pre-activations pass the ReLU is given.
+
+    passed: (T, B, H) bool, here from the bf16 kernel's output. bf16 rounding of the state decorrelates any two
+    computations at the 1e-3 level within a few steps, so a small fraction of pre-activations land on the other side
+    of 0 than in float64, and there ReLU's derivative jumps from 1 to 0: against reference_layer the gradients of any
+    bf16 kernel differ by more than 1e-2. With the kernel's own pattern everything else is still checked in float64.
+    """
+
+    def layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
+        assert cell == "relu"
+        num_steps = input_proj.shape[0]
+        valid = torch.arange(num_steps, device=CUDA)[:, None] < lengths.to(CUDA)[None, :]
+        valid = valid.unsqueeze(2).unbind(0)  # T x (B, 1)
+        step_inputs, gates = input_proj.unbind(0), passed.to(input_proj.dtype).unbind(0)
+        h = hx
+        outputs = [None] * num_steps
+        for t in reversed(range(num_steps)) if reverse else range(num_steps):
+            new = (step_inputs[t] + F.linear(h, weight_hh, bias_hh)) * gates[t]
+            h = torch.where(valid[t], new, h)
+            outputs[t] = torch.where(valid[t], new, 0.0)
+        return torch.stack(outputs), h
+
+    return layer
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell, num_steps, batch_size, hidden_size, dtype, reverse, bias", CASES)
+def test_matches_float64_reference(poisoned, cell, num_steps, batch_size, hidden_size, dtype, reverse, bias):
+    seed = num_steps * 7919 + batch_size * 104729 + hidden_size
+    leaves, lengths = random_layer(num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_on_cpu=seed % 2 == 1)
+    upstream = [torch.randn(num_steps, batch_size, hidden_size, device=CUDA).to(dtype),
+                torch.randn(batch_size, hidden_size, device=CUDA).to(dtype)]
+
+    actual = outputs_and_gradients(persistent_layer, cell, leaves, lengths, reverse, upstream)
+    persistent.raise_if_failed()
+    # The reference runs in float64 on the very values the kernel saw (dtype-rounded inputs and upstream gradients).
+    leaves64 = [None if t is None else t.detach().double().requires_grad_() for t in leaves]
+    relu_in_bf16 = cell == "relu" and dtype == torch.bfloat16
+    reference = relu_reference_with_pattern(actual[0].detach() > 0) if relu_in_bf16 else reference_layer
+    expected = outputs_and_gradients(reference, cell, leaves64, lengths, reverse, [u.double() for u in upstream])
+
+    names = ["output", "h_n", "grad input_proj", "grad hx", "grad weight_hh", "grad bias_hh"]
+    unwritten = [name for name, a in zip(names, actual) if not torch.isfinite(a).all()]
+    assert not unwritten, f"NaN/inf (elements left unwritten?) in {unwritten}"
+    errors = {name: relative_error(a.double(), e) for name, a, e in zip(names, actual, expected)}
+    assert max(errors.values()) <= TOLERANCE[dtype], f"relative errors {errors}"
+    assert actual[0].dtype == dtype and actual[1].dtype == dtype
+    if relu_in_bf16:  # the outputs also stay within 1e-2 of the plain float64 recurrence
+        plain = reference_layer(cell, *[None if t is None else t.detach() for t in leaves64], lengths, reverse)
+        plain_errors = [relative_error(a.double(), e) for a, e in zip(actual[:2], plain)]
+        assert max(plain_errors) <= TOLERANCE[dtype], f"output, h_n vs plain float64: {plain_errors}"
+
+
+@pytest.mark.cuda
+def test_repeated_runs_are_identical():
+    """The kernel reduces in a fixed order: any difference between two runs would be a race."""
+    leaves, lengths = random_layer(64, 4, 2048, torch.float32, True, seed=3)
+    upstream = [torch.randn(64, 4, 2048, device=CUDA), torch.randn(4, 2048, device=CUDA)]
+    first = outputs_and_gradients(persistent_layer, "relu", leaves, lengths, False, upstream)
+    second = outputs_and_gradients(persistent_layer, "relu", leaves, lengths, False, upstream)
+    persistent.raise_if_failed()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "cell, hidden_size, batch_size, dtype, message",
+    [
+        ("gru", 256, 4, torch.float32, "no persistent kernel"),
+        ("relu", 256, 17, torch.float32, "batch size 17"),
+        ("relu", 256, 4, torch.float16, "dtype"),
+        ("relu", 8192, 4, torch.float32, "too large for on-chip memory"),
+    ],
+)
+def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, message):
+    verdict = support(cell, hidden_size, batch_size, dtype, CUDA)
+    assert not verdict.ok and message in verdict.reason
+    input_proj = torch.randn(3, batch_size, hidden_size, device=CUDA, dtype=dtype)
+    hx = torch.zeros(batch_size, hidden_size, device=CUDA, dtype=dtype)
+    weight = torch.zeros(hidden_size, hidden_size, device=CUDA, dtype=dtype)
+    lengths = torch.full((batch_size,), 3)
+    with pytest.raises(ValueError, match=message):
+        persistent_layer(cell, input_proj, hx, weight, None, lengths, False)
+
+
+@pytest.mark.cuda
+def test_refuses_lengths_out_of_range():
+    leaves, _ = random_layer(5, 2, 64, torch.float32, True, seed=4)
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        persistent_layer("relu", *leaves, torch.tensor([5, 6]), False)
+
+
+@pytest.mark.cuda
+def test_timed_out_wait_raises_then_recovers(monkeypatch):
+    leaves, lengths = random_layer(64, 4, 1024, torch.float32, True, seed=5)
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # every wait that finds a flag unset fails at once
+    persistent_layer("relu", *leaves, lengths, False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        persistent.raise_if_failed()
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 4.0)
+    output, _ = persistent_layer("relu", *leaves, lengths, False)
+    persistent.raise_if_failed()
+    expected, _ = reference_layer("relu", *[t.detach().double() for t in leaves], lengths, False)
+    assert relative_error(output.double(), expected) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_and_backward_capture_in_a_cuda_graph(dtype):
+    leaves, lengths = random_layer(33, 4, 512, dtype, True, seed=6)
+    upstream = [torch.randn(33, 4, 512, device=CUDA).to(dtype), torch.randn(4, 512, device=CUDA).to(dtype)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: build, plan, status word
+        outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+
+    with torch.no_grad():  # fresh values in the captured input buffers
+        for leaf in leaves:
+            leaf.copy_(torch.randn_like(leaf) * leaf.abs().mean())
+    graph.replay()
+    torch.cuda.synchronize()
+    persistent.raise_if_failed()
+    eager = outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+    for a, b in zip(captured, eager):  # stale inputs or a skipped launch would be off by O(1)
+        assert relative_error(a.double(), b.double()) <= 1e-6
+
+
+@pytest.mark.cuda
+def test_custom_ops_pass_opcheck():
+    leaves, lengths = random_layer(5, 3, 40, torch.float32, True, seed=7)
+    input_proj, hx, weight, bias = [t.detach() for t in leaves]
+    status = torch.zeros(1, dtype=torch.int32, device=CUDA)
+    forward_args = ("relu", input_proj, hx, weight, bias, lengths, False, status, 10**9, False)
+    torch.library.opcheck(torch.ops.prnn_kernels.persistent_forward.default, forward_args)
+    _, _, state = torch.ops.prnn_kernels.persistent_forward(*forward_args)
+    backward_args = ("relu", torch.randn_like(input_proj), torch.randn_like(hx), state, weight, lengths, False, status,
+                     10**9, False)
+    torch.library.opcheck(torch.ops.prnn_kernels.persistent_backward.default, backward_args)
