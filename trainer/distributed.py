@@ -42,12 +42,13 @@ def launched_by_mpi() -> bool:
     return any(size in os.environ and int(os.environ[size]) > 1 for _, size, _ in LAUNCHER_VARIABLES)
 
 
-def _ranks_from_mpi() -> tuple[int, int, int, "object"]:
+def _ranks_from_mpi() -> tuple[int, int, int, int, "object"]:
+    """(rank, world size, local rank, ranks on this node, the world communicator)."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    local_rank = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    return world.Get_rank(), world.Get_size(), local_rank, world
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), world
 
 
 def launcher_rank() -> int:
@@ -91,10 +92,11 @@ def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         return DistEnv(0, 1, 0, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
     try:
-        rank, world_size, local_rank, world = _ranks_from_mpi()
+        rank, world_size, local_rank, ranks_on_node, world = _ranks_from_mpi()
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
     except ImportError:
         rank, world_size, local_rank = _ranks_from_launcher()
+        ranks_on_node = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
         if "MASTER_PORT" not in os.environ:
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])
@@ -104,6 +106,8 @@ def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         rank_device = torch.device("cuda", local_rank)
     else:
         rank_device = torch.device("cpu")
+        # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
         init_method=f"tcp://{address}:{port}",

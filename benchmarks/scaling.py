@@ -1,0 +1,297 @@
+"""Strong scaling of the training step at a fixed global batch, one process per GPU over MPI.
+
+    mpirun -np N python -m benchmarks.scaling [--model an4|deep|cpu_demo] [--global-batch 8]
+        [--backend auto|cudnn|persistent] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
+        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...]
+
+Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
+lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the
+trainer's own (trainer.train.train_step) on the trainer's own model, optimizer and config (conf/ composed by Hydra:
+--model an4 is experiment=an4_gpu, 5 bidirectional GRU layers of 800 over 161 spectrogram features; deep the same
+with 7 layers of 1152; cpu_demo the small model of experiment=cpu_demo, sized for a CPU smoke test).
+
+Times are medians over --steps after --warmup; each one is bracketed by device synchronisation, follows a barrier,
+and is the slowest rank's time for that step:
+  step             the training step with DDP (no DDP in a world of one)
+  step no_sync     the same step inside DDP's no_sync(): no gradient allreduce (sync batch norm still talks)
+  exposed comm     step - step no_sync: the gradient communication that backward did not hide
+  allreduce        one all_reduce of a flat fp32 buffer as large as all gradients (what DDP reduces, in one piece);
+                   bus bandwidth = 2 (N - 1) / N * bytes / time, as nccl-tests reports it
+  compute          the step on each rank alone (no DDP, no sync batch norm) at several per-rank batches: the fixed
+                   and per-sample cost that benchmarks.scaling_model projects from
+Strong-scaling efficiency, with --baseline (this script's JSON from one GPU, same settings): t(1) / (N * t(N)).
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from data.dataset import Batch
+from data.text import NUM_CLASSES
+from models import MaskedBatchNorm
+from models.deepspeech2 import CELLS
+from prnn_kernels import BACKENDS
+from trainer import build, distributed
+from trainer.distributed import DistEnv
+from trainer.train import train_step
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+# --model: the conf/experiment/ preset and further overrides.
+MODELS = {
+    "an4": ("an4_gpu", []),
+    "deep": ("an4_gpu", ["model.depth=7", "model.hidden=1152"]),
+    "cpu_demo": ("cpu_demo", []),
+}
+# Characters per 10 ms feature frame in the random targets: AN4 speakers say about 12 characters a second.
+CHARS_PER_FRAME = 0.12
+# DistributedDataParallel's default gradient bucket, recorded for benchmarks.scaling_model.
+DDP_BUCKET_CAP_MB = 25
+
+
+def compose_config(model_name: str, backend: str, cell: str | None, amp: str):
+    """The trainer's own config (conf/, composed by Hydra) for one of MODELS, with the recurrent `backend`, `cell`
+    (None: the recipe's) and autocast setting."""
+    experiment, model_overrides = MODELS[model_name]
+    overrides = [f"experiment={experiment}", f"model.backend={backend}", f"train.amp={amp}", *model_overrides]
+    if cell:
+        overrides.append(f"model.cell={cell}")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def random_batch(batch_size: int, num_frames: int, num_features: int, seed: int, device: torch.device) -> Batch:
+    """One padded batch, already on `device`. The first utterance is `num_frames` long, as the longest one of a
+    length-bucketed batch is; the others 80-100 % of that."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(batch_size, num_frames, num_features, generator=generator)
+    lengths = torch.randint(int(0.8 * num_frames), num_frames + 1, (batch_size,), generator=generator)
+    lengths[0] = num_frames
+    target_lengths = (lengths * CHARS_PER_FRAME).long().clamp_min(1)
+    targets = torch.randint(1, NUM_CLASSES, (int(target_lengths.sum()),), generator=generator)
+    batch = Batch(features, lengths, targets, target_lengths, torch.arange(batch_size), num_skipped=0)
+    return batch.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(function, num_warmup: int, num_steps: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `num_steps` calls after `num_warmup`: for each call, the slowest rank's time."""
+    for _ in range(num_warmup):
+        function()
+    times = []
+    for _ in range(num_steps):
+        synchronize(device)
+        distributed.barrier()
+        start = time.perf_counter()
+        function()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def summary(times_ms: list[float], **fields) -> dict:
+    return {**fields, "median_ms": statistics.median(times_ms), "times_ms": times_ms}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads per rank)"
+
+
+def versions(device: torch.device) -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    if device.type == "cuda":
+        found.update(
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
+    return found
+
+
+# Settings a baseline must share with the run it is compared with.
+COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features")
+
+
+def read_baseline(path: str, config: dict) -> dict:
+    """A world-of-one JSON of this script with the same COMPARABLE settings as `config`."""
+    baseline = json.loads(Path(path).read_text())
+    if baseline.get("benchmark") != "scaling" or baseline["world_size"] != 1:
+        raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process")
+    for key in COMPARABLE:
+        if baseline["config"][key] != config[key]:
+            raise ValueError(f"--baseline {path} has {key}={baseline['config'][key]!r}, this run {config[key]!r}")
+    return baseline
+
+
+def print_table(result: dict) -> None:
+    config, model = result["config"], result["model"]
+    print(
+        f"DeepSpeech2 {config['model']} ({config['model_config']['depth']} x "
+        f"{'bi-' if config['model_config']['bidirectional'] else ''}{config['model_config']['cell'].upper()} "
+        f"{config['model_config']['hidden']}, {model['parameters'] / 1e6:.1f}M parameters, "
+        f"{model['gradient_bytes'] / 1e6:.1f} MB of gradients), backend {config['backend']}, "
+        f"{result['world_size']} x {result['device']}, global batch {config['global_batch']}, "
+        f"{config['frames']} frames, {'bf16' if config['amp'] else 'fp32'}"
+    )
+    header = f"{'measure':<28} {'per-rank batch':>14} {'median ms':>10} {'samples/s':>10}"
+    print(header)
+    print("-" * len(header))
+
+    def row(name, entry, global_samples=None):
+        rate = f"{global_samples / entry['median_ms'] * 1e3:>10.1f}" if global_samples else f"{'':>10}"
+        batch = entry.get("per_rank_batch", "")
+        print(f"{name:<28} {batch:>14} {entry['median_ms']:>10.3f} {rate}")
+
+    row("step", result["step"], config["global_batch"])
+    if result["world_size"] > 1:
+        row("step no_sync", result["step_no_sync"], config["global_batch"])
+        print(f"{'exposed comm':<28} {'':>14} {result['exposed_communication_ms']:>10.3f}")
+        allreduce = result["allreduce"]
+        bus = f"bus {allreduce['bus_GBps']:.1f} GB/s"
+        print(f"{'allreduce (flat)':<28} {'':>14} {allreduce['median_ms']:>10.3f}   {bus}")
+    for entry in result["compute"]:
+        row(f"compute, one rank alone", entry, entry["per_rank_batch"])
+    if "baseline" in result:
+        print(f"strong-scaling efficiency t(1) / ({result['world_size']} t({result['world_size']})): "
+              f"{result['baseline']['strong_scaling_efficiency']:.3f}  (t(1) = {result['baseline']['step_ms']:.3f} ms)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="an4")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="of the recurrent layers")
+    parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's (the persistent kernel "
+                        "runs relu and tanh)")
+    parser.add_argument("--global-batch", type=int, default=8, help="utterances per step over all ranks")
+    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measure")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measure")
+    parser.add_argument("--compute-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                        help="per-rank batches of the compute-only measure (the projection's range)")
+    parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", help="rank 0 writes the results, versions and full configuration here")
+    parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
+    args = parser.parse_args(argv)
+
+    env = distributed.init(args.device)
+    if args.global_batch < 1 or args.global_batch % env.world_size:
+        raise ValueError(
+            f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
+        )
+    if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
+        raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+    device = env.device
+    cfg = compose_config(args.model, args.backend, args.cell, args.amp)
+    num_features = build.features(cfg.data).num_features
+    config = {
+        **{key: value for key, value in vars(args).items() if key not in ("json", "baseline")},
+        "amp": args.amp == "bf16" and device.type == "cuda",
+        "num_features": num_features,
+        "model_config": OmegaConf.to_container(cfg.model),
+        "trainer_config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    baseline = read_baseline(args.baseline, config) if args.baseline else None
+
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = build.model(cfg.model, num_features).to(device)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
+    num_parameters = sum(p.numel() for p in model.parameters())
+
+    def step_on(network, per_rank_batch, world_size):
+        batch = random_batch(per_rank_batch, args.frames, num_features, args.seed + env.rank, device)
+        step_env = DistEnv(env.rank, world_size, env.local_rank, device)
+        return lambda: train_step(network, batch, optimizer, schedule, cfg, step_env)
+
+    def timed(function):
+        return time_ms(function, args.warmup, args.steps, device)
+
+    # Compute alone first, while the model is not yet wrapped: each rank on its own, as in a world of one.
+    compute = [
+        summary(timed(step_on(model, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
+        for per_rank_batch in args.compute_batches
+    ]
+    per_rank_batch = args.global_batch // env.world_size
+    result = {
+        "benchmark": "scaling",
+        "world_size": env.world_size,
+        "device": device_name(device),
+        "host": platform.node(),
+        "versions": versions(device),
+        "config": config,
+        "model": {
+            "parameters": num_parameters,
+            "gradient_bytes": 4 * num_parameters,  # fp32 gradients: autocast leaves parameters in fp32
+            "sync_batch_norm_channels": [m.weight.numel() for m in model.modules() if isinstance(m, MaskedBatchNorm)],
+            "ddp_bucket_cap_mb": DDP_BUCKET_CAP_MB,
+        },
+        "compute": compute,
+    }
+    if env.world_size == 1:
+        result["step"] = summary(timed(step_on(model, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
+    else:
+        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
+        wrapped = DistributedDataParallel(
+            model, device_ids=[env.local_rank] if device.type == "cuda" else None, bucket_cap_mb=DDP_BUCKET_CAP_MB
+        )
+        step = step_on(wrapped, per_rank_batch, env.world_size)
+        result["step"] = summary(timed(step), per_rank_batch=per_rank_batch)
+
+        def step_without_sync():
+            with wrapped.no_sync():
+                step()
+
+        result["step_no_sync"] = summary(timed(step_without_sync), per_rank_batch=per_rank_batch)
+        result["exposed_communication_ms"] = result["step"]["median_ms"] - result["step_no_sync"]["median_ms"]
+        flat = torch.zeros(num_parameters, dtype=torch.float32, device=device)
+        allreduce = summary(timed(lambda: dist.all_reduce(flat)), bytes=flat.numel() * flat.element_size())
+        bus_factor = 2 * (env.world_size - 1) / env.world_size
+        allreduce["bus_GBps"] = bus_factor * allreduce["bytes"] / (allreduce["median_ms"] * 1e-3) / 1e9
+        result["allreduce"] = allreduce
+    result["step"]["samples_per_s"] = args.global_batch / result["step"]["median_ms"] * 1e3
+    if baseline:
+        one, many = baseline["step"]["median_ms"], result["step"]["median_ms"]
+        result["baseline"] = {
+            "path": args.baseline, "step_ms": one, "strong_scaling_efficiency": one / (env.world_size * many)
+        }
+
+    if env.is_main:
+        print_table(result)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.json}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error on rank {distributed.launcher_rank()}: {error}", file=sys.stderr)
+        distributed.abort_job(2)
+    except Exception:
+        print(f"benchmark failed on rank {distributed.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
+        distributed.abort_job(1)

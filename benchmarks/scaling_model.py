@@ -1,0 +1,395 @@
+"""Projected strong-scaling efficiency on many GPUs, from one benchmarks.scaling measurement and an allreduce model.
+
+    python -m benchmarks.scaling_model --measured PATH.json --out DIR [--global-batch 128 512] [--overlap ...]
+        [--gpus 1 2 4 8 16 32 64 128] [cluster options, see --help]
+
+Writes DIR/scaling_projection.png (efficiency and step-time breakdown against GPUs), DIR/scaling_projection.md
+(the assumptions and the tables) and DIR/scaling_projection.json (the same as data).
+
+At global batch G on N GPUs each GPU trains b = G / N utterances per step, and a step takes
+    t(N) = compute(b) + small collectives(N) + exposed gradient allreduce(N, b)
+  compute(b)          the measured compute-only step time at per-GPU batch b ("compute" in the JSON), linear between
+                      measured batches and, beyond them, extended at the per-sample cost of the nearest measured
+                      interval: a fixed per-step part plus b times a per-sample part
+  small collectives   latency-bound allreduces on the critical path: the trainer's utterance count, and for each
+                      synchronised batch norm one allreduce of its statistics forward and one of their gradients
+                      backward (3 fp32 numbers per channel)
+  gradient allreduce  DDP's gradient buckets (fp32 gradients in buckets of the recorded cap, 25 MB), each allreduced
+  exposed             gradient allreduce - min(overlap * gradient allreduce, backward share * compute(b)): DDP hides
+                      the `overlap` fraction of it behind backward, but never more than backward lasts
+Strong-scaling efficiency(N) = t(1) / (N t(N)), with t(1) = compute(G): one GPU, the whole global batch, no
+communication (whether G fits in one GPU's memory is not modelled).
+
+Allreduce of S bytes over n GPUs in a ring: 2 (n-1)/n * S / bandwidth + 2 (n-1) * latency per hop. Inside a node
+of `gpus-per-node` GPUs the ring runs over NVLink. Across nodes it is hierarchical: reduce-scatter inside each node,
+then each GPU allreduces its S / g shard in a ring over the nodes (the g rings of a node share its NICs), then
+all-gather inside the node; the in-node reduce-scatter plus all-gather cost exactly one in-node ring allreduce.
+"""
+import argparse
+import bisect
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# The trainer's per-step utterance-count allreduce: two float64 numbers.
+COUNT_ALLREDUCE_BYTES = 16
+# Batch-norm statistics allreduced per channel (sum, sum of squares, count), in float32.
+BATCH_NORM_BYTES_PER_CHANNEL = 3 * 4
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine the projection assumes; defaults describe H100 / H200 nodes of 8 GPUs (DGX / HGX layout)."""
+
+    gpus_per_node: int = 8
+    nvlink_GBps: float = 450.0  # per GPU and direction: NVLink 4, 18 links x 25 GB/s, through NVSwitch
+    nvlink_latency_us: float = 2.0  # per ring hop inside a node
+    nic_Gbps: float = 400.0  # per NIC (InfiniBand NDR / 400 GbE)
+    nics_per_node: int = 8  # one NIC per GPU, as on DGX H100 / H200
+    network_latency_us: float = 8.0  # per ring hop between nodes
+
+    def network_GBps_per_ring(self, rings_per_node: int) -> float:
+        """Bandwidth of each of `rings_per_node` concurrent inter-node rings: the node's NICs shared among them."""
+        return self.nics_per_node * self.nic_Gbps / 8 / rings_per_node
+
+
+def ring_allreduce_s(num_bytes: float, num_ranks: int, bandwidth_GBps: float, latency_us: float) -> float:
+    """Seconds to allreduce `num_bytes` over a ring of `num_ranks`: reduce-scatter then all-gather."""
+    if num_ranks == 1:
+        return 0.0
+    hops = num_ranks - 1
+    return 2 * hops / num_ranks * num_bytes / (bandwidth_GBps * 1e9) + 2 * hops * latency_us * 1e-6
+
+
+def allreduce_s(num_bytes: float, num_gpus: int, cluster: Cluster) -> float:
+    """Seconds to allreduce `num_bytes` over `num_gpus`: one ring within a node, hierarchical across nodes."""
+    in_node = min(num_gpus, cluster.gpus_per_node)
+    num_nodes = num_gpus // in_node
+    assert num_nodes * in_node == num_gpus, "validated by check_gpu_counts"
+    inside = ring_allreduce_s(num_bytes, in_node, cluster.nvlink_GBps, cluster.nvlink_latency_us)
+    across = ring_allreduce_s(
+        num_bytes / in_node, num_nodes, cluster.network_GBps_per_ring(in_node), cluster.network_latency_us
+    )
+    return inside + across
+
+
+def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
+    for num_gpus in gpu_counts:
+        if num_gpus < 1 or (num_gpus > cluster.gpus_per_node and num_gpus % cluster.gpus_per_node):
+            raise ValueError(
+                f"--gpus {num_gpus} must be at most --gpus-per-node {cluster.gpus_per_node} or a multiple of it"
+            )
+
+
+class Measurement:
+    """What the projection takes from a benchmarks.scaling JSON: compute time per per-GPU batch, gradient bytes,
+    synchronised batch norms, DDP's bucket cap, and (from a run on several GPUs) the measured overlap and efficiency."""
+
+    def __init__(self, path: str):
+        self.path = path
+        data = json.loads(Path(path).read_text())
+        if data.get("benchmark") != "scaling":
+            raise ValueError(f"{path} is not a benchmarks.scaling JSON (no \"benchmark\": \"scaling\")")
+        try:
+            points = sorted((entry["per_rank_batch"], entry["median_ms"]) for entry in data["compute"])
+            self.gradient_bytes = data["model"]["gradient_bytes"]
+            self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
+            self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
+        except KeyError as error:
+            raise ValueError(f"{path} lacks {error}, which benchmarks.scaling writes") from None
+        self.batches = [batch for batch, _ in points]
+        self.compute_times_ms = [ms for _, ms in points]
+        if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
+            raise ValueError(f"{path}: the compute measure needs at least two distinct per-rank batches")
+        self.data = data
+
+    def compute_ms(self, batch: float) -> float:
+        """Compute-only step time at per-GPU `batch`: piecewise linear through the measured points."""
+        index = min(max(bisect.bisect_left(self.batches, batch), 1), len(self.batches) - 1)
+        fixed, per_sample = self.line(index)
+        return fixed + per_sample * batch
+
+    def line(self, index: int) -> tuple[float, float]:
+        """(fixed ms, ms per sample) of the straight line through measured points index - 1 and index."""
+        (b0, b1), (t0, t1) = self.batches[index - 1 : index + 1], self.compute_times_ms[index - 1 : index + 1]
+        per_sample = (t1 - t0) / (b1 - b0)
+        return t0 - per_sample * b0, per_sample
+
+    def is_measured(self, batch: float) -> bool:
+        return self.batches[0] <= batch <= self.batches[-1]
+
+    def measured_overlap(self) -> float | None:
+        """The fraction of the flat allreduce's time that DDP hid in the measured step, from a run on several GPUs."""
+        if self.data["world_size"] == 1:
+            return None
+        hidden = 1 - self.data["exposed_communication_ms"] / self.data["allreduce"]["median_ms"]
+        return min(max(hidden, 0.0), 1.0)
+
+
+def step(measurement: Measurement, cluster: Cluster, global_batch: int, num_gpus: int, overlap: float,
+         backward_share: float) -> dict:
+    """The modelled step on `num_gpus` at `global_batch`: its parts in ms, and the strong-scaling efficiency."""
+    per_gpu_batch = global_batch // num_gpus
+    compute = measurement.compute_ms(per_gpu_batch)
+    small = allreduce_s(COUNT_ALLREDUCE_BYTES, num_gpus, cluster) + sum(
+        2 * allreduce_s(BATCH_NORM_BYTES_PER_CHANNEL * channels, num_gpus, cluster)
+        for channels in measurement.batch_norm_channels
+    )
+    num_full_buckets, last_bucket = divmod(measurement.gradient_bytes, measurement.bucket_bytes)
+    gradient = num_full_buckets * allreduce_s(measurement.bucket_bytes, num_gpus, cluster)
+    gradient += allreduce_s(last_bucket, num_gpus, cluster) if last_bucket else 0.0
+    small_ms, gradient_ms = small * 1e3, gradient * 1e3
+    exposed_ms = gradient_ms - min(overlap * gradient_ms, backward_share * compute)
+    step_ms = compute + small_ms + exposed_ms
+    return {
+        "global_batch": global_batch,
+        "gpus": num_gpus,
+        "per_gpu_batch": per_gpu_batch,
+        "overlap": overlap,
+        "compute_ms": compute,
+        "compute_extrapolated": not measurement.is_measured(per_gpu_batch),
+        "small_collectives_ms": small_ms,
+        "gradient_allreduce_ms": gradient_ms,
+        "exposed_allreduce_ms": exposed_ms,
+        "step_ms": step_ms,
+        "samples_per_s": global_batch / step_ms * 1e3,
+        "efficiency": measurement.compute_ms(global_batch) / (num_gpus * step_ms),
+    }
+
+
+def projection(measurement, cluster, global_batches, gpu_counts, overlaps, backward_share) -> tuple[list, list]:
+    """Rows for every (global batch, GPU count, overlap) whose per-GPU batch is a whole number, and the
+    (global batch, GPU count) pairs left out because it is not."""
+    rows, left_out = [], []
+    for global_batch in global_batches:
+        for num_gpus in gpu_counts:
+            if global_batch % num_gpus:
+                left_out.append((global_batch, num_gpus))
+                continue
+            rows += [
+                step(measurement, cluster, global_batch, num_gpus, overlap, backward_share) for overlap in overlaps
+            ]
+    return rows, left_out
+
+
+def model_check(measurement: Measurement, cluster: Cluster, backward_share: float) -> dict | None:
+    """The measured efficiency of a multi-GPU run with a baseline, beside the model's for the same run."""
+    data = measurement.data
+    if "baseline" not in data or data["world_size"] == 1:
+        return None
+    global_batch, num_gpus = data["config"]["global_batch"], data["world_size"]
+    modelled = step(measurement, cluster, global_batch, num_gpus, measurement.measured_overlap(), backward_share)
+    return {
+        "global_batch": global_batch,
+        "gpus": num_gpus,
+        "measured_efficiency": data["baseline"]["strong_scaling_efficiency"],
+        "modelled_efficiency": modelled["efficiency"],
+        "measured_step_ms": data["step"]["median_ms"],
+        "modelled_step_ms": modelled["step_ms"],
+        "measured_bus_GBps": data["allreduce"]["bus_GBps"],
+    }
+
+
+def assumptions(measurement: Measurement, cluster: Cluster, backward_share: float) -> dict:
+    data = measurement.data
+    config = data["config"]
+    model = config["model_config"]
+    first_fixed, first_per_sample = measurement.line(1)
+    last_fixed, last_per_sample = measurement.line(len(measurement.batches) - 1)
+    return {
+        "measured": measurement.path,
+        "measured_on": f"{data['world_size']} x {data['device']}",
+        "model": f"{config['model']} ({model['depth']} x {'bi-' if model['bidirectional'] else ''}{model['cell']} "
+                 f"{model['hidden']}, backend {model['backend']})",
+        "amp_bf16": config["amp"],
+        "frames": config["frames"],
+        "gradient_bytes": measurement.gradient_bytes,
+        "ddp_bucket_bytes": measurement.bucket_bytes,
+        "sync_batch_norm_channels": measurement.batch_norm_channels,
+        "compute_measured_batches": measurement.batches,
+        # The lines the projection extends below and above the measured batches.
+        "compute_line_smallest_batches": {"batches": measurement.batches[:2], "fixed_ms": first_fixed,
+                                          "per_sample_ms": first_per_sample},
+        "compute_line_largest_batches": {"batches": measurement.batches[-2:], "fixed_ms": last_fixed,
+                                         "per_sample_ms": last_per_sample},
+        "backward_share_of_compute": backward_share,
+        "measured_overlap": measurement.measured_overlap(),
+        "cluster": asdict(cluster),
+        "network_GBps_per_gpu_ring": cluster.network_GBps_per_ring(cluster.gpus_per_node),
+    }
+
+
+def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check: dict | None, overlaps: list) -> None:
+    cluster = assumed["cluster"]
+    lines = [
+        "# Projected strong scaling",
+        "",
+        f"Generated by `python -m benchmarks.scaling_model` from `{assumed['measured']}` "
+        f"(measured on {assumed['measured_on']}; model {assumed['model']}, {assumed['frames']} frames, "
+        f"{'bf16 autocast' if assumed['amp_bf16'] else 'fp32'}). The formulas are in the module's docstring.",
+        "",
+        "## Assumptions",
+        "",
+        f"- Compute: the measured compute-only step at per-GPU batches {assumed['compute_measured_batches']}, "
+        "linear in between and extended beyond along the nearest interval: "
+        + "; ".join(f"{line['fixed_ms']:.2f} ms + {line['per_sample_ms']:.3f} ms per utterance through batches "
+                    f"{line['batches']}" for line in (assumed["compute_line_smallest_batches"],
+                                                      assumed["compute_line_largest_batches"]))
+        + ". Per-GPU batches marked * are extrapolated.",
+        f"- Gradients: {assumed['gradient_bytes'] / 1e6:.1f} MB of fp32, allreduced in DDP buckets of "
+        f"{assumed['ddp_bucket_bytes'] / 2**20:.0f} MiB; backward is {assumed['backward_share_of_compute']:.2f} of "
+        "compute and can hide at most that much allreduce.",
+        f"- Small collectives per step: 1 utterance count + 2 per synchronised batch norm "
+        f"(channels {assumed['sync_batch_norm_channels']}), latency-bound, not overlapped (NCCL would pick a tree "
+        "for these tiny messages at large N; the ring latency here is pessimistic).",
+        f"- Inside a node of {cluster['gpus_per_node']} GPUs: NVLink at {cluster['nvlink_GBps']:g} GB/s per GPU and "
+        f"direction, {cluster['nvlink_latency_us']:g} us per ring hop.",
+        f"- Between nodes: {cluster['nics_per_node']} x {cluster['nic_Gbps']:g} Gb/s NICs per node, "
+        f"{assumed['network_GBps_per_gpu_ring']:g} GB/s for each GPU's inter-node ring, "
+        f"{cluster['network_latency_us']:g} us per ring hop; hierarchical allreduce (reduce-scatter in node, ring "
+        "across nodes, all-gather in node).",
+        "- Overlap: the fraction of gradient allreduce DDP hides behind backward. "
+        + (f"Measured: {assumed['measured_overlap']:.2f} (1 - exposed / flat allreduce time)."
+           if assumed["measured_overlap"] is not None else "Not measured (the measurement ran on one process)."),
+        "- Efficiency = t(1) / (N t(N)) with t(1) = compute at the whole global batch on one GPU (the 1-GPU row), "
+        "memory permitting.",
+        "",
+    ]
+    if check:
+        lines += [
+            "## Model against the measurement",
+            "",
+            f"On {check['gpus']} GPUs at global batch {check['global_batch']}: measured efficiency "
+            f"{check['measured_efficiency']:.3f} (step {check['measured_step_ms']:.2f} ms), modelled "
+            f"{check['modelled_efficiency']:.3f} (step {check['modelled_step_ms']:.2f} ms); measured flat-allreduce "
+            f"bus bandwidth {check['measured_bus_GBps']:.1f} GB/s against the {cluster['nvlink_GBps']:g} GB/s assumed.",
+            "",
+        ]
+    for global_batch in sorted({row["global_batch"] for row in rows}):
+        lines += [
+            f"## Global batch {global_batch}",
+            "",
+            "| GPUs | per-GPU batch | compute ms | small collectives ms | gradient allreduce ms | "
+            + " | ".join(f"efficiency, overlap {overlap:.2f}" for overlap in overlaps) + " |",
+            "|" + "---:|" * (5 + len(overlaps)),
+        ]
+        for num_gpus in sorted({row["gpus"] for row in rows if row["global_batch"] == global_batch}):
+            same = [row for row in rows if row["global_batch"] == global_batch and row["gpus"] == num_gpus]
+            first = same[0]
+            lines.append(
+                f"| {num_gpus} | {first['per_gpu_batch']}{'*' if first['compute_extrapolated'] else ''} | "
+                f"{first['compute_ms']:.2f} | {first['small_collectives_ms']:.3f} | "
+                f"{first['gradient_allreduce_ms']:.3f} | "
+                + " | ".join(f"{row['efficiency']:.3f}" for row in same) + " |"
+            )
+        lines.append("")
+    if left_out:
+        lines += ["Left out (global batch not divisible by the GPU count): "
+                  + ", ".join(f"G={g} on {n}" for g, n in left_out), ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(path: Path, rows: list, overlaps: list, assumed: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(13, 5))
+    global_batches = sorted({row["global_batch"] for row in rows})
+    styles = ["-", "--", ":", "-."]
+    for color_index, global_batch in enumerate(global_batches):
+        for overlap_index, overlap in enumerate(overlaps):
+            curve = [row for row in rows if row["global_batch"] == global_batch and row["overlap"] == overlap]
+            left.plot(
+                [row["gpus"] for row in curve], [row["efficiency"] for row in curve],
+                styles[overlap_index % len(styles)], color=f"C{color_index}", marker="o", markersize=3,
+                label=f"global batch {global_batch}, overlap {overlap:.2f}",
+            )
+    left.axvline(assumed["cluster"]["gpus_per_node"], color="grey", linewidth=0.8, linestyle=":")
+    left.set(xscale="log", xlabel="GPUs", ylabel="strong-scaling efficiency t(1) / (N t(N))", ylim=(0, 1.05),
+             title="Projected efficiency (dotted line: one node)")
+    gpu_counts = sorted({row["gpus"] for row in rows})
+    left.set_xticks(gpu_counts, labels=[str(num_gpus) for num_gpus in gpu_counts])
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+
+    # Where a step's time goes, for the largest global batch at the first overlap.
+    curve = [row for row in rows if row["global_batch"] == global_batches[-1] and row["overlap"] == overlaps[0]]
+    positions = range(len(curve))
+    bottom = [0.0] * len(curve)
+    for key, label in (("compute_ms", "compute"), ("small_collectives_ms", "small collectives"),
+                       ("exposed_allreduce_ms", "exposed gradient allreduce")):
+        shares = [row[key] / row["step_ms"] for row in curve]
+        right.bar(positions, shares, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, shares)]
+    right.set_xticks(list(positions), labels=[f"{row['gpus']}\n(b={row['per_gpu_batch']})" for row in curve])
+    right.set(xlabel="GPUs (per-GPU batch)", ylabel="share of step time", ylim=(0, 1),
+              title=f"Step time, global batch {global_batches[-1]}, overlap {overlaps[0]:.2f}")
+    right.legend(fontsize=7, loc="lower left")
+    figure.suptitle(f"{assumed['model']} — measured on {assumed['measured_on']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def main(argv=None) -> int:
+    defaults = Cluster()
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scaling_model", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--measured", required=True, help="a JSON written by benchmarks.scaling")
+    parser.add_argument("--out", required=True, help="folder for scaling_projection.{png,md,json}")
+    parser.add_argument("--global-batch", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--overlap", type=float, nargs="+",
+                        help="fractions of gradient allreduce hidden behind backward (default: the measured one if "
+                             "the JSON is from several GPUs, then 0 and 1; else 0, 0.5 and 1)")
+    parser.add_argument("--backward-share", type=float, default=2 / 3, help="backward's share of compute time")
+    parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    parser.add_argument("--nvlink-GBps", type=float, default=defaults.nvlink_GBps,
+                        help="NVLink GB/s per GPU and direction (NVLink 4: 18 links x 25 GB/s)")
+    parser.add_argument("--nvlink-latency-us", type=float, default=defaults.nvlink_latency_us)
+    parser.add_argument("--nic-Gbps", type=float, default=defaults.nic_Gbps, help="gigabits per second of one NIC")
+    parser.add_argument("--nics-per-node", type=int, default=defaults.nics_per_node,
+                        help="NICs per node, shared by its GPUs' inter-node rings")
+    parser.add_argument("--network-latency-us", type=float, default=defaults.network_latency_us)
+    args = parser.parse_args(argv)
+    try:
+        cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
+                          args.nics_per_node, args.network_latency_us)
+        check_gpu_counts(args.gpus, cluster)
+        if any(overlap < 0 or overlap > 1 for overlap in args.overlap or []):
+            raise ValueError(f"--overlap values must lie in [0, 1], got {args.overlap}")
+        measurement = Measurement(args.measured)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    measured_overlap = measurement.measured_overlap()
+    overlaps = args.overlap or ([measured_overlap, 0.0, 1.0] if measured_overlap is not None else [0.0, 0.5, 1.0])
+    overlaps = list(dict.fromkeys(overlaps))  # a measured 0 or 1 would otherwise draw the same curve twice
+    rows, left_out = projection(
+        measurement, cluster, args.global_batch, sorted(args.gpus), overlaps, args.backward_share
+    )
+    if not rows:
+        print("error: no --global-batch is divisible by any --gpus count", file=sys.stderr)
+        return 2
+    assumed = assumptions(measurement, cluster, args.backward_share)
+    check = model_check(measurement, cluster, args.backward_share)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling_projection.json").write_text(
+        json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n"
+    )
+    write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
+    plot(out / "scaling_projection.png", rows, overlaps, assumed)
+    print((out / "scaling_projection.md").read_text())
+    print(f"wrote {out}/scaling_projection.png, .md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Data-parallel training over MPI on CPU (gloo): two ranks train exactly as one process does at the same global
+batch; a rank that raises ends the whole job with its message; benchmarks.scaling and benchmarks.scaling_model run.
+
+Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
+its test, with the job killed, instead of stalling CI.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from benchmarks import scaling_model
+from data.prepare import prepare_an4
+from trainer import build
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
+# One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
+JOB_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+TRAIN_TIMEOUT_S = 120
+# A failing job must end well within a minute; a hang would last the trainer's collective timeout (300 s).
+FAILURE_TIMEOUT_S = 60
+
+# A tiny model on 16 short AN4 utterances, 4 a step, 2 epochs: 8 steps, two evaluations, augmentation on (seeded per
+# epoch and item, so the ranks see exactly what one process sees). 40 mel bands: with 20 the second conv gets 10
+# frequency rows and oneDNN's CPU convolution backward crashes (torch 2.14.1).
+TINY_RUN = [
+    "data=manifest", "device=cpu", "model.depth=1", "model.hidden=32", "model.conv_channels=4",
+    "model.backend=reference", "data.features.kind=mel", "data.features.n_mels=40", "data.augment.enabled=true",
+    "optim.warmup_steps=0", "train.global_batch_size=4", "train.eval_batch_size=4", "train.epochs=2",
+    "train.num_workers=0", "train.progress_bar=false", "train.amp=none",
+]
+NUM_STEPS = 8
+
+
+def run_job(command: list, timeout_s: float) -> tuple[int, str]:
+    """Runs `command` from the repository root; returns (exit code, stdout and stderr). A job still running after
+    `timeout_s` is killed with its process group and fails the test."""
+    process = subprocess.Popen(
+        [str(part) for part in command], cwd=REPO_ROOT, env=JOB_ENV, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"still running after {timeout_s} s, killed: {' '.join(map(str, command))}\n{output[-4000:]}")
+    return process.returncode, output
+
+
+def launch(world_size: int) -> list:
+    return [MPIEXEC, "-n", world_size, sys.executable] if world_size > 1 else [sys.executable]
+
+
+def trainer_command(manifests: dict, run_dir: Path, world_size: int, *overrides: str) -> list:
+    return launch(world_size) + [
+        "-m", "trainer", *TINY_RUN, f"data.train_manifests=[{manifests['train']}]",
+        f"data.eval_manifest={manifests['test']}", f"hydra.run.dir={run_dir}", *overrides,
+    ]
+
+
+@pytest.fixture(scope="module")
+def an4_slice(an4_source, tmp_path_factory) -> dict:
+    """{"train": 16 utterances of at most 1.5 s, "test": 6 more}, cut from AN4's prepared manifests."""
+    folder = tmp_path_factory.mktemp("an4_slice")
+    prepared = prepare_an4(an4_source, folder / "prepared")
+    manifests = {}
+    for split, count in (("train", 16), ("test", 6)):
+        lines = [line for line in prepared[split].read_text().splitlines() if json.loads(line)["duration"] <= 1.5]
+        manifests[split] = folder / f"{split}.jsonl"
+        manifests[split].write_text("\n".join(lines[:count]) + "\n")
+    return manifests
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(an4_slice, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two_ranks")
+    code, output = run_job(trainer_command(an4_slice, run_dir, 2), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    return run_dir
+
+
+def assert_tensors_match(expected: dict, actual: dict, what: str, rtol: float, atol: float = 0.0) -> None:
+    """Each tensor as a whole (norm of the difference) within rtol of its norm plus atol per element."""
+    assert expected.keys() == actual.keys(), what
+    for name, tensor in expected.items():
+        error = (actual[name].double() - tensor.double()).norm().item()
+        scale = tensor.double().norm().item()
+        bound = rtol * scale + atol * tensor.numel() ** 0.5
+        assert error <= bound, f"{what} {name}: error {error:.3g} against norm {scale:.3g}"
+
+
+def optimizer_tensors(saved: dict) -> dict:
+    states = saved["optimizer"]["state"]
+    return {f"{index}.{key}": value for index, state in states.items() for key, value in state.items()}
+
+
+def evaluations(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["epoch"], row["eval_wer"], row["eval_cer"]) for row in rows if "eval_wer" in row]
+
+
+@needs_mpiexec
+def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_path):
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 1), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    one = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    two = torch.load(two_rank_run / "checkpoints" / "last.pt", weights_only=True)
+    assert one["train_state"] == two["train_state"]
+    assert two["train_state"]["step"] == NUM_STEPS
+    assert len(two["rng"]) == 2  # each rank's stream, for an exact resume
+    # atol: a thousandth of the distance AdamW (lr 1e-3) moves each weight in one step, for tensors such as batch
+    # norm biases that start at zero and have moved little.
+    assert_tensors_match(one["model"], two["model"], "model", rtol=1e-5, atol=1e-6)
+    # AdamW's moments keep the gradients' scale, which its update normalises away: a loss normalised by the wrong
+    # count would still move the weights alike, but not these. The gradients agree to about 2e-5: each rank pads
+    # its shard to its own longest utterance, so float32 sums run in another order.
+    assert_tensors_match(optimizer_tensors(one), optimizer_tensors(two), "optimizer", rtol=1e-4)
+    # Split evaluation: each rank decodes half the test set and the error counts are summed.
+    assert evaluations(tmp_path) == evaluations(two_rank_run)
+    assert [epoch for epoch, _, _ in evaluations(two_rank_run)] == [1, 2]
+
+
+@needs_mpiexec
+def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run, tmp_path):
+    """Rank 1 fails resuming (its RNG state in the checkpoint is damaged) while rank 0 goes on into DDP's first
+    broadcast, where it would wait for rank 1 until the collective timeout."""
+    saved = torch.load(two_rank_run / "checkpoints" / "last.pt", weights_only=True)
+    saved["rng"][1]["torch"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(saved, tmp_path / "damaged.pt")
+    code, output = run_job(
+        trainer_command(an4_slice, tmp_path / "run", 2, f"train.resume={tmp_path / 'damaged.pt'}"), FAILURE_TIMEOUT_S
+    )
+    assert code != 0, output
+    assert "training failed on rank 1:" in output, output
+    assert "set_rng_state" in output, output  # the failing rank's own traceback, not a peer's "connection closed"
+
+
+@needs_mpiexec
+def test_user_error_on_rank_0_alone_ends_the_job(an4_slice, tmp_path):
+    """Only rank 0 prepares the corpus: with a missing corpus folder it fails while rank 1 waits at a barrier."""
+    missing = tmp_path / "no_corpus"
+    command = trainer_command(an4_slice, tmp_path / "run", 2, f"data.an4_source={missing}")
+    code, output = run_job(command, FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert f"error on rank 0: folder {missing} does not exist" in output, output
+
+
+@needs_mpiexec
+def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.global_batch_size=5"), FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert "global_batch_size 5 must be a positive multiple of world_size 2" in output, output
+
+
+def scaling_command(world_size: int, json_path: Path, *extra) -> list:
+    return launch(world_size) + [
+        "-m", "benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu", "--global-batch", 2, "--frames", 60,
+        "--steps", 2, "--warmup", 1, "--compute-batches", 1, 2, "--json", json_path, *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def scaling_result(tmp_path_factory) -> dict:
+    """benchmarks.scaling on two ranks, against its own one-process baseline."""
+    folder = tmp_path_factory.mktemp("scaling")
+    code, output = run_job(scaling_command(1, folder / "one.json"), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    code, output = run_job(scaling_command(2, folder / "two.json", "--baseline", folder / "one.json"), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert "strong-scaling efficiency" in output
+    return {"path": folder / "two.json", "one": json.loads((folder / "one.json").read_text()),
+            "two": json.loads((folder / "two.json").read_text())}
+
+
+@needs_mpiexec
+def test_scaling_benchmark_measures_the_trainers_model(scaling_result):
+    one, two = scaling_result["one"], scaling_result["two"]
+    with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=cpu_demo"])
+    model = build.model(cfg.model, build.features(cfg.data).num_features)
+    num_parameters = sum(parameter.numel() for parameter in model.parameters())
+    assert two["model"]["parameters"] == num_parameters
+    assert two["config"]["num_features"] == build.features(cfg.data).num_features
+    assert two["allreduce"]["bytes"] == two["model"]["gradient_bytes"] == 4 * num_parameters
+    assert two["world_size"] == 2 and two["step"]["per_rank_batch"] == 1 and one["step"]["per_rank_batch"] == 2
+    assert [entry["per_rank_batch"] for entry in two["compute"]] == [1, 2]
+    for measure in (two["step"], two["step_no_sync"], two["allreduce"], *two["compute"]):
+        assert len(measure["times_ms"]) == 2 and measure["median_ms"] > 0
+    assert two["exposed_communication_ms"] == pytest.approx(two["step"]["median_ms"] - two["step_no_sync"]["median_ms"])
+    efficiency = one["step"]["median_ms"] / (2 * two["step"]["median_ms"])
+    assert two["baseline"]["strong_scaling_efficiency"] == pytest.approx(efficiency)
+    assert two["versions"]["torch"] == torch.__version__
+
+
+@needs_mpiexec
+def test_scaling_model_projects_a_measurement(scaling_result, tmp_path):
+    assert scaling_model.main(["--measured", str(scaling_result["path"]), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "scaling_projection.png").read_bytes().startswith(b"\x89PNG")
+    assert "## Assumptions" in (tmp_path / "scaling_projection.md").read_text()
+    projection = json.loads((tmp_path / "scaling_projection.json").read_text())
+    rows = projection["rows"]
+    # Default: global batches 128 and 512 on 1..128 GPUs, at the measured overlap, 0 and 1 (fewer if they coincide).
+    num_overlaps = len({row["overlap"] for row in rows})
+    assert len(rows) == 2 * 8 * num_overlaps
+    assert all(row["efficiency"] == 1.0 for row in rows if row["gpus"] == 1)
+    assert projection["model_check"]["gpus"] == 2
+
+
+def write_measurement(path: Path, **model) -> Path:
+    """A benchmarks.scaling JSON from one process whose compute time is 8 ms + 2 ms per utterance."""
+    path.write_text(json.dumps({
+        "benchmark": "scaling", "world_size": 1, "device": "test", "model": model,
+        "compute": [{"per_rank_batch": 1, "median_ms": 10.0}, {"per_rank_batch": 4, "median_ms": 16.0}],
+        "config": {
+            "model": "an4", "frames": 300, "amp": True,
+            "model_config": {"depth": 5, "hidden": 800, "cell": "gru", "bidirectional": True, "backend": "cudnn"},
+        },
+    }))
+    return path
+
+
+def test_scaling_model_arithmetic(tmp_path):
+    # Nodes of 8 GPUs on 100 GB/s NVLink with 1 us hops; one 800 Gb/s NIC (100 GB/s) per node, 10 us hops.
+    cluster = scaling_model.Cluster(gpus_per_node=8, nvlink_GBps=100, nvlink_latency_us=1, nic_Gbps=800,
+                                    nics_per_node=1, network_latency_us=10)
+    gigabyte = 1e9
+    # Ring of 8: 2 * 7/8 * 1 GB / 100 GB/s = 17.5 ms, plus 14 hops of 1 us.
+    assert scaling_model.allreduce_s(gigabyte, 8, cluster) == pytest.approx(0.0175 + 14e-6)
+    # 16 GPUs: the ring of 8 in each node, then a ring of 2 nodes over 1 GB / 8 at 100 / 8 GB/s per ring: 10 ms
+    # plus 2 hops.
+    assert scaling_model.allreduce_s(gigabyte, 16, cluster) == pytest.approx(0.0175 + 14e-6 + 0.01 + 20e-6)
+    assert scaling_model.allreduce_s(gigabyte, 1, cluster) == 0.0
+
+    mebibyte = 2**20
+    measurement = scaling_model.Measurement(str(write_measurement(
+        tmp_path / "measured.json", gradient_bytes=50 * mebibyte, ddp_bucket_cap_mb=25, sync_batch_norm_channels=[]
+    )))
+    assert measurement.compute_ms(2) == pytest.approx(12.0)
+    assert measurement.compute_ms(16) == pytest.approx(40.0)  # extrapolated along the same line
+    row = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=2, overlap=0.5, backward_share=2 / 3)
+    count_ms = (16 / 100e9 + 2e-6) * 1e3  # one ring hop each way for 16 bytes
+    bucket_ms = (25 * mebibyte / 100e9 + 2e-6) * 1e3
+    assert row["compute_ms"] == pytest.approx(24.0)  # 8 utterances per GPU
+    assert row["small_collectives_ms"] == pytest.approx(count_ms)
+    assert row["gradient_allreduce_ms"] == pytest.approx(2 * bucket_ms)
+    assert row["exposed_allreduce_ms"] == pytest.approx(bucket_ms)  # half hidden behind backward
+    assert row["efficiency"] == pytest.approx(40.0 / (2 * (24.0 + count_ms + bucket_ms)))
+    # Backward (1% of 10 ms here) caps how much allreduce it can hide, whatever the overlap.
+    capped = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=16, overlap=1.0, backward_share=0.01)
+    assert capped["exposed_allreduce_ms"] == pytest.approx(capped["gradient_allreduce_ms"] - 0.1)
