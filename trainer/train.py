@@ -41,8 +41,8 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
 def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
     """One optimizer step on this rank's shard of a global batch.
 
-    Returns ("ok", mean loss per utterance) or (reason, nan) for a skipped step; ranks always agree on skipping,
-    so none waits on a collective that another never joins.
+    Returns ("ok", mean loss per utterance of the global batch) or (reason, nan) for a skipped step; ranks always
+    agree on skipping, so none waits on a collective that another never joins.
     """
     device = env.device
     local_count = len(batch.indices)
@@ -72,8 +72,9 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     # DDP averages gradients over ranks, so scaling by world / global count gives the global per-utterance mean.
     (loss_sum * (env.world_size / global_count)).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip_norm)
+    mean_loss = distributed.all_reduce_sum(loss_sum.detach().clone()) / global_count  # over all ranks, for the log
     # Host sync 2: a non-finite gradient (allreduced, so the same on every rank) skips the step untouched.
-    loss_value, norm_value = torch.stack([loss_sum.detach() / local_count, grad_norm.detach()]).tolist()
+    loss_value, norm_value = torch.stack([mean_loss, grad_norm.detach()]).tolist()
     if not math.isfinite(norm_value):
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
