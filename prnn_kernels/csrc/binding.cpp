@@ -81,6 +81,22 @@ prnn::RnnParams<Element> common_params(Activation activation, const at::Tensor& 
   return params;
 }
 
+// Builds the parameters shared by both passes in the element type of `precision` and hands them to `fill`,
+// which adds the pass's own pointers and launches.
+template <class Fill>
+void with_common_params(Precision precision, Activation activation, const at::Tensor& weight,
+                        const at::Tensor& lengths, int64_t seq_len, int64_t batch, int64_t hidden, bool reverse,
+                        int64_t timeout_ns, Fill&& fill) {
+  if (precision == Precision::kFloat32) {
+    auto params = common_params<float>(activation, weight, lengths, seq_len, batch, hidden, reverse, timeout_ns);
+    fill(params);
+  } else {
+    auto params =
+        common_params<__nv_bfloat16>(activation, weight, lengths, seq_len, batch, hidden, reverse, timeout_ns);
+    fill(params);
+  }
+}
+
 void check_common(const at::Tensor& weight, const at::Tensor& lengths, const at::Tensor& status, int64_t hidden,
                   int64_t batch, at::ScalarType dtype, const at::Device& device, int64_t seq_len,
                   int64_t timeout_ns) {
@@ -130,14 +146,7 @@ std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input
       params.bias = bias_hh ? pointer<Element>(*bias_hh) : nullptr;
       run(plan, params, status);
     };
-    if (precision == Precision::kFloat32) {
-      auto params = common_params<float>(activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-      fill(params);
-    } else {
-      auto params =
-          common_params<__nv_bfloat16>(activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-      fill(params);
-    }
+    with_common_params(precision, activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns, fill);
   }
   at::Tensor h_n = state[seq_len].narrow(1, 0, hidden).to(dtype, /*non_blocking=*/false, /*copy=*/true);
   return {output, h_n, state};
@@ -188,14 +197,7 @@ std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad
     params.grad_hx = grad_hx.data_ptr<float>();
     run(plan, params, status);
   };
-  if (precision == Precision::kFloat32) {
-    auto params = common_params<float>(activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-    fill(params);
-  } else {
-    auto params =
-        common_params<__nv_bfloat16>(activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-    fill(params);
-  }
+  with_common_params(precision, activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns, fill);
   return {grad_input, grad_hx, grad_state};
 }
 
