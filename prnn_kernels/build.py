@@ -97,6 +97,8 @@ def main():
     parser.add_argument("--arch", help="compute capability without the dot, e.g. 90 (default: the current GPU's)")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args()
+    if args.arch is None and not torch.cuda.is_available():
+        parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90)")
     module = load_extension(args.arch, verbose=args.verbose)
     print(f"built {module.__name__} from {module.__file__}")
 

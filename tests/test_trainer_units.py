@@ -170,3 +170,22 @@ def test_nan_loss_skips_the_step_and_leaves_weights_untouched():
     assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
     assert all(p.grad is None for p in model.parameters())
     assert not optimizer.state  # no momentum or Adam moments recorded from the bad batch
+
+
+# --- evaluation -----------------------------------------------------------------------------------------------------
+
+def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):
+    from data.dataset import SpeechDataset
+    from data.manifest import Utterance, write_manifest
+    from data.sampler import eval_shard
+    from trainer.evaluate import evaluate
+
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 2.0, "  two   six eight ", "x")])
+    cfg = compose_config(["model.depth=1", "model.hidden=8", "model.conv_channels=2", "data.features.kind=mel",
+                          "data.features.n_mels=40"])
+    features = build.features(cfg.data)
+    model = build.model(cfg.model, features.num_features)
+    dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
+    counts, rows = evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+    assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3

@@ -38,8 +38,16 @@ class DistEnv:
         return self.rank == 0
 
 
+def _launcher_variables() -> tuple[str, str, str] | None:
+    """The (rank, size, local rank) variable names of the launcher that started this process with size > 1."""
+    for names in LAUNCHER_VARIABLES:
+        if int(os.environ.get(names[1], "1")) > 1:
+            return names
+    return None
+
+
 def launched_by_mpi() -> bool:
-    return any(size in os.environ and int(os.environ[size]) > 1 for _, size, _ in LAUNCHER_VARIABLES)
+    return _launcher_variables() is not None
 
 
 def _ranks_from_mpi() -> tuple[int, int, int, int, "object"]:
@@ -53,17 +61,13 @@ def _ranks_from_mpi() -> tuple[int, int, int, int, "object"]:
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (0 without one); readable before and after the process group."""
-    for rank, size, _ in LAUNCHER_VARIABLES:
-        if size in os.environ and int(os.environ[size]) > 1:
-            return int(os.environ[rank])
-    return 0
+    names = _launcher_variables()
+    return int(os.environ[names[0]]) if names else 0
 
 
 def _ranks_from_launcher() -> tuple[int, int, int]:
-    for rank, size, local in LAUNCHER_VARIABLES:
-        if size in os.environ and int(os.environ[size]) > 1:
-            return int(os.environ[rank]), int(os.environ[size]), int(os.environ.get(local, 0))
-    raise AssertionError("called without a launcher")
+    rank, size, local = _launcher_variables()
+    return int(os.environ[rank]), int(os.environ[size]), int(os.environ.get(local, 0))
 
 
 def _free_port() -> int:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
+from data.text import normalize_text
 from trainer.metrics import ErrorCounts, greedy_decode
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,10 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
             log_probs, out_lengths = model(batch.features.to(device), batch.feature_lengths.to(device))
         for index, hypothesis in zip(batch.indices.tolist(), greedy_decode(log_probs, out_lengths)):
             utterance = dataset.utterances[index]
-            word_errors, char_errors = counts.add(utterance.text, hypothesis)
+            reference = normalize_text(utterance.text)  # as the model was trained to spell it: upper case
+            word_errors, char_errors = counts.add(reference, hypothesis)
             rows.append({
-                "audio_filepath": utterance.audio_filepath, "reference": utterance.text, "hypothesis": hypothesis,
+                "audio_filepath": utterance.audio_filepath, "reference": reference, "hypothesis": hypothesis,
                 "word_errors": word_errors, "char_errors": char_errors,
             })
     model.train()
