@@ -107,6 +107,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
     prepare_manifests(cfg.data, env)
