@@ -168,7 +168,7 @@ def print_table(result: dict) -> None:
         bus = f"bus {allreduce['bus_GBps']:.1f} GB/s"
         print(f"{'allreduce (flat)':<28} {'':>14} {allreduce['median_ms']:>10.3f}   {bus}")
     for entry in result["compute"]:
-        row(f"compute, one rank alone", entry, entry["per_rank_batch"])
+        row("compute, one rank alone", entry, entry["per_rank_batch"])
     if "baseline" in result:
         print(f"strong-scaling efficiency t(1) / ({result['world_size']} t({result['world_size']})): "
               f"{result['baseline']['strong_scaling_efficiency']:.3f}  (t(1) = {result['baseline']['step_ms']:.3f} ms)")

@@ -6,6 +6,7 @@ import torch
 from data.features import FeatureExtractor
 from data.text import ALPHABET
 from models import DeepSpeech2
+from trainer import checkpoint
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -42,8 +43,6 @@ def lr_schedule(optim_cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_p
 
 def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExtractor, DictConfig]:
     """Rebuilds the model and its feature extractor from the config stored inside a checkpoint (eval mode)."""
-    from trainer import checkpoint
-
     saved = checkpoint.load(path)
     cfg = OmegaConf.create(saved["config"])
     extractor = features(cfg.data)

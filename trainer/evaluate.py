@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
 from data.text import normalize_text
+from trainer import build
 from trainer.metrics import ErrorCounts, greedy_decode
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,6 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
 
 
 def main(argv=None) -> int:
-    from trainer import build
-
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
     parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")

@@ -123,9 +123,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     )
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
     if env.is_main:
-        for name, dataset in (("training", train_set), ("test", eval_set)):
-            if dataset.skipped:
-                log.warning("%s set: left out %s", name, ", ".join(f"{n} ({reason})" for reason, n in dataset.skipped.items()))
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch",
             sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),

@@ -5,12 +5,11 @@ import sys
 import torch
 
 from data.audio import AudioError, load_audio
+from trainer import build
 from trainer.metrics import greedy_decode
 
 
 def main(argv=None) -> int:
-    from trainer import build
-
     parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to 16 kHz)")
