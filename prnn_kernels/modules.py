@@ -4,7 +4,8 @@ The classes subclass the torch modules, so constructor arguments, parameter name
 and state dicts load both ways. Backends:
   "cudnn"      torch.nn's own forward (cuDNN on a GPU, ATen's native recurrence on a CPU).
   "reference"  the stack composed from `reference_layer`, one call per layer and direction.
-  "persistent" the same composition over `prnn_kernels.persistent.persistent_layer`; an unsupported shape raises.
+  "persistent" the same composition on the persistent kernels (`prnn_kernels.persistent`), both directions of a
+               bidirectional layer in one call; an unsupported shape raises.
   "auto"       persistent where the support query says it can run a CUDA input, otherwise cudnn, warning once per
                reason why a CUDA input did not get the persistent kernel.
 """
@@ -54,11 +55,7 @@ class _BackendChoice:
         backend = self._resolve_backend(input)
         if backend == "cudnn":
             return self._torch_forward(input, hx, lengths)
-        if backend == "reference":
-            return self._stacked_forward(reference_layer, input, hx, lengths)
-        from prnn_kernels.persistent import persistent_layer
-
-        return self._stacked_forward(persistent_layer, input, hx, lengths)
+        return self._stacked_forward(backend, input, hx, lengths)
 
     def _resolve_backend(self, input):
         """The backend this input runs on: "cudnn", "reference" or "persistent"."""
@@ -89,8 +86,8 @@ class _BackendChoice:
         output, _ = pad_packed_sequence(output, batch_first=self.batch_first, total_length=num_steps)
         return output, h_n
 
-    def _stacked_forward(self, layer_function, input, hx, lengths):
-        """The stack as torch.nn composes it, from one `layer_function` call per layer and direction."""
+    def _stacked_forward(self, backend, input, hx, lengths):
+        """The stack as torch.nn composes it, layer by layer on the "reference" or "persistent" backend."""
         num_directions = 2 if self.bidirectional else 1
         if hx is None:
             batch_size = input.shape[0 if self.batch_first else 1]
@@ -110,24 +107,43 @@ class _BackendChoice:
         for layer in range(self.num_layers):
             if layer > 0 and self.training and self.dropout > 0:
                 layer_input = F.dropout(layer_input, self.dropout, training=True)
-            direction_outputs = []
-            for direction in range(num_directions):
-                index = layer * num_directions + direction
-                weight_ih, weight_hh, *biases = self.all_weights[index]
-                bias_ih, bias_hh = biases if self.bias else (None, None)
-                state = (hx[0][index], hx[1][index]) if self.cell == "lstm" else hx[index]
-                input_proj = F.linear(layer_input, weight_ih, bias_ih)  # (T, B, G*H)
-                output, final_state = layer_function(
-                    self.cell, input_proj, state, weight_hh, bias_hh, lengths, reverse=direction == 1
-                )
-                direction_outputs.append(output)
-                final_states.append(final_state)
-            layer_input = torch.cat(direction_outputs, dim=2) if self.bidirectional else direction_outputs[0]
+            indices = range(layer * num_directions, (layer + 1) * num_directions)
+            weights = [self.all_weights[index] for index in indices]  # per direction: w_ih, w_hh[, b_ih, b_hh]
+            states = [(hx[0][index], hx[1][index]) if self.cell == "lstm" else hx[index] for index in indices]
+            layer_input, finals = self._layer(backend, layer_input, weights, states, lengths)
+            final_states.extend(finals)
         output = layer_input.transpose(0, 1) if self.batch_first else layer_input
         if self.cell == "lstm":
             h_n, c_n = zip(*final_states)
             return output, (torch.stack(h_n), torch.stack(c_n))
         return output, torch.stack(final_states)
+
+    def _layer(self, backend, layer_input, weights, states, lengths):
+        """Every direction of one layer: (output (T, B, num_directions * H), final state of each direction)."""
+        weight_ih = [w[0] for w in weights]
+        weight_hh = [w[1] for w in weights]
+        bias_ih = [w[2] for w in weights] if self.bias else [None] * len(weights)
+        bias_hh = [w[3] for w in weights] if self.bias else [None] * len(weights)
+        if backend == "persistent" and self.bidirectional:
+            from prnn_kernels.persistent import persistent_bidirectional_layer
+
+            # One GEMM for both directions' input projections, one launch for both recurrences.
+            input_proj = F.linear(layer_input, torch.cat(weight_ih), torch.cat(bias_ih) if self.bias else None)
+            return persistent_bidirectional_layer(self.cell, input_proj, states, weight_hh, bias_hh, lengths)
+        if backend == "persistent":
+            from prnn_kernels.persistent import persistent_layer as layer_function
+        else:
+            layer_function = reference_layer
+        outputs, finals = [], []
+        for direction in range(len(weights)):
+            input_proj = F.linear(layer_input, weight_ih[direction], bias_ih[direction])  # (T, B, G*H)
+            output, final_state = layer_function(
+                self.cell, input_proj, states[direction], weight_hh[direction], bias_hh[direction], lengths,
+                reverse=direction == 1,
+            )
+            outputs.append(output)
+            finals.append(final_state)
+        return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], finals
 
 
 class RNN(_BackendChoice, nn.RNN):

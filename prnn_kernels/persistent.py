@@ -1,9 +1,10 @@
-"""The persistent RNN CUDA kernel as a PyTorch function with autograd: `persistent_layer`, and `support` to ask first.
+"""The persistent RNN CUDA kernels as PyTorch functions with autograd: `persistent_layer` (one direction),
+`persistent_bidirectional_layer` (both directions of a layer in one launch), and `support` to ask first.
 
-One launch runs a whole layer in one direction: every CTA keeps its rows of weight_hh on chip for the whole
-sequence and the CTAs exchange each step's hidden vector through L2 with step-stamped flags (prnn_kernels/csrc).
-The backward data gradient runs the same kernel in reverse time on weight_hh^T; the weight and bias gradients are
-one GEMM and one sum over all steps afterwards.
+One launch runs a whole layer: every CTA keeps its rows of weight_hh on chip for the whole sequence and the CTAs
+exchange each step's vector through L2 with step-stamped flags (prnn_kernels/csrc). Cells: ReLU and tanh RNNs, GRU
+and LSTM with torch.nn's weight layout and gate order. The backward data gradient runs the same engine in reverse
+time on weight_hh^T; the weight and bias gradients are one GEMM and one sum over all steps afterwards.
 
 Importing this module needs neither a GPU nor a compiler; the extension is built just in time on first use
 (prnn_kernels.build).
@@ -22,7 +23,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-CELLS = ("relu", "tanh")
+from prnn_kernels.reference import NUM_GATES
+
+CELLS = tuple(NUM_GATES)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_BATCH = 16
 # Bound on each spin-wait inside the kernel; a step takes microseconds, so seconds mean a launch that cannot progress.
@@ -46,7 +49,7 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
     the extension if it is not cached yet. Answers are cached per shape and device.
 
     Args:
-        cell: "relu" | "tanh" ("gru", "lstm" are answered with a reason).
+        cell: "relu" | "tanh" | "gru" | "lstm".
         hidden_size: H.
         batch_size: B.
         dtype: dtype of input_proj (float32 or bfloat16).
@@ -63,7 +66,7 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
 @functools.lru_cache(maxsize=None)
 def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device_index: int) -> Support:
     if cell not in CELLS:
-        return Support(False, f"cell {cell!r} has no persistent kernel yet (it runs {', '.join(CELLS)})")
+        return Support(False, f"cell {cell!r} is not one of {CELLS}")
     if dtype not in DTYPES:
         return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
     if not 1 <= batch_size <= MAX_BATCH:
@@ -72,8 +75,18 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
     if major < 8:
         return Support(False, f"needs compute capability 8.0 or newer, device {device_index} has {major}.{minor}")
     with torch.cuda.device(device_index):
-        ok, reason = _extension().support(hidden_size, batch_size, dtype == torch.bfloat16)
+        ok, reason = _extension().support(cell, hidden_size, batch_size, dtype == torch.bfloat16)
     return Support(ok, reason)
+
+
+def directions_run_together(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device) -> bool:
+    """Whether `persistent_bidirectional_layer` runs both directions of this shape in one launch (forward and
+    backward) rather than one after the other: it does when both directions' CTAs fit on the device at once."""
+    device = torch.device(device)
+    if not support(cell, hidden_size, batch_size, dtype, device).ok:
+        return False
+    with torch.cuda.device(device):
+        return _extension().directions_run_together(cell, int(hidden_size), int(batch_size), dtype == torch.bfloat16)
 
 
 def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
@@ -82,49 +95,88 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
     Same signature and function as `prnn_kernels.reference.reference_layer`.
 
     Args:
-        cell: "relu" | "tanh".
-        input_proj: (T, B, H) x @ weight_ih^T + bias_ih for every step, float32 or bfloat16 (sets the precision:
-            bfloat16 runs bf16 weights and activations with fp32 accumulation and fp32 state).
-        hx: (B, H) initial state.
-        weight_hh: (H, H) recurrent weights (cast to input_proj's dtype).
-        bias_hh: (H,) recurrent bias, or None.
+        cell: "relu" | "tanh" | "gru" | "lstm".
+        input_proj: (T, B, G*H) x @ weight_ih^T + bias_ih for every step, G = NUM_GATES[cell], float32 or bfloat16
+            (sets the precision: bfloat16 runs bf16 weights and activations with fp32 accumulation and fp32 state).
+        hx: (B, H) initial state; for "lstm" a tuple (h0, c0).
+        weight_hh: (G*H, H) recurrent weights (cast to input_proj's dtype).
+        bias_hh: (G*H,) recurrent bias, or None.
         lengths: (B,) int64 valid steps per sample; on the CPU they are checked to lie in [0, T], on the GPU they
             are clamped to it.
         reverse: run t = T-1 .. 0; a sample's pass starts from hx at its own last valid step.
 
     Returns:
         output: (T, B, H) in input_proj's dtype, zero at t >= lengths[b].
-        h_n: (B, H) in input_proj's dtype, the state after each sample's last valid step (hx where lengths[b] == 0).
+        h_n: (B, H) in input_proj's dtype, the state after each sample's last valid step (hx where lengths[b] == 0);
+            for "lstm" a tuple (h_n, c_n).
 
     Raises ValueError for shapes the kernel cannot run (see `support`), RuntimeError when a launch failed.
     """
+    output, (final_state,) = _run_layer(cell, input_proj, [hx], [weight_hh], [bias_hh], lengths, reverse)
+    return output, final_state
+
+
+def persistent_bidirectional_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths):
+    """Both directions of one bidirectional layer, in one launch when their CTAs fit on the device together.
+
+    Args:
+        cell: as persistent_layer.
+        input_proj: (T, B, 2*G*H): the forward direction's gate inputs, then the reverse direction's (one GEMM of
+            the two weight_ih stacked).
+        hx, weight_hh, bias_hh: pairs (forward direction, reverse direction) of what persistent_layer takes; the
+            biases are both None or both tensors.
+        lengths: as persistent_layer.
+
+    Returns:
+        output: (T, B, 2*H) as torch.nn lays out a bidirectional layer (forward direction's h first).
+        final states: the pair (forward, reverse) of what persistent_layer returns as h_n.
+    """
+    output, final_states = _run_layer(cell, input_proj, list(hx), list(weight_hh), list(bias_hh), lengths, False)
+    return output, tuple(final_states)
+
+
+def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
+    """D = len(weight_hh) directions of one layer; direction 0 runs reversed if `reverse`, direction 1 the other
+    way. Returns output (T, B, D*H) and a list of D final states."""
+    num_directions = len(weight_hh)
     if input_proj.dim() != 3:
-        raise ValueError(f"persistent_layer: input_proj must be (T, B, H), got shape {tuple(input_proj.shape)}")
-    num_steps, batch_size, hidden_size = input_proj.shape
+        raise ValueError(f"persistent_layer: input_proj must be (T, B, G*H), got shape {tuple(input_proj.shape)}")
+    if cell not in CELLS:
+        raise ValueError(f"persistent_layer: cell {cell!r} is not one of {CELLS}")
+    num_steps, batch_size, width = input_proj.shape
+    hidden_size = width // (num_directions * NUM_GATES[cell])
     verdict = support(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device)
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
                          f"{input_proj.dtype} on {input_proj.device}: {verdict.reason}")
-    expected = {"hx": (batch_size, hidden_size), "weight_hh": (hidden_size, hidden_size), "lengths": (batch_size,)}
-    if bias_hh is not None:
-        expected["bias_hh"] = (hidden_size,)
-    given = {"hx": hx, "weight_hh": weight_hh, "lengths": lengths, "bias_hh": bias_hh}
-    for name, shape in expected.items():
-        if tuple(given[name].shape) != shape:
-            raise ValueError(f"persistent_layer: {name} must have shape {shape}, got {tuple(given[name].shape)}")
+    gate_rows = NUM_GATES[cell] * hidden_size
+    if width != num_directions * gate_rows:
+        raise ValueError(f"persistent_layer: input_proj's last dimension {width} is not {num_directions} x "
+                         f"{NUM_GATES[cell]} gates x H")
+    if (bias_hh[0] is None) != (bias_hh[-1] is None):
+        raise ValueError("persistent_bidirectional_layer: give both biases or neither")
+    states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
+    expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size),
+                "lengths": (batch_size,)}
+    given = [("weight_hh", w) for w in weight_hh] + [("bias_hh", b) for b in bias_hh if b is not None]
+    given += [("hx", h) for state in states for h in state] + [("lengths", lengths)]
+    for name, tensor in given:
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"persistent_layer: {name} must have shape {expected[name]}, got {tuple(tensor.shape)}")
     if lengths.device.type == "cpu" and bool(((lengths < 0) | (lengths > num_steps)).any()):
         raise ValueError(f"persistent_layer: lengths must lie in [0, T={num_steps}], got {lengths.tolist()}")
     dtype = input_proj.dtype
+    hx_stacked = torch.stack([state[0] for state in states]).to(dtype)
+    cx_stacked = torch.stack([state[1] for state in states]).to(dtype) if cell == "lstm" else None
+    parameters = [w.to(dtype).contiguous() for w in weight_hh]
+    parameters += [b.to(dtype).contiguous() for b in bias_hh if b is not None]
     with torch.autocast("cuda", enabled=False):
-        return _PersistentLayer.apply(
-            cell,
-            input_proj.contiguous(),
-            hx.to(dtype).contiguous(),
-            weight_hh.to(dtype).contiguous(),
-            None if bias_hh is None else bias_hh.to(dtype).contiguous(),
-            lengths.to(input_proj.device, torch.int64),
-            bool(reverse),
+        output, h_n, c_n = _PersistentLayer.apply(
+            cell, bool(reverse), num_directions, input_proj.contiguous(), hx_stacked, cx_stacked,
+            lengths.to(input_proj.device, torch.int64), *parameters,
         )
+    finals = [(h_n[d], c_n[d]) if cell == "lstm" else h_n[d] for d in range(num_directions)]
+    return output, finals
 
 
 def raise_if_failed(device=None) -> None:
@@ -182,46 +234,61 @@ def _timeout_ns() -> int:
 
 
 class _PersistentLayer(torch.autograd.Function):
+    """D directions of one layer: inputs (cell, reverse, D, input_proj, hx (D, B, H), cx (D, B, H) or None, lengths,
+    D weight_hh, then D bias_hh or none); outputs (output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) or empty)."""
+
     @staticmethod
-    def forward(ctx, cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
+    def forward(ctx, cell, reverse, num_directions, input_proj, hx, cx, lengths, *parameters):
+        weight_hh, bias_hh = list(parameters[:num_directions]), list(parameters[num_directions:])
         status = _LaunchStatus.of(input_proj.device)
         status.check(wait=False)
-        output, h_n, state = torch.ops.prnn_kernels.persistent_forward(
-            cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse, status.word, _timeout_ns(), POISON_OUTPUTS
+        output, h_n, c_n, state, saved = torch.ops.prnn_kernels.persistent_forward(
+            cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status.word, _timeout_ns(),
+            POISON_OUTPUTS,
         )
         status.after_launch()
-        ctx.cell, ctx.reverse, ctx.hx_dtype = cell, reverse, hx.dtype
-        ctx.has_bias = bias_hh is not None
-        if any(ctx.needs_input_grad[1:5]):
-            ctx.save_for_backward(weight_hh, lengths, state)
-        return output, h_n
+        ctx.cell, ctx.reverse, ctx.num_directions, ctx.hx_dtype = cell, reverse, num_directions, hx.dtype
+        ctx.has_bias = bool(bias_hh)
+        ctx.save_for_backward(lengths, state, saved, *weight_hh)
+        if cell != "lstm":
+            ctx.mark_non_differentiable(c_n)
+        return output, h_n, c_n
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output, grad_h_n):
-        weight_hh, lengths, state = ctx.saved_tensors
+    def backward(ctx, grad_output, grad_h_n, grad_c_n):
+        lengths, state, saved, *weight_hh = ctx.saved_tensors
+        lstm = ctx.cell == "lstm"
         status = _LaunchStatus.of(grad_output.device)
         status.check(wait=False)
-        grad_input_proj, grad_hx, grad_state = torch.ops.prnn_kernels.persistent_backward(
-            ctx.cell, grad_output.contiguous(), grad_h_n.contiguous(), state, weight_hh, lengths, ctx.reverse,
-            status.word, _timeout_ns(), POISON_OUTPUTS,
+        grad_input_proj, grad_hx, grad_cx, grad_state = torch.ops.prnn_kernels.persistent_backward(
+            ctx.cell, grad_output.contiguous(), grad_h_n.contiguous(), grad_c_n.contiguous() if lstm else None, state,
+            saved, weight_hh, lengths, ctx.reverse, status.word, _timeout_ns(), POISON_OUTPUTS,
         )
         status.after_launch()
-        num_steps, batch_size, hidden_size = grad_output.shape
-        grad_weight = grad_bias = None
-        # grad_state[1 + q] is dpre of backward step q, which undid forward processing step T-1-q; that step's input
-        # state is state[T-1-q]. Both (T, B, H) in fp32.
-        grad_pre = grad_state[1:num_steps + 1, :, :hidden_size].reshape(num_steps * batch_size, hidden_size)
-        if ctx.needs_input_grad[3]:
-            state_in = state[:num_steps, :, :hidden_size].flip(0).reshape(num_steps * batch_size, hidden_size)
-            grad_weight = (grad_pre.t() @ state_in).to(weight_hh.dtype)
-        if ctx.needs_input_grad[4] and ctx.has_bias:
-            grad_bias = grad_pre.sum(0).to(weight_hh.dtype)
-        return None, grad_input_proj, grad_hx.to(ctx.hx_dtype), grad_weight, grad_bias, None, None
+        num_steps, batch_size, _ = grad_output.shape
+        hidden_size = weight_hh[0].shape[1]
+        gate_rows = weight_hh[0].shape[0]
+        grad_weights, grad_biases = [], []
+        for direction, weight in enumerate(weight_hh):
+            # grad_state[d, 1 + q] is g of backward step q, which undid forward processing step T-1-q; that step's
+            # input state is state[d, T-1-q]. Both (T, B, .) in fp32.
+            grad_pre = grad_state[direction, 1:num_steps + 1, :, :gate_rows].reshape(num_steps * batch_size, gate_rows)
+            state_in = state[direction, :num_steps, :, :hidden_size].flip(0).reshape(num_steps * batch_size, -1)
+            grad_weights.append((grad_pre.t() @ state_in).to(weight.dtype))
+            if ctx.has_bias:
+                grad_biases.append(grad_pre.sum(0).to(weight.dtype))
+        grad_cx = grad_cx.to(ctx.hx_dtype) if lstm else None
+        return (None, None, None, grad_input_proj, grad_hx.to(ctx.hx_dtype), grad_cx, None, *grad_weights,
+                *grad_biases)
 
 
-def _state_stride(hidden_size):
-    return (hidden_size + 3) // 4 * 4
+def _timeout_ns() -> int:
+    return int(SPIN_TIMEOUT_S * 1e9)
+
+
+def _round_up_4(size):
+    return (size + 3) // 4 * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,41 +300,54 @@ def _extension():
 
 @torch.library.custom_op("prnn_kernels::persistent_forward", mutates_args=("status",))
 def _forward_op(
-    cell: str, input_proj: Tensor, hx: Tensor, weight_hh: Tensor, bias_hh: Optional[Tensor], lengths: Tensor,
-    reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(output (T, B, H), h_n (B, H), state (T+1, B, HS) fp32: h entering each processing step, [T] = h_n)."""
-    output, h_n, state = _extension().forward(
-        cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison
-    )
-    return output, h_n, state
+    cell: str, input_proj: Tensor, hx: Tensor, cx: Optional[Tensor], weight_hh: list[Tensor], bias_hh: list[Tensor],
+    lengths: Tensor, reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) or empty, state (D, T+1, B, HS) fp32: h entering each
+    processing step, [T] = h_n; saved (D, T, B, V, H) fp32 gate values for the backward, or empty)."""
+    return tuple(_extension().forward(
+        cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison
+    ))
 
 
 @_forward_op.register_fake
-def _(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison):
-    num_steps, batch_size, hidden_size = input_proj.shape
-    state = input_proj.new_empty((num_steps + 1, batch_size, _state_stride(hidden_size)), dtype=torch.float32)
-    return torch.empty_like(input_proj), input_proj.new_empty((batch_size, hidden_size)), state
+def _(cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison):
+    num_directions, batch_size, hidden_size = hx.shape
+    num_steps = input_proj.shape[0]
+    saved_values = _SAVED_VALUES[cell]
+    output = input_proj.new_empty((num_steps, batch_size, num_directions * hidden_size))
+    c_n = hx.new_empty(hx.shape if cell == "lstm" else (0,))
+    state = input_proj.new_empty((num_directions, num_steps + 1, batch_size, _round_up_4(hidden_size)),
+                                 dtype=torch.float32)
+    saved_shape = (num_directions, num_steps, batch_size, saved_values, hidden_size) if saved_values else (0,)
+    saved = input_proj.new_empty(saved_shape, dtype=torch.float32)
+    return output, torch.empty_like(hx), c_n, state, saved
 
 
 @torch.library.custom_op("prnn_kernels::persistent_backward", mutates_args=("status",))
 def _backward_op(
-    cell: str, grad_output: Tensor, grad_h_n: Tensor, state: Tensor, weight_hh: Tensor, lengths: Tensor,
-    reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_input_proj (T, B, H), grad_hx (B, H) fp32, grad_state (T+2, B, HS) fp32).
-
-    grad_state[1 + q] is dpre of backward step q.
-    """
-    grad_input_proj, grad_hx, grad_state = _extension().backward(
-        cell, grad_output, grad_h_n, state, weight_hh, lengths, reverse, status, timeout_ns, poison
-    )
-    return grad_input_proj, grad_hx, grad_state
+    cell: str, grad_output: Tensor, grad_h_n: Tensor, grad_c_n: Optional[Tensor], state: Tensor, saved: Tensor,
+    weight_hh: list[Tensor], lengths: Tensor, reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_input_proj (T, B, D*G*H), grad_hx (D, B, H) fp32, grad_cx (D, B, H) fp32 or empty,
+    grad_state (D, T+2, B, GS) fp32: [d, 1 + q] is g of backward step q)."""
+    return tuple(_extension().backward(
+        cell, grad_output, grad_h_n, grad_c_n, state, saved, weight_hh, lengths, reverse, status, timeout_ns, poison
+    ))
 
 
 @_backward_op.register_fake
-def _(cell, grad_output, grad_h_n, state, weight_hh, lengths, reverse, status, timeout_ns, poison):
-    num_steps, batch_size, hidden_size = grad_output.shape
-    grad_hx = grad_output.new_empty((batch_size, hidden_size), dtype=torch.float32)
-    grad_state = grad_output.new_empty((num_steps + 2, batch_size, _state_stride(hidden_size)), dtype=torch.float32)
-    return torch.empty_like(grad_output), grad_hx, grad_state
+def _(cell, grad_output, grad_h_n, grad_c_n, state, saved, weight_hh, lengths, reverse, status, timeout_ns, poison):
+    num_directions, batch_size, hidden_size = grad_h_n.shape
+    num_steps = grad_output.shape[0]
+    gate_rows = NUM_GATES[cell] * hidden_size
+    grad_input_proj = grad_output.new_empty((num_steps, batch_size, num_directions * gate_rows))
+    grad_hx = grad_output.new_empty(grad_h_n.shape, dtype=torch.float32)
+    grad_cx = grad_output.new_empty(grad_h_n.shape if cell == "lstm" else (0,), dtype=torch.float32)
+    grad_state = grad_output.new_empty((num_directions, num_steps + 2, batch_size, _round_up_4(gate_rows)),
+                                       dtype=torch.float32)
+    return grad_input_proj, grad_hx, grad_cx, grad_state
+
+
+# fp32 values per (step, sample, unit) the forward pass saves for the backward (csrc/persistent_rnn.h).
+_SAVED_VALUES = {"relu": 0, "tanh": 0, "gru": 4, "lstm": 6}

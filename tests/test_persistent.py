@@ -7,8 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from prnn_kernels import persistent
-from prnn_kernels.persistent import persistent_layer, support
-from prnn_kernels.reference import reference_layer, relative_error
+from prnn_kernels.persistent import (
+    directions_run_together,
+    persistent_bidirectional_layer,
+    persistent_layer,
+    support,
+)
+from prnn_kernels.reference import NUM_GATES, reference_layer, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CUDA = torch.device("cuda")
@@ -25,22 +30,28 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(persistent, "POISON_OUTPUTS", True)
 
 
-def random_layer(num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_on_cpu=False):
+def random_layer(cell, num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_on_cpu=False):
     """Inputs as torch.nn initialises and feeds a layer (weights U(-1/sqrt(H), 1/sqrt(H))), ragged lengths.
 
-    Returns (leaves in dtype with requires_grad, lengths): leaves = [input_proj, hx, weight_hh, bias_hh or None].
+    Returns (leaves in dtype with requires_grad, lengths): leaves = [input_proj, hx, cx (LSTM only), weight_hh,
+    bias_hh or None].
     """
     generator = torch.Generator(device=CUDA).manual_seed(seed)
     bound = 1 / math.sqrt(hidden_size)
+    gate_rows = NUM_GATES[cell] * hidden_size
 
     def uniform(*shape):
         return (torch.rand(*shape, device=CUDA, generator=generator) * 2 - 1) * bound
 
+    def state():
+        return torch.randn(batch_size, hidden_size, device=CUDA, generator=generator) * 0.5
+
     leaves = [
-        torch.randn(num_steps, batch_size, hidden_size, device=CUDA, generator=generator),
-        torch.randn(batch_size, hidden_size, device=CUDA, generator=generator) * 0.5,
-        uniform(hidden_size, hidden_size),
-        uniform(hidden_size) if bias else None,
+        torch.randn(num_steps, batch_size, gate_rows, device=CUDA, generator=generator),
+        state(),
+        *([state()] if cell == "lstm" else []),
+        uniform(gate_rows, hidden_size),
+        uniform(gate_rows) if bias else None,
     ]
     leaves = [None if t is None else t.to(dtype).requires_grad_() for t in leaves]
     lengths = torch.randint(0, num_steps + 1, (batch_size,), device=CUDA, generator=generator)
@@ -50,11 +61,33 @@ def random_layer(num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_
     return leaves, (lengths.cpu() if lengths_on_cpu else lengths)
 
 
+def layer_arguments(cell, leaves):
+    """persistent_layer's (input_proj, hx, weight_hh, bias_hh) from random_layer's leaves."""
+    if cell == "lstm":
+        input_proj, h0, c0, weight_hh, bias_hh = leaves
+        return input_proj, (h0, c0), weight_hh, bias_hh
+    return tuple(leaves)
+
+
 def outputs_and_gradients(layer, cell, leaves, lengths, reverse, upstream):
-    output, h_n = layer(cell, *leaves, lengths, reverse)
-    loss = (output * upstream[0]).sum() + (h_n * upstream[1]).sum()
+    """[output, h_n, (c_n,) and the gradient of every leaf] for a random linear function of the outputs."""
+    output, final = layer(cell, *layer_arguments(cell, leaves), lengths, reverse)
+    finals = list(final) if cell == "lstm" else [final]
+    loss = sum((value * weight).sum() for value, weight in zip([output, *finals], upstream))
     wanted = [leaf for leaf in leaves if leaf is not None]
-    return [output, h_n, *torch.autograd.grad(loss, wanted)]
+    return [output, *finals, *torch.autograd.grad(loss, wanted)]
+
+
+def value_names(cell, bias):
+    states = ["h_n", "c_n"] if cell == "lstm" else ["h_n"]
+    initial = ["hx", "cx"] if cell == "lstm" else ["hx"]
+    return ["output", *states, "grad input_proj", *[f"grad {n}" for n in initial], "grad weight_hh",
+            *(["grad bias_hh"] if bias else [])]
+
+
+def random_upstream(cell, num_steps, batch_size, hidden_size, dtype):
+    shapes = [(num_steps, batch_size, hidden_size)] + [(batch_size, hidden_size)] * (2 if cell == "lstm" else 1)
+    return [torch.randn(*shape, device=CUDA).to(dtype) for shape in shapes]
 
 
 CASES = [
@@ -76,6 +109,20 @@ CASES = [
     ("relu", 256, 4, 2048, torch.bfloat16, False, True),
     ("tanh", 17, 4, 2304, torch.bfloat16, False, True),
     ("relu", 17, 16, 2816, torch.bfloat16, True, True),
+    ("gru", 1, 1, 32, torch.float32, False, True),
+    ("gru", 17, 3, 33, torch.float32, True, True),
+    ("gru", 17, 7, 257, torch.float32, False, False),
+    ("gru", 256, 4, 800, torch.float32, True, True),
+    ("gru", 17, 16, 1024, torch.float32, False, True),
+    ("gru", 2, 3, 100, torch.bfloat16, True, True),
+    ("gru", 256, 4, 1152, torch.bfloat16, False, True),
+    ("gru", 17, 16, 800, torch.bfloat16, True, True),
+    ("lstm", 2, 1, 31, torch.float32, False, True),
+    ("lstm", 17, 4, 100, torch.float32, True, True),
+    ("lstm", 17, 16, 513, torch.float32, True, False),
+    ("lstm", 256, 4, 1024, torch.float32, False, True),
+    ("lstm", 17, 7, 100, torch.bfloat16, False, True),
+    ("lstm", 256, 4, 1024, torch.bfloat16, True, True),
 ]
 
 
@@ -108,10 +155,10 @@ def relu_reference_with_pattern(passed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("cell, num_steps, batch_size, hidden_size, dtype, reverse, bias", CASES)
 def test_matches_float64_reference(poisoned, cell, num_steps, batch_size, hidden_size, dtype, reverse, bias):
-    seed = num_steps * 7919 + batch_size * 104729 + hidden_size
-    leaves, lengths = random_layer(num_steps, batch_size, hidden_size, dtype, bias, seed, lengths_on_cpu=seed % 2 == 1)
-    upstream = [torch.randn(num_steps, batch_size, hidden_size, device=CUDA).to(dtype),
-                torch.randn(batch_size, hidden_size, device=CUDA).to(dtype)]
+    seed = num_steps * 7919 + batch_size * 104729 + hidden_size + NUM_GATES[cell]
+    leaves, lengths = random_layer(cell, num_steps, batch_size, hidden_size, dtype, bias, seed,
+                                   lengths_on_cpu=seed % 2 == 1)
+    upstream = random_upstream(cell, num_steps, batch_size, hidden_size, dtype)
 
     actual = outputs_and_gradients(persistent_layer, cell, leaves, lengths, reverse, upstream)
     persistent.raise_if_failed()
@@ -121,25 +168,97 @@ def test_matches_float64_reference(poisoned, cell, num_steps, batch_size, hidden
     reference = relu_reference_with_pattern(actual[0].detach() > 0) if relu_in_bf16 else reference_layer
     expected = outputs_and_gradients(reference, cell, leaves64, lengths, reverse, [u.double() for u in upstream])
 
-    names = ["output", "h_n", "grad input_proj", "grad hx", "grad weight_hh", "grad bias_hh"]
+    names = value_names(cell, bias)
+    assert len(actual) == len(names) == len(expected)
     unwritten = [name for name, a in zip(names, actual) if not torch.isfinite(a).all()]
     assert not unwritten, f"NaN/inf (elements left unwritten?) in {unwritten}"
     errors = {name: relative_error(a.double(), e) for name, a, e in zip(names, actual, expected)}
     assert max(errors.values()) <= TOLERANCE[dtype], f"relative errors {errors}"
     assert actual[0].dtype == dtype and actual[1].dtype == dtype
     if relu_in_bf16:  # the outputs also stay within 1e-2 of the plain float64 recurrence
-        plain = reference_layer(cell, *[None if t is None else t.detach() for t in leaves64], lengths, reverse)
+        plain = reference_layer(cell, *layer_arguments(cell, [None if t is None else t.detach() for t in leaves64]),
+                                lengths, reverse)
         plain_errors = [relative_error(a.double(), e) for a, e in zip(actual[:2], plain)]
         assert max(plain_errors) <= TOLERANCE[dtype], f"output, h_n vs plain float64: {plain_errors}"
 
 
+BIDIRECTIONAL_CASES = [
+    # cell, T, B, H, dtype: fp32 GRU 1024 is too large for both directions at once (one launch after the other)
+    ("gru", 33, 4, 256, torch.bfloat16),
+    ("lstm", 17, 3, 100, torch.float32),
+    ("tanh", 17, 7, 300, torch.float32),
+    ("gru", 17, 4, 1024, torch.float32),
+]
+
+
 @pytest.mark.cuda
-def test_repeated_runs_are_identical():
+@pytest.mark.parametrize("cell, num_steps, batch_size, hidden_size, dtype", BIDIRECTIONAL_CASES)
+def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, num_steps, batch_size, hidden_size,
+                                                              dtype):
+    seed = num_steps + batch_size + hidden_size
+    directions = [random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed + d)[0] for d in range(2)]
+    _, lengths = random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed)
+    upstream = [random_upstream(cell, num_steps, batch_size, hidden_size, dtype) for _ in range(2)]
+
+    def run(leaves_per_direction, layer):
+        arguments = [layer_arguments(cell, leaves) for leaves in leaves_per_direction]  # (input_proj, hx, w, b)
+        if layer is persistent_bidirectional_layer:
+            input_proj = torch.cat([a[0] for a in arguments], dim=2)
+            output, finals = layer(cell, input_proj, *[[a[i] for a in arguments] for i in (1, 2, 3)], lengths)
+            outputs = output.chunk(2, dim=2)
+        else:
+            outputs, finals = zip(*[layer(cell, *a, lengths, reverse=d == 1) for d, a in enumerate(arguments)])
+        loss = 0
+        for output, final, weights in zip(outputs, finals, upstream):
+            values = [output, *(final if cell == "lstm" else [final])]
+            loss = loss + sum((value * weight.to(value.dtype)).sum() for value, weight in zip(values, weights))
+        leaves = [leaf for leaves in leaves_per_direction for leaf in leaves if leaf is not None]
+        return [*outputs, *torch.autograd.grad(loss, leaves)]
+
+    actual = run(directions, persistent_bidirectional_layer)
+    persistent.raise_if_failed()
+    directions64 = [[None if t is None else t.detach().double().requires_grad_() for t in leaves]
+                    for leaves in directions]
+    expected = run(directions64, reference_layer)
+    assert all(torch.isfinite(a).all() for a in actual)
+    errors = [relative_error(a.double(), e) for a, e in zip(actual, expected)]
+    assert max(errors) <= TOLERANCE[dtype], f"relative errors {errors}"
+    together = directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
+    assert together == (hidden_size != 1024), "the launch planner changed: update BIDIRECTIONAL_CASES' comment"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell", ["gru", "lstm", "relu"])
+def test_model_on_persistent_backend_matches_reference_backend(cell):
+    """A bidirectional 2-layer stack inside DeepSpeech2: loss and every gradient, persistent against reference."""
+    from models.deepspeech2 import DeepSpeech2
+
+    torch.manual_seed(8)
+    features = torch.randn(3, 90, 40, device=CUDA)
+    feature_lengths = torch.tensor([90, 71, 40], device=CUDA)
+    upstream = None
+    results = []
+    for backend in ("persistent", "reference"):
+        torch.manual_seed(9)
+        model = DeepSpeech2(40, 29, depth=2, hidden=96, cell=cell, backend=backend, conv_channels=4).to(CUDA)
+        log_probs, _ = model(features, feature_lengths)
+        if upstream is None:
+            upstream = torch.randn_like(log_probs)
+        (log_probs * upstream).sum().backward()
+        results.append([log_probs.detach(), *[p.grad.detach() for p in model.parameters()]])
+    persistent.raise_if_failed()
+    errors = [relative_error(a.double(), b.double()) for a, b in zip(*results)]
+    assert max(errors) <= 1e-4, f"relative errors {errors}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell", ["relu", "gru"])
+def test_repeated_runs_are_identical(cell):
     """The kernel reduces in a fixed order: any difference between two runs would be a race."""
-    leaves, lengths = random_layer(64, 4, 2048, torch.float32, True, seed=3)
-    upstream = [torch.randn(64, 4, 2048, device=CUDA), torch.randn(4, 2048, device=CUDA)]
-    first = outputs_and_gradients(persistent_layer, "relu", leaves, lengths, False, upstream)
-    second = outputs_and_gradients(persistent_layer, "relu", leaves, lengths, False, upstream)
+    leaves, lengths = random_layer(cell, 64, 4, 1024, torch.float32, True, seed=3)
+    upstream = random_upstream(cell, 64, 4, 1024, torch.float32)
+    first = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
+    second = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
     persistent.raise_if_failed()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
@@ -149,18 +268,20 @@ def test_repeated_runs_are_identical():
 @pytest.mark.parametrize(
     "cell, hidden_size, batch_size, dtype, message",
     [
-        ("gru", 256, 4, torch.float32, "no persistent kernel"),
+        ("conv", 256, 4, torch.float32, "is not one of"),
         ("relu", 256, 17, torch.float32, "batch size 17"),
-        ("relu", 256, 4, torch.float16, "dtype"),
-        ("relu", 8192, 4, torch.float32, "too large for on-chip memory"),
+        ("gru", 256, 4, torch.float16, "dtype"),
+        ("relu", 8192, 4, torch.float32, "do not fit on chip"),
+        ("gru", 1152, 4, torch.float32, "do not fit on chip"),
     ],
 )
 def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, message):
     verdict = support(cell, hidden_size, batch_size, dtype, CUDA)
     assert not verdict.ok and message in verdict.reason
-    input_proj = torch.randn(3, batch_size, hidden_size, device=CUDA, dtype=dtype)
+    gate_rows = NUM_GATES.get(cell, 1) * hidden_size
+    input_proj = torch.randn(3, batch_size, gate_rows, device=CUDA, dtype=dtype)
     hx = torch.zeros(batch_size, hidden_size, device=CUDA, dtype=dtype)
-    weight = torch.zeros(hidden_size, hidden_size, device=CUDA, dtype=dtype)
+    weight = torch.zeros(gate_rows, hidden_size, device=CUDA, dtype=dtype)
     lengths = torch.full((batch_size,), 3)
     with pytest.raises(ValueError, match=message):
         persistent_layer(cell, input_proj, hx, weight, None, lengths, False)
@@ -168,38 +289,40 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
 
 @pytest.mark.cuda
 def test_refuses_lengths_out_of_range():
-    leaves, _ = random_layer(5, 2, 64, torch.float32, True, seed=4)
+    leaves, _ = random_layer("relu", 5, 2, 64, torch.float32, True, seed=4)
     with pytest.raises(ValueError, match="lengths must lie in"):
         persistent_layer("relu", *leaves, torch.tensor([5, 6]), False)
 
 
 @pytest.mark.cuda
 def test_timed_out_wait_raises_then_recovers(monkeypatch):
-    leaves, lengths = random_layer(64, 4, 1024, torch.float32, True, seed=5)
+    leaves, lengths = random_layer("lstm", 64, 4, 1024, torch.float32, True, seed=5)
+    arguments = layer_arguments("lstm", leaves)
     monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # every wait that finds a flag unset fails at once
-    persistent_layer("relu", *leaves, lengths, False)
+    persistent_layer("lstm", *arguments, lengths, False)
     with pytest.raises(RuntimeError, match="timed out"):
         persistent.raise_if_failed()
     monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 4.0)
-    output, _ = persistent_layer("relu", *leaves, lengths, False)
+    output, _ = persistent_layer("lstm", *arguments, lengths, False)
     persistent.raise_if_failed()
-    expected, _ = reference_layer("relu", *[t.detach().double() for t in leaves], lengths, False)
+    expected, _ = reference_layer("lstm", *layer_arguments("lstm", [t.detach().double() for t in leaves]), lengths,
+                                  False)
     assert relative_error(output.double(), expected) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_and_backward_capture_in_a_cuda_graph(dtype):
-    leaves, lengths = random_layer(33, 4, 512, dtype, True, seed=6)
-    upstream = [torch.randn(33, 4, 512, device=CUDA).to(dtype), torch.randn(4, 512, device=CUDA).to(dtype)]
+@pytest.mark.parametrize("cell, dtype", [("tanh", torch.float32), ("gru", torch.bfloat16), ("lstm", torch.float32)])
+def test_forward_and_backward_capture_in_a_cuda_graph(cell, dtype):
+    leaves, lengths = random_layer(cell, 33, 4, 512, dtype, True, seed=6)
+    upstream = random_upstream(cell, 33, 4, 512, dtype)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture: build, plan, status word
-        outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+        outputs_and_gradients(persistent_layer, cell, leaves, lengths, True, upstream)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+        captured = outputs_and_gradients(persistent_layer, cell, leaves, lengths, True, upstream)
 
     with torch.no_grad():  # fresh values in the captured input buffers
         for leaf in leaves:
@@ -207,19 +330,23 @@ def test_forward_and_backward_capture_in_a_cuda_graph(dtype):
     graph.replay()
     torch.cuda.synchronize()
     persistent.raise_if_failed()
-    eager = outputs_and_gradients(persistent_layer, "tanh", leaves, lengths, True, upstream)
+    eager = outputs_and_gradients(persistent_layer, cell, leaves, lengths, True, upstream)
     for a, b in zip(captured, eager):  # stale inputs or a skipped launch would be off by O(1)
         assert relative_error(a.double(), b.double()) <= 1e-6
 
 
 @pytest.mark.cuda
-def test_custom_ops_pass_opcheck():
-    leaves, lengths = random_layer(5, 3, 40, torch.float32, True, seed=7)
-    input_proj, hx, weight, bias = [t.detach() for t in leaves]
+@pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
+def test_custom_ops_pass_opcheck(cell):
+    leaves, lengths = random_layer(cell, 5, 3, 40, torch.float32, True, seed=7)
+    input_proj, hx, *rest = [t.detach() for t in leaves]
+    cx = rest.pop(0)[None] if cell == "lstm" else None
+    weight, bias = rest
     status = torch.zeros(1, dtype=torch.int32, device=CUDA)
-    forward_args = ("relu", input_proj, hx, weight, bias, lengths, False, status, 10**9, False)
+    forward_args = (cell, input_proj, hx[None], cx, [weight], [bias], lengths, False, status, 10**9, False)
     torch.library.opcheck(torch.ops.prnn_kernels.persistent_forward.default, forward_args)
-    _, _, state = torch.ops.prnn_kernels.persistent_forward(*forward_args)
-    backward_args = ("relu", torch.randn_like(input_proj), torch.randn_like(hx), state, weight, lengths, False, status,
-                     10**9, False)
+    output, h_n, c_n, state, saved = torch.ops.prnn_kernels.persistent_forward(*forward_args)
+    grad_c_n = torch.randn_like(c_n) if cell == "lstm" else None
+    backward_args = (cell, torch.randn_like(output), torch.randn_like(h_n), grad_c_n, state, saved, [weight], lengths,
+                     False, status, 10**9, False)
     torch.library.opcheck(torch.ops.prnn_kernels.persistent_backward.default, backward_args)

@@ -1,14 +1,19 @@
-// bf16 backward-data kernels: the forward engine on U^T with the backward cell.
-#include "engine.cuh"
-#include "mma_math.cuh"
+// bf16 backward-data kernels: the forward engine on U^T (one row per unit, K = G * H) with each cell's backward.
+#include "bf16_variants.cuh"
+#include "gated_cells.cuh"
 #include "vanilla_cell.cuh"
 
 namespace prnn {
 
-std::vector<KernelVariant> bf16_backward_variants() {
-  return {kernel_variant<MmaMath<8, 1024>, VanillaBackward<__nv_bfloat16>>(),
-          kernel_variant<MmaMath<16, 512>, VanillaBackward<__nv_bfloat16>>(),
-          kernel_variant<MmaMath<40, 480>, VanillaBackward<__nv_bfloat16>>()};
+std::vector<KernelVariant> bf16_backward_variants(CellKind cell) {
+  switch (cell) {
+    case CellKind::kGru:
+      return bf16_variants<GruBackward<__nv_bfloat16>>();
+    case CellKind::kLstm:
+      return bf16_variants<LstmBackward<__nv_bfloat16>>();
+    default:
+      return bf16_variants<VanillaBackward<__nv_bfloat16>>();
+  }
 }
 
 }  // namespace prnn

@@ -1,5 +1,11 @@
 // The only file that touches ATen: checks the tensors, allocates outputs, workspace and flags through PyTorch on the
 // current stream, and launches the torch-free kernels (persistent_rnn.h).
+//
+// A call runs D = 1 or 2 directions of one layer. Direction 0 runs reversed when `reverse` is set; with two
+// directions, direction 1 runs the other way. Sequence tensors are laid out as torch.nn lays out a bidirectional
+// layer: input_proj (T, B, D*G*H) holds each direction's G*H gate inputs side by side (one GEMM of the stacked
+// weight_ih makes it), output (T, B, D*H) each direction's h. Both directions run in one launch when their CTAs fit
+// on the device together, one after the other otherwise.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -11,14 +17,16 @@
 
 namespace {
 
-using prnn::Activation;
+using prnn::CellKind;
 using prnn::Pass;
 using prnn::Precision;
 
-Activation activation_of(const std::string& cell) {
-  TORCH_CHECK(cell == "relu" || cell == "tanh", "persistent RNN kernel: cell must be 'relu' or 'tanh', got '", cell,
-              "'");
-  return cell == "relu" ? Activation::kRelu : Activation::kTanh;
+CellKind cell_of(const std::string& cell) {
+  if (cell == "relu") return CellKind::kRelu;
+  if (cell == "tanh") return CellKind::kTanh;
+  if (cell == "gru") return CellKind::kGru;
+  TORCH_CHECK(cell == "lstm", "persistent RNN kernel: cell must be 'relu', 'tanh', 'gru' or 'lstm', got '", cell, "'");
+  return CellKind::kLstm;
 }
 
 Precision precision_of(at::ScalarType dtype) {
@@ -27,7 +35,7 @@ Precision precision_of(at::ScalarType dtype) {
   return dtype == at::kFloat ? Precision::kFloat32 : Precision::kBFloat16;
 }
 
-int state_stride(int64_t hidden) { return static_cast<int>((hidden + 3) / 4 * 4); }
+int64_t round_up_4(int64_t value) { return (value + 3) / 4 * 4; }
 
 void check_tensor(const at::Tensor& tensor, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
                   const at::Device& device) {
@@ -40,187 +48,259 @@ void check_tensor(const at::Tensor& tensor, const char* name, at::IntArrayRef sh
   TORCH_CHECK(tensor.is_contiguous(), "persistent RNN kernel: ", name, " must be contiguous");
 }
 
-prnn::LaunchPlan plan_or_throw(Precision precision, Pass pass, int64_t hidden, int64_t batch) {
-  TORCH_CHECK(hidden <= std::numeric_limits<int>::max() / 16, "persistent RNN kernel: hidden size ", hidden,
-              " is too large");
-  prnn::LaunchPlan plan = prnn::plan_launch(precision, pass, static_cast<int>(hidden), static_cast<int>(batch));
+template <class Element>
+const Element* pointer(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.numel() > 0 ? reinterpret_cast<const Element*>(tensor.data_ptr()) : nullptr;
+}
+
+template <class Element>
+Element* mutable_pointer(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.numel() > 0 ? reinterpret_cast<Element*>(tensor.data_ptr()) : nullptr;
+}
+
+// What both passes share: the layer's shape and the tensors common to every direction.
+struct Layer {
+  std::string cell_name;
+  CellKind cell;
+  Precision precision;
+  at::ScalarType dtype;
+  at::Device device;
+  int64_t seq_len, batch, hidden, gates, directions;
+  bool reverse;
+  const at::Tensor& lengths;
+  const at::Tensor& status;
+  int64_t timeout_ns;
+
+  int64_t saved_values() const { return prnn::saved_values_of(cell); }
+};
+
+// `sequence` holds values_per_unit values per (t, b, direction, hidden unit): G in input_proj, 1 in grad_output.
+Layer describe(const std::string& cell_name, const at::Tensor& sequence, int64_t values_per_unit,
+               const std::vector<at::Tensor>& weight_hh, const at::Tensor& lengths, bool reverse,
+               const at::Tensor& status, int64_t timeout_ns) {
+  const CellKind cell = cell_of(cell_name);
+  TORCH_CHECK(sequence.dim() == 3, "persistent RNN kernel: sequence tensors must be (T, B, D * values), got ",
+              sequence.sizes());
+  const int64_t directions = static_cast<int64_t>(weight_hh.size());
+  TORCH_CHECK(directions == 1 || directions == 2, "persistent RNN kernel: one or two directions, got ", directions);
+  const int64_t gates = prnn::gates_of(cell);
+  const int64_t hidden = sequence.size(2) / (directions * values_per_unit);
+  const at::Device device = sequence.device();
+  TORCH_CHECK(device.is_cuda(), "persistent RNN kernel needs CUDA tensors, got ", device);
+  TORCH_CHECK(hidden >= 1 && hidden <= std::numeric_limits<int>::max() / 64,
+              "persistent RNN kernel: hidden size out of range (", hidden, ")");
+  TORCH_CHECK(sequence.size(0) < std::numeric_limits<int>::max() / 2, "persistent RNN kernel: sequence too long");
+  TORCH_CHECK(timeout_ns >= 0, "persistent RNN kernel: timeout_ns must be >= 0");
+  const at::ScalarType dtype = sequence.scalar_type();
+  Layer layer{cell_name, cell, precision_of(dtype), dtype, device, sequence.size(0), sequence.size(1), hidden,
+              gates, directions, reverse, lengths, status, timeout_ns};
+  check_tensor(lengths, "lengths", {layer.batch}, at::kLong, device);
+  check_tensor(status, "status", {1}, at::kInt, device);
+  for (const at::Tensor& weight : weight_hh) check_tensor(weight, "weight_hh", {gates * hidden, hidden}, dtype, device);
+  return layer;
+}
+
+prnn::LaunchPlan plan_or_throw(const Layer& layer, Pass pass, int directions) {
+  prnn::LaunchPlan plan = prnn::plan_launch(layer.precision, pass, layer.cell, static_cast<int>(layer.hidden),
+                                            static_cast<int>(layer.batch), directions);
   TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
   return plan;
 }
 
-template <class Element>
-const Element* pointer(const at::Tensor& tensor) {
-  return tensor.defined() ? reinterpret_cast<const Element*>(tensor.data_ptr()) : nullptr;
-}
-
-template <class Element>
-void run(const prnn::LaunchPlan& plan, prnn::RnnParams<Element>& params, const at::Tensor& status) {
+// The parameters every direction shares, in the element type of the layer's precision, handed to `fill(params, d)`
+// for each direction d to add its own pointers; then one launch for all directions when they fit together, one per
+// direction otherwise.
+template <class Element, class Fill>
+void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill) {
+  prnn::LayerParams<Element> params = {};
+  for (int d = 0; d < layer.directions; ++d) {
+    prnn::RnnParams<Element>& p = params.direction[d];
+    p.seq_len = static_cast<int>(layer.seq_len);
+    p.batch = static_cast<int>(layer.batch);
+    p.hidden = static_cast<int>(layer.hidden);
+    p.gates = static_cast<int>(layer.gates);
+    p.vector_length = static_cast<int>(pass == Pass::kForward ? layer.hidden : layer.gates * layer.hidden);
+    p.state_stride = static_cast<int>(round_up_4(p.vector_length));
+    p.directions = static_cast<int>(layer.directions);
+    p.num_steps = num_steps;
+    p.reverse = layer.reverse != (d == 1);
+    p.cell = layer.cell;
+    p.weight_row_stride = pass == Pass::kForward ? p.hidden : 1;  // U, or U^T
+    p.weight_col_stride = pass == Pass::kForward ? 1 : p.hidden;
+    p.lengths = layer.lengths.data_ptr<int64_t>();
+    p.status = layer.status.data_ptr<int>();
+    p.timeout_ns = static_cast<unsigned long long>(layer.timeout_ns);
+    fill(p, d);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int directions = static_cast<int>(layer.directions);
+  const prnn::LaunchPlan joint = prnn::plan_launch(layer.precision, pass, layer.cell, static_cast<int>(layer.hidden),
+                                                   static_cast<int>(layer.batch), directions);
+  const bool together = joint.ok;
+  const prnn::LaunchPlan plan = together ? joint : plan_or_throw(layer, pass, 1);
   // Zeroed on the stream before each launch: no flag survives from an earlier call.
-  at::Tensor flags = at::zeros({plan.tiling.num_ctas * prnn::kFlagStride}, status.options());
-  params.tiling = plan.tiling;
-  params.flags = reinterpret_cast<unsigned*>(flags.data_ptr<int>());
-  params.status = status.data_ptr<int>();
-  const cudaError_t error = prnn::launch(plan, params, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(error == cudaSuccess, "persistent RNN kernel launch failed: ", cudaGetErrorString(error));
+  at::Tensor flags = at::zeros({directions * plan.tiling.num_ctas * prnn::kFlagStride}, layer.status.options());
+  for (int d = 0; d < directions; ++d) {
+    params.direction[d].tiling = plan.tiling;
+    params.direction[d].flags =
+        reinterpret_cast<unsigned*>(flags.data_ptr<int>()) + d * plan.tiling.num_ctas * prnn::kFlagStride;
+  }
+  const int launches = together ? 1 : directions;
+  for (int d = 0; d < launches; ++d) {
+    prnn::LayerParams<Element> one = params;
+    if (!together) one.direction[0] = params.direction[d];
+    const cudaError_t error = prnn::launch(plan, one, together ? directions : 1, stream);
+    TORCH_CHECK(error == cudaSuccess, "persistent RNN kernel launch failed: ", cudaGetErrorString(error));
+  }
 }
 
-template <class Element>
-prnn::RnnParams<Element> common_params(Activation activation, const at::Tensor& weight, const at::Tensor& lengths,
-                                       int64_t seq_len, int64_t batch, int64_t hidden, bool reverse,
-                                       int64_t timeout_ns) {
-  prnn::RnnParams<Element> params = {};
-  params.seq_len = static_cast<int>(seq_len);
-  params.batch = static_cast<int>(batch);
-  params.hidden = static_cast<int>(hidden);
-  params.state_stride = state_stride(hidden);
-  params.reverse = reverse;
-  params.activation = activation;
-  params.weight = pointer<Element>(weight);
-  params.lengths = lengths.data_ptr<int64_t>();
-  params.timeout_ns = static_cast<unsigned long long>(timeout_ns);
-  return params;
-}
-
-// Builds the parameters shared by both passes in the element type of `precision` and hands them to `fill`,
-// which adds the pass's own pointers and launches.
 template <class Fill>
-void with_common_params(Precision precision, Activation activation, const at::Tensor& weight,
-                        const at::Tensor& lengths, int64_t seq_len, int64_t batch, int64_t hidden, bool reverse,
-                        int64_t timeout_ns, Fill&& fill) {
-  if (precision == Precision::kFloat32) {
-    auto params = common_params<float>(activation, weight, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-    fill(params);
+void dispatch(const Layer& layer, Pass pass, int num_steps, Fill&& fill) {
+  if (layer.precision == Precision::kFloat32) {
+    launch_directions<float>(layer, pass, num_steps, fill);
   } else {
-    auto params =
-        common_params<__nv_bfloat16>(activation, weight, lengths, seq_len, batch, hidden, reverse, timeout_ns);
-    fill(params);
+    launch_directions<__nv_bfloat16>(layer, pass, num_steps, fill);
   }
 }
 
-void check_common(const at::Tensor& weight, const at::Tensor& lengths, const at::Tensor& status, int64_t hidden,
-                  int64_t batch, at::ScalarType dtype, const at::Device& device, int64_t seq_len,
-                  int64_t timeout_ns) {
-  TORCH_CHECK(device.is_cuda(), "persistent RNN kernel needs CUDA tensors, got ", device);
-  check_tensor(weight, "weight_hh", {hidden, hidden}, dtype, device);
-  check_tensor(lengths, "lengths", {batch}, at::kLong, device);
-  check_tensor(status, "status", {1}, at::kInt, device);
-  TORCH_CHECK(seq_len < std::numeric_limits<int>::max(), "persistent RNN kernel: sequence too long");
-  TORCH_CHECK(timeout_ns >= 0, "persistent RNN kernel: timeout_ns must be >= 0");
+at::Tensor optional_or_empty(const c10::optional<at::Tensor>& tensor, const at::TensorOptions& options) {
+  return tensor ? *tensor : at::empty({0}, options);
 }
 
-// Returns (output (T, B, H), h_n (B, H), state (T+1, B, HS) fp32); poison fills outputs with NaN before the launch so
-// tests catch elements the kernel does not write.
+// Returns (output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) for LSTM else empty, state (D, T+1, B, HS) fp32,
+// saved (D, T, B, V, H) fp32 or empty). cx is required for LSTM and ignored otherwise. poison fills outputs and
+// workspaces with NaN before the launch so tests catch elements the kernel does not write.
 std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input_proj, const at::Tensor& hx,
-                                const at::Tensor& weight_hh, const c10::optional<at::Tensor>& bias_hh,
-                                const at::Tensor& lengths, bool reverse, const at::Tensor& status, int64_t timeout_ns,
-                                bool poison) {
-  const Activation activation = activation_of(cell);
-  TORCH_CHECK(input_proj.dim() == 3, "persistent RNN kernel: input_proj must be (T, B, H), got ", input_proj.sizes());
-  const int64_t seq_len = input_proj.size(0), batch = input_proj.size(1), hidden = input_proj.size(2);
-  const at::ScalarType dtype = input_proj.scalar_type();
-  const Precision precision = precision_of(dtype);
-  const at::Device device = input_proj.device();
-  check_common(weight_hh, lengths, status, hidden, batch, dtype, device, seq_len, timeout_ns);
-  check_tensor(input_proj, "input_proj", {seq_len, batch, hidden}, dtype, device);
-  check_tensor(hx, "hx", {batch, hidden}, dtype, device);
-  if (bias_hh) check_tensor(*bias_hh, "bias_hh", {hidden}, dtype, device);
-  const c10::cuda::CUDAGuard guard(device);
+                                const c10::optional<at::Tensor>& cx, const std::vector<at::Tensor>& weight_hh,
+                                const std::vector<at::Tensor>& bias_hh, const at::Tensor& lengths, bool reverse,
+                                const at::Tensor& status, int64_t timeout_ns, bool poison) {
+  const int64_t gates = prnn::gates_of(cell_of(cell));
+  const Layer layer = describe(cell, input_proj, gates, weight_hh, lengths, reverse, status, timeout_ns);
+  const int64_t T = layer.seq_len, B = layer.batch, H = layer.hidden, D = layer.directions;
+  check_tensor(input_proj, "input_proj", {T, B, D * gates * H}, layer.dtype, layer.device);
+  check_tensor(hx, "hx", {D, B, H}, layer.dtype, layer.device);
+  TORCH_CHECK(bias_hh.empty() || static_cast<int64_t>(bias_hh.size()) == D,
+              "persistent RNN kernel: bias_hh must be empty or one per direction");
+  for (const at::Tensor& bias : bias_hh) check_tensor(bias, "bias_hh", {gates * H}, layer.dtype, layer.device);
+  const bool lstm = layer.cell == CellKind::kLstm;
+  TORCH_CHECK(!lstm || cx, "persistent RNN kernel: an LSTM needs cx");
+  if (lstm) check_tensor(*cx, "cx", {D, B, H}, layer.dtype, layer.device);
+  const c10::cuda::CUDAGuard guard(layer.device);
+  const at::TensorOptions fp32 = input_proj.options().dtype(at::kFloat);
 
-  at::Tensor output = at::empty_like(input_proj);
-  at::Tensor state = at::empty({seq_len + 1, batch, state_stride(hidden)}, input_proj.options().dtype(at::kFloat));
+  at::Tensor output = at::empty({T, B, D * H}, input_proj.options());
+  at::Tensor state = at::empty({D, T + 1, B, round_up_4(H)}, fp32);
+  at::Tensor saved = layer.saved_values() > 0 ? at::empty({D, T, B, layer.saved_values(), H}, fp32)
+                                               : at::empty({0}, fp32);
+  at::Tensor cell_state = lstm ? cx->to(at::kFloat, /*non_blocking=*/false, /*copy=*/true) : at::empty({0}, fp32);
   if (poison) {
-    output.fill_(std::numeric_limits<float>::quiet_NaN());
-    state.fill_(std::numeric_limits<float>::quiet_NaN());
+    for (at::Tensor* tensor : {&output, &state, &saved}) tensor->fill_(std::numeric_limits<float>::quiet_NaN());
   }
-  state[0].narrow(1, 0, hidden).copy_(hx);
-  if (seq_len > 0) {
-    const prnn::LaunchPlan plan = plan_or_throw(precision, Pass::kForward, hidden, batch);
-    auto fill = [&](auto& params) {
-      using Element = std::remove_cv_t<std::remove_pointer_t<decltype(params.weight)>>;
-      params.num_steps = static_cast<int>(seq_len);
-      params.weight_row_stride = static_cast<int>(hidden);
-      params.weight_col_stride = 1;
-      params.state = state.data_ptr<float>();
-      params.out = reinterpret_cast<Element*>(output.data_ptr());
-      params.input_proj = pointer<Element>(input_proj);
-      params.bias = bias_hh ? pointer<Element>(*bias_hh) : nullptr;
-      run(plan, params, status);
+  state.select(1, 0).narrow(2, 0, H).copy_(hx);
+  if (T > 0) {
+    auto fill = [&](auto& p, int d) {
+      using Element = std::remove_cv_t<std::remove_pointer_t<decltype(p.weight)>>;
+      p.weight = pointer<Element>(weight_hh[d]);
+      p.bias = bias_hh.empty() ? nullptr : pointer<Element>(bias_hh[d]);
+      p.state = state[d].data_ptr<float>();
+      p.saved = lstm || layer.cell == CellKind::kGru ? saved[d].data_ptr<float>() : nullptr;
+      p.cell_state = lstm ? cell_state[d].data_ptr<float>() : nullptr;
+      p.out = mutable_pointer<Element>(output) + d * H;
+      p.input_proj = pointer<Element>(input_proj) + d * gates * H;
     };
-    with_common_params(precision, activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns, fill);
+    dispatch(layer, Pass::kForward, static_cast<int>(T), fill);
   }
-  at::Tensor h_n = state[seq_len].narrow(1, 0, hidden).to(dtype, /*non_blocking=*/false, /*copy=*/true);
-  return {output, h_n, state};
+  at::Tensor h_n = state.select(1, T).narrow(2, 0, H).to(layer.dtype, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor c_n = lstm ? cell_state.to(layer.dtype) : at::empty({0}, input_proj.options());
+  return {output, h_n, c_n, state, saved};
 }
 
-// Returns (grad_input_proj (T, B, H), grad_hx (B, H) fp32, grad_state (T+2, B, HS) fp32: [1 + q] is dpre of backward
-// step q, i.e. of forward processing step T-1-q).
+// Returns (grad_input_proj (T, B, D*G*H), grad_hx (D, B, H) fp32, grad_cx (D, B, H) fp32 for LSTM else empty,
+// grad_state (D, T+2, B, GS) fp32: [d][1 + q] is g of direction d's backward step q, i.e. of its forward processing
+// step T-1-q; GS = G*H rounded up to 4).
 std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad_output, const at::Tensor& grad_h_n,
-                                 const at::Tensor& forward_state, const at::Tensor& weight_hh,
+                                 const c10::optional<at::Tensor>& grad_c_n, const at::Tensor& forward_state,
+                                 const at::Tensor& saved, const std::vector<at::Tensor>& weight_hh,
                                  const at::Tensor& lengths, bool reverse, const at::Tensor& status,
                                  int64_t timeout_ns, bool poison) {
-  const Activation activation = activation_of(cell);
-  TORCH_CHECK(grad_output.dim() == 3, "persistent RNN kernel: grad_output must be (T, B, H), got ",
-              grad_output.sizes());
-  const int64_t seq_len = grad_output.size(0), batch = grad_output.size(1), hidden = grad_output.size(2);
-  const at::ScalarType dtype = grad_output.scalar_type();
-  const Precision precision = precision_of(dtype);
-  const at::Device device = grad_output.device();
-  check_common(weight_hh, lengths, status, hidden, batch, dtype, device, seq_len, timeout_ns);
-  check_tensor(grad_h_n, "grad_h_n", {batch, hidden}, dtype, device);
-  check_tensor(forward_state, "forward_state", {seq_len + 1, batch, state_stride(hidden)}, at::kFloat, device);
-  const c10::cuda::CUDAGuard guard(device);
+  const Layer layer = describe(cell, grad_output, 1, weight_hh, lengths, reverse, status, timeout_ns);
+  const int64_t T = layer.seq_len, B = layer.batch, H = layer.hidden, D = layer.directions, G = layer.gates;
+  check_tensor(grad_output, "grad_output", {T, B, D * H}, layer.dtype, layer.device);
+  check_tensor(grad_h_n, "grad_h_n", {D, B, H}, layer.dtype, layer.device);
+  check_tensor(forward_state, "forward_state", {D, T + 1, B, round_up_4(H)}, at::kFloat, layer.device);
+  if (layer.saved_values() > 0) {
+    check_tensor(saved, "saved", {D, T, B, layer.saved_values(), H}, at::kFloat, layer.device);
+  }
+  const bool lstm = layer.cell == CellKind::kLstm;
+  TORCH_CHECK(!lstm || grad_c_n, "persistent RNN kernel: an LSTM needs grad_c_n");
+  if (lstm) check_tensor(*grad_c_n, "grad_c_n", {D, B, H}, layer.dtype, layer.device);
+  const c10::cuda::CUDAGuard guard(layer.device);
+  const at::TensorOptions fp32 = grad_output.options().dtype(at::kFloat);
 
-  at::Tensor grad_input = at::empty_like(grad_output);
-  at::Tensor grad_hx = at::empty({batch, hidden}, grad_output.options().dtype(at::kFloat));
-  at::Tensor grad_state = at::empty({seq_len + 2, batch, state_stride(hidden)}, grad_hx.options());
+  at::Tensor grad_input = at::empty({T, B, D * G * H}, grad_output.options());
+  at::Tensor grad_hx = at::empty({D, B, H}, fp32);
+  at::Tensor grad_state = at::empty({D, T + 2, B, round_up_4(G * H)}, fp32);
+  at::Tensor grad_cell = lstm ? grad_c_n->to(at::kFloat, /*non_blocking=*/false, /*copy=*/true) : at::empty({0}, fp32);
   if (poison) {
-    grad_input.fill_(std::numeric_limits<float>::quiet_NaN());
-    grad_hx.fill_(std::numeric_limits<float>::quiet_NaN());
-    grad_state.fill_(std::numeric_limits<float>::quiet_NaN());
+    for (at::Tensor* tensor : {&grad_input, &grad_hx, &grad_state}) {
+      tensor->fill_(std::numeric_limits<float>::quiet_NaN());
+    }
   }
-  grad_state[0].zero_();
-  if (seq_len == 0) {
+  grad_state.select(1, 0).zero_();
+  if (T == 0) {
     grad_hx.copy_(grad_h_n);
-    return {grad_input, grad_hx, grad_state};
+    return {grad_input, grad_hx, grad_cell, grad_state};
   }
-  const prnn::LaunchPlan plan = plan_or_throw(precision, Pass::kBackward, hidden, batch);
-  auto fill = [&](auto& params) {
-    using Element = std::remove_cv_t<std::remove_pointer_t<decltype(params.weight)>>;
-    params.num_steps = static_cast<int>(seq_len) + 1;
-    params.weight_row_stride = 1;  // U^T
-    params.weight_col_stride = static_cast<int>(hidden);
-    params.state = grad_state.data_ptr<float>();
-    params.out = reinterpret_cast<Element*>(grad_input.data_ptr());
-    params.grad_output = pointer<Element>(grad_output);
-    params.grad_h_n = pointer<Element>(grad_h_n);
-    params.forward_state = forward_state.data_ptr<float>();
-    params.grad_hx = grad_hx.data_ptr<float>();
-    run(plan, params, status);
+  auto fill = [&](auto& p, int d) {
+    using Element = std::remove_cv_t<std::remove_pointer_t<decltype(p.weight)>>;
+    p.weight = pointer<Element>(weight_hh[d]);
+    p.state = grad_state[d].data_ptr<float>();
+    p.saved = layer.saved_values() > 0 ? saved[d].data_ptr<float>() : nullptr;
+    p.cell_state = lstm ? grad_cell[d].data_ptr<float>() : nullptr;
+    p.out = mutable_pointer<Element>(grad_input) + d * G * H;
+    p.grad_output = pointer<Element>(grad_output) + d * H;
+    p.grad_h_n = pointer<Element>(grad_h_n) + d * B * H;
+    p.forward_state = forward_state[d].data_ptr<float>();
+    p.forward_state_stride = static_cast<int>(round_up_4(H));
+    p.grad_hx = grad_hx[d].data_ptr<float>();
   };
-  with_common_params(precision, activation, weight_hh, lengths, seq_len, batch, hidden, reverse, timeout_ns, fill);
-  return {grad_input, grad_hx, grad_state};
+  dispatch(layer, Pass::kBackward, static_cast<int>(T) + 1, fill);
+  return {grad_input, grad_hx, grad_cell, grad_state};
 }
 
-// (ok, reason): whether both passes can run this shape on the current device.
-std::tuple<bool, std::string> support(int64_t hidden, int64_t batch, bool bf16) {
+// (ok, reason): whether both passes of one direction can run this shape on the current device.
+std::tuple<bool, std::string> support(const std::string& cell, int64_t hidden, int64_t batch, bool bf16) {
   const Precision precision = bf16 ? Precision::kBFloat16 : Precision::kFloat32;
-  if (hidden < 1 || hidden > std::numeric_limits<int>::max() / 16) {
+  const CellKind kind = cell_of(cell);
+  if (hidden < 1 || hidden > std::numeric_limits<int>::max() / 64) {
     return {false, "hidden size " + std::to_string(hidden) + " is out of range"};
   }
-  const prnn::LaunchPlan forward_plan =
-      prnn::plan_launch(precision, Pass::kForward, static_cast<int>(hidden), static_cast<int>(batch));
-  if (!forward_plan.ok) return {false, forward_plan.reason};
-  const prnn::LaunchPlan backward_plan =
-      prnn::plan_launch(precision, Pass::kBackward, static_cast<int>(hidden), static_cast<int>(batch));
-  if (!backward_plan.ok) return {false, "backward: " + backward_plan.reason};
+  for (const Pass pass : {Pass::kForward, Pass::kBackward}) {
+    const prnn::LaunchPlan plan =
+        prnn::plan_launch(precision, pass, kind, static_cast<int>(hidden), static_cast<int>(batch), 1);
+    if (!plan.ok) return {false, (pass == Pass::kBackward ? "backward: " : "") + plan.reason};
+  }
   return {true, ""};
+}
+
+// Whether both directions of a bidirectional layer run in one launch, forward and backward.
+bool directions_run_together(const std::string& cell, int64_t hidden, int64_t batch, bool bf16) {
+  const Precision precision = bf16 ? Precision::kBFloat16 : Precision::kFloat32;
+  for (const Pass pass : {Pass::kForward, Pass::kBackward}) {
+    if (!prnn::plan_launch(precision, pass, cell_of(cell), static_cast<int>(hidden), static_cast<int>(batch), 2).ok) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Persistent RNN CUDA kernels (see prnn_kernels/persistent.py)";
-  m.def("forward", &forward, "forward recurrence of one layer and direction");
-  m.def("backward", &backward, "backward data gradient of one layer and direction");
-  m.def("support", &support, "whether the persistent kernel can run (hidden, batch, bf16) on the current device");
+  m.def("forward", &forward, "forward recurrence of one layer, one or two directions");
+  m.def("backward", &backward, "backward data gradient of one layer, one or two directions");
+  m.def("support", &support, "whether the persistent kernel can run (cell, hidden, batch, bf16) on the current device");
+  m.def("directions_run_together", &directions_run_together,
+        "whether both directions of (cell, hidden, batch, bf16) run in one launch");
 }

@@ -22,11 +22,15 @@ __device__ __forceinline__ float from_float<float>(float value) { return value; 
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16(value); }
 
-// Element (row, k) of the matrix this pass multiplies by, 0 outside H x H (the padding of the tiles).
+// Element (local row, k) of the slice of the matrix this pass multiplies by that CTA `cta` holds: local rows are
+// gate-major (row = gate * units_per_cta + unit); 0 in the tiles' padding.
 template <class Element>
-__device__ __forceinline__ Element weight_at(const RnnParams<Element>& p, int row, int k) {
-  if (row >= p.hidden || k >= p.hidden) return from_float<Element>(0.f);
-  return p.weight[static_cast<size_t>(row) * p.weight_row_stride + static_cast<size_t>(k) * p.weight_col_stride];
+__device__ __forceinline__ Element weight_at(const RnnParams<Element>& p, int cta, int local_row, int k) {
+  const int units = p.tiling.units_per_cta;
+  const int unit = cta * units + local_row % units;
+  if (unit >= p.hidden || k >= p.vector_length) return from_float<Element>(0.f);
+  const size_t row = static_cast<size_t>(local_row / units) * p.hidden + unit;
+  return p.weight[row * p.weight_row_stride + static_cast<size_t>(k) * p.weight_col_stride];
 }
 
 // Zeroes `bytes` (a multiple of 16) of shared memory with the whole CTA.
@@ -35,11 +39,11 @@ __device__ __forceinline__ void zero_shared(void* base, int bytes) {
   for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) words[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// Loads the published fp32 vector (B, HS) 16 bytes at a time from L2 (it was written by other SMs this step) and
-// hands each chunk, with entries k >= H zeroed, to store(sample, k, value). Several loads are issued before the first
+// Loads the published fp32 vector (B, VS) 16 bytes at a time from L2 (it was written by other SMs this step) and
+// hands each chunk, with entries k >= K zeroed, to store(sample, k, value). Several loads are issued before the first
 // store so their latencies overlap.
 template <class Store>
-__device__ __forceinline__ void load_published(const float* source, int batch, int hidden, int state_stride,
+__device__ __forceinline__ void load_published(const float* source, int batch, int length, int state_stride,
                                                Store store) {
   constexpr int kInFlight = 4;
   const int chunks_per_row = state_stride / 4;
@@ -58,9 +62,9 @@ __device__ __forceinline__ void load_published(const float* source, int batch, i
       if (i < total) {
         const int sample = i / chunks_per_row;
         const int k = (i - sample * chunks_per_row) * 4;
-        if (k + 1 >= hidden) value[u].y = 0.f;  // the row's padding to HS may hold anything
-        if (k + 2 >= hidden) value[u].z = 0.f;
-        if (k + 3 >= hidden) value[u].w = 0.f;
+        if (k + 1 >= length) value[u].y = 0.f;  // the row's padding to VS may hold anything
+        if (k + 2 >= length) value[u].z = 0.f;
+        if (k + 3 >= length) value[u].w = 0.f;
         store(sample, k, value[u]);
       }
     }

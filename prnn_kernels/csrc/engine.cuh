@@ -1,10 +1,11 @@
 // The persistent loop shared by every cell, pass and precision.
 //
 // Math (fp32_math.cuh, mma_math.cuh) holds this CTA's rows of the matrix on chip and multiplies the staged vector
-// by them; Cell (vanilla_cell.cuh) finishes each (row, sample) output. Per step:
-//   wait until every CTA published the previous vector -> start loading the next step's inputs -> stage the vector
-//   in shared memory -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the next
-//   vector -> publish.
+// by them; Cell (vanilla_cell.cuh, gated_cells.cuh) finishes each (hidden unit, sample) element from the recurrent
+// products of its kRowGates rows and returns the kVectorGates values it publishes. Per step:
+//   wait until every CTA of this direction published the previous vector -> start loading the cells' inputs ->
+//   stage the vector in shared memory -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice
+//   of the next vector -> publish.
 #pragma once
 
 #include <type_traits>
@@ -16,32 +17,37 @@ namespace prnn {
 
 template <class Math, class Cell>
 __global__ void __launch_bounds__(Math::kMaxThreads, 1)
-    persistent_rnn_kernel(const RnnParams<typename Cell::Element> p) {
+    persistent_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
   static_assert(std::is_same<typename Math::Element, typename Cell::Element>::value, "one dtype per kernel");
   extern __shared__ __align__(16) unsigned char smem[];
+  const int num_ctas = layer.direction[0].tiling.num_ctas;
+  // A reference into the launch's parameter space (__grid_constant__): no copy to local memory.
+  const RnnParams<typename Cell::Element>& p = layer.direction[blockIdx.x / num_ctas];
+  const int cta = blockIdx.x % num_ctas;
   const Tiling& tiling = p.tiling;
   const int rows = tiling.rows_per_cta;
+  const int units = tiling.units_per_cta;
   const int staged_bytes = Math::staged_bytes(tiling, p.batch);
   auto* staged = reinterpret_cast<typename Math::Staged*>(smem);
   float* partials = reinterpret_cast<float*>(smem + staged_bytes);  // (num_partials, B, R)
   int* abort_s = reinterpret_cast<int*>(partials + tiling.num_partials * p.batch * rows);
 
   Math math;
-  math.load_weights(p, blockIdx.x);
-  zero_shared(smem, staged_bytes);  // padding samples and k >= H stay zero for the whole sequence
+  math.load_weights(p, cta);
+  zero_shared(smem, staged_bytes);  // padding samples and k >= K stay zero for the whole sequence
   if (threadIdx.x == 0) *abort_s = 0;
 
   Cell cell[kElementsPerThread];
-  int row_local[kElementsPerThread];
+  int unit_local[kElementsPerThread];
   int sample[kElementsPerThread];
   bool active[kElementsPerThread];
 #pragma unroll
   for (int u = 0; u < kElementsPerThread; ++u) {
     const int e = threadIdx.x + u * blockDim.x;
-    sample[u] = e / rows;
-    row_local[u] = e - sample[u] * rows;
-    active[u] = sample[u] < p.batch && blockIdx.x * rows + row_local[u] < p.hidden;
-    if (active[u]) cell[u].init(p, blockIdx.x * rows + row_local[u], sample[u]);
+    sample[u] = e / units;
+    unit_local[u] = e - sample[u] * units;
+    active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
+    if (active[u]) cell[u].init(p, cta * units + unit_local[u], sample[u]);
   }
   __syncthreads();
 
@@ -50,7 +56,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     if (step > 0 && !wait_for_step(p, step, abort_s)) return;
 #pragma unroll
     for (int u = 0; u < kElementsPerThread; ++u) {
-      if (active[u]) cell[u].prefetch(p, step, blockIdx.x * rows + row_local[u], sample[u]);
+      if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
     }
     math.stage(p, p.state + step * vector_size, staged);
     __syncthreads();
@@ -59,17 +65,28 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
 #pragma unroll
     for (int u = 0; u < kElementsPerThread; ++u) {
       if (active[u]) {
-        float recurrent = 0.f;
-        for (int q = 0; q < tiling.num_partials; ++q) {
-          recurrent += partials[(q * p.batch + sample[u]) * rows + row_local[u]];
+        float recurrent[Cell::kRowGates];
+#pragma unroll
+        for (int gate = 0; gate < Cell::kRowGates; ++gate) {
+          recurrent[gate] = 0.f;
+          for (int q = 0; q < tiling.num_partials; ++q) {
+            recurrent[gate] += partials[(q * p.batch + sample[u]) * rows + gate * units + unit_local[u]];
+          }
         }
-        const int row = blockIdx.x * rows + row_local[u];
-        const float next = cell[u].finish(p, step, row, sample[u], recurrent);
-        p.state[(step + 1) * vector_size + sample[u] * p.state_stride + row] = next;
+        const int unit = cta * units + unit_local[u];
+        float published[Cell::kVectorGates];
+        cell[u].finish(p, step, unit, sample[u], recurrent, published);
+        float* next = p.state + (step + 1) * vector_size + sample[u] * p.state_stride + unit;
+#pragma unroll
+        for (int gate = 0; gate < Cell::kVectorGates; ++gate) next[gate * p.hidden] = published[gate];
       }
     }
     __syncthreads();
-    publish(p.flags, step + 1);
+    publish(p.flags, cta, step + 1);
+  }
+#pragma unroll
+  for (int u = 0; u < kElementsPerThread; ++u) {
+    if (active[u]) cell[u].end(p, cta * units + unit_local[u], sample[u]);
   }
 }
 

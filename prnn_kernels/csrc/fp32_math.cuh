@@ -1,6 +1,6 @@
 // fp32 matrix-vector engine: weights in registers, the published vector in shared memory, FFMA.
 //
-// A CTA owns R = G * kRowsPerThread rows. Thread tid sits in row group g = tid % G (rows g + G*i) and K split
+// A CTA holds R = G * kRowsPerThread rows. Thread tid sits in row group g = tid % G (rows g + G*i) and K split
 // s = tid / G; it holds its rows' weights at the 16-byte chunks c_j = s + j * k_splits (k = 4 c_j .. 4 c_j + 3) in
 // registers for the whole sequence. The lanes of a warp with different s read adjacent chunks of the staged vector
 // (at most 8 distinct 16-byte addresses, one shared-memory wavefront) and every load feeds 4 * kRowsPerThread FMAs.
@@ -27,23 +27,24 @@ struct Fp32Math {
     return round_up(batch, 4) * tiling.padded_k * static_cast<int>(sizeof(float));
   }
 
-  static std::vector<Tiling> tilings(int hidden, int batch) {
+  static std::vector<Tiling> tilings(const MatrixShape& shape) {
     std::vector<Tiling> result;
     for (int groups = 32; groups >= 1; groups /= 2) {
       Tiling t{};
       t.row_groups = groups;
       t.rows_per_cta = groups * kRowsPerThread;
-      t.num_ctas = ceil_div(hidden, t.rows_per_cta);
-      int k_splits = ceil_div(ceil_div(hidden, 4), kChunksPerThread);
-      // Enough threads to finish the CTA's rows_per_cta * batch outputs each step.
-      k_splits = k_splits > ceil_div(t.rows_per_cta * batch, kElementsPerThread * groups)
-                     ? k_splits
-                     : ceil_div(t.rows_per_cta * batch, kElementsPerThread * groups);
+      if (t.rows_per_cta % shape.row_gates != 0) continue;  // all gates of a unit in one CTA
+      t.units_per_cta = t.rows_per_cta / shape.row_gates;
+      t.num_ctas = ceil_div(shape.units, t.units_per_cta);
+      int k_splits = ceil_div(ceil_div(shape.k_extent, 4), kChunksPerThread);
+      // Enough threads to finish the CTA's units_per_cta * batch elements each step.
+      const int for_elements = ceil_div(t.units_per_cta * shape.batch, kElementsPerThread * groups);
+      k_splits = k_splits > for_elements ? k_splits : for_elements;
       t.k_splits = round_up(k_splits, 32 / groups);  // whole warps
       t.threads = groups * t.k_splits;
       t.padded_k = 4 * t.k_splits * kChunksPerThread;
       t.num_partials = t.threads / 32;
-      t.smem_bytes = staged_bytes(t, batch) + t.num_partials * batch * t.rows_per_cta * 4 + 16;
+      t.smem_bytes = staged_bytes(t, shape.batch) + t.num_partials * shape.batch * t.rows_per_cta * 4 + 16;
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -55,19 +56,19 @@ struct Fp32Math {
     split = threadIdx.x / t.row_groups;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int row = cta * t.rows_per_cta + group + t.row_groups * i;
+      const int row = group + t.row_groups * i;
 #pragma unroll
       for (int j = 0; j < kChunksPerThread; ++j) {
         const int k = 4 * (split + j * t.k_splits);
-        weight[i][j] = make_float4(weight_at(p, row, k), weight_at(p, row, k + 1), weight_at(p, row, k + 2),
-                                   weight_at(p, row, k + 3));
+        weight[i][j] = make_float4(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1),
+                                   weight_at(p, cta, row, k + 2), weight_at(p, cta, row, k + 3));
       }
     }
   }
 
   __device__ void stage(const RnnParams<float>& p, const float* published, float* staged) const {
     const int stride = p.tiling.padded_k;
-    load_published(published, p.batch, p.hidden, p.state_stride, [&](int sample, int k, float4 value) {
+    load_published(published, p.batch, p.vector_length, p.state_stride, [&](int sample, int k, float4 value) {
       *reinterpret_cast<float4*>(staged + sample * stride + k) = value;
     });
   }

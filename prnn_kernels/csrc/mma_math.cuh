@@ -1,7 +1,7 @@
 // bf16 matrix-vector engine: weights in registers as tensor-core fragments, fp32 accumulation.
 //
 // One mma.m16n8k16 multiplies the staged vector (16 samples x 16 k, bf16; samples >= B read a zero row) by a
-// 16 k x 8 rows tile of the weights. A CTA owns R = 8 * row_groups rows. Warp w takes the 8-row tile
+// 16 k x 8 rows tile of the weights. A CTA holds R = 8 * row_groups rows. Warp w takes the 8-row tile
 // w % row_groups and the K split w / row_groups; it holds the B fragments of its k-tiles kt_j = split + j * k_splits
 // in registers for the whole sequence. Warps of one K split write disjoint rows; the k_splits partial sums of each
 // output are reduced through shared memory.
@@ -32,21 +32,23 @@ struct MmaMath {
     return (batch + 1) * staged_stride(tiling) * static_cast<int>(sizeof(__nv_bfloat16));
   }
 
-  static std::vector<Tiling> tilings(int hidden, int batch) {
+  static std::vector<Tiling> tilings(const MatrixShape& shape) {
     std::vector<Tiling> result;
-    const int k_tiles = ceil_div(hidden, 16);
+    const int k_tiles = ceil_div(shape.k_extent, 16);
     for (int row_tiles = 1; row_tiles <= 32; ++row_tiles) {
       Tiling t{};
       t.row_groups = row_tiles;
       t.rows_per_cta = 8 * row_tiles;
-      t.num_ctas = ceil_div(hidden, t.rows_per_cta);
-      const int needed_for_outputs = ceil_div(t.rows_per_cta * batch, kElementsPerThread * 32 * row_tiles);
+      if (t.rows_per_cta % shape.row_gates != 0) continue;  // all gates of a unit in one CTA
+      t.units_per_cta = t.rows_per_cta / shape.row_gates;
+      t.num_ctas = ceil_div(shape.units, t.units_per_cta);
+      const int needed_for_outputs = ceil_div(t.units_per_cta * shape.batch, kElementsPerThread * 32 * row_tiles);
       const int needed_for_k = ceil_div(k_tiles, kTilesPerWarp);
       t.k_splits = needed_for_k > needed_for_outputs ? needed_for_k : needed_for_outputs;
       t.threads = 32 * row_tiles * t.k_splits;
       t.padded_k = 16 * kTilesPerWarp * t.k_splits;
       t.num_partials = t.k_splits;
-      t.smem_bytes = staged_bytes(t, batch) + t.num_partials * batch * t.rows_per_cta * 4 + 16;
+      t.smem_bytes = staged_bytes(t, shape.batch) + t.num_partials * shape.batch * t.rows_per_cta * 4 + 16;
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -70,18 +72,18 @@ struct MmaMath {
     const int lane = threadIdx.x % 32;
     row_tile = warp % t.row_groups;
     split = warp / t.row_groups;
-    const int row = cta * t.rows_per_cta + row_tile * 8 + lane / 4;
+    const int row = row_tile * 8 + lane / 4;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       const int k = 16 * (split + j * t.k_splits) + 2 * (lane % 4);
-      weight[j][0] = pack(weight_at(p, row, k), weight_at(p, row, k + 1));
-      weight[j][1] = pack(weight_at(p, row, k + 8), weight_at(p, row, k + 9));
+      weight[j][0] = pack(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1));
+      weight[j][1] = pack(weight_at(p, cta, row, k + 8), weight_at(p, cta, row, k + 9));
     }
   }
 
   __device__ void stage(const RnnParams<__nv_bfloat16>& p, const float* published, __nv_bfloat16* staged) const {
     const int stride = staged_stride(p.tiling);
-    load_published(published, p.batch, p.hidden, p.state_stride, [&](int sample, int k, float4 value) {
+    load_published(published, p.batch, p.vector_length, p.state_stride, [&](int sample, int k, float4 value) {
       const __nv_bfloat162 low = __floats2bfloat162_rn(value.x, value.y);
       const __nv_bfloat162 high = __floats2bfloat162_rn(value.z, value.w);
       uint2 packed;

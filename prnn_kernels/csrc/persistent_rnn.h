@@ -1,11 +1,14 @@
 // Persistent recurrent kernels: the parameter struct, the tiling and the host entry points (torch-free).
 //
-// One launch runs one layer in one direction for one pass over the whole sequence:
-//   forward:  h_t = act(input_proj_t + bias + U h_{t-1})          (U = weight_hh)
-//   backward: dpre_t = (grad_output_t + grad carried from t+1) * act'(h_t), carried grad = U^T dpre_t
+// One launch runs one layer, in one direction or in both at once, for one pass over the whole sequence. With G gates
+// per hidden unit (1 vanilla, 3 GRU, 4 LSTM) and U = weight_hh (G*H, H):
+//   forward:  the cell turns input_proj_t (G values per unit), U h_{t-1} and its state into h_t;
+//   backward: the cell turns the gradient reaching h_t and U^T g_{t+1} into g_t, the gradient of the G hidden-side
+//             gate pre-activations, and publishes it; U^T g_t is then the gradient reaching h_{t-1}.
 // Every CTA keeps its slice of rows of the matrix it multiplies by (U forward, U^T backward) on chip for the whole
-// sequence. Each step it waits for the vector the previous step published, multiplies, finishes its outputs and
-// publishes its slice of the next vector with a step stamp (see sync.cuh).
+// sequence. Each step it waits for the vector the previous step published, multiplies, lets the cell finish its
+// hidden units and publishes its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two
+// directions of a bidirectional layer run side by side in one launch, each direction on its own vectors and flags.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +20,8 @@
 namespace prnn {
 
 constexpr int kMaxBatch = 16;
-// (row, sample) outputs each thread finishes per step; tilings keep rows_per_cta * batch <= this * threads.
+constexpr int kMaxDirections = 2;
+// (hidden unit, sample) elements each thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
 constexpr int kElementsPerThread = 2;
 // Written to the status word when a spin-wait ran out of time; kernels never clear it.
 constexpr int kStatusTimedOut = 1;
@@ -25,49 +29,75 @@ constexpr int kStatusTimedOut = 1;
 // spread over L2 slices instead of queueing on a few lines.
 constexpr int kFlagStride = 32;
 
-enum class Activation : int { kRelu = 0, kTanh = 1 };
+enum class CellKind : int { kRelu = 0, kTanh = 1, kGru = 2, kLstm = 3 };
 enum class Pass : int { kForward = 0, kBackward = 1 };
 enum class Precision : int { kFloat32 = 0, kBFloat16 = 1 };
 
-// How one launch spreads the hidden units over CTAs and threads; chosen per shape on the host (plan.cpp).
-struct Tiling {
-  int num_ctas;      // persistent CTAs, all co-resident
-  int threads;       // per CTA
-  int rows_per_cta;  // R: hidden units (matrix rows) a CTA owns; the last CTA may own fewer
-  int padded_k;      // K extent covered by the thread tiles (>= hidden; weights beyond hidden are zero)
-  int row_groups;    // fp32: lanes along rows (G); bf16: 8-row MMA tiles per CTA
-  int k_splits;      // fp32: threads along K per row group; bf16: warps along K per row tile
-  int num_partials;  // partial sums per output, reduced through shared memory
-  int smem_bytes;    // dynamic shared memory per CTA
+constexpr int gates_of(CellKind cell) { return cell == CellKind::kGru ? 3 : (cell == CellKind::kLstm ? 4 : 1); }
+// fp32 values per (step, sample, unit) the forward pass keeps for the backward: GRU r, z, n, W_hn h + b_hn;
+// LSTM i, f, g, o, c_{t-1}, tanh(c_t). Vanilla cells need only the published state.
+constexpr int saved_values_of(CellKind cell) {
+  return cell == CellKind::kGru ? 4 : (cell == CellKind::kLstm ? 6 : 0);
+}
+
+// The matrix-vector product one pass runs each step: `units` hidden units, each owning `row_gates` rows of the
+// matrix (G forward, 1 backward), times a vector of `k_extent` entries per sample (H forward, G*H backward).
+struct MatrixShape {
+  int units;
+  int row_gates;
+  int k_extent;
+  int batch;
 };
 
-// Shapes: T = seq_len, B = batch, H = hidden, HS = state_stride (H rounded up to 4 floats so rows are 16-byte aligned).
-// Element is float or __nv_bfloat16: the dtype of the weights, input_proj, outputs and their gradients.
+// How one launch spreads the hidden units over CTAs and threads; chosen per shape on the host (plan.cpp).
+struct Tiling {
+  int num_ctas;       // persistent CTAs per direction, all co-resident
+  int threads;        // per CTA
+  int units_per_cta;  // hidden units a CTA owns; the last CTA may own fewer
+  int rows_per_cta;   // matrix rows a CTA holds: units_per_cta * row_gates, gate-major (row = gate * units + unit)
+  int padded_k;       // K extent covered by the thread tiles (>= k_extent; weights beyond it are zero)
+  int row_groups;     // fp32: lanes along rows (G); bf16: 8-row MMA tiles per CTA
+  int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
+  int num_partials;   // partial sums per output, reduced through shared memory
+  int smem_bytes;     // dynamic shared memory per CTA
+};
+
+// One direction of a layer. Shapes: T = seq_len, B = batch, H = hidden, G = gates, D = directions in the launch,
+// K = vector_length (H forward, G*H backward), VS = state_stride (K rounded up to 4 floats so rows are 16-byte
+// aligned). Sequence tensors are (T, B, D, ...) with this direction's slice at its pointer: "gate" tensors
+// (input_proj, grad_input_proj) hold G*H values per (t, b, direction), "hidden" tensors (output, grad_output) H.
+// Element is float or __nv_bfloat16: the dtype of the weights and of the sequence tensors.
 template <class Element>
 struct RnnParams {
   int seq_len;
   int batch;
   int hidden;
+  int gates;
+  int vector_length;
   int state_stride;
+  int directions;
   int num_steps;  // T forward; T + 1 backward (the extra step yields grad_hx of runs that end at the last step)
-  bool reverse;   // the layer runs t = T-1 .. 0
-  Activation activation;
+  bool reverse;   // this direction runs t = T-1 .. 0
+  CellKind cell;
   Tiling tiling;
 
-  const Element* weight;  // (H, H) weight_hh, row-major
-  int weight_row_stride;  // element (r, k) of the matrix this pass multiplies by is weight[r * row + k * col]:
-  int weight_col_stride;  //   forward U: (H, 1); backward U^T: (1, H)
+  const Element* weight;   // (G*H, H) weight_hh, row-major
+  int weight_row_stride;   // element (r, k) of the matrix this pass multiplies by is weight[r * row + k * col]:
+  int weight_col_stride;   //   forward U: (H, 1); backward U^T: (1, H)
   const int64_t* lengths;  // (B,) valid steps per sample, clamped to [0, T]
-  float* state;            // published vectors; forward (T+1, B, HS): h after each processing step, [0] = hx;
-                           //   backward (T+2, B, HS): dpre of each backward step, [0] = 0
-  Element* out;            // (T, B, H): forward output (0 at t >= length); backward grad of input_proj
+  float* state;            // published vectors; forward (T+1, B, VS): h after each processing step, [0] = hx;
+                           //   backward (T+2, B, VS): g of each backward step, [0] = 0
+  float* saved;            // (T, B, saved_values_of(cell), H) fp32: written forward, read backward; or nullptr
+  float* cell_state;       // LSTM (B, H): forward c0 in, c_n out; backward grad_c_n in, grad_cx out
+  Element* out;            // forward output (hidden tensor, 0 at t >= length); backward grad_input_proj (gates)
 
-  const Element* input_proj;  // forward: (T, B, H)
-  const Element* bias;        // forward: (H,) or nullptr
+  const Element* input_proj;  // forward: gate tensor
+  const Element* bias;        // forward: (G*H,) or nullptr
 
-  const Element* grad_output;  // backward: (T, B, H)
+  const Element* grad_output;  // backward: hidden tensor
   const Element* grad_h_n;     // backward: (B, H)
-  const float* forward_state;  // backward: (T+1, B, HS), the forward pass's state
+  const float* forward_state;  // backward: (T+1, B, H rounded up to 4), the forward pass's state
+  int forward_state_stride;    // backward: its row stride
   float* grad_hx;              // backward: (B, H)
 
   unsigned* flags;  // (num_ctas * kFlagStride,) zero before launch; flags[c * kFlagStride] = steps CTA c published
@@ -75,18 +105,25 @@ struct RnnParams {
   unsigned long long timeout_ns;  // bound on every spin-wait
 };
 
-// A compiled kernel and the tilings its register/shared-memory layout can take for a shape.
-struct KernelVariant {
-  const void* kernel;  // __global__ void(RnnParams<Element>)
-  int max_threads;     // its __launch_bounds__
-  std::vector<Tiling> (*tilings)(int hidden, int batch);
+// What one launch runs: D directions of a layer (the same shape and tiling), CTAs [d * num_ctas, (d+1) * num_ctas)
+// on direction d.
+template <class Element>
+struct LayerParams {
+  RnnParams<Element> direction[kMaxDirections];
 };
 
-// The compiled variants, one file per precision and pass (fp32_forward.cu, ...) so they build in parallel.
-std::vector<KernelVariant> fp32_forward_variants();
-std::vector<KernelVariant> fp32_backward_variants();
-std::vector<KernelVariant> bf16_forward_variants();
-std::vector<KernelVariant> bf16_backward_variants();
+// A compiled kernel and the tilings its register/shared-memory layout can take for a shape.
+struct KernelVariant {
+  const void* kernel;  // __global__ void(LayerParams<Element>)
+  int max_threads;     // its __launch_bounds__
+  std::vector<Tiling> (*tilings)(const MatrixShape& shape);
+};
+
+// The compiled variants of a cell, one file per precision and pass (fp32_forward.cu, ...) so they build in parallel.
+std::vector<KernelVariant> fp32_forward_variants(CellKind cell);
+std::vector<KernelVariant> fp32_backward_variants(CellKind cell);
+std::vector<KernelVariant> bf16_forward_variants(CellKind cell);
+std::vector<KernelVariant> bf16_backward_variants(CellKind cell);
 
 struct LaunchPlan {
   bool ok;
@@ -95,11 +132,13 @@ struct LaunchPlan {
   const void* kernel;
 };
 
-// The tiling for this shape on the current device, or the reason there is none. Cached per device and shape.
-LaunchPlan plan_launch(Precision precision, Pass pass, int hidden, int batch);
+// The tiling for this shape with `directions` directions co-resident on the current device, or the reason there is
+// none. Cached per device and shape.
+LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions);
 
-// Cooperative launch (co-residency guaranteed by the driver, or an error) on `stream`.
+// Cooperative launch (co-residency guaranteed by the driver, or an error) of the plan's CTAs for each of
+// `directions` directions on `stream`.
 template <class Element>
-cudaError_t launch(const LaunchPlan& plan, const RnnParams<Element>& params, cudaStream_t stream);
+cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream);
 
 }  // namespace prnn

@@ -17,11 +17,11 @@
 namespace prnn {
 namespace {
 
-std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass) {
+std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellKind cell) {
   if (precision == Precision::kFloat32) {
-    return pass == Pass::kForward ? fp32_forward_variants() : fp32_backward_variants();
+    return pass == Pass::kForward ? fp32_forward_variants(cell) : fp32_backward_variants(cell);
   }
-  return pass == Pass::kForward ? bf16_forward_variants() : bf16_backward_variants();
+  return pass == Pass::kForward ? bf16_forward_variants(cell) : bf16_backward_variants(cell);
 }
 
 LaunchPlan refuse(const std::string& reason) { return LaunchPlan{false, reason, Tiling{}, nullptr}; }
@@ -30,7 +30,7 @@ std::string cuda_failure(const char* what, cudaError_t error) {
   return std::string(what) + " failed: " + cudaGetErrorString(error);
 }
 
-LaunchPlan choose(Precision precision, Pass pass, int hidden, int batch, int device) {
+LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions, int device) {
   if (batch < 1 || batch > kMaxBatch) {
     return refuse("batch size " + std::to_string(batch) + " is out of range: the persistent kernel runs 1.." +
                   std::to_string(kMaxBatch) + " samples");
@@ -50,23 +50,27 @@ LaunchPlan choose(Precision precision, Pass pass, int hidden, int batch, int dev
   const void* best_kernel = nullptr;
   std::tuple<int, long long, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
-  for (const KernelVariant& variant : kernel_variants(precision, pass)) {
+  const int gates = gates_of(cell);
+  const MatrixShape shape = pass == Pass::kForward ? MatrixShape{hidden, gates, hidden, batch}
+                                                   : MatrixShape{hidden, 1, gates * hidden, batch};
+  for (const KernelVariant& variant : kernel_variants(precision, pass, cell)) {
     error = cudaFuncSetAttribute(variant.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
     if (error != cudaSuccess) return refuse(cuda_failure("cudaFuncSetAttribute", error));
-    for (const Tiling& t : variant.tilings(hidden, batch)) {
+    for (const Tiling& t : variant.tilings(shape)) {
       if (t.threads > variant.max_threads || t.smem_bytes > smem_optin) continue;
       int per_sm = 0;
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
       if (per_sm == 0) continue;
-      if (t.num_ctas > per_sm * num_sms) {
-        if (fewest_ctas_not_resident == 0 || t.num_ctas < fewest_ctas_not_resident) {
-          fewest_ctas_not_resident = t.num_ctas;
+      const int ctas = directions * t.num_ctas;
+      if (ctas > per_sm * num_sms) {
+        if (fewest_ctas_not_resident == 0 || ctas < fewest_ctas_not_resident) {
+          fewest_ctas_not_resident = ctas;
           most_resident = per_sm * num_sms;
         }
         continue;
       }
-      const int ctas_per_sm = (t.num_ctas + num_sms - 1) / num_sms;
+      const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
       const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
                                          std::abs(t.threads - 512), t.num_ctas);
       if (!found || score < best_score) {
@@ -79,12 +83,15 @@ LaunchPlan choose(Precision precision, Pass pass, int hidden, int batch, int dev
   }
   if (found) return LaunchPlan{true, "", best, best_kernel};
 
+  const char* cell_name[] = {"ReLU RNN", "tanh RNN", "GRU", "LSTM"};
   char megabytes[32];
   std::snprintf(megabytes, sizeof(megabytes), "%.1f",
-                static_cast<double>(hidden) * hidden * (precision == Precision::kFloat32 ? 4 : 2) / 1e6);
-  std::string reason = "weights of hidden size " + std::to_string(hidden) + " (" +
+                static_cast<double>(directions) * gates * hidden * hidden *
+                    (precision == Precision::kFloat32 ? 4 : 2) / 1e6);
+  std::string reason = std::string(directions == 2 ? "both directions' " : "") + "weights of a " +
+                       cell_name[static_cast<int>(cell)] + " of hidden size " + std::to_string(hidden) + " (" +
                        (precision == Precision::kFloat32 ? "fp32" : "bf16") + ", " + megabytes +
-                       " MB) are too large for on-chip memory on this device (" + std::to_string(num_sms) + " SMs)";
+                       " MB) do not fit on chip on this device (" + std::to_string(num_sms) + " SMs)";
   if (fewest_ctas_not_resident > 0) {
     reason += ": the smallest tiling that fits one SM's registers and shared memory needs " +
               std::to_string(fewest_ctas_not_resident) + " co-resident CTAs, the device holds " +
@@ -97,23 +104,26 @@ LaunchPlan choose(Precision precision, Pass pass, int hidden, int batch, int dev
 
 }  // namespace
 
-LaunchPlan plan_launch(Precision precision, Pass pass, int hidden, int batch) {
+LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, int, int>, LaunchPlan> cache;
+  static std::map<std::tuple<int, int, int, int, int, int, int>, LaunchPlan> cache;
   int device = 0;
   const cudaError_t error = cudaGetDevice(&device);
   if (error != cudaSuccess) return refuse(cuda_failure("cudaGetDevice", error));
-  const auto key = std::make_tuple(device, static_cast<int>(precision), static_cast<int>(pass), hidden, batch);
+  const auto key = std::make_tuple(device, static_cast<int>(precision), static_cast<int>(pass),
+                                   static_cast<int>(cell), hidden, batch, directions);
   std::lock_guard<std::mutex> lock(mutex);
   auto found = cache.find(key);
-  if (found == cache.end()) found = cache.emplace(key, choose(precision, pass, hidden, batch, device)).first;
+  if (found == cache.end()) {
+    found = cache.emplace(key, choose(precision, pass, cell, hidden, batch, directions, device)).first;
+  }
   return found->second;
 }
 
 template <class Element>
-cudaError_t launch(const LaunchPlan& plan, const RnnParams<Element>& params, cudaStream_t stream) {
+cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(plan.tiling.num_ctas);
+  config.gridDim = dim3(directions * plan.tiling.num_ctas);
   config.blockDim = dim3(plan.tiling.threads);
   config.dynamicSmemBytes = plan.tiling.smem_bytes;
   config.stream = stream;
@@ -123,11 +133,11 @@ cudaError_t launch(const LaunchPlan& plan, const RnnParams<Element>& params, cud
   attribute.val.cooperative = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  void* arguments[] = {const_cast<RnnParams<Element>*>(&params)};
+  void* arguments[] = {const_cast<LayerParams<Element>*>(&params)};
   return cudaLaunchKernelExC(&config, plan.kernel, arguments);
 }
 
-template cudaError_t launch<float>(const LaunchPlan&, const RnnParams<float>&, cudaStream_t);
-template cudaError_t launch<__nv_bfloat16>(const LaunchPlan&, const RnnParams<__nv_bfloat16>&, cudaStream_t);
+template cudaError_t launch<float>(const LaunchPlan&, const LayerParams<float>&, int, cudaStream_t);
+template cudaError_t launch<__nv_bfloat16>(const LaunchPlan&, const LayerParams<__nv_bfloat16>&, int, cudaStream_t);
 
 }  // namespace prnn

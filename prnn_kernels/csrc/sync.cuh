@@ -32,9 +32,9 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return now;
 }
 
-// Waits until every CTA has published `stamp` steps: thread t polls the flag of CTA t (and t + blockDim, ...), so
-// all flags are read in parallel, then the CTA meets at a barrier. Returns false, for every thread of the CTA, when
-// the launch is failing and the kernel must return.
+// Waits until every CTA of p's direction has published `stamp` steps: thread t polls the flag of CTA t (and
+// t + blockDim, ...), so all flags are read in parallel, then the CTA meets at a barrier. Returns false, for every
+// thread of the CTA, when the launch is failing and the kernel must return.
 template <class Element>
 __device__ bool wait_for_step(const RnnParams<Element>& p, unsigned stamp, int* abort_s) {
   const unsigned long long start = global_ns();
@@ -61,9 +61,9 @@ __device__ bool wait_for_step(const RnnParams<Element>& p, unsigned stamp, int* 
 
 // Call after a barrier that follows every thread's stores of this step: a release store orders them GPU-wide before
 // the stamp. The CTA's last thread stores it: it rarely owns outputs, so no input loads of its own delay the release.
-__device__ __forceinline__ void publish(unsigned* flags, unsigned stamp) {
+__device__ __forceinline__ void publish(unsigned* flags, int cta, unsigned stamp) {
   if (threadIdx.x == blockDim.x - 1) {
-    unsigned* flag = flags + static_cast<size_t>(blockIdx.x) * kFlagStride;
+    unsigned* flag = flags + static_cast<size_t>(cta) * kFlagStride;
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(stamp) : "memory");
   }
 }

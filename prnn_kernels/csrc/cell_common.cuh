@@ -1,0 +1,115 @@
+// What every cell shares: which time a step runs, where a (time, sample, gate, unit) value lives, and the gradient
+// that enters a step from outside the recurrence.
+//
+// A cell is one object per (hidden unit, sample) element a thread owns; its members live in registers for the whole
+// sequence. The engine (engine.cuh) calls, per element:
+//   init(p, unit, sample)                           once, before the first step
+//   load(p, step, unit, sample)                     right after the step's wait: starts loading the step's inputs,
+//                                                   whose latency then hides behind staging and the multiply
+//   finish(p, step, unit, sample, recurrent, published)
+//                                                   recurrent: the kRowGates products of the unit's matrix rows with
+//                                                   the published vector; writes the step's outputs and fills the
+//                                                   kVectorGates values this element publishes for the next step
+//   end(p, unit, sample)                            once, after the last step
+//
+// Masking: sample b updates only at t < length. Forward processing step s runs time t = s (t = T-1-s reversed);
+// backward step q runs the forward steps in the opposite order, plus one extra step q = T that only collects grad_hx.
+#pragma once
+
+#include "element.cuh"
+
+namespace prnn {
+
+__device__ __forceinline__ int clamp_length(int64_t length, int seq_len) {
+  return length < 0 ? 0 : (length > seq_len ? seq_len : static_cast<int>(length));
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+template <class Element>
+__device__ __forceinline__ int forward_time(const RnnParams<Element>& p, int step) {
+  return p.reverse ? p.seq_len - 1 - step : step;
+}
+
+// The time backward step q < T runs; forward_time(p, backward_time(p, q)) == T - 1 - q.
+template <class Element>
+__device__ __forceinline__ int backward_time(const RnnParams<Element>& p, int step) {
+  return p.reverse ? step : p.seq_len - 1 - step;
+}
+
+// The forward processing step that ran time t.
+template <class Element>
+__device__ __forceinline__ int forward_step_of(const RnnParams<Element>& p, int t) {
+  return p.reverse ? p.seq_len - 1 - t : t;
+}
+
+template <class Element>
+__device__ __forceinline__ bool backward_valid(const RnnParams<Element>& p, int step, int length) {
+  return step < p.seq_len && backward_time(p, step) < length;
+}
+
+// Offsets of (t, sample, gate, unit) in this direction's slice of a gate tensor (T, B, D, G*H), of (t, sample, unit)
+// in a hidden tensor (T, B, D, H), and of (t, sample, value, unit) in the saved values (T, B, V, H).
+template <class Element>
+__device__ __forceinline__ size_t gate_offset(const RnnParams<Element>& p, int t, int sample, int gate, int unit) {
+  return (static_cast<size_t>(t) * p.batch + sample) * p.directions * p.gates * p.hidden +
+         static_cast<size_t>(gate) * p.hidden + unit;
+}
+
+template <class Element>
+__device__ __forceinline__ size_t hidden_offset(const RnnParams<Element>& p, int t, int sample, int unit) {
+  return (static_cast<size_t>(t) * p.batch + sample) * p.directions * p.hidden + unit;
+}
+
+template <class Element>
+__device__ __forceinline__ size_t saved_offset(const RnnParams<Element>& p, int num_values, int t, int sample,
+                                               int unit) {
+  return (static_cast<size_t>(t) * p.batch + sample) * num_values * p.hidden + unit;
+}
+
+template <class Element, int kValues>
+__device__ __forceinline__ void store_saved(const RnnParams<Element>& p, const float (&values)[kValues], int t,
+                                            int sample, int unit) {
+  float* saved = p.saved + saved_offset(p, kValues, t, sample, unit);
+#pragma unroll
+  for (int v = 0; v < kValues; ++v) saved[v * p.hidden] = values[v];
+}
+
+template <class Element, int kValues>
+__device__ __forceinline__ void load_saved(const RnnParams<Element>& p, float (&values)[kValues], int t, int sample,
+                                           int unit) {
+  const float* saved = p.saved + saved_offset(p, kValues, t, sample, unit);
+#pragma unroll
+  for (int v = 0; v < kValues; ++v) values[v] = saved[v * p.hidden];
+}
+
+// The forward pass's state entering processing step `step` (step + 1: leaving it).
+template <class Element>
+__device__ __forceinline__ float forward_state_at(const RnnParams<Element>& p, int step, int sample, int unit) {
+  return p.forward_state[(static_cast<size_t>(step) * p.batch + sample) * p.forward_state_stride + unit];
+}
+
+// dL/dh_t from outside the recurrence: the layer's output gradient, plus grad_h_n at the sample's last forward step
+// (its first backward step: before it the sample published zeros, so the recurrent term there is 0).
+template <class Element>
+__device__ __forceinline__ float outside_gradient(const RnnParams<Element>& p, int t, int sample, int unit,
+                                                  int length) {
+  float grad = to_float(p.grad_output[hidden_offset(p, t, sample, unit)]);
+  if (p.reverse ? t == 0 : t == length - 1) grad += to_float(p.grad_h_n[sample * p.hidden + unit]);
+  return grad;
+}
+
+// grad_hx of a sample that runs no step is grad_h_n (h_n = hx); the others get theirs at the step after their last
+// backward step, from `hidden_gradient` (the recurrent product there, plus what the cell carries past the matrix).
+template <class Element>
+__device__ __forceinline__ void init_grad_hx(const RnnParams<Element>& p, int unit, int sample, int length) {
+  if (length == 0) p.grad_hx[sample * p.hidden + unit] = to_float(p.grad_h_n[sample * p.hidden + unit]);
+}
+
+template <class Element>
+__device__ __forceinline__ void finish_grad_hx(const RnnParams<Element>& p, int step, int unit, int sample, int length,
+                                               float hidden_gradient) {
+  if (step > 0 && backward_valid(p, step - 1, length)) p.grad_hx[sample * p.hidden + unit] = hidden_gradient;
+}
+
+}  // namespace prnn
