@@ -1,17 +1,21 @@
-"""Persistent RNN kernel vs cuDNN (torch.nn.RNN) vs a CUDA-graph loop of one matmul per step, on one GPU.
+"""Persistent RNN kernels vs cuDNN (torch.nn) vs a CUDA-graph loop of one matmul per step, on one GPU.
 
-    python -m benchmarks.rnn_kernels [--json PATH] [--quick]
+    python -m benchmarks.rnn_kernels [--cells relu gru lstm] [--batches ...] [--hiddens ...] [--quick]
+        [--json PATH]
 
-One ReLU layer, input size = hidden size, T = 256, every sample running all steps, for each batch, hidden size and
-precision: fp32 rows compare fp32 everywhere; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in
-bf16. Times are medians of CUDA-event timings after warm-up, in microseconds per timestep:
-  persistent layer  input GEMM (F.linear) + persistent_layer, the same work as one cuDNN layer
-  kernel only       persistent_layer alone on a precomputed input projection (forward); the JSON also splits it
-                    into a per-call prologue and a marginal per-step cost from a second run at T = 64
-  cuDNN             torch.nn.RNN(nonlinearity="relu"), one layer (torch's default TF32 setting, recorded in the JSON)
-  matmul loop       h_t = h_{t-1} @ U^T, one torch.mm per step, replayed as a CUDA graph (forward only)
+One layer, input size = hidden size, T = 256, every sample running all steps, for each cell, batch, hidden size and
+precision, one direction; then, at batch 4, both directions of a bidirectional layer. fp32 rows compare fp32
+everywhere; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are medians of
+CUDA-event timings after warm-up, in microseconds per timestep:
+  persistent layer  input GEMM (F.linear) + the persistent recurrence, the same work as one cuDNN layer
+  kernel only       the persistent recurrence alone on a precomputed input projection (forward); the JSON also
+                    splits it into a per-call prologue and a marginal per-step cost from a second run at T = 64
+  cuDNN             torch.nn.RNN(nonlinearity="relu") / GRU / LSTM, one layer (torch's default TF32 setting,
+                    recorded in the JSON)
+  matmul loop       h_t = h_{t-1} @ U^T (U: G*H x H), one torch.mm per step, replayed as a CUDA graph (forward only)
 "fwd+bwd" rows time forward plus the gradients of the input and every parameter. TFLOP/s counts the input GEMM and
-the recurrence (2 T B H (I + H) forward, three times that for forward and backward).
+the recurrence (2 T B G H (I + H) per direction forward, three times that for forward and backward). Bidirectional
+rows say whether the two directions ran in one launch.
 """
 import argparse
 import json
@@ -23,20 +27,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prnn_kernels.persistent import persistent_layer, support
+from prnn_kernels.persistent import (
+    directions_run_together,
+    persistent_bidirectional_layer,
+    persistent_layer,
+    support,
+)
+from prnn_kernels.reference import NUM_GATES
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
+CELLS = ("relu", "gru", "lstm")
 BATCHES = (1, 4, 8, 16)
-HIDDENS = (2048, 1152, 2304, 2816)  # the target size first
+HIDDENS = (2048, 1152, 1024, 2304, 2816)  # the targets' sizes first
 QUICK_BATCHES = (4,)
-QUICK_HIDDENS = (2048, 1152)
+QUICK_HIDDENS = (2048, 1152, 1024)
+BIDIRECTIONAL_BATCH = 4
 WARMUP = 3
 REPEATS = 15
 
 
-def flops(num_steps, batch_size, hidden_size, input_size, backward):
-    forward = 2 * num_steps * batch_size * hidden_size * (input_size + hidden_size)
+def flops(num_steps, batch_size, gate_rows, hidden_size, input_size, backward):
+    forward = 2 * num_steps * batch_size * gate_rows * (input_size + hidden_size)
     return 3 * forward if backward else forward
 
 
@@ -54,56 +66,71 @@ def median_ms(fn):
 
 
 class Problem:
-    """Random inputs and one layer's parameters in one dtype (torch.nn's initialisation)."""
+    """Random inputs and one layer's parameters (one or two directions) in one dtype, torch.nn's initialisation."""
 
-    def __init__(self, batch_size, hidden_size, dtype):
-        self.dtype = dtype
-        self.module = nn.RNN(hidden_size, hidden_size, nonlinearity="relu").cuda().to(dtype)
+    def __init__(self, cell, batch_size, hidden_size, dtype, bidirectional=False):
+        self.cell, self.dtype, self.bidirectional = cell, dtype, bidirectional
+        if cell in ("relu", "tanh"):
+            module = nn.RNN(hidden_size, hidden_size, nonlinearity=cell, bidirectional=bidirectional)
+        else:
+            module = {"gru": nn.GRU, "lstm": nn.LSTM}[cell](hidden_size, hidden_size, bidirectional=bidirectional)
+        self.module = module.cuda().to(dtype)
+        num_directions = 2 if bidirectional else 1
         self.x = torch.randn(NUM_STEPS, batch_size, hidden_size, device="cuda", dtype=dtype, requires_grad=True)
-        self.h0 = torch.zeros(1, batch_size, hidden_size, device="cuda", dtype=dtype)
+        self.h0 = torch.zeros(num_directions, batch_size, hidden_size, device="cuda", dtype=dtype)
         self.lengths = torch.full((batch_size,), NUM_STEPS, device="cuda", dtype=torch.int64)
-        self.grad_output = torch.randn_like(self.x)
-        self.grad_h_n = torch.randn_like(self.h0)
+        self.grad_output = torch.randn(NUM_STEPS, batch_size, num_directions * hidden_size, device="cuda", dtype=dtype)
         self.leaves = [self.x, *self.module.parameters()]
 
-    def persistent(self):
-        m = self.module
-        input_proj = F.linear(self.x, m.weight_ih_l0, m.bias_ih_l0)
-        output, h_n = persistent_layer(
-            "relu", input_proj, self.h0[0], m.weight_hh_l0, m.bias_hh_l0, self.lengths, False
-        )
-        return output, h_n.unsqueeze(0)
+    def directions(self):
+        """Per direction: (weight_ih, weight_hh, bias_ih, bias_hh)."""
+        return self.module.all_weights
+
+    def state(self, direction):
+        return (self.h0[direction], self.h0[direction]) if self.cell == "lstm" else self.h0[direction]
+
+    def persistent(self, x=None):
+        x = self.x if x is None else x
+        weights = self.directions()
+        if self.bidirectional:
+            input_proj = F.linear(x, torch.cat([w[0] for w in weights]), torch.cat([w[2] for w in weights]))
+            return persistent_bidirectional_layer(self.cell, input_proj, [self.state(0), self.state(1)],
+                                                  [w[1] for w in weights], [w[3] for w in weights], self.lengths)
+        weight_ih, weight_hh, bias_ih, bias_hh = weights[0]
+        return persistent_layer(self.cell, F.linear(x, weight_ih, bias_ih), self.state(0), weight_hh, bias_hh,
+                                self.lengths, False)
 
     def cudnn(self):
-        return self.module(self.x, self.h0)
+        return self.module(self.x, (self.h0, self.h0) if self.cell == "lstm" else self.h0)
 
     def forward_backward(self, layer):
         def run():
-            output, h_n = layer()
-            torch.autograd.grad((output, h_n), self.leaves, (self.grad_output, self.grad_h_n))
+            output, _ = layer()
+            torch.autograd.grad(output, self.leaves, self.grad_output)
 
         return run
 
     def kernel_only(self, num_steps=NUM_STEPS):
-        m = self.module
+        weight_ih, weight_hh, bias_ih, bias_hh = self.directions()[0]
         with torch.no_grad():
-            input_proj = F.linear(self.x[:num_steps], m.weight_ih_l0, m.bias_ih_l0)
-        hx, weight_hh, bias_hh = self.h0[0], m.weight_hh_l0, m.bias_hh_l0
-        return lambda: persistent_layer("relu", input_proj, hx, weight_hh, bias_hh, self.lengths, False)
+            input_proj = F.linear(self.x[:num_steps], weight_ih, bias_ih)
+            hx = self.state(0)
+        return lambda: persistent_layer(self.cell, input_proj, hx, weight_hh, bias_hh, self.lengths, False)
 
     def matmul_loop(self):
-        """A CUDA graph of NUM_STEPS dependent matmuls h_t = h_{t-1} @ U^T."""
-        weight_t = self.module.weight_hh_l0.detach().t()
-        states = torch.empty(NUM_STEPS + 1, *self.h0.shape[1:], device="cuda", dtype=self.dtype)
+        """A CUDA graph of NUM_STEPS dependent matmuls h_t = h_{t-1} @ U^T, keeping the first H of the G*H outputs."""
+        weight_t = self.directions()[0][1].detach().t()  # (H, G*H)
+        hidden_size = weight_t.shape[0]
+        states = torch.empty(NUM_STEPS + 1, self.h0.shape[1], weight_t.shape[1], device="cuda", dtype=self.dtype)
         states[0].normal_()
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad():
             for _ in range(2):  # warm-up: cuBLAS handles and workspaces exist before capture
-                torch.mm(states[0], weight_t, out=states[1])
+                torch.mm(states[0, :, :hidden_size], weight_t, out=states[1])
             torch.cuda.synchronize()
             with torch.cuda.graph(graph):
                 for t in range(NUM_STEPS):
-                    torch.mm(states[t], weight_t, out=states[t + 1])
+                    torch.mm(states[t, :, :hidden_size], weight_t, out=states[t + 1])
         return graph.replay
 
 
@@ -111,48 +138,58 @@ def per_step_us(milliseconds):
     return milliseconds * 1e3 / NUM_STEPS
 
 
-def measure(batch_size, hidden_size, precision):
-    """All timings of one (batch, hidden, precision) cell; unsupported persistent shapes are recorded with why."""
+def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
+    """All timings of one (cell, batch, hidden, precision, directions) row; unsupported persistent shapes are
+    recorded with why."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    row = {"batch": batch_size, "hidden": hidden_size, "precision": precision, "num_steps": NUM_STEPS}
-    problem = Problem(batch_size, hidden_size, dtype)
-    verdict = support("relu", hidden_size, batch_size, dtype, "cuda")
+    row = {"cell": cell, "batch": batch_size, "hidden": hidden_size, "precision": precision,
+           "bidirectional": bidirectional, "num_steps": NUM_STEPS}
+    problem = Problem(cell, batch_size, hidden_size, dtype, bidirectional)
+    verdict = support(cell, hidden_size, batch_size, dtype, "cuda")
     row["persistent_supported"] = verdict.ok
     row["persistent_reason"] = verdict.reason
     if verdict.ok:
         row["persistent_fwd_us"] = per_step_us(median_ms(lambda: problem.persistent()))
-        row["kernel_only_fwd_us"] = per_step_us(median_ms(problem.kernel_only()))
-        # Per call = prologue + steps x per-step: two lengths separate them.
-        short_ms = median_ms(problem.kernel_only(SHORT_STEPS))
-        step_ms = (row["kernel_only_fwd_us"] * NUM_STEPS * 1e-3 - short_ms) / (NUM_STEPS - SHORT_STEPS)
-        row["kernel_only_fwd_marginal_us"] = step_ms * 1e3
-        row["kernel_only_fwd_prologue_us"] = (short_ms - SHORT_STEPS * step_ms) * 1e3
         row["persistent_fwdbwd_us"] = per_step_us(median_ms(problem.forward_backward(problem.persistent)))
-    row["matmul_loop_fwd_us"] = per_step_us(median_ms(problem.matmul_loop()))
+        if bidirectional:
+            row["directions_in_one_launch"] = directions_run_together(cell, hidden_size, batch_size, dtype, "cuda")
+        else:
+            row["kernel_only_fwd_us"] = per_step_us(median_ms(problem.kernel_only()))
+            # Per call = prologue + steps x per-step: two lengths separate them.
+            short_ms = median_ms(problem.kernel_only(SHORT_STEPS))
+            step_ms = (row["kernel_only_fwd_us"] * NUM_STEPS * 1e-3 - short_ms) / (NUM_STEPS - SHORT_STEPS)
+            row["kernel_only_fwd_marginal_us"] = step_ms * 1e3
+            row["kernel_only_fwd_prologue_us"] = (short_ms - SHORT_STEPS * step_ms) * 1e3
+    if not bidirectional:
+        row["matmul_loop_fwd_us"] = per_step_us(median_ms(problem.matmul_loop()))
     baselines = {"fp32": [torch.float32]}.get(precision, [torch.float16, torch.bfloat16])
     for baseline_dtype in baselines:
         name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[baseline_dtype]
-        baseline = problem if baseline_dtype == dtype else Problem(batch_size, hidden_size, baseline_dtype)
+        baseline = (problem if baseline_dtype == dtype
+                    else Problem(cell, batch_size, hidden_size, baseline_dtype, bidirectional))
         row[f"cudnn_{name}_fwd_us"] = per_step_us(median_ms(lambda: baseline.cudnn()))
         row[f"cudnn_{name}_fwdbwd_us"] = per_step_us(median_ms(baseline.forward_backward(baseline.cudnn)))
     reference = "cudnn_fp32" if precision == "fp32" else "cudnn_fp16"
+    num_directions = 2 if bidirectional else 1
     for direction, backward in (("fwd", False), ("fwdbwd", True)):
         if verdict.ok:
             persistent_us = row[f"persistent_{direction}_us"]
-            work = flops(NUM_STEPS, batch_size, hidden_size, hidden_size, backward)
+            gate_rows = NUM_GATES[cell] * hidden_size
+            work = num_directions * flops(NUM_STEPS, batch_size, gate_rows, hidden_size, hidden_size, backward)
             row[f"persistent_{direction}_tflops"] = work / (persistent_us * NUM_STEPS * 1e-6) / 1e12
             row[f"speedup_{direction}_over_{reference}"] = row[f"{reference}_{direction}_us"] / persistent_us
     return row
 
 
 def print_table(rows):
-    header = (f"{'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'kernel':>7} {'TFLOP/s':>7} | "
-              f"{'cuDNN':>7} {'cuDNN bf16':>10} {'mm loop':>7} | {'speed-up':>8}")
-    print("us per timestep (T = 256, one ReLU layer); cuDNN column: fp32 for fp32 rows, fp16 for bf16 rows")
+    header = (f"{'cell':>4} {'dirs':>4} {'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'kernel':>7} "
+              f"{'TFLOP/s':>7} | {'cuDNN':>7} {'cuDNN bf16':>10} {'mm loop':>7} | {'speed-up':>8}")
+    print("us per timestep (T = 256, one layer); cuDNN column: fp32 for fp32 rows, fp16 for bf16 rows")
     print(header)
     print("-" * len(header))
     for row in rows:
         reference = "cudnn_fp32" if row["precision"] == "fp32" else "cudnn_fp16"
+        directions = "2" + ("*" if row.get("directions_in_one_launch") else "") if row["bidirectional"] else "1"
         for direction in ("fwd", "fwdbwd"):
             def cell(key, width, digits=2):
                 value = row.get(key)
@@ -160,36 +197,48 @@ def print_table(rows):
 
             kernel = cell("kernel_only_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
             loop = cell("matmul_loop_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
-            print(f"{row['precision']:>4} {row['batch']:>3} {row['hidden']:>5} {direction:>6} | "
-                  f"{cell(f'persistent_{direction}_us', 8)} {kernel} {cell(f'persistent_{direction}_tflops', 7)} | "
-                  f"{cell(f'{reference}_{direction}_us', 7)} {cell(f'cudnn_bf16_{direction}_us', 10)} {loop} | "
+            print(f"{row['cell']:>4} {directions:>4} {row['precision']:>4} {row['batch']:>3} {row['hidden']:>5} "
+                  f"{direction:>6} | {cell(f'persistent_{direction}_us', 8)} {kernel} "
+                  f"{cell(f'persistent_{direction}_tflops', 7)} | {cell(f'{reference}_{direction}_us', 7)} "
+                  f"{cell(f'cudnn_bf16_{direction}_us', 10)} {loop} | "
                   f"{cell(f'speedup_{direction}_over_{reference}', 7, 1)}x")
         if not row["persistent_supported"]:
-            print(f"     persistent kernel refused B={row['batch']} H={row['hidden']} {row['precision']}: "
-                  f"{row['persistent_reason']}")
+            print(f"     persistent kernel refused {row['cell']} B={row['batch']} H={row['hidden']} "
+                  f"{row['precision']}: {row['persistent_reason']}")
+    print("dirs 2*: both directions in one launch")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results and the full configuration to this file")
-    parser.add_argument("--quick", action="store_true", help=f"batch {QUICK_BATCHES}, hidden {QUICK_HIDDENS} only")
+    parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
+    parser.add_argument("--batches", nargs="+", type=int, help=f"default {BATCHES}")
+    parser.add_argument("--hiddens", nargs="+", type=int, help=f"default {HIDDENS}")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.rnn_kernels needs a CUDA GPU")
     torch.manual_seed(0)
-    batches, hiddens = (QUICK_BATCHES, QUICK_HIDDENS) if args.quick else (BATCHES, HIDDENS)
+    batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
+    hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)
+    configuration = {"num_steps": NUM_STEPS, "cells": args.cells, "batches": list(batches), "hiddens": list(hiddens),
+                     "bidirectional_batch": BIDIRECTIONAL_BATCH, "input_size": "hidden", "warmup": WARMUP,
+                     "repeats": REPEATS, "statistic": "median", "command": " ".join(sys.argv)}
+    grid = [(cell, batch, hidden, precision, False) for cell in args.cells for hidden in hiddens
+            for batch in batches for precision in ("fp32", "bf16")]
+    grid += [(cell, BIDIRECTIONAL_BATCH, hidden, precision, True) for cell in args.cells for hidden in hiddens
+             for precision in ("fp32", "bf16")]
     rows = []
-    for hidden_size in hiddens:
-        for batch_size in batches:
-            for precision in ("fp32", "bf16"):
-                rows.append(measure(batch_size, hidden_size, precision))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-                    write_json(args.json, rows, batches, hiddens)
+    for point in grid:
+        rows.append(measure(*point))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
+            write_json(args.json, rows, configuration)
     print_table(rows)
 
 
-def write_json(path, rows, batches, hiddens):
+def write_json(path, rows, configuration):
     properties = torch.cuda.get_device_properties(0)
     result = {
         "device": torch.cuda.get_device_name(0),
@@ -200,13 +249,12 @@ def write_json(path, rows, batches, hiddens):
         "python": platform.python_version(),
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "config": {"num_steps": NUM_STEPS, "batches": list(batches), "hiddens": list(hiddens), "cell": "relu",
-                   "input_size": "hidden", "warmup": WARMUP, "repeats": REPEATS, "statistic": "median",
-                   "command": " ".join(sys.argv)},
+        "config": configuration,
         "rows": rows,
     }
     with open(path, "w") as file:
         json.dump(result, file, indent=2)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,133 @@
+"""Training-step time of the same DeepSpeech2 model on each recurrent backend, in one process on one GPU.
+
+    python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent] [--batches 1 4 8 16 32]
+        [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--json PATH]
+
+The step is the trainer's own (trainer.train.train_step: forward under bf16 autocast, CTC, backward, gradient
+clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
+experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152. Inputs are random
+utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend starts from the same initial weights.
+Times are medians over --steps after --warmup, each step bracketed by device synchronisation. The persistent
+kernels run at most 16 utterances; a shape they refuse is recorded with the reason, not timed.
+"""
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from benchmarks.scaling import MODELS, compose_config, device_name, random_batch, summary, time_ms, versions
+from prnn_kernels.persistent import directions_run_together, support
+from trainer import build, distributed
+from trainer.train import train_step
+
+
+def persistent_verdict(cfg, batch_size: int, amp: bool, device) -> dict:
+    """Whether the model's recurrent layers run on the persistent kernels at this batch, and both directions of a
+    layer in one launch."""
+    dtype = torch.bfloat16 if amp else torch.float32
+    model = cfg.model
+    verdict = support(model.cell, model.hidden, batch_size, dtype, device)
+    together = verdict.ok and model.bidirectional and directions_run_together(
+        model.cell, model.hidden, batch_size, dtype, device
+    )
+    return {"supported": verdict.ok, "reason": verdict.reason, "directions_in_one_launch": together}
+
+
+def measure(args, model_name: str, backend: str, batch_size: int, device) -> dict:
+    cfg = compose_config(model_name, backend, None, args.amp)
+    amp = args.amp == "bf16"
+    row = {"model": model_name, "backend": backend, "batch": batch_size}
+    if backend == "persistent":
+        row["persistent"] = persistent_verdict(cfg, batch_size, amp, device)
+        if not row["persistent"]["supported"]:
+            return row
+    num_features = build.features(cfg.data).num_features
+    torch.manual_seed(args.seed)  # the same initial weights for every backend
+    model = build.model(cfg.model, num_features).to(device)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
+    batch = random_batch(batch_size, args.frames, num_features, args.seed, device)
+    env = distributed.DistEnv(0, 1, 0, device)
+    times = time_ms(lambda: train_step(model, batch, optimizer, schedule, cfg, env), args.warmup, args.steps, device)
+    row.update(summary(times), parameters=sum(p.numel() for p in model.parameters()),
+               peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9)
+    row["samples_per_s"] = batch_size / row["median_ms"] * 1e3
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_over_cudnn on each persistent row: cuDNN's median step time over its own, same model and batch."""
+    cudnn = {(r["model"], r["batch"]): r["median_ms"] for r in rows if r["backend"] == "cudnn" and "median_ms" in r}
+    for row in rows:
+        key = (row["model"], row["batch"])
+        if row["backend"] != "cudnn" and "median_ms" in row and key in cudnn:
+            row["speedup_over_cudnn"] = cudnn[key] / row["median_ms"]
+
+
+def print_table(rows: list[dict], configs: dict) -> None:
+    for model_name, model_config in configs.items():
+        print(f"{model_name}: {model_config['depth']} x {'bi-' if model_config['bidirectional'] else ''}"
+              f"{model_config['cell'].upper()} {model_config['hidden']}")
+    header = f"{'model':<6} {'backend':<11} {'batch':>5} {'median ms':>10} {'samples/s':>10} {'speed-up':>9}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        if "median_ms" not in row:
+            print(f"{row['model']:<6} {row['backend']:<11} {row['batch']:>5}   refused: {row['persistent']['reason']}")
+            continue
+        speedup = f"{row['speedup_over_cudnn']:>8.2f}x" if "speedup_over_cudnn" in row else f"{'':>9}"
+        print(f"{row['model']:<6} {row['backend']:<11} {row['batch']:>5} {row['median_ms']:>10.2f} "
+              f"{row['samples_per_s']:>10.1f} {speedup}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_step", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["an4", "deep"])
+    parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference"),
+                        default=["cudnn", "persistent"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per point")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each point")
+    parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", help="write the results, versions and configuration here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.train_step needs a CUDA GPU")
+    if min(args.batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
+        sys.exit("--batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+    device = distributed.init("cuda").device
+    torch.cuda.init()  # before the memory statistics are reset
+    rows = []
+    for model_name in args.models:
+        for batch_size in args.batches:
+            for backend in args.backends:
+                torch.cuda.reset_peak_memory_stats(device)
+                rows.append(measure(args, model_name, backend, batch_size, device))
+                torch.cuda.empty_cache()
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
+    add_speedups(rows)
+    configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
+               for name in args.models}
+    print(f"training step on {device_name(device)}, {args.frames} frames, amp {args.amp}")
+    print_table(rows, configs)
+    if args.json:
+        result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
+                  "versions": versions(device), "config": {**vars(args), "model_configs": configs,
+                                                           "command": " ".join(sys.argv)}, "rows": rows}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
