@@ -62,6 +62,11 @@ class ConvFrontEnd(nn.Module):
         x = features.transpose(1, 2).unsqueeze(1)  # (B, 1, F, T)
         x = x.masked_fill(~sequence_mask(lengths, x.shape[3])[:, None, None, :], 0)
         for index, conv in enumerate(self.convs):
+            if index > 0 and x.is_cuda:
+                # cuDNN's bf16 NCHW data gradient of this layer takes ~20 ms at batch 4 on an H100, 70x its time in
+                # channels-last, which is as fast or faster at every batch (measured; not so for the 1-channel first
+                # layer).
+                x = x.contiguous(memory_format=torch.channels_last)
             x = conv(x)  # (B, C, F_i, T_i)
             lengths = conv_output_lengths(conv, lengths)
             mask = sequence_mask(lengths, x.shape[3])[:, None, None, :]  # (B, 1, 1, T_i)
