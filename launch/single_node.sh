@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One node, N GPUs, one process per GPU:
 #   launch/single_node.sh 8 experiment=an4_gpu model.backend=persistent
-# Settings from the environment: PYTHON (default python3), MPIRUN (default mpirun), RUN_NAME (default: now).
+# Settings from the environment: PYTHON (default python3), MPIRUN (default mpirun; may carry options, e.g.
+# MPIRUN="mpirun -x NCCL_DEBUG"), RUN_NAME (default: now).
 set -euo pipefail
 num_gpus=${1:?usage: launch/single_node.sh NUM_GPUS [trainer overrides...]}
 shift
@@ -11,5 +12,6 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank w
 "${PYTHON:-python3}" -m prnn_kernels.build
 
 # --bind-to none: each rank's data-loading workers may use any core of the node.
-exec "${MPIRUN:-mpirun}" -np "$num_gpus" --bind-to none \
+# shellcheck disable=SC2086  # MPIRUN is split into the command and its options
+exec ${MPIRUN:-mpirun} -np "$num_gpus" --bind-to none \
     "${PYTHON:-python3}" -m trainer run_name="$run_name" "$@"
