@@ -89,6 +89,33 @@ __device__ __forceinline__ float forward_state_at(const RnnParams<Element>& p, i
   return p.forward_state[(static_cast<size_t>(step) * p.batch + sample) * p.forward_state_stride + unit];
 }
 
+// The kGates gate inputs of one forward element: its bias_hh entries, fixed for the sequence, and input_proj at the
+// step being run (0 past the sample's length).
+template <int kGates>
+struct GateInputs {
+  float bias[kGates];
+  float input[kGates];
+
+  template <class Element>
+  __device__ void init(const RnnParams<Element>& p, int unit) {
+#pragma unroll
+    for (int gate = 0; gate < kGates; ++gate) {
+      bias[gate] = p.bias != nullptr ? to_float(p.bias[gate * p.hidden + unit]) : 0.f;
+    }
+  }
+
+  template <class Element>
+  __device__ void load(const RnnParams<Element>& p, int t, int length, int sample, int unit) {
+#pragma unroll
+    for (int gate = 0; gate < kGates; ++gate) {
+      input[gate] = t < length ? to_float(p.input_proj[gate_offset(p, t, sample, gate, unit)]) : 0.f;
+    }
+  }
+
+  // input + (recurrent + bias) of one gate: the pre-activation, less what a GRU's reset gate scales.
+  __device__ float pre_activation(int gate, float recurrent) const { return input[gate] + (recurrent + bias[gate]); }
+};
+
 // dL/dh_t from outside the recurrence: the layer's output gradient, plus grad_h_n at the sample's last forward step
 // (its first backward step: before it the sample published zeros, so the recurrent term there is 0).
 template <class Element>

@@ -17,24 +17,18 @@ struct GruForward {
   static constexpr int kRowGates = 3;
   static constexpr int kVectorGates = 1;
   static constexpr int kSaved = saved_values_of(CellKind::kGru);  // r, z, n, U_n h + b_n
-  float bias[3];
-  float input[3];
+  GateInputs<3> inputs;
   float carry;  // h after this sample's last valid step so far (hx before the first)
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-#pragma unroll
-    for (int gate = 0; gate < 3; ++gate) bias[gate] = p.bias != nullptr ? to_float(p.bias[gate * p.hidden + unit]) : 0.f;
+    inputs.init(p, unit);
     length = clamp_length(p.lengths[sample], p.seq_len);
     carry = p.state[sample * p.state_stride + unit];
   }
 
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    const int t = forward_time(p, step);
-#pragma unroll
-    for (int gate = 0; gate < 3; ++gate) {
-      input[gate] = t < length ? to_float(p.input_proj[gate_offset(p, t, sample, gate, unit)]) : 0.f;
-    }
+    inputs.load(p, forward_time(p, step), length, sample, unit);
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[3],
@@ -43,10 +37,10 @@ struct GruForward {
     float output = 0.f;
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
-      saved[0] = sigmoid(input[0] + (recurrent[0] + bias[0]));  // r
-      saved[1] = sigmoid(input[1] + (recurrent[1] + bias[1]));  // z
-      saved[3] = recurrent[2] + bias[2];                         // U_n h + b_n
-      saved[2] = tanhf(input[2] + saved[0] * saved[3]);          // n
+      saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // r
+      saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // z
+      saved[3] = recurrent[2] + inputs.bias[2];                  // U_n h + b_n
+      saved[2] = tanhf(inputs.input[2] + saved[0] * saved[3]);   // n
       carry = (1.f - saved[1]) * saved[2] + saved[1] * carry;
       output = carry;
     }
@@ -127,25 +121,19 @@ struct LstmForward {
   static constexpr int kRowGates = 4;
   static constexpr int kVectorGates = 1;
   static constexpr int kSaved = saved_values_of(CellKind::kLstm);  // i, f, g, o, c, tanh(c')
-  float bias[4];
-  float input[4];
+  GateInputs<4> inputs;
   float h, c;  // after this sample's last valid step so far (hx, cx before the first)
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-#pragma unroll
-    for (int gate = 0; gate < 4; ++gate) bias[gate] = p.bias != nullptr ? to_float(p.bias[gate * p.hidden + unit]) : 0.f;
+    inputs.init(p, unit);
     length = clamp_length(p.lengths[sample], p.seq_len);
     h = p.state[sample * p.state_stride + unit];
     c = p.cell_state[sample * p.hidden + unit];
   }
 
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    const int t = forward_time(p, step);
-#pragma unroll
-    for (int gate = 0; gate < 4; ++gate) {
-      input[gate] = t < length ? to_float(p.input_proj[gate_offset(p, t, sample, gate, unit)]) : 0.f;
-    }
+    inputs.load(p, forward_time(p, step), length, sample, unit);
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[4],
@@ -154,10 +142,10 @@ struct LstmForward {
     float output = 0.f;
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
-      saved[0] = sigmoid(input[0] + (recurrent[0] + bias[0]));  // i
-      saved[1] = sigmoid(input[1] + (recurrent[1] + bias[1]));  // f
-      saved[2] = tanhf(input[2] + (recurrent[2] + bias[2]));     // g
-      saved[3] = sigmoid(input[3] + (recurrent[3] + bias[3]));  // o
+      saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // i
+      saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // f
+      saved[2] = tanhf(inputs.pre_activation(2, recurrent[2]));     // g
+      saved[3] = sigmoid(inputs.pre_activation(3, recurrent[3]));  // o
       saved[4] = c;
       c = saved[1] * c + saved[0] * saved[2];
       saved[5] = tanhf(c);

@@ -20,20 +20,18 @@ struct VanillaForward {
   using Element = Element_;
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 1;
-  float bias;
+  GateInputs<1> inputs;
   float carry;  // h after this sample's last valid step so far (hx before the first)
-  float input;  // input_proj at this step
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    bias = p.bias != nullptr ? to_float(p.bias[unit]) : 0.f;
+    inputs.init(p, unit);
     length = clamp_length(p.lengths[sample], p.seq_len);
     carry = p.state[sample * p.state_stride + unit];  // hx, written before the launch
   }
 
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    const int t = forward_time(p, step);
-    input = t < length ? to_float(p.input_proj[gate_offset(p, t, sample, 0, unit)]) : 0.f;
+    inputs.load(p, forward_time(p, step), length, sample, unit);
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[1],
@@ -41,7 +39,7 @@ struct VanillaForward {
     const int t = forward_time(p, step);
     float output = 0.f;
     if (t < length) {
-      carry = activate(p.cell, input + (recurrent[0] + bias));
+      carry = activate(p.cell, inputs.pre_activation(0, recurrent[0]));
       output = carry;
     }
     p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
