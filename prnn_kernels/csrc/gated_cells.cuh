@@ -62,7 +62,7 @@ struct GruBackward {
   static constexpr int kSaved = saved_values_of(CellKind::kGru);
   float grad;    // dL/dh' from outside the recurrence
   float h_prev;  // h entering this step
-  float reset, update, candidate, hidden_n;
+  float saved[kSaved];  // r, z, n, U_n h + b_n of this step
   float direct;  // dL/dh' * z of the step after this one (later in time)
   int length;
 
@@ -77,12 +77,7 @@ struct GruBackward {
     const int t = backward_time(p, step);
     grad = outside_gradient(p, t, sample, unit, length);
     h_prev = forward_state_at(p, forward_step_of(p, t), sample, unit);
-    float saved[kSaved];
     load_saved(p, saved, t, sample, unit);
-    reset = saved[0];
-    update = saved[1];
-    candidate = saved[2];
-    hidden_n = saved[3];
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[1],
@@ -90,6 +85,7 @@ struct GruBackward {
     float grad_pre[3] = {0.f, 0.f, 0.f};  // (r, z, n) pre-activations
     published[0] = published[1] = published[2] = 0.f;
     if (backward_valid(p, step, length)) {
+      const float reset = saved[0], update = saved[1], candidate = saved[2], hidden_n = saved[3];
       const float grad_h = grad + recurrent[0] + direct;
       grad_pre[2] = grad_h * (1.f - update) * (1.f - candidate * candidate);
       grad_pre[1] = grad_h * (h_prev - candidate) * update * (1.f - update);
@@ -169,7 +165,7 @@ struct LstmBackward {
   static constexpr int kVectorGates = 4;
   static constexpr int kSaved = saved_values_of(CellKind::kLstm);
   float grad;  // dL/dh' from outside the recurrence
-  float in, forget, cell, out, c_prev, tanh_c;
+  float saved[kSaved];  // i, f, g, o, c, tanh(c') of this step
   float grad_c;  // dL/dc' reaching this step from the step after it (grad_c_n before the sample's first)
   int length;
 
@@ -183,20 +179,15 @@ struct LstmBackward {
     if (!backward_valid(p, step, length)) return;
     const int t = backward_time(p, step);
     grad = outside_gradient(p, t, sample, unit, length);
-    float saved[kSaved];
     load_saved(p, saved, t, sample, unit);
-    in = saved[0];
-    forget = saved[1];
-    cell = saved[2];
-    out = saved[3];
-    c_prev = saved[4];
-    tanh_c = saved[5];
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[1],
                          float (&published)[4]) {
     published[0] = published[1] = published[2] = published[3] = 0.f;
     if (backward_valid(p, step, length)) {
+      const float in = saved[0], forget = saved[1], cell = saved[2], out = saved[3], c_prev = saved[4];
+      const float tanh_c = saved[5];
       const float grad_h = grad + recurrent[0];
       grad_c += grad_h * out * (1.f - tanh_c * tanh_c);
       published[0] = grad_c * cell * in * (1.f - in);
