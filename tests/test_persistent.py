@@ -114,6 +114,7 @@ CASES = [
     ("gru", 17, 7, 257, torch.float32, False, False),
     ("gru", 256, 4, 800, torch.float32, True, True),
     ("gru", 17, 16, 1024, torch.float32, False, True),
+    ("gru", 64, 4, 1152, torch.float32, True, True),
     ("gru", 2, 3, 100, torch.bfloat16, True, True),
     ("gru", 256, 4, 1152, torch.bfloat16, False, True),
     ("gru", 17, 16, 800, torch.bfloat16, True, True),
@@ -121,6 +122,8 @@ CASES = [
     ("lstm", 17, 4, 100, torch.float32, True, True),
     ("lstm", 17, 16, 513, torch.float32, True, False),
     ("lstm", 256, 4, 1024, torch.float32, False, True),
+    ("lstm", 17, 5, 600, torch.float32, False, True),
+    ("lstm", 33, 12, 1152, torch.float32, True, True),
     ("lstm", 17, 7, 100, torch.bfloat16, False, True),
     ("lstm", 256, 4, 1024, torch.bfloat16, True, True),
 ]
@@ -273,7 +276,8 @@ def test_repeated_runs_are_identical(cell):
         ("relu", 256, 17, torch.float32, "batch size 17"),
         ("gru", 256, 4, torch.float16, "dtype"),
         ("relu", 8192, 4, torch.float32, "do not fit on chip"),
-        ("gru", 1152, 4, torch.float32, "do not fit on chip"),
+        ("gru", 2048, 4, torch.float32, "do not fit on chip"),
+        ("lstm", 1152, 16, torch.float32, "with batch 16"),
     ],
 )
 def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, message):

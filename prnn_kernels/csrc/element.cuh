@@ -23,13 +23,15 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16(value); }
 
 // Element (local row, k) of the slice of the matrix this pass multiplies by that CTA `cta` holds: local rows are
-// gate-major (row = gate * units_per_cta + unit); 0 in the tiles' padding.
+// gate-major (row = gate * units_per_cta + unit); 0 in the tiles' padding. Padding rows have gate >= p.gates: only the
+// forward pass (G gate rows per unit) has them, the backward's single row per unit always fills the tile.
 template <class Element>
 __device__ __forceinline__ Element weight_at(const RnnParams<Element>& p, int cta, int local_row, int k) {
   const int units = p.tiling.units_per_cta;
+  const int gate = local_row / units;
   const int unit = cta * units + local_row % units;
-  if (unit >= p.hidden || k >= p.vector_length) return from_float<Element>(0.f);
-  const size_t row = static_cast<size_t>(local_row / units) * p.hidden + unit;
+  if (gate >= p.gates || unit >= p.hidden || k >= p.vector_length) return from_float<Element>(0.f);
+  const size_t row = static_cast<size_t>(gate) * p.hidden + unit;
   return p.weight[row * p.weight_row_stride + static_cast<size_t>(k) * p.weight_col_stride];
 }
 

@@ -33,8 +33,10 @@ struct Fp32Math {
       Tiling t{};
       t.row_groups = groups;
       t.rows_per_cta = groups * kRowsPerThread;
-      if (t.rows_per_cta % shape.row_gates != 0) continue;  // all gates of a unit in one CTA
+      // All gates of a unit in one CTA. Rows past units_per_cta * row_gates are padding (zero weights): they let a
+      // power-of-two row count hold, say, the 30 rows of 10 GRU units.
       t.units_per_cta = t.rows_per_cta / shape.row_gates;
+      if (t.units_per_cta == 0) continue;
       t.num_ctas = ceil_div(shape.units, t.units_per_cta);
       int k_splits = ceil_div(ceil_div(shape.k_extent, 4), kChunksPerThread);
       // Enough threads to finish the CTA's units_per_cta * batch elements each step.

@@ -54,7 +54,8 @@ struct Tiling {
   int num_ctas;       // persistent CTAs per direction, all co-resident
   int threads;        // per CTA
   int units_per_cta;  // hidden units a CTA owns; the last CTA may own fewer
-  int rows_per_cta;   // matrix rows a CTA holds: units_per_cta * row_gates, gate-major (row = gate * units + unit)
+  int rows_per_cta;   // matrix rows a CTA holds: units_per_cta * row_gates, gate-major (row = gate * units + unit),
+                      //   then padding rows (zero weights) up to the math's row count
   int padded_k;       // K extent covered by the thread tiles (>= k_extent; weights beyond it are zero)
   int row_groups;     // fp32: lanes along rows (G); bf16: 8-row MMA tiles per CTA
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
