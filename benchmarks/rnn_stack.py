@@ -1,0 +1,157 @@
+"""What a stack of recurrent layers costs per layer: prnn_kernels' persistent backend vs cuDNN (torch.nn), one GPU.
+
+    python -m benchmarks.rnn_stack [--cells gru] [--hiddens 800 1152] [--depths 1 2 4 7] [--dtypes float32 bfloat16]
+        [--batch 4] [--json PATH]
+
+Bidirectional stacks (input size = hidden size, T = 256, every sample running all steps) of each depth, built as
+`prnn_kernels.GRU(..., backend="persistent")` and as `torch.nn.GRU` with the same weights, timed forward and
+forward + backward (gradients of the input and every parameter) in one process. bf16 rows run the persistent stack
+in bf16 and cuDNN in fp16 and in bf16. Times are medians of CUDA-event timings after warm-up. Per depth the table
+gives the stack's time in ms and its time per layer; "per added layer" is the slope of a least-squares line through
+(depth, time), the marginal cost of one more layer, and "fixed" is that line at depth 0. Shapes the persistent
+kernel refuses are reported with its reason and skipped.
+"""
+import argparse
+import json
+import platform
+import sys
+
+import torch
+from torch import nn
+
+import prnn_kernels
+from benchmarks.rnn_kernels import NUM_STEPS, median_ms
+from prnn_kernels.persistent import support
+
+MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stack_pair(cell, hidden_size, depth, dtype):
+    """(persistent, cudnn) bidirectional stacks of `depth` layers with the same weights, on the GPU in dtype."""
+    ours_class, torch_class = MODULES[cell]
+    kwargs = {"num_layers": depth, "bidirectional": True}
+    if cell == "relu":
+        kwargs["nonlinearity"] = "relu"
+    ours = ours_class(hidden_size, hidden_size, backend="persistent", **kwargs).cuda().to(dtype)
+    theirs = torch_class(hidden_size, hidden_size, **kwargs).cuda().to(dtype)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def time_stack(module, batch_size, hidden_size, dtype):
+    """(forward ms, forward + backward ms) of one stack on random inputs."""
+    x = torch.randn(NUM_STEPS, batch_size, hidden_size, device="cuda", dtype=dtype, requires_grad=True)
+    grad_output = torch.randn(NUM_STEPS, batch_size, 2 * hidden_size, device="cuda", dtype=dtype)
+    leaves = [x, *module.parameters()]
+
+    def forward():
+        with torch.no_grad():
+            module(x)
+
+    def forward_backward():
+        output, _ = module(x)
+        torch.autograd.grad(output, leaves, grad_output)
+
+    return median_ms(forward), median_ms(forward_backward)
+
+
+def line_fit(depths, times):
+    """(intercept, slope) of the least-squares line time = intercept + slope * depth."""
+    n = len(depths)
+    mean_d, mean_t = sum(depths) / n, sum(times) / n
+    spread = sum((d - mean_d) ** 2 for d in depths)
+    slope = sum((d - mean_d) * (t - mean_t) for d, t in zip(depths, times)) / spread if spread else float("nan")
+    return mean_t - slope * mean_d, slope
+
+
+def measure(cell, hidden_size, depths, dtype, batch_size):
+    """Rows of {backend, dtype, depth, fwd_ms, fwd_bwd_ms} for one cell, size and persistent dtype."""
+    baseline_dtypes = [torch.float16, torch.bfloat16] if dtype == torch.bfloat16 else [dtype]
+    rows = []
+    for depth in depths:
+        ours, theirs = stack_pair(cell, hidden_size, depth, dtype)
+        runs = [("persistent", dtype, ours)] + [("cudnn", d, theirs) for d in baseline_dtypes]
+        for backend, run_dtype, module in runs:
+            fwd, fwd_bwd = time_stack(module.to(run_dtype), batch_size, hidden_size, run_dtype)
+            rows.append({"backend": backend, "dtype": str(run_dtype).removeprefix("torch."), "depth": depth,
+                         "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd})
+        del ours, theirs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summarise(rows):
+    """Per (backend, dtype): the fixed and per-added-layer cost of forward and forward + backward."""
+    summary = []
+    for key in dict.fromkeys((r["backend"], r["dtype"]) for r in rows):
+        mine = [r for r in rows if (r["backend"], r["dtype"]) == key]
+        entry = {"backend": key[0], "dtype": key[1]}
+        for measure_name in ("fwd_ms", "fwd_bwd_ms"):
+            fixed, per_layer = line_fit([r["depth"] for r in mine], [r[measure_name] for r in mine])
+            entry[f"{measure_name}_fixed"], entry[f"{measure_name}_per_layer"] = fixed, per_layer
+        summary.append(entry)
+    return summary
+
+
+def print_table(cell, hidden_size, batch_size, rows, summary, depths):
+    print(f"\n{cell} bidirectional stack, H = {hidden_size}, B = {batch_size}, T = {NUM_STEPS}: ms (ms per layer)")
+    header = f"{'backend':<11}{'dtype':<10}{'pass':<9}" + "".join(f"{f'depth {d}':>18}" for d in depths)
+    print(header + f"{'per added layer':>17}{'fixed':>9}")
+    for entry in summary:
+        for name, label in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd+bwd")):
+            cells = []
+            for depth in depths:
+                row = next(r for r in rows if (r["backend"], r["dtype"], r["depth"]) ==
+                           (entry["backend"], entry["dtype"], depth))
+                cells.append(f"{row[name]:8.2f} ({row[name] / depth:6.2f})")
+            print(f"{entry['backend']:<11}{entry['dtype']:<10}{label:<9}" + "".join(f"{c:>18}" for c in cells) +
+                  f"{entry[name + '_per_layer']:17.2f}{entry[name + '_fixed']:9.2f}")
+    persistent = summary[0]
+    for baseline in summary[1:]:
+        ratios = [baseline[f"{n}_per_layer"] / persistent[f"{n}_per_layer"] for n in ("fwd_ms", "fwd_bwd_ms")]
+        print(f"per added layer, cuDNN {baseline['dtype']} / persistent {persistent['dtype']}: "
+              f"fwd {ratios[0]:.2f}x, fwd+bwd {ratios[1]:.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cells", nargs="+", default=["gru"], choices=sorted(MODULES))
+    parser.add_argument("--hiddens", nargs="+", type=int, default=[800, 1152])
+    parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4, 7])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--json", help="write the results and the configuration to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.rnn_stack needs a CUDA GPU")
+    if len(set(args.depths)) < 2:
+        sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
+    torch.manual_seed(0)
+    results = []
+    for cell in args.cells:
+        for hidden_size in args.hiddens:
+            for dtype_name in args.dtypes:
+                verdict = support(cell, hidden_size, args.batch, DTYPES[dtype_name], "cuda")
+                if not verdict.ok:
+                    print(f"\n{cell} H = {hidden_size} {dtype_name}: persistent kernel refused: {verdict.reason}")
+                    results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name,
+                                    "refused": verdict.reason})
+                    continue
+                rows = measure(cell, hidden_size, args.depths, DTYPES[dtype_name], args.batch)
+                summary = summarise(rows)
+                print_table(cell, hidden_size, args.batch, rows, summary, args.depths)
+                results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
+                                "summary": summary})
+    if args.json:
+        config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
+                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "cudnn": torch.backends.cudnn.version(), "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                  "python": platform.python_version(), "command": " ".join(sys.argv)}
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "results": results}, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
