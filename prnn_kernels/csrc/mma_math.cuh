@@ -39,8 +39,9 @@ struct MmaMath {
       Tiling t{};
       t.row_groups = row_tiles;
       t.rows_per_cta = 8 * row_tiles;
-      if (t.rows_per_cta % shape.row_gates != 0) continue;  // all gates of a unit in one CTA
+      // All gates of a unit in one CTA; rows past units_per_cta * row_gates are padding (zero weights).
       t.units_per_cta = t.rows_per_cta / shape.row_gates;
+      if (t.units_per_cta == 0) continue;
       t.num_ctas = ceil_div(shape.units, t.units_per_cta);
       const int needed_for_outputs = ceil_div(t.units_per_cta * shape.batch, kElementsPerThread * 32 * row_tiles);
       const int needed_for_k = ceil_div(k_tiles, kTilesPerWarp);
