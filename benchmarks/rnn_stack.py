@@ -24,7 +24,7 @@ from benchmarks.rnn_kernels import NUM_STEPS, median_ms
 from prnn_kernels.persistent import support
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def stack_pair(cell, hidden_size, depth, dtype):
@@ -57,11 +57,11 @@ def time_stack(module, batch_size, hidden_size, dtype):
 
 
 def line_fit(depths, times):
-    """(intercept, slope) of the least-squares line time = intercept + slope * depth."""
+    """(intercept, slope) of the least-squares line time = intercept + slope * depth (at least two distinct depths)."""
     n = len(depths)
     mean_d, mean_t = sum(depths) / n, sum(times) / n
     spread = sum((d - mean_d) ** 2 for d in depths)
-    slope = sum((d - mean_d) * (t - mean_t) for d, t in zip(depths, times)) / spread if spread else float("nan")
+    slope = sum((d - mean_d) * (t - mean_t) for d, t in zip(depths, times)) / spread
     return mean_t - slope * mean_d, slope
 
 
@@ -119,7 +119,7 @@ def main():
     parser.add_argument("--cells", nargs="+", default=["gru"], choices=sorted(MODULES))
     parser.add_argument("--hiddens", nargs="+", type=int, default=[800, 1152])
     parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4, 7])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--json", help="write the results and the configuration to this file")
     args = parser.parse_args()
