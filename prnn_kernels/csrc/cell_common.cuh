@@ -116,6 +116,38 @@ struct GateInputs {
   __device__ float pre_activation(int gate, float recurrent) const { return input[gate] + (recurrent + bias[gate]); }
 };
 
+// What the forward cells share: each element's gate inputs, its sample's length, and h after the sample's last valid
+// step so far (hx before the first), which it publishes every step. A forward cell derives from it and adds its
+// update in finish().
+template <class Element_, int kGates>
+struct ForwardCell {
+  using Element = Element_;
+  static constexpr int kRowGates = kGates;
+  static constexpr int kVectorGates = 1;
+  GateInputs<kGates> inputs;
+  float h;
+  int length;
+
+  __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
+    inputs.init(p, unit);
+    length = clamp_length(p.lengths[sample], p.seq_len);
+    h = p.state[sample * p.state_stride + unit];  // hx, written before the launch
+  }
+
+  __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
+    inputs.load(p, forward_time(p, step), length, sample, unit);
+  }
+
+  // output: h at a valid step, 0 past the sample's length.
+  __device__ void write_output(const RnnParams<Element>& p, int t, int sample, int unit, float output,
+                               float (&published)[1]) const {
+    p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
+    published[0] = h;
+  }
+
+  __device__ void end(const RnnParams<Element>&, int, int) {}
+};
+
 // dL/dh_t from outside the recurrence: the layer's output gradient, plus grad_h_n at the sample's last forward step
 // (its first backward step: before it the sample published zeros, so the recurrent term there is 0).
 template <class Element>

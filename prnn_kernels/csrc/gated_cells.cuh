@@ -12,24 +12,12 @@ namespace prnn {
 //   r = sigmoid(x_r + U_r h + b_r), z = sigmoid(x_z + U_z h + b_z), n = tanh(x_n + r * (U_n h + b_n)),
 //   h' = (1 - z) * n + z * h.
 template <class Element_>
-struct GruForward {
-  using Element = Element_;
-  static constexpr int kRowGates = 3;
-  static constexpr int kVectorGates = 1;
+struct GruForward : ForwardCell<Element_, 3> {
+  using typename ForwardCell<Element_, 3>::Element;
+  using ForwardCell<Element_, 3>::inputs;
+  using ForwardCell<Element_, 3>::h;
+  using ForwardCell<Element_, 3>::length;
   static constexpr int kSaved = saved_values_of(CellKind::kGru);  // r, z, n, U_n h + b_n
-  GateInputs<3> inputs;
-  float carry;  // h after this sample's last valid step so far (hx before the first)
-  int length;
-
-  __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    inputs.init(p, unit);
-    length = clamp_length(p.lengths[sample], p.seq_len);
-    carry = p.state[sample * p.state_stride + unit];
-  }
-
-  __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    inputs.load(p, forward_time(p, step), length, sample, unit);
-  }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[3],
                          float (&published)[1]) {
@@ -41,15 +29,12 @@ struct GruForward {
       saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // z
       saved[3] = recurrent[2] + inputs.bias[2];                  // U_n h + b_n
       saved[2] = tanhf(inputs.input[2] + saved[0] * saved[3]);   // n
-      carry = (1.f - saved[1]) * saved[2] + saved[1] * carry;
-      output = carry;
+      h = (1.f - saved[1]) * saved[2] + saved[1] * h;
+      output = h;
     }
     store_saved(p, saved, t, sample, unit);
-    p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
-    published[0] = carry;
+    this->write_output(p, t, sample, unit, output, published);
   }
-
-  __device__ void end(const RnnParams<Element>&, int, int) {}
 };
 
 // Publishes g = the gradient of (U_r h + b_r, U_z h + b_z, U_n h + b_n); U^T g plus the part of dL/dh' that flows
@@ -112,24 +97,17 @@ struct GruBackward {
 // torch.nn.LSTM, gates (i, f, g, o): c' = sigmoid(f) * c + sigmoid(i) * tanh(g), h' = sigmoid(o) * tanh(c'), each
 // gate's pre-activation x + U h + b.
 template <class Element_>
-struct LstmForward {
-  using Element = Element_;
-  static constexpr int kRowGates = 4;
-  static constexpr int kVectorGates = 1;
+struct LstmForward : ForwardCell<Element_, 4> {
+  using typename ForwardCell<Element_, 4>::Element;
+  using ForwardCell<Element_, 4>::inputs;
+  using ForwardCell<Element_, 4>::h;
+  using ForwardCell<Element_, 4>::length;
   static constexpr int kSaved = saved_values_of(CellKind::kLstm);  // i, f, g, o, c, tanh(c')
-  GateInputs<4> inputs;
-  float h, c;  // after this sample's last valid step so far (hx, cx before the first)
-  int length;
+  float c;  // after this sample's last valid step so far (cx before the first)
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    inputs.init(p, unit);
-    length = clamp_length(p.lengths[sample], p.seq_len);
-    h = p.state[sample * p.state_stride + unit];
+    ForwardCell<Element_, 4>::init(p, unit, sample);
     c = p.cell_state[sample * p.hidden + unit];
-  }
-
-  __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    inputs.load(p, forward_time(p, step), length, sample, unit);
   }
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[4],
@@ -149,8 +127,7 @@ struct LstmForward {
       output = h;
     }
     store_saved(p, saved, t, sample, unit);
-    p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
-    published[0] = h;
+    this->write_output(p, t, sample, unit, output, published);
   }
 
   __device__ void end(const RnnParams<Element>& p, int unit, int sample) { p.cell_state[sample * p.hidden + unit] = c; }

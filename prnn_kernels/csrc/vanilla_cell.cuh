@@ -16,37 +16,22 @@ __device__ __forceinline__ float activation_slope(CellKind cell, float h) {
 }
 
 template <class Element_>
-struct VanillaForward {
-  using Element = Element_;
-  static constexpr int kRowGates = 1;
-  static constexpr int kVectorGates = 1;
-  GateInputs<1> inputs;
-  float carry;  // h after this sample's last valid step so far (hx before the first)
-  int length;
-
-  __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    inputs.init(p, unit);
-    length = clamp_length(p.lengths[sample], p.seq_len);
-    carry = p.state[sample * p.state_stride + unit];  // hx, written before the launch
-  }
-
-  __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    inputs.load(p, forward_time(p, step), length, sample, unit);
-  }
+struct VanillaForward : ForwardCell<Element_, 1> {
+  using typename ForwardCell<Element_, 1>::Element;
+  using ForwardCell<Element_, 1>::inputs;
+  using ForwardCell<Element_, 1>::h;
+  using ForwardCell<Element_, 1>::length;
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[1],
                          float (&published)[1]) {
     const int t = forward_time(p, step);
     float output = 0.f;
     if (t < length) {
-      carry = activate(p.cell, inputs.pre_activation(0, recurrent[0]));
-      output = carry;
+      h = activate(p.cell, inputs.pre_activation(0, recurrent[0]));
+      output = h;
     }
-    p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
-    published[0] = carry;
+    this->write_output(p, t, sample, unit, output, published);
   }
-
-  __device__ void end(const RnnParams<Element>&, int, int) {}
 };
 
 // Publishes dpre_t = dL/d(pre-activation at t) each step; the engine's product with U^T is then the gradient that
