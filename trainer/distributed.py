@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ LAUNCHER_VARIABLES = [
     ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),  # PMIx launchers
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
 ]
+ABORT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,9 @@ def abort_job(exit_code: int = 1) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if launched_by_mpi():
+        # The launcher forwards each rank's output through its own pipes and drops whatever is still in them when
+        # Abort ends the job (MPICH under load lost the error line 3 runs in 10); a moment lets the message through.
+        time.sleep(ABORT_GRACE_S)
         try:
             from mpi4py import MPI
         except ImportError:
