@@ -10,7 +10,8 @@ At global batch G on N GPUs each GPU trains b = G / N utterances per step, and a
     t(N) = compute(b) + small collectives(N) + exposed gradient allreduce(N, b)
   compute(b)          the measured compute-only step time at per-GPU batch b ("compute" in the JSON), linear between
                       measured batches and, beyond them, extended at the per-sample cost of the nearest measured
-                      interval: a fixed per-step part plus b times a per-sample part
+                      interval: a fixed per-step part plus b times a per-sample part, the latter never negative
+                      (a dip between two measured batches is timing noise, not a batch that computes faster)
   small collectives   latency-bound allreduces on the critical path: the trainer's utterance count, and for each
                       synchronised batch norm one allreduce of its statistics forward and one of their gradients
                       backward (3 fp32 numbers per channel)
@@ -105,16 +106,25 @@ class Measurement:
         self.data = data
 
     def compute_ms(self, batch: float) -> float:
-        """Compute-only step time at per-GPU `batch`: piecewise linear through the measured points."""
-        index = min(max(bisect.bisect_left(self.batches, batch), 1), len(self.batches) - 1)
-        fixed, per_sample = self.line(index)
-        return fixed + per_sample * batch
-
-    def line(self, index: int) -> tuple[float, float]:
-        """(fixed ms, ms per sample) of the straight line through measured points index - 1 and index."""
+        """Compute-only step time at per-GPU `batch`: piecewise linear through the measured points, and beyond them
+        along the extension lines."""
+        if not self.is_measured(batch):
+            fixed, per_sample = self.extension(upward=batch > self.batches[-1])
+            return fixed + per_sample * batch
+        index = max(bisect.bisect_left(self.batches, batch), 1)
         (b0, b1), (t0, t1) = self.batches[index - 1 : index + 1], self.compute_times_ms[index - 1 : index + 1]
-        per_sample = (t1 - t0) / (b1 - b0)
-        return t0 - per_sample * b0, per_sample
+        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+    def extension(self, upward: bool) -> tuple[float, float]:
+        """(fixed ms, ms per sample) of the line that extends the measurement above its largest batch (upward) or
+        below its smallest: through the nearest measured point at the nearest interval's per-sample cost, never
+        negative. A larger batch never computes faster; a measured dip is timing noise, and extended it would reach
+        negative times."""
+        index = len(self.batches) - 1 if upward else 1
+        (b0, b1), (t0, t1) = self.batches[index - 1 : index + 1], self.compute_times_ms[index - 1 : index + 1]
+        per_sample = max((t1 - t0) / (b1 - b0), 0.0)
+        end_batch, end_ms = (b1, t1) if upward else (b0, t0)
+        return end_ms - per_sample * end_batch, per_sample
 
     def is_measured(self, batch: float) -> bool:
         return self.batches[0] <= batch <= self.batches[-1]
@@ -195,8 +205,8 @@ def assumptions(measurement: Measurement, cluster: Cluster, backward_share: floa
     data = measurement.data
     config = data["config"]
     model = config["model_config"]
-    first_fixed, first_per_sample = measurement.line(1)
-    last_fixed, last_per_sample = measurement.line(len(measurement.batches) - 1)
+    first_fixed, first_per_sample = measurement.extension(upward=False)
+    last_fixed, last_per_sample = measurement.extension(upward=True)
     return {
         "measured": measurement.path,
         "measured_on": f"{data['world_size']} x {data['device']}",
@@ -232,7 +242,7 @@ def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check:
         "## Assumptions",
         "",
         f"- Compute: the measured compute-only step at per-GPU batches {assumed['compute_measured_batches']}, "
-        "linear in between and extended beyond along the nearest interval: "
+        "linear in between and extended beyond along the nearest interval (its per-utterance cost floored at 0): "
         + "; ".join(f"{line['fixed_ms']:.2f} ms + {line['per_sample_ms']:.3f} ms per utterance through batches "
                     f"{line['batches']}" for line in (assumed["compute_line_smallest_batches"],
                                                       assumed["compute_line_largest_batches"]))

@@ -216,11 +216,12 @@ def test_scaling_model_projects_a_measurement(scaling_result, tmp_path):
     assert projection["model_check"]["gpus"] == 2
 
 
-def write_measurement(path: Path, **model) -> Path:
-    """A benchmarks.scaling JSON from one process whose compute time is 8 ms + 2 ms per utterance."""
+def write_measurement(path: Path, compute_ms: dict = {1: 10.0, 4: 16.0}, **model) -> Path:
+    """A benchmarks.scaling JSON from one process with these compute times per batch (by default 8 ms + 2 ms per
+    utterance)."""
     path.write_text(json.dumps({
         "benchmark": "scaling", "world_size": 1, "device": "test", "model": model,
-        "compute": [{"per_rank_batch": 1, "median_ms": 10.0}, {"per_rank_batch": 4, "median_ms": 16.0}],
+        "compute": [{"per_rank_batch": batch, "median_ms": ms} for batch, ms in compute_ms.items()],
         "config": {
             "model": "an4", "frames": 300, "amp": True,
             "model_config": {"depth": 5, "hidden": 800, "cell": "gru", "bidirectional": True, "backend": "cudnn"},
@@ -258,3 +259,20 @@ def test_scaling_model_arithmetic(tmp_path):
     # Backward (1% of 10 ms here) caps how much allreduce it can hide, whatever the overlap.
     capped = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=16, overlap=1.0, backward_share=0.01)
     assert capped["exposed_allreduce_ms"] == pytest.approx(capped["gradient_allreduce_ms"] - 0.1)
+
+
+def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
+    def measurement(compute_ms: dict) -> scaling_model.Measurement:
+        return scaling_model.Measurement(str(write_measurement(
+            tmp_path / "measured.json", compute_ms, gradient_bytes=1000, ddp_bucket_cap_mb=25,
+            sync_batch_norm_channels=[],
+        )))
+
+    dip_at_the_start = measurement({1: 20.0, 2: 17.0, 4: 24.0})
+    assert dip_at_the_start.compute_ms(2) == 17.0  # measured points stay as measured
+    assert dip_at_the_start.compute_ms(3) == pytest.approx(20.5)
+    assert dip_at_the_start.compute_ms(0.5) == 20.0  # below batch 1 flat, not rising
+    assert dip_at_the_start.compute_ms(64) == pytest.approx(24.0 + (64 - 4) * 3.5)  # along the line from 2 to 4
+    dip_at_the_end = measurement({1: 10.0, 2: 30.0, 4: 20.0})
+    assert dip_at_the_end.compute_ms(1000) == 20.0  # flat, where the falling line would reach -4970 ms
+    assert dip_at_the_end.extension(upward=True) == (20.0, 0.0)
