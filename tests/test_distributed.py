@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
 from data.prepare import prepare_an4
-from trainer import build
+from trainer import build, distributed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -41,20 +42,28 @@ TINY_RUN = [
 NUM_STEPS = 8
 
 
-def run_job(command: list, timeout_s: float) -> tuple[int, str]:
-    """Runs `command` from the repository root; returns (exit code, stdout and stderr). A job still running after
-    `timeout_s` is killed with its process group and fails the test."""
-    process = subprocess.Popen(
+def start_job(command: list) -> subprocess.Popen:
+    """Starts `command` from the repository root in its own session, stdout and stderr together."""
+    return subprocess.Popen(
         [str(part) for part in command], cwd=REPO_ROOT, env=JOB_ENV, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
+
+
+def finish_job(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    """(exit code, output) of a started job. A job still running after `timeout_s` is killed with its process group
+    and fails the test."""
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"still running after {timeout_s} s, killed: {' '.join(map(str, command))}\n{output[-4000:]}")
+        pytest.fail(f"still running after {timeout_s} s, killed: {' '.join(process.args)}\n{output[-4000:]}")
     return process.returncode, output
+
+
+def run_job(command: list, timeout_s: float) -> tuple[int, str]:
+    return finish_job(start_job(command), timeout_s)
 
 
 def launch(world_size: int) -> list:
@@ -153,6 +162,37 @@ def test_user_error_on_rank_0_alone_ends_the_job(an4_slice, tmp_path):
     code, output = run_job(command, FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert f"error on rank 0: folder {missing} does not exist" in output, output
+
+
+def rank_process(rank: int, run_dir: Path) -> int:
+    """The pid of the trainer process of `rank` whose command line names `run_dir`."""
+    for entry in Path("/proc").iterdir():
+        try:
+            command_line = (entry / "cmdline").read_bytes().split(b"\0")
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or one that has ended
+        rank_settings = {f"{names[0]}={rank}".encode() for names in distributed.LAUNCHER_VARIABLES}
+        if f"hydra.run.dir={run_dir}".encode() in command_line and rank_settings.intersection(environment):
+            return int(entry.name)
+    raise LookupError(f"no process of rank {rank} for {run_dir}")
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
+def test_a_rank_killed_mid_training_ends_the_job(an4_slice, tmp_path):
+    """A rank that dies without a word (killed, out of memory) must not leave the other waiting on a collective."""
+    run_dir = tmp_path / "run"
+    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100"))
+    waited_s = 0.0
+    while not (run_dir / "metrics.jsonl").exists() and job.poll() is None and waited_s < FAILURE_TIMEOUT_S:
+        time.sleep(0.1)  # rank 0 opens the metrics file as training starts
+        waited_s += 0.1
+    if job.poll() is not None:
+        pytest.fail(f"the job ended before training started:\n{job.communicate()[0][-4000:]}")
+    os.kill(rank_process(1, run_dir), signal.SIGKILL)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code != 0, output
 
 
 @needs_mpiexec
