@@ -1,8 +1,24 @@
 """Batch norm over padded sequences whose statistics count only valid frames, optionally averaged across ranks."""
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_functional
 from torch import nn
+
+
+class AllReduceSum(torch.autograd.Function):
+    """The sum over ranks, differentiable: every rank's loss depends on every rank's input, so a rank's gradient is
+    the sum over ranks of the output gradients. (torch.distributed.nn's all_reduce does the same and is deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad = grad_total.clone()
+        dist.all_reduce(grad)
+        return grad
 
 
 class MaskedBatchNorm(nn.Module):
@@ -54,7 +70,7 @@ class MaskedBatchNorm(nn.Module):
         count = torch.broadcast_to(mask, x.shape).sum(reduce_dims, dtype=stats_dtype)  # (C,), equal entries
         sums = torch.cat([values.sum(reduce_dims), values.square().sum(reduce_dims), count])  # (3C,)
         if self.sync_stats and dist.is_available() and dist.is_initialized():
-            sums = dist_functional.all_reduce(sums)
+            sums = AllReduceSum.apply(sums)
         total, total_square, count = sums.chunk(3)
         mean = total / count
         var = (total_square / count - mean.square()).clamp_min(0)
