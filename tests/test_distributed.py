@@ -1,5 +1,6 @@
 """Data-parallel training over MPI on CPU (gloo): two ranks train exactly as one process does at the same global
-batch; a rank that raises ends the whole job with its message; benchmarks.scaling and benchmarks.scaling_model run.
+batch; a rank that raises ends the whole job with its message, and one killed ends it too; benchmarks.scaling and
+benchmarks.scaling_model run.
 
 Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
 its test, with the job killed, instead of stalling CI.
@@ -95,6 +96,7 @@ def two_rank_run(an4_slice, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("two_ranks")
     code, output = run_job(trainer_command(an4_slice, run_dir, 2), TRAIN_TIMEOUT_S)
     assert code == 0, output
+    assert output.count("final test WER") == 1, output  # rank 0 alone reports the figures
     return run_dir
 
 

@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> None:
         log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
         distributed.abort_job(1)
     else:
-        if result:
+        if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
             print(f"final test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%  (epoch {result['epoch']})")
 
 
