@@ -182,19 +182,24 @@ def rank_process(rank: int, run_dir: Path) -> int:
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
-def test_a_rank_killed_mid_training_ends_the_job(an4_slice, tmp_path):
-    """A rank that dies without a word (killed, out of memory) must not leave the other waiting on a collective."""
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path, signal_number):
+    """A rank that dies without a word (killed, out of memory) or stops answering must not leave the other waiting
+    on a collective: the launcher ends a job whose rank died, and a collective that waits past
+    distributed.timeout_s fails on the waiting rank, which ends the job."""
     run_dir = tmp_path / "run"
-    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100"))
+    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "distributed.timeout_s=10"))
     waited_s = 0.0
     while not (run_dir / "metrics.jsonl").exists() and job.poll() is None and waited_s < FAILURE_TIMEOUT_S:
         time.sleep(0.1)  # rank 0 opens the metrics file as training starts
         waited_s += 0.1
     if job.poll() is not None:
         pytest.fail(f"the job ended before training started:\n{job.communicate()[0][-4000:]}")
-    os.kill(rank_process(1, run_dir), signal.SIGKILL)
+    os.kill(rank_process(1, run_dir), signal_number)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code != 0, output
+    if signal_number == signal.SIGSTOP:
+        assert "training failed on rank 0:" in output, output
 
 
 @needs_mpiexec
