@@ -2,8 +2,10 @@
 then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,10 +33,13 @@ def run(module: str, args: list[str], timeout: float = 900) -> subprocess.Comple
     return result
 
 
-def train(run_dir, manifest, *overrides, check=True, timeout=900):
-    args = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}",
+def train_arguments(run_dir, manifest, *overrides) -> list[str]:
+    return ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}",
             f"hydra.run.dir={run_dir}", *TINY, *overrides]
-    result = run("trainer", args, timeout)
+
+
+def train(run_dir, manifest, *overrides, check=True, timeout=900):
+    result = run("trainer", train_arguments(run_dir, manifest, *overrides), timeout)
     if check:
         assert result.returncode == 0, result.output[-4000:]
     return result
@@ -117,6 +122,38 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_killed_run_resumes_from_its_mid_epoch_checkpoint(an4_train, tmp_path):
+    """A job killed mid-epoch (preempted) and started again under the same run directory with train.resume=auto
+    continues from its last periodic checkpoint and trains exactly as an uninterrupted run."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4", "data.augment.enabled=true", "train.max_steps=12",
+              "train.resume=auto"]  # 4 steps an epoch; the first start finds nothing to resume
+    train(tmp_path / "whole", utterances, *common)
+
+    run_dir = tmp_path / "killed"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *train_arguments(run_dir, utterances, *common, "train.checkpoint_every_steps=2")],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    last = run_dir / "checkpoints" / "last.pt"
+    deadline = time.monotonic() + 300
+    while not last.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    saved_step = torch.load(last, weights_only=True)["train_state"]["step"]
+    assert 2 <= saved_step < 12, saved_step
+
+    result = train(run_dir, utterances, *common)
+    assert f"resumed from {last}" in result.output
+    whole, _ = read_metrics(tmp_path / "whole")
+    resumed, _ = read_metrics(run_dir)
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(saved_step + 1, 13):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"step {step}"
+
+
+@pytest.mark.slow
 def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     good = [u for u in an4_train if u.duration < 2.5][:8]
     (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
@@ -148,6 +185,14 @@ def test_missing_manifest_is_one_clear_error(tmp_path):
     result = train(tmp_path / "run", tmp_path / "absent.jsonl", check=False, timeout=300)
     assert result.returncode == 2
     assert "absent.jsonl" in result.output and "Traceback" not in result.output
+
+
+def test_bad_checkpoint_interval_is_one_clear_error(tmp_path):
+    result = train(tmp_path / "run", tmp_path / "absent.jsonl", "train.checkpoint_every_steps=0", check=False,
+                   timeout=300)
+    assert result.returncode == 2
+    assert "train.checkpoint_every_steps must be a positive integer or null, not 0" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_missing_corpus_folder_is_one_clear_error(tmp_path):

@@ -87,6 +87,20 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     return "ok", loss_value
 
 
+def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
+    """train.resume: null starts afresh, a path resumes from that checkpoint, and "auto" from this run directory's
+    last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        return Path(resume)
+    last = run_dir / "checkpoints" / "last.pt"
+    if last.is_file():
+        return last
+    log.info("train.resume=auto: no %s yet, starting afresh", last)
+    return None
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
     env = distributed.init(cfg.device, cfg.distributed.timeout_s)
@@ -98,6 +112,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
+    checkpoint_every = cfg.train.checkpoint_every_steps
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"train.checkpoint_every_steps must be a positive integer or null, not {checkpoint_every!r}")
     if env.device.type == "cpu":
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
         # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
@@ -133,15 +150,16 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
     # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_wer": math.inf}
-    if cfg.train.resume:
-        saved = checkpoint.load(cfg.train.resume)
+    resume = checkpoint_to_resume(cfg.train.resume, run_dir)
+    if resume is not None:
+        saved = checkpoint.load(resume)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         sampler.load_state_dict(saved["sampler"])
         state = saved["train_state"]
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
-        log.info("resumed from %s at epoch %d, step %d", cfg.train.resume, state["epoch"], state["step"])
+        log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
 
     if env.world_size > 1:
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
@@ -171,6 +189,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                     "config": OmegaConf.to_container(cfg, resolve=True),
                 },
             )
+            metrics_file.flush()  # after a crash the metrics hold at least what the checkpoint does
 
     result = {}
     max_steps = cfg.train.max_steps
@@ -205,17 +224,20 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
             if outcome != "ok":
                 skipped[f"step skipped: {outcome}"] += 1
                 log.warning("step %d skipped: %s", state["step"], outcome)
-                continue
-            losses.append(loss)
-            utterances += len(batch.indices) * env.world_size
-            if env.is_main:
-                rate = utterances / (time.perf_counter() - started)
-                progress.set_postfix(loss=f"{loss:.3f}", utt_per_s=f"{rate:.1f}")
-                metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss}) + "\n")
-                writer.add_scalar("train/loss", loss, state["step"])
-                writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
+            else:
+                losses.append(loss)
+                utterances += len(batch.indices) * env.world_size
+                if env.is_main:
+                    rate = utterances / (time.perf_counter() - started)
+                    progress.set_postfix(loss=f"{loss:.3f}", utt_per_s=f"{rate:.1f}")
+                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss}) + "\n")
+                    writer.add_scalar("train/loss", loss, state["step"])
+                    writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if max_steps is not None and state["step"] >= max_steps:
                 break
+            # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
+            if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
+                save("last.pt")
         progress.close()
         if state["epoch_step"] < len(sampler):  # stopped by train.max_steps inside the epoch
             save("last.pt")
