@@ -8,6 +8,7 @@ import sys
 
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
@@ -20,13 +21,13 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
-             num_workers: int = 0) -> tuple[ErrorCounts, list[dict]]:
+             num_workers: int = 0, progress_bar: bool = False) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset`; returns the error counts and one row per utterance."""
     model.eval()
     counts = ErrorCounts()
     rows = []
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
-    for batch in loader:
+    for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
         if len(batch.indices) == 0:
             continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16" and device.type == "cuda"):
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
-    counts, rows = evaluate(model, dataset, batches, device)
+    counts, rows = evaluate(model, dataset, batches, device, progress_bar=True)
     if args.out:
         with open(args.out, "w") as out:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")

@@ -244,7 +244,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
             log.info("stopped at step %d (train.max_steps); resume with train.resume=%s", state["step"], run_dir / "checkpoints" / "last.pt")
             break
 
-        counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers)
+        counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
+                             progress_bar=env.is_main and cfg.train.progress_bar)
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
         state["epoch"], state["epoch_step"] = epoch + 1, 0
         mean_loss = sum(losses) / max(len(losses), 1)
