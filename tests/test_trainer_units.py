@@ -10,8 +10,9 @@ from conftest import REPO_ROOT
 from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
 from trainer import build, checkpoint
+from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
-from trainer.metrics import ErrorCounts, edit_distance, greedy_decode
+from trainer.metrics import ErrorCounts, edit_distance
 from trainer.train import train_step
 
 

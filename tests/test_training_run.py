@@ -92,8 +92,20 @@ def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tm
     rows = errors.read_text().splitlines()
     assert len(rows) == 1 + len(words[64:]) and rows[0].startswith("audio_filepath\tword_errors")
 
+    # A word model of the training transcripts, and the beam search with it.
+    lm_path = tmp_path / "words.arpa"
+    result = run("trainer.lm", ["--manifest", str(train_manifest), "--order", "2", "--out", str(lm_path)])
+    assert result.returncode == 0, result.output
+    result = run("trainer.evaluate", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"),
+                                      "--manifest", str(test_manifest), "--beam", "8", "--lm", str(lm_path)])
+    assert result.returncode == 0, result.output
+    assert result.stdout.startswith("WER "), result.output
+    result = run("trainer.evaluate", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"),
+                                      "--lm", str(tmp_path / "absent.arpa")])
+    assert result.returncode == 2 and "absent.arpa" in result.output, result.output
+
     audio = [read_manifest(test_manifest)[index].audio_filepath for index in (0, 1)]
-    result = run("trainer.transcribe", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"), *audio])
+    result = run("trainer.transcribe", ["--checkpoint", str(run_dir / "checkpoints" / "best.pt"), "--beam", "4", *audio])
     assert result.returncode == 0, result.output
     transcripts = dict(line.split("\t") for line in result.stdout.splitlines())
     assert set(transcripts) == set(audio)

@@ -1,6 +1,7 @@
 """Greedy-decoding evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint.
 
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
+        [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
 """
 import argparse
 import logging
@@ -13,16 +14,19 @@ from tqdm import tqdm
 from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
 from data.text import normalize_text
-from trainer import build
-from trainer.metrics import ErrorCounts, greedy_decode
+from trainer import build, decode
+from trainer.decode import greedy_decode
+from trainer.metrics import ErrorCounts
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
-             num_workers: int = 0, progress_bar: bool = False) -> tuple[ErrorCounts, list[dict]]:
-    """Decodes the given batches of `dataset`; returns the error counts and one row per utterance."""
+             num_workers: int = 0, progress_bar: bool = False,
+             decoder=greedy_decode) -> tuple[ErrorCounts, list[dict]]:
+    """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
+    counts and one row per utterance."""
     model.eval()
     counts = ErrorCounts()
     rows = []
@@ -32,7 +36,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
             continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16" and device.type == "cuda"):
             log_probs, out_lengths = model(batch.features.to(device), batch.feature_lengths.to(device))
-        for index, hypothesis in zip(batch.indices.tolist(), greedy_decode(log_probs, out_lengths)):
+        for index, hypothesis in zip(batch.indices.tolist(), decoder(log_probs, out_lengths)):
             utterance = dataset.utterances[index]
             reference = normalize_text(utterance.text)  # as the model was trained to spell it: upper case
             word_errors, char_errors = counts.add(reference, hypothesis)
@@ -51,17 +55,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=int, default=16)
+    decode.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         device = torch.device(args.device)
         model, features, cfg = build.from_checkpoint(args.checkpoint, device)
         dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)
+        decoder = decode.from_arguments(args)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
-    counts, rows = evaluate(model, dataset, batches, device, progress_bar=True)
+    counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
     if args.out:
         with open(args.out, "w") as out:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")

@@ -1,22 +1,7 @@
-"""Greedy CTC decoding and corpus-level word / character error rates."""
+"""Corpus-level word / character error rates."""
 from dataclasses import dataclass
 
 import torch
-
-from data.text import decode
-
-
-def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-    """Best path per frame, repeats collapsed, blanks (index 0) removed.
-
-    log_probs: (T, B, V); lengths: (B,) valid frames per utterance.
-    """
-    best = log_probs.argmax(dim=-1).T.cpu()  # (B, T)
-    texts = []
-    for path, length in zip(best, lengths.tolist()):
-        path = torch.unique_consecutive(path[:length])
-        texts.append(decode(path[path != 0].tolist()))
-    return texts
 
 
 def edit_distance(reference: list, hypothesis: list) -> int:

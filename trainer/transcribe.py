@@ -1,12 +1,12 @@
-"""Prints the greedy transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`."""
+"""Prints the transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`
+(greedy; `--beam` and `--lm` as for python -m trainer.evaluate)."""
 import argparse
 import sys
 
 import torch
 
 from data.audio import AudioError, load_audio
-from trainer import build
-from trainer.metrics import greedy_decode
+from trainer import build, decode
 
 
 def main(argv=None) -> int:
@@ -14,10 +14,12 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to 16 kHz)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    decode.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         device = torch.device(args.device)
         model, features, _ = build.from_checkpoint(args.checkpoint, device)
+        decoder = decode.from_arguments(args)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -31,7 +33,7 @@ def main(argv=None) -> int:
                 failures += 1
                 continue
             log_probs, out_lengths = model(feats.unsqueeze(0).to(device), torch.tensor([feats.shape[0]], device=device))
-            print(f"{path}\t{greedy_decode(log_probs, out_lengths)[0]}")
+            print(f"{path}\t{decoder(log_probs, out_lengths)[0]}")
     return 1 if failures else 0
 
 

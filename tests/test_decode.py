@@ -1,0 +1,118 @@
+"""The beam-search decoder against brute force over every labelling, and the n-gram language model it uses."""
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.text import ALPHABET, NUM_CLASSES, encode
+from trainer.decode import BeamSearch, greedy_decode
+from trainer.lm import NGramLM, build_arpa
+
+
+def log_probs_over(frames: list[dict[str, float]]) -> torch.Tensor:
+    """(T, 1, V) log probabilities: each frame's given characters ("_" the blank) at those probabilities."""
+    probs = torch.full((len(frames), 1, NUM_CLASSES), 1e-12, dtype=torch.float64)
+    for t, frame in enumerate(frames):
+        for char, p in frame.items():
+            probs[t, 0, ALPHABET.index(char)] = p
+    return (probs / probs.sum(-1, keepdim=True)).log()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_beam_search_finds_the_most_probable_labelling(seed):
+    """With a beam wide enough to keep every prefix, the search returns argmax_W P_ctc(W), found here by scoring
+    every labelling of up to T characters from {A, B, C} with torch's CTC loss."""
+    generator = torch.Generator().manual_seed(seed)
+    num_frames, chars = 6, "ABC"
+    logits = torch.full((num_frames, 1, NUM_CLASSES), -1e4, dtype=torch.float64)
+    for char in "_" + chars:
+        logits[:, 0, ALPHABET.index(char)] = torch.randn(num_frames, generator=generator, dtype=torch.float64)
+    log_probs = logits.log_softmax(-1)
+
+    labellings = ["".join(c) for n in range(1, num_frames + 1) for c in itertools.product(chars, repeat=n)]
+    targets = torch.zeros(len(labellings), num_frames, dtype=torch.long)
+    for row, text in enumerate(labellings):
+        targets[row, : len(text)] = torch.tensor(encode(text))
+    scores = -F.ctc_loss(
+        log_probs.expand(-1, len(labellings), -1), targets, torch.full((len(labellings),), num_frames),
+        torch.tensor([len(text) for text in labellings]), reduction="none", zero_infinity=False,
+    )
+    by_text = dict(zip(labellings, scores.tolist())) | {"": log_probs[:, 0, 0].sum().item()}
+    best = max(by_text, key=by_text.get)
+    decoded = BeamSearch(beam_width=512, prune_log_prob=-math.inf)(log_probs, torch.tensor([num_frames]))
+    assert decoded == [best], (decoded, best, sorted(by_text.items(), key=lambda item: -item[1])[:3])
+
+
+def test_beam_search_sums_paths_where_the_best_path_does_not():
+    """Best path: "_" on every frame (0.4^3 = 0.064). But "A" collects the paths A__, _A_, __A, AA_, ... whose
+    probabilities add to 0.936 - the paths of "AA" and "" - and wins."""
+    frames = [{"_": 0.4, "A": 0.3, "B": 0.3}] * 3
+    log_probs = log_probs_over(frames)
+    assert greedy_decode(log_probs, torch.tensor([3])) == [""]
+    assert BeamSearch(beam_width=8)(log_probs, torch.tensor([3])) in (["A"], ["B"])
+
+
+def test_language_model_settles_what_the_audio_leaves_open():
+    frames = [{"A": 0.98, "_": 0.02}, {" ": 0.98, "_": 0.02}, {"B": 0.55, "C": 0.45}]
+    log_probs, lengths = log_probs_over(frames), torch.tensor([3])
+    assert BeamSearch(beam_width=8)(log_probs, lengths) == ["A B"]
+    lm = NGramLM.from_arpa_text(build_arpa([["A", "C"]] * 6 + [["A", "B"]], order=2))
+    assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_built_model_is_a_distribution_after_every_history(order):
+    rng = random.Random(order)
+    vocabulary = ["ONE", "TWO", "THREE", "FOUR", "FIVE"]
+    sentences = [[rng.choice(vocabulary[: rng.randint(2, 5)]) for _ in range(rng.randint(1, 6))] for _ in range(40)]
+    lm = NGramLM.from_arpa_text(build_arpa(sentences, order))
+    histories = [(), ("<s>",), ("ONE",), ("<s>", "TWO"), ("THREE", "FOUR"), ("NEVER", "SEEN"), ("FIVE", "FIVE")]
+    for history in histories:
+        total = sum(10 ** lm.log10_prob(history, word) for word in [*vocabulary, "</s>", "<unk>"])
+        assert total == pytest.approx(1.0, abs=1e-4), history  # the ARPA text keeps 6 decimals
+
+
+ARPA = """\\data\\
+ngram 1=4
+ngram 2=2
+
+\\1-grams:
+-1.0\t<unk>
+-0.5\tyes\t-0.3
+-0.7\tno
+-99\t<s>\t-0.2
+
+\\2-grams:
+-0.1\t<s> yes
+-0.2\tyes no
+
+\\end\\
+"""
+
+
+def test_arpa_reader_backs_off_and_upper_cases(tmp_path):
+    path = tmp_path / "tiny.arpa"
+    path.write_text(ARPA)
+    lm = NGramLM.from_arpa(path)
+    assert lm.order == 2
+    assert lm.log10_prob(("<s>",), "YES") == pytest.approx(-0.1)  # seen
+    assert lm.log10_prob(("YES",), "NO") == pytest.approx(-0.2)
+    assert lm.log10_prob(("YES",), "YES") == pytest.approx(-0.3 - 0.5)  # backoff weight of YES, then P(YES)
+    assert lm.log10_prob(("NO",), "MAYBE") == pytest.approx(-1.0)  # unseen word: <unk>; NO has no backoff weight
+    assert lm.log10_prob(("<s>", "NO", "YES"), "NO") == pytest.approx(-0.2)  # only the last word is history
+
+
+def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
+    bad = tmp_path / "bad.arpa"
+    bad.write_text(ARPA.replace("-0.2\tyes no", "minus-one yes no"))
+    with pytest.raises(ValueError, match=rf"{bad}:13: not an ARPA 2-gram line"):
+        NGramLM.from_arpa(bad)
+    without_unknown = tmp_path / "no_unk.arpa"
+    without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", ""))
+    with pytest.raises(ValueError, match="no <unk> unigram"):
+        NGramLM.from_arpa(without_unknown)
+    with pytest.raises(FileNotFoundError, match="absent.arpa"):
+        NGramLM.from_arpa(tmp_path / "absent.arpa")

@@ -1,0 +1,161 @@
+"""Word n-gram language models in the ARPA text format: read one (KenLM's `lmplz` writes them), or build one from
+manifests' transcripts, for the beam-search decoder.
+
+    python -m trainer.lm --manifest manifests/an4_train.jsonl --order 3 --out an4_3gram.arpa
+
+The builder uses absolute discounting with backoff: a seen n-gram keeps its count less a discount D (the
+Ney estimate n1 / (n1 + 2 n2) from each order's counts of counts), and the mass taken from a history goes to the
+words it was never followed by, in proportion to their lower-order probabilities. Words are upper case, as the
+model spells them; a word never seen in training scores as <unk>.
+"""
+import argparse
+import math
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from data.manifest import read_manifest
+from data.text import normalize_text
+
+SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
+NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
+
+
+class NGramLM:
+    """log10 P(word | history) with backoff, from ARPA's tables of (log10 probability, log10 backoff weight)."""
+
+    def __init__(self, tables: dict[tuple[str, ...], tuple[float, float]]):
+        self.tables = tables
+        self.order = max(len(ngram) for ngram in tables)
+        if (UNKNOWN,) not in tables:
+            raise ValueError(f"the language model has no {UNKNOWN} unigram, so unseen words cannot be scored")
+
+    @classmethod
+    def from_arpa(cls, path: str | Path) -> "NGramLM":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"language model not found: {path}")
+        return cls.from_arpa_text(path.read_text(encoding="utf-8"), source=str(path))
+
+    @classmethod
+    def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
+        tables = {}
+        order = 0
+        for line_number, line in enumerate(text.splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("ngram ") or line in ("\\data\\", "\\end\\"):
+                continue
+            if line.startswith("\\") and line.endswith("-grams:"):
+                order = int(line[1 : -len("-grams:")])
+                continue
+            fields = line.split()
+            try:
+                if order == 0 or len(fields) not in (order + 1, order + 2):
+                    raise ValueError
+                log_prob = float(fields[0])
+                backoff = float(fields[order + 1]) if len(fields) == order + 2 else 0.0
+            except ValueError:
+                raise ValueError(f"{source}:{line_number}: not an ARPA {order}-gram line: {line[:80]!r}") from None
+            words = tuple(word if word in (SENTENCE_START, SENTENCE_END, UNKNOWN) else word.upper()
+                          for word in fields[1 : order + 1])
+            tables[words] = (log_prob, backoff)
+        if not tables:
+            raise ValueError(f"{source} holds no n-grams")
+        return cls(tables)
+
+    def log10_prob(self, history: tuple[str, ...], word: str) -> float:
+        """log10 P(word | the last order - 1 words of history), backing off to shorter histories."""
+        if (word,) not in self.tables:
+            word = UNKNOWN
+        history = history[-(self.order - 1) :] if self.order > 1 else ()
+        backoff = 0.0
+        while True:
+            entry = self.tables.get((*history, word))
+            if entry is not None:
+                return backoff + entry[0]
+            backoff += self.tables.get(history, (0.0, 0.0))[1]
+            history = history[1:]
+
+
+def build_arpa(sentences: list[list[str]], order: int) -> str:
+    """An ARPA model of `order` from tokenised sentences, with absolute discounting and backoff."""
+    if order < 1:
+        raise ValueError(f"order must be at least 1, not {order}")
+    counts = [Counter() for _ in range(order + 1)]  # counts[k]: k-grams; <s> is only ever a history
+    for words in sentences:
+        padded = [SENTENCE_START, *words, SENTENCE_END]
+        for k in range(1, order + 1):
+            for end in range(k, len(padded) + 1):
+                if padded[end - k : end] != [SENTENCE_START]:
+                    counts[k][tuple(padded[end - k : end])] += 1
+
+    probs = [{} for _ in range(order + 1)]  # probs[k][k-gram] and backoffs[k][k-gram as a history]
+    backoffs = [{} for _ in range(order + 1)]
+    total = sum(counts[1].values())
+    discount = _discount(counts[1])
+    probs[1] = {ngram: (c - discount) / total for ngram, c in counts[1].items()}
+    probs[1][(UNKNOWN,)] = discount * len(counts[1]) / total
+    for k in range(2, order + 1):
+        discount = _discount(counts[k])
+        followers = defaultdict(dict)
+        for ngram, c in counts[k].items():
+            followers[ngram[:-1]][ngram[-1]] = c
+        for history, seen in followers.items():
+            history_count = sum(seen.values())
+            for word, c in seen.items():
+                probs[k][(*history, word)] = (c - discount) / history_count
+            # The mass taken from the seen words goes to the unseen ones, in proportion to the next order down.
+            lower_mass_of_seen = sum(_backed_off(probs, backoffs, history[1:], word) for word in seen)
+            backoffs[k - 1][history] = discount * len(seen) / history_count / (1.0 - lower_mass_of_seen)
+
+    tables = [[] for _ in range(order + 1)]
+    if (SENTENCE_START,) in backoffs[1]:
+        tables[1].append(f"{NEVER_LOG10:.6f}\t{SENTENCE_START}\t{math.log10(backoffs[1][(SENTENCE_START,)]):.6f}")
+    for k in range(1, order + 1):
+        for ngram, p in sorted(probs[k].items()):
+            line = f"{math.log10(p):.6f}\t{' '.join(ngram)}"
+            if ngram in backoffs[k]:
+                line += f"\t{math.log10(backoffs[k][ngram]):.6f}"
+            tables[k].append(line)
+    lines = ["\\data\\", *(f"ngram {k}={len(tables[k])}" for k in range(1, order + 1))]
+    for k in range(1, order + 1):
+        lines += ["", f"\\{k}-grams:", *tables[k]]
+    return "\n".join([*lines, "", "\\end\\", ""])
+
+
+def _discount(table: Counter) -> float:
+    """Ney's absolute discount n1 / (n1 + 2 n2), where n_r counts the n-grams seen exactly r times."""
+    once = sum(1 for c in table.values() if c == 1)
+    twice = sum(1 for c in table.values() if c == 2)
+    # At most 0.9, so an n-gram seen once keeps some probability where no n-gram was seen twice.
+    return min(once / (once + 2 * twice), 0.9) if once else 0.5
+
+
+def _backed_off(probs: list[dict], backoffs: list[dict], history: tuple[str, ...], word: str) -> float:
+    """P(word | history) from the tables built so far (lower orders only)."""
+    weight = 1.0
+    while (*history, word) not in probs[len(history) + 1]:
+        weight *= backoffs[len(history)].get(history, 1.0)
+        history = history[1:]
+    return weight * probs[len(history) + 1][(*history, word)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
+    parser.add_argument("--order", type=int, default=3)
+    parser.add_argument("--out", required=True, help="the ARPA file to write")
+    args = parser.parse_args(argv)
+    try:
+        sentences = [normalize_text(u.text).split() for path in args.manifest for u in read_manifest(path)]
+        arpa = build_arpa([words for words in sentences if words], args.order)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(arpa, encoding="utf-8")
+    print(f"wrote {args.out}: a {args.order}-gram model of {len(sentences)} transcripts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
