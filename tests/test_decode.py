@@ -110,6 +110,9 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text(ARPA.replace("-0.2\tyes no", "minus-one yes no"))
     with pytest.raises(ValueError, match=rf"{bad}:13: not an ARPA 2-gram line"):
         NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("\\2-grams:", "\\two-grams:"))
+    with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header"):
+        NGramLM.from_arpa(bad)
     without_unknown = tmp_path / "no_unk.arpa"
     without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", ""))
     with pytest.raises(ValueError, match="no <unk> unigram"):

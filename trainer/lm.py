@@ -46,7 +46,10 @@ class NGramLM:
             if not line or line.startswith("ngram ") or line in ("\\data\\", "\\end\\"):
                 continue
             if line.startswith("\\") and line.endswith("-grams:"):
-                order = int(line[1 : -len("-grams:")])
+                order_text = line[1 : -len("-grams:")]
+                if not order_text.isdigit():
+                    raise ValueError(f"{source}:{line_number}: not an ARPA section header: {line[:80]!r}")
+                order = int(order_text)
                 continue
             fields = line.split()
             try:
