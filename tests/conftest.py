@@ -1,5 +1,7 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, and the AN4 corpus location."""
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,16 @@ def find_an4() -> Path:
         if (path / "etc" / "an4_train.transcription").exists():
             return path
     raise FileNotFoundError(f"AN4 corpus not found; looked in {', '.join(map(str, candidates))} (set PRNN_AN4)")
+
+
+def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
+    """Returns once `path` exists, while `job` still runs; fails the test if the job ends first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if job.poll() is not None:
+        output = job.communicate()[0] if job.stdout else ""
+        pytest.fail(f"the job ended before {path} appeared:\n{(output or '')[-4000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
+from conftest import REPO_ROOT, wait_for_file
 from data.prepare import prepare_an4
 from trainer import build, distributed
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
@@ -189,12 +188,7 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     distributed.timeout_s fails on the waiting rank, which ends the job."""
     run_dir = tmp_path / "run"
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "distributed.timeout_s=10"))
-    waited_s = 0.0
-    while not (run_dir / "metrics.jsonl").exists() and job.poll() is None and waited_s < FAILURE_TIMEOUT_S:
-        time.sleep(0.1)  # rank 0 opens the metrics file as training starts
-        waited_s += 0.1
-    if job.poll() is not None:
-        pytest.fail(f"the job ended before training started:\n{job.communicate()[0][-4000:]}")
+    wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)  # rank 0 opens it as training starts
     os.kill(rank_process(1, run_dir), signal_number)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code != 0, output

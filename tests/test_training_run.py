@@ -5,14 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import soundfile
 import torch
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, wait_for_file
 from data.manifest import read_manifest, write_manifest
 from data.prepare import prepare_an4
 
@@ -148,9 +147,7 @@ def test_killed_run_resumes_from_its_mid_epoch_checkpoint(an4_train, tmp_path):
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     last = run_dir / "checkpoints" / "last.pt"
-    deadline = time.monotonic() + 300
-    while not last.exists() and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_file(last, job, 300)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
     saved_step = torch.load(last, weights_only=True)["train_state"]["step"]

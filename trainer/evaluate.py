@@ -1,4 +1,4 @@
-"""Greedy-decoding evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint.
+"""Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint.
 
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
         [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
@@ -15,7 +15,6 @@ from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
-from trainer.decode import greedy_decode
 from trainer.metrics import ErrorCounts
 
 log = logging.getLogger(__name__)
@@ -24,7 +23,7 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
              num_workers: int = 0, progress_bar: bool = False,
-             decoder=greedy_decode) -> tuple[ErrorCounts, list[dict]]:
+             decoder=decode.greedy_decode) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
     counts and one row per utterance."""
     model.eval()

@@ -92,38 +92,41 @@ def build_arpa(sentences: list[list[str]], order: int) -> str:
                 if padded[end - k : end] != [SENTENCE_START]:
                     counts[k][tuple(padded[end - k : end])] += 1
 
-    probs = [{} for _ in range(order + 1)]  # probs[k][k-gram] and backoffs[k][k-gram as a history]
-    backoffs = [{} for _ in range(order + 1)]
+    # n-gram -> (log10 P, log10 backoff weight), as NGramLM holds them; each order is built on the model of the
+    # orders below it, so the backoff walk is NGramLM's own.
+    tables = {}
     total = sum(counts[1].values())
     discount = _discount(counts[1])
-    probs[1] = {ngram: (c - discount) / total for ngram, c in counts[1].items()}
-    probs[1][(UNKNOWN,)] = discount * len(counts[1]) / total
+    for ngram, c in counts[1].items():
+        tables[ngram] = (math.log10((c - discount) / total), 0.0)
+    tables[(UNKNOWN,)] = (math.log10(discount * len(counts[1]) / total), 0.0)
+    if order > 1:
+        tables[(SENTENCE_START,)] = (NEVER_LOG10, 0.0)
     for k in range(2, order + 1):
+        lower = NGramLM(tables)  # order k - 1: it never reads the k-grams added below
         discount = _discount(counts[k])
         followers = defaultdict(dict)
         for ngram, c in counts[k].items():
             followers[ngram[:-1]][ngram[-1]] = c
         for history, seen in followers.items():
             history_count = sum(seen.values())
-            for word, c in seen.items():
-                probs[k][(*history, word)] = (c - discount) / history_count
             # The mass taken from the seen words goes to the unseen ones, in proportion to the next order down.
-            lower_mass_of_seen = sum(_backed_off(probs, backoffs, history[1:], word) for word in seen)
-            backoffs[k - 1][history] = discount * len(seen) / history_count / (1.0 - lower_mass_of_seen)
+            lower_mass_of_seen = sum(10 ** lower.log10_prob(history[1:], word) for word in seen)
+            for word, c in seen.items():
+                tables[(*history, word)] = (math.log10((c - discount) / history_count), 0.0)
+            backoff = discount * len(seen) / history_count / (1.0 - lower_mass_of_seen)
+            tables[history] = (tables[history][0], math.log10(backoff))
 
-    tables = [[] for _ in range(order + 1)]
-    if (SENTENCE_START,) in backoffs[1]:
-        tables[1].append(f"{NEVER_LOG10:.6f}\t{SENTENCE_START}\t{math.log10(backoffs[1][(SENTENCE_START,)]):.6f}")
+    lines = ["\\data\\"]
+    sections = []
     for k in range(1, order + 1):
-        for ngram, p in sorted(probs[k].items()):
-            line = f"{math.log10(p):.6f}\t{' '.join(ngram)}"
-            if ngram in backoffs[k]:
-                line += f"\t{math.log10(backoffs[k][ngram]):.6f}"
-            tables[k].append(line)
-    lines = ["\\data\\", *(f"ngram {k}={len(tables[k])}" for k in range(1, order + 1))]
-    for k in range(1, order + 1):
-        lines += ["", f"\\{k}-grams:", *tables[k]]
-    return "\n".join([*lines, "", "\\end\\", ""])
+        entries = [
+            f"{log_prob:.6f}\t{' '.join(ngram)}" + (f"\t{backoff:.6f}" if backoff else "")
+            for ngram, (log_prob, backoff) in sorted(tables.items()) if len(ngram) == k
+        ]
+        lines.append(f"ngram {k}={len(entries)}")
+        sections += ["", f"\\{k}-grams:", *entries]
+    return "\n".join([*lines, *sections, "", "\\end\\", ""])
 
 
 def _discount(table: Counter) -> float:
@@ -132,15 +135,6 @@ def _discount(table: Counter) -> float:
     twice = sum(1 for c in table.values() if c == 2)
     # At most 0.9, so an n-gram seen once keeps some probability where no n-gram was seen twice.
     return min(once / (once + 2 * twice), 0.9) if once else 0.5
-
-
-def _backed_off(probs: list[dict], backoffs: list[dict], history: tuple[str, ...], word: str) -> float:
-    """P(word | history) from the tables built so far (lower orders only)."""
-    weight = 1.0
-    while (*history, word) not in probs[len(history) + 1]:
-        weight *= backoffs[len(history)].get(history, 1.0)
-        history = history[1:]
-    return weight * probs[len(history) + 1][(*history, word)]
 
 
 def main(argv=None) -> int:
