@@ -1,6 +1,6 @@
-"""Data-parallel training over MPI on CPU (gloo): two ranks train exactly as one process does at the same global
-batch; a rank that raises ends the whole job with its message, and one killed ends it too; benchmarks.scaling and
-benchmarks.scaling_model run.
+"""Data-parallel training over MPI: two ranks train exactly as one process does at the same global batch, on CPU
+(gloo) and, where two GPUs are visible, on GPUs (NCCL, persistent kernels); a rank that raises ends the whole job with
+its message, and one killed ends it too; benchmarks.scaling and benchmarks.scaling_model run.
 
 Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
 its test, with the job killed, instead of stalling CI.
@@ -25,7 +25,11 @@ from trainer import build, distributed
 MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
-JOB_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# NVIDIA_TF32_OVERRIDE=0 keeps cuDNN's convolutions in fp32 on GPUs: TF32 rounds differently at each batch size.
+JOB_ENV = {
+    **os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "NVIDIA_TF32_OVERRIDE": "0",
+}
 TRAIN_TIMEOUT_S = 120
 # A failing job must end well within a minute; a hang would last the trainer's collective timeout (300 s).
 FAILURE_TIMEOUT_S = 60
@@ -71,8 +75,11 @@ def launch(world_size: int) -> list:
 
 
 def trainer_command(manifests: dict, run_dir: Path, world_size: int, *overrides: str) -> list:
+    """TINY_RUN on the slice in `run_dir`; an override replaces TINY_RUN's setting of the same key."""
+    replaced = {override.split("=", 1)[0] for override in overrides}
+    settings = [setting for setting in TINY_RUN if setting.split("=", 1)[0] not in replaced]
     return launch(world_size) + [
-        "-m", "trainer", *TINY_RUN, f"data.train_manifests=[{manifests['train']}]",
+        "-m", "trainer", *settings, f"data.train_manifests=[{manifests['train']}]",
         f"data.eval_manifest={manifests['test']}", f"hydra.run.dir={run_dir}", *overrides,
     ]
 
@@ -119,12 +126,10 @@ def evaluations(run_dir: Path) -> list[tuple]:
     return [(row["epoch"], row["eval_wer"], row["eval_cer"]) for row in rows if "eval_wer" in row]
 
 
-@needs_mpiexec
-def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_path):
-    code, output = run_job(trainer_command(an4_slice, tmp_path, 1), TRAIN_TIMEOUT_S)
-    assert code == 0, output
-    one = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    two = torch.load(two_rank_run / "checkpoints" / "last.pt", weights_only=True)
+def assert_trained_alike(one_dir: Path, two_dir: Path) -> None:
+    """The run in two_dir (two ranks) ended where the run in one_dir (one process) did."""
+    one = torch.load(one_dir / "checkpoints" / "last.pt", weights_only=True)
+    two = torch.load(two_dir / "checkpoints" / "last.pt", weights_only=True)
     assert one["train_state"] == two["train_state"]
     assert two["train_state"]["step"] == NUM_STEPS
     assert len(two["rng"]) == 2  # each rank's stream, for an exact resume
@@ -136,8 +141,31 @@ def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_pat
     # its shard to its own longest utterance, so float32 sums run in another order.
     assert_tensors_match(optimizer_tensors(one), optimizer_tensors(two), "optimizer", rtol=1e-4)
     # Split evaluation: each rank decodes half the test set and the error counts are summed.
-    assert evaluations(tmp_path) == evaluations(two_rank_run)
-    assert [epoch for epoch, _, _ in evaluations(two_rank_run)] == [1, 2]
+    assert evaluations(one_dir) == evaluations(two_dir)
+    assert [epoch for epoch, _, _ in evaluations(two_dir)] == [1, 2]
+
+
+@needs_mpiexec
+def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_path):
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 1), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert_trained_alike(tmp_path, two_rank_run)
+
+
+@needs_mpiexec
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
+    """The same on GPUs: gradients and batch-norm statistics all-reduced by NCCL, GRU layers on the persistent
+    kernels (batch 2 per rank against 4 in one process), fp32 throughout."""
+    from prnn_kernels.build import load_extension
+
+    load_extension()  # built once here, not inside the jobs' time limit
+    gpu = ("device=cuda", "model.backend=persistent")
+    for world_size in (1, 2):
+        code, output = run_job(trainer_command(an4_slice, tmp_path / f"{world_size}", world_size, *gpu), TRAIN_TIMEOUT_S)
+        assert code == 0, output
+    assert_trained_alike(tmp_path / "1", tmp_path / "2")
 
 
 @needs_mpiexec
