@@ -90,13 +90,13 @@ __device__ __forceinline__ float forward_state_at(const RnnParams<Element>& p, i
 }
 
 // The kGates gate inputs of one forward element: its bias_hh entries, fixed for the sequence, and input_proj at the
-// step being run (0 past the sample's length).
-template <int kGates>
+// step being run. input_proj is kept as loaded and converted only when used: converting it in load() would stall the
+// thread there until the load returns, instead of letting it return behind the staging and the multiply.
+template <class Element, int kGates>
 struct GateInputs {
   float bias[kGates];
-  float input[kGates];
+  Element input[kGates];
 
-  template <class Element>
   __device__ void init(const RnnParams<Element>& p, int unit) {
 #pragma unroll
     for (int gate = 0; gate < kGates; ++gate) {
@@ -104,16 +104,18 @@ struct GateInputs {
     }
   }
 
-  template <class Element>
-  __device__ void load(const RnnParams<Element>& p, int t, int length, int sample, int unit) {
+  // Every step loads, valid or not (t < T always): the cells read the inputs only at the sample's valid steps.
+  __device__ void load(const RnnParams<Element>& p, int t, int sample, int unit) {
 #pragma unroll
-    for (int gate = 0; gate < kGates; ++gate) {
-      input[gate] = t < length ? to_float(p.input_proj[gate_offset(p, t, sample, gate, unit)]) : 0.f;
-    }
+    for (int gate = 0; gate < kGates; ++gate) input[gate] = p.input_proj[gate_offset(p, t, sample, gate, unit)];
   }
 
+  __device__ float input_at(int gate) const { return to_float(input[gate]); }
+
   // input + (recurrent + bias) of one gate: the pre-activation, less what a GRU's reset gate scales.
-  __device__ float pre_activation(int gate, float recurrent) const { return input[gate] + (recurrent + bias[gate]); }
+  __device__ float pre_activation(int gate, float recurrent) const {
+    return input_at(gate) + (recurrent + bias[gate]);
+  }
 };
 
 // What the forward cells share: each element's gate inputs, its sample's length, and h after the sample's last valid
@@ -124,7 +126,7 @@ struct ForwardCell {
   using Element = Element_;
   static constexpr int kRowGates = kGates;
   static constexpr int kVectorGates = 1;
-  GateInputs<kGates> inputs;
+  GateInputs<Element, kGates> inputs;
   float h;
   int length;
 
@@ -135,7 +137,7 @@ struct ForwardCell {
   }
 
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
-    inputs.load(p, forward_time(p, step), length, sample, unit);
+    inputs.load(p, forward_time(p, step), sample, unit);
   }
 
   // output: h at a valid step, 0 past the sample's length.
@@ -149,14 +151,22 @@ struct ForwardCell {
 };
 
 // dL/dh_t from outside the recurrence: the layer's output gradient, plus grad_h_n at the sample's last forward step
-// (its first backward step: before it the sample published zeros, so the recurrent term there is 0).
+// (its first backward step: before it the sample published zeros, so the recurrent term there is 0). Loaded in a
+// backward cell's load() and summed in its finish(), as GateInputs is, so the thread does not wait for the loads.
 template <class Element>
-__device__ __forceinline__ float outside_gradient(const RnnParams<Element>& p, int t, int sample, int unit,
-                                                  int length) {
-  float grad = to_float(p.grad_output[hidden_offset(p, t, sample, unit)]);
-  if (p.reverse ? t == 0 : t == length - 1) grad += to_float(p.grad_h_n[sample * p.hidden + unit]);
-  return grad;
-}
+struct OutsideGradient {
+  Element output;       // grad_output at t
+  Element final_state;  // grad_h_n, which counts only at the sample's last forward step
+  bool at_last_step;
+
+  __device__ void load(const RnnParams<Element>& p, int t, int sample, int unit, int length) {
+    output = p.grad_output[hidden_offset(p, t, sample, unit)];
+    final_state = p.grad_h_n[sample * p.hidden + unit];
+    at_last_step = p.reverse ? t == 0 : t == length - 1;
+  }
+
+  __device__ float value() const { return to_float(output) + (at_last_step ? to_float(final_state) : 0.f); }
+};
 
 // grad_hx of a sample that runs no step is grad_h_n (h_n = hx); the others get theirs at the step after their last
 // backward step, from `hidden_gradient` (the recurrent product there, plus what the cell carries past the matrix).

@@ -28,7 +28,7 @@ struct GruForward : ForwardCell<Element_, 3> {
       saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // r
       saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // z
       saved[3] = recurrent[2] + inputs.bias[2];                  // U_n h + b_n
-      saved[2] = tanhf(inputs.input[2] + saved[0] * saved[3]);   // n
+      saved[2] = tanhf(inputs.input_at(2) + saved[0] * saved[3]);  // n
       h = (1.f - saved[1]) * saved[2] + saved[1] * h;
       output = h;
     }
@@ -45,7 +45,7 @@ struct GruBackward {
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 3;
   static constexpr int kSaved = saved_values_of(CellKind::kGru);
-  float grad;    // dL/dh' from outside the recurrence
+  OutsideGradient<Element> grad;  // dL/dh' from outside the recurrence
   float h_prev;  // h entering this step
   float saved[kSaved];  // r, z, n, U_n h + b_n of this step
   float direct;  // dL/dh' * z of the step after this one (later in time)
@@ -60,7 +60,7 @@ struct GruBackward {
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
     if (!backward_valid(p, step, length)) return;
     const int t = backward_time(p, step);
-    grad = outside_gradient(p, t, sample, unit, length);
+    grad.load(p, t, sample, unit, length);
     h_prev = forward_state_at(p, forward_step_of(p, t), sample, unit);
     load_saved(p, saved, t, sample, unit);
   }
@@ -71,7 +71,7 @@ struct GruBackward {
     published[0] = published[1] = published[2] = 0.f;
     if (backward_valid(p, step, length)) {
       const float reset = saved[0], update = saved[1], candidate = saved[2], hidden_n = saved[3];
-      const float grad_h = grad + recurrent[0] + direct;
+      const float grad_h = grad.value() + recurrent[0] + direct;
       grad_pre[2] = grad_h * (1.f - update) * (1.f - candidate * candidate);
       grad_pre[1] = grad_h * (h_prev - candidate) * update * (1.f - update);
       grad_pre[0] = grad_pre[2] * hidden_n * reset * (1.f - reset);
@@ -141,7 +141,7 @@ struct LstmBackward {
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 4;
   static constexpr int kSaved = saved_values_of(CellKind::kLstm);
-  float grad;  // dL/dh' from outside the recurrence
+  OutsideGradient<Element> grad;  // dL/dh' from outside the recurrence
   float saved[kSaved];  // i, f, g, o, c, tanh(c') of this step
   float grad_c;  // dL/dc' reaching this step from the step after it (grad_c_n before the sample's first)
   int length;
@@ -155,7 +155,7 @@ struct LstmBackward {
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
     if (!backward_valid(p, step, length)) return;
     const int t = backward_time(p, step);
-    grad = outside_gradient(p, t, sample, unit, length);
+    grad.load(p, t, sample, unit, length);
     load_saved(p, saved, t, sample, unit);
   }
 
@@ -165,7 +165,7 @@ struct LstmBackward {
     if (backward_valid(p, step, length)) {
       const float in = saved[0], forget = saved[1], cell = saved[2], out = saved[3], c_prev = saved[4];
       const float tanh_c = saved[5];
-      const float grad_h = grad + recurrent[0];
+      const float grad_h = grad.value() + recurrent[0];
       grad_c += grad_h * out * (1.f - tanh_c * tanh_c);
       published[0] = grad_c * cell * in * (1.f - in);
       published[1] = grad_c * c_prev * forget * (1.f - forget);

@@ -41,7 +41,7 @@ struct VanillaBackward {
   using Element = Element_;
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 1;
-  float grad;  // dL/dh_t from outside the recurrence
+  OutsideGradient<Element> grad;
   float h;     // forward output at this step
   int length;
 
@@ -53,7 +53,7 @@ struct VanillaBackward {
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
     if (!backward_valid(p, step, length)) return;
     const int t = backward_time(p, step);
-    grad = outside_gradient(p, t, sample, unit, length);
+    grad.load(p, t, sample, unit, length);
     h = forward_state_at(p, forward_step_of(p, t) + 1, sample, unit);
   }
 
@@ -61,7 +61,7 @@ struct VanillaBackward {
                          float (&published)[1]) {
     float grad_pre = 0.f;
     if (backward_valid(p, step, length)) {
-      grad_pre = (grad + recurrent[0]) * activation_slope(p.cell, h);
+      grad_pre = (grad.value() + recurrent[0]) * activation_slope(p.cell, h);
     } else {
       finish_grad_hx(p, step, unit, sample, length, recurrent[0]);
     }
