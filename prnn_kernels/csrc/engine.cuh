@@ -65,12 +65,15 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
 #pragma unroll
     for (int u = 0; u < kElementsPerThread; ++u) {
       if (active[u]) {
-        float recurrent[Cell::kRowGates];
+        // Gates innermost and the partials unrolled by 4, so independent shared-memory loads are in flight together
+        // while each gate still sums its partials in order.
+        float recurrent[Cell::kRowGates] = {};
+        const float* unit_partials = partials + sample[u] * rows + unit_local[u];
+#pragma unroll 4
+        for (int q = 0; q < tiling.num_partials; ++q) {
 #pragma unroll
-        for (int gate = 0; gate < Cell::kRowGates; ++gate) {
-          recurrent[gate] = 0.f;
-          for (int q = 0; q < tiling.num_partials; ++q) {
-            recurrent[gate] += partials[(q * p.batch + sample[u]) * rows + gate * units + unit_local[u]];
+          for (int gate = 0; gate < Cell::kRowGates; ++gate) {
+            recurrent[gate] += unit_partials[q * p.batch * rows + gate * units];
           }
         }
         const int unit = cta * units + unit_local[u];
