@@ -36,6 +36,18 @@ Precision precision_of(at::ScalarType dtype) {
 }
 
 int64_t round_up_4(int64_t value) { return (value + 3) / 4 * 4; }
+int64_t round_up_8(int64_t value) { return (value + 7) / 8 * 8; }
+
+// The bf16 copy of a pass's published vectors that the bf16 engine stages from (RnnParams::state_bf16): rows like
+// `state`'s, the first (the vector before the first step) copied from it; an empty tensor for fp32 layers.
+at::Tensor state_bf16_like(const at::Tensor& state, int64_t length, Precision precision, bool poison) {
+  if (precision != Precision::kBFloat16) return at::empty({0}, state.options());
+  at::Tensor copy = at::empty({state.size(0), state.size(1), state.size(2), round_up_8(length)},
+                              state.options().dtype(at::kBFloat16));
+  if (poison) copy.fill_(std::numeric_limits<float>::quiet_NaN());
+  copy.select(1, 0).narrow(2, 0, length).copy_(state.select(1, 0).narrow(2, 0, length));
+  return copy;
+}
 
 void check_tensor(const at::Tensor& tensor, const char* name, at::IntArrayRef shape, at::ScalarType dtype,
                   const at::Device& device) {
@@ -197,12 +209,15 @@ std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input
     for (at::Tensor* tensor : {&output, &state, &saved}) tensor->fill_(std::numeric_limits<float>::quiet_NaN());
   }
   state.select(1, 0).narrow(2, 0, H).copy_(hx);
+  const at::Tensor state_bf16 = state_bf16_like(state, H, layer.precision, poison);
   if (T > 0) {
     auto fill = [&](auto& p, int d) {
       using Element = std::remove_cv_t<std::remove_pointer_t<decltype(p.weight)>>;
       p.weight = pointer<Element>(weight_hh[d]);
       p.bias = bias_hh.empty() ? nullptr : pointer<Element>(bias_hh[d]);
       p.state = state[d].data_ptr<float>();
+      p.state_bf16 = state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(state_bf16[d]) : nullptr;
+      p.state_bf16_stride = static_cast<int>(round_up_8(H));
       p.saved = lstm || layer.cell == CellKind::kGru ? saved[d].data_ptr<float>() : nullptr;
       p.cell_state = lstm ? cell_state[d].data_ptr<float>() : nullptr;
       p.out = mutable_pointer<Element>(output) + d * H;
@@ -247,6 +262,7 @@ std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad
     }
   }
   grad_state.select(1, 0).zero_();
+  const at::Tensor grad_state_bf16 = state_bf16_like(grad_state, G * H, layer.precision, poison);
   if (T == 0) {
     grad_hx.copy_(grad_h_n);
     return {grad_input, grad_hx, grad_cell, grad_state};
@@ -255,6 +271,8 @@ std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad
     using Element = std::remove_cv_t<std::remove_pointer_t<decltype(p.weight)>>;
     p.weight = pointer<Element>(weight_hh[d]);
     p.state = grad_state[d].data_ptr<float>();
+    p.state_bf16 = grad_state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(grad_state_bf16[d]) : nullptr;
+    p.state_bf16_stride = static_cast<int>(round_up_8(G * H));
     p.saved = layer.saved_values() > 0 ? saved[d].data_ptr<float>() : nullptr;
     p.cell_state = lstm ? grad_cell[d].data_ptr<float>() : nullptr;
     p.out = mutable_pointer<Element>(grad_input) + d * G * H;

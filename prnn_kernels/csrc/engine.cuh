@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     for (int u = 0; u < kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
     }
-    math.stage(p, p.state + step * vector_size, staged);
+    math.stage(p, step, staged);
     __syncthreads();
     math.multiply(p, staged, partials);
     __syncthreads();
@@ -82,6 +82,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
         float* next = p.state + (step + 1) * vector_size + sample[u] * p.state_stride + unit;
 #pragma unroll
         for (int gate = 0; gate < Cell::kVectorGates; ++gate) next[gate * p.hidden] = published[gate];
+        if constexpr (std::is_same<typename Cell::Element, __nv_bfloat16>::value) {  // the copy the bf16 engine stages
+          __nv_bfloat16* next_bf16 = p.state_bf16 + (static_cast<size_t>(step + 1) * p.batch + sample[u]) *
+                                                        p.state_bf16_stride + unit;
+#pragma unroll
+          for (int gate = 0; gate < Cell::kVectorGates; ++gate) {
+            next_bf16[gate * p.hidden] = __float2bfloat16(published[gate]);
+          }
+        }
       }
     }
     __syncthreads();

@@ -68,8 +68,9 @@ struct Fp32Math {
     }
   }
 
-  __device__ void stage(const RnnParams<float>& p, const float* published, float* staged) const {
+  __device__ void stage(const RnnParams<float>& p, int step, float* staged) const {
     const int stride = p.tiling.padded_k;
+    const float* published = p.state + static_cast<size_t>(step) * p.batch * p.state_stride;
     load_published(published, p.batch, p.vector_length, p.state_stride, [&](int sample, int k, float4 value) {
       *reinterpret_cast<float4*>(staged + sample * stride + k) = value;
     });

@@ -59,6 +59,11 @@ struct MmaMath {
     return static_cast<uint32_t>(__bfloat16_as_ushort(low)) | (static_cast<uint32_t>(__bfloat16_as_ushort(high)) << 16);
   }
 
+  // The bf16 entries (first, first + 1) packed in `word` (first in the low half), those at or past `valid` zeroed.
+  __device__ static uint32_t keep_valid(uint32_t word, int first, int valid) {
+    return valid <= first ? 0u : (valid == first + 1 ? word & 0xffffu : word);
+  }
+
   // ldmatrix.x4 of one 16 x 16 tile of the staged vector, in the A-fragment order of mma.m16n8k16.
   __device__ static void load_fragment(uint32_t (&a)[4], uint32_t address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -82,16 +87,39 @@ struct MmaMath {
     }
   }
 
-  __device__ void stage(const RnnParams<__nv_bfloat16>& p, const float* published, __nv_bfloat16* staged) const {
+  // Copies the step's published vector from its bf16 copy (p.state_bf16, row `step`), 16 bytes (8 entries) at a
+  // time from L2, entries k >= K zeroed. Several loads are issued before the first store so their latencies overlap.
+  __device__ void stage(const RnnParams<__nv_bfloat16>& p, int step, __nv_bfloat16* staged) const {
+    constexpr int kInFlight = 4;
     const int stride = staged_stride(p.tiling);
-    load_published(published, p.batch, p.vector_length, p.state_stride, [&](int sample, int k, float4 value) {
-      const __nv_bfloat162 low = __floats2bfloat162_rn(value.x, value.y);
-      const __nv_bfloat162 high = __floats2bfloat162_rn(value.z, value.w);
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&low);
-      packed.y = *reinterpret_cast<const uint32_t*>(&high);
-      *reinterpret_cast<uint2*>(staged + sample * stride + k) = packed;
-    });
+    const int chunks_per_row = p.state_bf16_stride / 8;
+    const int total = p.batch * chunks_per_row;
+    const uint4* chunks =
+        reinterpret_cast<const uint4*>(p.state_bf16 + static_cast<size_t>(step) * p.batch * p.state_bf16_stride);
+    for (int base = threadIdx.x; base < total; base += kInFlight * blockDim.x) {
+      uint4 value[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) value[u] = __ldcg(chunks + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) {
+          const int sample = i / chunks_per_row;
+          const int k = (i - sample * chunks_per_row) * 8;
+          if (k + 8 > p.vector_length) {  // the row's padding to its stride may hold anything
+            const int valid = p.vector_length - k;
+            value[u].x = keep_valid(value[u].x, 0, valid);
+            value[u].y = keep_valid(value[u].y, 2, valid);
+            value[u].z = keep_valid(value[u].z, 4, valid);
+            value[u].w = keep_valid(value[u].w, 6, valid);
+          }
+          *reinterpret_cast<uint4*>(staged + sample * stride + k) = value[u];
+        }
+      }
+    }
   }
 
   // partials[(split * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace prnn {
@@ -88,6 +89,9 @@ struct RnnParams {
   const int64_t* lengths;  // (B,) valid steps per sample, clamped to [0, T]
   float* state;            // published vectors; forward (T+1, B, VS): h after each processing step, [0] = hx;
                            //   backward (T+2, B, VS): g of each backward step, [0] = 0
+  __nv_bfloat16* state_bf16;  // bf16 launches: the published vectors again in bf16 (same rows, row stride
+  int state_bf16_stride;      //   state_bf16_stride = K rounded up to 8), which the bf16 engine stages: it multiplies
+                              //   in bf16 anyway, and every CTA reads each vector, so half the bytes; else nullptr
   float* saved;            // (T, B, saved_values_of(cell), H) fp32: written forward, read backward; or nullptr
   float* cell_state;       // LSTM (B, H): forward c0 in, c_n out; backward grad_c_n in, grad_cx out
   Element* out;            // forward output (hidden tensor, 0 at t >= length); backward grad_input_proj (gates)
