@@ -41,18 +41,16 @@ __device__ __forceinline__ void zero_shared(void* base, int bytes) {
   for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) words[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// Loads the published fp32 vector (B, VS) 16 bytes at a time from L2 (it was written by other SMs this step) and
-// hands each chunk, with entries k >= K zeroed, to store(sample, k, value). Several loads are issued before the first
-// store so their latencies overlap.
+// Loads B rows of `chunks_per_row` 16-byte chunks from `source` through L2 (other SMs wrote them this step) and
+// hands each to store(sample, chunk, value), the bits as loaded. Several loads are issued before the first store so
+// their latencies overlap.
 template <class Store>
-__device__ __forceinline__ void load_published(const float* source, int batch, int length, int state_stride,
-                                               Store store) {
+__device__ __forceinline__ void load_published(const void* source, int batch, int chunks_per_row, Store store) {
   constexpr int kInFlight = 4;
-  const int chunks_per_row = state_stride / 4;
   const int total = batch * chunks_per_row;
-  const float4* chunks = reinterpret_cast<const float4*>(source);
+  const uint4* chunks = reinterpret_cast<const uint4*>(source);
   for (int base = threadIdx.x; base < total; base += kInFlight * blockDim.x) {
-    float4 value[kInFlight];
+    uint4 value[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int i = base + u * blockDim.x;
@@ -63,11 +61,7 @@ __device__ __forceinline__ void load_published(const float* source, int batch, i
       const int i = base + u * blockDim.x;
       if (i < total) {
         const int sample = i / chunks_per_row;
-        const int k = (i - sample * chunks_per_row) * 4;
-        if (k + 1 >= length) value[u].y = 0.f;  // the row's padding to VS may hold anything
-        if (k + 2 >= length) value[u].z = 0.f;
-        if (k + 3 >= length) value[u].w = 0.f;
-        store(sample, k, value[u]);
+        store(sample, i - sample * chunks_per_row, value[u]);
       }
     }
   }

@@ -71,7 +71,12 @@ struct Fp32Math {
   __device__ void stage(const RnnParams<float>& p, int step, float* staged) const {
     const int stride = p.tiling.padded_k;
     const float* published = p.state + static_cast<size_t>(step) * p.batch * p.state_stride;
-    load_published(published, p.batch, p.vector_length, p.state_stride, [&](int sample, int k, float4 value) {
+    load_published(published, p.batch, p.state_stride / 4, [&](int sample, int chunk, uint4 bits) {
+      const int k = 4 * chunk;
+      // Entries k >= K: the row's padding to VS may hold anything.
+      const float4 value = make_float4(__uint_as_float(bits.x), k + 1 < p.vector_length ? __uint_as_float(bits.y) : 0.f,
+                                       k + 2 < p.vector_length ? __uint_as_float(bits.z) : 0.f,
+                                       k + 3 < p.vector_length ? __uint_as_float(bits.w) : 0.f);
       *reinterpret_cast<float4*>(staged + sample * stride + k) = value;
     });
   }

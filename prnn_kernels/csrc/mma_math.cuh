@@ -87,39 +87,22 @@ struct MmaMath {
     }
   }
 
-  // Copies the step's published vector from its bf16 copy (p.state_bf16, row `step`), 16 bytes (8 entries) at a
-  // time from L2, entries k >= K zeroed. Several loads are issued before the first store so their latencies overlap.
+  // Copies the step's published vector from its bf16 copy (p.state_bf16, row `step`), 8 entries per 16-byte chunk,
+  // entries k >= K zeroed (the row's padding to its stride may hold anything).
   __device__ void stage(const RnnParams<__nv_bfloat16>& p, int step, __nv_bfloat16* staged) const {
-    constexpr int kInFlight = 4;
     const int stride = staged_stride(p.tiling);
-    const int chunks_per_row = p.state_bf16_stride / 8;
-    const int total = p.batch * chunks_per_row;
-    const uint4* chunks =
-        reinterpret_cast<const uint4*>(p.state_bf16 + static_cast<size_t>(step) * p.batch * p.state_bf16_stride);
-    for (int base = threadIdx.x; base < total; base += kInFlight * blockDim.x) {
-      uint4 value[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) value[u] = __ldcg(chunks + i);
+    const __nv_bfloat16* published = p.state_bf16 + static_cast<size_t>(step) * p.batch * p.state_bf16_stride;
+    load_published(published, p.batch, p.state_bf16_stride / 8, [&](int sample, int chunk, uint4 value) {
+      const int k = 8 * chunk;
+      if (k + 8 > p.vector_length) {
+        const int valid = p.vector_length - k;
+        value.x = keep_valid(value.x, 0, valid);
+        value.y = keep_valid(value.y, 2, valid);
+        value.z = keep_valid(value.z, 4, valid);
+        value.w = keep_valid(value.w, 6, valid);
       }
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) {
-          const int sample = i / chunks_per_row;
-          const int k = (i - sample * chunks_per_row) * 8;
-          if (k + 8 > p.vector_length) {  // the row's padding to its stride may hold anything
-            const int valid = p.vector_length - k;
-            value[u].x = keep_valid(value[u].x, 0, valid);
-            value[u].y = keep_valid(value[u].y, 2, valid);
-            value[u].z = keep_valid(value[u].z, 4, valid);
-            value[u].w = keep_valid(value[u].w, 6, valid);
-          }
-          *reinterpret_cast<uint4*>(staged + sample * stride + k) = value[u];
-        }
-      }
-    }
+      *reinterpret_cast<uint4*>(staged + sample * stride + k) = value;
+    });
   }
 
   // partials[(split * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
