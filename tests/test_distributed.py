@@ -163,7 +163,8 @@ def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
     load_extension()  # built once here, not inside the jobs' time limit
     gpu = ("device=cuda", "model.backend=persistent")
     for world_size in (1, 2):
-        code, output = run_job(trainer_command(an4_slice, tmp_path / f"{world_size}", world_size, *gpu), TRAIN_TIMEOUT_S)
+        command = trainer_command(an4_slice, tmp_path / f"{world_size}", world_size, *gpu)
+        code, output = run_job(command, TRAIN_TIMEOUT_S)
         assert code == 0, output
     assert_trained_alike(tmp_path / "1", tmp_path / "2")
 

@@ -133,6 +133,7 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
     p.gates = static_cast<int>(layer.gates);
     p.vector_length = static_cast<int>(pass == Pass::kForward ? layer.hidden : layer.gates * layer.hidden);
     p.state_stride = static_cast<int>(round_up_4(p.vector_length));
+    p.state_bf16_stride = static_cast<int>(round_up_8(p.vector_length));  // used by bf16 launches only
     p.directions = static_cast<int>(layer.directions);
     p.num_steps = num_steps;
     p.reverse = layer.reverse != (d == 1);
@@ -217,7 +218,6 @@ std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input
       p.bias = bias_hh.empty() ? nullptr : pointer<Element>(bias_hh[d]);
       p.state = state[d].data_ptr<float>();
       p.state_bf16 = state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(state_bf16[d]) : nullptr;
-      p.state_bf16_stride = static_cast<int>(round_up_8(H));
       p.saved = lstm || layer.cell == CellKind::kGru ? saved[d].data_ptr<float>() : nullptr;
       p.cell_state = lstm ? cell_state[d].data_ptr<float>() : nullptr;
       p.out = mutable_pointer<Element>(output) + d * H;
@@ -272,7 +272,6 @@ std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad
     p.weight = pointer<Element>(weight_hh[d]);
     p.state = grad_state[d].data_ptr<float>();
     p.state_bf16 = grad_state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(grad_state_bf16[d]) : nullptr;
-    p.state_bf16_stride = static_cast<int>(round_up_8(G * H));
     p.saved = layer.saved_values() > 0 ? saved[d].data_ptr<float>() : nullptr;
     p.cell_state = lstm ? grad_cell[d].data_ptr<float>() : nullptr;
     p.out = mutable_pointer<Element>(grad_input) + d * G * H;
