@@ -1,11 +1,11 @@
 """Just-in-time build of the persistent RNN CUDA extension, cached per source hash and GPU architecture.
 
 The extension is compiled by `torch.utils.cpp_extension.load` for the GPU's own architecture only (explicit
--gencode, e.g. sm_90 on Hopper) into $TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of
+-gencode, e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into $TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of
 every file in csrc/ and the architecture: an edited kernel gets a fresh build, an unchanged one loads from the cache,
 and torch's build lock makes concurrent ranks wait for one build instead of racing.
 
-    python -m prnn_kernels.build [--arch 90] [--verbose]
+    python -m prnn_kernels.build [--arch 90a] [--verbose]
 
 builds ahead of time (run it once before an `mpirun`).
 """
@@ -35,9 +35,10 @@ def source_hash() -> str:
 
 
 def device_arch(device=None) -> str:
-    """Compute capability of a CUDA device as nvcc spells it, e.g. "90"."""
+    """The architecture to build for a CUDA device, as nvcc spells it: its compute capability, arch-specific ("a")
+    from Hopper on, e.g. "90a"."""
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
+    return f"{major}{minor}a" if major >= 9 else f"{major}{minor}"
 
 
 def cuda_home() -> Path | None:
@@ -94,11 +95,11 @@ def load_extension(arch: str | None = None, root: str | None = None, verbose: bo
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", help="compute capability without the dot, e.g. 90 (default: the current GPU's)")
+    parser.add_argument("--arch", help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args()
     if args.arch is None and not torch.cuda.is_available():
-        parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90)")
+        parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90a)")
     module = load_extension(args.arch, verbose=args.verbose)
     print(f"built {module.__name__} from {module.__file__}")
 

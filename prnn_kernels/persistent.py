@@ -72,8 +72,9 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
     if not 1 <= batch_size <= MAX_BATCH:
         return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH})")
     major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 8:
-        return Support(False, f"needs compute capability 8.0 or newer, device {device_index} has {major}.{minor}")
+    if major < 9:
+        return Support(False, f"needs compute capability 9.0 (Hopper) or newer for its bulk copies in thread-block "
+                              f"clusters, device {device_index} has {major}.{minor}")
     with torch.cuda.device(device_index):
         ok, reason = _extension().support(cell, hidden_size, batch_size, dtype == torch.bfloat16)
     return Support(ok, reason)

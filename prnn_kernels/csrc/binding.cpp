@@ -38,6 +38,13 @@ Precision precision_of(at::ScalarType dtype) {
 int64_t round_up_4(int64_t value) { return (value + 3) / 4 * 4; }
 int64_t round_up_8(int64_t value) { return (value + 7) / 8 * 8; }
 
+// Rows of published vectors (..., row length) hold `length` entries; the kernels stage whole rows with bulk copies,
+// so the entries past `length` are zeroed once here and never written.
+void zero_row_padding(at::Tensor& rows, int64_t length) {
+  const int64_t padding = rows.size(-1) - length;
+  if (padding > 0) rows.narrow(-1, length, padding).zero_();
+}
+
 // The bf16 copy of a pass's published vectors that the bf16 engine stages from (RnnParams::state_bf16): rows like
 // `state`'s, the first (the vector before the first step) copied from it; an empty tensor for fp32 layers.
 at::Tensor state_bf16_like(const at::Tensor& state, int64_t length, Precision precision, bool poison) {
@@ -45,6 +52,7 @@ at::Tensor state_bf16_like(const at::Tensor& state, int64_t length, Precision pr
   at::Tensor copy = at::empty({state.size(0), state.size(1), state.size(2), round_up_8(length)},
                               state.options().dtype(at::kBFloat16));
   if (poison) copy.fill_(std::numeric_limits<float>::quiet_NaN());
+  zero_row_padding(copy, length);
   copy.select(1, 0).narrow(2, 0, length).copy_(state.select(1, 0).narrow(2, 0, length));
   return copy;
 }
@@ -209,6 +217,7 @@ std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input
   if (poison) {
     for (at::Tensor* tensor : {&output, &state, &saved}) tensor->fill_(std::numeric_limits<float>::quiet_NaN());
   }
+  zero_row_padding(state, H);
   state.select(1, 0).narrow(2, 0, H).copy_(hx);
   const at::Tensor state_bf16 = state_bf16_like(state, H, layer.precision, poison);
   if (T > 0) {
@@ -261,6 +270,7 @@ std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad
       tensor->fill_(std::numeric_limits<float>::quiet_NaN());
     }
   }
+  zero_row_padding(grad_state, G * H);
   grad_state.select(1, 0).zero_();
   const at::Tensor grad_state_bf16 = state_bf16_like(grad_state, G * H, layer.precision, poison);
   if (T == 0) {

@@ -12,6 +12,16 @@ __host__ __device__ constexpr int round_up(int value, int multiple) {
 }
 __host__ __device__ constexpr int ceil_div(int value, int divisor) { return (value + divisor - 1) / divisor; }
 
+// A CTA's dynamic shared memory: the staged vector, the per-warp partial sums, then, 16-byte aligned, the control
+// words (the two staging mbarriers, then the abort flag).
+constexpr int kControlBytes = 32;
+__host__ __device__ constexpr int control_offset(int staged_bytes, int partial_floats) {
+  return round_up(staged_bytes + 4 * partial_floats, 16);
+}
+__host__ __device__ constexpr int cta_shared_bytes(int staged_bytes, int partial_floats) {
+  return control_offset(staged_bytes, partial_floats) + kControlBytes;
+}
+
 __device__ __forceinline__ float to_float(float value) { return value; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
 
@@ -39,32 +49,6 @@ __device__ __forceinline__ Element weight_at(const RnnParams<Element>& p, int ct
 __device__ __forceinline__ void zero_shared(void* base, int bytes) {
   float4* words = reinterpret_cast<float4*>(base);
   for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) words[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-}
-
-// Loads B rows of `chunks_per_row` 16-byte chunks from `source` through L2 (other SMs wrote them this step) and
-// hands each to store(sample, chunk, value), the bits as loaded. Several loads are issued before the first store so
-// their latencies overlap.
-template <class Store>
-__device__ __forceinline__ void load_published(const void* source, int batch, int chunks_per_row, Store store) {
-  constexpr int kInFlight = 4;
-  const int total = batch * chunks_per_row;
-  const uint4* chunks = reinterpret_cast<const uint4*>(source);
-  for (int base = threadIdx.x; base < total; base += kInFlight * blockDim.x) {
-    uint4 value[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i < total) value[u] = __ldcg(chunks + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i < total) {
-        const int sample = i / chunks_per_row;
-        store(sample, i - sample * chunks_per_row, value[u]);
-      }
-    }
-  }
 }
 
 }  // namespace prnn

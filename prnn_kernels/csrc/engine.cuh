@@ -4,13 +4,16 @@
 // by them; Cell (vanilla_cell.cuh, gated_cells.cuh) finishes each (hidden unit, sample) element from the recurrent
 // products of its kRowGates rows and returns the kVectorGates values it publishes. Per step:
 //   wait until every CTA of this direction published the previous vector -> start loading the cells' inputs ->
-//   stage the vector in shared memory -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice
-//   of the next vector -> publish.
+//   stage the vector in shared memory (bulk copies shared by the cluster, stage.cuh) -> multiply into per-warp
+//   partial sums -> reduce, finish, store the CTA's slice of the next vector -> publish.
+// A CTA whose wait timed out (the launch is failing and Python will raise) stops waiting but runs the remaining
+// steps: the other CTAs of its cluster wait for its share of every step's staging.
 #pragma once
 
 #include <type_traits>
 
 #include "element.cuh"
+#include "stage.cuh"
 #include "sync.cuh"
 
 namespace prnn {
@@ -30,12 +33,15 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   const int staged_bytes = Math::staged_bytes(tiling, p.batch);
   auto* staged = reinterpret_cast<typename Math::Staged*>(smem);
   float* partials = reinterpret_cast<float*>(smem + staged_bytes);  // (num_partials, B, R)
-  int* abort_s = reinterpret_cast<int*>(partials + tiling.num_partials * p.batch * rows);
+  unsigned char* control = smem + control_offset(staged_bytes, tiling.num_partials * p.batch * rows);
+  uint64_t* stage_barriers = reinterpret_cast<uint64_t*>(control);
+  int* abort_s = reinterpret_cast<int*>(stage_barriers + 2);
 
   Math math;
   math.load_weights(p, cta);
   zero_shared(smem, staged_bytes);  // padding samples and k >= K stay zero for the whole sequence
   if (threadIdx.x == 0) *abort_s = 0;
+  init_staging(stage_barriers);
 
   Cell cell[kElementsPerThread];
   int unit_local[kElementsPerThread];
@@ -52,14 +58,17 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   __syncthreads();
 
   const size_t vector_size = static_cast<size_t>(p.batch) * p.state_stride;
+  bool in_time = true;
   for (int step = 0; step < p.num_steps; ++step) {
-    if (step > 0 && !wait_for_step(p, step, abort_s)) return;
+    if (step > 0 && in_time) in_time = wait_for_step(p, step, abort_s);
 #pragma unroll
     for (int u = 0; u < kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
     }
-    math.stage(p, step, staged);
-    __syncthreads();
+    uint64_t* stage_barrier = stage_barriers + step % 2;
+    start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
+                  p.batch, tiling.cluster_size, stage_barrier);
+    finish_staging(stage_barrier, (step / 2) % 2);
     math.multiply(p, staged, partials);
     __syncthreads();
 #pragma unroll

@@ -17,7 +17,7 @@ template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_>
 struct Fp32Math {
   static constexpr int kMaxThreads = kMaxThreads_;
   using Element = float;
-  using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= H zero
+  using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= K zero
 
   float4 weight[kRowsPerThread][kChunksPerThread];
   int group;  // g
@@ -46,7 +46,7 @@ struct Fp32Math {
       t.threads = groups * t.k_splits;
       t.padded_k = 4 * t.k_splits * kChunksPerThread;
       t.num_partials = t.threads / 32;
-      t.smem_bytes = staged_bytes(t, shape.batch) + t.num_partials * shape.batch * t.rows_per_cta * 4 + 16;
+      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -68,18 +68,12 @@ struct Fp32Math {
     }
   }
 
-  __device__ void stage(const RnnParams<float>& p, int step, float* staged) const {
-    const int stride = p.tiling.padded_k;
-    const float* published = p.state + static_cast<size_t>(step) * p.batch * p.state_stride;
-    load_published(published, p.batch, p.state_stride / 4, [&](int sample, int chunk, uint4 bits) {
-      const int k = 4 * chunk;
-      // Entries k >= K: the row's padding to VS may hold anything.
-      const float4 value = make_float4(__uint_as_float(bits.x), k + 1 < p.vector_length ? __uint_as_float(bits.y) : 0.f,
-                                       k + 2 < p.vector_length ? __uint_as_float(bits.z) : 0.f,
-                                       k + 3 < p.vector_length ? __uint_as_float(bits.w) : 0.f);
-      *reinterpret_cast<float4*>(staged + sample * stride + k) = value;
-    });
+  // Where the step's published vector is read from (B rows of VS floats, entries past K zero) and staged to.
+  __device__ static const float* published(const RnnParams<float>& p, int step) {
+    return p.state + static_cast<size_t>(step) * p.batch * p.state_stride;
   }
+  __device__ static int published_row_bytes(const RnnParams<float>& p) { return p.state_stride * 4; }
+  __device__ static int staged_row_bytes(const Tiling& tiling) { return tiling.padded_k * 4; }
 
   // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
   __device__ void multiply(const RnnParams<float>& p, const float* staged, float* partials) const {

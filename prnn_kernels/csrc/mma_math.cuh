@@ -49,7 +49,7 @@ struct MmaMath {
       t.threads = 32 * row_tiles * t.k_splits;
       t.padded_k = 16 * kTilesPerWarp * t.k_splits;
       t.num_partials = t.k_splits;
-      t.smem_bytes = staged_bytes(t, shape.batch) + t.num_partials * shape.batch * t.rows_per_cta * 4 + 16;
+      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -57,11 +57,6 @@ struct MmaMath {
 
   __device__ static uint32_t pack(__nv_bfloat16 low, __nv_bfloat16 high) {
     return static_cast<uint32_t>(__bfloat16_as_ushort(low)) | (static_cast<uint32_t>(__bfloat16_as_ushort(high)) << 16);
-  }
-
-  // The bf16 entries (first, first + 1) packed in `word` (first in the low half), those at or past `valid` zeroed.
-  __device__ static uint32_t keep_valid(uint32_t word, int first, int valid) {
-    return valid <= first ? 0u : (valid == first + 1 ? word & 0xffffu : word);
   }
 
   // ldmatrix.x4 of one 16 x 16 tile of the staged vector, in the A-fragment order of mma.m16n8k16.
@@ -87,23 +82,13 @@ struct MmaMath {
     }
   }
 
-  // Copies the step's published vector from its bf16 copy (p.state_bf16, row `step`), 8 entries per 16-byte chunk,
-  // entries k >= K zeroed (the row's padding to its stride may hold anything).
-  __device__ void stage(const RnnParams<__nv_bfloat16>& p, int step, __nv_bfloat16* staged) const {
-    const int stride = staged_stride(p.tiling);
-    const __nv_bfloat16* published = p.state_bf16 + static_cast<size_t>(step) * p.batch * p.state_bf16_stride;
-    load_published(published, p.batch, p.state_bf16_stride / 8, [&](int sample, int chunk, uint4 value) {
-      const int k = 8 * chunk;
-      if (k + 8 > p.vector_length) {
-        const int valid = p.vector_length - k;
-        value.x = keep_valid(value.x, 0, valid);
-        value.y = keep_valid(value.y, 2, valid);
-        value.z = keep_valid(value.z, 4, valid);
-        value.w = keep_valid(value.w, 6, valid);
-      }
-      *reinterpret_cast<uint4*>(staged + sample * stride + k) = value;
-    });
+  // Where the step's published vector is read from (its bf16 copy: half the bytes of the fp32 rows, and the multiply
+  // rounds to bf16 anyway; B rows of state_bf16_stride entries, those past K zero) and staged to.
+  __device__ static const __nv_bfloat16* published(const RnnParams<__nv_bfloat16>& p, int step) {
+    return p.state_bf16 + static_cast<size_t>(step) * p.batch * p.state_bf16_stride;
   }
+  __device__ static int published_row_bytes(const RnnParams<__nv_bfloat16>& p) { return p.state_bf16_stride * 2; }
+  __device__ static int staged_row_bytes(const Tiling& tiling) { return staged_stride(tiling) * 2; }
 
   // partials[(split * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
   __device__ void multiply(const RnnParams<__nv_bfloat16>& p, const __nv_bfloat16* staged, float* partials) const {

@@ -52,7 +52,9 @@ struct MatrixShape {
 
 // How one launch spreads the hidden units over CTAs and threads; chosen per shape on the host (plan.cpp).
 struct Tiling {
-  int num_ctas;       // persistent CTAs per direction, all co-resident
+  int num_ctas;       // persistent CTAs per direction, all co-resident; a multiple of cluster_size (CTAs past the
+                      //   hidden units own none but still stage and publish)
+  int cluster_size;   // CTAs per thread-block cluster, which share each step's staging (stage.cuh)
   int threads;        // per CTA
   int units_per_cta;  // hidden units a CTA owns; the last CTA may own fewer
   int rows_per_cta;   // matrix rows a CTA holds: units_per_cta * row_gates, gate-major (row = gate * units + unit),
@@ -142,7 +144,7 @@ struct LaunchPlan {
 LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions);
 
 // Cooperative launch (co-residency guaranteed by the driver, or an error) of the plan's CTAs for each of
-// `directions` directions on `stream`.
+// `directions` directions on `stream`, in clusters of the tiling's cluster_size.
 template <class Element>
 cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream);
 

@@ -3,9 +3,11 @@
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
 // and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
-// threads (enough warps to hide latency, few partial sums), then fewer CTAs.
+// threads (enough warps to hide latency, few partial sums), then the largest cluster (the fewest L2 reads of each
+// step's vector, stage.cuh), then fewer CTAs.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -23,6 +25,31 @@ std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellK
   }
   return pass == Pass::kForward ? bf16_forward_variants(cell) : bf16_backward_variants(cell);
 }
+
+// Thread-block cluster sizes tried for every tiling, largest first; a tiling that fits at all fits with 1.
+constexpr int kClusterSizes[] = {4, 2, 1};
+
+// The launch every plan makes, for the occupancy query and for launch().
+struct LaunchConfig {
+  cudaLaunchConfig_t config;
+  cudaLaunchAttribute attributes[2];
+
+  LaunchConfig(const Tiling& tiling, int directions, cudaStream_t stream) : config{}, attributes{} {
+    config.gridDim = dim3(directions * tiling.num_ctas);
+    config.blockDim = dim3(tiling.threads);
+    config.dynamicSmemBytes = tiling.smem_bytes;
+    config.stream = stream;
+    attributes[0].id = cudaLaunchAttributeClusterDimension;
+    attributes[0].val.clusterDim.x = tiling.cluster_size;
+    attributes[0].val.clusterDim.y = 1;
+    attributes[0].val.clusterDim.z = 1;
+    // Cooperative: the driver launches all CTAs at once or fails, so no CTA spins on one that never starts.
+    attributes[1].id = cudaLaunchAttributeCooperative;
+    attributes[1].val.cooperative = 1;
+    config.attrs = attributes;
+    config.numAttrs = 2;
+  }
+};
 
 LaunchPlan refuse(const std::string& reason) { return LaunchPlan{false, reason, Tiling{}, nullptr}; }
 
@@ -48,7 +75,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   bool found = false;
   Tiling best{};
   const void* best_kernel = nullptr;
-  std::tuple<int, long long, int, int> best_score;
+  std::tuple<int, long long, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   const int gates = gates_of(cell);
   const MatrixShape shape = pass == Pass::kForward ? MatrixShape{hidden, gates, hidden, batch}
@@ -62,22 +89,36 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
       if (per_sm == 0) continue;
-      const int ctas = directions * t.num_ctas;
-      if (ctas > per_sm * num_sms) {
-        if (fewest_ctas_not_resident == 0 || ctas < fewest_ctas_not_resident) {
-          fewest_ctas_not_resident = ctas;
-          most_resident = per_sm * num_sms;
+      for (const int cluster_size : kClusterSizes) {
+        Tiling candidate = t;
+        candidate.cluster_size = cluster_size;
+        candidate.num_ctas = (t.num_ctas + cluster_size - 1) / cluster_size * cluster_size;
+        const int ctas = directions * candidate.num_ctas;
+        int resident = per_sm * num_sms;
+        if (cluster_size > 1) {  // clusters are placed whole within a GPC, so fewer CTAs may fit
+          int clusters = 0;
+          LaunchConfig launch_config(candidate, directions, nullptr);
+          launch_config.config.numAttrs = 1;  // the query takes the cluster shape only
+          error = cudaOccupancyMaxActiveClusters(&clusters, variant.kernel, &launch_config.config);
+          if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveClusters", error));
+          resident = std::min(resident, clusters * cluster_size);
         }
-        continue;
-      }
-      const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
-      const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
-                                         std::abs(t.threads - 512), t.num_ctas);
-      if (!found || score < best_score) {
-        found = true;
-        best = t;
-        best_kernel = variant.kernel;
-        best_score = score;
+        if (ctas > resident) {
+          if (fewest_ctas_not_resident == 0 || ctas < fewest_ctas_not_resident) {
+            fewest_ctas_not_resident = ctas;
+            most_resident = resident;
+          }
+          continue;
+        }
+        const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
+        const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
+                                           std::abs(t.threads - 512), -cluster_size, candidate.num_ctas);
+        if (!found || score < best_score) {
+          found = true;
+          best = candidate;
+          best_kernel = variant.kernel;
+          best_score = score;
+        }
       }
     }
   }
@@ -122,19 +163,9 @@ LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden
 
 template <class Element>
 cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(directions * plan.tiling.num_ctas);
-  config.blockDim = dim3(plan.tiling.threads);
-  config.dynamicSmemBytes = plan.tiling.smem_bytes;
-  config.stream = stream;
-  // Cooperative: the driver launches all CTAs at once or fails, so no CTA spins on one that never starts.
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeCooperative;
-  attribute.val.cooperative = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  LaunchConfig launch_config(plan.tiling, directions, stream);
   void* arguments[] = {const_cast<LayerParams<Element>*>(&params)};
-  return cudaLaunchKernelExC(&config, plan.kernel, arguments);
+  return cudaLaunchKernelExC(&launch_config.config, plan.kernel, arguments);
 }
 
 template cudaError_t launch<float>(const LaunchPlan&, const LayerParams<float>&, int, cudaStream_t);

@@ -4,8 +4,8 @@
 // s needs the whole vector published by step s - 1, so it waits until every flag reads >= s. Vectors of different
 // steps live in different rows of the state buffer, so a fast CTA never overwrites what a slow one still reads, and
 // nothing is reset between steps. Every wait is bounded by %globaltimer: past the bound the CTA records
-// kStatusTimedOut and returns, and a CTA that sees a nonzero status stops waiting too, so a launch that cannot make
-// progress ends instead of hanging.
+// kStatusTimedOut and stops waiting, and a CTA that sees a nonzero status stops waiting too, so a launch that cannot
+// make progress ends (with outputs that Python discards as it raises) instead of hanging.
 #pragma once
 
 #include "persistent_rnn.h"
@@ -34,7 +34,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 // Waits until every CTA of p's direction has published `stamp` steps: thread t polls the flag of CTA t (and
 // t + blockDim, ...), so all flags are read in parallel, then the CTA meets at a barrier. Returns false, for every
-// thread of the CTA, when the launch is failing and the kernel must return.
+// thread of the CTA, when the launch is failing and the CTA must wait no more.
 template <class Element>
 __device__ bool wait_for_step(const RnnParams<Element>& p, unsigned stamp, int* abort_s) {
   const unsigned long long start = global_ns();

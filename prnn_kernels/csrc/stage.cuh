@@ -1,0 +1,98 @@
+// Staging each step's published vector in shared memory with bulk copies, shared within a thread-block cluster.
+//
+// Every CTA multiplies by the whole published vector, so each step every CTA used to read the same bytes from L2 with
+// its own loads (72-128 SMs x up to 32 KB a step, near the L2's bandwidth). Now the CTAs of a cluster of
+// `cluster_size` split each row of the vector into that many slices; a CTA copies its slice with one bulk copy per
+// row (the copy engine, not the threads) and multicasts it into the shared memory of every CTA of its cluster, so L2
+// serves each byte once per cluster. Each CTA counts the bytes landing in its own shared memory on an mbarrier (the
+// whole vector, from all slices) and its threads wait for that before the multiply.
+//
+// Two mbarriers alternate by step: a CTA waits for every slice of step s before it finishes step s, so a peer can
+// run at most one step ahead and its copies of step s + 1 are counted on the other mbarrier. A step's staged buffer
+// is rewritten only after every CTA published the step before (the flag wait), i.e. after this CTA's multiply read
+// it. The copies move whole 16-byte chunks: a row's entries past the vector's length must be zero in global memory.
+#pragma once
+
+#include <cstdint>
+
+namespace prnn {
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return static_cast<int>(rank);
+}
+
+// Every thread of every CTA of the cluster arrives; shared-memory writes before it are visible to the cluster after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Initialises this CTA's two staging mbarriers (one arrival each: the thread that sets the step's byte count) and
+// makes them, and the shared memory zeroed before, ready for the peers' copies. Call with the whole CTA, before
+// any copy of the launch.
+__device__ __forceinline__ void init_staging(uint64_t* barriers) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barriers + i)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeroing before, then the copies' writes
+  cluster_sync();
+}
+
+// Starts staging `batch` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
+// `staged_row_bytes` apart) in every CTA of the cluster. Call with the whole CTA after the step's wait; warp 0 issues.
+__device__ __forceinline__ void start_staging(const void* source, int row_bytes, void* staged, int staged_row_bytes,
+                                              int batch, int cluster_size, uint64_t* barrier) {
+  if (threadIdx.x >= 32) return;
+  const uint32_t barrier_address = shared_address(barrier);
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
+                 "r"(batch * row_bytes)
+                 : "memory");
+  }
+  const int chunks = row_bytes / 16;
+  const int rank = cluster_rank();
+  const int first = rank * chunks / cluster_size;
+  const int bytes = ((rank + 1) * chunks / cluster_size - first) * 16;
+  if (bytes == 0) return;
+  // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  const uint16_t all_ctas = static_cast<uint16_t>((1u << cluster_size) - 1);
+  for (int sample = threadIdx.x; sample < batch; sample += 32) {
+    const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * first;
+    const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * first);
+    if (cluster_size == 1) {
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address)
+                   : "memory");
+    } else {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+          "%4;" ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address), "h"(all_ctas)
+          : "memory");
+    }
+  }
+}
+
+// Waits until the whole vector started for this mbarrier's current phase (`parity`) has landed. Not bounded by the
+// timeout: it waits only for the CTAs of this cluster, which are resident together and never stop staging (a CTA
+// whose flag wait timed out goes on without waiting, see engine.cuh).
+__device__ __forceinline__ void finish_staging(uint64_t* barrier, uint32_t parity) {
+  const uint32_t barrier_address = shared_address(barrier);
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred ready;\n\tmbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n\t"
+        "selp.b32 %0, 1, 0, ready;\n\t}"
+        : "=r"(done)
+        : "r"(barrier_address), "r"(parity)
+        : "memory");
+  }
+}
+
+}  // namespace prnn
