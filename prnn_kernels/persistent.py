@@ -2,7 +2,8 @@
 `persistent_bidirectional_layer` (both directions of a layer in one launch), and `support` to ask first.
 
 One launch runs a whole layer: every CTA keeps its rows of weight_hh on chip for the whole sequence and the CTAs
-exchange each step's vector through L2 with step-stamped flags (prnn_kernels/csrc). Cells: ReLU and tanh RNNs, GRU
+exchange each step's vector through L2 with step-stamped flags and bulk copies shared within thread-block clusters
+(prnn_kernels/csrc; Hopper or newer). Cells: ReLU and tanh RNNs, GRU
 and LSTM with torch.nn's weight layout and gate order. The backward data gradient runs the same engine in reverse
 time on weight_hh^T; the weight and bias gradients are one GEMM and one sum over all steps afterwards.
 
