@@ -64,7 +64,7 @@ struct MmaMath {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                  : "r"(address)
-                 : "memory");  // reads shared memory: keeps it after the barrier that follows the staging
+                 : "memory");  // reads shared memory: keeps it after the wait for the staging
   }
 
   __device__ void load_weights(const RnnParams<__nv_bfloat16>& p, int cta) {
