@@ -10,8 +10,9 @@ time on weight_hh^T; the weight and bias gradients are one GEMM and one sum over
 Importing this module needs neither a GPU nor a compiler; the extension is built just in time on first use
 (prnn_kernels.build).
 
-Errors inside a launch: every spin-wait in the kernel is bounded (SPIN_TIMEOUT_S); a CTA that runs out of time
-sets a status word on the device and the launch ends instead of hanging. Reading that word on the host would need a
+Errors inside a launch: every wait for another CTA's flag is bounded (SPIN_TIMEOUT_S; the only other wait, for the
+step's copies within a thread-block cluster, depends on co-resident CTAs that never stop); a CTA that runs out of
+time sets a status word on the device, stops waiting, and the launch ends instead of hanging. Reading that word on the host would need a
 synchronisation, so it is checked lazily: after each launch (outside CUDA-graph capture) the word is copied to
 pinned memory asynchronously, and the next call on that device, or `raise_if_failed()`, raises RuntimeError once the
 copy has landed and shows a failure. Under graph capture nothing is copied; call `raise_if_failed()` after replays.
