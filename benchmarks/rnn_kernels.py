@@ -15,7 +15,8 @@ CUDA-event timings after warm-up, in microseconds per timestep:
   matmul loop       h_t = h_{t-1} @ U^T (U: G*H x H), one torch.mm per step, replayed as a CUDA graph (forward only)
 "fwd+bwd" rows time forward plus the gradients of the input and every parameter. TFLOP/s counts the input GEMM and
 the recurrence (2 T B G H (I + H) per direction forward, three times that for forward and backward). Bidirectional
-rows say whether the two directions ran in one launch.
+rows say whether the two directions ran in one launch. Each supported row's JSON also records how each pass launched
+(`persistent_launch_plans`: CTAs, threads, thread-block cluster size, units per CTA, shared memory).
 """
 import argparse
 import json
@@ -29,6 +30,7 @@ from torch import nn
 
 from prnn_kernels.persistent import (
     directions_run_together,
+    launch_plans,
     persistent_bidirectional_layer,
     persistent_layer,
     support,
@@ -151,6 +153,8 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     if verdict.ok:
         row["persistent_fwd_us"] = per_step_us(median_ms(lambda: problem.persistent()))
         row["persistent_fwdbwd_us"] = per_step_us(median_ms(problem.forward_backward(problem.persistent)))
+        row["persistent_launch_plans"] = launch_plans(cell, hidden_size, batch_size, dtype, "cuda",
+                                                      directions=2 if bidirectional else 1)
         if bidirectional:
             row["directions_in_one_launch"] = directions_run_together(cell, hidden_size, batch_size, dtype, "cuda")
         else:

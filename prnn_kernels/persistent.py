@@ -82,14 +82,28 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
     return Support(ok, reason)
 
 
+def launch_plans(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device,
+                 directions: int = 1) -> list[dict]:
+    """How each pass (forward, then backward) of a supported layer of this shape launches on `device`: one dict per
+    pass with `directions_in_one_launch`, `ctas_per_direction`, `threads`, `cluster_size` (CTAs sharing each step's
+    vector copies), `units_per_cta` and `smem_bytes`; or `ok` False and the `reason`."""
+    device = torch.device(device)
+    verdict = support(cell, hidden_size, batch_size, dtype, device)
+    if not verdict.ok:
+        raise ValueError(f"the persistent kernel cannot run {cell} H={hidden_size} B={batch_size} {dtype}: "
+                         f"{verdict.reason}")
+    with torch.cuda.device(device):
+        return _extension().launch_plans(cell, int(hidden_size), int(batch_size), dtype == torch.bfloat16,
+                                         int(directions))
+
+
 def directions_run_together(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device) -> bool:
     """Whether `persistent_bidirectional_layer` runs both directions of this shape in one launch (forward and
     backward) rather than one after the other: it does when both directions' CTAs fit on the device at once."""
-    device = torch.device(device)
     if not support(cell, hidden_size, batch_size, dtype, device).ok:
         return False
-    with torch.cuda.device(device):
-        return _extension().directions_run_together(cell, int(hidden_size), int(batch_size), dtype == torch.bfloat16)
+    plans = launch_plans(cell, hidden_size, batch_size, dtype, device, directions=2)
+    return all(plan["directions_in_one_launch"] for plan in plans)
 
 
 def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from prnn_kernels import persistent
 from prnn_kernels.persistent import (
     directions_run_together,
+    launch_plans,
     persistent_bidirectional_layer,
     persistent_layer,
     support,
@@ -22,6 +23,8 @@ CUDA = torch.device("cuda")
 def test_support_without_cuda_says_why():
     verdict = support("relu", 2048, 4, torch.float32, "cpu")
     assert not verdict.ok and verdict.reason == "needs a CUDA GPU"
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        launch_plans("relu", 2048, 4, torch.float32, "cpu")
 
 
 @pytest.fixture
@@ -290,6 +293,30 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
     lengths = torch.full((batch_size,), 3)
     with pytest.raises(ValueError, match=message):
         persistent_layer(cell, input_proj, hx, weight, None, lengths, False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions", [
+    ("relu", 2048, 4, torch.float32, 1),
+    ("gru", 1152, 4, torch.float32, 1),
+    ("lstm", 1152, 8, torch.bfloat16, 1),
+    ("relu", 1152, 4, torch.bfloat16, 2),
+    ("gru", 1152, 4, torch.float32, 2),
+])
+def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions):
+    plans = launch_plans(cell, hidden_size, batch_size, dtype, CUDA, directions)
+    assert [plan["pass"] for plan in plans] == ["forward", "backward"]
+    multiprocessors = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    for plan in plans:
+        assert plan["ok"] and plan["reason"] == ""
+        assert plan["cluster_size"] in (1, 2, 4) and plan["ctas_per_direction"] % plan["cluster_size"] == 0
+        assert plan["units_per_cta"] * plan["ctas_per_direction"] >= hidden_size
+        launched = plan["ctas_per_direction"] * (directions if plan["directions_in_one_launch"] else 1)
+        assert launched <= 2 * multiprocessors and plan["threads"] <= 1024
+    together = all(plan["directions_in_one_launch"] for plan in plans)
+    assert together == directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
+    with pytest.raises(ValueError, match="do not fit on chip"):
+        launch_plans("gru", 2048, 4, torch.float32, CUDA)
 
 
 @pytest.mark.cuda

@@ -310,15 +310,38 @@ std::tuple<bool, std::string> support(const std::string& cell, int64_t hidden, i
   return {true, ""};
 }
 
-// Whether both directions of a bidirectional layer run in one launch, forward and backward.
-bool directions_run_together(const std::string& cell, int64_t hidden, int64_t batch, bool bf16) {
+// How each pass of a layer of `directions` directions launches on the current device, as launch_directions does it:
+// both directions in one launch where their CTAs fit together, else one launch per direction. One dict per pass
+// (forward, backward): whether it runs and why not, and the tiling it runs with.
+std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int64_t batch, bool bf16,
+                                   int64_t directions) {
+  TORCH_CHECK(directions == 1 || directions == 2, "persistent RNN kernel: one or two directions, got ", directions);
+  TORCH_CHECK(hidden >= 1 && hidden <= std::numeric_limits<int>::max() / 64,
+              "persistent RNN kernel: hidden size out of range (", hidden, ")");
   const Precision precision = bf16 ? Precision::kBFloat16 : Precision::kFloat32;
+  std::vector<py::dict> result;
   for (const Pass pass : {Pass::kForward, Pass::kBackward}) {
-    if (!prnn::plan_launch(precision, pass, cell_of(cell), static_cast<int>(hidden), static_cast<int>(batch), 2).ok) {
-      return false;
+    const auto plan_for = [&](int count) {
+      return prnn::plan_launch(precision, pass, cell_of(cell), static_cast<int>(hidden), static_cast<int>(batch),
+                               count);
+    };
+    const prnn::LaunchPlan joint = plan_for(static_cast<int>(directions));
+    const prnn::LaunchPlan plan = joint.ok ? joint : plan_for(1);
+    py::dict entry;
+    entry["pass"] = pass == Pass::kForward ? "forward" : "backward";
+    entry["ok"] = plan.ok;
+    entry["reason"] = plan.reason;
+    entry["directions_in_one_launch"] = joint.ok && directions == 2;
+    if (plan.ok) {
+      entry["ctas_per_direction"] = plan.tiling.num_ctas;
+      entry["threads"] = plan.tiling.threads;
+      entry["cluster_size"] = plan.tiling.cluster_size;
+      entry["units_per_cta"] = plan.tiling.units_per_cta;
+      entry["smem_bytes"] = plan.tiling.smem_bytes;
     }
+    result.push_back(entry);
   }
-  return true;
+  return result;
 }
 
 }  // namespace
@@ -328,6 +351,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "forward recurrence of one layer, one or two directions");
   m.def("backward", &backward, "backward data gradient of one layer, one or two directions");
   m.def("support", &support, "whether the persistent kernel can run (cell, hidden, batch, bf16) on the current device");
-  m.def("directions_run_together", &directions_run_together,
-        "whether both directions of (cell, hidden, batch, bf16) run in one launch");
+  m.def("launch_plans", &launch_plans,
+        "how each pass of (cell, hidden, batch, bf16, directions) launches on the current device");
 }
