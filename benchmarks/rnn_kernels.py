@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from prnn_kernels.persistent import (
-    directions_run_together,
     launch_plans,
     persistent_bidirectional_layer,
     persistent_layer,
@@ -153,10 +152,10 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     if verdict.ok:
         row["persistent_fwd_us"] = per_step_us(median_ms(lambda: problem.persistent()))
         row["persistent_fwdbwd_us"] = per_step_us(median_ms(problem.forward_backward(problem.persistent)))
-        row["persistent_launch_plans"] = launch_plans(cell, hidden_size, batch_size, dtype, "cuda",
-                                                      directions=2 if bidirectional else 1)
+        plans = launch_plans(cell, hidden_size, batch_size, dtype, "cuda", directions=2 if bidirectional else 1)
+        row["persistent_launch_plans"] = plans
         if bidirectional:
-            row["directions_in_one_launch"] = directions_run_together(cell, hidden_size, batch_size, dtype, "cuda")
+            row["directions_in_one_launch"] = all(plan["directions_in_one_launch"] for plan in plans)
         else:
             row["kernel_only_fwd_us"] = per_step_us(median_ms(problem.kernel_only()))
             # Per call = prologue + steps x per-step: two lengths separate them.

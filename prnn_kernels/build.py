@@ -1,9 +1,10 @@
 """Just-in-time build of the persistent RNN CUDA extension, cached per source hash and GPU architecture.
 
 The extension is compiled by `torch.utils.cpp_extension.load` for the GPU's own architecture only (explicit
--gencode, e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into $TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of
-every file in csrc/ and the architecture: an edited kernel gets a fresh build, an unchanged one loads from the cache,
-and torch's build lock makes concurrent ranks wait for one build instead of racing.
+-gencode, e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into
+$TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of every file in csrc/ and the
+architecture: an edited kernel gets a fresh build, an unchanged one loads from the cache, and torch's build lock makes
+concurrent ranks wait for one build instead of racing.
 
     python -m prnn_kernels.build [--arch 90a] [--verbose]
 

@@ -120,11 +120,19 @@ Layer describe(const std::string& cell_name, const at::Tensor& sequence, int64_t
   return layer;
 }
 
-prnn::LaunchPlan plan_or_throw(const Layer& layer, Pass pass, int directions) {
-  prnn::LaunchPlan plan = prnn::plan_launch(layer.precision, pass, layer.cell, static_cast<int>(layer.hidden),
-                                            static_cast<int>(layer.batch), directions);
-  TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
-  return plan;
+// How one pass of a layer of `directions` directions launches: all directions in one launch where their CTAs fit
+// together, else one launch per direction with the one-direction plan (which may itself be refused).
+struct PassPlan {
+  prnn::LaunchPlan plan;
+  bool together;
+};
+
+PassPlan plan_pass(Precision precision, Pass pass, CellKind cell, int64_t hidden, int64_t batch, int directions) {
+  const auto plan_for = [&](int count) {
+    return prnn::plan_launch(precision, pass, cell, static_cast<int>(hidden), static_cast<int>(batch), count);
+  };
+  const prnn::LaunchPlan joint = plan_for(directions);
+  return joint.ok ? PassPlan{joint, true} : PassPlan{plan_for(1), false};
 }
 
 // The parameters every direction shares, in the element type of the layer's precision, handed to `fill(params, d)`
@@ -155,10 +163,10 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int directions = static_cast<int>(layer.directions);
-  const prnn::LaunchPlan joint = prnn::plan_launch(layer.precision, pass, layer.cell, static_cast<int>(layer.hidden),
-                                                   static_cast<int>(layer.batch), directions);
-  const bool together = joint.ok;
-  const prnn::LaunchPlan plan = together ? joint : plan_or_throw(layer, pass, 1);
+  const PassPlan pass_plan = plan_pass(layer.precision, pass, layer.cell, layer.hidden, layer.batch, directions);
+  const prnn::LaunchPlan& plan = pass_plan.plan;
+  const bool together = pass_plan.together;
+  TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
   // Zeroed on the stream before each launch: no flag survives from an earlier call.
   at::Tensor flags = at::zeros({directions * plan.tiling.num_ctas * prnn::kFlagStride}, layer.status.options());
   for (int d = 0; d < directions; ++d) {
@@ -310,9 +318,8 @@ std::tuple<bool, std::string> support(const std::string& cell, int64_t hidden, i
   return {true, ""};
 }
 
-// How each pass of a layer of `directions` directions launches on the current device, as launch_directions does it:
-// both directions in one launch where their CTAs fit together, else one launch per direction. One dict per pass
-// (forward, backward): whether it runs and why not, and the tiling it runs with.
+// How each pass of a layer of `directions` directions launches on the current device (plan_pass, as
+// launch_directions does it). One dict per pass (forward, backward): whether it runs and why not, and the tiling.
 std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int64_t batch, bool bf16,
                                    int64_t directions) {
   TORCH_CHECK(directions == 1 || directions == 2, "persistent RNN kernel: one or two directions, got ", directions);
@@ -321,17 +328,13 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
   const Precision precision = bf16 ? Precision::kBFloat16 : Precision::kFloat32;
   std::vector<py::dict> result;
   for (const Pass pass : {Pass::kForward, Pass::kBackward}) {
-    const auto plan_for = [&](int count) {
-      return prnn::plan_launch(precision, pass, cell_of(cell), static_cast<int>(hidden), static_cast<int>(batch),
-                               count);
-    };
-    const prnn::LaunchPlan joint = plan_for(static_cast<int>(directions));
-    const prnn::LaunchPlan plan = joint.ok ? joint : plan_for(1);
+    const PassPlan pass_plan = plan_pass(precision, pass, cell_of(cell), hidden, batch, static_cast<int>(directions));
+    const prnn::LaunchPlan& plan = pass_plan.plan;
     py::dict entry;
     entry["pass"] = pass == Pass::kForward ? "forward" : "backward";
     entry["ok"] = plan.ok;
     entry["reason"] = plan.reason;
-    entry["directions_in_one_launch"] = joint.ok && directions == 2;
+    entry["directions_in_one_launch"] = pass_plan.together && directions == 2;
     if (plan.ok) {
       entry["ctas_per_direction"] = plan.tiling.num_ctas;
       entry["threads"] = plan.tiling.threads;

@@ -37,7 +37,9 @@ __device__ __forceinline__ void cluster_sync() {
 // any copy of the launch.
 __device__ __forceinline__ void init_staging(uint64_t* barriers) {
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barriers + i)));
+    for (int i = 0; i < 2; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barriers + i)));
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeroing before, then the copies' writes
