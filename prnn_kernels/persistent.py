@@ -198,9 +198,12 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
 
 
 def raise_if_failed(device=None) -> None:
-    """Waits for the status of the launches so far on `device` and raises RuntimeError if one of them failed."""
+    """Waits for the status of the launches so far on `device`, CUDA-graph replays included, and raises
+    RuntimeError if one of them failed."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    _LaunchStatus.of(device).check(wait=True)
+    status = _LaunchStatus.of(device)
+    status.after_launch()  # a fresh copy of the word: launches replayed from a graph made none of their own
+    status.check(wait=True)
 
 
 class _LaunchStatus:

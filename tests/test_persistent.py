@@ -368,6 +368,24 @@ def test_forward_and_backward_capture_in_a_cuda_graph(cell, dtype):
 
 
 @pytest.mark.cuda
+def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch):
+    leaves, lengths = random_layer("lstm", 64, 4, 1024, torch.float32, True, seed=7)
+    arguments = layer_arguments("lstm", leaves)
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # captured into the launch: every replay fails at once
+    with torch.no_grad():
+        persistent_layer("lstm", *arguments, lengths, False)  # warm-up outside capture
+        with pytest.raises(RuntimeError, match="timed out"):
+            persistent.raise_if_failed()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            persistent_layer("lstm", *arguments, lengths, False)
+    persistent.raise_if_failed()  # capturing launched nothing
+    graph.replay()
+    with pytest.raises(RuntimeError, match="timed out"):
+        persistent.raise_if_failed()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
 def test_custom_ops_pass_opcheck(cell):
     leaves, lengths = random_layer(cell, 5, 3, 40, torch.float32, True, seed=7)
