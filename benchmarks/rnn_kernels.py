@@ -8,8 +8,10 @@ precision, one direction; then, at batch 4, both directions of a bidirectional l
 everywhere; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are medians of
 CUDA-event timings after warm-up, in microseconds per timestep:
   persistent layer  input GEMM (F.linear) + the persistent recurrence, the same work as one cuDNN layer
-  kernel only       the persistent recurrence alone on a precomputed input projection (forward); the JSON also
-                    splits it into a per-call prologue and a marginal per-step cost from a second run at T = 64
+  kernel only       the persistent recurrence alone on a precomputed input projection (forward), replayed as a
+                    CUDA graph so that the host's per-call work (~0.2-0.5 ms of Python and ATen) cannot leave the GPU
+                    idle; the JSON also splits it into a per-call prologue and a marginal per-step cost from a second
+                    graph at T = 64
   cuDNN             torch.nn.RNN(nonlinearity="relu") / GRU / LSTM, one layer (torch's default TF32 setting,
                     recorded in the JSON)
   matmul loop       h_t = h_{t-1} @ U^T (U: G*H x H), one torch.mm per step, replayed as a CUDA graph (forward only)
@@ -112,11 +114,19 @@ class Problem:
         return run
 
     def kernel_only(self, num_steps=NUM_STEPS):
+        """A CUDA graph of one forward launch on a precomputed input projection."""
         weight_ih, weight_hh, bias_ih, bias_hh = self.directions()[0]
+        lengths = self.lengths.clamp(max=num_steps)
         with torch.no_grad():
             input_proj = F.linear(self.x[:num_steps], weight_ih, bias_ih)
             hx = self.state(0)
-        return lambda: persistent_layer(self.cell, input_proj, hx, weight_hh, bias_hh, self.lengths, False)
+            launch = lambda: persistent_layer(self.cell, input_proj, hx, weight_hh, bias_hh, lengths, False)
+            launch()  # outside capture: the extension, the launch plan and the allocator's blocks exist before it
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launch()
+        return graph.replay
 
     def matmul_loop(self):
         """A CUDA graph of NUM_STEPS dependent matmuls h_t = h_{t-1} @ U^T, keeping the first H of the G*H outputs."""
