@@ -104,11 +104,12 @@ class _BackendChoice:
             lengths = lengths.to(input.device)
         layer_input = input  # (T, B, F) for the first layer, (T, B, num_directions * H) after
         final_states = []
+        all_weights = self.all_weights  # a property that rebuilds its lists on every access
         for layer in range(self.num_layers):
             if layer > 0 and self.training and self.dropout > 0:
                 layer_input = F.dropout(layer_input, self.dropout, training=True)
             indices = range(layer * num_directions, (layer + 1) * num_directions)
-            weights = [self.all_weights[index] for index in indices]  # per direction: w_ih, w_hh[, b_ih, b_hh]
+            weights = [all_weights[index] for index in indices]  # per direction: w_ih, w_hh[, b_ih, b_hh]
             states = [(hx[0][index], hx[1][index]) if self.cell == "lstm" else hx[index] for index in indices]
             layer_input, finals = self._layer(backend, layer_input, weights, states, lengths)
             final_states.extend(finals)

@@ -20,10 +20,8 @@ RuntimeError once the copy has landed and shows a failure. Under graph capture n
 """
 import dataclasses
 import functools
-from typing import Optional
 
 import torch
-from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from prnn_kernels.reference import NUM_GATES
@@ -261,6 +259,7 @@ class _PersistentLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cell, reverse, num_directions, input_proj, hx, cx, lengths, *parameters):
         weight_hh, bias_hh = list(parameters[:num_directions]), list(parameters[num_directions:])
+        _extension()  # loaded before the first call: it holds the operators' CUDA kernels
         status = _LaunchStatus.of(input_proj.device)
         status.check(wait=False)
         output, h_n, c_n, state, saved = torch.ops.prnn_kernels.persistent_forward(
@@ -288,24 +287,16 @@ class _PersistentLayer(torch.autograd.Function):
         )
         status.after_launch()
         num_steps, batch_size, _ = grad_output.shape
-        hidden_size = weight_hh[0].shape[1]
-        gate_rows = weight_hh[0].shape[0]
-        grad_weights, grad_biases = [], []
-        for direction, weight in enumerate(weight_hh):
-            # grad_state[d, 1 + q] is g of backward step q, which undid forward processing step T-1-q; that step's
-            # input state is state[d, T-1-q]. Both (T, B, .) in fp32.
-            grad_pre = grad_state[direction, 1:num_steps + 1, :, :gate_rows].reshape(num_steps * batch_size, gate_rows)
-            state_in = state[direction, :num_steps, :, :hidden_size].flip(0).reshape(num_steps * batch_size, -1)
-            grad_weights.append((grad_pre.t() @ state_in).to(weight.dtype))
-            if ctx.has_bias:
-                grad_biases.append(grad_pre.sum(0).to(weight.dtype))
+        gate_rows, hidden_size = weight_hh[0].shape
+        # grad_state[d, 1 + q] is g of backward step q, which undid forward processing step T-1-q; that step's input
+        # state is state[d, T-1-q]. Both (D, T, B, .) in fp32; one batched GEMM covers every direction.
+        grad_pre = grad_state[:, 1:num_steps + 1, :, :gate_rows].reshape(ctx.num_directions, -1, gate_rows)
+        state_in = state[:, :num_steps, :, :hidden_size].flip(1).reshape(ctx.num_directions, -1, hidden_size)
+        grad_weights = torch.bmm(grad_pre.transpose(1, 2), state_in).to(weight_hh[0].dtype).unbind(0)
+        grad_biases = grad_pre.sum(1).to(weight_hh[0].dtype).unbind(0) if ctx.has_bias else ()
         grad_cx = grad_cx.to(ctx.hx_dtype) if lstm else None
         return (None, None, None, grad_input_proj, grad_hx.to(ctx.hx_dtype), grad_cx, None, *grad_weights,
                 *grad_biases)
-
-
-def _timeout_ns() -> int:
-    return int(SPIN_TIMEOUT_S * 1e9)
 
 
 def _round_up_4(size):
@@ -314,25 +305,31 @@ def _round_up_4(size):
 
 @functools.lru_cache(maxsize=None)
 def _extension():
+    """The compiled extension; loading it registers the operators' CUDA kernels (binding.cpp) with the dispatcher."""
     from prnn_kernels.build import load_extension
 
     return load_extension()
 
 
-@torch.library.custom_op("prnn_kernels::persistent_forward", mutates_args=("status",))
-def _forward_op(
-    cell: str, input_proj: Tensor, hx: Tensor, cx: Optional[Tensor], weight_hh: list[Tensor], bias_hh: list[Tensor],
-    lengths: Tensor, reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+# The operators are declared here so that they exist, with shapes for tracing (register_fake), on machines without
+# CUDA; their CUDA kernels are C++ (binding.cpp), called through the dispatcher with no Python in between.
+_LIBRARY = torch.library.Library("prnn_kernels", "DEF")
+_LIBRARY.define(
+    "persistent_forward(str cell, Tensor input_proj, Tensor hx, Tensor? cx, Tensor[] weight_hh, Tensor[] bias_hh, "
+    "Tensor lengths, bool reverse, Tensor(a!) status, int timeout_ns, bool poison) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "persistent_backward(str cell, Tensor grad_output, Tensor grad_h_n, Tensor? grad_c_n, Tensor state, "
+    "Tensor saved, Tensor[] weight_hh, Tensor lengths, bool reverse, Tensor(a!) status, int timeout_ns, bool poison) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.register_fake("prnn_kernels::persistent_forward")
+def _(cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison):
     """(output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) or empty, state (D, T+1, B, HS) fp32: h entering each
     processing step, [T] = h_n; saved (D, T, B, V, H) fp32 gate values for the backward, or empty)."""
-    return tuple(_extension().forward(
-        cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison
-    ))
-
-
-@_forward_op.register_fake
-def _(cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, timeout_ns, poison):
     num_directions, batch_size, hidden_size = hx.shape
     num_steps = input_proj.shape[0]
     saved_values = _SAVED_VALUES[cell]
@@ -345,20 +342,10 @@ def _(cell, input_proj, hx, cx, weight_hh, bias_hh, lengths, reverse, status, ti
     return output, torch.empty_like(hx), c_n, state, saved
 
 
-@torch.library.custom_op("prnn_kernels::persistent_backward", mutates_args=("status",))
-def _backward_op(
-    cell: str, grad_output: Tensor, grad_h_n: Tensor, grad_c_n: Optional[Tensor], state: Tensor, saved: Tensor,
-    weight_hh: list[Tensor], lengths: Tensor, reverse: bool, status: Tensor, timeout_ns: int, poison: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@torch.library.register_fake("prnn_kernels::persistent_backward")
+def _(cell, grad_output, grad_h_n, grad_c_n, state, saved, weight_hh, lengths, reverse, status, timeout_ns, poison):
     """(grad_input_proj (T, B, D*G*H), grad_hx (D, B, H) fp32, grad_cx (D, B, H) fp32 or empty,
     grad_state (D, T+2, B, GS) fp32: [d, 1 + q] is g of backward step q)."""
-    return tuple(_extension().backward(
-        cell, grad_output, grad_h_n, grad_c_n, state, saved, weight_hh, lengths, reverse, status, timeout_ns, poison
-    ))
-
-
-@_backward_op.register_fake
-def _(cell, grad_output, grad_h_n, grad_c_n, state, saved, weight_hh, lengths, reverse, status, timeout_ns, poison):
     num_directions, batch_size, hidden_size = grad_h_n.shape
     num_steps = grad_output.shape[0]
     gate_rows = NUM_GATES[cell] * hidden_size

@@ -21,7 +21,7 @@ using prnn::CellKind;
 using prnn::Pass;
 using prnn::Precision;
 
-CellKind cell_of(const std::string& cell) {
+CellKind cell_of(c10::string_view cell) {
   if (cell == "relu") return CellKind::kRelu;
   if (cell == "tanh") return CellKind::kTanh;
   if (cell == "gru") return CellKind::kGru;
@@ -80,7 +80,6 @@ Element* mutable_pointer(const at::Tensor& tensor) {
 
 // What both passes share: the layer's shape and the tensors common to every direction.
 struct Layer {
-  std::string cell_name;
   CellKind cell;
   Precision precision;
   at::ScalarType dtype;
@@ -95,9 +94,9 @@ struct Layer {
 };
 
 // `sequence` holds values_per_unit values per (t, b, direction, hidden unit): G in input_proj, 1 in grad_output.
-Layer describe(const std::string& cell_name, const at::Tensor& sequence, int64_t values_per_unit,
-               const std::vector<at::Tensor>& weight_hh, const at::Tensor& lengths, bool reverse,
-               const at::Tensor& status, int64_t timeout_ns) {
+Layer describe(c10::string_view cell_name, const at::Tensor& sequence, int64_t values_per_unit,
+               at::TensorList weight_hh, const at::Tensor& lengths, bool reverse, const at::Tensor& status,
+               int64_t timeout_ns) {
   const CellKind cell = cell_of(cell_name);
   TORCH_CHECK(sequence.dim() == 3, "persistent RNN kernel: sequence tensors must be (T, B, D * values), got ",
               sequence.sizes());
@@ -112,7 +111,7 @@ Layer describe(const std::string& cell_name, const at::Tensor& sequence, int64_t
   TORCH_CHECK(sequence.size(0) < std::numeric_limits<int>::max() / 2, "persistent RNN kernel: sequence too long");
   TORCH_CHECK(timeout_ns >= 0, "persistent RNN kernel: timeout_ns must be >= 0");
   const at::ScalarType dtype = sequence.scalar_type();
-  Layer layer{cell_name, cell, precision_of(dtype), dtype, device, sequence.size(0), sequence.size(1), hidden,
+  Layer layer{cell, precision_of(dtype), dtype, device, sequence.size(0), sequence.size(1), hidden,
               gates, directions, reverse, lengths, status, timeout_ns};
   check_tensor(lengths, "lengths", {layer.batch}, at::kLong, device);
   check_tensor(status, "status", {1}, at::kInt, device);
@@ -199,10 +198,10 @@ at::Tensor optional_or_empty(const c10::optional<at::Tensor>& tensor, const at::
 // Returns (output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) for LSTM else empty, state (D, T+1, B, HS) fp32,
 // saved (D, T, B, V, H) fp32 or empty). cx is required for LSTM and ignored otherwise. poison fills outputs and
 // workspaces with NaN before the launch so tests catch elements the kernel does not write.
-std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input_proj, const at::Tensor& hx,
-                                const c10::optional<at::Tensor>& cx, const std::vector<at::Tensor>& weight_hh,
-                                const std::vector<at::Tensor>& bias_hh, const at::Tensor& lengths, bool reverse,
-                                const at::Tensor& status, int64_t timeout_ns, bool poison) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    c10::string_view cell, const at::Tensor& input_proj, const at::Tensor& hx, const c10::optional<at::Tensor>& cx,
+    at::TensorList weight_hh, at::TensorList bias_hh, const at::Tensor& lengths, bool reverse, at::Tensor& status,
+    int64_t timeout_ns, bool poison) {
   const int64_t gates = prnn::gates_of(cell_of(cell));
   const Layer layer = describe(cell, input_proj, gates, weight_hh, lengths, reverse, status, timeout_ns);
   const int64_t T = layer.seq_len, B = layer.batch, H = layer.hidden, D = layer.directions;
@@ -250,11 +249,11 @@ std::vector<at::Tensor> forward(const std::string& cell, const at::Tensor& input
 // Returns (grad_input_proj (T, B, D*G*H), grad_hx (D, B, H) fp32, grad_cx (D, B, H) fp32 for LSTM else empty,
 // grad_state (D, T+2, B, GS) fp32: [d][1 + q] is g of direction d's backward step q, i.e. of its forward processing
 // step T-1-q; GS = G*H rounded up to 4).
-std::vector<at::Tensor> backward(const std::string& cell, const at::Tensor& grad_output, const at::Tensor& grad_h_n,
-                                 const c10::optional<at::Tensor>& grad_c_n, const at::Tensor& forward_state,
-                                 const at::Tensor& saved, const std::vector<at::Tensor>& weight_hh,
-                                 const at::Tensor& lengths, bool reverse, const at::Tensor& status,
-                                 int64_t timeout_ns, bool poison) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    c10::string_view cell, const at::Tensor& grad_output, const at::Tensor& grad_h_n,
+    const c10::optional<at::Tensor>& grad_c_n, const at::Tensor& forward_state, const at::Tensor& saved,
+    at::TensorList weight_hh, const at::Tensor& lengths, bool reverse, at::Tensor& status, int64_t timeout_ns,
+    bool poison) {
   const Layer layer = describe(cell, grad_output, 1, weight_hh, lengths, reverse, status, timeout_ns);
   const int64_t T = layer.seq_len, B = layer.batch, H = layer.hidden, D = layer.directions, G = layer.gates;
   check_tensor(grad_output, "grad_output", {T, B, D * H}, layer.dtype, layer.device);
@@ -349,10 +348,14 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
 
 }  // namespace
 
+// The operators are declared in prnn_kernels/persistent.py (with their shapes for tracing); these are their kernels.
+TORCH_LIBRARY_IMPL(prnn_kernels, CUDA, m) {
+  m.impl("persistent_forward", &forward);
+  m.impl("persistent_backward", &backward);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Persistent RNN CUDA kernels (see prnn_kernels/persistent.py)";
-  m.def("forward", &forward, "forward recurrence of one layer, one or two directions");
-  m.def("backward", &backward, "backward data gradient of one layer, one or two directions");
   m.def("support", &support, "whether the persistent kernel can run (cell, hidden, batch, bf16) on the current device");
   m.def("launch_plans", &launch_plans,
         "how each pass of (cell, hidden, batch, bf16, directions) launches on the current device");
