@@ -7,8 +7,11 @@ The step is the trainer's own (trainer.train.train_step: forward under bf16 auto
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
 experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152. Inputs are random
 utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend starts from the same initial weights.
-Times are medians over --steps after --warmup, each step bracketed by device synchronisation. The persistent
-kernels run at most 16 utterances; a shape they refuse is recorded with the reason, not timed.
+Times are medians over --steps after --warmup, each step bracketed by device synchronisation. Beside each, the GPU
+time of a step: the summed durations of the kernels and copies that torch.profiler records over --steps further
+steps. A step whose wall time is well above its GPU time is bound by the host (Python and ATen dispatching its
+hundreds of kernels), not by the GPU. The persistent kernels run at most 16 utterances; a shape they refuse is
+recorded with the reason, not timed.
 """
 import argparse
 import json
@@ -37,6 +40,18 @@ def persistent_verdict(cfg, batch_size: int, amp: bool, device) -> dict:
     return {"supported": verdict.ok, "reason": verdict.reason, "directions_in_one_launch": together}
 
 
+def gpu_ms_per_call(function, num_calls: int) -> float:
+    """Milliseconds of GPU work per call: the kernels and copies of `num_calls` calls, as torch.profiler records
+    them (one stream, so their durations add up to the time the GPU was busy)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(num_calls):
+            function()
+        torch.cuda.synchronize()
+    busy_us = sum(event.device_time_total for event in profiler.key_averages()
+                  if event.device_type == torch.autograd.DeviceType.CUDA)
+    return busy_us / 1e3 / num_calls
+
+
 def measure(args, model_name: str, backend: str, batch_size: int, device) -> dict:
     cfg = compose_config(model_name, backend, None, args.amp)
     amp = args.amp == "bf16"
@@ -52,8 +67,10 @@ def measure(args, model_name: str, backend: str, batch_size: int, device) -> dic
     schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
     batch = random_batch(batch_size, args.frames, num_features, args.seed, device)
     env = distributed.DistEnv(0, 1, 0, device)
-    times = time_ms(lambda: train_step(model, batch, optimizer, schedule, cfg, env), args.warmup, args.steps, device)
-    row.update(summary(times), parameters=sum(p.numel() for p in model.parameters()),
+    step = lambda: train_step(model, batch, optimizer, schedule, cfg, env)
+    times = time_ms(step, args.warmup, args.steps, device)
+    row.update(summary(times), gpu_ms=gpu_ms_per_call(step, args.steps),
+               parameters=sum(p.numel() for p in model.parameters()),
                peak_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9)
     row["samples_per_s"] = batch_size / row["median_ms"] * 1e3
     return row
@@ -72,7 +89,8 @@ def print_table(rows: list[dict], configs: dict) -> None:
     for model_name, model_config in configs.items():
         print(f"{model_name}: {model_config['depth']} x {'bi-' if model_config['bidirectional'] else ''}"
               f"{model_config['cell'].upper()} {model_config['hidden']}")
-    header = f"{'model':<6} {'backend':<11} {'batch':>5} {'median ms':>10} {'samples/s':>10} {'speed-up':>9}"
+    header = (f"{'model':<6} {'backend':<11} {'batch':>5} {'median ms':>10} {'GPU ms':>7} {'samples/s':>10} "
+              f"{'speed-up':>9}")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -81,7 +99,7 @@ def print_table(rows: list[dict], configs: dict) -> None:
             continue
         speedup = f"{row['speedup_over_cudnn']:>8.2f}x" if "speedup_over_cudnn" in row else f"{'':>9}"
         print(f"{row['model']:<6} {row['backend']:<11} {row['batch']:>5} {row['median_ms']:>10.2f} "
-              f"{row['samples_per_s']:>10.1f} {speedup}")
+              f"{row['gpu_ms']:>7.2f} {row['samples_per_s']:>10.1f} {speedup}")
 
 
 def main(argv=None) -> None:
