@@ -124,6 +124,8 @@ def main(argv=None) -> None:
         sys.exit("--batches and --steps must be positive, --warmup at least 0, --frames at least 10")
     device = distributed.init("cuda").device
     torch.cuda.init()  # before the memory statistics are reset
+    configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
+               for name in args.models}
     rows = []
     for model_name in args.models:
         for batch_size in args.batches:
@@ -132,19 +134,22 @@ def main(argv=None) -> None:
                 rows.append(measure(args, model_name, backend, batch_size, device))
                 torch.cuda.empty_cache()
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
-    add_speedups(rows)
-    configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
-               for name in args.models}
+                add_speedups(rows)
+                if args.json:  # rewritten after every row, so a run cut short keeps what it measured
+                    write_json(args, rows, configs, device)
     print(f"training step on {device_name(device)}, {args.frames} frames, amp {args.amp}")
     print_table(rows, configs)
     if args.json:
-        result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
-                  "versions": versions(device), "config": {**vars(args), "model_configs": configs,
-                                                           "command": " ".join(sys.argv)}, "rows": rows}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
     distributed.shutdown()
+
+
+def write_json(args, rows: list[dict], configs: dict, device) -> None:
+    result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
+              "versions": versions(device), "config": {**vars(args), "model_configs": configs,
+                                                       "command": " ".join(sys.argv)}, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
