@@ -52,21 +52,22 @@ class _BackendChoice:
     def forward(self, input, hx=None, lengths=None):
         if input.dim() != 3:
             raise ValueError(f"prnn_kernels.{type(self).__name__}: input must be 3-D, got shape {tuple(input.shape)}")
-        backend = self._resolve_backend(input)
+        batch_size = input.shape[0 if self.batch_first else 1]
+        backend = self.backend_for(batch_size, input.dtype, input.device)
         if backend == "cudnn":
             return self._torch_forward(input, hx, lengths)
         return self._stacked_forward(backend, input, hx, lengths)
 
-    def _resolve_backend(self, input):
-        """The backend this input runs on: "cudnn", "reference" or "persistent"."""
+    def backend_for(self, batch_size: int, dtype: torch.dtype, device) -> str:
+        """The backend an input of this batch size, dtype and device runs on: "cudnn", "reference" or "persistent".
+        Raises ValueError where backend="persistent" cannot run it."""
         if self.backend in ("cudnn", "reference"):
             return self.backend
-        if self.backend == "auto" and input.device.type != "cuda":
+        if self.backend == "auto" and torch.device(device).type != "cuda":
             return "cudnn"
         from prnn_kernels.persistent import support
 
-        batch_size = input.shape[0 if self.batch_first else 1]
-        verdict = support(self.cell, self.hidden_size, batch_size, input.dtype, input.device)
+        verdict = support(self.cell, self.hidden_size, batch_size, dtype, device)
         if verdict.ok:
             return "persistent"
         if self.backend == "persistent":

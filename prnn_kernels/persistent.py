@@ -15,8 +15,8 @@ step's copies within a thread-block cluster, depends on co-resident CTAs that ne
 time sets a status word on the device, stops waiting, and the launch ends instead of hanging. Reading that word on
 the host would need a synchronisation, so it is checked lazily: after each launch (outside CUDA-graph capture) the
 word is copied to pinned memory asynchronously, and the next call on that device, or `raise_if_failed()`, raises
-RuntimeError once the copy has landed and shows a failure. Under graph capture nothing is copied; call
-`raise_if_failed()` after replays.
+RuntimeError once the copy has landed and shows a failure. Under graph capture nothing is copied; after replaying
+a graph, call `graph_replayed()` (the same lazy check) or `raise_if_failed()` (waits).
 """
 import dataclasses
 import functools
@@ -202,6 +202,17 @@ def raise_if_failed(device=None) -> None:
     status = _LaunchStatus.of(device)
     status.after_launch()  # a fresh copy of the word: launches replayed from a graph made none of their own
     status.check(wait=True)
+
+
+def graph_replayed(device=None) -> None:
+    """Call after replaying a CUDA graph that holds persistent launches on `device`: raises RuntimeError if an
+    earlier launch's status has reached the host showing a failure, then copies the status word asynchronously, so
+    that the next launch, the next call of this function or `raise_if_failed()` reports a failure in the replay.
+    Unlike `raise_if_failed()` it never waits for the GPU."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    status = _LaunchStatus.of(device)
+    status.check(wait=False)
+    status.after_launch()
 
 
 class _LaunchStatus:

@@ -157,3 +157,10 @@ def test_persistent_backend_on_cpu_says_why():
     module = prnn_kernels.GRU(4, 8, backend="persistent")
     with pytest.raises(ValueError, match="CUDA"):
         module(torch.randn(5, 2, 4))
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        module.backend_for(2, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("backend, expected", [("auto", "cudnn"), ("cudnn", "cudnn"), ("reference", "reference")])
+def test_backend_for_a_cpu_input(backend, expected):
+    assert prnn_kernels.LSTM(4, 8, backend=backend).backend_for(2, torch.float32, "cpu") == expected

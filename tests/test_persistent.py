@@ -368,7 +368,8 @@ def test_forward_and_backward_capture_in_a_cuda_graph(cell, dtype):
 
 
 @pytest.mark.cuda
-def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch):
+@pytest.mark.parametrize("check", ["raise_if_failed", "graph_replayed"])
+def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch, check):
     leaves, lengths = random_layer("lstm", 64, 4, 1024, torch.float32, True, seed=7)
     arguments = layer_arguments("lstm", leaves)
     monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # captured into the launch: every replay fails at once
@@ -382,7 +383,12 @@ def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch):
     persistent.raise_if_failed()  # capturing launched nothing
     graph.replay()
     with pytest.raises(RuntimeError, match="timed out"):
-        persistent.raise_if_failed()
+        if check == "raise_if_failed":
+            persistent.raise_if_failed()
+        else:
+            persistent.graph_replayed()  # copies the status word, waits for nothing
+            torch.cuda.synchronize()
+            persistent.graph_replayed()  # finds the copy landed
 
 
 @pytest.mark.cuda
