@@ -204,6 +204,13 @@ def test_bad_checkpoint_interval_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_cuda_graphs_on_a_cpu_is_one_clear_error(tmp_path):
+    result = train(tmp_path / "run", tmp_path / "absent.jsonl", "train.cuda_graphs=true", check=False, timeout=300)
+    assert result.returncode == 2
+    assert "train.cuda_graphs=true needs a CUDA device, this run is on cpu" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_missing_corpus_folder_is_one_clear_error(tmp_path):
     result = run("trainer", [f"data.an4_source={tmp_path / 'no_an4'}", f"hydra.run.dir={tmp_path}", *TINY], 300)
     assert result.returncode == 2

@@ -23,6 +23,7 @@ from data.dataset import Batch, SpeechDataset, collate
 from data.features import SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, eval_shard
+from models.cuda_graphs import CudaGraphed
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
 from trainer.evaluate import evaluate
@@ -36,6 +37,11 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     if data_cfg.an4_source is not None and env.is_main:
         prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
     distributed.barrier()
+
+
+def uses_amp(cfg: DictConfig, device: torch.device) -> bool:
+    """Whether training runs under bf16 autocast: train.amp=bf16 on a GPU (a CPU always trains in fp32)."""
+    return cfg.train.amp == "bf16" and device.type == "cuda"
 
 
 def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
@@ -55,8 +61,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
-    amp = cfg.train.amp == "bf16" and device.type == "cuda"
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(cfg, device)):
         log_probs, out_lengths = model(
             batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True)
         )
@@ -115,6 +120,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
         raise ValueError(f"train.checkpoint_every_steps must be a positive integer or null, not {checkpoint_every!r}")
+    if cfg.train.cuda_graphs and env.device.type != "cuda":
+        raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
+    if cfg.train.cuda_graphs and env.world_size > 1:
+        raise ValueError(
+            "train.cuda_graphs=true runs in one process only for now (the batch-norm statistics' all-reduce and "
+            f"DDP's gradient hooks are not captured); this job has {env.world_size}: set train.cuda_graphs=false"
+        )
     if env.device.type == "cpu":
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
         # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
@@ -161,7 +173,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
 
-    if env.world_size > 1:
+    if cfg.train.cuda_graphs:
+        wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, uses_amp(cfg, env.device))
+    elif env.world_size > 1:
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
         wrapped = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
     else:

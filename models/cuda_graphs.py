@@ -1,0 +1,113 @@
+"""The model's training forward and backward replayed from CUDA graphs (the trainer's train.cuda_graphs).
+
+At a small per-GPU batch a training step is bound by the host, not the GPU: the AN4 model at batch 4 issues about
+750 kernels a step, and Python and ATen take longer to launch them than the GPU takes to run them
+(benchmarks.train_step). A graph launches all of a pass's kernels at once. Graphs fix every shape, so each batch is
+padded in time to a multiple of `pad_frames` (the model masks padding, so no valid output changes) and one
+forward/backward pair is captured per (batch size, padded frames), the first time that shape comes. Everything
+after the model (CTC loss, clipping, the optimizer) stays eager.
+"""
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import prnn_kernels
+from prnn_kernels.persistent import graph_replayed
+
+log = logging.getLogger(__name__)
+
+_RECURRENT_MODULES = (prnn_kernels.RNN, prnn_kernels.GRU, prnn_kernels.LSTM)
+
+
+class _AutocastForward(nn.Module):
+    """The model's forward under bf16 autocast without the cast-weight cache, which capture does not allow."""
+
+    def __init__(self, model: nn.Module, amp: bool):
+        super().__init__()
+        self.model = model
+        self.amp = amp
+
+    def forward(self, features, lengths):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.amp, cache_enabled=False):
+            return self.model(features, lengths)
+
+
+class CudaGraphed(nn.Module):
+    """Wraps a DeepSpeech2 on a GPU: in training mode its forward, and the backward through it, replay CUDA graphs.
+
+    Same call and outputs as the model: (log_probs (T', B, V), out_lengths). `amp` is whether the step runs under
+    bf16 autocast (the graphs carry their own autocast; an enclosing one is ignored). Evaluation mode runs the model
+    eagerly. Every recurrent layer must run on the persistent (or reference) backend at each batch size it sees:
+    the cuDNN path packs sequences by lengths copied to the host, which a graph cannot hold.
+    """
+
+    def __init__(self, model: nn.Module, pad_frames: int, amp: bool):
+        super().__init__()
+        if not isinstance(pad_frames, int) or pad_frames < 1:
+            raise ValueError(f"CUDA graphs: pad_frames must be a positive integer, not {pad_frames!r}")
+        self.model = model
+        self.pad_frames = pad_frames
+        self.amp = amp
+        # (batch size, padded frames) -> graphed _AutocastForward; a plain dict, so the graphs stay out of
+        # state_dict() and module traversal.
+        self._graphed = {}
+        # One memory pool for all graphs, so they take the memory of the largest rather than the sum. Safe because a
+        # graph's backward always replays right after its forward, before any other graph: what one graph keeps
+        # between replays (inputs, outputs, gradients) stays allocated and is never handed to another, and what it
+        # frees at capture holds data only within a forward-backward pair.
+        self._pool = None
+
+    @property
+    def num_graphs(self) -> int:
+        """Captured (batch size, padded frames) shapes so far."""
+        return len(self._graphed)
+
+    def forward(self, features, lengths):
+        """features: (B, T, F) and lengths: (B,), both on the model's GPU."""
+        if not self.training:
+            return self.model(features, lengths)
+        batch_size, num_frames, _ = features.shape
+        padded_frames = -(-num_frames // self.pad_frames) * self.pad_frames
+        features = F.pad(features, (0, 0, 0, padded_frames - num_frames))
+        key = (batch_size, padded_frames)
+        if key not in self._graphed:
+            self._graphed[key] = self._capture(features, lengths)
+        with torch.autocast("cuda", enabled=False):
+            log_probs, out_lengths = self._graphed[key](features, lengths)
+        graph_replayed(features.device)
+        # The backward graph replays inside this node's backward; a hook after it checks those kernels too.
+        log_probs.grad_fn.register_hook(lambda grad_inputs, grad_outputs: graph_replayed(features.device))
+        num_out_frames = int(self.model.output_lengths(torch.tensor(num_frames)))
+        return log_probs[:num_out_frames], out_lengths
+
+    def _capture(self, features, lengths):
+        batch_size, padded_frames, _ = features.shape
+        dtype = torch.bfloat16 if self.amp else next(self.model.parameters()).dtype
+        for name, module in self.model.named_modules():
+            recurrent = isinstance(module, _RECURRENT_MODULES)
+            if recurrent and module.backend_for(batch_size, dtype, features.device) == "cudnn":
+                raise ValueError(
+                    f"CUDA graphs: recurrent layer {name} runs on cuDNN at batch {batch_size} ({dtype}), whose "
+                    "packed sequences need their lengths on the host, which a graph cannot capture; use "
+                    "model.backend=persistent (it says why a shape cannot run) or train.cuda_graphs=false"
+                )
+        log.info("capturing CUDA graphs of the training forward and backward for batch %d, %d frames",
+                 batch_size, padded_frames)
+        # The captured autograd graph keeps the parameters' gradient accumulators, made on the capture's side stream,
+        # alive, so every backward warns that they run on another stream than the graph's; the engine synchronises
+        # the two streams, so the results are right and the warning says nothing a user can act on.
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        # The warm-up passes before capture update batch-norm running statistics: put them back afterwards.
+        saved = [buffer.clone() for buffer in self.model.buffers()]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.autocast("cuda", enabled=False):
+            graphed = torch.cuda.make_graphed_callables(
+                _AutocastForward(self.model, self.amp), (features, lengths), pool=self._pool
+            )
+        with torch.no_grad():
+            for buffer, value in zip(self.model.buffers(), saved):
+                buffer.copy_(value)
+        return graphed
