@@ -1,7 +1,7 @@
 """Training-step time of the same DeepSpeech2 model on each recurrent backend, in one process on one GPU.
 
     python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent] [--batches 1 4 8 16 32]
-        [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--json PATH]
+        [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--json PATH]
 
 The step is the trainer's own (trainer.train.train_step: forward under bf16 autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
@@ -10,8 +10,10 @@ utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend start
 Times are medians over --steps after --warmup, each step bracketed by device synchronisation. Beside each, the GPU
 time of a step: the summed durations of the kernels and copies that torch.profiler records over --steps further
 steps. A step whose wall time is well above its GPU time is bound by the host (Python and ATen dispatching its
-hundreds of kernels), not by the GPU. The persistent kernels run at most 16 utterances; a shape they refuse is
-recorded with the reason, not timed.
+hundreds of kernels), not by the GPU. --cuda-graphs adds, for every backend but cuDNN (whose packed sequences a
+graph cannot hold), the same step with the model's forward and backward replayed from CUDA graphs, as
+train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 16 utterances; a shape they
+refuse is recorded with the reason, not timed.
 """
 import argparse
 import json
@@ -23,9 +25,10 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.scaling import MODELS, compose_config, device_name, random_batch, summary, time_ms, versions
+from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.train import train_step
+from trainer.train import train_step, uses_amp
 
 
 def persistent_verdict(cfg, batch_size: int, amp: bool, device) -> dict:
@@ -52,10 +55,10 @@ def gpu_ms_per_call(function, num_calls: int) -> float:
     return busy_us / 1e3 / num_calls
 
 
-def measure(args, model_name: str, backend: str, batch_size: int, device) -> dict:
+def measure(args, model_name: str, backend: str, cuda_graphs: bool, batch_size: int, device) -> dict:
     cfg = compose_config(model_name, backend, None, args.amp)
-    amp = args.amp == "bf16"
-    row = {"model": model_name, "backend": backend, "batch": batch_size}
+    amp = uses_amp(cfg, device)
+    row = {"model": model_name, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch_size}
     if backend == "persistent":
         row["persistent"] = persistent_verdict(cfg, batch_size, amp, device)
         if not row["persistent"]["supported"]:
@@ -67,7 +70,9 @@ def measure(args, model_name: str, backend: str, batch_size: int, device) -> dic
     schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
     batch = random_batch(batch_size, args.frames, num_features, args.seed, device)
     env = distributed.DistEnv(0, 1, 0, device)
-    step = lambda: train_step(model, batch, optimizer, schedule, cfg, env)
+    # The frame count is fixed, so padding to a multiple of it makes one graph, captured in the warm-up.
+    network = CudaGraphed(model, args.frames, amp) if cuda_graphs else model
+    step = lambda: train_step(network, batch, optimizer, schedule, cfg, env)
     times = time_ms(step, args.warmup, args.steps, device)
     row.update(summary(times), gpu_ms=gpu_ms_per_call(step, args.steps),
                parameters=sum(p.numel() for p in model.parameters()),
@@ -77,7 +82,7 @@ def measure(args, model_name: str, backend: str, batch_size: int, device) -> dic
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup_over_cudnn on each persistent row: cuDNN's median step time over its own, same model and batch."""
+    """speedup_over_cudnn on each other row: cuDNN's median step time over its own, same model and batch."""
     cudnn = {(r["model"], r["batch"]): r["median_ms"] for r in rows if r["backend"] == "cudnn" and "median_ms" in r}
     for row in rows:
         key = (row["model"], row["batch"])
@@ -89,16 +94,17 @@ def print_table(rows: list[dict], configs: dict) -> None:
     for model_name, model_config in configs.items():
         print(f"{model_name}: {model_config['depth']} x {'bi-' if model_config['bidirectional'] else ''}"
               f"{model_config['cell'].upper()} {model_config['hidden']}")
-    header = (f"{'model':<6} {'backend':<11} {'batch':>5} {'median ms':>10} {'GPU ms':>7} {'samples/s':>10} "
+    header = (f"{'model':<6} {'backend':<18} {'batch':>5} {'median ms':>10} {'GPU ms':>7} {'samples/s':>10} "
               f"{'speed-up':>9}")
     print(header)
     print("-" * len(header))
     for row in rows:
+        backend = row["backend"] + (" + graphs" if row["cuda_graphs"] else "")
         if "median_ms" not in row:
-            print(f"{row['model']:<6} {row['backend']:<11} {row['batch']:>5}   refused: {row['persistent']['reason']}")
+            print(f"{row['model']:<6} {backend:<18} {row['batch']:>5}   refused: {row['persistent']['reason']}")
             continue
         speedup = f"{row['speedup_over_cudnn']:>8.2f}x" if "speedup_over_cudnn" in row else f"{'':>9}"
-        print(f"{row['model']:<6} {row['backend']:<11} {row['batch']:>5} {row['median_ms']:>10.2f} "
+        print(f"{row['model']:<6} {backend:<18} {row['batch']:>5} {row['median_ms']:>10.2f} "
               f"{row['gpu_ms']:>7.2f} {row['samples_per_s']:>10.1f} {speedup}")
 
 
@@ -111,6 +117,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference"),
                         default=["cudnn", "persistent"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time each backend but cuDNN with the model's passes replayed from CUDA graphs")
     parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each point")
@@ -129,9 +137,12 @@ def main(argv=None) -> None:
     rows = []
     for model_name in args.models:
         for batch_size in args.batches:
-            for backend in args.backends:
+            variants = [(backend, False) for backend in args.backends]
+            if args.cuda_graphs:
+                variants += [(backend, True) for backend in args.backends if backend != "cudnn"]
+            for backend, cuda_graphs in variants:
                 torch.cuda.reset_peak_memory_stats(device)
-                rows.append(measure(args, model_name, backend, batch_size, device))
+                rows.append(measure(args, model_name, backend, cuda_graphs, batch_size, device))
                 torch.cuda.empty_cache()
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
                 add_speedups(rows)
