@@ -52,9 +52,12 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = saved
 
 
+# Losses step by step, and the weights' change over all steps, which rounding differences grow into: one pass's
+# fp32 gradients agree to ~2e-5 (H100), the first convolution's change after six steps to ~3e-3. A graph that
+# replayed stale inputs, lost an update or left batch-norm statistics disturbed would be off by far more.
 @pytest.mark.cuda
-@pytest.mark.parametrize("amp, tolerance", [("none", 1e-4), ("bf16", 3e-2)])
-def test_graphed_steps_match_eager_steps(amp, tolerance, no_tf32):
+@pytest.mark.parametrize("amp, loss_tolerance, change_tolerance", [("none", 1e-4, 3e-2), ("bf16", 3e-2, 0.3)])
+def test_graphed_steps_match_eager_steps(amp, loss_tolerance, change_tolerance, no_tf32):
     device = torch.device("cuda")
     # SGD: a step's update is linear in the gradient, so the weights compare the gradients themselves.
     cfg = compose_config(["model.depth=2", "model.hidden=64", "model.conv_channels=4", "model.backend=persistent",
@@ -73,7 +76,7 @@ def test_graphed_steps_match_eager_steps(amp, tolerance, no_tf32):
         outcome, loss = train_step(graphed, batch, optimizer, schedule, cfg, env)
         assert outcome == eager_outcome
         if outcome == "ok":
-            assert abs(loss - eager_loss) <= tolerance * abs(eager_loss), (step, loss, eager_loss)
+            assert abs(loss - eager_loss) <= loss_tolerance * abs(eager_loss), (step, loss, eager_loss)
         else:
             assert math.isnan(loss) and math.isnan(eager_loss)
     assert graphed.num_graphs == 3
@@ -83,7 +86,7 @@ def test_graphed_steps_match_eager_steps(amp, tolerance, no_tf32):
             # The change from the initial weights, so a wrong update cannot hide behind the weights' own size.
             start = initial[name].double()
             error = relative_error(value.double() - start, eager_value.double() - start)
-            assert error <= 10 * tolerance, (name, error)
+            assert error <= change_tolerance, (name, error)
         else:
             assert torch.equal(value, eager_value), name
 
