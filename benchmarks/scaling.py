@@ -174,46 +174,10 @@ def print_table(result: dict) -> None:
               f"{result['baseline']['strong_scaling_efficiency']:.3f}  (t(1) = {result['baseline']['step_ms']:.3f} ms)")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", choices=sorted(MODELS), default="an4")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="of the recurrent layers")
-    parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's (the persistent kernel "
-                        "runs relu and tanh)")
-    parser.add_argument("--global-batch", type=int, default=8, help="utterances per step over all ranks")
-    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per measure")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measure")
-    parser.add_argument("--compute-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
-                        help="per-rank batches of the compute-only measure (the projection's range)")
-    parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", help="rank 0 writes the results, versions and full configuration here")
-    parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
-    args = parser.parse_args(argv)
-
-    env = distributed.init(args.device)
-    if args.global_batch < 1 or args.global_batch % env.world_size:
-        raise ValueError(
-            f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
-        )
-    if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
-        raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dict:
+    """Every measure of the docstring on this rank; returns the result that rank 0 prints and writes."""
     device = env.device
-    cfg = compose_config(args.model, args.backend, args.cell, args.amp)
-    num_features = build.features(cfg.data).num_features
-    config = {
-        **{key: value for key, value in vars(args).items() if key not in ("json", "baseline")},
-        "amp": args.amp == "bf16" and device.type == "cuda",
-        "num_features": num_features,
-        "model_config": OmegaConf.to_container(cfg.model),
-        "trainer_config": OmegaConf.to_container(cfg, resolve=True),
-    }
-    baseline = read_baseline(args.baseline, config) if args.baseline else None
-
+    num_features = config["num_features"]
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = build.model(cfg.model, num_features).to(device)
     optimizer = build.optimizer(cfg.optim, model.parameters())
@@ -277,6 +241,50 @@ def main(argv=None) -> None:
             "path": args.baseline, "step_ms": one, "strong_scaling_efficiency": one / (env.world_size * many)
         }
 
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="an4")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="of the recurrent layers")
+    parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's (the persistent kernel "
+                        "runs relu and tanh)")
+    parser.add_argument("--global-batch", type=int, default=8, help="utterances per step over all ranks")
+    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measure")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measure")
+    parser.add_argument("--compute-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                        help="per-rank batches of the compute-only measure (the projection's range)")
+    parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", help="rank 0 writes the results, versions and full configuration here")
+    parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
+    args = parser.parse_args(argv)
+
+    env = distributed.init(args.device)
+    if args.global_batch < 1 or args.global_batch % env.world_size:
+        raise ValueError(
+            f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
+        )
+    if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
+        raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+    device = env.device
+    cfg = compose_config(args.model, args.backend, args.cell, args.amp)
+    num_features = build.features(cfg.data).num_features
+    config = {
+        **{key: value for key, value in vars(args).items() if key not in ("json", "baseline")},
+        "amp": args.amp == "bf16" and device.type == "cuda",
+        "num_features": num_features,
+        "model_config": OmegaConf.to_container(cfg.model),
+        "trainer_config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    baseline = read_baseline(args.baseline, config) if args.baseline else None
+
+    result = measure(args, env, cfg, config, baseline)
     if env.is_main:
         print_table(result)
         if args.json:
