@@ -198,7 +198,6 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
 def raise_if_failed(device=None) -> None:
     """Waits for the status of the launches so far on `device`, CUDA-graph replays included, and raises
     RuntimeError if one of them failed."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     status = _LaunchStatus.of(device)
     status.after_launch()  # a fresh copy of the word: launches replayed from a graph made none of their own
     status.check(wait=True)
@@ -209,7 +208,6 @@ def graph_replayed(device=None) -> None:
     earlier launch's status has reached the host showing a failure, then copies the status word asynchronously, so
     that the next launch, the next call of this function or `raise_if_failed()` reports a failure in the replay.
     Unlike `raise_if_failed()` it never waits for the GPU."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     status = _LaunchStatus.of(device)
     status.check(wait=False)
     status.after_launch()
@@ -227,7 +225,9 @@ class _LaunchStatus:
         self.pending = False
 
     @classmethod
-    def of(cls, device):
+    def of(cls, device=None):
+        """The status of `device` (a CUDA device, its index or name; None or no index: the current device)."""
+        device = torch.device("cuda") if device is None else torch.device(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in cls._by_device:
             cls._by_device[index] = cls(torch.device("cuda", index))
