@@ -18,7 +18,8 @@ CUDA-event timings after warm-up, in microseconds per timestep:
 "fwd+bwd" rows time forward plus the gradients of the input and every parameter. TFLOP/s counts the input GEMM and
 the recurrence (2 T B G H (I + H) per direction forward, three times that for forward and backward). Bidirectional
 rows say whether the two directions ran in one launch. Each supported row's JSON also records how each pass launched
-(`persistent_launch_plans`: CTAs, threads, thread-block cluster size, units per CTA, shared memory).
+(`persistent_launch_plans`: CTAs, threads, thread-block cluster size, units per CTA, shared memory, and how much of
+it holds weights).
 """
 import argparse
 import json

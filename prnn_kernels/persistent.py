@@ -85,7 +85,8 @@ def launch_plans(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtyp
                  directions: int = 1) -> list[dict]:
     """How each pass (forward, then backward) of a supported layer of this shape launches on `device`: one dict per
     pass with `directions_in_one_launch`, `ctas_per_direction`, `threads`, `cluster_size` (CTAs sharing each step's
-    vector copies), `units_per_cta` and `smem_bytes`; or `ok` False and the `reason`."""
+    vector copies), `units_per_cta`, `smem_bytes` and `weight_smem_bytes` (the part of the CTA's weights kept in shared
+    memory, 0 where registers hold them all); or `ok` False and the `reason`."""
     device = torch.device(device)
     verdict = support(cell, hidden_size, batch_size, dtype, device)
     if not verdict.ok:

@@ -121,6 +121,8 @@ CASES = [
     ("gru", 2, 3, 100, torch.bfloat16, True, True),
     ("gru", 256, 4, 1152, torch.bfloat16, False, True),
     ("gru", 17, 16, 800, torch.bfloat16, True, True),
+    ("gru", 33, 4, 2048, torch.bfloat16, True, True),  # part of the weights in shared memory (and below)
+    ("gru", 17, 7, 2000, torch.bfloat16, False, True),
     ("lstm", 2, 1, 31, torch.float32, False, True),
     ("lstm", 17, 4, 100, torch.float32, True, True),
     ("lstm", 17, 16, 513, torch.float32, True, False),
@@ -129,6 +131,8 @@ CASES = [
     ("lstm", 33, 12, 1152, torch.float32, True, True),
     ("lstm", 17, 7, 100, torch.bfloat16, False, True),
     ("lstm", 256, 4, 1024, torch.bfloat16, True, True),
+    ("lstm", 65, 4, 2048, torch.bfloat16, True, True),
+    ("lstm", 17, 3, 2048, torch.bfloat16, False, False),
 ]
 
 
@@ -281,6 +285,7 @@ def test_repeated_runs_are_identical(cell):
         ("relu", 8192, 4, torch.float32, "do not fit on chip"),
         ("gru", 2048, 4, torch.float32, "do not fit on chip"),
         ("lstm", 1152, 16, torch.float32, "with batch 16"),
+        ("lstm", 2048, 16, torch.bfloat16, "with batch 16"),
     ],
 )
 def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, message):
@@ -296,14 +301,17 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions", [
-    ("relu", 2048, 4, torch.float32, 1),
-    ("gru", 1152, 4, torch.float32, 1),
-    ("lstm", 1152, 8, torch.bfloat16, 1),
-    ("relu", 1152, 4, torch.bfloat16, 2),
-    ("gru", 1152, 4, torch.float32, 2),
+@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions, weights_in_shared_memory", [
+    ("relu", 2048, 4, torch.float32, 1, False),
+    ("gru", 1152, 4, torch.float32, 1, False),
+    ("lstm", 1152, 8, torch.bfloat16, 1, False),
+    ("relu", 1152, 4, torch.bfloat16, 2, False),
+    ("gru", 1152, 4, torch.float32, 2, False),
+    ("gru", 2048, 4, torch.bfloat16, 2, True),
+    ("lstm", 2048, 4, torch.bfloat16, 1, True),
 ])
-def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions):
+def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions,
+                                                           weights_in_shared_memory):
     plans = launch_plans(cell, hidden_size, batch_size, dtype, CUDA, directions)
     assert [plan["pass"] for plan in plans] == ["forward", "backward"]
     multiprocessors = torch.cuda.get_device_properties(CUDA).multi_processor_count
@@ -313,6 +321,9 @@ def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, bat
         assert plan["units_per_cta"] * plan["ctas_per_direction"] >= hidden_size
         launched = plan["ctas_per_direction"] * (directions if plan["directions_in_one_launch"] else 1)
         assert launched <= 2 * multiprocessors and plan["threads"] <= 1024
+        # Shared memory holds weights only where the registers cannot hold one direction's.
+        assert (plan["weight_smem_bytes"] > 0) == weights_in_shared_memory
+        assert plan["weight_smem_bytes"] < plan["smem_bytes"]
     together = all(plan["directions_in_one_launch"] for plan in plans)
     assert together == directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
     with pytest.raises(ValueError, match="do not fit on chip"):

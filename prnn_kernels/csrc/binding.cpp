@@ -340,6 +340,7 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
       entry["cluster_size"] = plan.tiling.cluster_size;
       entry["units_per_cta"] = plan.tiling.units_per_cta;
       entry["smem_bytes"] = plan.tiling.smem_bytes;
+      entry["weight_smem_bytes"] = plan.tiling.weight_smem_bytes;
     }
     result.push_back(entry);
   }

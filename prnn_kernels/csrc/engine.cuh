@@ -36,9 +36,10 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   unsigned char* control = smem + control_offset(staged_bytes, tiling.num_partials * p.batch * rows);
   uint64_t* stage_barriers = reinterpret_cast<uint64_t*>(control);
   int* abort_s = reinterpret_cast<int*>(stage_barriers + 2);
+  void* shared_weights = control + kControlBytes;
 
   Math math;
-  math.load_weights(p, cta);
+  math.load_weights(p, cta, shared_weights);
   zero_shared(smem, staged_bytes);  // padding samples and k >= K stay zero for the whole sequence
   if (threadIdx.x == 0) *abort_s = 0;
   init_staging(stage_barriers);

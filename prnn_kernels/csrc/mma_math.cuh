@@ -1,10 +1,11 @@
-// bf16 matrix-vector engine: weights in registers as tensor-core fragments, fp32 accumulation.
+// bf16 matrix-vector engine: weights on chip as tensor-core fragments, fp32 accumulation.
 //
 // One mma.m16n8k16 multiplies the staged vector (16 samples x 16 k, bf16; samples >= B read a zero row) by a
 // 16 k x 8 rows tile of the weights. A CTA holds R = 8 * row_groups rows. Warp w takes the 8-row tile
 // w % row_groups and the K split w / row_groups; it holds the B fragments of its k-tiles kt_j = split + j * k_splits
-// in registers for the whole sequence. Warps of one K split write disjoint rows; the k_splits partial sums of each
-// output are reduced through shared memory.
+// for the whole sequence: the first kRegisterTiles in registers, the next kSharedTiles in shared memory, where
+// matrices larger than the register file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write
+// disjoint rows; the k_splits partial sums of each output are reduced through shared memory.
 #pragma once
 
 #include <cstdint>
@@ -16,15 +17,24 @@
 
 namespace prnn {
 
-template <int kTilesPerWarp, int kMaxThreads_>
+template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_>
 struct MmaMath {
+  static_assert(kRegisterTiles > 0, "the first tile's B fragment comes from registers");
   static constexpr int kMaxThreads = kMaxThreads_;
+  static constexpr int kTilesPerWarp = kRegisterTiles + kSharedTiles;
   using Element = __nv_bfloat16;
   using Staged = __nv_bfloat16;  // staged vector: (B + 1, padded_k + 8), row B and k >= H zero
 
-  uint32_t weight[kTilesPerWarp][2];  // bf16 pairs: (k, k + 1) and (k + 8, k + 9) of row gid, k = 16 kt + 2 tig
+  // A lane's B fragment of one k-tile, bf16 pairs: (k, k + 1) and (k + 8, k + 9) of row gid, k = 16 kt + 2 tig.
+  uint32_t weight[kRegisterTiles][2];
+  // The shared tiles' fragments: (warp, tile, lane) order, so a warp reads 256 contiguous bytes per tile.
+  const uint2* shared_weight;  // this lane's fragment of the warp's first shared tile; tile j at [32 * j]
   int row_tile;
   int split;
+
+  __host__ __device__ static int weight_smem_bytes(int threads) {
+    return threads / 32 * kSharedTiles * static_cast<int>(sizeof(uint2)) * 32;
+  }
 
   // 16 bytes of padding per staged row put the 8 rows an ldmatrix reads in different banks.
   __host__ __device__ static int staged_stride(const Tiling& tiling) { return tiling.padded_k + 8; }
@@ -49,7 +59,9 @@ struct MmaMath {
       t.threads = 32 * row_tiles * t.k_splits;
       t.padded_k = 16 * kTilesPerWarp * t.k_splits;
       t.num_partials = t.k_splits;
-      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
+      t.weight_smem_bytes = weight_smem_bytes(t.threads);
+      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta) +
+                     t.weight_smem_bytes;
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -67,18 +79,27 @@ struct MmaMath {
                  : "memory");  // reads shared memory: keeps it after the wait for the staging
   }
 
-  __device__ void load_weights(const RnnParams<__nv_bfloat16>& p, int cta) {
+  // shared_weights: weight_smem_bytes(threads) of the CTA's shared memory, 16-byte aligned, for this CTA alone.
+  __device__ void load_weights(const RnnParams<__nv_bfloat16>& p, int cta, void* shared_weights) {
     const Tiling& t = p.tiling;
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     row_tile = warp % t.row_groups;
     split = warp / t.row_groups;
     const int row = row_tile * 8 + lane / 4;
+    uint2* shared = static_cast<uint2*>(shared_weights) + warp * kSharedTiles * 32 + lane;
+    shared_weight = shared;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       const int k = 16 * (split + j * t.k_splits) + 2 * (lane % 4);
-      weight[j][0] = pack(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1));
-      weight[j][1] = pack(weight_at(p, cta, row, k + 8), weight_at(p, cta, row, k + 9));
+      const uint32_t low = pack(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1));
+      const uint32_t high = pack(weight_at(p, cta, row, k + 8), weight_at(p, cta, row, k + 9));
+      if (j < kRegisterTiles) {
+        weight[j][0] = low;
+        weight[j][1] = high;
+      } else {
+        shared[32 * (j - kRegisterTiles)] = make_uint2(low, high);
+      }
     }
   }
 
@@ -98,20 +119,26 @@ struct MmaMath {
     const int sample_row = lane % 16 < p.batch ? lane % 16 : p.batch;
     const __nv_bfloat16* row_start = staged + sample_row * staged_stride(t) + (lane / 16) * 8;
     const uint32_t row_address = static_cast<uint32_t>(__cvta_generic_to_shared(row_start));
-    // The A fragments of tile j + 1 load while tile j multiplies; two accumulators so consecutive MMAs do not wait
-    // on each other.
+    // The A fragments (and shared B fragments) of tile j + 1 load while tile j multiplies; two accumulators so
+    // consecutive MMAs do not wait on each other.
     uint32_t a[2][4];
+    uint2 b[2];
     float sum[2][4] = {};
     load_fragment(a[0], row_address + 32 * split);  // 16 bf16 = 32 bytes per k-tile
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
-      if (j + 1 < kTilesPerWarp) load_fragment(a[(j + 1) % 2], row_address + 32 * (split + (j + 1) * t.k_splits));
+      if (j + 1 < kTilesPerWarp) {
+        load_fragment(a[(j + 1) % 2], row_address + 32 * (split + (j + 1) * t.k_splits));
+        if (j + 1 >= kRegisterTiles) b[(j + 1) % 2] = shared_weight[32 * (j + 1 - kRegisterTiles)];
+      }
       float* d = sum[j % 2];
       const uint32_t* f = a[j % 2];
+      const uint32_t b0 = j < kRegisterTiles ? weight[j][0] : b[j % 2].x;
+      const uint32_t b1 = j < kRegisterTiles ? weight[j][1] : b[j % 2].y;
       asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
           "{%0, %1, %2, %3};"
           : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "r"(weight[j][0]), "r"(weight[j][1]));
+          : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "r"(b0), "r"(b1));
     }
     // Accumulator layout: d0, d1 at (sample gid, rows 2 tig, 2 tig + 1); d2, d3 at sample gid + 8.
     const int row = row_tile * 8 + 2 * (lane % 4);

@@ -63,7 +63,8 @@ struct Tiling {
   int row_groups;     // fp32: lanes along rows (G); bf16: 8-row MMA tiles per CTA
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
   int num_partials;   // partial sums per output, reduced through shared memory
-  int smem_bytes;     // dynamic shared memory per CTA
+  int weight_smem_bytes;  // bf16: the CTA's weights kept in shared memory (0: all in registers)
+  int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
 };
 
 // One direction of a layer. Shapes: T = seq_len, B = batch, H = hidden, G = gates, D = directions in the launch,

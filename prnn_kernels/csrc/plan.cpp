@@ -4,7 +4,8 @@
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
 // and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
 // threads (enough warps to hide latency, few partial sums), then the largest cluster (the fewest L2 reads of each
-// step's vector, stage.cuh), then fewer CTAs.
+// step's vector, stage.cuh), then fewer CTAs. Variants that keep weights in shared memory are tried only for shapes
+// whose single direction the register-only variants cannot run (choose_plan).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -57,7 +58,8 @@ std::string cuda_failure(const char* what, cudaError_t error) {
   return std::string(what) + " failed: " + cudaGetErrorString(error);
 }
 
-LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions, int device) {
+LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions, int device,
+                  bool shared_weights) {
   if (batch < 1 || batch > kMaxBatch) {
     return refuse("batch size " + std::to_string(batch) + " is out of range: the persistent kernel runs 1.." +
                   std::to_string(kMaxBatch) + " samples");
@@ -85,6 +87,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
     if (error != cudaSuccess) return refuse(cuda_failure("cudaFuncSetAttribute", error));
     for (const Tiling& t : variant.tilings(shape)) {
       if (t.threads > variant.max_threads || t.smem_bytes > smem_optin) continue;
+      if (t.weight_smem_bytes > 0 && !shared_weights) continue;
       int per_sm = 0;
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
@@ -143,6 +146,16 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   return refuse(reason);
 }
 
+// Registers first: where they hold one direction of the shape, its directions run on register-only variants (one
+// after the other if both do not fit at once); weights go to shared memory only where they cannot.
+LaunchPlan choose_plan(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions,
+                       int device) {
+  const LaunchPlan in_registers = choose(precision, pass, cell, hidden, batch, directions, device, false);
+  if (in_registers.ok) return in_registers;
+  if (directions > 1 && choose(precision, pass, cell, hidden, batch, 1, device, false).ok) return in_registers;
+  return choose(precision, pass, cell, hidden, batch, directions, device, true);
+}
+
 }  // namespace
 
 LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions) {
@@ -156,7 +169,7 @@ LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden
   std::lock_guard<std::mutex> lock(mutex);
   auto found = cache.find(key);
   if (found == cache.end()) {
-    found = cache.emplace(key, choose(precision, pass, cell, hidden, batch, directions, device)).first;
+    found = cache.emplace(key, choose_plan(precision, pass, cell, hidden, batch, directions, device)).first;
   }
   return found->second;
 }
