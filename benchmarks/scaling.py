@@ -277,7 +277,7 @@ def main(argv=None) -> None:
     num_features = build.features(cfg.data).num_features
     config = {
         **{key: value for key, value in vars(args).items() if key not in ("json", "baseline")},
-        "amp": args.amp == "bf16" and device.type == "cuda",
+        "amp": build.uses_amp(args.amp, device),
         "num_features": num_features,
         "model_config": OmegaConf.to_container(cfg.model),
         "trainer_config": OmegaConf.to_container(cfg, resolve=True),

@@ -28,7 +28,7 @@ from benchmarks.scaling import MODELS, compose_config, device_name, random_batch
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.train import train_step, uses_amp
+from trainer.train import train_step
 
 
 def persistent_verdict(cfg, batch_size: int, amp: bool, device) -> dict:
@@ -57,7 +57,7 @@ def gpu_ms_per_call(function, num_calls: int) -> float:
 
 def measure(args, model_name: str, backend: str, cuda_graphs: bool, batch_size: int, device) -> dict:
     cfg = compose_config(model_name, backend, None, args.amp)
-    amp = uses_amp(cfg, device)
+    amp = build.uses_amp(cfg.train.amp, device)
     row = {"model": model_name, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch_size}
     if backend == "persistent":
         row["persistent"] = persistent_verdict(cfg, batch_size, amp, device)

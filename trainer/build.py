@@ -15,6 +15,11 @@ def features(data_cfg: DictConfig) -> FeatureExtractor:
     return FeatureExtractor(**OmegaConf.to_container(data_cfg.features))
 
 
+def uses_amp(amp: str, device: torch.device) -> bool:
+    """Whether a pass runs under bf16 autocast: train.amp=bf16 on a GPU (a CPU always runs fp32)."""
+    return amp == "bf16" and device.type == "cuda"
+
+
 def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
     return DeepSpeech2(num_features=num_features, num_classes=len(ALPHABET), **OmegaConf.to_container(model_cfg))
 

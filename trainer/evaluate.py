@@ -33,7 +33,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
         if len(batch.indices) == 0:
             continue
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16" and device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(amp, device)):
             log_probs, out_lengths = model(batch.features.to(device), batch.feature_lengths.to(device))
         for index, hypothesis in zip(batch.indices.tolist(), decoder(log_probs, out_lengths)):
             utterance = dataset.utterances[index]

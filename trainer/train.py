@@ -39,11 +39,6 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     distributed.barrier()
 
 
-def uses_amp(cfg: DictConfig, device: torch.device) -> bool:
-    """Whether training runs under bf16 autocast: train.amp=bf16 on a GPU (a CPU always trains in fp32)."""
-    return cfg.train.amp == "bf16" and device.type == "cuda"
-
-
 def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
     """One optimizer step on this rank's shard of a global batch.
 
@@ -61,7 +56,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(cfg, device)):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(cfg.train.amp, device)):
         log_probs, out_lengths = model(
             batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True)
         )
@@ -174,7 +169,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
 
     if cfg.train.cuda_graphs:
-        wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, uses_amp(cfg, env.device))
+        wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
     elif env.world_size > 1:
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
         wrapped = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
