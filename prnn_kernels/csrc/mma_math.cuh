@@ -1,11 +1,13 @@
 // bf16 matrix-vector engine: weights on chip as tensor-core fragments, fp32 accumulation.
 //
-// One mma.m16n8k16 multiplies the staged vector (16 samples x 16 k, bf16; samples >= B read a zero row) by a
-// 16 k x 8 rows tile of the weights. A CTA holds R = 8 * row_groups rows. Warp w takes the 8-row tile
-// w % row_groups and the K split w / row_groups; it holds the B fragments of its k-tiles kt_j = split + j * k_splits
-// for the whole sequence: the first kRegisterTiles in registers, the next kSharedTiles in shared memory, where
-// matrices larger than the register file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write
-// disjoint rows; the k_splits partial sums of each output are reduced through shared memory.
+// One mma.m16n8k16 multiplies a 16 rows x 16 k tile of the weights by the staged vector (16 k x 8 samples, bf16;
+// samples >= B read a zero row): the weights are the A operand, so a batch of up to 8 takes one MMA per tile and up
+// to 16 two, where the vector as the A operand (16 samples) would waste 12 of 16 rows at batch 4 and need twice the
+// MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K split
+// w / row_groups; it holds the A fragments of its k-tiles kt_j = split + j * k_splits for the whole sequence: the
+// first kRegisterTiles in registers, the next kSharedTiles in shared memory, where matrices larger than the register
+// file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write disjoint rows; the k_splits partial sums
+// of each output are reduced through shared memory.
 #pragma once
 
 #include <cstdint>
@@ -19,21 +21,23 @@ namespace prnn {
 
 template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_>
 struct MmaMath {
-  static_assert(kRegisterTiles > 0, "the first tile's B fragment comes from registers");
+  static_assert(kRegisterTiles > 0, "the first tile's A fragment comes from registers");
   static constexpr int kMaxThreads = kMaxThreads_;
   static constexpr int kTilesPerWarp = kRegisterTiles + kSharedTiles;
+  static constexpr int kRowsPerTile = 16;
   using Element = __nv_bfloat16;
   using Staged = __nv_bfloat16;  // staged vector: (B + 1, padded_k + 8), row B and k >= H zero
 
-  // A lane's B fragment of one k-tile, bf16 pairs: (k, k + 1) and (k + 8, k + 9) of row gid, k = 16 kt + 2 tig.
-  uint32_t weight[kRegisterTiles][2];
-  // The shared tiles' fragments: (warp, tile, lane) order, so a warp reads 256 contiguous bytes per tile.
-  const uint2* shared_weight;  // this lane's fragment of the warp's first shared tile; tile j at [32 * j]
+  // A lane's A fragment of one k-tile, bf16 pairs at k = 16 kt + 2 tig (+ 1): rows gid and gid + 8 of the tile at k,
+  // then the same rows at k + 8 (gid = lane / 4, tig = lane % 4).
+  uint32_t weight[kRegisterTiles][4];
+  // The shared tiles' fragments: (warp, tile, lane) order, so a warp reads 512 contiguous bytes per tile.
+  const uint4* shared_weight;  // this lane's fragment of the warp's first shared tile; tile j at [32 * j]
   int row_tile;
   int split;
 
   __host__ __device__ static int weight_smem_bytes(int threads) {
-    return threads / 32 * kSharedTiles * static_cast<int>(sizeof(uint2)) * 32;
+    return threads / 32 * kSharedTiles * static_cast<int>(sizeof(uint4)) * 32;
   }
 
   // 16 bytes of padding per staged row put the 8 rows an ldmatrix reads in different banks.
@@ -45,10 +49,10 @@ struct MmaMath {
   static std::vector<Tiling> tilings(const MatrixShape& shape) {
     std::vector<Tiling> result;
     const int k_tiles = ceil_div(shape.k_extent, 16);
-    for (int row_tiles = 1; row_tiles <= 32; ++row_tiles) {
+    for (int row_tiles = 1; row_tiles <= 16; ++row_tiles) {
       Tiling t{};
       t.row_groups = row_tiles;
-      t.rows_per_cta = 8 * row_tiles;
+      t.rows_per_cta = kRowsPerTile * row_tiles;
       // All gates of a unit in one CTA; rows past units_per_cta * row_gates are padding (zero weights).
       t.units_per_cta = t.rows_per_cta / shape.row_gates;
       if (t.units_per_cta == 0) continue;
@@ -71,12 +75,21 @@ struct MmaMath {
     return static_cast<uint32_t>(__bfloat16_as_ushort(low)) | (static_cast<uint32_t>(__bfloat16_as_ushort(high)) << 16);
   }
 
-  // ldmatrix.x4 of one 16 x 16 tile of the staged vector, in the A-fragment order of mma.m16n8k16.
-  __device__ static void load_fragment(uint32_t (&a)[4], uint32_t address) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                 : "r"(address)
-                 : "memory");  // reads shared memory: keeps it after the wait for the staging
+  // The B fragments of one 16 k x 8 samples tile of the staged vector for each of kSampleTiles sample tiles
+  // (ldmatrix .x2 or .x4: each 8 x 8 matrix is 8 samples' rows of 8 k).
+  template <int kSampleTiles>
+  __device__ static void load_fragments(uint32_t (&b)[kSampleTiles][2], uint32_t address) {
+    if constexpr (kSampleTiles == 1) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                   : "=r"(b[0][0]), "=r"(b[0][1])
+                   : "r"(address)
+                   : "memory");  // reads shared memory: keeps it after the wait for the staging
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
+                   : "r"(address)
+                   : "memory");
+    }
   }
 
   // shared_weights: weight_smem_bytes(threads) of the CTA's shared memory, 16-byte aligned, for this CTA alone.
@@ -86,19 +99,23 @@ struct MmaMath {
     const int lane = threadIdx.x % 32;
     row_tile = warp % t.row_groups;
     split = warp / t.row_groups;
-    const int row = row_tile * 8 + lane / 4;
-    uint2* shared = static_cast<uint2*>(shared_weights) + warp * kSharedTiles * 32 + lane;
+    const int row = row_tile * kRowsPerTile + lane / 4;
+    uint4* shared = static_cast<uint4*>(shared_weights) + warp * kSharedTiles * 32 + lane;
     shared_weight = shared;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       const int k = 16 * (split + j * t.k_splits) + 2 * (lane % 4);
-      const uint32_t low = pack(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1));
-      const uint32_t high = pack(weight_at(p, cta, row, k + 8), weight_at(p, cta, row, k + 9));
+      uint32_t fragment[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // (row, k), (row + 8, k), (row, k + 8), (row + 8, k + 8)
+        const int r = row + 8 * (i % 2), c = k + 8 * (i / 2);
+        fragment[i] = pack(weight_at(p, cta, r, c), weight_at(p, cta, r, c + 1));
+      }
       if (j < kRegisterTiles) {
-        weight[j][0] = low;
-        weight[j][1] = high;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) weight[j][i] = fragment[i];
       } else {
-        shared[32 * (j - kRegisterTiles)] = make_uint2(low, high);
+        shared[32 * (j - kRegisterTiles)] = make_uint4(fragment[0], fragment[1], fragment[2], fragment[3]);
       }
     }
   }
@@ -113,42 +130,60 @@ struct MmaMath {
 
   // partials[(split * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
   __device__ void multiply(const RnnParams<__nv_bfloat16>& p, const __nv_bfloat16* staged, float* partials) const {
+    if (p.batch > 8) {
+      multiply_sample_tiles<2>(p, staged, partials);
+    } else {
+      multiply_sample_tiles<1>(p, staged, partials);
+    }
+  }
+
+ private:
+  template <int kSampleTiles>
+  __device__ void multiply_sample_tiles(const RnnParams<__nv_bfloat16>& p, const __nv_bfloat16* staged,
+                                        float* partials) const {
     const Tiling& t = p.tiling;
     const int lane = threadIdx.x % 32;
-    // ldmatrix.x4: lanes 0-15 give the rows (samples) of k 0-7 of the tile, lanes 16-31 those of k 8-15.
-    const int sample_row = lane % 16 < p.batch ? lane % 16 : p.batch;
-    const __nv_bfloat16* row_start = staged + sample_row * staged_stride(t) + (lane / 16) * 8;
+    // ldmatrix: lanes 0-7 give the rows (samples 0-7) of k 0-7 of the tile, lanes 8-15 those of k 8-15, lanes 16-31
+    // the same for samples 8-15.
+    const int sample = lane % 8 + 8 * (lane / 16);
+    const int sample_row = sample < p.batch ? sample : p.batch;
+    const __nv_bfloat16* row_start = staged + sample_row * staged_stride(t) + ((lane / 8) % 2) * 8;
     const uint32_t row_address = static_cast<uint32_t>(__cvta_generic_to_shared(row_start));
-    // The A fragments (and shared B fragments) of tile j + 1 load while tile j multiplies; two accumulators so
-    // consecutive MMAs do not wait on each other.
-    uint32_t a[2][4];
-    uint2 b[2];
-    float sum[2][4] = {};
-    load_fragment(a[0], row_address + 32 * split);  // 16 bf16 = 32 bytes per k-tile
+    // The B fragments (and shared A fragments) of tile j + 1 load while tile j multiplies; two accumulators per
+    // sample tile so consecutive MMAs do not wait on each other.
+    uint32_t b[2][kSampleTiles][2];
+    uint4 a[2];
+    float sum[2][kSampleTiles][4] = {};
+    load_fragments<kSampleTiles>(b[0], row_address + 32 * split);  // 16 bf16 = 32 bytes per k-tile
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       if (j + 1 < kTilesPerWarp) {
-        load_fragment(a[(j + 1) % 2], row_address + 32 * (split + (j + 1) * t.k_splits));
-        if (j + 1 >= kRegisterTiles) b[(j + 1) % 2] = shared_weight[32 * (j + 1 - kRegisterTiles)];
+        load_fragments<kSampleTiles>(b[(j + 1) % 2], row_address + 32 * (split + (j + 1) * t.k_splits));
+        if (j + 1 >= kRegisterTiles) a[(j + 1) % 2] = shared_weight[32 * (j + 1 - kRegisterTiles)];
       }
-      float* d = sum[j % 2];
-      const uint32_t* f = a[j % 2];
-      const uint32_t b0 = j < kRegisterTiles ? weight[j][0] : b[j % 2].x;
-      const uint32_t b1 = j < kRegisterTiles ? weight[j][1] : b[j % 2].y;
-      asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-          "{%0, %1, %2, %3};"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(f[0]), "r"(f[1]), "r"(f[2]), "r"(f[3]), "r"(b0), "r"(b1));
-    }
-    // Accumulator layout: d0, d1 at (sample gid, rows 2 tig, 2 tig + 1); d2, d3 at sample gid + 8.
-    const int row = row_tile * 8 + 2 * (lane % 4);
+      const uint32_t a0 = j < kRegisterTiles ? weight[j][0] : a[j % 2].x;
+      const uint32_t a1 = j < kRegisterTiles ? weight[j][1] : a[j % 2].y;
+      const uint32_t a2 = j < kRegisterTiles ? weight[j][2] : a[j % 2].z;
+      const uint32_t a3 = j < kRegisterTiles ? weight[j][3] : a[j % 2].w;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int sample = lane / 4 + 8 * half;
-      if (sample < p.batch) {
-        float* out = partials + (split * p.batch + sample) * t.rows_per_cta + row;
-        out[0] = sum[0][2 * half] + sum[1][2 * half];
-        out[1] = sum[0][2 * half + 1] + sum[1][2 * half + 1];
+      for (int n = 0; n < kSampleTiles; ++n) {
+        float* d = sum[j % 2][n];
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[j % 2][n][0]), "r"(b[j % 2][n][1]));
+      }
+    }
+    // Accumulator layout: d0, d1 at (row gid, samples 2 tig, 2 tig + 1); d2, d3 at row gid + 8.
+    const int row = row_tile * kRowsPerTile + lane / 4;
+#pragma unroll
+    for (int n = 0; n < kSampleTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int out_sample = 8 * n + 2 * (lane % 4) + i % 2;
+        if (out_sample < p.batch) {
+          partials[(split * p.batch + out_sample) * t.rows_per_cta + row + 8 * (i / 2)] = sum[0][n][i] + sum[1][n][i];
+        }
       }
     }
   }

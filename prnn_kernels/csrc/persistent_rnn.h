@@ -60,7 +60,7 @@ struct Tiling {
   int rows_per_cta;   // matrix rows a CTA holds: units_per_cta * row_gates, gate-major (row = gate * units + unit),
                       //   then padding rows (zero weights) up to the math's row count
   int padded_k;       // K extent covered by the thread tiles (>= k_extent; weights beyond it are zero)
-  int row_groups;     // fp32: lanes along rows (G); bf16: 8-row MMA tiles per CTA
+  int row_groups;     // fp32: lanes along rows (G); bf16: 16-row MMA tiles per CTA
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
   int num_partials;   // partial sums per output, reduced through shared memory
   int weight_smem_bytes;  // bf16: the CTA's weights kept in shared memory (0: all in registers)
