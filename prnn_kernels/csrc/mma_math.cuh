@@ -149,11 +149,13 @@ struct MmaMath {
     const int sample_row = sample < p.batch ? sample : p.batch;
     const __nv_bfloat16* row_start = staged + sample_row * staged_stride(t) + ((lane / 8) % 2) * 8;
     const uint32_t row_address = static_cast<uint32_t>(__cvta_generic_to_shared(row_start));
-    // The B fragments (and shared A fragments) of tile j + 1 load while tile j multiplies; two accumulators per
-    // sample tile so consecutive MMAs do not wait on each other.
+    // The B fragments (and shared A fragments) of tile j + 1 load while tile j multiplies. Consecutive MMAs must not
+    // wait on each other: one sample tile alternates between two accumulators, two sample tiles are independent
+    // already (a second accumulator each would make the 64-register variant spill).
+    constexpr int kAccumulators = kSampleTiles == 1 ? 2 : 1;
     uint32_t b[2][kSampleTiles][2];
     uint4 a[2];
-    float sum[2][kSampleTiles][4] = {};
+    float sum[kAccumulators][kSampleTiles][4] = {};
     load_fragments<kSampleTiles>(b[0], row_address + 32 * split);  // 16 bf16 = 32 bytes per k-tile
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
@@ -167,7 +169,7 @@ struct MmaMath {
       const uint32_t a3 = j < kRegisterTiles ? weight[j][3] : a[j % 2].w;
 #pragma unroll
       for (int n = 0; n < kSampleTiles; ++n) {
-        float* d = sum[j % 2][n];
+        float* d = sum[j % kAccumulators][n];
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -182,7 +184,10 @@ struct MmaMath {
       for (int i = 0; i < 4; ++i) {
         const int out_sample = 8 * n + 2 * (lane % 4) + i % 2;
         if (out_sample < p.batch) {
-          partials[(split * p.batch + out_sample) * t.rows_per_cta + row + 8 * (i / 2)] = sum[0][n][i] + sum[1][n][i];
+          float total = 0.f;
+#pragma unroll
+          for (int acc = 0; acc < kAccumulators; ++acc) total += sum[acc][n][i];
+          partials[(split * p.batch + out_sample) * t.rows_per_cta + row + 8 * (i / 2)] = total;
         }
       }
     }
