@@ -112,6 +112,8 @@ CASES = [
     ("relu", 256, 4, 2048, torch.bfloat16, False, True),
     ("tanh", 17, 4, 2304, torch.bfloat16, False, True),
     ("relu", 17, 16, 2816, torch.bfloat16, True, True),
+    ("tanh", 17, 32, 1152, torch.bfloat16, True, True),  # four sample tiles per MMA row tile (and below)
+    ("relu", 17, 21, 300, torch.float32, False, True),
     ("gru", 1, 1, 32, torch.float32, False, True),
     ("gru", 17, 3, 33, torch.float32, True, True),
     ("gru", 17, 7, 257, torch.float32, False, False),
@@ -121,6 +123,8 @@ CASES = [
     ("gru", 2, 3, 100, torch.bfloat16, True, True),
     ("gru", 256, 4, 1152, torch.bfloat16, False, True),
     ("gru", 17, 16, 800, torch.bfloat16, True, True),
+    ("gru", 33, 32, 800, torch.bfloat16, False, True),
+    ("gru", 17, 25, 257, torch.float32, True, True),
     ("gru", 33, 4, 2048, torch.bfloat16, True, True),  # part of the weights in shared memory (and below)
     ("gru", 17, 7, 2000, torch.bfloat16, False, True),
     ("lstm", 2, 1, 31, torch.float32, False, True),
@@ -130,6 +134,7 @@ CASES = [
     ("lstm", 17, 5, 600, torch.float32, False, True),
     ("lstm", 33, 12, 1152, torch.float32, True, True),
     ("lstm", 17, 7, 100, torch.bfloat16, False, True),
+    ("lstm", 17, 19, 513, torch.bfloat16, True, False),
     ("lstm", 256, 4, 1024, torch.bfloat16, True, True),
     ("lstm", 65, 4, 2048, torch.bfloat16, True, True),
     ("lstm", 17, 3, 2048, torch.bfloat16, False, False),
@@ -280,7 +285,7 @@ def test_repeated_runs_are_identical(cell):
     "cell, hidden_size, batch_size, dtype, message",
     [
         ("conv", 256, 4, torch.float32, "is not one of"),
-        ("relu", 256, 17, torch.float32, "batch size 17"),
+        ("relu", 256, 33, torch.float32, "batch size 33"),
         ("gru", 256, 4, torch.float16, "dtype"),
         ("relu", 8192, 4, torch.float32, "do not fit on chip"),
         ("gru", 2048, 4, torch.float32, "do not fit on chip"),

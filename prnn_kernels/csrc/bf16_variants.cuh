@@ -1,6 +1,7 @@
 // The bf16 kernels compiled for a cell: 4, 8 or 20 k-tiles per warp in registers (small, mid-size, large K), and
 // 16 in registers plus 16 in shared memory for matrices the register file cannot hold (GRU and LSTM at H = 2048);
-// each launch bound leaves the variant the registers its fragments need (4 per tile).
+// each launch bound leaves the variant the registers its fragments need (4 per tile). All take up to 16 samples;
+// two more, with four sample tiles, take 17 to 32.
 #pragma once
 
 #include <vector>
@@ -13,7 +14,8 @@ namespace prnn {
 template <class Cell>
 std::vector<KernelVariant> bf16_variants() {
   return {kernel_variant<MmaMath<4, 0, 1024>, Cell>(), kernel_variant<MmaMath<8, 0, 512>, Cell>(),
-          kernel_variant<MmaMath<20, 0, 480>, Cell>(), kernel_variant<MmaMath<16, 16, 512>, Cell>()};
+          kernel_variant<MmaMath<20, 0, 480>, Cell>(), kernel_variant<MmaMath<16, 16, 512>, Cell>(),
+          kernel_variant<MmaMath<8, 0, 512, 4>, Cell>(), kernel_variant<MmaMath<20, 0, 480, 4>, Cell>()};
 }
 
 }  // namespace prnn

@@ -1,9 +1,9 @@
 // bf16 matrix-vector engine: weights on chip as tensor-core fragments, fp32 accumulation.
 //
 // One mma.m16n8k16 multiplies a 16 rows x 16 k tile of the weights by the staged vector (16 k x 8 samples, bf16;
-// samples >= B read a zero row): the weights are the A operand, so a batch of up to 8 takes one MMA per tile and up
-// to 16 two, where the vector as the A operand (16 samples) would waste 12 of 16 rows at batch 4 and need twice the
-// MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K split
+// samples >= B read a zero row): the weights are the A operand, so a batch of up to 8 takes one MMA per tile, up to
+// 16 two and up to 32 four, where the vector as the A operand (16 samples) would waste 12 of 16 rows at batch 4 and
+// need twice the MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K split
 // w / row_groups; it holds the A fragments of its k-tiles kt_j = split + j * k_splits for the whole sequence: the
 // first kRegisterTiles in registers, the next kSharedTiles in shared memory, where matrices larger than the register
 // file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write disjoint rows; the k_splits partial sums
@@ -19,9 +19,10 @@
 
 namespace prnn {
 
-template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_>
+template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_, int kMaxSampleTiles = 2>
 struct MmaMath {
   static_assert(kRegisterTiles > 0, "the first tile's A fragment comes from registers");
+  static_assert(kMaxSampleTiles == 2 || kMaxSampleTiles == 4, "up to 16 samples, or 17 to 32");
   static constexpr int kMaxThreads = kMaxThreads_;
   static constexpr int kTilesPerWarp = kRegisterTiles + kSharedTiles;
   static constexpr int kRowsPerTile = 16;
@@ -46,8 +47,11 @@ struct MmaMath {
     return (batch + 1) * staged_stride(tiling) * static_cast<int>(sizeof(__nv_bfloat16));
   }
 
+  // Variants for up to 16 samples take those batches; variants with four sample tiles, whose accumulators cost
+  // registers that would slow the smaller batches down, take 17 to 32.
   static std::vector<Tiling> tilings(const MatrixShape& shape) {
     std::vector<Tiling> result;
+    if (shape.batch > 8 * kMaxSampleTiles || (kMaxSampleTiles == 4 && shape.batch <= 16)) return result;
     const int k_tiles = ceil_div(shape.k_extent, 16);
     for (int row_tiles = 1; row_tiles <= 16; ++row_tiles) {
       Tiling t{};
@@ -75,20 +79,24 @@ struct MmaMath {
     return static_cast<uint32_t>(__bfloat16_as_ushort(low)) | (static_cast<uint32_t>(__bfloat16_as_ushort(high)) << 16);
   }
 
-  // The B fragments of one 16 k x 8 samples tile of the staged vector for each of kSampleTiles sample tiles
-  // (ldmatrix .x2 or .x4: each 8 x 8 matrix is 8 samples' rows of 8 k).
+  // The B fragments of one 16 k x 8 samples tile of the staged vector for each of kSampleTiles sample tiles: one
+  // ldmatrix .x2 for one tile, one .x4 per two tiles (each 8 x 8 matrix is 8 samples' rows of 8 k; `pair_address[q]`
+  // is this lane's row of sample tiles 2q and 2q + 1, `offset` the k-tile's byte offset in it).
   template <int kSampleTiles>
-  __device__ static void load_fragments(uint32_t (&b)[kSampleTiles][2], uint32_t address) {
+  __device__ static void load_fragments(uint32_t (&b)[kSampleTiles][2], const uint32_t* pair_address, int offset) {
     if constexpr (kSampleTiles == 1) {
       asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                    : "=r"(b[0][0]), "=r"(b[0][1])
-                   : "r"(address)
+                   : "r"(pair_address[0] + offset)
                    : "memory");  // reads shared memory: keeps it after the wait for the staging
     } else {
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(b[0][0]), "=r"(b[0][1]), "=r"(b[1][0]), "=r"(b[1][1])
-                   : "r"(address)
-                   : "memory");
+#pragma unroll
+      for (int q = 0; q < kSampleTiles / 2; ++q) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(b[2 * q][0]), "=r"(b[2 * q][1]), "=r"(b[2 * q + 1][0]), "=r"(b[2 * q + 1][1])
+                     : "r"(pair_address[q] + offset)
+                     : "memory");
+      }
     }
   }
 
@@ -130,7 +138,9 @@ struct MmaMath {
 
   // partials[(split * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
   __device__ void multiply(const RnnParams<__nv_bfloat16>& p, const __nv_bfloat16* staged, float* partials) const {
-    if (p.batch > 8) {
+    if constexpr (kMaxSampleTiles == 4) {
+      multiply_sample_tiles<4>(p, staged, partials);
+    } else if (p.batch > 8) {
       multiply_sample_tiles<2>(p, staged, partials);
     } else {
       multiply_sample_tiles<1>(p, staged, partials);
@@ -141,26 +151,32 @@ struct MmaMath {
   template <int kSampleTiles>
   __device__ void multiply_sample_tiles(const RnnParams<__nv_bfloat16>& p, const __nv_bfloat16* staged,
                                         float* partials) const {
+    static_assert(kSampleTiles == 1 || kSampleTiles % 2 == 0, "sample tiles load in pairs");
     const Tiling& t = p.tiling;
     const int lane = threadIdx.x % 32;
     // ldmatrix: lanes 0-7 give the rows (samples 0-7) of k 0-7 of the tile, lanes 8-15 those of k 8-15, lanes 16-31
-    // the same for samples 8-15.
-    const int sample = lane % 8 + 8 * (lane / 16);
-    const int sample_row = sample < p.batch ? sample : p.batch;
-    const __nv_bfloat16* row_start = staged + sample_row * staged_stride(t) + ((lane / 8) % 2) * 8;
-    const uint32_t row_address = static_cast<uint32_t>(__cvta_generic_to_shared(row_start));
+    // the same for samples 8-15; each further pair of sample tiles 16 samples on.
+    constexpr int kPairs = kSampleTiles == 1 ? 1 : kSampleTiles / 2;
+    uint32_t pair_address[kPairs];
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q) {
+      const int sample = 16 * q + lane % 8 + 8 * (lane / 16);
+      const int sample_row = sample < p.batch ? sample : p.batch;
+      pair_address[q] = static_cast<uint32_t>(
+          __cvta_generic_to_shared(staged + sample_row * staged_stride(t) + ((lane / 8) % 2) * 8));
+    }
     // The B fragments (and shared A fragments) of tile j + 1 load while tile j multiplies. Consecutive MMAs must not
-    // wait on each other: one sample tile alternates between two accumulators, two sample tiles are independent
-    // already (a second accumulator each would make the 64-register variant spill).
+    // wait on each other: one sample tile alternates between two accumulators, two or more sample tiles are
+    // independent already (a second accumulator each would make the 64-register variant spill).
     constexpr int kAccumulators = kSampleTiles == 1 ? 2 : 1;
     uint32_t b[2][kSampleTiles][2];
     uint4 a[2];
     float sum[kAccumulators][kSampleTiles][4] = {};
-    load_fragments<kSampleTiles>(b[0], row_address + 32 * split);  // 16 bf16 = 32 bytes per k-tile
+    load_fragments<kSampleTiles>(b[0], pair_address, 32 * split);  // 16 bf16 = 32 bytes per k-tile
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
       if (j + 1 < kTilesPerWarp) {
-        load_fragments<kSampleTiles>(b[(j + 1) % 2], row_address + 32 * (split + (j + 1) * t.k_splits));
+        load_fragments<kSampleTiles>(b[(j + 1) % 2], pair_address, 32 * (split + (j + 1) * t.k_splits));
         if (j + 1 >= kRegisterTiles) a[(j + 1) % 2] = shared_weight[32 * (j + 1 - kRegisterTiles)];
       }
       const uint32_t a0 = j < kRegisterTiles ? weight[j][0] : a[j % 2].x;

@@ -20,7 +20,7 @@
 
 namespace prnn {
 
-constexpr int kMaxBatch = 16;
+constexpr int kMaxBatch = 32;
 constexpr int kMaxDirections = 2;
 // (hidden unit, sample) elements each thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
 constexpr int kElementsPerThread = 2;
