@@ -12,8 +12,8 @@ time of a step: the summed durations of the kernels and copies that torch.profil
 steps. A step whose wall time is well above its GPU time is bound by the host (Python and ATen dispatching its
 hundreds of kernels), not by the GPU. --cuda-graphs adds, for every backend but cuDNN (whose packed sequences a
 graph cannot hold), the same step with the model's forward and backward replayed from CUDA graphs, as
-train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 16 utterances; a shape they
-refuse is recorded with the reason, not timed.
+train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 32 utterances, fewer for
+large layers; a shape they refuse is recorded with the reason, not timed.
 """
 import argparse
 import json
