@@ -112,7 +112,7 @@ CASES = [
     ("relu", 256, 4, 2048, torch.bfloat16, False, True),
     ("tanh", 17, 4, 2304, torch.bfloat16, False, True),
     ("relu", 17, 16, 2816, torch.bfloat16, True, True),
-    ("tanh", 17, 32, 1152, torch.bfloat16, True, True),  # four sample tiles per MMA row tile (and below)
+    ("tanh", 17, 32, 1152, torch.bfloat16, True, True),  # 17-32 utterances: bf16 on its four-sample-tile variants
     ("relu", 17, 21, 300, torch.float32, False, True),
     ("gru", 1, 1, 32, torch.float32, False, True),
     ("gru", 17, 3, 33, torch.float32, True, True),

@@ -3,11 +3,11 @@
 // One mma.m16n8k16 multiplies a 16 rows x 16 k tile of the weights by the staged vector (16 k x 8 samples, bf16;
 // samples >= B read a zero row): the weights are the A operand, so a batch of up to 8 takes one MMA per tile, up to
 // 16 two and up to 32 four, where the vector as the A operand (16 samples) would waste 12 of 16 rows at batch 4 and
-// need twice the MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K split
-// w / row_groups; it holds the A fragments of its k-tiles kt_j = split + j * k_splits for the whole sequence: the
-// first kRegisterTiles in registers, the next kSharedTiles in shared memory, where matrices larger than the register
-// file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write disjoint rows; the k_splits partial sums
-// of each output are reduced through shared memory.
+// need twice the MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K
+// split w / row_groups; it holds the A fragments of its k-tiles kt_j = split + j * k_splits for the whole sequence:
+// the first kRegisterTiles in registers, the next kSharedTiles in shared memory, where matrices larger than the
+// register file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write disjoint rows; the k_splits
+// partial sums of each output are reduced through shared memory.
 #pragma once
 
 #include <cstdint>
