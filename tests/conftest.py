@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `cuda` marker skips on machines without a GPU, and the AN4 corpus location."""
+"""Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
+and the small trainer configuration the training runs use."""
 import os
 import subprocess
 import time
@@ -7,7 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.manifest import read_manifest, write_manifest
+from data.prepare import prepare_an4
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Trainer overrides for a small model that learns AN4 words on a CPU in minutes.
+TINY = [
+    "device=cpu", "model.depth=2", "model.hidden=128", "model.conv_channels=8", "model.backend=reference",
+    "data.features.kind=mel", "data.features.n_mels=40", "train.amp=none", "train.num_workers=0",
+    "train.progress_bar=false", "train.global_batch_size=8", "data.augment.enabled=false", "optim.warmup_steps=10",
+]
 
 # As the trainer does on a CPU: oneDNN's convolution weight gradient corrupts memory on the model's small
 # frequency maps (torch 2.14), so CPU tests use ATen's own convolution.
@@ -46,3 +57,15 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
 @pytest.fixture(scope="session")
 def an4_source() -> Path:
     return find_an4()
+
+
+@pytest.fixture(scope="session")
+def an4_train(an4_source, tmp_path_factory):
+    """AN4's training utterances, from manifests prepared once per test session."""
+    return read_manifest(prepare_an4(an4_source, tmp_path_factory.mktemp("manifests"))["train"])
+
+
+def write_slice(path: Path, utterances) -> Path:
+    """Writes `utterances` as a manifest at `path` and returns it."""
+    write_manifest(path, utterances)
+    return path

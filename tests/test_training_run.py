@@ -11,17 +11,8 @@ import pytest
 import soundfile
 import torch
 
-from conftest import REPO_ROOT, wait_for_file
-from data.manifest import read_manifest, write_manifest
-from data.prepare import prepare_an4
-
-# A small model that learns AN4 words on a CPU in minutes.
-TINY = [
-    "device=cpu", "model.depth=2", "model.hidden=128", "model.conv_channels=8", "model.backend=reference",
-    "data.features.kind=mel", "data.features.n_mels=40", "train.amp=none", "train.num_workers=0",
-    "train.progress_bar=false", "train.global_batch_size=8", "data.augment.enabled=false", "optim.warmup_steps=10",
-]
-
+from conftest import REPO_ROOT, TINY, wait_for_file, write_slice
+from data.manifest import read_manifest
 
 def run(module: str, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     result = subprocess.run(
@@ -49,16 +40,6 @@ def read_metrics(run_dir):
     steps = {line["step"]: line["loss"] for line in lines if "step" in line}
     epochs = [line for line in lines if "eval_wer" in line]
     return steps, epochs
-
-
-@pytest.fixture(scope="session")
-def an4_train(an4_source, tmp_path_factory):
-    return read_manifest(prepare_an4(an4_source, tmp_path_factory.mktemp("manifests"))["train"])
-
-
-def write_slice(path, utterances):
-    write_manifest(path, utterances)
-    return path
 
 
 @pytest.mark.slow

@@ -1,0 +1,151 @@
+"""Test WER of the trainer on each backend over several seeds, the runs side by side: does the persistent backend
+train to the same word error rate as cuDNN?
+
+    python -m benchmarks.wer_parity [--backends cudnn persistent] [--seeds 1234 7] [--parallel 4] [--graphs]
+        [--name wer] [--runs-dir runs] [--json PATH] [-- TRAINER_OVERRIDES ...]
+
+e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
+train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
+model.backend, seed, train.resume=auto and the overrides; its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to
+--parallel runs go at once: on one GPU they share it, which at a small per-GPU batch leaves most of it idle anyway.
+--graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed sequences a graph cannot hold).
+Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
+ends at once), so a long comparison can span several jobs.
+
+Prints each run's last and best test WER, then per backend the mean and sample standard deviation of the last WER
+over the runs that finished, and each backend's difference from the first backend's mean with its standard error,
+sqrt(s_a^2 / n_a + s_b^2 / n_b); writes the same, with the command and versions, to --json. A failed run is
+reported with its exit status and left out of the means; the others still count.
+"""
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def evaluations(run_dir: Path) -> dict:
+    """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER."""
+    path = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    # A run resumed from an earlier checkpoint evaluates an epoch again: its later line counts.
+    by_epoch = {line["epoch"]: line for line in lines if "eval_wer" in line}
+    if not by_epoch:
+        return {"epochs": 0, "last_wer": None, "last_cer": None, "best_wer": None}
+    last = by_epoch[max(by_epoch)]
+    return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
+            "best_wer": min(line["eval_wer"] for line in by_epoch.values())}
+
+
+def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool) -> dict:
+    """One trainer run to the end (or its continuation); returns how it ended and what it evaluated."""
+    run_dir = runs_dir / name
+    command = [sys.executable, "-m", "trainer", *overrides, f"model.backend={backend}", f"seed={seed}",
+               f"run_name={name}", f"hydra.run.dir={run_dir}", "train.resume=auto", "train.progress_bar=false"]
+    if graphs and backend != "cudnn":
+        command.append("train.cuda_graphs=true")
+    output = runs_dir / f"{name}.out"
+    started = time.perf_counter()
+    with open(output, "a") as log:
+        returncode = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    return {"run": name, "backend": backend, "seed": seed, "returncode": returncode,
+            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir)}
+
+
+def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
+    """Per backend: runs that finished, mean and sample standard deviation of their last WER, and the difference of
+    the mean from the first backend's with its standard error (None where too few runs give one)."""
+    summary = []
+    for backend in backends:
+        wers = [row["last_wer"] for row in rows
+                if row["backend"] == backend and row["returncode"] == 0 and row["last_wer"] is not None]
+        summary.append({"backend": backend, "runs": len(wers),
+                        "mean_wer": statistics.fmean(wers) if wers else None,
+                        "std_wer": statistics.stdev(wers) if len(wers) > 1 else None})
+    first = summary[0]
+    for entry in summary[1:]:
+        both = entry["mean_wer"] is not None and first["mean_wer"] is not None
+        entry["difference"] = entry["mean_wer"] - first["mean_wer"] if both else None
+        spread = entry["std_wer"] is not None and first["std_wer"] is not None
+        entry["difference_stderr"] = (math.sqrt(entry["std_wer"] ** 2 / entry["runs"] +
+                                                first["std_wer"] ** 2 / first["runs"]) if spread else None)
+    return summary
+
+
+def environment() -> dict:
+    """Where the runs trained: the GPU (the trainer's device=auto takes one when there is one) and the versions."""
+    import torch  # here, so that --help and argument errors answer without loading torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+    return {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def percent(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.wer_parity", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference", "auto"),
+                        default=["cudnn", "persistent"], help="the first is the one the others are compared with")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 7])
+    parser.add_argument("--parallel", type=int, default=4, help="runs at once")
+    parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
+    parser.add_argument("--name", default="wer", help="prefix of the run names")
+    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go")
+    parser.add_argument("--json", help="write the runs, the summary and the configuration here")
+    parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
+    args = parser.parse_args(argv)
+    if args.parallel < 1:
+        sys.exit("--parallel must be at least 1")
+    if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
+        sys.exit("--backends and --seeds must not repeat")
+    runs_dir = args.runs_dir.resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
+    print(f"{len(jobs)} runs, {min(args.parallel, len(jobs))} at once; output in {runs_dir}/{args.name}-*.out",
+          flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs)
+                   for name, backend, seed in jobs]
+        rows = []
+        for future in futures:
+            rows.append(future.result())
+            row = rows[-1]
+            print(f"{row['run']}: exit {row['returncode']}, {row['epochs']} epochs, last WER "
+                  f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+    summary = summarize(rows, args.backends)
+
+    print(f"\n{'run':<28} {'exit':>4} {'epochs':>6} {'last WER %':>10} {'best WER %':>10} {'last CER %':>10}")
+    for row in rows:
+        print(f"{row['run']:<28} {row['returncode']:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
+              f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10}")
+    print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0]:>16}")
+    for entry in summary:
+        versus = ""
+        if entry.get("difference") is not None:
+            versus = f"{entry['difference']:+.2f}"
+            if entry["difference_stderr"] is not None:
+                versus += f" +- {entry['difference_stderr']:.2f}"
+        print(f"{entry['backend']:<12} {entry['runs']:>4} {percent(entry['mean_wer']):>10} "
+              f"{percent(entry['std_wer']):>6} {versus:>16}")
+    if args.json:
+        command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
+        config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
+                  "overrides": args.overrides, **environment()}
+        Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

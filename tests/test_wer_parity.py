@@ -1,0 +1,52 @@
+"""benchmarks.wer_parity end to end on CPU: two backends, two seeds each, side by side on a slice of AN4; then the same
+command again, which continues the finished runs (they end at once) instead of training them anew."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.wer_parity import summarize
+from conftest import REPO_ROOT, TINY, write_slice
+
+
+@pytest.mark.slow
+def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    overrides = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}", *TINY,
+                 "train.epochs=1"]
+    command = [sys.executable, "-m", "benchmarks.wer_parity", "--backends", "reference", "cudnn", "--seeds", "1", "2",
+               "--parallel", "2", "--runs-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "wer.json"), "--",
+               *overrides]
+
+    first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = json.loads((tmp_path / "wer.json").read_text())
+    assert [(run["backend"], run["seed"]) for run in result["runs"]] == [
+        ("reference", 1), ("reference", 2), ("cudnn", 1), ("cudnn", 2)]
+    for run in result["runs"]:
+        assert run["returncode"] == 0 and run["epochs"] == 1, run
+        assert 0 <= run["last_wer"] <= 100 and run["best_wer"] == run["last_wer"]
+        assert "final test WER" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
+    reference, cudnn = result["summary"]
+    assert reference["runs"] == cudnn["runs"] == 2
+    assert math.isclose(cudnn["difference"], cudnn["mean_wer"] - reference["mean_wer"])
+    assert (result["config"]["backends"], result["config"]["seeds"]) == (["reference", "cudnn"], [1, 2])
+
+    again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    continued = json.loads((tmp_path / "wer.json").read_text())
+    assert [run["last_wer"] for run in continued["runs"]] == [run["last_wer"] for run in result["runs"]]
+    for run in continued["runs"]:
+        assert "resumed from" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
+
+
+def test_summary_compares_each_backend_with_the_first():
+    rows = [{"backend": backend, "returncode": 0, "last_wer": wer}
+            for backend, wer in [("cudnn", 10.0), ("cudnn", 12.0), ("persistent", 11.0), ("persistent", 15.0)]]
+    rows.append({"backend": "persistent", "returncode": 1, "last_wer": 99.0})  # failed: left out
+    cudnn, persistent = summarize(rows, ["cudnn", "persistent"])
+    assert (cudnn["runs"], cudnn["mean_wer"]) == (2, 11.0) and "difference" not in cudnn
+    assert (persistent["runs"], persistent["mean_wer"], persistent["difference"]) == (2, 13.0, 2.0)
+    assert math.isclose(persistent["difference_stderr"], math.sqrt((2.0 + 8.0) / 2))
