@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks.wer_parity import summarize
+from benchmarks.wer_parity import evaluations, summarize
 from conftest import REPO_ROOT, TINY, write_slice
 
 
@@ -50,3 +50,12 @@ def test_summary_compares_each_backend_with_the_first():
     assert (cudnn["runs"], cudnn["mean_wer"]) == (2, 11.0) and "difference" not in cudnn
     assert (persistent["runs"], persistent["mean_wer"], persistent["difference"]) == (2, 13.0, 2.0)
     assert math.isclose(persistent["difference_stderr"], math.sqrt((2.0 + 8.0) / 2))
+
+
+def test_evaluations_take_each_epochs_latest_line(tmp_path):
+    # A run resumed from a checkpoint written before its last evaluation evaluates that epoch again.
+    lines = [{"step": 1, "epoch": 0, "loss": 9.0}, {"epoch": 1, "eval_wer": 80.0, "eval_cer": 40.0},
+             {"epoch": 2, "eval_wer": 70.0, "eval_cer": 35.0}, {"epoch": 2, "eval_wer": 72.0, "eval_cer": 36.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert evaluations(tmp_path) == {"epochs": 2, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 72.0}
+    assert evaluations(tmp_path / "missing")["epochs"] == 0
