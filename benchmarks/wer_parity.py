@@ -20,7 +20,6 @@ reported with its exit status and left out of the means; the others still count.
 import argparse
 import json
 import math
-import platform
 import statistics
 import subprocess
 import sys
@@ -83,8 +82,10 @@ def environment() -> dict:
     """Where the runs trained: the GPU (the trainer's device=auto takes one when there is one) and the versions."""
     import torch  # here, so that --help and argument errors answer without loading torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})"
-    return {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+    from benchmarks.scaling import device_name, versions
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {"device": device_name(device), **versions(device)}
 
 
 def percent(value) -> str:
