@@ -7,7 +7,8 @@ train to the same word error rate as cuDNN?
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
 model.backend, seed, train.resume=auto and the overrides; its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to
---parallel runs go at once: on one GPU they share it, which at a small per-GPU batch leaves most of it idle anyway.
+--parallel runs go at once, spread round-robin over the visible GPUs (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per
+run: runs that share a GPU share its time, which at a small per-GPU batch leaves most of it idle anyway.
 --graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed sequences a graph cannot hold).
 Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
 ends at once), so a long comparison can span several jobs.
@@ -20,6 +21,7 @@ reported with its exit status and left out of the means; the others still count.
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -43,18 +45,30 @@ def evaluations(run_dir: Path) -> dict:
             "best_wer": min(line["eval_wer"] for line in by_epoch.values())}
 
 
-def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool) -> dict:
-    """One trainer run to the end (or its continuation); returns how it ended and what it evaluated."""
+def visible_gpus() -> list[str]:
+    """The GPUs the runs are spread over: CUDA_VISIBLE_DEVICES's entries where it is set, else every GPU torch sees."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [gpu.strip() for gpu in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    import torch  # here, so that --help and argument errors answer without loading torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool,
+          gpu: str | None) -> dict:
+    """One trainer run to the end (or its continuation) on the given GPU (None: as inherited); returns how it ended
+    and what it evaluated."""
     run_dir = runs_dir / name
     command = [sys.executable, "-m", "trainer", *overrides, f"model.backend={backend}", f"seed={seed}",
                f"run_name={name}", f"hydra.run.dir={run_dir}", "train.resume=auto", "train.progress_bar=false"]
     if graphs and backend != "cudnn":
         command.append("train.cuda_graphs=true")
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     output = runs_dir / f"{name}.out"
     started = time.perf_counter()
     with open(output, "a") as log:
-        returncode = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    return {"run": name, "backend": backend, "seed": seed, "returncode": returncode,
+        returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    return {"run": name, "backend": backend, "seed": seed, "gpu": gpu, "returncode": returncode,
             "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir)}
 
 
@@ -114,16 +128,20 @@ def main(argv=None) -> None:
     runs_dir = args.runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
-    print(f"{len(jobs)} runs, {min(args.parallel, len(jobs))} at once; output in {runs_dir}/{args.name}-*.out",
-          flush=True)
+    gpus = visible_gpus()
+    print(f"{len(jobs)} runs, {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); output in "
+          f"{runs_dir}/{args.name}-*.out", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs)
-                   for name, backend, seed in jobs]
+        # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
+        # every backend equally often, so no backend gets the less crowded GPUs.
+        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs,
+                               gpus[index % len(gpus)] if gpus else None)
+                   for index, (name, backend, seed) in enumerate(jobs)]
         rows = []
         for future in futures:
             rows.append(future.result())
             row = rows[-1]
-            print(f"{row['run']}: exit {row['returncode']}, {row['epochs']} epochs, last WER "
+            print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last WER "
                   f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
     summary = summarize(rows, args.backends)
 
@@ -143,7 +161,7 @@ def main(argv=None) -> None:
     if args.json:
         command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
         config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
-                  "overrides": args.overrides, **environment()}
+                  "overrides": args.overrides, "gpus": gpus, **environment()}
         Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
         print(f"wrote {args.json}")
 

@@ -2,12 +2,13 @@
 command again, which continues the finished runs (they end at once) instead of training them anew."""
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks.wer_parity import evaluations, summarize
+from benchmarks.wer_parity import evaluations, summarize, visible_gpus
 from conftest import REPO_ROOT, TINY, write_slice
 
 
@@ -20,11 +21,14 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
                "--parallel", "2", "--runs-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "wer.json"), "--",
                *overrides]
 
-    first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    # Two named GPUs, which these CPU runs never open: the runs take them in turn.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5"}
+    first = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     result = json.loads((tmp_path / "wer.json").read_text())
     assert [(run["backend"], run["seed"]) for run in result["runs"]] == [
         ("reference", 1), ("reference", 2), ("cudnn", 1), ("cudnn", 2)]
+    assert [run["gpu"] for run in result["runs"]] == ["3", "5", "3", "5"] and result["config"]["gpus"] == ["3", "5"]
     for run in result["runs"]:
         assert run["returncode"] == 0 and run["epochs"] == 1, run
         assert 0 <= run["last_wer"] <= 100 and run["best_wer"] == run["last_wer"]
@@ -34,7 +38,7 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
     assert math.isclose(cudnn["difference"], cudnn["mean_wer"] - reference["mean_wer"])
     assert (result["config"]["backends"], result["config"]["seeds"]) == (["reference", "cudnn"], [1, 2])
 
-    again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     continued = json.loads((tmp_path / "wer.json").read_text())
     assert [run["last_wer"] for run in continued["runs"]] == [run["last_wer"] for run in result["runs"]]
@@ -59,3 +63,10 @@ def test_evaluations_take_each_epochs_latest_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert evaluations(tmp_path) == {"epochs": 2, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 72.0}
     assert evaluations(tmp_path / "missing")["epochs"] == 0
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-8f1c,")
+    assert visible_gpus() == ["2", "GPU-8f1c"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
