@@ -39,6 +39,21 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     distributed.barrier()
 
 
+def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: DictConfig, env: DistEnv,
+                 epoch: int) -> DataLoader:
+    """One epoch's batches, pinned for asynchronous copies to the GPU except under CUDA graphs: the pin-memory
+    thread allocates page-locked memory as it goes, a CUDA call that invalidates a graph capture under way on the
+    main thread (make_graphed_callables captures in global mode)."""
+    return DataLoader(
+        train_set,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=cfg.train.num_workers,
+        pin_memory=env.device.type == "cuda" and not cfg.train.cuda_graphs,
+        generator=torch.Generator().manual_seed(cfg.seed + epoch),
+    )
+
+
 def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
     """One optimizer step on this rank's shard of a global batch.
 
@@ -207,14 +222,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
-        loader = DataLoader(
-            train_set,
-            batch_sampler=sampler,
-            collate_fn=collate,
-            num_workers=cfg.train.num_workers,
-            pin_memory=env.device.type == "cuda",
-            generator=torch.Generator().manual_seed(cfg.seed + epoch),
-        )
+        loader = train_loader(train_set, sampler, cfg, env, epoch)
         skipped = Counter()
         losses = []
         utterances = 0
