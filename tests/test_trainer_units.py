@@ -1,4 +1,5 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
+import json
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from trainer import build, checkpoint
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.train import train_loader, train_step
+from trainer.train import open_metrics, train_loader, train_step
 
 
 # --- decoding and error rates -------------------------------------------------------------------------------------
@@ -200,3 +201,22 @@ def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device,
     cfg = compose_config([f"train.cuda_graphs={str(cuda_graphs).lower()}"])
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device))
     assert train_loader([], [[0]], cfg, env, epoch=0).pin_memory is pinned
+
+
+def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    steps = [{"step": step, "epoch": (step - 1) // 4, "loss": 1.0 / step} for step in range(1, 11)]
+    evaluations = [{"epoch": 1, "eval_wer": 90.0}, {"epoch": 2, "eval_wer": 80.0}]
+    lines = steps[:4] + evaluations[:1] + steps[4:8] + evaluations[1:] + steps[8:]
+    written = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 11, "ep'  # killed mid-line
+    path.write_text(written)
+    # A checkpoint from inside the second epoch, at step 6: one evaluation, six losses.
+    with open_metrics(path, {"epoch": 1, "step": 6}) as metrics:
+        metrics.write(json.dumps({"step": 7, "epoch": 1, "loss": 0.5}) + "\n")
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == steps[:4] + evaluations[:1] + steps[4:6] + [{"step": 7, "epoch": 1, "loss": 0.5}]
+
+    path.write_text(written)
+    with open_metrics(path, None):  # a fresh run
+        pass
+    assert path.read_text() == ""

@@ -39,6 +39,8 @@ def read_metrics(run_dir):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {line["step"]: line["loss"] for line in lines if "step" in line}
     epochs = [line for line in lines if "eval_wer" in line]
+    assert len(steps) == sum("step" in line for line in lines), "a step is listed twice"
+    assert len({line["epoch"] for line in epochs}) == len(epochs), "an epoch is evaluated twice"
     return steps, epochs
 
 

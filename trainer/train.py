@@ -39,6 +39,24 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     distributed.barrier()
 
 
+def open_metrics(path: Path, resumed: dict | None):
+    """The run's metrics.jsonl, open for appending. A fresh run starts it empty; a resumed one keeps the lines its
+    checkpoint covers (losses up to its step, evaluations up to its epoch) and drops those of the steps it is about to
+    train again, and a line a killed job left half written, so that every step and epoch is listed once."""
+    kept = []
+    if resumed is not None and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            covered = record["step"] <= resumed["step"] if "step" in record else record["epoch"] <= resumed["epoch"]
+            if covered:
+                kept.append(line + "\n")
+    path.write_text("".join(kept))
+    return open(path, "a")
+
+
 def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: DictConfig, env: DistEnv,
                  epoch: int) -> DataLoader:
     """One epoch's batches, pinned for asynchronous copies to the GPU except under CUDA graphs: the pin-memory
@@ -171,7 +189,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
     # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
     # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_wer": math.inf}
+    # elapsed_s: seconds of training and evaluation over all of the run's jobs.
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_wer": math.inf, "elapsed_s": 0.0}
     resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     if resume is not None:
         saved = checkpoint.load(resume)
@@ -179,7 +198,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         sampler.load_state_dict(saved["sampler"])
-        state = saved["train_state"]
+        state = {"elapsed_s": 0.0, **saved["train_state"]}  # checkpoints from before elapsed_s count from here
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
 
@@ -191,10 +210,16 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     else:
         wrapped = model
     writer = SummaryWriter(run_dir / "tensorboard") if env.is_main else None
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if env.is_main else None
+    metrics_file = None
+    if env.is_main:
+        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if resume is not None else None)
+
+    # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
+    run_started = time.perf_counter() - state["elapsed_s"]
 
     def save(name: str) -> None:
         """Rank 0 writes; the RNG states of all ranks travel in one list so each rank resumes its own stream."""
+        state["elapsed_s"] = time.perf_counter() - run_started
         rng_states = [None] * env.world_size
         if env.world_size > 1:
             torch.distributed.all_gather_object(rng_states, checkpoint.rng_state())
@@ -217,7 +242,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
 
     result = {}
     max_steps = cfg.train.max_steps
-    run_started = time.perf_counter()
     for epoch in range(state["epoch"], cfg.train.epochs):
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
