@@ -13,10 +13,10 @@ run: runs that share a GPU share its time, which at a small per-GPU batch leaves
 Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
 ends at once), so a long comparison can span several jobs.
 
-Prints each run's last and best test WER, then per backend the mean and sample standard deviation of the last WER
-over the runs that finished, and each backend's difference from the first backend's mean with its standard error,
-sqrt(s_a^2 / n_a + s_b^2 / n_b); writes the same, with the command and versions, to --json. A failed run is
-reported with its exit status and left out of the means; the others still count.
+Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
+mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
+first backend's mean with its standard error, sqrt(s_a^2 / n_a + s_b^2 / n_b); writes the same, with the command and
+versions, to --json. A failed run is reported with its exit status and left out of the means; the others still count.
 """
 import argparse
 import json
@@ -33,16 +33,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def evaluations(run_dir: Path) -> dict:
-    """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER."""
+    """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER, and the
+    seconds the run has spent training and evaluating, over all the jobs it took."""
     path = run_dir / "metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    # A run resumed from an earlier checkpoint evaluates an epoch again: its later line counts.
-    by_epoch = {line["epoch"]: line for line in lines if "eval_wer" in line}
-    if not by_epoch:
-        return {"epochs": 0, "last_wer": None, "last_cer": None, "best_wer": None}
-    last = by_epoch[max(by_epoch)]
+    evaluated = [line for line in lines if "eval_wer" in line]
+    if not evaluated:
+        return {"epochs": 0, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None}
+    last = evaluated[-1]
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
-            "best_wer": min(line["eval_wer"] for line in by_epoch.values())}
+            "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"]}
 
 
 def visible_gpus() -> list[str]:
@@ -145,10 +145,12 @@ def main(argv=None) -> None:
                   f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
     summary = summarize(rows, args.backends)
 
-    print(f"\n{'run':<28} {'exit':>4} {'epochs':>6} {'last WER %':>10} {'best WER %':>10} {'last CER %':>10}")
+    print(f"\n{'run':<28} {'exit':>4} {'epochs':>6} {'last WER %':>10} {'best WER %':>10} {'last CER %':>10} "
+          f"{'run s':>7}")
     for row in rows:
+        elapsed = "-" if row["elapsed_s"] is None else f"{row['elapsed_s']:.0f}"
         print(f"{row['run']:<28} {row['returncode']:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
-              f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10}")
+              f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10} {elapsed:>7}")
     print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0]:>16}")
     for entry in summary:
         versus = ""

@@ -41,7 +41,10 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
     again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     continued = json.loads((tmp_path / "wer.json").read_text())
-    assert [run["last_wer"] for run in continued["runs"]] == [run["last_wer"] for run in result["runs"]]
+    # Finished runs end at once: the same evaluations, and the time they took to train, not this call's.
+    for key in ("last_wer", "elapsed_s"):
+        assert [run[key] for run in continued["runs"]] == [run[key] for run in result["runs"]]
+    assert all(run["elapsed_s"] > 0 for run in continued["runs"])
     for run in continued["runs"]:
         assert "resumed from" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
 
@@ -56,12 +59,13 @@ def test_summary_compares_each_backend_with_the_first():
     assert math.isclose(persistent["difference_stderr"], math.sqrt((2.0 + 8.0) / 2))
 
 
-def test_evaluations_take_each_epochs_latest_line(tmp_path):
-    # A run resumed from a checkpoint written before its last evaluation evaluates that epoch again.
-    lines = [{"step": 1, "epoch": 0, "loss": 9.0}, {"epoch": 1, "eval_wer": 80.0, "eval_cer": 40.0},
-             {"epoch": 2, "eval_wer": 70.0, "eval_cer": 35.0}, {"epoch": 2, "eval_wer": 72.0, "eval_cer": 36.0}]
+def test_evaluations_give_the_last_and_best(tmp_path):
+    lines = [{"step": 1, "epoch": 0, "loss": 9.0}, {"epoch": 1, "eval_wer": 80.0, "eval_cer": 40.0, "elapsed_s": 5.0},
+             {"epoch": 2, "eval_wer": 70.0, "eval_cer": 35.0, "elapsed_s": 9.5},
+             {"epoch": 3, "eval_wer": 72.0, "eval_cer": 36.0, "elapsed_s": 14.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert evaluations(tmp_path) == {"epochs": 2, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 72.0}
+    assert evaluations(tmp_path) == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 70.0,
+                                     "elapsed_s": 14.0}
     assert evaluations(tmp_path / "missing")["epochs"] == 0
 
 
