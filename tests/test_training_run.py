@@ -1,6 +1,7 @@
 """The real entry points end to end on CPU: `python -m trainer` on real AN4 speech, resume, bad input, user errors,
 then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -185,6 +186,22 @@ def test_bad_checkpoint_interval_is_one_clear_error(tmp_path):
     assert result.returncode == 2
     assert "train.checkpoint_every_steps must be a positive integer or null, not 0" in result.output
     assert "Traceback" not in result.output
+
+
+GRAPHED_ON_A_GPU = ["device=cuda", "model.backend=persistent", "train.amp=bf16", "data.features.kind=spectrogram",
+                    "train.cuda_graphs=true", "train.num_workers=2", "train.global_batch_size=32", "train.epochs=2"]
+
+
+@pytest.mark.cuda
+def test_graphed_training_captures_each_length_while_the_loader_works(an4_train, tmp_path):
+    # Batches of 32 real utterances from two loader processes, shortest first: each new padded length is captured
+    # while the loader prepares the next batches, which broke every capture after the first when batches were pinned.
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:96])
+    result = train(tmp_path / "run", utterances, *GRAPHED_ON_A_GPU)
+    assert result.output.count("capturing CUDA graphs") >= 2, result.output[-4000:]
+    steps, epochs = read_metrics(tmp_path / "run")
+    assert sorted(steps) == list(range(1, 7)) and all(math.isfinite(loss) for loss in steps.values())
+    assert [line["epoch"] for line in epochs] == [1, 2]
 
 
 def test_cuda_graphs_on_a_cpu_is_one_clear_error(tmp_path):
