@@ -5,15 +5,17 @@
 
 One layer, input size = hidden size, T = 256, every sample running all steps, for each cell, batch, hidden size and
 precision, one direction; then, at batch 4, both directions of a bidirectional layer. fp32 rows compare fp32
-everywhere; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are medians of
-CUDA-event timings after warm-up, in microseconds per timestep:
+everywhere (the persistent layer's input GEMM follows torch.backends.cuda.matmul.allow_tf32, off by default), with
+cuDNN in TF32 beside it; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are
+medians of CUDA-event timings after warm-up, in microseconds per timestep:
   persistent layer  input GEMM (F.linear) + the persistent recurrence, the same work as one cuDNN layer
   kernel only       the persistent recurrence alone on a precomputed input projection (forward), replayed as a
                     CUDA graph so that the host's per-call work (~0.2-0.5 ms of Python and ATen) cannot leave the GPU
                     idle; the JSON also splits it into a per-call prologue and a marginal per-step cost from a second
                     graph at T = 64
-  cuDNN             torch.nn.RNN(nonlinearity="relu") / GRU / LSTM, one layer (torch's default TF32 setting,
-                    recorded in the JSON)
+  cuDNN             torch.nn.RNN(nonlinearity="relu") / GRU / LSTM, one layer; fp32 rows run it twice, in fp32
+                    (torch.backends.cudnn.allow_tf32 off, the reference of their speed-ups) and with torch's default,
+                    which lets cuDNN multiply in TF32 (10 mantissa bits); bf16 rows in fp16 (the reference) and bf16
   matmul loop       h_t = h_{t-1} @ U^T (U: G*H x H), one torch.mm per step, replayed as a CUDA graph (forward only)
 "fwd+bwd" rows time forward plus the gradients of the input and every parameter. TFLOP/s counts the input GEMM and
 the recurrence (2 T B G H (I + H) per direction forward, three times that for forward and backward). Bidirectional
@@ -22,6 +24,7 @@ rows say whether the two directions ran in one launch. Each supported row's JSON
 it holds weights).
 """
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -49,6 +52,12 @@ QUICK_HIDDENS = (2048, 1152, 1024)
 BIDIRECTIONAL_BATCH = 4
 WARMUP = 3
 REPEATS = 15
+# The cuDNN runs each precision's rows are compared with: (name, dtype, whether cuDNN may multiply in TF32); the first
+# is the reference of the speed-ups. torch's default lets cuDNN run fp32 layers in TF32, which rounds the inputs of
+# every product to 10 mantissa bits, while the persistent kernels compute in fp32: so fp32 is timed against cuDNN in
+# fp32, as the kernels' speed targets were set, and TF32 is recorded beside it.
+BASELINES = {"fp32": (("fp32", torch.float32, False), ("tf32", torch.float32, True)),
+             "bf16": (("fp16", torch.float16, False), ("bf16", torch.bfloat16, False))}
 
 
 def flops(num_steps, batch_size, gate_rows, hidden_size, input_size, backward):
@@ -146,6 +155,17 @@ class Problem:
         return graph.replay
 
 
+@contextlib.contextmanager
+def cudnn_allowing_tf32(allowed):
+    """cuDNN with torch.backends.cudnn.allow_tf32 = allowed inside the block, the caller's setting after it."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
 def per_step_us(milliseconds):
     return milliseconds * 1e3 / NUM_STEPS
 
@@ -176,14 +196,13 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
             row["kernel_only_fwd_prologue_us"] = (short_ms - SHORT_STEPS * step_ms) * 1e3
     if not bidirectional:
         row["matmul_loop_fwd_us"] = per_step_us(median_ms(problem.matmul_loop()))
-    baselines = {"fp32": [torch.float32]}.get(precision, [torch.float16, torch.bfloat16])
-    for baseline_dtype in baselines:
-        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[baseline_dtype]
+    for name, baseline_dtype, tf32 in BASELINES[precision]:
         baseline = (problem if baseline_dtype == dtype
                     else Problem(cell, batch_size, hidden_size, baseline_dtype, bidirectional))
-        row[f"cudnn_{name}_fwd_us"] = per_step_us(median_ms(lambda: baseline.cudnn()))
-        row[f"cudnn_{name}_fwdbwd_us"] = per_step_us(median_ms(baseline.forward_backward(baseline.cudnn)))
-    reference = "cudnn_fp32" if precision == "fp32" else "cudnn_fp16"
+        with cudnn_allowing_tf32(tf32):
+            row[f"cudnn_{name}_fwd_us"] = per_step_us(median_ms(lambda: baseline.cudnn()))
+            row[f"cudnn_{name}_fwdbwd_us"] = per_step_us(median_ms(baseline.forward_backward(baseline.cudnn)))
+    reference = reference_of(precision)
     num_directions = 2 if bidirectional else 1
     for direction, backward in (("fwd", False), ("fwdbwd", True)):
         if verdict.ok:
@@ -195,14 +214,21 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     return row
 
 
+def reference_of(precision):
+    """The JSON key prefix of the cuDNN run a precision's speed-ups are over."""
+    return f"cudnn_{BASELINES[precision][0][0]}"
+
+
 def print_table(rows):
     header = (f"{'cell':>4} {'dirs':>4} {'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'kernel':>7} "
-              f"{'TFLOP/s':>7} | {'cuDNN':>7} {'cuDNN bf16':>10} {'mm loop':>7} | {'speed-up':>8}")
-    print("us per timestep (T = 256, one layer); cuDNN column: fp32 for fp32 rows, fp16 for bf16 rows")
+              f"{'TFLOP/s':>7} | {'cuDNN':>7} {'cuDNN alt':>10} {'mm loop':>7} | {'speed-up':>8}")
+    print("us per timestep (T = 256, one layer); cuDNN: fp32 for fp32 rows, fp16 for bf16 rows (the speed-ups' "
+          "reference); cuDNN alt: TF32 for fp32 rows, bf16 for bf16 rows")
     print(header)
     print("-" * len(header))
     for row in rows:
-        reference = "cudnn_fp32" if row["precision"] == "fp32" else "cudnn_fp16"
+        reference = reference_of(row["precision"])
+        alternative = f"cudnn_{BASELINES[row['precision']][1][0]}"
         directions = "2" + ("*" if row.get("directions_in_one_launch") else "") if row["bidirectional"] else "1"
         for direction in ("fwd", "fwdbwd"):
             def cell(key, width, digits=2):
@@ -214,7 +240,7 @@ def print_table(rows):
             print(f"{row['cell']:>4} {directions:>4} {row['precision']:>4} {row['batch']:>3} {row['hidden']:>5} "
                   f"{direction:>6} | {cell(f'persistent_{direction}_us', 8)} {kernel} "
                   f"{cell(f'persistent_{direction}_tflops', 7)} | {cell(f'{reference}_{direction}_us', 7)} "
-                  f"{cell(f'cudnn_bf16_{direction}_us', 10)} {loop} | "
+                  f"{cell(f'{alternative}_{direction}_us', 10)} {loop} | "
                   f"{cell(f'speedup_{direction}_over_{reference}', 7, 1)}x")
         if not row["persistent_supported"]:
             print(f"     persistent kernel refused {row['cell']} B={row['batch']} H={row['hidden']} "
@@ -261,7 +287,8 @@ def write_json(path, rows, configuration):
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "baselines": {precision: [{"name": name, "dtype": str(dtype), "cudnn_allow_tf32": tf32}
+                                  for name, dtype, tf32 in baselines] for precision, baselines in BASELINES.items()},
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "config": configuration,
         "rows": rows,

@@ -5,11 +5,12 @@
 
 Bidirectional stacks (input size = hidden size, T = 256, every sample running all steps) of each depth, built as
 `prnn_kernels.GRU(..., backend="persistent")` and as `torch.nn.GRU` with the same weights, timed forward and
-forward + backward (gradients of the input and every parameter) in one process. bf16 rows run the persistent stack
-in bf16 and cuDNN in fp16 and in bf16. Times are medians of CUDA-event timings after warm-up. Per depth the table
-gives the stack's time in ms and its time per layer; "per added layer" is the slope of a least-squares line through
-(depth, time), the marginal cost of one more layer, and "fixed" is that line at depth 0. Shapes the persistent
-kernel refuses are reported with its reason and skipped.
+forward + backward (gradients of the input and every parameter) in one process. fp32 stacks are compared with cuDNN
+in fp32 and in TF32, bf16 stacks run in bf16 against cuDNN in fp16 and in bf16 (benchmarks.rnn_kernels.BASELINES).
+Times are medians of CUDA-event timings after warm-up. Per depth the table gives the stack's time in ms and its time
+per layer; "per added layer" is the slope of a least-squares line through (depth, time), the marginal cost of one
+more layer, and "fixed" is that line at depth 0. Shapes the persistent kernel refuses are reported with its reason
+and skipped.
 """
 import argparse
 import json
@@ -20,11 +21,12 @@ import torch
 from torch import nn
 
 import prnn_kernels
-from benchmarks.rnn_kernels import NUM_STEPS, median_ms
+from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, median_ms
 from prnn_kernels.persistent import support
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def stack_pair(cell, hidden_size, depth, dtype):
@@ -65,28 +67,31 @@ def line_fit(depths, times):
     return mean_t - slope * mean_d, slope
 
 
-def measure(cell, hidden_size, depths, dtype, batch_size):
-    """Rows of {backend, dtype, depth, fwd_ms, fwd_bwd_ms} for one cell, size and persistent dtype."""
-    baseline_dtypes = [torch.float16, torch.bfloat16] if dtype == torch.bfloat16 else [dtype]
+def measure(cell, hidden_size, depths, dtype_name, batch_size):
+    """Rows of {backend, precision, depth, fwd_ms, fwd_bwd_ms} for one cell, size and persistent dtype; a cuDNN row's
+    precision is its baseline's name (fp32, tf32, fp16, bf16)."""
+    dtype, precision = DTYPES[dtype_name], PRECISIONS[dtype_name]
     rows = []
     for depth in depths:
         ours, theirs = stack_pair(cell, hidden_size, depth, dtype)
-        runs = [("persistent", dtype, ours)] + [("cudnn", d, theirs) for d in baseline_dtypes]
-        for backend, run_dtype, module in runs:
-            fwd, fwd_bwd = time_stack(module.to(run_dtype), batch_size, hidden_size, run_dtype)
-            rows.append({"backend": backend, "dtype": str(run_dtype).removeprefix("torch."), "depth": depth,
-                         "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd})
+        runs = [("persistent", precision, dtype, False, ours)]
+        runs += [("cudnn", name, d, tf32, theirs) for name, d, tf32 in BASELINES[precision]]
+        for backend, label, run_dtype, tf32, module in runs:
+            with cudnn_allowing_tf32(tf32):
+                fwd, fwd_bwd = time_stack(module.to(run_dtype), batch_size, hidden_size, run_dtype)
+            rows.append({"backend": backend, "precision": label, "depth": depth, "fwd_ms": fwd,
+                         "fwd_bwd_ms": fwd_bwd})
         del ours, theirs
         torch.cuda.empty_cache()
     return rows
 
 
 def summarise(rows):
-    """Per (backend, dtype): the fixed and per-added-layer cost of forward and forward + backward."""
+    """Per (backend, precision): the fixed and per-added-layer cost of forward and forward + backward."""
     summary = []
-    for key in dict.fromkeys((r["backend"], r["dtype"]) for r in rows):
-        mine = [r for r in rows if (r["backend"], r["dtype"]) == key]
-        entry = {"backend": key[0], "dtype": key[1]}
+    for key in dict.fromkeys((r["backend"], r["precision"]) for r in rows):
+        mine = [r for r in rows if (r["backend"], r["precision"]) == key]
+        entry = {"backend": key[0], "precision": key[1]}
         for measure_name in ("fwd_ms", "fwd_bwd_ms"):
             fixed, per_layer = line_fit([r["depth"] for r in mine], [r[measure_name] for r in mine])
             entry[f"{measure_name}_fixed"], entry[f"{measure_name}_per_layer"] = fixed, per_layer
@@ -96,21 +101,21 @@ def summarise(rows):
 
 def print_table(cell, hidden_size, batch_size, rows, summary, depths):
     print(f"\n{cell} bidirectional stack, H = {hidden_size}, B = {batch_size}, T = {NUM_STEPS}: ms (ms per layer)")
-    header = f"{'backend':<11}{'dtype':<10}{'pass':<9}" + "".join(f"{f'depth {d}':>18}" for d in depths)
+    header = f"{'backend':<11}{'precision':<10}{'pass':<9}" + "".join(f"{f'depth {d}':>18}" for d in depths)
     print(header + f"{'per added layer':>17}{'fixed':>9}")
     for entry in summary:
         for name, label in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd+bwd")):
             cells = []
             for depth in depths:
-                row = next(r for r in rows if (r["backend"], r["dtype"], r["depth"]) ==
-                           (entry["backend"], entry["dtype"], depth))
+                row = next(r for r in rows if (r["backend"], r["precision"], r["depth"]) ==
+                           (entry["backend"], entry["precision"], depth))
                 cells.append(f"{row[name]:8.2f} ({row[name] / depth:6.2f})")
-            print(f"{entry['backend']:<11}{entry['dtype']:<10}{label:<9}" + "".join(f"{c:>18}" for c in cells) +
+            print(f"{entry['backend']:<11}{entry['precision']:<10}{label:<9}" + "".join(f"{c:>18}" for c in cells) +
                   f"{entry[name + '_per_layer']:17.2f}{entry[name + '_fixed']:9.2f}")
     persistent = summary[0]
     for baseline in summary[1:]:
         ratios = [baseline[f"{n}_per_layer"] / persistent[f"{n}_per_layer"] for n in ("fwd_ms", "fwd_bwd_ms")]
-        print(f"per added layer, cuDNN {baseline['dtype']} / persistent {persistent['dtype']}: "
+        print(f"per added layer, cuDNN {baseline['precision']} / persistent {persistent['precision']}: "
               f"fwd {ratios[0]:.2f}x, fwd+bwd {ratios[1]:.2f}x")
 
 
@@ -138,7 +143,7 @@ def main():
                     results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name,
                                     "refused": verdict.reason})
                     continue
-                rows = measure(cell, hidden_size, args.depths, DTYPES[dtype_name], args.batch)
+                rows = measure(cell, hidden_size, args.depths, dtype_name, args.batch)
                 summary = summarise(rows)
                 print_table(cell, hidden_size, args.batch, rows, summary, args.depths)
                 results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
@@ -146,7 +151,7 @@ def main():
     if args.json:
         config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "cudnn": torch.backends.cudnn.version(), "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                  "cudnn": torch.backends.cudnn.version(), "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                   "python": platform.python_version(), "command": " ".join(sys.argv)}
         with open(args.json, "w") as f:
             json.dump({"config": config, "results": results}, f, indent=1)
