@@ -20,6 +20,11 @@ struct Fp32Math {
   // two: ten fewer live accumulators stop the 168-register LSTM variant spilling (ptxas: 548/768 bytes of spill
   // stores/loads with four, 132/196 with two). The order of each sum's FMAs is the same either way.
   static constexpr int kSamplesPerPass = kRowsPerThread * kChunksPerThread >= 24 ? 2 : 4;
+  // Samples whose FMAs with one weight register are issued back to back. In the two-sample variants both samples'
+  // chunks are loaded first and each weight meets them in turn: ptxas then spills far less (LSTM 5 x 6 forward: 132/196
+  // -> 24/24 bytes; GRU 3 x 10 backward: 176/300 -> 16/16) and their steps are 1-9 % shorter (H100, NOTES.md v16). The
+  // four-sample variants keep one sample at a time: two made ReLU's 4-sample variant 1 % slower.
+  static constexpr int kSamplesPerWeightUse = kSamplesPerPass == 2 ? 2 : 1;
   using Element = float;
   using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= K zero
 
@@ -80,6 +85,10 @@ struct Fp32Math {
   __device__ static int published_row_bytes(const RnnParams<float>& p) { return p.state_stride * 4; }
   __device__ static int staged_row_bytes(const Tiling& tiling) { return tiling.padded_k * 4; }
 
+  __device__ static float component(const float4& value, int c) {
+    return c == 0 ? value.x : (c == 1 ? value.y : (c == 2 ? value.z : value.w));
+  }
+
   // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
   __device__ void multiply(const RnnParams<float>& p, const float* staged, float* partials) const {
     const Tiling& t = p.tiling;
@@ -93,14 +102,21 @@ struct Fp32Math {
       for (int j = 0; j < kChunksPerThread; ++j) {
         const int chunk = split + j * t.k_splits;
 #pragma unroll
-        for (int b = 0; b < kSamplesPerPass; ++b) {
-          const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
+        for (int group = 0; group < kSamplesPerPass; group += kSamplesPerWeightUse) {
+          float4 v[kSamplesPerWeightUse];
+#pragma unroll
+          for (int b = 0; b < kSamplesPerWeightUse; ++b) {
+            v[b] = chunks[(first + group + b) * chunks_per_sample + chunk];
+          }
 #pragma unroll
           for (int i = 0; i < kRowsPerThread; ++i) {
-            sum[i][b] = fmaf(weight[i][j].x, v.x, sum[i][b]);
-            sum[i][b] = fmaf(weight[i][j].y, v.y, sum[i][b]);
-            sum[i][b] = fmaf(weight[i][j].z, v.z, sum[i][b]);
-            sum[i][b] = fmaf(weight[i][j].w, v.w, sum[i][b]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+#pragma unroll
+              for (int b = 0; b < kSamplesPerWeightUse; ++b) {
+                sum[i][group + b] = fmaf(component(weight[i][j], c), component(v[b], c), sum[i][group + b]);
+              }
+            }
           }
         }
       }
