@@ -202,7 +202,7 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
         with cudnn_allowing_tf32(tf32):
             row[f"cudnn_{name}_fwd_us"] = per_step_us(median_ms(lambda: baseline.cudnn()))
             row[f"cudnn_{name}_fwdbwd_us"] = per_step_us(median_ms(baseline.forward_backward(baseline.cudnn)))
-    reference = reference_of(precision)
+    reference, _ = cudnn_keys(precision)
     num_directions = 2 if bidirectional else 1
     for direction, backward in (("fwd", False), ("fwdbwd", True)):
         if verdict.ok:
@@ -214,9 +214,9 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     return row
 
 
-def reference_of(precision):
-    """The JSON key prefix of the cuDNN run a precision's speed-ups are over."""
-    return f"cudnn_{BASELINES[precision][0][0]}"
+def cudnn_keys(precision):
+    """The JSON key prefixes of a precision's cuDNN runs: (the speed-ups' reference, the one beside it)."""
+    return tuple(f"cudnn_{name}" for name, _, _ in BASELINES[precision])
 
 
 def print_table(rows):
@@ -227,8 +227,7 @@ def print_table(rows):
     print(header)
     print("-" * len(header))
     for row in rows:
-        reference = reference_of(row["precision"])
-        alternative = f"cudnn_{BASELINES[row['precision']][1][0]}"
+        reference, alternative = cudnn_keys(row["precision"])
         directions = "2" + ("*" if row.get("directions_in_one_launch") else "") if row["bidirectional"] else "1"
         for direction in ("fwd", "fwdbwd"):
             def cell(key, width, digits=2):
