@@ -4,8 +4,9 @@
 // A cell is one object per (hidden unit, sample) element a thread owns; its members live in registers for the whole
 // sequence. The engine (engine.cuh) calls, per element:
 //   init(p, unit, sample)                           once, before the first step
-//   load(p, step, unit, sample)                     right after the step's wait: starts loading the step's inputs,
-//                                                   whose latency then hides behind staging and the multiply
+//   load(p, step, unit, sample)                     after the step's wait and staging copies: starts loading the
+//                                                   step's inputs, whose latency then hides behind staging and
+//                                                   the multiply
 //   finish(p, step, unit, sample, recurrent, published)
 //                                                   recurrent: the kRowGates products of the unit's matrix rows with
 //                                                   the published vector; writes the step's outputs and fills the

@@ -3,9 +3,10 @@
 // Math (fp32_math.cuh, mma_math.cuh) holds this CTA's rows of the matrix on chip and multiplies the staged vector
 // by them; Cell (vanilla_cell.cuh, gated_cells.cuh) finishes each (hidden unit, sample) element from the recurrent
 // products of its kRowGates rows and returns the kVectorGates values it publishes. Per step:
-//   wait until every CTA of this direction published the previous vector -> start loading the cells' inputs ->
-//   stage the vector in shared memory (bulk copies shared by the cluster, stage.cuh) -> multiply into per-warp
-//   partial sums -> reduce, finish, store the CTA's slice of the next vector -> publish.
+//   wait until every CTA of this direction published the previous vector -> start staging the vector in shared
+//   memory (bulk copies shared by the cluster, stage.cuh) -> start loading the cells' inputs -> wait for the staged
+//   vector -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the next vector ->
+//   publish.
 // A CTA whose wait timed out (the launch is failing and Python will raise) stops waiting but runs the remaining
 // steps: the other CTAs of its cluster wait for its share of every step's staging.
 #pragma once
@@ -62,13 +63,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   bool in_time = true;
   for (int step = 0; step < p.num_steps; ++step) {
     if (step > 0 && in_time) in_time = wait_for_step(p, step, abort_s);
+    // Copies first: warp 0 issues them, and its own input loads would otherwise delay them (NOTES.md v17).
+    uint64_t* stage_barrier = stage_barriers + step % 2;
+    start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
+                  p.batch, tiling.cluster_size, stage_barrier);
 #pragma unroll
     for (int u = 0; u < kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
     }
-    uint64_t* stage_barrier = stage_barriers + step % 2;
-    start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
-                  p.batch, tiling.cluster_size, stage_barrier);
     finish_staging(stage_barrier, (step / 2) % 2);
     math.multiply(p, staged, partials);
     __syncthreads();
