@@ -2,7 +2,8 @@
 //
 // Math (fp32_math.cuh, mma_math.cuh) holds this CTA's rows of the matrix on chip and multiplies the staged vector
 // by them; Cell (vanilla_cell.cuh, gated_cells.cuh) finishes each (hidden unit, sample) element from the recurrent
-// products of its kRowGates rows and returns the kVectorGates values it publishes. Per step:
+// products of its kRowGates rows and returns the kVectorGates values it publishes. A thread finishes up to
+// Math::kElementsPerThread elements, whose cell state stays in its registers. Per step:
 //   wait until every CTA of this direction published the previous vector -> start staging the vector in shared
 //   memory (bulk copies shared by the cluster, stage.cuh) -> start loading the cells' inputs -> wait for the staged
 //   vector -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the next vector ->
@@ -45,12 +46,12 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   if (threadIdx.x == 0) *abort_s = 0;
   init_staging(stage_barriers);
 
-  Cell cell[kElementsPerThread];
-  int unit_local[kElementsPerThread];
-  int sample[kElementsPerThread];
-  bool active[kElementsPerThread];
+  Cell cell[Math::kElementsPerThread];
+  int unit_local[Math::kElementsPerThread];
+  int sample[Math::kElementsPerThread];
+  bool active[Math::kElementsPerThread];
 #pragma unroll
-  for (int u = 0; u < kElementsPerThread; ++u) {
+  for (int u = 0; u < Math::kElementsPerThread; ++u) {
     const int e = threadIdx.x + u * blockDim.x;
     sample[u] = e / units;
     unit_local[u] = e - sample[u] * units;
@@ -68,14 +69,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
                   p.batch, tiling.cluster_size, stage_barrier);
 #pragma unroll
-    for (int u = 0; u < kElementsPerThread; ++u) {
+    for (int u = 0; u < Math::kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
     }
     finish_staging(stage_barrier, (step / 2) % 2);
     math.multiply(p, staged, partials);
     __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kElementsPerThread; ++u) {
+    for (int u = 0; u < Math::kElementsPerThread; ++u) {
       if (active[u]) {
         // Gates innermost and the partials unrolled by 4, so independent shared-memory loads are in flight together
         // while each gate still sums its partials in order.
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     publish(p.flags, cta, step + 1);
   }
 #pragma unroll
-  for (int u = 0; u < kElementsPerThread; ++u) {
+  for (int u = 0; u < Math::kElementsPerThread; ++u) {
     if (active[u]) cell[u].end(p, cta * units + unit_local[u], sample[u]);
   }
 }

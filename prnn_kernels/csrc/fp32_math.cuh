@@ -16,10 +16,17 @@ namespace prnn {
 template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_>
 struct Fp32Math {
   static constexpr int kMaxThreads = kMaxThreads_;
-  // Samples whose partial sums a thread accumulates at once. Variants whose weights take 96 or more registers take
-  // two: ten fewer live accumulators stop the 168-register LSTM variant spilling (ptxas: 548/768 bytes of spill
-  // stores/loads with four, 132/196 with two). The order of each sum's FMAs is the same either way.
-  static constexpr int kSamplesPerPass = kRowsPerThread * kChunksPerThread >= 24 ? 2 : 4;
+  // The variants whose weights take 96 or more of their 168 registers (GRU and LSTM at H ~ 1152).
+  static constexpr bool kLarge = kRowsPerThread * kChunksPerThread >= 24;
+  // Samples whose partial sums a thread accumulates at once. The large variants take two: ten fewer live
+  // accumulators stop the 168-register LSTM variant spilling (ptxas: 548/768 bytes of spill stores/loads with four,
+  // 132/196 with two). The order of each sum's FMAs is the same either way.
+  static constexpr int kSamplesPerPass = kLarge ? 2 : 4;
+  // (hidden unit, sample) elements a thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
+  // The large variants hold one element's cell state, not two: with two, ptxas spilled values the step's input loads
+  // had just returned, so their warps waited there for the loads (~0.6 us of a GRU backward step; NOTES.md v17).
+  // Their shapes have more threads than elements at every batch whose staged vector fits in shared memory.
+  static constexpr int kElementsPerThread = kLarge ? 1 : 2;
   // Samples whose FMAs with one weight register are issued back to back. In the two-sample variants both samples'
   // chunks are loaded first and each weight meets them in turn: ptxas then spills far less (LSTM 5 x 6 forward: 132/196
   // -> 24/24 bytes; GRU 3 x 10 backward: 176/300 -> 16/16) and their steps are 1-9 % shorter (H100, NOTES.md v16). The

@@ -24,6 +24,11 @@ struct MmaMath {
   static_assert(kRegisterTiles > 0, "the first tile's A fragment comes from registers");
   static_assert(kMaxSampleTiles == 2 || kMaxSampleTiles == 4, "up to 16 samples, or 17 to 32");
   static constexpr int kMaxThreads = kMaxThreads_;
+  // (hidden unit, sample) elements a thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
+  // The 20-tile variant for up to 16 samples holds one: with two, ptxas spilled 12-44 bytes in the gated cells, with
+  // one 0-8 (LSTM bf16 H = 1152: 3.59 -> 3.18 us a forward step; NOTES.md v17). The rest keep two, which the largest
+  // batches need.
+  static constexpr int kElementsPerThread = kRegisterTiles == 20 && kMaxSampleTiles == 2 ? 1 : 2;
   static constexpr int kTilesPerWarp = kRegisterTiles + kSharedTiles;
   static constexpr int kRowsPerTile = 16;
   using Element = __nv_bfloat16;

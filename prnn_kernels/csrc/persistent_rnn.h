@@ -22,8 +22,6 @@ namespace prnn {
 
 constexpr int kMaxBatch = 32;
 constexpr int kMaxDirections = 2;
-// (hidden unit, sample) elements each thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
-constexpr int kElementsPerThread = 2;
 // Written to the status word when a spin-wait ran out of time; kernels never clear it.
 constexpr int kStatusTimedOut = 1;
 // Each CTA's flag sits alone in a 128-byte line (stride in unsigned words), so the many SMs polling different flags
