@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   bool in_time = true;
   for (int step = 0; step < p.num_steps; ++step) {
     if (step > 0 && in_time) in_time = wait_for_step(p, step, abort_s);
-    // Copies first: warp 0 issues them, and its own input loads would otherwise delay them (NOTES.md v17).
+    // Copies first: the warps that issue them would otherwise wait for their own input loads (NOTES.md v17).
     uint64_t* stage_barrier = stage_barriers + step % 2;
     start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
                   p.batch, tiling.cluster_size, stage_barrier);

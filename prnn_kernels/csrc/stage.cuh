@@ -47,10 +47,13 @@ __device__ __forceinline__ void init_staging(uint64_t* barriers) {
 }
 
 // Starts staging `batch` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
-// `staged_row_bytes` apart) in every CTA of the cluster. Call with the whole CTA after the step's wait; warp 0 issues.
+// `staged_row_bytes` apart) in every CTA of the cluster. Call with the whole CTA after the step's wait. Lane 0 of warp
+// w issues the copies of rows w, w + warps, ...: a bulk copy takes its operands from uniform registers, so the lanes
+// of one warp would issue theirs one after another (~60 ns each on an H100, NOTES.md v18).
 __device__ __forceinline__ void start_staging(const void* source, int row_bytes, void* staged, int staged_row_bytes,
                                               int batch, int cluster_size, uint64_t* barrier) {
-  if (threadIdx.x >= 32) return;
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || warp >= batch) return;
   const uint32_t barrier_address = shared_address(barrier);
   if (threadIdx.x == 0) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
@@ -65,7 +68,7 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
   // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
   asm volatile("fence.proxy.async.global;" ::: "memory");
   const uint16_t all_ctas = static_cast<uint16_t>((1u << cluster_size) - 1);
-  for (int sample = threadIdx.x; sample < batch; sample += 32) {
+  for (int sample = warp; sample < batch; sample += blockDim.x / 32) {
     const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * first;
     const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * first);
     if (cluster_size == 1) {
