@@ -25,8 +25,8 @@ from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, me
 from prnn_kernels.persistent import support
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
+# --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
+DTYPES = {"float32": (torch.float32, "fp32"), "bfloat16": (torch.bfloat16, "bf16")}
 
 
 def stack_pair(cell, hidden_size, depth, dtype):
@@ -70,7 +70,7 @@ def line_fit(depths, times):
 def measure(cell, hidden_size, depths, dtype_name, batch_size):
     """Rows of {backend, precision, depth, fwd_ms, fwd_bwd_ms} for one cell, size and persistent dtype; a cuDNN row's
     precision is its baseline's name (fp32, tf32, fp16, bf16)."""
-    dtype, precision = DTYPES[dtype_name], PRECISIONS[dtype_name]
+    dtype, precision = DTYPES[dtype_name]
     rows = []
     for depth in depths:
         ours, theirs = stack_pair(cell, hidden_size, depth, dtype)
@@ -137,7 +137,7 @@ def main():
     for cell in args.cells:
         for hidden_size in args.hiddens:
             for dtype_name in args.dtypes:
-                verdict = support(cell, hidden_size, args.batch, DTYPES[dtype_name], "cuda")
+                verdict = support(cell, hidden_size, args.batch, DTYPES[dtype_name][0], "cuda")
                 if not verdict.ok:
                     print(f"\n{cell} H = {hidden_size} {dtype_name}: persistent kernel refused: {verdict.reason}")
                     results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name,

@@ -31,7 +31,7 @@ struct Fp32Math {
   // chunks are loaded first and each weight meets them in turn: ptxas then spills far less (LSTM 5 x 6 forward: 132/196
   // -> 24/24 bytes; GRU 3 x 10 backward: 176/300 -> 16/16) and their steps are 1-9 % shorter (H100, NOTES.md v16). The
   // four-sample variants keep one sample at a time: two made ReLU's 4-sample variant 1 % slower.
-  static constexpr int kSamplesPerWeightUse = kSamplesPerPass == 2 ? 2 : 1;
+  static constexpr int kSamplesPerWeightUse = kLarge ? kSamplesPerPass : 1;
   using Element = float;
   using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= K zero
 
@@ -109,11 +109,11 @@ struct Fp32Math {
       for (int j = 0; j < kChunksPerThread; ++j) {
         const int chunk = split + j * t.k_splits;
 #pragma unroll
-        for (int group = 0; group < kSamplesPerPass; group += kSamplesPerWeightUse) {
+        for (int set = 0; set < kSamplesPerPass; set += kSamplesPerWeightUse) {
           float4 v[kSamplesPerWeightUse];
 #pragma unroll
           for (int b = 0; b < kSamplesPerWeightUse; ++b) {
-            v[b] = chunks[(first + group + b) * chunks_per_sample + chunk];
+            v[b] = chunks[(first + set + b) * chunks_per_sample + chunk];
           }
 #pragma unroll
           for (int i = 0; i < kRowsPerThread; ++i) {
@@ -121,7 +121,7 @@ struct Fp32Math {
             for (int c = 0; c < 4; ++c) {
 #pragma unroll
               for (int b = 0; b < kSamplesPerWeightUse; ++b) {
-                sum[i][group + b] = fmaf(component(weight[i][j], c), component(v[b], c), sum[i][group + b]);
+                sum[i][set + b] = fmaf(component(weight[i][j], c), component(v[b], c), sum[i][set + b]);
               }
             }
           }
