@@ -198,19 +198,21 @@ def test_matches_float64_reference(poisoned, cell, num_steps, batch_size, hidden
 
 
 BIDIRECTIONAL_CASES = [
-    # cell, T, B, H, dtype: fp32 GRU 1024 is too large for both directions at once (one launch after the other)
-    ("gru", 33, 4, 256, torch.bfloat16),
-    ("gru", 65, 8, 800, torch.bfloat16),
-    ("lstm", 17, 3, 100, torch.float32),
-    ("tanh", 17, 7, 300, torch.float32),
-    ("gru", 17, 4, 1024, torch.float32),
+    # cell, T, B, H, dtype, whether both passes run the two directions in one launch (on an H100 or H200)
+    ("gru", 33, 4, 256, torch.bfloat16, True),
+    ("gru", 65, 8, 800, torch.bfloat16, True),
+    ("gru", 33, 4, 1152, torch.bfloat16, True),  # the backward with part of its weights in shared memory
+    ("lstm", 17, 4, 1152, torch.bfloat16, False),  # the forward so; the backward one direction after the other
+    ("lstm", 17, 3, 100, torch.float32, True),
+    ("tanh", 17, 7, 300, torch.float32, True),
+    ("gru", 17, 4, 1024, torch.float32, False),  # fp32 keeps every weight in registers: one launch per direction
 ]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, num_steps, batch_size, hidden_size, dtype", BIDIRECTIONAL_CASES)
+@pytest.mark.parametrize("cell, num_steps, batch_size, hidden_size, dtype, together", BIDIRECTIONAL_CASES)
 def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, num_steps, batch_size, hidden_size,
-                                                              dtype):
+                                                              dtype, together):
     seed = num_steps + batch_size + hidden_size
     directions = [random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed + d)[0] for d in range(2)]
     _, lengths = random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed)
@@ -239,8 +241,7 @@ def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, nu
     assert all(torch.isfinite(a).all() for a in actual)
     errors = [relative_error(a.double(), e) for a, e in zip(actual, expected)]
     assert max(errors) <= TOLERANCE[dtype], f"relative errors {errors}"
-    together = directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
-    assert together == (hidden_size != 1024), "the launch planner changed: update BIDIRECTIONAL_CASES' comment"
+    assert directions_run_together(cell, hidden_size, batch_size, dtype, CUDA) == together, "the planner changed"
 
 
 @pytest.mark.cuda
@@ -307,27 +308,30 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions, weights_in_shared_memory", [
-    ("relu", 2048, 4, torch.float32, 1, False),
-    ("gru", 1152, 4, torch.float32, 1, False),
-    ("lstm", 1152, 8, torch.bfloat16, 1, False),
-    ("relu", 1152, 4, torch.bfloat16, 2, False),
-    ("gru", 1152, 4, torch.float32, 2, False),
-    ("gru", 2048, 4, torch.bfloat16, 2, True),
-    ("lstm", 2048, 4, torch.bfloat16, 1, True),
+    # weights_in_shared_memory: (forward, backward)
+    ("relu", 2048, 4, torch.float32, 1, (False, False)),
+    ("gru", 1152, 4, torch.float32, 1, (False, False)),
+    ("lstm", 1152, 8, torch.bfloat16, 1, (False, False)),
+    ("relu", 1152, 4, torch.bfloat16, 2, (False, False)),
+    ("gru", 1152, 4, torch.float32, 2, (False, False)),
+    ("gru", 1152, 4, torch.bfloat16, 2, (False, True)),
+    ("lstm", 1152, 4, torch.bfloat16, 2, (True, False)),
+    ("gru", 2048, 4, torch.bfloat16, 2, (True, True)),
+    ("lstm", 2048, 4, torch.bfloat16, 1, (True, True)),
 ])
 def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions,
                                                            weights_in_shared_memory):
     plans = launch_plans(cell, hidden_size, batch_size, dtype, CUDA, directions)
     assert [plan["pass"] for plan in plans] == ["forward", "backward"]
     multiprocessors = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    for plan in plans:
+    for plan, in_shared_memory in zip(plans, weights_in_shared_memory):
         assert plan["ok"] and plan["reason"] == ""
         assert plan["cluster_size"] in (1, 2, 4) and plan["ctas_per_direction"] % plan["cluster_size"] == 0
         assert plan["units_per_cta"] * plan["ctas_per_direction"] >= hidden_size
         launched = plan["ctas_per_direction"] * (directions if plan["directions_in_one_launch"] else 1)
         assert launched <= 2 * multiprocessors and plan["threads"] <= 1024
-        # Shared memory holds weights only where the registers cannot hold one direction's.
-        assert (plan["weight_smem_bytes"] > 0) == weights_in_shared_memory
+        # Shared memory holds weights only where the registers cannot hold those of the directions launched at once.
+        assert (plan["weight_smem_bytes"] > 0) == in_shared_memory
         assert plan["weight_smem_bytes"] < plan["smem_bytes"]
     together = all(plan["directions_in_one_launch"] for plan in plans)
     assert together == directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
