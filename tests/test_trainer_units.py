@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from conftest import REPO_ROOT
 from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
+from prnn_kernels import relative_error
 from trainer import build, checkpoint
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
@@ -92,6 +93,31 @@ def test_unknown_optimizer_names_the_key():
     cfg = compose_config(["optim.name=adagrad"])
     with pytest.raises(ValueError, match="optim.name"):
         build.optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(1))])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_optimizers_on_a_gpu_are_fused_and_step_as_torch_default_does(name):
+    cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=1e-2"])
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(800, 161), (3, 3), (2400,)]
+    parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator).cuda()) for shape in shapes]
+    fused = build.optimizer(cfg.optim, parameters)
+    assert fused.defaults["fused"]
+    initial = [parameter.detach().clone() for parameter in parameters]
+    expected = [torch.nn.Parameter(parameter.detach().clone()) for parameter in parameters]
+    options = {key: value for key, value in fused.defaults.items() if key in ("lr", "momentum", "nesterov",
+                                                                                 "betas", "weight_decay")}
+    default = type(fused)(expected, **options)  # torch's default: foreach kernels
+    for _ in range(3):
+        for parameter, twin in zip(parameters, expected):
+            parameter.grad = torch.randn(parameter.shape, generator=generator).cuda()
+            twin.grad = parameter.grad.clone()
+        fused.step()
+        default.step()
+    for parameter, twin, before in zip(parameters, expected, initial):
+        assert relative_error(parameter.double(), before.double()) > 1e-3  # the steps moved it
+        assert relative_error(parameter.double(), twin.double()) <= 1e-6
 
 
 def test_lr_schedule_warms_up_then_anneals_per_epoch():

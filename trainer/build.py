@@ -25,13 +25,18 @@ def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
 
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
+    parameters = list(parameters)
+    # On a GPU the update is one fused kernel instead of torch's default foreach kernels, several per parameter chunk.
+    fused = bool(parameters) and all(parameter.is_cuda for parameter in parameters)
     if optim_cfg.name == "sgd":
         return torch.optim.SGD(
-            parameters, lr=optim_cfg.lr, momentum=optim_cfg.momentum, nesterov=True, weight_decay=optim_cfg.weight_decay
+            parameters, lr=optim_cfg.lr, momentum=optim_cfg.momentum, nesterov=True,
+            weight_decay=optim_cfg.weight_decay, fused=fused,
         )
     if optim_cfg.name == "adamw":
         return torch.optim.AdamW(
-            parameters, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+            parameters, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
+            fused=fused,
         )
     raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {optim_cfg.name!r}")
 
