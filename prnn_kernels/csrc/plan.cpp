@@ -147,7 +147,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
 }
 
 // Registers first. Where they cannot hold both directions at once, part of the weights goes to shared memory so that
-// both still run in one launch: that beat one register-only launch per direction at every shape it changed, by 7-39 %
+// both still run in one launch: that beat one register-only launch per direction at every shape it changed, by 7-34 %
 // a layer's forward+backward (H100, NOTES.md v19). One launch per direction is left for what fits no other way.
 LaunchPlan choose_plan(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions,
                        int device) {
