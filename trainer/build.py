@@ -26,8 +26,9 @@ def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
     parameters = list(parameters)
-    # On a GPU the update is one fused kernel instead of torch's default foreach kernels, several per parameter chunk.
-    fused = bool(parameters) and all(parameter.is_cuda for parameter in parameters)
+    # On a GPU the update is one fused kernel instead of torch's default foreach kernels, several per parameter chunk;
+    # elsewhere torch's default (None: an explicit False would also turn off its choice of foreach).
+    fused = True if parameters and all(parameter.is_cuda for parameter in parameters) else None
     if optim_cfg.name == "sgd":
         return torch.optim.SGD(
             parameters, lr=optim_cfg.lr, momentum=optim_cfg.momentum, nesterov=True,
