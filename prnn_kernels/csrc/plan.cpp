@@ -146,9 +146,10 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   return refuse(reason);
 }
 
-// Registers first. Where they cannot hold both directions at once, part of the weights goes to shared memory so that
-// both still run in one launch: that beat one register-only launch per direction at every shape it changed, by 7-34 %
-// a layer's forward+backward (H100, NOTES.md v19). One launch per direction is left for what fits no other way.
+// Registers first. Where they cannot hold all of the launch's directions at once, part of the weights goes to shared
+// memory: for one direction because nothing else fits, for two because one launch of both beat one register-only
+// launch per direction at every shape it changed, by 7-34 % a layer's forward+backward (H100, NOTES.md v19). The
+// caller falls back to one launch per direction where no plan holds both.
 LaunchPlan choose_plan(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions,
                        int device) {
   const LaunchPlan in_registers = choose(precision, pass, cell, hidden, batch, directions, device, false);
