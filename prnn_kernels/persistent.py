@@ -305,7 +305,7 @@ class _PersistentLayer(torch.autograd.Function):
         grad_pre = grad_state[:, 1:num_steps + 1, :, :gate_rows].reshape(ctx.num_directions, -1, gate_rows)
         state_in = state[:, :num_steps, :, :hidden_size].flip(1).reshape(ctx.num_directions, -1, hidden_size)
         # A bf16 layer's GEMM takes g and h in bf16, as its recurrence's own products do, and accumulates in fp32:
-        # on tensor cores rather than fp32 FMAs, 3-11x faster (NOTES.md, v20).
+        # on tensor cores rather than fp32 FMAs, 3-8x faster with the casts (NOTES.md, v20).
         dtype = weight_hh[0].dtype
         grad_weights = torch.bmm(grad_pre.to(dtype).transpose(1, 2), state_in.to(dtype), out_dtype=torch.float32)
         grad_weights = grad_weights.to(dtype).unbind(0)
