@@ -34,6 +34,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 convolutions in fp32. cuDNN's default TF32 rounds them to 10 mantissa bits: padding that changes a shape
+    and so cuDNN's algorithm moves the loss by ~1e-3, and gradients 1e-6 apart upstream reach the convolution
+    weights' gradients 1e-5 to 1e-4 apart."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
+
 def find_an4() -> Path:
     """AN4 lives beside the checkout in ../shared/data/an4; on the device machine it is carried as .data/an4."""
     candidates = [Path(os.environ["PRNN_AN4"])] if "PRNN_AN4" in os.environ else []

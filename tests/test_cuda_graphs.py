@@ -42,53 +42,64 @@ def setup(cfg, device):
     return model, optimizer, build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=100)
 
 
-@pytest.fixture
-def no_tf32():
-    """fp32 convolutions in fp32: padding changes their shapes and so cuDNN's algorithm, which in TF32 alone moves
-    the loss by ~1e-3."""
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = saved
+def difference(actual, expected):
+    """relative_error, and where `expected` is all zeros (a skipped step's update) 0 if `actual` is too, else inf."""
+    if not expected.any():
+        return math.inf if actual.any() else 0.0
+    return relative_error(actual, expected)
 
 
-# Losses step by step, and the weights' change over all steps, which rounding differences grow into: one pass's
-# fp32 gradients agree to ~2e-5 (H100), the first convolution's change after six steps to ~3e-3. A graph that
-# replayed stale inputs, lost an update or left batch-norm statistics disturbed would be off by far more.
-@pytest.mark.cuda
-@pytest.mark.parametrize("amp, loss_tolerance, change_tolerance", [("none", 1e-4, 3e-2), ("bf16", 3e-2, 0.3)])
-def test_graphed_steps_match_eager_steps(amp, loss_tolerance, change_tolerance, no_tf32):
+def graphed_against_eager(amp, seed):
+    """Training steps on the graphed model and on an eager twin, each step started from the eager run's weights,
+    batch-norm statistics and momentum, so that one step's rounding cannot compound into the next: the training
+    dynamics amplify it (from 1e-6 to 1e-3 in the loss within three steps, for some seeds). Yields, per step, both
+    outcomes and losses, the relative error of every parameter's update and of every buffer after the step."""
     device = torch.device("cuda")
-    # SGD: a step's update is linear in the gradient, so the weights compare the gradients themselves.
+    # SGD: a step's update is linear in the gradient, so the updates compare the gradients themselves.
     cfg = compose_config(["model.depth=2", "model.hidden=64", "model.conv_channels=4", "model.backend=persistent",
                           "data.features.kind=mel", f"data.features.n_mels={NUM_FEATURES}", f"train.amp={amp}",
                           "optim=sgd", "optim.lr=1e-2", "optim.warmup_steps=0"])
     eager_model, eager_optimizer, eager_schedule = setup(cfg, device)
     model, optimizer, schedule = setup(cfg, device)
-    initial = copy.deepcopy(model.state_dict())
     graphed = CudaGraphed(model, PAD_FRAMES, amp == "bf16")
     env = DistEnv(0, 1, 0, device)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     batches = [random_batch(generator, *shape) for shape in SHAPES]
     batches.insert(3, random_batch(generator, 4, 140, nan=True))  # reuses the 150-frame graph, skipped by both
-    for step, batch in enumerate(batches):
-        eager_outcome, eager_loss = train_step(eager_model, batch, eager_optimizer, eager_schedule, cfg, env)
-        outcome, loss = train_step(graphed, batch, optimizer, schedule, cfg, env)
-        assert outcome == eager_outcome
+    for batch in batches:
+        model.load_state_dict(eager_model.state_dict())  # copies in place: the graphs keep their parameters
+        optimizer.load_state_dict(copy.deepcopy(eager_optimizer.state_dict()))  # its momentum, not an alias of it
+        start = {name: value.detach().double() for name, value in model.named_parameters()}
+        eager = train_step(eager_model, batch, eager_optimizer, eager_schedule, cfg, env)
+        graph = train_step(graphed, batch, optimizer, schedule, cfg, env)
+        eager_parameters = dict(eager_model.named_parameters())
+        update_errors = {name: difference(value.detach().double() - start[name],
+                                          eager_parameters[name].detach().double() - start[name])
+                         for name, value in model.named_parameters()}
+        eager_buffers = dict(eager_model.named_buffers())
+        buffer_errors = {name: difference(value.double(), eager_buffers[name].double())
+                         for name, value in model.named_buffers() if value.is_floating_point()}
+        yield eager, graph, update_errors, buffer_errors
+    assert graphed.num_graphs == 3
+
+
+# Margins seen on an H100 over five seeds: fp32 losses within 1.4e-7, updates 7e-5, batch-norm statistics 2.5e-7; bf16
+# losses equal, updates within 1.5e-3 (bf16 roundings that the padding's different sums tip). A graph that replayed
+# stale inputs, lost an update or left batch-norm statistics disturbed would be off by far more.
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp, loss_tolerance, update_tolerance", [("none", 1e-5, 1e-3), ("bf16", 1e-3, 3e-2)])
+def test_graphed_steps_match_eager_steps(amp, loss_tolerance, update_tolerance, no_tf32):
+    for step, (eager, graph, update_errors, buffer_errors) in enumerate(graphed_against_eager(amp, seed=1)):
+        (eager_outcome, eager_loss), (outcome, loss) = eager, graph
+        assert outcome == eager_outcome, step
         if outcome == "ok":
             assert abs(loss - eager_loss) <= loss_tolerance * abs(eager_loss), (step, loss, eager_loss)
         else:
             assert math.isnan(loss) and math.isnan(eager_loss)
-    assert graphed.num_graphs == 3
-    for name, value in model.state_dict().items():
-        eager_value = eager_model.state_dict()[name]
-        if value.is_floating_point():
-            # The change from the initial weights, so a wrong update cannot hide behind the weights' own size.
-            start = initial[name].double()
-            error = relative_error(value.double() - start, eager_value.double() - start)
-            assert error <= change_tolerance, (name, error)
-        else:
-            assert torch.equal(value, eager_value), name
+        worst_update = max(update_errors, key=update_errors.get)
+        assert update_errors[worst_update] <= update_tolerance, (step, worst_update, update_errors[worst_update])
+        worst_buffer = max(buffer_errors, key=buffer_errors.get)
+        assert buffer_errors[worst_buffer] <= 1e-5, (step, worst_buffer, buffer_errors[worst_buffer])
 
 
 @pytest.mark.cuda

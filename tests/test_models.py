@@ -128,27 +128,42 @@ def test_invalid_arguments_are_rejected():
 def test_masked_batch_norm_is_batch_norm_over_valid_frames(channel_dim):
     torch.manual_seed(0)
     channels = 5
-    lengths = torch.tensor([6, 1, 4])  # the random values past them must not count
+    lengths = torch.tensor([6, 1, 4])  # the values past them must not count, not even NaN
     valid = torch.arange(6)[None, :] < lengths[:, None]  # (B, T)
     if channel_dim == 2:  # sequence-wise: (T, B, H)
         x = 2 * torch.randn(6, 3, channels, dtype=torch.float64) + 1
         mask = valid.t().unsqueeze(2)
-        channels_last = x
     else:  # conv front end: (B, C, F, T)
         x = 2 * torch.randn(3, channels, 4, 6, dtype=torch.float64) + 1
         mask = valid[:, None, None, :]
-        channels_last = x.permute(0, 2, 3, 1)
+    x = x.masked_fill(~mask, float("nan"))
+    upstream = torch.randn(x.shape, dtype=torch.float64)
     masked = MaskedBatchNorm(channels, channel_dim).double()
     plain = torch.nn.BatchNorm1d(channels, dtype=torch.float64)
+    with torch.no_grad():  # weights other than the initial ones, so their gradients' paths count
+        for norm in (masked, plain):
+            norm.weight.copy_(torch.linspace(0.5, 2, channels))
+            norm.bias.copy_(torch.linspace(-1, 1, channels))
+
+    def channels_last(tensor):
+        return tensor.permute(0, 2, 3, 1) if channel_dim == 1 else tensor
+
+    valid_positions = channels_last(torch.broadcast_to(mask, x.shape))[..., 0]
     for train in (True, False):
         masked.train(train)
         plain.train(train)
-        output = masked(x, mask)
-        output_channels_last = output.permute(0, 2, 3, 1) if channel_dim == 1 else output
-        valid_positions = torch.broadcast_to(mask, x.shape).movedim(channel_dim, -1)[..., 0]
-        expected = plain(channels_last[valid_positions])  # (N valid, C)
-        assert relative_error(output_channels_last[valid_positions], expected) < 1e-12, f"train={train}"
-        assert not output_channels_last[~valid_positions].any()
+        x_masked, x_plain = x.clone().requires_grad_(), channels_last(x)[valid_positions].requires_grad_()
+        output = masked(x_masked, mask)
+        expected = plain(x_plain)  # (N valid, C)
+        assert relative_error(channels_last(output)[valid_positions], expected) < 1e-12, f"train={train}"
+        assert not channels_last(output)[~valid_positions].any()
+        actual_grads = torch.autograd.grad((output * upstream).sum(), [x_masked, masked.weight, masked.bias])
+        expected_grads = torch.autograd.grad((expected * channels_last(upstream)[valid_positions]).sum(),
+                                             [x_plain, plain.weight, plain.bias])
+        assert relative_error(channels_last(actual_grads[0])[valid_positions], expected_grads[0]) < 1e-12
+        assert not channels_last(actual_grads[0])[~valid_positions].any()
+        for actual, wanted in zip(actual_grads[1:], expected_grads[1:]):
+            assert relative_error(actual, wanted) < 1e-12, f"train={train}"
     assert relative_error(masked.running_var, plain.running_var) < 1e-12
     assert relative_error(masked.running_mean, plain.running_mean) < 1e-12
 

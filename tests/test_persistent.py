@@ -246,7 +246,7 @@ def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, nu
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cell", ["gru", "lstm", "relu"])
-def test_model_on_persistent_backend_matches_reference_backend(cell):
+def test_model_on_persistent_backend_matches_reference_backend(cell, no_tf32):
     """A bidirectional 2-layer stack inside DeepSpeech2: loss and every gradient, persistent against reference."""
     from models.deepspeech2 import DeepSpeech2
 
