@@ -185,8 +185,7 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     dtype = input_proj.dtype
     hx_stacked = torch.stack([state[0] for state in states]).to(dtype)
     cx_stacked = torch.stack([state[1] for state in states]).to(dtype) if cell == "lstm" else None
-    parameters = [w.to(dtype).contiguous() for w in weight_hh]
-    parameters += [b.to(dtype).contiguous() for b in bias_hh if b is not None]
+    parameters = list(weight_hh) + [b for b in bias_hh if b is not None]
     with torch.autocast("cuda", enabled=False):
         output, h_n, c_n = _PersistentLayer.apply(
             cell, bool(reverse), num_directions, input_proj.contiguous(), hx_stacked, cx_stacked,
@@ -266,11 +265,17 @@ def _timeout_ns() -> int:
 
 class _PersistentLayer(torch.autograd.Function):
     """D directions of one layer: inputs (cell, reverse, D, input_proj, hx (D, B, H), cx (D, B, H) or None, lengths,
-    D weight_hh, then D bias_hh or none); outputs (output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) or empty)."""
+    D weight_hh, then D bias_hh or none); outputs (output (T, B, D*H), h_n (D, B, H), c_n (D, B, H) or empty).
+
+    The parameters may come in another dtype than input_proj's (fp32 master weights of a bf16 layer under autocast):
+    they are cast in here, and their gradients leave in their own dtype straight from the fp32 GEMM and sum, rather
+    than rounded to the layer's dtype and cast back by autograd nodes outside."""
 
     @staticmethod
     def forward(ctx, cell, reverse, num_directions, input_proj, hx, cx, lengths, *parameters):
-        weight_hh, bias_hh = list(parameters[:num_directions]), list(parameters[num_directions:])
+        ctx.parameter_dtype = parameters[0].dtype  # torch.nn's layers keep one dtype for all their parameters
+        parameters = [parameter.to(input_proj.dtype).contiguous() for parameter in parameters]
+        weight_hh, bias_hh = parameters[:num_directions], parameters[num_directions:]
         _extension()  # loaded before the first call: it holds the operators' CUDA kernels
         status = _LaunchStatus.of(input_proj.device)
         status.check(wait=False)
@@ -308,8 +313,8 @@ class _PersistentLayer(torch.autograd.Function):
         # on tensor cores rather than fp32 FMAs, 3-8x faster with the casts (NOTES.md, v20).
         dtype = weight_hh[0].dtype
         grad_weights = torch.bmm(grad_pre.to(dtype).transpose(1, 2), state_in.to(dtype), out_dtype=torch.float32)
-        grad_weights = grad_weights.to(dtype).unbind(0)
-        grad_biases = grad_pre.sum(1).to(dtype).unbind(0) if ctx.has_bias else ()
+        grad_weights = grad_weights.to(ctx.parameter_dtype).unbind(0)
+        grad_biases = grad_pre.sum(1).to(ctx.parameter_dtype).unbind(0) if ctx.has_bias else ()
         grad_cx = grad_cx.to(ctx.hx_dtype) if lstm else None
         return (None, None, None, grad_input_proj, grad_hx.to(ctx.hx_dtype), grad_cx, None, *grad_weights,
                 *grad_biases)

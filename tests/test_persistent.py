@@ -282,6 +282,25 @@ def test_repeated_runs_are_identical(cell):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cell", ["tanh", "lstm"])
+def test_fp32_parameters_of_a_bf16_layer_get_unrounded_fp32_gradients(cell):
+    """fp32 master weights of a bf16 layer (as under autocast) run the same bf16 layer as their bf16 copies, and get
+    that layer's fp32 weight and bias gradients before any rounding to bf16."""
+    leaves, lengths = random_layer(cell, 17, 4, 300, torch.bfloat16, True, seed=5)
+    upstream = random_upstream(cell, 17, 4, 300, torch.bfloat16)
+    masters = [leaf.detach().float().requires_grad_() for leaf in leaves[-2:]]  # weight_hh, bias_hh
+    in_bf16 = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
+    in_fp32 = outputs_and_gradients(persistent_layer, cell, [*leaves[:-2], *masters], lengths, False, upstream)
+    persistent.raise_if_failed()
+    for bf16_value, fp32_value in zip(in_bf16[:-2], in_fp32[:-2]):  # outputs and the other gradients: the same
+        assert torch.equal(bf16_value, fp32_value)
+    for bf16_grad, fp32_grad in zip(in_bf16[-2:], in_fp32[-2:]):
+        assert fp32_grad.dtype == torch.float32 and torch.isfinite(fp32_grad).all()
+        assert torch.equal(fp32_grad.to(torch.bfloat16), bf16_grad)
+        assert not torch.equal(fp32_grad.to(torch.bfloat16).float(), fp32_grad)  # not rounded on the way
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "cell, hidden_size, batch_size, dtype, message",
     [
