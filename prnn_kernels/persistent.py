@@ -116,8 +116,9 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         input_proj: (T, B, G*H) x @ weight_ih^T + bias_ih for every step, G = NUM_GATES[cell], float32 or bfloat16
             (sets the precision: bfloat16 runs bf16 weights and activations with fp32 accumulation and fp32 state).
         hx: (B, H) initial state; for "lstm" a tuple (h0, c0).
-        weight_hh: (G*H, H) recurrent weights (cast to input_proj's dtype).
-        bias_hh: (G*H,) recurrent bias, or None.
+        weight_hh: (G*H, H) recurrent weights, cast to input_proj's dtype for the kernel; their gradient comes back in
+            their own dtype, from fp32 sums (fp32 master weights of a bf16 layer get it unrounded).
+        bias_hh: (G*H,) recurrent bias in weight_hh's dtype, or None.
         lengths: (B,) int64 valid steps per sample; on the CPU they are checked to lie in [0, T], on the GPU they
             are clamped to it.
         reverse: run t = T-1 .. 0; a sample's pass starts from hx at its own last valid step.
