@@ -5,6 +5,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 
+def _per_channel_shape(num_dims: int, channel_dim: int) -> list[int]:
+    """The view shape that broadcasts a (C,) vector along channel_dim of a tensor of num_dims dimensions."""
+    shape = [1] * num_dims
+    shape[channel_dim] = -1
+    return shape
+
+
 class _BatchStatisticsNorm(torch.autograd.Function):
     """Training mode's normalisation by the statistics of the valid positions, with its gradient written out (as
     torch.nn.SyncBatchNorm does). Autograd composing the same arithmetic ran 75 kernel-launching operators for a
@@ -22,8 +29,7 @@ class _BatchStatisticsNorm(torch.autograd.Function):
     def forward(ctx, x, mask, weight, bias, eps, channel_dim, sync):
         stats_dtype = torch.promote_types(x.dtype, torch.float32)
         reduce_dims = [d for d in range(x.dim()) if d != channel_dim]
-        per_channel = [1] * x.dim()  # reshapes a (C,) vector to broadcast along channel_dim
-        per_channel[channel_dim] = -1
+        per_channel = _per_channel_shape(x.dim(), channel_dim)
         padding = ~mask
         # masked_fill rather than a multiply, so non-finite padding cannot leak into the sums.
         values = x.to(stats_dtype).masked_fill(padding, 0)
@@ -109,8 +115,7 @@ class MaskedBatchNorm(nn.Module):
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
                 self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), self.momentum)
             return y
-        per_channel = [1] * x.dim()
-        per_channel[channel_dim] = -1
+        per_channel = _per_channel_shape(x.dim(), channel_dim)
         scale = self.weight * torch.rsqrt(self.running_var + self.eps)
         shift = self.bias - self.running_mean * scale
         padding = ~mask
