@@ -186,7 +186,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
 
     def step_on(network, per_rank_batch, world_size):
         batch = random_batch(per_rank_batch, args.frames, num_features, args.seed + env.rank, device)
-        step_env = DistEnv(env.rank, world_size, env.local_rank, device)
+        step_env = DistEnv(env.rank, world_size, device)
         return lambda: train_step(network, batch, optimizer, schedule, cfg, step_env)
 
     def timed(function):
@@ -218,7 +218,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     else:
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
         wrapped = DistributedDataParallel(
-            model, device_ids=[env.local_rank] if device.type == "cuda" else None, bucket_cap_mb=DDP_BUCKET_CAP_MB
+            model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=DDP_BUCKET_CAP_MB
         )
         step = step_on(wrapped, per_rank_batch, env.world_size)
         result["step"] = summary(timed(step), per_rank_batch=per_rank_batch)

@@ -69,7 +69,7 @@ def measure(args, model_name: str, backend: str, cuda_graphs: bool, batch_size: 
     optimizer = build.optimizer(cfg.optim, model.parameters())
     schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
     batch = random_batch(batch_size, args.frames, num_features, args.seed, device)
-    env = distributed.DistEnv(0, 1, 0, device)
+    env = distributed.DistEnv(0, 1, device)
     # The frame count is fixed, so padding to a multiple of it makes one graph, captured in the warm-up.
     network = CudaGraphed(model, args.frames, amp) if cuda_graphs else model
     step = lambda: train_step(network, batch, optimizer, schedule, cfg, env)

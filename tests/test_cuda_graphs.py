@@ -62,7 +62,7 @@ def graphed_against_eager(amp, seed):
     eager_model, eager_optimizer, eager_schedule = setup(cfg, device)
     model, optimizer, schedule = setup(cfg, device)
     graphed = CudaGraphed(model, PAD_FRAMES, amp == "bf16")
-    env = DistEnv(0, 1, 0, device)
+    env = DistEnv(0, 1, device)
     generator = torch.Generator().manual_seed(seed)
     batches = [random_batch(generator, *shape) for shape in SHAPES]
     batches.insert(3, random_batch(generator, 4, 140, nan=True))  # reuses the 150-frame graph, skipped by both
@@ -110,7 +110,7 @@ def test_graphs_refuse_a_cudnn_layer_with_the_reason():
     model, optimizer, schedule = setup(cfg, device)
     batch = random_batch(torch.Generator().manual_seed(0), 2, 60)
     with pytest.raises(ValueError, match="runs on cuDNN"):
-        train_step(CudaGraphed(model, PAD_FRAMES, False), batch, optimizer, schedule, cfg, DistEnv(0, 1, 0, device))
+        train_step(CudaGraphed(model, PAD_FRAMES, False), batch, optimizer, schedule, cfg, DistEnv(0, 1, device))
 
 
 def test_pad_frames_must_be_a_positive_integer():

@@ -153,21 +153,47 @@ def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_pat
     assert_trained_alike(tmp_path, two_rank_run)
 
 
-@needs_mpiexec
-@pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
-    """The same on GPUs: gradients and batch-norm statistics all-reduced by NCCL, GRU layers on the persistent
-    kernels (batch 2 per rank against 4 in one process), fp32 throughout."""
+def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str) -> str:
+    """One GPU process, then two ranks with `overrides`, both with GRU layers on the persistent kernels (batch 2 per
+    rank against 4 in one process) in fp32; the two-rank job's output."""
     from prnn_kernels.build import load_extension
 
     load_extension()  # built once here, not inside the jobs' time limit
     gpu = ("device=cuda", "model.backend=persistent")
     for world_size in (1, 2):
-        command = trainer_command(an4_slice, tmp_path / f"{world_size}", world_size, *gpu)
+        command = trainer_command(an4_slice, run_dir / f"{world_size}", world_size, *gpu, *overrides)
         code, output = run_job(command, TRAIN_TIMEOUT_S)
         assert code == 0, output
-    assert_trained_alike(tmp_path / "1", tmp_path / "2")
+    assert_trained_alike(run_dir / "1", run_dir / "2")
+    return output
+
+
+@needs_mpiexec
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
+    """The same on GPUs: gradients and batch-norm statistics all-reduced by NCCL."""
+    output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path)
+    assert "over nccl" in output, output
+
+
+@needs_mpiexec
+@pytest.mark.cuda
+def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path, monkeypatch):
+    """distributed.share_gpus: both ranks on the one visible GPU, all-reducing over gloo, as two GPUs would."""
+    monkeypatch.setitem(JOB_ENV, "CUDA_VISIBLE_DEVICES", "0")
+    code, output = run_job(trainer_command(an4_slice, tmp_path / "refused", 2, "device=cuda"), FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert "error on rank 0: 2 ranks on this node but 1 GPU(s) visible" in output, output
+    output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path, "distributed.share_gpus=true")
+    assert "rank 1 of 2 (local rank 1) on cuda:0 over gloo" in output, output
+
+
+def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
+    assert [distributed.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
+    assert [distributed.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="3 ranks on this node but 2 GPU"):
+        distributed.rank_gpu(0, 3, 2, share_gpus=False)
 
 
 @needs_mpiexec

@@ -184,7 +184,7 @@ def tiny_setup(nan_in_features: bool):
 def test_train_step_updates_weights():
     cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
     before = [p.detach().clone() for p in model.parameters()]
-    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
     assert outcome == "ok" and math.isfinite(loss) and loss > 0
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
@@ -192,7 +192,7 @@ def test_train_step_updates_weights():
 def test_nan_loss_skips_the_step_and_leaves_weights_untouched():
     cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=True)
     before = [t.detach().clone() for t in model.state_dict().values()]
-    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, 0, torch.device("cpu")))
+    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
     assert outcome == "non-finite loss or gradient" and math.isnan(loss)
     # Weights and batch-norm running statistics alike: the bad batch leaves no trace.
     assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
@@ -225,7 +225,7 @@ def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device,
     # A pinned allocation on the loader's thread while the main thread captures a graph invalidates the capture
     # (seen at batch 32 on AN4).
     cfg = compose_config([f"train.cuda_graphs={str(cuda_graphs).lower()}"])
-    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device))
+    env = DistEnv(rank=0, world_size=1, device=torch.device(device))
     assert train_loader([], [[0]], cfg, env, epoch=0).pin_memory is pinned
 
 

@@ -4,6 +4,11 @@ The one place that reads rank information. Rank, world size and local rank come 
 launcher's variables (OpenMPI, MPICH/PMI, SLURM) are the fallback where mpi4py is unavailable. Rank 0's address
 and a free port are broadcast over MPI, then torch.distributed starts: NCCL on GPUs, gloo on CPUs. A process
 started without a launcher is a world of one and never imports MPI.
+
+Each rank takes its node's GPU of its local rank. More ranks on a node than GPUs is refused unless share_gpus
+allows it: then local rank r takes GPU r mod the GPU count and the group runs on gloo, because NCCL cannot put two
+ranks of one communicator on one GPU. The ranks take turns on a shared GPU and all-reduce through host memory, so it
+is slow; what it is for is an N-GPU job's arithmetic (per-GPU batch, batch-norm statistics, reduction) on fewer GPUs.
 """
 import datetime
 import gc
@@ -33,7 +38,6 @@ ABORT_GRACE_S = 2.0
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -84,10 +88,24 @@ def _main_address() -> str:
     return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
 
 
-def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
+def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: bool) -> int:
+    """The index of the GPU that local rank `local_rank` of `ranks_on_node` takes among the node's `num_gpus`."""
+    if ranks_on_node <= num_gpus:
+        return local_rank
+    if not share_gpus:
+        raise ValueError(
+            f"{ranks_on_node} ranks on this node but {num_gpus} GPU(s) visible, and NCCL needs a GPU per rank: start "
+            f"at most {num_gpus} rank(s) per node, or set distributed.share_gpus=true to put several ranks on each GPU "
+            "(they take turns on it and all-reduce through gloo: slow, but the arithmetic of one GPU per rank)"
+        )
+    return local_rank % num_gpus
+
+
+def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = False) -> DistEnv:
     """Starts the process group when launched by MPI; picks this rank's device.
 
     device: "auto" (this rank's local GPU when CUDA is available, else CPU), "cpu" or "cuda".
+    share_gpus: let more ranks than GPUs run on a node, several to a GPU (module docstring).
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
@@ -96,7 +114,7 @@ def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
     if not launched_by_mpi():
-        return DistEnv(0, 1, 0, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
+        return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
     try:
         rank, world_size, local_rank, ranks_on_node, world = _ranks_from_mpi()
@@ -108,23 +126,27 @@ def init(device: str = "auto", timeout_s: float = 300.0) -> DistEnv:
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])
 
+    nccl = False
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        rank_device = torch.device("cuda", local_rank)
+        num_gpus = torch.cuda.device_count()
+        rank_device = torch.device("cuda", rank_gpu(local_rank, ranks_on_node, num_gpus, share_gpus))
+        torch.cuda.set_device(rank_device)
+        nccl = ranks_on_node <= num_gpus
     else:
         rank_device = torch.device("cpu")
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
+        backend="nccl" if nccl else "gloo",
         init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=rank_device if use_cuda else None,
+        device_id=rank_device if nccl else None,
     )
-    log.info("rank %d of %d (local rank %d) on %s, rendezvous %s:%d", rank, world_size, local_rank, rank_device, address, port)
-    return DistEnv(rank, world_size, local_rank, rank_device)
+    log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d", rank, world_size, local_rank,
+             rank_device, dist.get_backend(), address, port)
+    return DistEnv(rank, world_size, rank_device)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
-    env = distributed.init(cfg.device, cfg.distributed.timeout_s)
+    env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
     result = _train(cfg, run_dir, env)
@@ -206,7 +206,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
     elif env.world_size > 1:
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
-        wrapped = DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(model, device_ids=[env.device] if env.device.type == "cuda" else None)
     else:
         wrapped = model
     writer = SummaryWriter(run_dir / "tensorboard") if env.is_main else None
