@@ -14,7 +14,7 @@ export MASTER_ADDR=${MASTER_ADDR:-$(awk 'NF {print $1; exit}' "$hostfile")}
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
 for name in $(env | grep -o '^NCCL_[A-Z_]*'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made
 
-"${PYTHON:-python3}" -m prnn_kernels.build
+"${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
 exec ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
     --map-by ppr:"$(awk 'NF {sub("slots=", "", $2); print $2; exit}' "$hostfile")":node \

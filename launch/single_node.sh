@@ -9,7 +9,7 @@ shift
 run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank writes to and resumes from one run dir
 
 # Build the CUDA extension once before the ranks start, instead of every rank waiting on the build lock.
-"${PYTHON:-python3}" -m prnn_kernels.build
+"${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 
 # --bind-to none: each rank's data-loading workers may use any core of the node.
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options

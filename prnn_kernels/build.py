@@ -6,9 +6,10 @@ $TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of ev
 architecture: an edited kernel gets a fresh build, an unchanged one loads from the cache, and torch's build lock makes
 concurrent ranks wait for one build instead of racing.
 
-    python -m prnn_kernels.build [--arch 90a] [--verbose]
+    python -m prnn_kernels.build [--arch 90a] [--if-gpu] [--verbose]
 
-builds ahead of time (run it once before an `mpirun`).
+builds ahead of time (run it once before an `mpirun`; the launch scripts do, with --if-gpu so that a CPU job
+starts too).
 """
 import argparse
 import functools
@@ -97,9 +98,13 @@ def load_extension(arch: str | None = None, root: str | None = None, verbose: bo
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
+    parser.add_argument("--if-gpu", action="store_true", help="with no --arch and no GPU visible, build nothing")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args()
     if args.arch is None and not torch.cuda.is_available():
+        if args.if_gpu:
+            print("prnn_kernels.build: no CUDA GPU visible, nothing to build")
+            return
         parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90a)")
     module = load_extension(args.arch, verbose=args.verbose)
     print(f"built {module.__name__} from {module.__file__}")
