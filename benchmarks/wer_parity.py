@@ -2,7 +2,7 @@
 train to the same word error rate as cuDNN?
 
     python -m benchmarks.wer_parity [--backends cudnn persistent] [--seeds 1234 7] [--parallel 4] [--graphs]
-        [--name wer] [--runs-dir runs] [--json PATH] [-- TRAINER_OVERRIDES ...]
+        [--ranks 1] [--name wer] [--runs-dir runs] [--json PATH] [-- TRAINER_OVERRIDES ...]
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
@@ -10,6 +10,9 @@ model.backend, seed, train.resume=auto and the overrides; its output goes to RUN
 --parallel runs go at once, spread round-robin over the visible GPUs (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per
 run: runs that share a GPU share its time, which at a small per-GPU batch leaves most of it idle anyway.
 --graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed sequences a graph cannot hold).
+--ranks N makes each run a data-parallel job of N ranks (launch/single_node.sh under MPIRUN) on its one GPU, with
+distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the global batch / N, e.g. the recipe's
+global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine with fewer GPUs.
 Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
 ends at once), so a long comparison can span several jobs.
 
@@ -54,21 +57,28 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool,
+def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
           gpu: str | None) -> dict:
-    """One trainer run to the end (or its continuation) on the given GPU (None: as inherited); returns how it ended
-    and what it evaluated."""
+    """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
+    returns how it ended and what it evaluated."""
     run_dir = runs_dir / name
-    command = [sys.executable, "-m", "trainer", *overrides, f"model.backend={backend}", f"seed={seed}",
-               f"run_name={name}", f"hydra.run.dir={run_dir}", "train.resume=auto", "train.progress_bar=false"]
+    settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={run_dir}",
+                "train.resume=auto", "train.progress_bar=false"]
     if graphs and backend != "cudnn":
-        command.append("train.cuda_graphs=true")
+        settings.append("train.cuda_graphs=true")
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    if ranks == 1:
+        command = [sys.executable, "-m", "trainer", f"run_name={name}", *settings]
+    else:
+        # The launch script names the run from RUN_NAME, once for all ranks.
+        command = ["bash", str(REPO_ROOT / "launch" / "single_node.sh"), str(ranks), "distributed.share_gpus=true",
+                   *settings]
+        env.update(RUN_NAME=name, PYTHON=sys.executable)
     output = runs_dir / f"{name}.out"
     started = time.perf_counter()
     with open(output, "a") as log:
         returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    return {"run": name, "backend": backend, "seed": seed, "gpu": gpu, "returncode": returncode,
+    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": gpu, "returncode": returncode,
             "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir)}
 
 
@@ -116,25 +126,28 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 7])
     parser.add_argument("--parallel", type=int, default=4, help="runs at once")
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", default="wer", help="prefix of the run names")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go")
     parser.add_argument("--json", help="write the runs, the summary and the configuration here")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     args = parser.parse_args(argv)
-    if args.parallel < 1:
-        sys.exit("--parallel must be at least 1")
+    if args.parallel < 1 or args.ranks < 1:
+        sys.exit("--parallel and --ranks must be at least 1")
+    if args.graphs and args.ranks > 1:
+        sys.exit("--graphs trains in one process only (train.cuda_graphs): use --ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         sys.exit("--backends and --seeds must not repeat")
     runs_dir = args.runs_dir.resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     gpus = visible_gpus()
-    print(f"{len(jobs)} runs, {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); output in "
-          f"{runs_dir}/{args.name}-*.out", flush=True)
+    print(f"{len(jobs)} runs of {args.ranks} rank(s), {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); "
+          f"output in {runs_dir}/{args.name}-*.out", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
         # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
         # every backend equally often, so no backend gets the less crowded GPUs.
-        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs,
+        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs, args.ranks,
                                gpus[index % len(gpus)] if gpus else None)
                    for index, (name, backend, seed) in enumerate(jobs)]
         rows = []
@@ -163,7 +176,7 @@ def main(argv=None) -> None:
     if args.json:
         command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
         config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
-                  "overrides": args.overrides, "gpus": gpus, **environment()}
+                  "ranks": args.ranks, "overrides": args.overrides, "gpus": gpus, **environment()}
         Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
         print(f"wrote {args.json}")
 

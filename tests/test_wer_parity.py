@@ -3,13 +3,17 @@ command again, which continues the finished runs (they end at once) instead of t
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks.wer_parity import evaluations, summarize, visible_gpus
 from conftest import REPO_ROOT, TINY, write_slice
+
+MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 @pytest.mark.slow
@@ -47,6 +51,26 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
     assert all(run["elapsed_s"] > 0 for run in continued["runs"])
     for run in continued["runs"]:
         assert "resumed from" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
+def test_ranks_make_each_run_a_data_parallel_job(an4_train, tmp_path):
+    """--ranks 2: the run is a two-rank job of launch/single_node.sh, here on CPUs (gloo)."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    overrides = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}", *TINY,
+                 "train.epochs=1"]
+    command = [sys.executable, "-m", "benchmarks.wer_parity", "--backends", "reference", "--seeds", "1", "--ranks",
+               "2", "--runs-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "wer.json"), "--", *overrides]
+    env = {**os.environ, "MPIRUN": MPIEXEC, "OMP_NUM_THREADS": "1"}
+    finished = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    result = json.loads((tmp_path / "wer.json").read_text())
+    (run,) = result["runs"]
+    assert (run["ranks"], run["returncode"], run["epochs"], result["config"]["ranks"]) == (2, 0, 1, 2), run
+    output = (tmp_path / "runs" / f"{run['run']}.out").read_text()
+    assert "rank 1 of 2" in output and output.count("final test WER") == 1, output[-3000:]
+    assert json.loads((tmp_path / "runs" / run["run"] / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
 
 
 def test_summary_compares_each_backend_with_the_first():
