@@ -126,23 +126,24 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])
 
-    nccl = False
+    backend = "gloo"
     if use_cuda:
         num_gpus = torch.cuda.device_count()
         rank_device = torch.device("cuda", rank_gpu(local_rank, ranks_on_node, num_gpus, share_gpus))
         torch.cuda.set_device(rank_device)
-        nccl = ranks_on_node <= num_gpus
+        if ranks_on_node <= num_gpus:  # otherwise ranks share GPUs, which NCCL refuses
+            backend = "nccl"
     else:
         rank_device = torch.device("cpu")
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     dist.init_process_group(
-        backend="nccl" if nccl else "gloo",
+        backend=backend,
         init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=rank_device if nccl else None,
+        device_id=rank_device if backend == "nccl" else None,
     )
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d", rank, world_size, local_rank,
              rank_device, dist.get_backend(), address, port)
