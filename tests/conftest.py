@@ -1,7 +1,9 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
-and the small trainer configuration the training runs use."""
+the small trainer configuration the training runs use, and the mpiexec that multi-rank jobs start under."""
 import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,9 @@ from data.manifest import read_manifest, write_manifest
 from data.prepare import prepare_an4
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The test extra's MPICH installs mpiexec beside the interpreter, which need not be on PATH.
+MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
 
 # Trainer overrides for a small model that learns AN4 words on a CPU in minutes.
 TINY = [

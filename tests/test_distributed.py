@@ -7,7 +7,6 @@ its test, with the job killed, instead of stalling CI.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,12 +17,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
-from conftest import REPO_ROOT, wait_for_file
+from conftest import MPIEXEC, REPO_ROOT, needs_mpiexec, wait_for_file
 from data.prepare import prepare_an4
 from trainer import build, distributed
 
-MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
 # NVIDIA_TF32_OVERRIDE=0 keeps cuDNN's convolutions in fp32 on GPUs: TF32 rounds differently at each batch size.
 JOB_ENV = {

@@ -3,17 +3,13 @@ command again, which continues the finished runs (they end at once) instead of t
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.wer_parity import evaluations, summarize, visible_gpus
-from conftest import REPO_ROOT, TINY, write_slice
-
-MPIEXEC = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+from conftest import MPIEXEC, REPO_ROOT, TINY, needs_mpiexec, write_slice
 
 
 @pytest.mark.slow
@@ -54,7 +50,7 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the `test` extra installs MPICH)")
+@needs_mpiexec
 def test_ranks_make_each_run_a_data_parallel_job(an4_train, tmp_path):
     """--ranks 2: the run is a two-rank job of launch/single_node.sh, here on CPUs (gloo)."""
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
