@@ -2,7 +2,7 @@
 train to the same word error rate as cuDNN?
 
     python -m benchmarks.wer_parity [--backends cudnn persistent] [--seeds 1234 7] [--parallel 4] [--graphs]
-        [--ranks 1] [--name wer] [--runs-dir runs] [--json PATH] [-- TRAINER_OVERRIDES ...]
+        [--ranks 1] [--name wer] [--runs-dir runs] [--at-epoch E] [--report] [--json PATH] [-- TRAINER_OVERRIDES ...]
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
@@ -14,12 +14,16 @@ run: runs that share a GPU share its time, which at a small per-GPU batch leaves
 distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the global batch / N, e.g. the recipe's
 global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine with fewer GPUs.
 Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
-ends at once), so a long comparison can span several jobs.
+ends at once), so a long comparison can span several jobs. --report trains nothing: it summarises the runs as they
+stand in RUNS_DIR (finished, stopped part way, or copied there from another machine).
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
-first backend's mean with its standard error, sqrt(s_a^2 / n_a + s_b^2 / n_b); writes the same, with the command and
-versions, to --json. A failed run is reported with its exit status and left out of the means; the others still count.
+first backend: the mean over the seeds both finished of the per-seed difference, with its standard error. The
+difference is paired because a seed gives every backend the same initial weights and data order, so what makes a seed
+hard or easy cancels. --at-epoch E compares every run as it stood at epoch E (its WER then, the best up to then): runs
+of a budget that ran out can be compared where all of them got to. Writes the same, with the command and versions, to
+--json. A failed run is reported with its exit status and left out of the means; the others still count.
 """
 import argparse
 import json
@@ -35,14 +39,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def evaluations(run_dir: Path) -> dict:
+def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER, and the
-    seconds the run has spent training and evaluating, over all the jobs it took."""
+    seconds the run has spent training and evaluating, over all the jobs it took. With at_epoch, the run as it stood
+    after that epoch; a run that has not evaluated it yet has its epochs so far and no WER."""
     path = run_dir / "metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     evaluated = [line for line in lines if "eval_wer" in line]
+    epochs = evaluated[-1]["epoch"] if evaluated else 0
+    if at_epoch is not None:
+        evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
     if not evaluated:
-        return {"epochs": 0, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None}
+        return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None}
     last = evaluated[-1]
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"]}
@@ -58,9 +66,9 @@ def visible_gpus() -> list[str]:
 
 
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
-          gpu: str | None) -> dict:
+          gpu: str | None, at_epoch: int | None) -> dict:
     """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
-    returns how it ended and what it evaluated."""
+    returns how it ended and what it evaluated (up to at_epoch, if given)."""
     run_dir = runs_dir / name
     settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={run_dir}",
                 "train.resume=auto", "train.progress_bar=false"]
@@ -79,27 +87,55 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     with open(output, "a") as log:
         returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": gpu, "returncode": returncode,
-            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir)}
+            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir, at_epoch)}
+
+
+def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
+    """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call."""
+    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
+            "wall_s": None, "output": str(runs_dir / f"{name}.out"), **evaluations(runs_dir / name, at_epoch)}
 
 
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
-    """Per backend: runs that finished, mean and sample standard deviation of their last WER, and the difference of
-    the mean from the first backend's with its standard error (None where too few runs give one)."""
+    """Per backend: runs that finished, mean and sample standard deviation of their last WER; then for every backend
+    after the first, over the seeds both finished, the mean per-seed difference of the last WER from the first
+    backend's and its standard error (None where too few runs give one)."""
+    finished = {(row["backend"], row["seed"]): row["last_wer"] for row in rows
+                if row["returncode"] in (0, None) and row["last_wer"] is not None}
     summary = []
     for backend in backends:
-        wers = [row["last_wer"] for row in rows
-                if row["backend"] == backend and row["returncode"] == 0 and row["last_wer"] is not None]
+        wers = [wer for (run_backend, _), wer in finished.items() if run_backend == backend]
         summary.append({"backend": backend, "runs": len(wers),
                         "mean_wer": statistics.fmean(wers) if wers else None,
                         "std_wer": statistics.stdev(wers) if len(wers) > 1 else None})
-    first = summary[0]
+    first = backends[0]
     for entry in summary[1:]:
-        both = entry["mean_wer"] is not None and first["mean_wer"] is not None
-        entry["difference"] = entry["mean_wer"] - first["mean_wer"] if both else None
-        spread = entry["std_wer"] is not None and first["std_wer"] is not None
-        entry["difference_stderr"] = (math.sqrt(entry["std_wer"] ** 2 / entry["runs"] +
-                                                first["std_wer"] ** 2 / first["runs"]) if spread else None)
+        differences = [wer - finished[first, seed] for (backend, seed), wer in finished.items()
+                       if backend == entry["backend"] and (first, seed) in finished]
+        entry["paired_seeds"] = len(differences)
+        entry["difference"] = statistics.fmean(differences) if differences else None
+        entry["difference_stderr"] = (statistics.stdev(differences) / math.sqrt(len(differences))
+                                      if len(differences) > 1 else None)
     return summary
+
+
+def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str], args) -> list[dict]:
+    """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`."""
+    print(f"{len(jobs)} runs of {args.ranks} rank(s), {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); "
+          f"output in {runs_dir}/{args.name}-*.out", flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
+        # every backend equally often, so no backend gets the less crowded GPUs.
+        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs, args.ranks,
+                               gpus[index % len(gpus)] if gpus else None, args.at_epoch)
+                   for index, (name, backend, seed) in enumerate(jobs)]
+        rows = []
+        for future in futures:
+            rows.append(future.result())
+            row = rows[-1]
+            print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last WER "
+                  f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+    return rows
 
 
 def environment() -> dict:
@@ -129,6 +165,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", type=int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", default="wer", help="prefix of the run names")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go")
+    parser.add_argument("--at-epoch", type=int, help="compare the runs as they stood after this epoch")
+    parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", help="write the runs, the summary and the configuration here")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     args = parser.parse_args(argv)
@@ -138,45 +176,49 @@ def main(argv=None) -> None:
         sys.exit("--graphs trains in one process only (train.cuda_graphs): use --ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         sys.exit("--backends and --seeds must not repeat")
+    if args.at_epoch is not None and args.at_epoch < 1:
+        sys.exit(f"--at-epoch must be at least 1, got {args.at_epoch}")
     runs_dir = args.runs_dir.resolve()
-    runs_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
-    gpus = visible_gpus()
-    print(f"{len(jobs)} runs of {args.ranks} rank(s), {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); "
-          f"output in {runs_dir}/{args.name}-*.out", flush=True)
-    with ThreadPoolExecutor(args.parallel) as pool:
-        # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
-        # every backend equally often, so no backend gets the less crowded GPUs.
-        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs, args.ranks,
-                               gpus[index % len(gpus)] if gpus else None)
-                   for index, (name, backend, seed) in enumerate(jobs)]
-        rows = []
-        for future in futures:
-            rows.append(future.result())
-            row = rows[-1]
-            print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last WER "
-                  f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+    if args.report:
+        missing = [name for name, _, _ in jobs if not (runs_dir / name).is_dir()]
+        if len(missing) == len(jobs):
+            sys.exit(f"--report: none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
+        gpus = None
+        rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
+    else:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        gpus = visible_gpus()
+        rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)
 
+    if args.at_epoch is not None:
+        print(f"\nas the runs stood after epoch {args.at_epoch} (a run short of it has no WER):")
     print(f"\n{'run':<28} {'exit':>4} {'epochs':>6} {'last WER %':>10} {'best WER %':>10} {'last CER %':>10} "
           f"{'run s':>7}")
     for row in rows:
         elapsed = "-" if row["elapsed_s"] is None else f"{row['elapsed_s']:.0f}"
-        print(f"{row['run']:<28} {row['returncode']:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
+        exit_status = "-" if row["returncode"] is None else row["returncode"]
+        print(f"{row['run']:<28} {exit_status:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
               f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10} {elapsed:>7}")
-    print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0]:>16}")
+    print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0] + ', paired':>22}")
     for entry in summary:
         versus = ""
         if entry.get("difference") is not None:
             versus = f"{entry['difference']:+.2f}"
             if entry["difference_stderr"] is not None:
                 versus += f" +- {entry['difference_stderr']:.2f}"
+            versus += f" ({entry['paired_seeds']} seeds)"
         print(f"{entry['backend']:<12} {entry['runs']:>4} {percent(entry['mean_wer']):>10} "
-              f"{percent(entry['std_wer']):>6} {versus:>16}")
+              f"{percent(entry['std_wer']):>6} {versus:>22}")
     if args.json:
         command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
         config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
-                  "ranks": args.ranks, "overrides": args.overrides, "gpus": gpus, **environment()}
+                  "ranks": args.ranks, "overrides": args.overrides, "at_epoch": args.at_epoch, "gpus": gpus,
+                  "report": args.report}
+        # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen.
+        if not args.report:
+            config.update(environment())
         Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
         print(f"wrote {args.json}")
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks import wer_parity
 from benchmarks.wer_parity import evaluations, summarize, visible_gpus
 from conftest import MPIEXEC, REPO_ROOT, TINY, needs_mpiexec, write_slice
 
@@ -35,7 +36,8 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
         assert "final test WER" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
     reference, cudnn = result["summary"]
     assert reference["runs"] == cudnn["runs"] == 2
-    assert math.isclose(cudnn["difference"], cudnn["mean_wer"] - reference["mean_wer"])
+    # Both seeds finished on both backends: the mean per-seed difference is the difference of the means.
+    assert cudnn["paired_seeds"] == 2 and math.isclose(cudnn["difference"], cudnn["mean_wer"] - reference["mean_wer"])
     assert (result["config"]["backends"], result["config"]["seeds"]) == (["reference", "cudnn"], [1, 2])
 
     again = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -69,24 +71,64 @@ def test_ranks_make_each_run_a_data_parallel_job(an4_train, tmp_path):
     assert json.loads((tmp_path / "runs" / run["run"] / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
 
 
-def test_summary_compares_each_backend_with_the_first():
-    rows = [{"backend": backend, "returncode": 0, "last_wer": wer}
-            for backend, wer in [("cudnn", 10.0), ("cudnn", 12.0), ("persistent", 11.0), ("persistent", 15.0)]]
-    rows.append({"backend": "persistent", "returncode": 1, "last_wer": 99.0})  # failed: left out
+def test_summary_pairs_each_backend_with_the_first_by_seed():
+    rows = [{"backend": backend, "seed": seed, "returncode": returncode, "last_wer": wer}
+            for backend, seed, returncode, wer in [
+                ("cudnn", 1, 0, 10.0), ("cudnn", 2, 0, 12.0), ("cudnn", 3, 0, 20.0),
+                ("persistent", 1, 0, 11.0), ("persistent", 2, None, 15.0),  # None: reported, not run by this call
+                ("persistent", 3, 1, 99.0),  # failed: left out, and its seed is not paired
+                ("persistent", 4, 0, None)]]  # no evaluation yet
     cudnn, persistent = summarize(rows, ["cudnn", "persistent"])
-    assert (cudnn["runs"], cudnn["mean_wer"]) == (2, 11.0) and "difference" not in cudnn
-    assert (persistent["runs"], persistent["mean_wer"], persistent["difference"]) == (2, 13.0, 2.0)
-    assert math.isclose(persistent["difference_stderr"], math.sqrt((2.0 + 8.0) / 2))
+    assert (cudnn["runs"], cudnn["mean_wer"]) == (3, 14.0) and "difference" not in cudnn
+    assert (persistent["runs"], persistent["mean_wer"], persistent["paired_seeds"]) == (2, 13.0, 2)
+    # Per-seed differences 1 and 3.
+    assert persistent["difference"] == 2.0 and math.isclose(persistent["difference_stderr"], 1.0)
+
+
+def write_metrics(run_dir, wers, elapsed_per_epoch=5.0):
+    run_dir.mkdir(parents=True)
+    lines = [{"step": 1, "epoch": 0, "loss": 9.0}]
+    lines += [{"epoch": epoch, "eval_wer": wer, "eval_cer": wer / 2, "elapsed_s": epoch * elapsed_per_epoch}
+              for epoch, wer in enumerate(wers, start=1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
 def test_evaluations_give_the_last_and_best(tmp_path):
-    lines = [{"step": 1, "epoch": 0, "loss": 9.0}, {"epoch": 1, "eval_wer": 80.0, "eval_cer": 40.0, "elapsed_s": 5.0},
-             {"epoch": 2, "eval_wer": 70.0, "eval_cer": 35.0, "elapsed_s": 9.5},
-             {"epoch": 3, "eval_wer": 72.0, "eval_cer": 36.0, "elapsed_s": 14.0}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert evaluations(tmp_path) == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 70.0,
-                                     "elapsed_s": 14.0}
+    write_metrics(tmp_path / "run", [80.0, 70.0, 72.0])
+    assert evaluations(tmp_path / "run") == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 70.0,
+                                             "elapsed_s": 15.0}
     assert evaluations(tmp_path / "missing")["epochs"] == 0
+
+
+def test_evaluations_at_an_epoch_give_the_run_as_it_stood_then(tmp_path):
+    write_metrics(tmp_path / "run", [80.0, 70.0, 60.0])
+    assert evaluations(tmp_path / "run", at_epoch=2) == {"epochs": 2, "last_wer": 70.0, "last_cer": 35.0,
+                                                         "best_wer": 70.0, "elapsed_s": 10.0}
+    short = evaluations(tmp_path / "run", at_epoch=4)
+    assert short["epochs"] == 3 and short["last_wer"] is None and short["best_wer"] is None
+
+
+def test_report_summarises_runs_where_they_stand_without_training(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    write_metrics(runs / "x-cudnn-s1", [50.0, 40.0, 30.0])
+    write_metrics(runs / "x-cudnn-s2", [60.0, 45.0])
+    write_metrics(runs / "x-persistent-s1", [50.0, 35.0, 33.0, 31.0])
+    write_metrics(runs / "x-persistent-s2", [55.0])  # stopped short of epoch 2
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "2", "--runs-dir", str(runs), "--at-epoch", "2",
+                     "--json", str(tmp_path / "wer.json")])
+    result = json.loads((tmp_path / "wer.json").read_text())
+    assert [(run["run"], run["returncode"], run["epochs"], run["last_wer"]) for run in result["runs"]] == [
+        ("x-cudnn-s1", None, 2, 40.0), ("x-cudnn-s2", None, 2, 45.0), ("x-persistent-s1", None, 2, 35.0),
+        ("x-persistent-s2", None, 1, None)]
+    cudnn, persistent = result["summary"]
+    assert cudnn["mean_wer"] == 42.5 and (persistent["runs"], persistent["paired_seeds"]) == (1, 1)
+    assert persistent["difference"] == -5.0 and persistent["difference_stderr"] is None
+    # Nothing trained here, so this machine's GPU and versions are not the runs'.
+    assert result["config"]["report"] and result["config"]["at_epoch"] == 2 and "device" not in result["config"]
+    assert "after epoch 2" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit, match="none of the runs"):
+        wer_parity.main(["--report", "--name", "y", "--runs-dir", str(runs)])
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
