@@ -43,6 +43,7 @@ from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
 from trainer.distributed import DistEnv
+from trainer.environment import device_name, versions
 from trainer.train import train_step
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -107,23 +108,6 @@ def time_ms(function, num_warmup: int, num_steps: int, device: torch.device) -> 
 
 def summary(times_ms: list[float], **fields) -> dict:
     return {**fields, "median_ms": statistics.median(times_ms), "times_ms": times_ms}
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads per rank)"
-
-
-def versions(device: torch.device) -> dict:
-    found = {"python": platform.python_version(), "torch": torch.__version__}
-    if device.type == "cuda":
-        found.update(
-            cuda=torch.version.cuda,
-            cudnn=torch.backends.cudnn.version(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
-        )
-    return found
 
 
 # Settings a baseline must share with the run it is compared with.

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.scaling import MODELS, compose_config, device_name, random_batch, summary, time_ms, versions
+from benchmarks.scaling import MODELS, compose_config, random_batch, summary, time_ms
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
+from trainer.environment import device_name, versions
 from trainer.train import train_step
 
 

@@ -15,7 +15,8 @@ distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the 
 global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine with fewer GPUs.
 Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
 ends at once), so a long comparison can span several jobs. --report trains nothing: it summarises the runs as they
-stand in RUNS_DIR (finished, stopped part way, or copied there from another machine).
+stand in RUNS_DIR (finished, stopped part way, or copied there from another machine). Every run lists the devices its
+jobs trained on, from its jobs.jsonl.
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
@@ -56,6 +57,13 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"]}
 
 
+def devices(run_dir: Path) -> list[str]:
+    """The devices the run's jobs trained on (rank 0's), each once, in order: from the run's jobs.jsonl."""
+    path = run_dir / "jobs.jsonl"
+    names = [json.loads(line)["device"] for line in path.read_text().splitlines()] if path.exists() else []
+    return list(dict.fromkeys(names))
+
+
 def visible_gpus() -> list[str]:
     """The GPUs the runs are spread over: CUDA_VISIBLE_DEVICES's entries where it is set, else every GPU torch sees."""
     if "CUDA_VISIBLE_DEVICES" in os.environ:
@@ -87,13 +95,15 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     with open(output, "a") as log:
         returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": gpu, "returncode": returncode,
-            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), **evaluations(run_dir, at_epoch)}
+            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), "devices": devices(run_dir),
+            **evaluations(run_dir, at_epoch)}
 
 
 def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
     """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call."""
     return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
-            "wall_s": None, "output": str(runs_dir / f"{name}.out"), **evaluations(runs_dir / name, at_epoch)}
+            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
+            **evaluations(runs_dir / name, at_epoch)}
 
 
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
@@ -142,7 +152,7 @@ def environment() -> dict:
     """Where the runs trained: the GPU (the trainer's device=auto takes one when there is one) and the versions."""
     import torch  # here, so that --help and argument errors answer without loading torch
 
-    from benchmarks.scaling import device_name, versions
+    from trainer.environment import device_name, versions
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {"device": device_name(device), **versions(device)}
@@ -216,7 +226,8 @@ def main(argv=None) -> None:
         config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
                   "ranks": args.ranks, "overrides": args.overrides, "at_epoch": args.at_epoch, "gpus": gpus,
                   "report": args.report}
-        # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen.
+        # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen
+        # (each run's own devices are in its row).
         if not args.report:
             config.update(environment())
         Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")

@@ -15,7 +15,7 @@ from trainer import build, checkpoint
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.train import open_metrics, train_loader, train_step
+from trainer.train import open_metrics, record_job, train_loader, train_step
 
 
 # --- decoding and error rates -------------------------------------------------------------------------------------
@@ -246,3 +246,16 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     with open_metrics(path, None):  # a fresh run
         pass
     assert path.read_text() == ""
+
+
+def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_path, caplog):
+    path = tmp_path / "jobs.jsonl"
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    path.write_text('{"from_step": 0, "device": "an earlier run"}\n')
+    with caplog.at_level("INFO", logger="trainer.train"):
+        record_job(path, 0, env, resumed=False)
+        record_job(path, 40, env, resumed=True)
+    jobs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(job["from_step"], job["world_size"]) for job in jobs] == [(0, 1), (40, 1)]
+    assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
+    assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text

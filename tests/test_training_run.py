@@ -108,6 +108,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     whole, _ = read_metrics(tmp_path / "whole")
     split, _ = read_metrics(tmp_path / "split")
     assert sorted(split) == [1, 2, 3, 4, 5, 6]
+    jobs = [json.loads(line) for line in (tmp_path / "split" / "jobs.jsonl").read_text().splitlines()]
+    assert [job["from_step"] for job in jobs] == [0, 3] and jobs[1]["device"].startswith("CPU"), jobs
     for step in (4, 5, 6):
         assert split[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"step {step}"
     whole_model = torch.load(tmp_path / "whole" / "checkpoints" / "last.pt", weights_only=True)["model"]

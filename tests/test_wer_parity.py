@@ -31,7 +31,7 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
         ("reference", 1), ("reference", 2), ("cudnn", 1), ("cudnn", 2)]
     assert [run["gpu"] for run in result["runs"]] == ["3", "5", "3", "5"] and result["config"]["gpus"] == ["3", "5"]
     for run in result["runs"]:
-        assert run["returncode"] == 0 and run["epochs"] == 1, run
+        assert run["returncode"] == 0 and run["epochs"] == 1 and run["devices"][0].startswith("CPU"), run
         assert 0 <= run["last_wer"] <= 100 and run["best_wer"] == run["last_wer"]
         assert "final test WER" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
     reference, cudnn = result["summary"]
@@ -114,12 +114,16 @@ def test_report_summarises_runs_where_they_stand_without_training(tmp_path, caps
     write_metrics(runs / "x-cudnn-s2", [60.0, 45.0])
     write_metrics(runs / "x-persistent-s1", [50.0, 35.0, 33.0, 31.0])
     write_metrics(runs / "x-persistent-s2", [55.0])  # stopped short of epoch 2
+    jobs = [{"from_step": 0, "device": "GPU A"}, {"from_step": 90, "device": "GPU B"},
+            {"from_step": 99, "device": "GPU A"}]
+    (runs / "x-cudnn-s1" / "jobs.jsonl").write_text("".join(json.dumps(job) + "\n" for job in jobs))
     wer_parity.main(["--report", "--name", "x", "--seeds", "1", "2", "--runs-dir", str(runs), "--at-epoch", "2",
                      "--json", str(tmp_path / "wer.json")])
     result = json.loads((tmp_path / "wer.json").read_text())
     assert [(run["run"], run["returncode"], run["epochs"], run["last_wer"]) for run in result["runs"]] == [
         ("x-cudnn-s1", None, 2, 40.0), ("x-cudnn-s2", None, 2, 45.0), ("x-persistent-s1", None, 2, 35.0),
         ("x-persistent-s2", None, 1, None)]
+    assert [run["devices"] for run in result["runs"]] == [["GPU A", "GPU B"], [], [], []]
     cudnn, persistent = result["summary"]
     assert cudnn["mean_wer"] == 42.5 and (persistent["runs"], persistent["paired_seeds"]) == (1, 1)
     assert persistent["difference"] == -5.0 and persistent["difference_stderr"] is None

@@ -26,6 +26,7 @@ from data.sampler import BucketBatchSampler, eval_shard
 from models.cuda_graphs import CudaGraphed
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
+from trainer.environment import device_name, versions
 from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
 
@@ -55,6 +56,17 @@ def open_metrics(path: Path, resumed: dict | None):
                 kept.append(line + "\n")
     path.write_text("".join(kept))
     return open(path, "a")
+
+
+def record_job(path: Path, from_step: int, env: DistEnv, resumed: bool) -> None:
+    """Logs where this job runs and adds it to the run's jobs.jsonl, one line per job: a resumed run may go on on other
+    hardware or software, and its figures should say so. A fresh run starts the file anew."""
+    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
+           **versions(env.device)}
+    with open(path, "a" if resumed else "w") as jobs:
+        jobs.write(json.dumps(job) + "\n")
+    log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
+             ", ".join(f"{name} {version}" for name, version in versions(env.device).items()))
 
 
 def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: DictConfig, env: DistEnv,
@@ -201,6 +213,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         state = {"elapsed_s": 0.0, **saved["train_state"]}  # checkpoints from before elapsed_s count from here
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
+    if env.is_main:
+        record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
 
     if cfg.train.cuda_graphs:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
