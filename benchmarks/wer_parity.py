@@ -191,8 +191,7 @@ def main(argv=None) -> None:
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:
-        missing = [name for name, _, _ in jobs if not (runs_dir / name).is_dir()]
-        if len(missing) == len(jobs):
+        if not any((runs_dir / name).is_dir() for name, _, _ in jobs):
             sys.exit(f"--report: none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
         gpus = None
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]

@@ -61,12 +61,12 @@ def open_metrics(path: Path, resumed: dict | None):
 def record_job(path: Path, from_step: int, env: DistEnv, resumed: bool) -> None:
     """Logs where this job runs and adds it to the run's jobs.jsonl, one line per job: a resumed run may go on on other
     hardware or software, and its figures should say so. A fresh run starts the file anew."""
-    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
-           **versions(env.device)}
+    software = versions(env.device)
+    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device), **software}
     with open(path, "a" if resumed else "w") as jobs:
         jobs.write(json.dumps(job) + "\n")
     log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
-             ", ".join(f"{name} {version}" for name, version in versions(env.device).items()))
+             ", ".join(f"{name} {version}" for name, version in software.items()))
 
 
 def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: DictConfig, env: DistEnv,
