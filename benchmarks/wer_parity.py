@@ -73,6 +73,13 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
+def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
+    """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call."""
+    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
+            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
+            **evaluations(runs_dir / name, at_epoch)}
+
+
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
           gpu: str | None, at_epoch: int | None) -> dict:
     """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
@@ -94,16 +101,9 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     started = time.perf_counter()
     with open(output, "a") as log:
         returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": gpu, "returncode": returncode,
-            "wall_s": round(time.perf_counter() - started, 1), "output": str(output), "devices": devices(run_dir),
-            **evaluations(run_dir, at_epoch)}
-
-
-def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
-    """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call."""
-    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
-            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
-            **evaluations(runs_dir / name, at_epoch)}
+    wall_s = round(time.perf_counter() - started, 1)
+    return {**report(runs_dir, name, backend, seed, ranks, at_epoch), "gpu": gpu, "returncode": returncode,
+            "wall_s": wall_s}
 
 
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
