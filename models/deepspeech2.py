@@ -84,16 +84,16 @@ class RecurrentLayer(nn.Module):
     A bidirectional layer sums its two directions, so the width stays H whatever the direction count.
     """
 
-    def __init__(self, cell: str, input_size: int, hidden: int, bidirectional: bool, backend: str, batch_norm: bool):
+    def __init__(self, cell: str, input_size: int, hidden: int, bidirectional: bool, backend: str, batch_norm: bool,
+                 batch_slice: int | None = None):
         super().__init__()
         self.norm = MaskedBatchNorm(input_size, channel_dim=2) if batch_norm else None
+        choice = dict(bidirectional=bidirectional, backend=backend, batch_slice=batch_slice)
         if cell in ("relu", "tanh"):
-            self.rnn = prnn_kernels.RNN(
-                input_size, hidden, nonlinearity=cell, bidirectional=bidirectional, backend=backend
-            )
+            self.rnn = prnn_kernels.RNN(input_size, hidden, nonlinearity=cell, **choice)
         else:
             rnn_class = {"gru": prnn_kernels.GRU, "lstm": prnn_kernels.LSTM}[cell]
-            self.rnn = rnn_class(input_size, hidden, bidirectional=bidirectional, backend=backend)
+            self.rnn = rnn_class(input_size, hidden, **choice)
 
     def forward(self, x, lengths, mask):
         """x: (T', B, input_size), lengths: (B,), mask: (T', B, 1) bool. Returns (T', B, H), zero past lengths."""
@@ -138,6 +138,8 @@ class DeepSpeech2(nn.Module):
         lookahead: future frames the lookahead conv sees (unidirectional only).
         residual: add each layer's input to its output, for every layer after the first (deep stacks need it).
         backend: prnn_kernels backend of the recurrent layers: "auto" | "persistent" | "cudnn" | "reference".
+        batch_slice: run each recurrent layer on slices of at most this many utterances (None: the whole batch at
+            once), as a GPU with that per-GPU batch would; batch norm and everything else still see the whole batch.
         conv_channels: channels of both conv layers.
         batch_norm: batch norm in the front end and on the input of every recurrent layer after the first.
 
@@ -157,6 +159,7 @@ class DeepSpeech2(nn.Module):
         backend: str = "auto",
         conv_channels: int = 32,
         batch_norm: bool = True,
+        batch_slice: int | None = None,
     ):
         super().__init__()
         if cell not in CELLS:
@@ -177,6 +180,7 @@ class DeepSpeech2(nn.Module):
                 bidirectional,
                 backend,
                 batch_norm=batch_norm and index > 0,
+                batch_slice=batch_slice,
             )
             for index in range(depth)
         )

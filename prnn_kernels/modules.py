@@ -8,6 +8,11 @@ and state dicts load both ways. Backends:
                bidirectional layer in one call; an unsupported shape raises.
   "auto"       persistent where the support query says it can run a CUDA input, otherwise cudnn, warning once per
                reason why a CUDA input did not get the persistent kernel.
+
+`batch_slice=N` runs a larger batch as slices of at most N sequences, one after another, each through every layer
+on the backend chosen for a slice of N: each slice computes what a GPU with a per-GPU batch of N would, so one GPU can
+train with the recurrent arithmetic of many at a small per-GPU batch, and the persistent kernels can run a batch
+above the largest they take at once (`prnn_kernels.persistent.MAX_BATCH`).
 """
 import warnings
 
@@ -34,39 +39,62 @@ class _BackendChoice:
             every sample has T steps.
     Returns (output, h_n) as torch.nn does: output (T, B, num_directions * H) (batch-first if batch_first), zero at
     t >= lengths[b]; h_n the state after each sample's last valid step, for LSTM a tuple (h_n, c_n).
+    With batch_slice=N, a batch of more than N runs as consecutive slices of at most N (see the module docstring).
     """
 
-    def __init__(self, *args, backend="auto", **kwargs):
+    def __init__(self, *args, backend="auto", batch_slice=None, **kwargs):
         name = type(self).__name__
         if backend not in BACKENDS:
             raise ValueError(f"prnn_kernels.{name}: backend={backend!r} is not one of {BACKENDS}")
+        if batch_slice is not None and (not isinstance(batch_slice, int) or batch_slice < 1):
+            raise ValueError(f"prnn_kernels.{name}: batch_slice={batch_slice!r} must be a positive integer or None")
         super().__init__(*args, **kwargs)
         if self.proj_size:
             raise ValueError(f"prnn_kernels.{name}: proj_size={self.proj_size} is not supported; use proj_size=0")
         self.backend = backend
+        self.batch_slice = batch_slice
         self.cell = _CELL_OF_MODE[self.mode]
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, backend={self.backend!r}"
+        return f"{super().extra_repr()}, backend={self.backend!r}, batch_slice={self.batch_slice}"
 
     def forward(self, input, hx=None, lengths=None):
         if input.dim() != 3:
             raise ValueError(f"prnn_kernels.{type(self).__name__}: input must be 3-D, got shape {tuple(input.shape)}")
-        batch_size = input.shape[0 if self.batch_first else 1]
+        batch_dim = 0 if self.batch_first else 1
+        batch_size = input.shape[batch_dim]
         backend = self.backend_for(batch_size, input.dtype, input.device)
+        if self.batch_slice is None or batch_size <= self.batch_slice:
+            return self._forward_on(backend, input, hx, lengths)
+        outputs, states = [], []
+        for start in range(0, batch_size, self.batch_slice):
+            size = min(self.batch_slice, batch_size - start)
+            slice_lengths = None if lengths is None else lengths[start:start + size]
+            output, state = self._forward_on(backend, input.narrow(batch_dim, start, size),
+                                             _state_slice(hx, start, size), slice_lengths)
+            outputs.append(output)
+            states.append(state)
+        if self.cell == "lstm":
+            h_n, c_n = zip(*states)
+            return torch.cat(outputs, batch_dim), (torch.cat(h_n, 1), torch.cat(c_n, 1))
+        return torch.cat(outputs, batch_dim), torch.cat(states, 1)
+
+    def _forward_on(self, backend, input, hx, lengths):
         if backend == "cudnn":
             return self._torch_forward(input, hx, lengths)
         return self._stacked_forward(backend, input, hx, lengths)
 
     def backend_for(self, batch_size: int, dtype: torch.dtype, device) -> str:
-        """The backend an input of this batch size, dtype and device runs on: "cudnn", "reference" or "persistent".
-        Raises ValueError where backend="persistent" cannot run it."""
+        """The backend an input of this batch size, dtype and device runs on: "cudnn", "reference" or "persistent";
+        with batch_slice, the backend each slice runs on. Raises ValueError where backend="persistent" cannot run it."""
         if self.backend in ("cudnn", "reference"):
             return self.backend
         if self.backend == "auto" and torch.device(device).type != "cuda":
             return "cudnn"
         from prnn_kernels.persistent import support
 
+        if self.batch_slice is not None:
+            batch_size = min(batch_size, self.batch_slice)
         verdict = support(self.cell, self.hidden_size, batch_size, dtype, device)
         if verdict.ok:
             return "persistent"
@@ -146,6 +174,15 @@ class _BackendChoice:
             outputs.append(output)
             finals.append(final_state)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], finals
+
+
+def _state_slice(hx, start, size):
+    """Samples start .. start + size - 1 of an initial state (its dimension 1), for LSTM of both tensors; None stays."""
+    if hx is None:
+        return None
+    if isinstance(hx, tuple):
+        return tuple(h[:, start:start + size] for h in hx)
+    return hx[:, start:start + size]
 
 
 class RNN(_BackendChoice, nn.RNN):

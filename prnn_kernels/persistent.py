@@ -71,7 +71,8 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
     if dtype not in DTYPES:
         return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
     if not 1 <= batch_size <= MAX_BATCH:
-        return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH})")
+        return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH}; the modules' batch_slice "
+                              "runs a larger batch as slices)")
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         return Support(False, f"needs compute capability 9.0 (Hopper) or newer for its bulk copies in thread-block "

@@ -106,6 +106,23 @@ def test_reference_and_cudnn_backends_agree(cell, bidirectional):
         assert relative_error(a, e) < 1e-10, name
 
 
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_batch_slices_train_the_same_function(backend):
+    """Recurrent layers on slices of 2 utterances (a per-GPU batch of 2 on one device): batch norm still sees the whole
+    batch, so the training forward and every gradient are the whole batch's."""
+    features, lengths = ragged_batch(torch.float64)
+    whole = small_model("gru", True, backend=backend).double()
+    sliced = small_model("gru", True, backend=backend, batch_slice=2).double()
+    assert all(layer.rnn.batch_slice == 2 for layer in sliced.layers)
+    results = []
+    for model in (whole, sliced):
+        log_probs, _ = model(features, lengths)
+        upstream = torch.linspace(-1, 1, log_probs.numel(), dtype=log_probs.dtype).view_as(log_probs)
+        results.append([log_probs, *torch.autograd.grad((log_probs * upstream).sum(), list(model.parameters()))])
+    for whole_value, sliced_value in zip(*results, strict=True):
+        assert relative_error(sliced_value, whole_value) < 1e-10
+
+
 def test_lookahead_mixes_the_current_and_next_frames():
     lookahead = Lookahead(channels=1, lookahead=2)
     with torch.no_grad():

@@ -164,3 +164,37 @@ def test_persistent_backend_on_cpu_says_why():
 @pytest.mark.parametrize("backend, expected", [("auto", "cudnn"), ("cudnn", "cudnn"), ("reference", "reference")])
 def test_backend_for_a_cpu_input(backend, expected):
     assert prnn_kernels.LSTM(4, 8, backend=backend).backend_for(2, torch.float32, "cpu") == expected
+
+
+@pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first):
+    """Slices of 3, the last one short, give the whole batch's outputs, final states and every gradient."""
+    torch.manual_seed(0)
+    _, module = module_pair(cell, hidden_size=6, num_layers=2, bidirectional=True, batch_first=batch_first)
+    module.backend = backend
+    batch_size = 7
+    shape = (batch_size, NUM_STEPS, INPUT_SIZE) if batch_first else (NUM_STEPS, batch_size, INPUT_SIZE)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    lengths = torch.randint(1, NUM_STEPS + 1, (batch_size,))
+    states = [torch.randn(4, batch_size, 6, dtype=torch.float64, requires_grad=True)
+              for _ in range(2 if cell == "lstm" else 1)]
+    hx = tuple(states) if cell == "lstm" else states[0]
+    results = []
+    for batch_slice in (None, 3):
+        module.batch_slice = batch_slice
+        outputs = flatten(*module(x, hx, lengths=lengths))
+        upstream = sum((output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum()
+                       for output in outputs)
+        results.append([*outputs, *torch.autograd.grad(upstream, [x, *states, *module.parameters()])])
+    for whole, sliced in zip(*results, strict=True):
+        assert relative_error(sliced, whole) < TOLERANCE
+
+
+def test_batch_slice_is_checked_and_shown():
+    with pytest.raises(ValueError, match="batch_slice=0"):
+        prnn_kernels.GRU(4, 8, batch_slice=0)
+    with pytest.raises(ValueError, match="batch_slice=2.5"):
+        prnn_kernels.GRU(4, 8, batch_slice=2.5)
+    assert "batch_slice=4" in repr(prnn_kernels.GRU(4, 8, batch_slice=4))

@@ -326,6 +326,39 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("batch_slice", [4, 20])
+def test_batch_above_the_kernels_limit_runs_as_slices(batch_slice, no_tf32):
+    """A bidirectional 2-layer GRU at 40 sequences, more than one launch takes: refused whole, and as slices of
+    `batch_slice` (the last one short at 20: 20 + 20, at 4: ten of 4) the same outputs and gradients as the reference."""
+    import prnn_kernels
+
+    torch.manual_seed(2)
+    batch_size = 40
+    assert batch_size > persistent.MAX_BATCH
+    modules = {backend: prnn_kernels.GRU(24, 200, num_layers=2, bidirectional=True, backend=backend).to(CUDA)
+               for backend in ("persistent", "reference")}
+    modules["reference"].load_state_dict(modules["persistent"].state_dict())
+    x = torch.randn(33, batch_size, 24, device=CUDA)
+    lengths = torch.randint(1, 34, (batch_size,))
+    with pytest.raises(ValueError, match="batch size 40 is out of range.*batch_slice"):
+        modules["persistent"](x, lengths=lengths)
+    upstream = None
+    results = []
+    for backend, module in modules.items():
+        module.batch_slice = batch_slice
+        leaf = x.clone().requires_grad_()
+        output, h_n = module(leaf, lengths=lengths)
+        if upstream is None:
+            upstream = torch.randn_like(output), torch.randn_like(h_n)
+        grads = torch.autograd.grad((output * upstream[0]).sum() + (h_n * upstream[1]).sum(),
+                                    [leaf, *module.parameters()])
+        results.append([output, h_n, *grads])
+    persistent.raise_if_failed()
+    errors = [relative_error(a.double(), b.double()) for a, b in zip(*results, strict=True)]
+    assert max(errors) <= TOLERANCE[torch.float32], f"relative errors {errors}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions, weights_in_shared_memory", [
     # weights_in_shared_memory: (forward, backward)
     ("relu", 2048, 4, torch.float32, 1, (False, False)),
