@@ -80,6 +80,8 @@ def test_command_line_overrides_reach_the_model():
     deep = build.model(compose_config(["experiment=deep100", "model.hidden=8", "model.conv_channels=2"]).model, 161)
     recurrent = [m for m in deep.modules() if isinstance(m, torch.nn.RNNBase)]
     assert len(recurrent) == 100 and all(m.hidden_size == 8 for m in recurrent)
+    sliced = build.model(compose_config(["model.depth=2", "model.hidden=8", "model.batch_slice=4"]).model, 161)
+    assert [m.batch_slice for m in sliced.modules() if isinstance(m, torch.nn.RNNBase)] == [4, 4]
 
 
 def test_unknown_config_key_is_refused():
