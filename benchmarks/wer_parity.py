@@ -40,13 +40,16 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of one of a run's JSON-lines files; none where the run has not written it yet."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER, and the
     seconds the run has spent training and evaluating, over all the jobs it took. With at_epoch, the run as it stood
     after that epoch; a run that has not evaluated it yet has its epochs so far and no WER."""
-    path = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    evaluated = [line for line in lines if "eval_wer" in line]
+    evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
     if at_epoch is not None:
         evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
@@ -59,9 +62,7 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
 
 def devices(run_dir: Path) -> list[str]:
     """The devices the run's jobs trained on (rank 0's), each once, in order: from the run's jobs.jsonl."""
-    path = run_dir / "jobs.jsonl"
-    names = [json.loads(line)["device"] for line in path.read_text().splitlines()] if path.exists() else []
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(job["device"] for job in read_jsonl(run_dir / "jobs.jsonl")))
 
 
 def visible_gpus() -> list[str]:
