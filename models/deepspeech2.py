@@ -3,7 +3,7 @@
 Shapes: B utterances, T input frames of F features, T' = output frames after the front end's stride in time,
 H = hidden size, V = num_classes. Padding is masked everywhere: a padded frame never changes any output, so a
 sample's log-probs over its valid frames are the same in any batch (in eval mode, where batch norm uses running
-statistics).
+statistics), up to rounding: the persistent kernels' tiling, and with it their rounding, depends on the batch size.
 """
 import torch
 import torch.nn.functional as F

@@ -104,9 +104,9 @@ def test_padding_is_ignored(cell, reverse):
 @pytest.mark.parametrize("cell", ["tanh", "gru", "lstm"])
 def test_autocast_sums_recurrent_gradients_in_the_parameters_dtype(cell):
     """fp32 parameters under bf16 autocast, as the trainer's `train.amp=bf16` gives them: each step's weight_hh and
-    bias_hh gradient is summed in fp32. Summed in bf16 over 256 steps they were 1.7-2.1 % off float64; in fp32 0.5-0.7 %.
-    ReLU is left out: bf16 rounding moves which pre-activations pass, and its derivative jumps there (5-8 % either way).
-    """
+    bias_hh gradient is summed in fp32. Summed in bf16 over 256 steps they were 1.7-2.1 % off float64; in fp32,
+    0.5-0.7 %. ReLU is left out: bf16 rounding moves which pre-activations pass, and its derivative jumps there (5-8 %
+    either way)."""
     torch.manual_seed(3)
     num_steps, batch_size, hidden_size = 256, 4, 64
     gate_rows = NUM_GATES[cell] * hidden_size
