@@ -1,8 +1,8 @@
 // fp32 backward-data kernels: the forward engine on U^T (one row per unit, K = G * H) with each cell's backward.
 // 2 rows x 8 chunks per thread, at most 512 threads; for GRU and LSTM also more weights per thread in fewer threads
-// (3 x 10 and 5 x 6 in 384), which hold the 10-12 units per CTA that H = 1152 needs for its CTAs to fit.
-#include "engine.cuh"
-#include "fp32_math.cuh"
+// (3 x 10 and 5 x 6 in 384), which hold the 10-12 units per CTA that H = 1152 needs for its CTAs to fit. Larger
+// matrices keep part of their weights in shared memory (fp32_variants.cuh).
+#include "fp32_variants.cuh"
 #include "gated_cells.cuh"
 #include "vanilla_cell.cuh"
 
@@ -11,13 +11,13 @@ namespace prnn {
 std::vector<KernelVariant> fp32_backward_variants(CellKind cell) {
   switch (cell) {
     case CellKind::kGru:
-      return {kernel_variant<Fp32Math<2, 8, 512>, GruBackward<float>>(),
-              kernel_variant<Fp32Math<3, 10, 384>, GruBackward<float>>()};
+      return fp32_variants<GruBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, GruBackward<float>>(),
+                                                kernel_variant<Fp32Math<3, 10, 384>, GruBackward<float>>()});
     case CellKind::kLstm:
-      return {kernel_variant<Fp32Math<2, 8, 512>, LstmBackward<float>>(),
-              kernel_variant<Fp32Math<5, 6, 384>, LstmBackward<float>>()};
+      return fp32_variants<LstmBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, LstmBackward<float>>(),
+                                                 kernel_variant<Fp32Math<5, 6, 384>, LstmBackward<float>>()});
     default:
-      return {kernel_variant<Fp32Math<2, 8, 512>, VanillaBackward<float>>()};
+      return fp32_variants<VanillaBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, VanillaBackward<float>>()});
   }
 }
 

@@ -5,6 +5,9 @@
 // registers for the whole sequence. The lanes of a warp with different s read adjacent chunks of the staged vector
 // (at most 8 distinct 16-byte addresses, one shared-memory wavefront) and every load feeds 4 * kRowsPerThread FMAs.
 // Partial sums are reduced across the lanes of a warp with shuffles, then across warps through shared memory.
+// Variants with kSharedWeights hold tiling.shared_chunks more chunks per row in shared memory after their registers'
+// (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H ~ 2100, the GRU and LSTM
+// above 1152, and the two directions of a bidirectional layer in one launch (NOTES.md v21).
 #pragma once
 
 #include <vector>
@@ -13,7 +16,7 @@
 
 namespace prnn {
 
-template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_>
+template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_, bool kSharedWeights = false>
 struct Fp32Math {
   static constexpr int kMaxThreads = kMaxThreads_;
   // The variants whose weights take 96 or more of their 168 registers (GRU and LSTM at H ~ 1152).
@@ -36,6 +39,9 @@ struct Fp32Math {
   using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= K zero
 
   float4 weight[kRowsPerThread][kChunksPerThread];
+  // The shared chunks, (chunk, row, thread) order so that a warp reads 512 contiguous bytes per load: this thread's
+  // row i of shared chunk j at [(j * kRowsPerThread + i) * threads].
+  const float4* shared_weight;
   int group;  // g
   int split;  // s
 
@@ -54,22 +60,33 @@ struct Fp32Math {
       t.units_per_cta = t.rows_per_cta / shape.row_gates;
       if (t.units_per_cta == 0) continue;
       t.num_ctas = ceil_div(shape.units, t.units_per_cta);
-      int k_splits = ceil_div(ceil_div(shape.k_extent, 4), kChunksPerThread);
+      const int chunks = ceil_div(shape.k_extent, 4);
+      if constexpr (kSharedWeights) {
+        // As many threads as the variant takes, so that registers hold the most and shared memory the least; at least
+        // one chunk in shared memory, which keeps these tilings out of the planner's register-only round.
+        const int most_splits = kMaxThreads / groups;
+        t.shared_chunks = ceil_div(chunks, most_splits) - kChunksPerThread;
+        t.shared_chunks = t.shared_chunks > 1 ? t.shared_chunks : 1;
+      }
+      const int chunks_per_thread = kChunksPerThread + t.shared_chunks;
+      int k_splits = ceil_div(chunks, chunks_per_thread);
       // Enough threads to finish the CTA's units_per_cta * batch elements each step.
       const int for_elements = ceil_div(t.units_per_cta * shape.batch, kElementsPerThread * groups);
       k_splits = k_splits > for_elements ? k_splits : for_elements;
       t.k_splits = round_up(k_splits, 32 / groups);  // whole warps
       t.threads = groups * t.k_splits;
-      t.padded_k = 4 * t.k_splits * kChunksPerThread;
+      t.padded_k = 4 * t.k_splits * chunks_per_thread;
       t.num_partials = t.threads / 32;
-      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
+      t.weight_smem_bytes = t.threads * t.shared_chunks * kRowsPerThread * static_cast<int>(sizeof(float4));
+      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta) +
+                     t.weight_smem_bytes;
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
   }
 
-  // Every weight in registers: nothing goes to shared_weights.
-  __device__ void load_weights(const RnnParams<float>& p, int cta, void* /*shared_weights*/) {
+  // shared_weights: weight_smem_bytes of the CTA's shared memory, 16-byte aligned, for this CTA alone.
+  __device__ void load_weights(const RnnParams<float>& p, int cta, void* shared_weights) {
     const Tiling& t = p.tiling;
     group = threadIdx.x % t.row_groups;
     split = threadIdx.x / t.row_groups;
@@ -77,12 +94,25 @@ struct Fp32Math {
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int row = group + t.row_groups * i;
 #pragma unroll
-      for (int j = 0; j < kChunksPerThread; ++j) {
-        const int k = 4 * (split + j * t.k_splits);
-        weight[i][j] = make_float4(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1),
-                                   weight_at(p, cta, row, k + 2), weight_at(p, cta, row, k + 3));
+      for (int j = 0; j < kChunksPerThread; ++j) weight[i][j] = weight_chunk(p, cta, row, j);
+    }
+    if constexpr (kSharedWeights) {
+      float4* shared = static_cast<float4*>(shared_weights) + threadIdx.x;
+      shared_weight = shared;
+      for (int j = 0; j < t.shared_chunks; ++j) {
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          shared[(j * kRowsPerThread + i) * t.threads] = weight_chunk(p, cta, group + t.row_groups * i,
+                                                                      kChunksPerThread + j);
+        }
       }
     }
+  }
+
+  // Row `row`'s weights at this thread's chunk c_j.
+  __device__ float4 weight_chunk(const RnnParams<float>& p, int cta, int row, int j) const {
+    const int k = 4 * (split + j * p.tiling.k_splits);
+    return make_float4(weight_at(p, cta, row, k), weight_at(p, cta, row, k + 1), weight_at(p, cta, row, k + 2),
+                       weight_at(p, cta, row, k + 3));
   }
 
   // Where the step's published vector is read from (B rows of VS floats, entries past K zero) and staged to.
@@ -123,6 +153,27 @@ struct Fp32Math {
               for (int b = 0; b < kSamplesPerWeightUse; ++b) {
                 sum[i][set + b] = fmaf(component(weight[i][j], c), component(v[b], c), sum[i][set + b]);
               }
+            }
+          }
+        }
+      }
+      // The shared chunks, one sample at a time. The same products as the loop above, written out again: routing that
+      // loop through one helper for both changed ptxas's schedule of the 5 x 6 variant and cost the fp32 LSTM at 1152
+      // 3 % a step (NOTES.md v21).
+      if constexpr (kSharedWeights) {
+        const float4* shared = shared_weight;
+        for (int j = 0; j < t.shared_chunks; ++j, shared += kRowsPerThread * t.threads) {
+          float4 w[kRowsPerThread];
+#pragma unroll
+          for (int i = 0; i < kRowsPerThread; ++i) w[i] = shared[i * t.threads];
+          const int chunk = split + (kChunksPerThread + j) * t.k_splits;
+#pragma unroll
+          for (int b = 0; b < kSamplesPerPass; ++b) {
+            const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
+#pragma unroll
+            for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+              for (int c = 0; c < 4; ++c) sum[i][b] = fmaf(component(w[i], c), component(v, c), sum[i][b]);
             }
           }
         }

@@ -61,7 +61,8 @@ struct Tiling {
   int row_groups;     // fp32: lanes along rows (G); bf16: 16-row MMA tiles per CTA
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
   int num_partials;   // partial sums per output, reduced through shared memory
-  int weight_smem_bytes;  // bf16: the CTA's weights kept in shared memory (0: all in registers)
+  int shared_chunks;  // fp32: 16-byte chunks of weights per thread and row kept in shared memory, after its registers'
+  int weight_smem_bytes;  // the CTA's weights kept in shared memory (0: all in registers)
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
 };
 
