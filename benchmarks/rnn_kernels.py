@@ -1,7 +1,7 @@
 """Persistent RNN kernels vs cuDNN (torch.nn) vs a CUDA-graph loop of one matmul per step, on one GPU.
 
-    python -m benchmarks.rnn_kernels [--cells relu gru lstm] [--batches ...] [--hiddens ...] [--quick]
-        [--json PATH]
+    python -m benchmarks.rnn_kernels [--cells relu gru lstm] [--batches ...] [--hiddens ...] [--precisions fp32 bf16]
+        [--quick] [--json PATH]
 
 One layer, input size = hidden size, T = 256, every sample running all steps, for each cell, batch, hidden size and
 precision, one direction; then, at batch 4, both directions of a bidirectional layer. fp32 rows compare fp32
@@ -45,6 +45,7 @@ from prnn_kernels.reference import NUM_GATES
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
 CELLS = ("relu", "gru", "lstm")
+PRECISIONS = ("fp32", "bf16")
 BATCHES = (1, 4, 8, 16)
 HIDDENS = (2048, 1152, 1024, 2304, 2816)  # the targets' sizes first
 QUICK_BATCHES = (4,)
@@ -253,6 +254,7 @@ def main():
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
     parser.add_argument("--batches", nargs="+", type=int, help=f"default {BATCHES}")
     parser.add_argument("--hiddens", nargs="+", type=int, help=f"default {HIDDENS}")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true",
                         help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")
     args = parser.parse_args()
@@ -262,12 +264,13 @@ def main():
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)
     configuration = {"num_steps": NUM_STEPS, "cells": args.cells, "batches": list(batches), "hiddens": list(hiddens),
+                     "precisions": args.precisions,
                      "bidirectional_batch": BIDIRECTIONAL_BATCH, "input_size": "hidden", "warmup": WARMUP,
                      "repeats": REPEATS, "statistic": "median", "command": " ".join(sys.argv)}
     grid = [(cell, batch, hidden, precision, False) for cell in args.cells for hidden in hiddens
-            for batch in batches for precision in ("fp32", "bf16")]
+            for batch in batches for precision in args.precisions]
     grid += [(cell, BIDIRECTIONAL_BATCH, hidden, precision, True) for cell in args.cells for hidden in hiddens
-             for precision in ("fp32", "bf16")]
+             for precision in args.precisions]
     rows = []
     for point in grid:
         rows.append(measure(*point))
