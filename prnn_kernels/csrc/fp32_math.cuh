@@ -6,7 +6,7 @@
 // (at most 8 distinct 16-byte addresses, one shared-memory wavefront) and every load feeds 4 * kRowsPerThread FMAs.
 // Partial sums are reduced across the lanes of a warp with shuffles, then across warps through shared memory.
 // Variants with kSharedWeights hold tiling.shared_chunks more chunks per row in shared memory after their registers'
-// (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H ~ 2100, the GRU and LSTM
+// (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H = 2048, the GRU and LSTM
 // above 1152, and the two directions of a bidirectional layer in one launch (NOTES.md v21).
 #pragma once
 
