@@ -48,9 +48,11 @@ def read_jsonl(path: Path) -> list[dict]:
 def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER, and the
     seconds the run has spent training and evaluating, over all the jobs it took. With at_epoch, the run as it stood
-    after that epoch; a run that has not evaluated it yet has its epochs so far and no WER."""
+    after that epoch; a run that has not evaluated it yet has its epochs so far and no WER. An evaluation that could
+    not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances."""
     evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
+    evaluated = [line for line in evaluated if not line.get("eval_unreadable")]
     if at_epoch is not None:
         evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
     if not evaluated:

@@ -55,7 +55,13 @@ def test_corpus_error_rates_are_ratios_of_sums():
     other = ErrorCounts()
     other.add("GO", "NO NO")
     assert other.wer == pytest.approx(200.0)
+    counts.unreadable = 2
     assert ErrorCounts.from_tensor(counts.as_tensor()) == counts
+
+
+def test_no_words_have_no_error_rate_rather_than_a_perfect_one():
+    # A test set none of whose audio could be read once scored 0.00 % and was kept as the best checkpoint.
+    assert math.isnan(ErrorCounts(unreadable=130).wer) and math.isnan(ErrorCounts().cer)
 
 
 # --- configuration --------------------------------------------------------------------------------------------------
@@ -218,7 +224,24 @@ def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_p
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
     counts, rows = evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
-    assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3
+    assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3 and counts.unreadable == 0
+
+
+def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path):
+    from data.dataset import SpeechDataset
+    from data.manifest import Utterance, write_manifest
+    from data.sampler import eval_shard
+    from trainer.evaluate import evaluate
+
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 2.0, "TWO", "x"),
+                                          Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX EIGHT", "x")])
+    cfg = compose_config(["model.depth=1", "model.hidden=8", "model.conv_channels=2"])
+    features = build.features(cfg.data)
+    model = build.model(cfg.model, features.num_features)
+    dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
+    counts, rows = evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+    assert (len(rows), counts.words, counts.unreadable) == (1, 1, 1)
 
 
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),

@@ -172,8 +172,15 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert "too long for stride" in result.output
     # Three unreadable files skipped at load time, counted in the epoch summary; training finished and evaluated.
     assert "3 utterances unreadable or too long" in result.output
+    # The test set is the same manifest: its WER is over the readable part, and says so.
     _, epochs = read_metrics(tmp_path / "run")
-    assert len(epochs) == 1
+    assert len(epochs) == 1 and epochs[0]["eval_unreadable"] == 3 and "3 of its 11 utterances" in result.output
+    best = str(tmp_path / "run" / "checkpoints" / "best.pt")
+    result = run("trainer.evaluate", ["--checkpoint", best, "--manifest", str(manifest)])
+    assert result.returncode == 0 and "3 unreadable, left out" in result.output, result.output[-2000:]
+    unreadable_only = write_slice(tmp_path / "unreadable.jsonl", bad[:3])
+    result = run("trainer.evaluate", ["--checkpoint", best, "--manifest", str(unreadable_only)])
+    assert result.returncode == 1 and "none of the 3 utterances" in result.output, result.output[-2000:]
 
 
 def test_missing_manifest_is_one_clear_error(tmp_path):

@@ -31,6 +31,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     rows = []
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
     for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
+        counts.unreadable += batch.num_skipped
         if len(batch.indices) == 0:
             continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(amp, device)):
@@ -72,7 +73,12 @@ def main(argv=None) -> int:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")
             for row in sorted(rows, key=lambda row: row["audio_filepath"]):
                 out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
-    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words)")
+    if not rows:
+        print(f"error: none of the {len(dataset)} utterances of {args.manifest or cfg.data.eval_manifest} could be "
+              "decoded (the warnings above name them)", file=sys.stderr)
+        return 1
+    unreadable = f"; {counts.unreadable} unreadable, left out" if counts.unreadable else ""
+    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{unreadable})")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Corpus-level word / character error rates."""
-from dataclasses import dataclass
+import math
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -17,12 +18,15 @@ def edit_distance(reference: list, hypothesis: list) -> int:
 
 @dataclass
 class ErrorCounts:
-    """Error and reference counts summed over a corpus; rates are ratios of the sums, not means of ratios."""
+    """Error and reference counts summed over a corpus; rates are ratios of the sums, not means of ratios.
+    `unreadable` counts the corpus's utterances that could not be decoded (their audio unreadable or too short): a
+    rate over the rest is a rate over part of the corpus."""
 
     word_errors: int = 0
     words: int = 0
     char_errors: int = 0
     chars: int = 0
+    unreadable: int = 0
 
     def add(self, reference: str, hypothesis: str) -> tuple[int, int]:
         """Counts one utterance; returns its (word errors, char errors)."""
@@ -35,16 +39,17 @@ class ErrorCounts:
         return word_errors, char_errors
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.word_errors, self.words, self.char_errors, self.chars], dtype=torch.float64)
+        return torch.tensor(astuple(self), dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, counts: torch.Tensor) -> "ErrorCounts":
         return cls(*(int(round(value)) for value in counts.tolist()))
 
+    # NaN, not 0, over no words: a test set that could not be read must not score as perfect.
     @property
     def wer(self) -> float:
-        return 100.0 * self.word_errors / max(self.words, 1)
+        return 100.0 * self.word_errors / self.words if self.words else math.nan
 
     @property
     def cer(self) -> float:
-        return 100.0 * self.char_errors / max(self.chars, 1)
+        return 100.0 * self.char_errors / self.chars if self.chars else math.nan

@@ -201,8 +201,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
     # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
     # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
-    # elapsed_s: seconds of training and evaluation over all of the run's jobs.
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_wer": math.inf, "elapsed_s": 0.0}
+    # elapsed_s: seconds of training and evaluation over all of the run's jobs. best.pt is the evaluation with the
+    # fewest unreadable test utterances and, among those, the lowest WER: WERs over different subsets of the test set
+    # do not compare.
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
     resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     if resume is not None:
         saved = checkpoint.load(resume)
@@ -210,7 +213,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         sampler.load_state_dict(saved["sampler"])
-        state = {"elapsed_s": 0.0, **saved["train_state"]}  # checkpoints from before elapsed_s count from here
+        # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
+        state = {"elapsed_s": 0.0, "best_unreadable": 0, **saved["train_state"]}
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
     if env.is_main:
@@ -311,15 +315,20 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                 epoch + 1, mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
                 "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
             )
+            if counts.unreadable:
+                log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
+                            "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
             writer.add_scalar("eval/wer", counts.wer, epoch + 1)
             writer.add_scalar("eval/cer", counts.cer, epoch + 1)
-            metrics_file.write(json.dumps({
-                "epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
-                "elapsed_s": round(time.perf_counter() - run_started, 1),
-            }) + "\n")
+            record = {"epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
+                      "elapsed_s": round(time.perf_counter() - run_started, 1)}
+            if counts.unreadable:
+                record["eval_unreadable"] = counts.unreadable
+            metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        if counts.wer < state["best_wer"]:
-            state["best_wer"] = counts.wer
+        better = (counts.unreadable, counts.wer) < (state["best_unreadable"], state["best_wer"])
+        if better and not math.isnan(counts.wer):
+            state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
         if max_steps is not None and state["step"] >= max_steps:
