@@ -103,6 +103,9 @@ class SpeechDataset(Dataset):
         for path in manifest_paths:
             for utterance in read_manifest(path):
                 self._add(utterance, max_duration)
+        if not self.utterances:
+            raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
+                             f"{dict(self.skipped) or 'none, the manifest is empty'}")
         logger.info(
             "%d utterances from %s; skipped %s",
             len(self.utterances),

@@ -75,6 +75,15 @@ def test_construction_drops_and_counts_each_unusable_transcript(manifest, caplog
     assert dataset.durations == [1.0, 0.5, 1.0, 0.0, 3.0]
 
 
+def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
+    write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
+    with pytest.raises(ValueError, match=r"no usable utterance in .*blank.jsonl: skipped \{'empty transcript': 1\}"):
+        make_dataset(tmp_path / "blank.jsonl")
+    write_manifest(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match="the manifest is empty"):
+        make_dataset(tmp_path / "empty.jsonl")
+
+
 def test_unreadable_empty_or_too_short_audio_gives_none_and_warns_once(manifest, caplog):
     dataset = make_dataset(manifest)
     caplog.clear()
