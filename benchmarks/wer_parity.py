@@ -52,14 +52,17 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances."""
     evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
-    evaluated = [line for line in evaluated if not line.get("eval_unreadable")]
     if at_epoch is not None:
         evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
+    partial = [line["epoch"] for line in evaluated if line.get("eval_unreadable")]
+    evaluated = [line for line in evaluated if not line.get("eval_unreadable")]
     if not evaluated:
-        return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None}
+        return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None,
+                "partial_epochs": partial}
     last = evaluated[-1]
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
-            "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"]}
+            "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"],
+            "partial_epochs": partial}
 
 
 def devices(run_dir: Path) -> list[str]:
@@ -213,6 +216,10 @@ def main(argv=None) -> None:
         exit_status = "-" if row["returncode"] is None else row["returncode"]
         print(f"{row['run']:<28} {exit_status:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
               f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10} {elapsed:>7}")
+    for row in rows:
+        if row["partial_epochs"]:
+            print(f"{row['run']}: left out the evaluations after epochs {row['partial_epochs']}, which could not "
+                  "read the whole test set (eval_unreadable)")
     print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0] + ', paired':>22}")
     for entry in summary:
         versus = ""

@@ -96,7 +96,7 @@ def write_metrics(run_dir, wers, elapsed_per_epoch=5.0):
 def test_evaluations_give_the_last_and_best(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 72.0])
     assert evaluations(tmp_path / "run") == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 70.0,
-                                             "elapsed_s": 15.0}
+                                             "elapsed_s": 15.0, "partial_epochs": []}
     assert evaluations(tmp_path / "missing")["epochs"] == 0
 
 
@@ -106,13 +106,14 @@ def test_evaluations_leave_out_those_over_part_of_the_test_set(tmp_path):
     lines[2] = json.dumps({"epoch": 2, "eval_wer": 0.0, "eval_cer": 0.0, "elapsed_s": 10.0, "eval_unreadable": 130})
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert evaluations(tmp_path / "run") == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 72.0,
-                                             "elapsed_s": 15.0}
+                                             "elapsed_s": 15.0, "partial_epochs": [2]}
+    assert evaluations(tmp_path / "run", at_epoch=1)["partial_epochs"] == []
 
 
 def test_evaluations_at_an_epoch_give_the_run_as_it_stood_then(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 60.0])
     assert evaluations(tmp_path / "run", at_epoch=2) == {"epochs": 2, "last_wer": 70.0, "last_cer": 35.0,
-                                                         "best_wer": 70.0, "elapsed_s": 10.0}
+                                                         "best_wer": 70.0, "elapsed_s": 10.0, "partial_epochs": []}
     short = evaluations(tmp_path / "run", at_epoch=4)
     assert short["epochs"] == 3 and short["last_wer"] is None and short["best_wer"] is None
 
