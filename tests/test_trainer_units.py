@@ -62,6 +62,15 @@ def test_corpus_error_rates_are_ratios_of_sums():
 def test_no_words_have_no_error_rate_rather_than_a_perfect_one():
     # A test set none of whose audio could be read once scored 0.00 % and was kept as the best checkpoint.
     assert math.isnan(ErrorCounts(unreadable=130).wer) and math.isnan(ErrorCounts().cer)
+    assert not ErrorCounts(unreadable=130).beats(math.inf, math.inf)
+
+
+def test_the_best_checkpoint_is_chosen_among_evaluations_that_read_the_most():
+    # (word errors, words, char errors, chars, unreadable): WER 10 % over the whole set, 5 % over part of it.
+    whole, part = ErrorCounts(2, 20, 3, 60, 0), ErrorCounts(1, 20, 1, 60, 4)
+    assert whole.beats(math.inf, math.inf) and part.beats(math.inf, math.inf)
+    assert whole.beats(part.unreadable, part.wer) and not part.beats(whole.unreadable, whole.wer)
+    assert not whole.beats(0, 10.0) and whole.beats(0, 10.5)
 
 
 # --- configuration --------------------------------------------------------------------------------------------------

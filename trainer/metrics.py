@@ -53,3 +53,8 @@ class ErrorCounts:
     @property
     def cer(self) -> float:
         return 100.0 * self.char_errors / self.chars if self.chars else math.nan
+
+    def beats(self, best_unreadable: float, best_wer: float) -> bool:
+        """Whether this evaluation makes a better best checkpoint than one with the given counts: it read more of the
+        test set, or as much at a lower WER (WERs over different parts of a test set do not compare). NaN never."""
+        return not math.isnan(self.wer) and (self.unreadable, self.wer) < (best_unreadable, best_wer)

@@ -201,9 +201,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
     # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
     # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
-    # elapsed_s: seconds of training and evaluation over all of the run's jobs. best.pt is the evaluation with the
-    # fewest unreadable test utterances and, among those, the lowest WER: WERs over different subsets of the test set
-    # do not compare.
+    # elapsed_s: seconds of training and evaluation over all of the run's jobs. best_unreadable and best_wer: best.pt's
+    # evaluation (ErrorCounts.beats).
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
     resume = checkpoint_to_resume(cfg.train.resume, run_dir)
@@ -326,8 +325,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                 record["eval_unreadable"] = counts.unreadable
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        better = (counts.unreadable, counts.wer) < (state["best_unreadable"], state["best_wer"])
-        if better and not math.isnan(counts.wer):
+        if counts.beats(state["best_unreadable"], state["best_wer"]):
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
