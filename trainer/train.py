@@ -314,14 +314,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                 epoch + 1, mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
                 "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
             )
-            if counts.unreadable:
-                log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
-                            "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
             writer.add_scalar("eval/wer", counts.wer, epoch + 1)
             writer.add_scalar("eval/cer", counts.cer, epoch + 1)
             record = {"epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
                       "elapsed_s": round(time.perf_counter() - run_started, 1)}
             if counts.unreadable:
+                log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
+                            "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
                 record["eval_unreadable"] = counts.unreadable
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
