@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     if args.parallel < 1 or args.ranks < 1:
         sys.exit("--parallel and --ranks must be at least 1")
     if args.graphs and args.ranks > 1:
-        sys.exit("--graphs trains in one process only (train.cuda_graphs): use --ranks 1")
+        sys.exit("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use --ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         sys.exit("--backends and --seeds must not repeat")
     if args.at_epoch is not None and args.at_epoch < 1:

@@ -41,6 +41,12 @@ class CudaGraphed(nn.Module):
     bf16 autocast (the graphs carry their own autocast; an enclosing one is ignored). Evaluation mode runs the model
     eagerly. Every recurrent layer must run on the persistent (or reference) backend at each batch size it sees:
     the cuDNN path packs sequences by lengths copied to the host, which a graph cannot hold.
+
+    In a job of several ranks over NCCL, the batch norms' all-reduces (`sync_stats`) are captured with the rest, and
+    DistributedDataParallel wraps this module: the graphed backward hands each parameter's gradient to autograd
+    outside the graph, where DDP's hooks all-reduce it eagerly. A graph's captured all-reduces pair with the other
+    ranks' only if every rank replays the same graph at the same step: each passes the same batch size and, as
+    `min_frames`, the longest shard's frames, so all of them pad to the same length.
     """
 
     def __init__(self, model: nn.Module, pad_frames: int, amp: bool):
@@ -64,12 +70,13 @@ class CudaGraphed(nn.Module):
         """Captured (batch size, padded frames) shapes so far."""
         return len(self._graphed)
 
-    def forward(self, features, lengths):
-        """features: (B, T, F) and lengths: (B,), both on the model's GPU."""
+    def forward(self, features, lengths, min_frames: int = 0):
+        """features: (B, T, F) and lengths: (B,), both on the model's GPU; training mode pads the batch to at least
+        `min_frames` frames, rounded up to a multiple of pad_frames."""
         if not self.training:
             return self.model(features, lengths)
         batch_size, num_frames, _ = features.shape
-        padded_frames = -(-num_frames // self.pad_frames) * self.pad_frames
+        padded_frames = -(-max(num_frames, min_frames) // self.pad_frames) * self.pad_frames
         features = F.pad(features, (0, 0, 0, padded_frames - num_frames))
         key = (batch_size, padded_frames)
         if key not in self._graphed:

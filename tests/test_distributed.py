@@ -1,6 +1,7 @@
 """Data-parallel training over MPI: two ranks train exactly as one process does at the same global batch, on CPU
-(gloo) and, where two GPUs are visible, on GPUs (NCCL, persistent kernels); a rank that raises ends the whole job with
-its message, and one killed ends it too; benchmarks.scaling and benchmarks.scaling_model run.
+(gloo) and, where two GPUs are visible, on GPUs (NCCL, persistent kernels, eager and replayed from CUDA graphs); a rank
+that raises ends the whole job with its message, and one killed ends it too; benchmarks.scaling and
+benchmarks.scaling_model run.
 
 Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
 its test, with the job killed, instead of stalling CI.
@@ -176,12 +177,50 @@ def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
 
 @needs_mpiexec
 @pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_over_nccl_train_graphed_exactly_as_one_gpu(an4_slice, tmp_path):
+    """train.cuda_graphs=true on two ranks: the batch norms' all-reduces replayed inside the graphs, DDP's outside."""
+    output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path, "train.cuda_graphs=true")
+    assert "over nccl" in output and "capturing CUDA graphs" in output, output
+
+
+@needs_mpiexec
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphed_ranks_skip_a_step_whose_shards_differ_in_size(an4_slice, tmp_path):
+    """An unreadable utterance leaves its rank's shard one short: under CUDA graphs the ranks would replay graphs of
+    different shapes, whose captured all-reduces do not pair, so every rank skips that step, says why and goes on."""
+    from prnn_kernels.build import load_extension
+
+    load_extension()
+    lines = an4_slice["train"].read_text().splitlines()
+    corrupt = tmp_path / "corrupt.wav"
+    corrupt.write_bytes(b"not audio at all" * 64)
+    lines[0] = json.dumps({**json.loads(lines[0]), "audio_filepath": str(corrupt)})
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    command = trainer_command({**an4_slice, "train": manifest}, tmp_path / "run", 2, "device=cuda",
+                              "model.backend=persistent", "train.cuda_graphs=true")
+    code, output = run_job(command, TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert "corrupt.wav" in output, output
+    # Once per epoch: the file is read, and fails, in both.
+    assert output.count("1 step skipped: shards of unequal size under CUDA graphs (audio unreadable)") == 2, output
+
+
+@needs_mpiexec
+@pytest.mark.cuda
 def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path, monkeypatch):
     """distributed.share_gpus: both ranks on the one visible GPU, all-reducing over gloo, as two GPUs would."""
     monkeypatch.setitem(JOB_ENV, "CUDA_VISIBLE_DEVICES", "0")
     code, output = run_job(trainer_command(an4_slice, tmp_path / "refused", 2, "device=cuda"), FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert "error on rank 0: 2 ranks on this node but 1 GPU(s) visible" in output, output
+    graphed = trainer_command(an4_slice, tmp_path / "graphed", 2, "device=cuda", "model.backend=persistent",
+                              "distributed.share_gpus=true", "train.cuda_graphs=true")
+    code, output = run_job(graphed, FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert "train.cuda_graphs=true in a job of 2 ranks needs NCCL" in output, output
     output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path, "distributed.share_gpus=true")
     assert "rank 1 of 2 (local rank 1) on cuda:0 over gloo" in output, output
 

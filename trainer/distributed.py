@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +151,40 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
     return DistEnv(rank, world_size, rank_device)
 
 
+def data_parallel(module: torch.nn.Module, device: torch.device, graphed: bool, **options) -> DistributedDataParallel:
+    """DistributedDataParallel around `module` on `device` (DDP's keyword `options` passed on). A `graphed` module
+    (models.cuda_graphs) gets it made on a side stream: DDP makes each parameter's gradient accumulator here, on the
+    current stream, and accumulators of the legacy default stream make every later capture of a backward through
+    them fail (cudaErrorStreamCaptureImplicit). An eager one keeps the default stream its passes run on."""
+    if device.type != "cuda":
+        return DistributedDataParallel(module, **options)
+    if not graphed:
+        return DistributedDataParallel(module, device_ids=[device], **options)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        wrapped = DistributedDataParallel(module, device_ids=[device], **options)
+    torch.cuda.current_stream(device).wait_stream(side)  # its broadcast of rank 0's parameters
+    return wrapped
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sums a tensor over ranks in place (a no-op in a world of one)."""
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum over ranks, in place (a no-op in a world of one)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def backend() -> str | None:
+    """The process group's backend ("nccl" or "gloo"), None in a world of one."""
+    return dist.get_backend() if dist.is_initialized() else None
 
 
 def barrier() -> None:

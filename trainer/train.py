@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -92,18 +91,32 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     """
     device = env.device
     local_count = len(batch.indices)
+    num_frames = batch.features.shape[1]
+    graphed = isinstance(getattr(model, "module", model), CudaGraphed)  # DDP holds the model it wraps as .module
     # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty.
-    global_count, empty_shards = distributed.all_reduce_sum(
+    counts = distributed.all_reduce_sum(
         torch.tensor([local_count, int(local_count == 0)], dtype=torch.float64, device=device)
-    ).tolist()
+    )
+    if graphed:
+        # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
+        shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
+        counts = torch.cat([counts, distributed.all_reduce_max(shape)])
+    global_count, empty_shards, *shape = counts.tolist()
     if empty_shards:
         return "empty shard (all its audio unreadable)", math.nan
+    forward_options = {}
+    if graphed:
+        largest_shard, negated_smallest_shard, longest = shape
+        if largest_shard != -negated_smallest_shard:
+            return "shards of unequal size under CUDA graphs (audio unreadable)", math.nan
+        forward_options["min_frames"] = int(longest)
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(cfg.train.amp, device)):
         log_probs, out_lengths = model(
-            batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True)
+            batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True),
+            **forward_options,
         )
     loss_sum = F.ctc_loss(
         log_probs.float(),
@@ -162,10 +175,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         raise ValueError(f"train.checkpoint_every_steps must be a positive integer or null, not {checkpoint_every!r}")
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
-    if cfg.train.cuda_graphs and env.world_size > 1:
+    if cfg.train.cuda_graphs and env.world_size > 1 and distributed.backend() != "nccl":
         raise ValueError(
-            "train.cuda_graphs=true runs in one process only for now (the batch-norm statistics' all-reduce and "
-            f"DDP's gradient hooks are not captured); this job has {env.world_size}: set train.cuda_graphs=false"
+            f"train.cuda_graphs=true in a job of {env.world_size} ranks needs NCCL, one GPU per rank: these ranks "
+            f"all-reduce over {distributed.backend()} (distributed.share_gpus), whose collectives a CUDA graph cannot "
+            "capture; set train.cuda_graphs=false"
         )
     if env.device.type == "cpu":
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
@@ -219,13 +233,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     if env.is_main:
         record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
 
+    if env.world_size > 1:
+        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
+    wrapped = model
     if cfg.train.cuda_graphs:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
-    elif env.world_size > 1:
-        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
-        wrapped = DistributedDataParallel(model, device_ids=[env.device] if env.device.type == "cuda" else None)
-    else:
-        wrapped = model
+    if env.world_size > 1:
+        wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
     writer = SummaryWriter(run_dir / "tensorboard") if env.is_main else None
     metrics_file = None
     if env.is_main:
