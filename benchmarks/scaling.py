@@ -2,13 +2,15 @@
 
     mpirun -np N python -m benchmarks.scaling [--model an4|deep|cpu_demo] [--global-batch 8]
         [--backend auto|cudnn|persistent] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
-        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...]
+        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs]
 
 Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
 lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the
 trainer's own (trainer.train.train_step) on the trainer's own model, optimizer and config (conf/ composed by Hydra:
 --model an4 is experiment=an4_gpu, 5 bidirectional GRU layers of 800 over 161 spectrogram features; deep the same
-with 7 layers of 1152; cpu_demo the small model of experiment=cpu_demo, sized for a CPU smoke test).
+with 7 layers of 1152; cpu_demo the small model of experiment=cpu_demo, sized for a CPU smoke test). --cuda-graphs
+replays the model's forward and backward from CUDA graphs as train.cuda_graphs=true does (models.cuda_graphs), in
+every measure that runs the step.
 
 Times are medians over --steps after --warmup; each one is bracketed by device synchronisation, follows a barrier,
 and is the slowest rank's time for that step:
@@ -34,11 +36,11 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from torch.nn.parallel import DistributedDataParallel
 
 from data.dataset import Batch
 from data.text import NUM_CLASSES
 from models import MaskedBatchNorm
+from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
@@ -111,7 +113,7 @@ def summary(times_ms: list[float], **fields) -> dict:
 
 
 # Settings a baseline must share with the run it is compared with.
-COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features")
+COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "cuda_graphs")
 
 
 def read_baseline(path: str, config: dict) -> dict:
@@ -119,6 +121,7 @@ def read_baseline(path: str, config: dict) -> dict:
     baseline = json.loads(Path(path).read_text())
     if baseline.get("benchmark") != "scaling" or baseline["world_size"] != 1:
         raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process")
+    baseline["config"].setdefault("cuda_graphs", False)  # JSONs from before --cuda-graphs ran without
     for key in COMPARABLE:
         if baseline["config"][key] != config[key]:
             raise ValueError(f"--baseline {path} has {key}={baseline['config'][key]!r}, this run {config[key]!r}")
@@ -131,7 +134,8 @@ def print_table(result: dict) -> None:
         f"DeepSpeech2 {config['model']} ({config['model_config']['depth']} x "
         f"{'bi-' if config['model_config']['bidirectional'] else ''}{config['model_config']['cell'].upper()} "
         f"{config['model_config']['hidden']}, {model['parameters'] / 1e6:.1f}M parameters, "
-        f"{model['gradient_bytes'] / 1e6:.1f} MB of gradients), backend {config['backend']}, "
+        f"{model['gradient_bytes'] / 1e6:.1f} MB of gradients), backend {config['backend']}"
+        f"{' + CUDA graphs' if config['cuda_graphs'] else ''}, "
         f"{result['world_size']} x {result['device']}, global batch {config['global_batch']}, "
         f"{config['frames']} frames, {'bf16' if config['amp'] else 'fp32'}"
     )
@@ -168,6 +172,10 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
     num_parameters = sum(p.numel() for p in model.parameters())
 
+    def graphed(network):
+        """The model as the trainer runs it under train.cuda_graphs: a new instance captures afresh."""
+        return CudaGraphed(network, cfg.train.graph_pad_frames, config["amp"]) if args.cuda_graphs else network
+
     def step_on(network, per_rank_batch, world_size):
         batch = random_batch(per_rank_batch, args.frames, num_features, args.seed + env.rank, device)
         step_env = DistEnv(env.rank, world_size, device)
@@ -177,8 +185,9 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
         return time_ms(function, args.warmup, args.steps, device)
 
     # Compute alone first, while the model is not yet wrapped: each rank on its own, as in a world of one.
+    alone = graphed(model)
     compute = [
-        summary(timed(step_on(model, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
+        summary(timed(step_on(alone, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
         for per_rank_batch in args.compute_batches
     ]
     per_rank_batch = args.global_batch // env.world_size
@@ -198,12 +207,11 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
         "compute": compute,
     }
     if env.world_size == 1:
-        result["step"] = summary(timed(step_on(model, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
+        result["step"] = summary(timed(step_on(alone, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
     else:
+        # Graphs captured from here on hold the batch norms' all-reduces.
         model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
-        wrapped = DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=DDP_BUCKET_CAP_MB
-        )
+        wrapped = distributed.data_parallel(graphed(model), device, args.cuda_graphs, bucket_cap_mb=DDP_BUCKET_CAP_MB)
         step = step_on(wrapped, per_rank_batch, env.world_size)
         result["step"] = summary(timed(step), per_rank_batch=per_rank_batch)
 
@@ -244,6 +252,8 @@ def main(argv=None) -> None:
                         help="per-rank batches of the compute-only measure (the projection's range)")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", help="rank 0 writes the results, versions and full configuration here")
     parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
@@ -257,6 +267,8 @@ def main(argv=None) -> None:
     if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
         raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
     device = env.device
+    if args.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a GPU, this run is on {device}")
     cfg = compose_config(args.model, args.backend, args.cell, args.amp)
     num_features = build.features(cfg.data).num_features
     config = {
