@@ -302,6 +302,12 @@ def scaling_command(world_size: int, json_path: Path, *extra) -> list:
     ]
 
 
+def test_scaling_benchmark_refuses_cuda_graphs_on_a_cpu(tmp_path):
+    code, output = run_job(scaling_command(1, tmp_path / "graphs.json", "--cuda-graphs"), FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert "error on rank 0: --cuda-graphs needs a GPU, this run is on cpu" in output, output
+
+
 @pytest.fixture(scope="module")
 def scaling_result(tmp_path_factory) -> dict:
     """benchmarks.scaling on two ranks, against its own one-process baseline."""
