@@ -156,14 +156,13 @@ def data_parallel(module: torch.nn.Module, device: torch.device, graphed: bool, 
     (models.cuda_graphs) gets it made on a side stream: DDP makes each parameter's gradient accumulator here, on the
     current stream, and accumulators of the legacy default stream make every later capture of a backward through
     them fail (cudaErrorStreamCaptureImplicit). An eager one keeps the default stream its passes run on."""
-    if device.type != "cuda":
-        return DistributedDataParallel(module, **options)
-    if not graphed:
-        return DistributedDataParallel(module, device_ids=[device], **options)
+    device_ids = [device] if device.type == "cuda" else None
+    if not graphed:  # graphs run on GPUs only
+        return DistributedDataParallel(module, device_ids=device_ids, **options)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        wrapped = DistributedDataParallel(module, device_ids=[device], **options)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **options)
     torch.cuda.current_stream(device).wait_stream(side)  # its broadcast of rank 0's parameters
     return wrapped
 
