@@ -99,8 +99,8 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     )
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
-        shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
-        counts = torch.cat([counts, distributed.all_reduce_max(shape)])
+        local_shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
+        counts = torch.cat([counts, distributed.all_reduce_max(local_shape)])
     global_count, empty_shards, *shape = counts.tolist()
     if empty_shards:
         return "empty shard (all its audio unreadable)", math.nan
