@@ -271,20 +271,22 @@ def rank_process(rank: int, run_dir: Path) -> int:
     raise LookupError(f"no process of rank {rank} for {run_dir}")
 
 
-GPUS_GRAPHED = ("device=cuda", "model.backend=persistent", "train.cuda_graphs=true")
+def on_two_gpus(*overrides: str):
+    return pytest.param(("device=cuda", "model.backend=persistent", *overrides), marks=[
+        pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")])
 
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
 @pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-@pytest.mark.parametrize("overrides", [(), pytest.param(GPUS_GRAPHED, marks=[pytest.mark.cuda, pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs")])], ids=["cpu", "gpus_graphed"])
+@pytest.mark.parametrize("overrides", [(), on_two_gpus(), on_two_gpus("train.cuda_graphs=true")],
+                         ids=["cpu", "gpus", "gpus_graphed"])
 def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path, signal_number, overrides):
     """A rank that dies without a word (killed, out of memory) or stops answering must not leave the other waiting
     on a collective: the launcher ends a job whose rank died, and a collective that waits past
-    distributed.timeout_s fails on the waiting rank, which ends the job. On GPUs under CUDA graphs the waiting rank
-    may be inside a replayed graph's all-reduce; the eager collective after it times out all the same (NCCL's
-    watchdog, which ends the process rather than raising in the training loop)."""
+    distributed.timeout_s fails on the waiting rank, which ends the job. Over NCCL that is the watchdog, which ends
+    the process rather than raising in the training loop; under CUDA graphs the waiting rank may be inside a
+    replayed graph's all-reduce, and the eager collective after it times out all the same."""
     if overrides:
         from prnn_kernels.build import load_extension
 

@@ -134,6 +134,13 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         torch.cuda.set_device(rank_device)
         if ranks_on_node <= num_gpus:  # otherwise ranks share GPUs, which NCCL refuses
             backend = "nccl"
+            # A collective past timeout_s must end the process. NCCL's watchdog sees the timeout but then stalls
+            # (2 x H100, torch 2.11: a rank whose peer had stopped lived on for minutes), and the monitor that ends a
+            # stalled watchdog waits 480 s by default: give it timeout_s too, and skip the debug dump. A user's own
+            # settings win.
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
+            os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, round(timeout_s))))
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     else:
         rank_device = torch.device("cpu")
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
