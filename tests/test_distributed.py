@@ -232,6 +232,19 @@ def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
         distributed.rank_gpu(0, 3, 2, share_gpus=False)
 
 
+def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_otherwise(monkeypatch):
+    variables = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+    for name in variables:  # set, then deleted: monkeypatch restores each as it was before the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    distributed.end_nccl_timeouts_promptly(10.4)
+    assert [os.environ[name] for name in variables] == ["1", "10", "0"]
+    monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "900")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    distributed.end_nccl_timeouts_promptly(300)
+    assert [os.environ[name] for name in variables] == ["1", "900", "1"]
+
+
 @needs_mpiexec
 def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run, tmp_path):
     """Rank 1 fails resuming (its RNG state in the checkpoint is damaged) while rank 0 goes on into DDP's first

@@ -102,6 +102,16 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
     return local_rank % num_gpus
 
 
+def end_nccl_timeouts_promptly(timeout_s: float) -> None:
+    """Environment defaults, read when NCCL's process group starts, under which a collective past timeout_s ends the
+    process. NCCL's watchdog sees the timeout but then stalls (2 x H100, torch 2.11: a rank whose peer had stopped
+    lived on for minutes), and the monitor that ends a stalled watchdog waits 480 s by default: it gets timeout_s,
+    and the debug dump on timeout is skipped. A user's own settings win."""
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, round(timeout_s))))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+
+
 def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = False) -> DistEnv:
     """Starts the process group when launched by MPI; picks this rank's device.
 
@@ -134,13 +144,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         torch.cuda.set_device(rank_device)
         if ranks_on_node <= num_gpus:  # otherwise ranks share GPUs, which NCCL refuses
             backend = "nccl"
-            # A collective past timeout_s must end the process. NCCL's watchdog sees the timeout but then stalls
-            # (2 x H100, torch 2.11: a rank whose peer had stopped lived on for minutes), and the monitor that ends a
-            # stalled watchdog waits 480 s by default: give it timeout_s too, and skip the debug dump. A user's own
-            # settings win.
-            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
-            os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, round(timeout_s))))
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+            end_nccl_timeouts_promptly(timeout_s)
     else:
         rank_device = torch.device("cpu")
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
