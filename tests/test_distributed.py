@@ -297,9 +297,10 @@ def on_two_gpus(*overrides: str):
 def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path, signal_number, overrides):
     """A rank that dies without a word (killed, out of memory) or stops answering must not leave the other waiting
     on a collective: the launcher ends a job whose rank died, and a collective that waits past
-    distributed.timeout_s fails on the waiting rank, which ends the job. Over NCCL that is the watchdog, which ends
-    the process rather than raising in the training loop; under CUDA graphs the waiting rank may be inside a
-    replayed graph's all-reduce, and the eager collective after it times out all the same."""
+    distributed.timeout_s fails on the waiting rank, which ends the job. Over NCCL the process ends (the watchdog and
+    its monitor, trainer.distributed.end_nccl_timeouts_promptly) rather than raising in the training loop; under CUDA
+    graphs the waiting rank may be inside a replayed graph's all-reduce, and the eager collective after it times out
+    all the same."""
     if overrides:
         from prnn_kernels.build import load_extension
 

@@ -105,7 +105,7 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     """Environment defaults, read when NCCL's process group starts, under which a collective past timeout_s ends the
     process. NCCL's watchdog sees the timeout but then stalls (2 x H100, torch 2.11: a rank whose peer had stopped
-    lived on for minutes), and the monitor that ends a stalled watchdog waits 480 s by default: it gets timeout_s,
+    lived on past a minute), and the monitor that ends a stalled watchdog waits 480 s by default: it gets timeout_s,
     and the debug dump on timeout is skipped. A user's own settings win."""
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "1")
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(max(1, round(timeout_s))))
