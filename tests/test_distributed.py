@@ -42,6 +42,9 @@ TINY_RUN = [
     "train.num_workers=0", "train.progress_bar=false", "train.amp=none",
 ]
 NUM_STEPS = 8
+# The same run on GPUs, its GRU layers on the persistent kernels.
+ON_GPUS = ("device=cuda", "model.backend=persistent")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def start_job(command: list) -> subprocess.Popen:
@@ -157,9 +160,8 @@ def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str)
     from prnn_kernels.build import load_extension
 
     load_extension()  # built once here, not inside the jobs' time limit
-    gpu = ("device=cuda", "model.backend=persistent")
     for world_size in (1, 2):
-        command = trainer_command(an4_slice, run_dir / f"{world_size}", world_size, *gpu, *overrides)
+        command = trainer_command(an4_slice, run_dir / f"{world_size}", world_size, *ON_GPUS, *overrides)
         code, output = run_job(command, TRAIN_TIMEOUT_S)
         assert code == 0, output
     assert_trained_alike(run_dir / "1", run_dir / "2")
@@ -168,7 +170,7 @@ def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str)
 
 @needs_mpiexec
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_two_gpus
 def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
     """The same on GPUs: gradients and batch-norm statistics all-reduced by NCCL."""
     output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path)
@@ -177,7 +179,7 @@ def test_two_gpus_over_nccl_train_exactly_as_one_gpu(an4_slice, tmp_path):
 
 @needs_mpiexec
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_two_gpus
 def test_two_gpus_over_nccl_train_graphed_exactly_as_one_gpu(an4_slice, tmp_path):
     """train.cuda_graphs=true on two ranks: the batch norms' all-reduces replayed inside the graphs, DDP's outside."""
     output = assert_gpu_ranks_train_as_one_gpu(an4_slice, tmp_path, "train.cuda_graphs=true")
@@ -186,7 +188,7 @@ def test_two_gpus_over_nccl_train_graphed_exactly_as_one_gpu(an4_slice, tmp_path
 
 @needs_mpiexec
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_two_gpus
 def test_graphed_ranks_skip_a_step_whose_shards_differ_in_size(an4_slice, tmp_path):
     """An unreadable utterance leaves its rank's shard one short: under CUDA graphs the ranks would replay graphs of
     different shapes, whose captured all-reduces do not pair, so every rank skips that step, says why and goes on."""
@@ -199,8 +201,8 @@ def test_graphed_ranks_skip_a_step_whose_shards_differ_in_size(an4_slice, tmp_pa
     lines[0] = json.dumps({**json.loads(lines[0]), "audio_filepath": str(corrupt)})
     manifest = tmp_path / "train.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
-    command = trainer_command({**an4_slice, "train": manifest}, tmp_path / "run", 2, "device=cuda",
-                              "model.backend=persistent", "train.cuda_graphs=true")
+    command = trainer_command({**an4_slice, "train": manifest}, tmp_path / "run", 2, *ON_GPUS,
+                              "train.cuda_graphs=true")
     code, output = run_job(command, TRAIN_TIMEOUT_S)
     assert code == 0, output
     assert "corrupt.wav" in output, output
@@ -216,8 +218,8 @@ def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path,
     code, output = run_job(trainer_command(an4_slice, tmp_path / "refused", 2, "device=cuda"), FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert "error on rank 0: 2 ranks on this node but 1 GPU(s) visible" in output, output
-    graphed = trainer_command(an4_slice, tmp_path / "graphed", 2, "device=cuda", "model.backend=persistent",
-                              "distributed.share_gpus=true", "train.cuda_graphs=true")
+    graphed = trainer_command(an4_slice, tmp_path / "graphed", 2, *ON_GPUS, "distributed.share_gpus=true",
+                              "train.cuda_graphs=true")
     code, output = run_job(graphed, FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert "train.cuda_graphs=true in a job of 2 ranks needs NCCL" in output, output
@@ -285,8 +287,7 @@ def rank_process(rank: int, run_dir: Path) -> int:
 
 
 def on_two_gpus(*overrides: str):
-    return pytest.param(("device=cuda", "model.backend=persistent", *overrides), marks=[
-        pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")])
+    return pytest.param((*ON_GPUS, *overrides), marks=[pytest.mark.cuda, needs_two_gpus])
 
 
 @needs_mpiexec
