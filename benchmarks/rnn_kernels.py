@@ -5,10 +5,12 @@
 
 One layer, input size = hidden size, T = 256, every sample running all steps, for each cell, batch, hidden size and
 precision, one direction; then, at batch 4, both directions of a bidirectional layer. fp32 rows compare fp32
-everywhere (the persistent layer's input GEMM follows torch.backends.cuda.matmul.allow_tf32, off by default), with
-cuDNN in TF32 beside it; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are
+everywhere (the persistent layer's fp32 GEMMs run on tensor cores at fp32's accuracy, 3xTF32, prnn_kernels.products,
+as the modules' persistent backend runs them; with torch.backends.cuda.matmul.allow_tf32 on, on cuBLAS), with cuDNN in
+TF32 beside it; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are
 medians of CUDA-event timings after warm-up, in microseconds per timestep:
-  persistent layer  input GEMM (F.linear) + the persistent recurrence, the same work as one cuDNN layer
+  persistent layer  input GEMM (products.input_projection) + the persistent recurrence, the same work as one cuDNN
+                    layer
   kernel only       the persistent recurrence alone on a precomputed input projection (forward), replayed as a
                     CUDA graph so that the host's per-call work (~0.2-0.5 ms of Python and ATen) cannot leave the GPU
                     idle; the JSON also splits it into a per-call prologue and a marginal per-step cost from a second
@@ -40,6 +42,7 @@ from prnn_kernels.persistent import (
     persistent_layer,
     support,
 )
+from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 
 NUM_STEPS = 256
@@ -107,12 +110,12 @@ class Problem:
         x = self.x if x is None else x
         weights = self.directions()
         if self.bidirectional:
-            input_proj = F.linear(x, torch.cat([w[0] for w in weights]), torch.cat([w[2] for w in weights]))
+            input_proj = input_projection(x, torch.cat([w[0] for w in weights]), torch.cat([w[2] for w in weights]))
             return persistent_bidirectional_layer(self.cell, input_proj, [self.state(0), self.state(1)],
                                                   [w[1] for w in weights], [w[3] for w in weights], self.lengths)
         weight_ih, weight_hh, bias_ih, bias_hh = weights[0]
-        return persistent_layer(self.cell, F.linear(x, weight_ih, bias_ih), self.state(0), weight_hh, bias_hh,
-                                self.lengths, False)
+        return persistent_layer(self.cell, input_projection(x, weight_ih, bias_ih), self.state(0), weight_hh,
+                                bias_hh, self.lengths, False)
 
     def cudnn(self):
         return self.module(self.x, (self.h0, self.h0) if self.cell == "lstm" else self.h0)

@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One binding file touches ATen; the kernels compile in parallel, one precision and pass per file.
-SOURCES = ("binding.cpp", "plan.cpp", "fp32_forward.cu", "fp32_backward.cu", "bf16_forward.cu", "bf16_backward.cu")
+# Two binding files touch ATen (the persistent layers', the products'); the kernels compile in parallel, one
+# precision and pass per file.
+SOURCES = ("binding.cpp", "products.cpp", "plan.cpp", "fp32_forward.cu", "fp32_backward.cu", "bf16_forward.cu",
+           "bf16_backward.cu", "k_major_copy.cu")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
 
 

@@ -156,17 +156,19 @@ class _BackendChoice:
         bias_hh = [w[3] for w in weights] if self.bias else [None] * len(weights)
         if backend == "persistent" and self.bidirectional:
             from prnn_kernels.persistent import persistent_bidirectional_layer
+            from prnn_kernels.products import input_projection
 
             # One GEMM for both directions' input projections, one launch for both recurrences.
-            input_proj = F.linear(layer_input, torch.cat(weight_ih), torch.cat(bias_ih) if self.bias else None)
+            input_proj = input_projection(layer_input, torch.cat(weight_ih), torch.cat(bias_ih) if self.bias else None)
             return persistent_bidirectional_layer(self.cell, input_proj, states, weight_hh, bias_hh, lengths)
         if backend == "persistent":
             from prnn_kernels.persistent import persistent_layer as layer_function
+            from prnn_kernels.products import input_projection
         else:
-            layer_function = reference_layer
+            input_projection, layer_function = F.linear, reference_layer
         outputs, finals = [], []
         for direction in range(len(weights)):
-            input_proj = F.linear(layer_input, weight_ih[direction], bias_ih[direction])  # (T, B, G*H)
+            input_proj = input_projection(layer_input, weight_ih[direction], bias_ih[direction])  # (T, B, G*H)
             output, final_state = layer_function(
                 self.cell, input_proj, states[direction], weight_hh[direction], bias_hh[direction], lengths,
                 reverse=direction == 1,

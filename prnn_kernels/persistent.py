@@ -24,6 +24,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
+from prnn_kernels import products
 from prnn_kernels.reference import NUM_GATES
 
 CELLS = tuple(NUM_GATES)
@@ -308,14 +309,22 @@ class _PersistentLayer(torch.autograd.Function):
         num_steps, batch_size, _ = grad_output.shape
         gate_rows, hidden_size = weight_hh[0].shape
         # grad_state[d, 1 + q] is g of backward step q, which undid forward processing step T-1-q; that step's input
-        # state is state[d, T-1-q]. Both (D, T, B, .) in fp32; one batched GEMM covers every direction.
+        # state is state[d, T-1-q]. Both (D, T, B, .) in fp32.
         grad_pre = grad_state[:, 1:num_steps + 1, :, :gate_rows].reshape(ctx.num_directions, -1, gate_rows)
-        state_in = state[:, :num_steps, :, :hidden_size].flip(1).reshape(ctx.num_directions, -1, hidden_size)
-        # A bf16 layer's GEMM takes g and h in bf16, as its recurrence's own products do, and accumulates in fp32:
-        # on tensor cores rather than fp32 FMAs, 3-8x faster with the casts (NOTES.md, v20).
         dtype = weight_hh[0].dtype
-        grad_weights = torch.bmm(grad_pre.to(dtype).transpose(1, 2), state_in.to(dtype), out_dtype=torch.float32)
-        grad_weights = grad_weights.to(ctx.parameter_dtype).unbind(0)
+        if dtype == torch.float32 and products.supported(grad_pre):
+            # On tensor cores at fp32's accuracy (NOTES.md, v22); the copy into the product's operand layout takes
+            # the states' steps in reverse.
+            states = state[:, :num_steps].reshape(ctx.num_directions, -1, state.shape[-1])[..., :hidden_size]
+            grad_weights = [products.matmul_nt(g.t(), h.t(), reverse_b_blocks_of=batch_size)
+                            for g, h in zip(grad_pre, states)]
+        else:
+            state_in = state[:, :num_steps, :, :hidden_size].flip(1).reshape(ctx.num_directions, -1, hidden_size)
+            # A bf16 layer's GEMM takes g and h in bf16, as its recurrence's own products do, and accumulates in
+            # fp32: on tensor cores rather than fp32 FMAs, 3-8x faster with the casts (NOTES.md, v20). One batched
+            # GEMM covers every direction.
+            grad_weights = torch.bmm(grad_pre.to(dtype).transpose(1, 2), state_in.to(dtype), out_dtype=torch.float32)
+        grad_weights = [grad_weight.to(ctx.parameter_dtype) for grad_weight in grad_weights]
         grad_biases = grad_pre.sum(1).to(ctx.parameter_dtype).unbind(0) if ctx.has_bias else ()
         grad_cx = grad_cx.to(ctx.hx_dtype) if lstm else None
         return (None, None, None, grad_input_proj, grad_hx.to(ctx.hx_dtype), grad_cx, None, *grad_weights,

@@ -1,5 +1,6 @@
-// The only file that touches ATen: checks the tensors, allocates outputs, workspace and flags through PyTorch on the
-// current stream, and launches the torch-free kernels (persistent_rnn.h).
+// The persistent layers' side of ATen: checks the tensors, allocates outputs, workspace and flags through PyTorch on
+// the current stream, and launches the torch-free kernels (persistent_rnn.h). The module's other functions, the fp32
+// products, are products.cpp's.
 //
 // A call runs D = 1 or 2 directions of one layer. Direction 0 runs reversed when `reverse` is set; with two
 // directions, direction 1 runs the other way. Sequence tensors are laid out as torch.nn lays out a bidirectional
@@ -14,6 +15,7 @@
 #include <limits>
 
 #include "persistent_rnn.h"
+#include "products.h"
 
 namespace {
 
@@ -360,4 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("support", &support, "whether the persistent kernel can run (cell, hidden, batch, bf16) on the current device");
   m.def("launch_plans", &launch_plans,
         "how each pass of (cell, hidden, batch, bf16, directions) launches on the current device");
+  m.def("load_product", &load_product, "loads the compiled fp32 product for a device (prnn_kernels/products.py)");
+  m.def("product", &product, "a (M, K) @ b (N, K)^T [+ bias] in fp32 by the loaded product (prnn_kernels/products.py)",
+        py::arg("a"), py::arg("b"), py::arg("bias"), py::arg("reverse_b_blocks_of"));
 }
