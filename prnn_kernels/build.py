@@ -8,8 +8,9 @@ concurrent ranks wait for one build instead of racing.
 
     python -m prnn_kernels.build [--arch 90a] [--if-gpu] [--verbose]
 
-builds ahead of time (run it once before an `mpirun`; the launch scripts do, with --if-gpu so that a CPU job
-starts too).
+builds ahead of time, and on Hopper and later compiles the fp32 layers' 3xTF32 products into Triton's cache
+(prnn_kernels.products), so that the ranks of a job find both ready (run it once before an `mpirun`; the launch
+scripts do, with --if-gpu so that a CPU job starts too).
 """
 import argparse
 import functools
@@ -97,19 +98,30 @@ def load_extension(arch: str | None = None, root: str | None = None, verbose: bo
         ) from error
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
     parser.add_argument("--if-gpu", action="store_true", help="with no --arch and no GPU visible, build nothing")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.arch is None and not torch.cuda.is_available():
         if args.if_gpu:
             print("prnn_kernels.build: no CUDA GPU visible, nothing to build")
             return
         parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90a)")
-    module = load_extension(args.arch, verbose=args.verbose)
+    arch = args.arch or device_arch()
+    module = load_extension(arch, verbose=args.verbose)
     print(f"built {module.__name__} from {module.__file__}")
+    capability = int(arch.rstrip("a"))
+    if capability >= 90:
+        from prnn_kernels.products import compile_products
+
+        try:
+            compile_products(capability)
+        except (ImportError, RuntimeError) as error:
+            print(f"the fp32 layers' GEMMs will run on cuBLAS, not as 3xTF32 products: {error}")
+        else:
+            print(f"compiled the fp32 layers' 3xTF32 products for sm_{capability} into Triton's cache")
 
 
 if __name__ == "__main__":

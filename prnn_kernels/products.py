@@ -98,6 +98,17 @@ def compile_product(target, has_bias: bool, tiling: Tiling):
     return compiled
 
 
+def compile_products(capability: int) -> dict:
+    """Every variant of the product, with and without a bias in both tilings, compiled for a compute capability
+    (e.g. 90): {(has_bias, tiling name): Triton's compiled kernel}. Triton caches them on disk, which is why
+    `python -m prnn_kernels.build` calls this ahead of a job."""
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", capability, 32)
+    return {(has_bias, name): compile_product(target, has_bias, tiling)
+            for has_bias in (False, True) for name, tiling in TILINGS.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def _loaded(device_index: int):
     """The extension with the product loaded for a CUDA device (with and without a bias, both tilings; Triton caches
@@ -107,14 +118,13 @@ def _loaded(device_index: int):
     if major < 9:
         return None
     try:
-        from triton.backends.compiler import GPUTarget
+        import triton  # noqa: F401  (installed with torch's CUDA builds on Linux)
     except ImportError:
         return None
     from prnn_kernels.persistent import _extension
 
     try:
-        compiled = {(has_bias, name): compile_product(GPUTarget("cuda", major * 10 + minor, 32), has_bias, tiling)
-                    for has_bias in (False, True) for name, tiling in TILINGS.items()}
+        compiled = compile_products(major * 10 + minor)
     except RuntimeError as error:
         warnings.warn(f"prnn_kernels: the fp32 layers' GEMMs run on cuBLAS, not as 3xTF32 products: {error}",
                       stacklevel=3)
