@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     block_m: int
@@ -33,9 +32,8 @@ class Tiling:
 
 
 # The tile measured fastest at the layers' shapes (M = T * B ~ 1000, N and K 1152-4608) on an H200 (NOTES.md, "Tried
-# after v21 and not kept"),
-# and a smaller one that products.cpp picks where the large tiles would leave SMs idle and the small ones fill them
-# in one wave (a short sequence's input gradient: M = T * B ~ 600, N ~ 1600, K ~ 4800).
+# after v21 and not kept"), and a smaller one that products.cpp picks where the large tiles would leave SMs idle and
+# the small ones fill them in one wave (a short sequence's input gradient: M = T * B ~ 600, N ~ 1600, K ~ 4800).
 TILINGS = {"large": Tiling(128, 128, 64, 3, 8), "small": Tiling(64, 128, 64, 4, 4)}
 # The kernel's parameters as products.cpp passes them: four pointers, six 32-bit ints, Triton's two scratch pointers.
 _PARAMETER_TYPES = ["u64"] * 4 + ["u32"] * 6 + ["u64"] * 2
