@@ -170,6 +170,15 @@ def test_a_product_that_cannot_load_leaves_the_layers_on_cublas(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_with_tf32_matmuls_allowed_the_projection_is_cublas(monkeypatch):
+    """A user who turns TF32 on for fp32 products gets cuBLAS's TF32, faster than 3xTF32 and as accurate as asked."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    x, weight = torch.randn(6, 2, 16, device=CUDA), torch.randn(24, 16, device=CUDA)
+    assert not products.supported(x, weight)
+    assert torch.equal(products.input_projection(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.cuda
 def test_input_projection_under_autocast_is_f_linear():
     x, weight = torch.randn(20, 4, 64, device=CUDA), torch.randn(96, 64, device=CUDA)
     with torch.autocast("cuda", dtype=torch.bfloat16):
