@@ -154,16 +154,16 @@ class _BackendChoice:
         weight_hh = [w[1] for w in weights]
         bias_ih = [w[2] for w in weights] if self.bias else [None] * len(weights)
         bias_hh = [w[3] for w in weights] if self.bias else [None] * len(weights)
-        if backend == "persistent" and self.bidirectional:
-            from prnn_kernels.persistent import persistent_bidirectional_layer
-            from prnn_kernels.products import input_projection
-
-            # One GEMM for both directions' input projections, one launch for both recurrences.
-            input_proj = input_projection(layer_input, torch.cat(weight_ih), torch.cat(bias_ih) if self.bias else None)
-            return persistent_bidirectional_layer(self.cell, input_proj, states, weight_hh, bias_hh, lengths)
         if backend == "persistent":
+            from prnn_kernels.persistent import persistent_bidirectional_layer
             from prnn_kernels.persistent import persistent_layer as layer_function
             from prnn_kernels.products import input_projection
+
+            if self.bidirectional:
+                # One GEMM for both directions' input projections, one launch for both recurrences.
+                input_proj = input_projection(layer_input, torch.cat(weight_ih),
+                                              torch.cat(bias_ih) if self.bias else None)
+                return persistent_bidirectional_layer(self.cell, input_proj, states, weight_hh, bias_hh, lengths)
         else:
             input_projection, layer_function = F.linear, reference_layer
         outputs, finals = [], []
