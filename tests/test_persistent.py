@@ -125,6 +125,10 @@ CASES = [
     ("gru", 64, 4, 1152, torch.float32, True, True),
     ("gru", 17, 4, 1536, torch.float32, True, True),
     ("gru", 33, 8, 1300, torch.float32, False, True),
+    ("gru", 17, 4, 2048, torch.float32, True, True),  # fp32 weights partly in L2 (and below)
+    ("gru", 17, 16, 1152, torch.float32, False, True),
+    ("lstm", 17, 3, 2048, torch.float32, False, True),
+    ("relu", 9, 2, 4096, torch.float32, True, False),
     ("gru", 2, 3, 100, torch.bfloat16, True, True),
     ("gru", 256, 4, 1152, torch.bfloat16, False, True),
     ("gru", 17, 16, 800, torch.bfloat16, True, True),
@@ -215,6 +219,7 @@ BIDIRECTIONAL_CASES = [
     ("relu", 17, 4, 2048, torch.float32, True),
     ("gru", 17, 4, 1152, torch.float32, True),
     ("lstm", 17, 4, 1152, torch.float32, False),  # the forward so; the backward one direction after the other
+    ("gru", 9, 2, 2048, torch.float32, False),  # part of the weights in L2: one direction after the other
 ]
 
 
@@ -317,7 +322,7 @@ def test_fp32_parameters_of_a_bf16_layer_get_unrounded_fp32_gradients(cell):
         ("relu", 256, 33, torch.float32, "batch size 33"),
         ("gru", 256, 4, torch.float16, "dtype"),
         ("relu", 8192, 4, torch.float32, "do not fit on chip"),
-        ("gru", 2048, 4, torch.float32, "do not fit on chip"),
+        ("gru", 4096, 4, torch.float32, "not even with what does not fit read again from its L2"),
         ("lstm", 1152, 16, torch.float32, "with batch 16"),
         ("lstm", 2048, 16, torch.bfloat16, "with batch 16"),
     ],
@@ -368,38 +373,46 @@ def test_batch_above_the_kernels_limit_runs_as_slices(batch_slice, no_tf32):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions, weights_in_shared_memory", [
-    # weights_in_shared_memory: (forward, backward)
-    ("relu", 2048, 4, torch.float32, 1, (False, False)),
-    ("gru", 1152, 4, torch.float32, 1, (False, False)),
-    ("lstm", 1152, 8, torch.bfloat16, 1, (False, False)),
-    ("relu", 1152, 4, torch.bfloat16, 2, (False, False)),
-    ("gru", 1152, 4, torch.float32, 2, (True, True)),
-    ("relu", 2816, 4, torch.float32, 1, (True, True)),
-    ("gru", 1152, 4, torch.bfloat16, 2, (False, True)),
-    ("lstm", 1152, 4, torch.bfloat16, 2, (True, False)),
-    ("gru", 2048, 4, torch.bfloat16, 2, (True, True)),
-    ("lstm", 2048, 4, torch.bfloat16, 1, (True, True)),
+@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, directions, weight_homes", [
+    # weight_homes: (forward, backward), where the weights the registers cannot hold go
+    ("relu", 2048, 4, torch.float32, 1, ("registers", "registers")),
+    ("gru", 1152, 4, torch.float32, 1, ("registers", "registers")),
+    ("lstm", 1152, 8, torch.bfloat16, 1, ("registers", "registers")),
+    ("relu", 1152, 4, torch.bfloat16, 2, ("registers", "registers")),
+    ("gru", 1152, 4, torch.float32, 2, ("shared", "shared")),
+    ("relu", 2816, 4, torch.float32, 1, ("shared", "shared")),
+    ("gru", 1152, 4, torch.bfloat16, 2, ("registers", "shared")),
+    ("lstm", 1152, 4, torch.bfloat16, 2, ("shared", "registers")),
+    ("gru", 2048, 4, torch.bfloat16, 2, ("shared", "shared")),
+    ("lstm", 2048, 4, torch.bfloat16, 1, ("shared", "shared")),
+    ("gru", 2048, 4, torch.float32, 1, ("l2", "l2")),
+    ("lstm", 2048, 4, torch.float32, 2, ("l2", "l2")),  # one direction after the other: never both on L2
+    ("gru", 1152, 16, torch.float32, 1, ("registers", "l2")),
 ])
 def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions,
-                                                           weights_in_shared_memory):
+                                                           weight_homes):
     plans = launch_plans(cell, hidden_size, batch_size, dtype, CUDA, directions)
     assert [plan["pass"] for plan in plans] == ["forward", "backward"]
-    multiprocessors = torch.cuda.get_device_properties(CUDA).multi_processor_count
-    for plan, in_shared_memory in zip(plans, weights_in_shared_memory):
+    properties = torch.cuda.get_device_properties(CUDA)
+    for plan, home in zip(plans, weight_homes):
         assert plan["ok"] and plan["reason"] == ""
         assert plan["cluster_size"] in (1, 2, 4) and plan["ctas_per_direction"] % plan["cluster_size"] == 0
         assert plan["units_per_cta"] * plan["ctas_per_direction"] >= hidden_size
         launched = plan["ctas_per_direction"] * (directions if plan["directions_in_one_launch"] else 1)
-        assert launched <= 2 * multiprocessors and plan["threads"] <= 1024
-        # Shared memory holds weights only where the registers cannot hold those of the directions launched at once.
-        assert (plan["weight_smem_bytes"] > 0) == in_shared_memory
+        assert launched <= 2 * properties.multi_processor_count and plan["threads"] <= 1024
+        # Shared memory holds weights only where the registers cannot hold those of the directions launched at once,
+        # and L2 only where shared memory cannot hold the rest of one direction's, within the L2's size.
+        found = "l2" if plan["weight_l2_bytes"] else ("shared" if plan["weight_smem_bytes"] else "registers")
+        assert found == home
         assert plan["weight_smem_bytes"] < plan["smem_bytes"]
+        assert plan["weight_l2_bytes"] * plan["ctas_per_direction"] <= properties.L2_cache_size
+        if home == "l2":
+            assert not plan["directions_in_one_launch"]
     if directions == 2:
         together = all(plan["directions_in_one_launch"] for plan in plans)
         assert together == directions_run_together(cell, hidden_size, batch_size, dtype, CUDA)
     with pytest.raises(ValueError, match="do not fit on chip"):
-        launch_plans("gru", 2048, 4, torch.float32, CUDA)
+        launch_plans("gru", 4096, 4, torch.float32, CUDA)
 
 
 @pytest.mark.cuda

@@ -5,9 +5,11 @@
 // registers for the whole sequence. The lanes of a warp with different s read adjacent chunks of the staged vector
 // (at most 8 distinct 16-byte addresses, one shared-memory wavefront) and every load feeds 4 * kRowsPerThread FMAs.
 // Partial sums are reduced across the lanes of a warp with shuffles, then across warps through shared memory.
-// Variants with kSharedWeights hold tiling.shared_chunks more chunks per row in shared memory after their registers'
-// (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H = 2048, the GRU and LSTM
-// above 1152, and the two directions of a bidirectional layer in one launch (NOTES.md v21).
+// Variants with WeightHome::kShared hold tiling.shared_chunks more chunks per row in shared memory after their
+// registers' (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H = 2048, the GRU
+// and LSTM above 1152, and the two directions of a bidirectional layer in one launch (NOTES.md v21). Variants with
+// kSharedAndL2 fill shared memory and keep tiling.l2_chunks more in a global workspace, laid out as the shared chunks
+// and read again every step, for matrices the chip cannot hold at all: the GRU and LSTM at H = 2048 (NOTES.md v23).
 #pragma once
 
 #include <vector>
@@ -16,15 +18,16 @@
 
 namespace prnn {
 
-template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_, bool kSharedWeights = false>
+template <int kRowsPerThread, int kChunksPerThread, int kMaxThreads_, WeightHome kHome = WeightHome::kRegisters>
 struct Fp32Math {
   static constexpr int kMaxThreads = kMaxThreads_;
   // The variants whose weights take 96 or more of their 168 registers (GRU and LSTM at H ~ 1152).
   static constexpr bool kLarge = kRowsPerThread * kChunksPerThread >= 24;
   // Samples whose partial sums a thread accumulates at once. The large variants take two: ten fewer live
   // accumulators stop the 168-register LSTM variant spilling (ptxas: 548/768 bytes of spill stores/loads with four,
-  // 132/196 with two). The order of each sum's FMAs is the same either way.
-  static constexpr int kSamplesPerPass = kLarge ? 2 : 4;
+  // 132/196 with two). The order of each sum's FMAs is the same either way. Variants with weights in L2 take four, so
+  // that each L2 weight is loaded once a step rather than once a pass (3 x 8: 0-16 bytes of spills).
+  static constexpr int kSamplesPerPass = kLarge && kHome != WeightHome::kSharedAndL2 ? 2 : 4;
   // (hidden unit, sample) elements a thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
   // The large variants hold one element's cell state, not two: with two, ptxas spilled values the step's input loads
   // had just returned, so their warps waited there for the loads (~0.6 us of a GRU backward step; NOTES.md v17).
@@ -40,7 +43,8 @@ struct Fp32Math {
 
   float4 weight[kRowsPerThread][kChunksPerThread];
   // The shared chunks, (chunk, row, thread) order so that a warp reads 512 contiguous bytes per load: this thread's
-  // row i of shared chunk j at [(j * kRowsPerThread + i) * threads].
+  // row i of shared chunk j at [(j * kRowsPerThread + i) * threads]. The L2 chunks likewise, in the CTA's slice of
+  // the workspace (l2_chunks_of).
   const float4* shared_weight;
   int group;  // g
   int split;  // s
@@ -61,7 +65,7 @@ struct Fp32Math {
       if (t.units_per_cta == 0) continue;
       t.num_ctas = ceil_div(shape.units, t.units_per_cta);
       const int chunks = ceil_div(shape.k_extent, 4);
-      if constexpr (kSharedWeights) {
+      if constexpr (kHome != WeightHome::kRegisters) {
         // As many threads as the variant takes, so that registers hold the most and shared memory the least; at least
         // one chunk in shared memory, which keeps these tilings out of the planner's register-only round.
         const int most_splits = kMaxThreads / groups;
@@ -77,9 +81,21 @@ struct Fp32Math {
       t.threads = groups * t.k_splits;
       t.padded_k = 4 * t.k_splits * chunks_per_thread;
       t.num_partials = t.threads / 32;
-      t.weight_smem_bytes = t.threads * t.shared_chunks * kRowsPerThread * static_cast<int>(sizeof(float4));
-      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta) +
-                     t.weight_smem_bytes;
+      const int chunk_bytes = t.threads * kRowsPerThread * static_cast<int>(sizeof(float4));  // one chunk, every row
+      const int unshared_bytes =
+          cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
+      if constexpr (kHome == WeightHome::kSharedAndL2) {
+        // Shared memory holds what it can of the chunks past the registers', L2 the rest: at least one, which keeps
+        // these tilings out of the planner's shared-memory round.
+        const int beyond_registers = t.shared_chunks;
+        const int fit = (shape.smem_limit - unshared_bytes) / chunk_bytes;
+        if (fit < 0) continue;
+        t.shared_chunks = fit < beyond_registers - 1 ? fit : beyond_registers - 1;
+        t.l2_chunks = beyond_registers - t.shared_chunks;
+      }
+      t.weight_smem_bytes = t.shared_chunks * chunk_bytes;
+      t.weight_l2_bytes = t.l2_chunks * chunk_bytes;
+      t.smem_bytes = unshared_bytes + t.weight_smem_bytes;
       if (t.threads <= 1024) result.push_back(t);
     }
     return result;
@@ -96,7 +112,7 @@ struct Fp32Math {
 #pragma unroll
       for (int j = 0; j < kChunksPerThread; ++j) weight[i][j] = weight_chunk(p, cta, row, j);
     }
-    if constexpr (kSharedWeights) {
+    if constexpr (kHome != WeightHome::kRegisters) {
       float4* shared = static_cast<float4*>(shared_weights) + threadIdx.x;
       shared_weight = shared;
       for (int j = 0; j < t.shared_chunks; ++j) {
@@ -106,6 +122,26 @@ struct Fp32Math {
         }
       }
     }
+    if constexpr (kHome == WeightHome::kSharedAndL2) {
+      // Laid out as the shared chunks. Each thread reads back only what it wrote here, so no fence or barrier stands
+      // between. A loop apart from the one above: one loop switching pointers changed the shared-memory variants'
+      // machine code, this leaves it as it was.
+      float4* l2 = l2_chunks_of(p);
+      for (int j = 0; j < t.l2_chunks; ++j) {
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          l2[(j * kRowsPerThread + i) * t.threads] = weight_chunk(p, cta, group + t.row_groups * i,
+                                                                  kChunksPerThread + t.shared_chunks + j);
+        }
+      }
+    }
+  }
+
+  // This thread's first L2 chunk in the workspace, computed where it is used rather than held in a member for the
+  // whole sequence.
+  __device__ static float4* l2_chunks_of(const RnnParams<float>& p) {
+    const int cta = blockIdx.x % p.tiling.num_ctas;
+    return reinterpret_cast<float4*>(p.l2_weights) + static_cast<size_t>(cta) * (p.tiling.weight_l2_bytes / 16) +
+           threadIdx.x;
   }
 
   // Row `row`'s weights at this thread's chunk c_j.
@@ -124,6 +160,34 @@ struct Fp32Math {
 
   __device__ static float component(const float4& value, int c) {
     return c == 0 ? value.x : (c == 1 ? value.y : (c == 2 ? value.z : value.w));
+  }
+
+  // The L2 chunks' products, as the shared ones' above (whose loop does not come here: a helper for it changed the
+  // shared-memory variants' machine code, 2 x 8 GRU spills 16 -> 24 bytes). Unrolled so that several chunks' loads are
+  // in flight at once, each otherwise waiting a trip to L2: the GRU at 2048 took 9.02 us a forward step loading one
+  // chunk at a time in passes of two samples, 8.8 unrolled, 7.35 unrolled in one pass of four (H100, NOTES.md v23).
+  // The loads skip L1, which full shared memory leaves small.
+  __device__ void multiply_l2_chunks(const RnnParams<float>& p, const float4* chunks, int first,
+                                     float (&sum)[kRowsPerThread][kSamplesPerPass]) const {
+    const Tiling& t = p.tiling;
+    const int chunks_per_sample = t.padded_k / 4;
+    const float4* l2 = l2_chunks_of(p);
+#pragma unroll 4
+    for (int j = 0; j < t.l2_chunks; ++j, l2 += kRowsPerThread * t.threads) {
+      float4 w[kRowsPerThread];
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) w[i] = __ldcg(l2 + i * t.threads);
+      const int chunk = split + (kChunksPerThread + t.shared_chunks + j) * t.k_splits;
+#pragma unroll
+      for (int b = 0; b < kSamplesPerPass; ++b) {
+        const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) sum[i][b] = fmaf(component(w[i], c), component(v, c), sum[i][b]);
+        }
+      }
+    }
   }
 
   // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
@@ -160,7 +224,7 @@ struct Fp32Math {
       // The shared chunks, one sample at a time. The same products as the loop above, written out again: routing that
       // loop through one helper for both changed ptxas's schedule of the 5 x 6 variant and cost the fp32 LSTM at 1152
       // 3 % a step (NOTES.md v21).
-      if constexpr (kSharedWeights) {
+      if constexpr (kHome != WeightHome::kRegisters) {
         const float4* shared = shared_weight;
         for (int j = 0; j < t.shared_chunks; ++j, shared += kRowsPerThread * t.threads) {
           float4 w[kRowsPerThread];
@@ -178,6 +242,7 @@ struct Fp32Math {
           }
         }
       }
+      if constexpr (kHome == WeightHome::kSharedAndL2) multiply_l2_chunks(p, chunks, first, sum);
       // Lanes of one row group differ in the lane bits above log2(G).
       for (int offset = t.row_groups; offset < 32; offset *= 2) {
 #pragma unroll

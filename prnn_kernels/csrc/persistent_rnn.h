@@ -6,9 +6,10 @@
 //   backward: the cell turns the gradient reaching h_t and U^T g_{t+1} into g_t, the gradient of the G hidden-side
 //             gate pre-activations, and publishes it; U^T g_t is then the gradient reaching h_{t-1}.
 // Every CTA keeps its slice of rows of the matrix it multiplies by (U forward, U^T backward) on chip for the whole
-// sequence. Each step it waits for the vector the previous step published, multiplies, lets the cell finish its
-// hidden units and publishes its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two
-// directions of a bidirectional layer run side by side in one launch, each direction on its own vectors and flags.
+// sequence (an fp32 matrix larger than the chip keeps what does not fit in L2, read again every step). Each step it
+// waits for the vector the previous step published, multiplies, lets the cell finish its hidden units and publishes
+// its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two directions of a bidirectional
+// layer run side by side in one launch, each direction on its own vectors and flags.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +40,10 @@ constexpr int saved_values_of(CellKind cell) {
   return cell == CellKind::kGru ? 4 : (cell == CellKind::kLstm ? 6 : 0);
 }
 
+// Where a kernel variant keeps the weights its registers cannot hold: nowhere (registers hold them all), in shared
+// memory, or in shared memory and then L2, re-read every step (fp32 matrices larger than the chip: NOTES.md v23).
+enum class WeightHome : int { kRegisters = 0, kShared = 1, kSharedAndL2 = 2 };
+
 // The matrix-vector product one pass runs each step: `units` hidden units, each owning `row_gates` rows of the
 // matrix (G forward, 1 backward), times a vector of `k_extent` entries per sample (H forward, G*H backward).
 struct MatrixShape {
@@ -46,6 +51,7 @@ struct MatrixShape {
   int row_gates;
   int k_extent;
   int batch;
+  int smem_limit;  // bytes of dynamic shared memory a CTA may take on the device
 };
 
 // How one launch spreads the hidden units over CTAs and threads; chosen per shape on the host (plan.cpp).
@@ -62,7 +68,9 @@ struct Tiling {
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
   int num_partials;   // partial sums per output, reduced through shared memory
   int shared_chunks;  // fp32: 16-byte chunks of weights per thread and row kept in shared memory, after its registers'
+  int l2_chunks;      // fp32: chunks per thread and row read again from L2 every step, after its shared ones
   int weight_smem_bytes;  // the CTA's weights kept in shared memory (0: all in registers)
+  int weight_l2_bytes;    // the CTA's weights read from L2 every step (0: all on chip)
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
 };
 
@@ -107,6 +115,8 @@ struct RnnParams {
   int forward_state_stride;    // backward: its row stride
   float* grad_hx;              // backward: (B, H)
 
+  float* l2_weights;  // (num_ctas, weight_l2_bytes) of this direction, written and read by the kernel alone: the
+                     //   weights that registers and shared memory cannot hold; nullptr where they hold all
   unsigned* flags;  // (num_ctas * kFlagStride,) zero before launch; flags[c * kFlagStride] = steps CTA c published
   int* status;      // (1,) 0, or kStatusTimedOut once any wait ran out of time
   unsigned long long timeout_ns;  // bound on every spin-wait

@@ -5,7 +5,8 @@
 // and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
 // threads (enough warps to hide latency, few partial sums), then the largest cluster (the fewest L2 reads of each
 // step's vector, stage.cuh), then fewer CTAs. Variants that keep weights in shared memory are tried only where the
-// register-only variants cannot run all of the launch's directions at once (choose_plan).
+// register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
+// step only where nothing else runs one direction (choose_plan).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -59,18 +60,19 @@ std::string cuda_failure(const char* what, cudaError_t error) {
 }
 
 LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions, int device,
-                  bool shared_weights) {
+                  WeightHome farthest) {
   if (batch < 1 || batch > kMaxBatch) {
     return refuse("batch size " + std::to_string(batch) + " is out of range: the persistent kernel runs 1.." +
                   std::to_string(kMaxBatch) + " samples");
   }
   if (hidden < 1) return refuse("hidden size must be positive, got " + std::to_string(hidden));
-  int num_sms = 0, smem_optin = 0, cooperative = 0;
+  int num_sms = 0, smem_optin = 0, cooperative = 0, l2_bytes = 0;
   cudaError_t error = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (error == cudaSuccess) {
     error = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
   if (error == cudaSuccess) error = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
   if (error != cudaSuccess) return refuse(cuda_failure("reading the device properties", error));
   if (!cooperative) return refuse("the device cannot launch cooperative kernels, so CTAs cannot be made co-resident");
 
@@ -80,14 +82,17 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   std::tuple<int, long long, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   const int gates = gates_of(cell);
-  const MatrixShape shape = pass == Pass::kForward ? MatrixShape{hidden, gates, hidden, batch}
-                                                   : MatrixShape{hidden, 1, gates * hidden, batch};
+  const MatrixShape shape = pass == Pass::kForward ? MatrixShape{hidden, gates, hidden, batch, smem_optin}
+                                                   : MatrixShape{hidden, 1, gates * hidden, batch, smem_optin};
   for (const KernelVariant& variant : kernel_variants(precision, pass, cell)) {
     error = cudaFuncSetAttribute(variant.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
     if (error != cudaSuccess) return refuse(cuda_failure("cudaFuncSetAttribute", error));
     for (const Tiling& t : variant.tilings(shape)) {
       if (t.threads > variant.max_threads || t.smem_bytes > smem_optin) continue;
-      if (t.weight_smem_bytes > 0 && !shared_weights) continue;
+      const WeightHome home = t.weight_l2_bytes > 0    ? WeightHome::kSharedAndL2
+                              : t.weight_smem_bytes > 0 ? WeightHome::kShared
+                                                        : WeightHome::kRegisters;
+      if (home > farthest) continue;
       int per_sm = 0;
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
@@ -97,6 +102,8 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
         candidate.cluster_size = cluster_size;
         candidate.num_ctas = (t.num_ctas + cluster_size - 1) / cluster_size * cluster_size;
         const int ctas = directions * candidate.num_ctas;
+        // No more weights re-read every step than the L2 holds: past it they would come from HBM every step (untried).
+        if (static_cast<long long>(ctas) * t.weight_l2_bytes > l2_bytes) continue;
         int resident = per_sm * num_sms;
         if (cluster_size > 1) {  // clusters are placed whole within a GPC, so fewer CTAs may fit
           int clusters = 0;
@@ -136,6 +143,10 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
                        cell_name[static_cast<int>(cell)] + " of hidden size " + std::to_string(hidden) + " (" +
                        (precision == Precision::kFloat32 ? "fp32" : "bf16") + ", " + megabytes +
                        " MB) do not fit on chip on this device (" + std::to_string(num_sms) + " SMs)";
+  if (farthest == WeightHome::kSharedAndL2) {
+    reason += ", not even with what does not fit read again from its L2 (" + std::to_string(l2_bytes >> 20) +
+              " MB) every step";
+  }
   if (fewest_ctas_not_resident > 0) {
     reason += ": the smallest tiling that fits one SM's registers and shared memory needs " +
               std::to_string(fewest_ctas_not_resident) + " co-resident CTAs, the device holds " +
@@ -148,13 +159,18 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
 
 // Registers first. Where they cannot hold all of the launch's directions at once, part of the weights goes to shared
 // memory: for one direction because nothing else fits, for two because one launch of both beat one register-only
-// launch per direction at every shape it changed, by 7-34 % a layer's forward+backward (H100, NOTES.md v19). The
-// caller falls back to one launch per direction where no plan holds both.
+// launch per direction at every shape it changed, by 7-34 % a layer's forward+backward (H100, NOTES.md v19). Where
+// the chip cannot hold one direction's weights at all, what it cannot hold is read from L2 every step; never for two
+// directions at once, which would put on L2 what one launch per direction keeps on chip. The caller falls back to one
+// launch per direction where no plan holds both.
 LaunchPlan choose_plan(Precision precision, Pass pass, CellKind cell, int hidden, int batch, int directions,
                        int device) {
-  const LaunchPlan in_registers = choose(precision, pass, cell, hidden, batch, directions, device, false);
+  const LaunchPlan in_registers = choose(precision, pass, cell, hidden, batch, directions, device,
+                                         WeightHome::kRegisters);
   if (in_registers.ok) return in_registers;
-  return choose(precision, pass, cell, hidden, batch, directions, device, true);
+  const LaunchPlan on_chip = choose(precision, pass, cell, hidden, batch, directions, device, WeightHome::kShared);
+  if (on_chip.ok || directions > 1) return on_chip;
+  return choose(precision, pass, cell, hidden, batch, directions, device, WeightHome::kSharedAndL2);
 }
 
 }  // namespace
