@@ -81,6 +81,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   const void* best_kernel = nullptr;
   std::tuple<int, long long, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
+  bool l2_tried = false;
   const int gates = gates_of(cell);
   const MatrixShape shape = pass == Pass::kForward ? MatrixShape{hidden, gates, hidden, batch, smem_optin}
                                                    : MatrixShape{hidden, 1, gates * hidden, batch, smem_optin};
@@ -93,6 +94,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
                               : t.weight_smem_bytes > 0 ? WeightHome::kShared
                                                         : WeightHome::kRegisters;
       if (home > farthest) continue;
+      l2_tried = l2_tried || home == WeightHome::kSharedAndL2;
       int per_sm = 0;
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
@@ -143,7 +145,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
                        cell_name[static_cast<int>(cell)] + " of hidden size " + std::to_string(hidden) + " (" +
                        (precision == Precision::kFloat32 ? "fp32" : "bf16") + ", " + megabytes +
                        " MB) do not fit on chip on this device (" + std::to_string(num_sms) + " SMs)";
-  if (farthest == WeightHome::kSharedAndL2) {
+  if (l2_tried) {
     reason += ", not even with what does not fit read again from its L2 (" + std::to_string(l2_bytes >> 20) +
               " MB) every step";
   }
