@@ -148,6 +148,9 @@ CASES = [
     ("lstm", 256, 4, 1024, torch.bfloat16, True, True),
     ("lstm", 65, 4, 2048, torch.bfloat16, True, True),
     ("lstm", 17, 3, 2048, torch.bfloat16, False, False),
+    ("gru", 17, 4, 2304, torch.bfloat16, True, True),  # bf16 weights partly in L2 (and below)
+    ("lstm", 17, 3, 2304, torch.bfloat16, False, True),
+    ("lstm", 9, 8, 2048, torch.bfloat16, True, True),
 ]
 
 
@@ -220,6 +223,7 @@ BIDIRECTIONAL_CASES = [
     ("gru", 17, 4, 1152, torch.float32, True),
     ("lstm", 17, 4, 1152, torch.float32, False),  # the forward so; the backward one direction after the other
     ("gru", 9, 2, 2048, torch.float32, False),  # part of the weights in L2: one direction after the other
+    ("gru", 9, 2, 2304, torch.bfloat16, False),
 ]
 
 
@@ -388,6 +392,8 @@ def test_batch_above_the_kernels_limit_runs_as_slices(batch_slice, no_tf32):
     ("gru", 2048, 4, torch.float32, 1, ("l2", "l2")),
     ("lstm", 2048, 4, torch.float32, 2, ("l2", "l2")),  # one direction after the other: never both on L2
     ("gru", 1152, 16, torch.float32, 1, ("registers", "l2")),
+    ("gru", 2816, 4, torch.bfloat16, 1, ("l2", "l2")),
+    ("lstm", 2048, 8, torch.bfloat16, 1, ("shared", "l2")),
 ])
 def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, batch_size, dtype, directions,
                                                            weight_homes):

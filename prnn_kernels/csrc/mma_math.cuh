@@ -6,8 +6,9 @@
 // need twice the MMAs. A CTA holds R = 16 * row_groups rows. Warp w takes the 16-row tile w % row_groups and the K
 // split w / row_groups; it holds the A fragments of its k-tiles kt_j = split + j * k_splits for the whole sequence:
 // the first kRegisterTiles in registers, the next kSharedTiles in shared memory, where matrices larger than the
-// register file (GRU and LSTM at H = 2048) keep the rest. Warps of one K split write disjoint rows; the k_splits
-// partial sums of each output are reduced through shared memory.
+// register file (GRU and LSTM at H = 2048) keep the rest, and with kL2Tiles tiling.l2_chunks more in a global workspace
+// read again every step, for matrices larger than the chip (GRU and LSTM above 2048; NOTES.md v23). Warps of one K
+// split write disjoint rows; the k_splits partial sums of each output are reduced through shared memory.
 #pragma once
 
 #include <cstdint>
@@ -19,9 +20,10 @@
 
 namespace prnn {
 
-template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_, int kMaxSampleTiles = 2>
+template <int kRegisterTiles, int kSharedTiles, int kMaxThreads_, int kMaxSampleTiles = 2, bool kL2Tiles = false>
 struct MmaMath {
   static_assert(kRegisterTiles > 0, "the first tile's A fragment comes from registers");
+  static_assert(!kL2Tiles || kSharedTiles > 0, "tiles go to L2 only where shared memory holds its share");
   static_assert(kMaxSampleTiles == 2 || kMaxSampleTiles == 4, "up to 16 samples, or 17 to 32");
   static constexpr int kMaxThreads = kMaxThreads_;
   // (hidden unit, sample) elements a thread finishes per step; tilings keep units_per_cta * batch <= this * threads.
@@ -37,7 +39,8 @@ struct MmaMath {
   // A lane's A fragment of one k-tile, bf16 pairs at k = 16 kt + 2 tig (+ 1): rows gid and gid + 8 of the tile at k,
   // then the same rows at k + 8 (gid = lane / 4, tig = lane % 4).
   uint32_t weight[kRegisterTiles][4];
-  // The shared tiles' fragments: (warp, tile, lane) order, so a warp reads 512 contiguous bytes per tile.
+  // The shared tiles' fragments: (warp, tile, lane) order, so a warp reads 512 contiguous bytes per tile. The L2
+  // tiles likewise, in the CTA's slice of the workspace (l2_tiles_of).
   const uint4* shared_weight;  // this lane's fragment of the warp's first shared tile; tile j at [32 * j]
   int row_tile;
   int split;
@@ -69,8 +72,18 @@ struct MmaMath {
       const int needed_for_outputs = ceil_div(t.units_per_cta * shape.batch, kElementsPerThread * 32 * row_tiles);
       const int needed_for_k = ceil_div(k_tiles, kTilesPerWarp);
       t.k_splits = needed_for_k > needed_for_outputs ? needed_for_k : needed_for_outputs;
+      if constexpr (kL2Tiles) {
+        // As many warps as the variant takes, so that the chip holds the most and L2 the least: at least one tile,
+        // which keeps these tilings out of the planner's rounds before L2.
+        const int most_splits = kMaxThreads / (32 * row_tiles);
+        if (most_splits < needed_for_outputs) continue;
+        t.k_splits = most_splits;
+        t.l2_chunks = ceil_div(k_tiles, most_splits) - kTilesPerWarp;
+        t.l2_chunks = t.l2_chunks > 1 ? t.l2_chunks : 1;
+      }
       t.threads = 32 * row_tiles * t.k_splits;
-      t.padded_k = 16 * kTilesPerWarp * t.k_splits;
+      t.padded_k = 16 * (kTilesPerWarp + t.l2_chunks) * t.k_splits;
+      t.weight_l2_bytes = t.threads / 32 * t.l2_chunks * static_cast<int>(sizeof(uint4)) * 32;
       t.num_partials = t.k_splits;
       t.weight_smem_bytes = weight_smem_bytes(t.threads);
       t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta) +
@@ -105,6 +118,14 @@ struct MmaMath {
     }
   }
 
+  // d += a b for one 16 x 16 weight tile (A fragment a) and one 16 k x 8 samples tile (B fragment b), in fp32.
+  __device__ static void mma(float (&d)[4], const uint4& a, const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b[0]), "r"(b[1]));
+  }
+
   // shared_weights: weight_smem_bytes(threads) of the CTA's shared memory, 16-byte aligned, for this CTA alone.
   __device__ void load_weights(const RnnParams<__nv_bfloat16>& p, int cta, void* shared_weights) {
     const Tiling& t = p.tiling;
@@ -117,20 +138,40 @@ struct MmaMath {
     shared_weight = shared;
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) {
-      const int k = 16 * (split + j * t.k_splits) + 2 * (lane % 4);
-      uint32_t fragment[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // (row, k), (row + 8, k), (row, k + 8), (row + 8, k + 8)
-        const int r = row + 8 * (i % 2), c = k + 8 * (i / 2);
-        fragment[i] = pack(weight_at(p, cta, r, c), weight_at(p, cta, r, c + 1));
-      }
+      const uint4 fragment = fragment_of(p, cta, row, j);
       if (j < kRegisterTiles) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) weight[j][i] = fragment[i];
+        weight[j][0] = fragment.x;
+        weight[j][1] = fragment.y;
+        weight[j][2] = fragment.z;
+        weight[j][3] = fragment.w;
       } else {
-        shared[32 * (j - kRegisterTiles)] = make_uint4(fragment[0], fragment[1], fragment[2], fragment[3]);
+        shared[32 * (j - kRegisterTiles)] = fragment;
       }
     }
+    if constexpr (kL2Tiles) {
+      // Each lane reads back only what it wrote here, so no fence or barrier stands between.
+      uint4* l2 = l2_tiles_of(p);
+      for (int j = 0; j < t.l2_chunks; ++j) l2[32 * j] = fragment_of(p, cta, row, kTilesPerWarp + j);
+    }
+  }
+
+  // This lane's fragment of the warp's k-tile kt_j, as load_weights lays the shared and L2 tiles out.
+  __device__ uint4 fragment_of(const RnnParams<__nv_bfloat16>& p, int cta, int row, int j) const {
+    const int k = 16 * (split + j * p.tiling.k_splits) + 2 * (threadIdx.x % 4);
+    uint32_t fragment[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // (row, k), (row + 8, k), (row, k + 8), (row + 8, k + 8)
+      const int r = row + 8 * (i % 2), c = k + 8 * (i / 2);
+      fragment[i] = pack(weight_at(p, cta, r, c), weight_at(p, cta, r, c + 1));
+    }
+    return make_uint4(fragment[0], fragment[1], fragment[2], fragment[3]);
+  }
+
+  // This lane's fragment of the warp's first L2 tile in the workspace; tile j at [32 * j].
+  __device__ static uint4* l2_tiles_of(const RnnParams<__nv_bfloat16>& p) {
+    const int cta = blockIdx.x % p.tiling.num_ctas;
+    return reinterpret_cast<uint4*>(p.l2_weights) + static_cast<size_t>(cta) * (p.tiling.weight_l2_bytes / 16) +
+           threadIdx.x / 32 * p.tiling.l2_chunks * 32 + threadIdx.x % 32;
   }
 
   // Where the step's published vector is read from (its bf16 copy: half the bytes of the fp32 rows, and the multiply
@@ -189,12 +230,19 @@ struct MmaMath {
       const uint32_t a2 = j < kRegisterTiles ? weight[j][2] : a[j % 2].z;
       const uint32_t a3 = j < kRegisterTiles ? weight[j][3] : a[j % 2].w;
 #pragma unroll
-      for (int n = 0; n < kSampleTiles; ++n) {
-        float* d = sum[j % kAccumulators][n];
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b[j % 2][n][0]), "r"(b[j % 2][n][1]));
+      for (int n = 0; n < kSampleTiles; ++n) mma(sum[j % kAccumulators][n], make_uint4(a0, a1, a2, a3), b[j % 2][n]);
+    }
+    if constexpr (kL2Tiles) {
+      // Unrolled so that several tiles' loads are in flight at once; the loads skip L1, which full shared memory leaves
+      // small. One accumulator: the index of a second would depend on the run-time trip count.
+      const uint4* l2 = l2_tiles_of(p);
+#pragma unroll 4
+      for (int j = 0; j < t.l2_chunks; ++j) {
+        uint32_t b_l2[kSampleTiles][2];
+        load_fragments<kSampleTiles>(b_l2, pair_address, 32 * (split + (kTilesPerWarp + j) * t.k_splits));
+        const uint4 a_l2 = __ldcg(l2 + 32 * j);
+#pragma unroll
+        for (int n = 0; n < kSampleTiles; ++n) mma(sum[0][n], a_l2, b_l2[n]);
       }
     }
     // Accumulator layout: d0, d1 at (row gid, samples 2 tig, 2 tig + 1); d2, d3 at row gid + 8.

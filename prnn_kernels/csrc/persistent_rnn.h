@@ -68,7 +68,8 @@ struct Tiling {
   int k_splits;       // fp32: threads along K per row group; bf16: warps along K per row tile
   int num_partials;   // partial sums per output, reduced through shared memory
   int shared_chunks;  // fp32: 16-byte chunks of weights per thread and row kept in shared memory, after its registers'
-  int l2_chunks;      // fp32: chunks per thread and row read again from L2 every step, after its shared ones
+  int l2_chunks;      // read again from L2 every step, after the shared ones: fp32 chunks per thread and row, bf16
+                      //   k-tiles per warp
   int weight_smem_bytes;  // the CTA's weights kept in shared memory (0: all in registers)
   int weight_l2_bytes;    // the CTA's weights read from L2 every step (0: all on chip)
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
