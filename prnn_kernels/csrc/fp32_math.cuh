@@ -162,11 +162,11 @@ struct Fp32Math {
     return c == 0 ? value.x : (c == 1 ? value.y : (c == 2 ? value.z : value.w));
   }
 
-  // The L2 chunks' products, as the shared ones' above (whose loop does not come here: a helper for it changed the
-  // shared-memory variants' machine code, 2 x 8 GRU spills 16 -> 24 bytes). Unrolled so that several chunks' loads are
-  // in flight at once, each otherwise waiting a trip to L2: the GRU at 2048 took 9.02 us a forward step loading one
-  // chunk at a time in passes of two samples, 8.8 unrolled, 7.35 unrolled in one pass of four (H100, NOTES.md v23).
-  // The loads skip L1, which full shared memory leaves small.
+  // The L2 chunks' products. A loop apart from the shared chunks' (one loop for both, or this function for both,
+  // changed the shared-memory variants' machine code: 2 x 8 GRU spills 16 -> 24 bytes). Unrolled so that several
+  // chunks' loads are in flight at once, each otherwise waiting a trip to L2: the GRU at 2048 took 9.02 us a forward
+  // step loading one chunk at a time in passes of two samples, 8.8 unrolled, 7.35 unrolled in one pass of four (H100,
+  // NOTES.md v23). The loads skip L1, which full shared memory leaves small.
   __device__ void multiply_l2_chunks(const RnnParams<float>& p, const float4* chunks, int first,
                                      float (&sum)[kRowsPerThread][kSamplesPerPass]) const {
     const Tiling& t = p.tiling;
@@ -178,14 +178,21 @@ struct Fp32Math {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) w[i] = __ldcg(l2 + i * t.threads);
       const int chunk = split + (kChunksPerThread + t.shared_chunks + j) * t.k_splits;
+      multiply_chunk(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
+    }
+  }
+
+  // sum[i][b] += w[i] . (sample first + b at one chunk, from sample_chunks on), one sample at a time: the products of
+  // the chunks past the registers' (the loop over the register chunks pairs samples in some variants).
+  __device__ static void multiply_chunk(const float4 (&w)[kRowsPerThread], const float4* sample_chunks,
+                                        int chunks_per_sample, float (&sum)[kRowsPerThread][kSamplesPerPass]) {
 #pragma unroll
-      for (int b = 0; b < kSamplesPerPass; ++b) {
-        const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
+    for (int b = 0; b < kSamplesPerPass; ++b) {
+      const float4 v = sample_chunks[b * chunks_per_sample];
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
+      for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) sum[i][b] = fmaf(component(w[i], c), component(v, c), sum[i][b]);
-        }
+        for (int c = 0; c < 4; ++c) sum[i][b] = fmaf(component(w[i], c), component(v, c), sum[i][b]);
       }
     }
   }
@@ -231,15 +238,7 @@ struct Fp32Math {
 #pragma unroll
           for (int i = 0; i < kRowsPerThread; ++i) w[i] = shared[i * t.threads];
           const int chunk = split + (kChunksPerThread + j) * t.k_splits;
-#pragma unroll
-          for (int b = 0; b < kSamplesPerPass; ++b) {
-            const float4 v = chunks[(first + b) * chunks_per_sample + chunk];
-#pragma unroll
-            for (int i = 0; i < kRowsPerThread; ++i) {
-#pragma unroll
-              for (int c = 0; c < 4; ++c) sum[i][b] = fmaf(component(w[i], c), component(v, c), sum[i][b]);
-            }
-          }
+          multiply_chunk(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
         }
       }
       if constexpr (kHome == WeightHome::kSharedAndL2) multiply_l2_chunks(p, chunks, first, sum);
