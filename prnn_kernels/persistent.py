@@ -1,8 +1,8 @@
 """The persistent RNN CUDA kernels as PyTorch functions with autograd: `persistent_layer` (one direction),
 `persistent_bidirectional_layer` (both directions of a layer in one launch), and `support` to ask first.
 
-One launch runs a whole layer: every CTA keeps its rows of weight_hh on chip for the whole sequence (an fp32 matrix
-larger than the chip partly in L2, read again every step) and the CTAs exchange each step's vector through L2 with
+One launch runs a whole layer: every CTA keeps its rows of weight_hh on chip for the whole sequence (a matrix larger
+than the chip partly in L2, read again every step) and the CTAs exchange each step's vector through L2 with
 step-stamped flags and bulk copies shared within thread-block clusters (prnn_kernels/csrc; Hopper or newer). Cells:
 ReLU and tanh RNNs, GRU and LSTM with torch.nn's weight layout and gate order. The backward data gradient runs the
 same engine in reverse time on weight_hh^T; the weight and bias gradients are one GEMM and one sum over all steps
@@ -90,7 +90,7 @@ def launch_plans(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtyp
     pass with `directions_in_one_launch`, `ctas_per_direction`, `threads`, `cluster_size` (CTAs sharing each step's
     vector copies), `units_per_cta`, `smem_bytes`, `weight_smem_bytes` (the part of the CTA's weights kept in shared
     memory, 0 where registers hold them all) and `weight_l2_bytes` (the part read again from L2 every step, where the
-    chip cannot hold an fp32 matrix; else 0); or `ok` False and the `reason`."""
+    chip cannot hold the matrix; else 0); or `ok` False and the `reason`."""
     device = torch.device(device)
     verdict = support(cell, hidden_size, batch_size, dtype, device)
     if not verdict.ok:

@@ -170,9 +170,12 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
   // Zeroed on the stream before each launch: no flag survives from an earlier call.
   at::Tensor flags = at::zeros({directions * plan.tiling.num_ctas * prnn::kFlagStride}, layer.status.options());
-  // The weights the chip cannot hold, which the kernel lays out here and reads again every step.
+  // The weights the chip cannot hold, which the kernel lays out here and reads again every step; most plans need none.
   const int64_t l2_floats_per_direction = static_cast<int64_t>(plan.tiling.num_ctas) * plan.tiling.weight_l2_bytes / 4;
-  at::Tensor l2_weights = at::empty({directions * l2_floats_per_direction}, layer.status.options().dtype(at::kFloat));
+  at::Tensor l2_weights;
+  if (l2_floats_per_direction > 0) {
+    l2_weights = at::empty({directions * l2_floats_per_direction}, layer.status.options().dtype(at::kFloat));
+  }
   for (int d = 0; d < directions; ++d) {
     params.direction[d].tiling = plan.tiling;
     params.direction[d].flags =

@@ -6,7 +6,7 @@
 //   backward: the cell turns the gradient reaching h_t and U^T g_{t+1} into g_t, the gradient of the G hidden-side
 //             gate pre-activations, and publishes it; U^T g_t is then the gradient reaching h_{t-1}.
 // Every CTA keeps its slice of rows of the matrix it multiplies by (U forward, U^T backward) on chip for the whole
-// sequence (an fp32 matrix larger than the chip keeps what does not fit in L2, read again every step). Each step it
+// sequence (a matrix larger than the chip keeps what does not fit in L2, read again every step). Each step it
 // waits for the vector the previous step published, multiplies, lets the cell finish its hidden units and publishes
 // its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two directions of a bidirectional
 // layer run side by side in one launch, each direction on its own vectors and flags.
