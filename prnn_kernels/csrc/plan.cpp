@@ -28,15 +28,15 @@ std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellK
   return pass == Pass::kForward ? bf16_forward_variants(cell) : bf16_backward_variants(cell);
 }
 
-// Thread-block cluster sizes tried for every tiling, largest first; a tiling that fits at all fits with 1. A cluster
-// reads each step's vector from L2 once for all its CTAs, but each of them waits for all of their copies. Measured on
-// an H100 (NOTES.md, "Cluster sizes by precision"): in bf16 clusters of 2 took up to 23 % off a pass against none;
-// an fp32 launch of one direction ran up to 9 % faster in none than in clusters of 2 wherever the planner had picked
-// 2 (about as fast at 1 utterance), while both directions of the fp32 ReLU at 1536 in one launch ran 4-6 % slower in
-// none at 8 utterances.
+// Thread-block cluster sizes tried for every tiling, largest first (8 is the largest every GPU of compute capability
+// 9.0 takes); a tiling that fits at all fits with 1. A cluster reads each step's vector from L2 once for all its CTAs,
+// but each of them waits for all of their copies. Measured on an H100 (NOTES.md, "Cluster sizes by precision"): in
+// bf16 clusters of 2 took up to 23 % off a pass against none, and 8 up to 9 % against 4; an fp32 launch of one
+// direction ran up to 9 % faster in none than in clusters of 2 wherever the planner had picked 2 (about as fast at 1
+// utterance), while both directions of the fp32 ReLU at 1536 in one launch ran 4-6 % slower in none at 8 utterances.
 std::vector<int> cluster_sizes(Precision precision, int directions) {
-  if (precision == Precision::kFloat32 && directions == 1) return {4, 1};
-  return {4, 2, 1};
+  if (precision == Precision::kFloat32 && directions == 1) return {8, 4, 1};
+  return {8, 4, 2, 1};
 }
 
 // The launch every plan makes, for the occupancy query and for launch().
