@@ -3,10 +3,10 @@
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
 // and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
-// threads (enough warps to hide latency, few partial sums), then the largest cluster (the fewest L2 reads of each
-// step's vector, stage.cuh), then fewer CTAs. Variants that keep weights in shared memory are tried only where the
-// register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
-// step only where nothing else runs one direction (choose_plan).
+// threads (enough warps to hide latency, few partial sums), then the largest cluster of the sizes offered
+// (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then fewer CTAs. Variants that keep weights
+// in shared memory are tried only where the register-only variants cannot run all of the launch's directions at once,
+// and those that re-read some from L2 every step only where nothing else runs one direction (choose_plan).
 #include <cuda_bf16.h>
 
 #include <algorithm>
