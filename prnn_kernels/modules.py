@@ -155,8 +155,7 @@ class _BackendChoice:
         bias_ih = [w[2] for w in weights] if self.bias else [None] * len(weights)
         bias_hh = [w[3] for w in weights] if self.bias else [None] * len(weights)
         if backend == "persistent":
-            from prnn_kernels.persistent import persistent_bidirectional_layer
-            from prnn_kernels.persistent import persistent_layer as layer_function
+            from prnn_kernels.persistent import persistent_bidirectional_layer, persistent_layer as layer_function
             from prnn_kernels.products import input_projection
 
             if self.bidirectional:

@@ -115,9 +115,10 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
         if (t.weight_l2_bytes > 0) {
           // Weights read again every step want most SMs' share of the L2's bandwidth: on fewer than half of them (the
           // bf16 LSTM at 2304 and 8 utterances, 24 CTAs) a layer ran 2.5x slower than cuDNN. And no more of them than
-          // the L2 holds (past it they would come from HBM every step, untried); for bf16 no more than three quarters:
-          // cuDNN is about three times faster in fp16 than in fp32, and the bf16 LSTM at 2816 with 40-46 MB in L2 only
-          // matched it (NOTES.md v23).
+          // the L2 holds: re-reading more than ~42 MB of an H100's 50 slows towards HBM's rate ("The L2's rate"), yet
+          // the fp32 GRU at 2304 with 49.5 MB still ran 2.1x cuDNN. For bf16 no more than three quarters: cuDNN is
+          // about three times faster in fp16 than in fp32, and the bf16 LSTM at 2816 with 40-46 MB in L2 only matched
+          // it (NOTES.md v23).
           const long long budget = precision == Precision::kFloat32 ? l2_bytes : l2_bytes / 4 * 3;
           if (2 * ctas < num_sms || static_cast<long long>(ctas) * t.weight_l2_bytes > budget) continue;
         }
