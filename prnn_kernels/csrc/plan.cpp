@@ -2,16 +2,16 @@
 //
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
-// and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then about 512
-// threads (enough warps to hide latency, few partial sums), then the largest cluster of the sizes offered
-// (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then fewer CTAs. Variants that keep weights
-// in shared memory are tried only where the register-only variants cannot run all of the launch's directions at once,
-// and those that re-read some from L2 every step only where nothing else runs one direction (choose_plan).
+// and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then the fewest
+// threads that still give each (unit, sample) element a thread of its own and each of the SM's four sub-partitions a
+// warp (kMinThreads), then the largest cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's
+// vector, stage.cuh), then fewer CTAs. Variants that keep weights in shared memory are tried only where the
+// register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
+// step only where nothing else runs one direction (choose_plan).
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -27,6 +27,12 @@ std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellK
   }
   return pass == Pass::kForward ? bf16_forward_variants(cell) : bf16_backward_variants(cell);
 }
+
+// Between tilings of equal work, the one with fewer warps (more k-tiles each, fewer partial sums to add) ran every bf16
+// pass it changed up to 27 % faster on an H100, but for the ReLU at 512 and 768 with 16 utterances, where each thread
+// then finished two elements (3-14 % slower), and the GRU's forward at 256 on 64 threads (up to 11 % slower; NOTES.md,
+// "Threads per CTA"). fp32 tilings of equal work have had equal threads at every shape measured.
+constexpr int kMinThreads = 128;  // one warp for each of an SM's four sub-partitions
 
 // Thread-block cluster sizes tried for every tiling, largest first (8 is the largest every GPU of compute capability
 // 9.0 takes); a tiling that fits at all fits with 1. A cluster reads each step's vector from L2 once for all its CTAs,
@@ -87,7 +93,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   bool found = false;
   Tiling best{};
   const void* best_kernel = nullptr;
-  std::tuple<int, long long, int, int, int> best_score;
+  std::tuple<int, long long, bool, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   bool l2_tried = false;
   const int gates = gates_of(cell);
@@ -139,8 +145,9 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
           continue;
         }
         const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
+        const bool too_few_threads = t.threads < std::max(kMinThreads, t.units_per_cta * batch);
         const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
-                                           std::abs(t.threads - 512), -cluster_size, candidate.num_ctas);
+                                           too_few_threads, t.threads, -cluster_size, candidate.num_ctas);
         if (!found || score < best_score) {
           found = true;
           best = candidate;
