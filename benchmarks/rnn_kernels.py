@@ -10,7 +10,10 @@ as the modules' persistent backend runs them; with torch.backends.cuda.matmul.al
 TF32 beside it; bf16 rows run the persistent kernel in bf16 against cuDNN in fp16 and in bf16. Times are
 medians of CUDA-event timings after warm-up, in microseconds per timestep:
   persistent layer  input GEMM (products.input_projection) + the persistent recurrence, the same work as one cuDNN
-                    layer
+                    layer, as called from Python (the speed-ups' numerator)
+  graphed           the same layer call replayed as a CUDA graph (as the trainer's --cuda-graphs steps run it): the
+                    GPU's time alone; below about 1.5 ms a call (bf16 at H <= 1152, B = 4) a layer's forward+backward
+                    from Python is bound by the host, so its time there moves with the CPU between processes
   kernel only       the persistent recurrence alone on a precomputed input projection (forward), replayed as a
                     CUDA graph so that the host's per-call work (~0.2-0.5 ms of Python and ATen) cannot leave the GPU
                     idle; the JSON also splits it into a per-call prologue and a marginal per-step cost from a second
@@ -134,13 +137,7 @@ class Problem:
         with torch.no_grad():
             input_proj = F.linear(self.x[:num_steps], weight_ih, bias_ih)
             hx = self.state(0)
-            launch = lambda: persistent_layer(self.cell, input_proj, hx, weight_hh, bias_hh, lengths, False)
-            launch()  # outside capture: the extension, the launch plan and the allocator's blocks exist before it
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                launch()
-        return graph.replay
+            return graphed(lambda: persistent_layer(self.cell, input_proj, hx, weight_hh, bias_hh, lengths, False))
 
     def matmul_loop(self):
         """A CUDA graph of NUM_STEPS dependent matmuls h_t = h_{t-1} @ U^T, keeping the first H of the G*H outputs."""
@@ -148,15 +145,29 @@ class Problem:
         hidden_size = weight_t.shape[0]
         states = torch.empty(NUM_STEPS + 1, self.h0.shape[1], weight_t.shape[1], device="cuda", dtype=self.dtype)
         states[0].normal_()
-        graph = torch.cuda.CUDAGraph()
+
+        def loop():
+            for t in range(NUM_STEPS):
+                torch.mm(states[t, :, :hidden_size], weight_t, out=states[t + 1])
+
         with torch.no_grad():
-            for _ in range(2):  # warm-up: cuBLAS handles and workspaces exist before capture
-                torch.mm(states[0, :, :hidden_size], weight_t, out=states[1])
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                for t in range(NUM_STEPS):
-                    torch.mm(states[t, :, :hidden_size], weight_t, out=states[t + 1])
-        return graph.replay
+            return graphed(loop)
+
+
+def graphed(fn):
+    """fn captured once as a CUDA graph, returned as its replay: fn's GPU work without the host's time between
+    launches. Warmed up first on a side stream, as torch asks of captures that run autograd, so that the extension,
+    launch plans, cuBLAS workspaces and the allocator's blocks exist before the capture."""
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        for _ in range(WARMUP):
+            fn()
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 @contextlib.contextmanager
@@ -187,6 +198,9 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     if verdict.ok:
         row["persistent_fwd_us"] = per_step_us(median_ms(lambda: problem.persistent()))
         row["persistent_fwdbwd_us"] = per_step_us(median_ms(problem.forward_backward(problem.persistent)))
+        row["persistent_fwd_graphed_us"] = per_step_us(median_ms(graphed(lambda: problem.persistent())))
+        row["persistent_fwdbwd_graphed_us"] = per_step_us(
+            median_ms(graphed(problem.forward_backward(problem.persistent))))
         plans = launch_plans(cell, hidden_size, batch_size, dtype, "cuda", directions=2 if bidirectional else 1)
         row["persistent_launch_plans"] = plans
         if bidirectional:
@@ -224,8 +238,8 @@ def cudnn_keys(precision):
 
 
 def print_table(rows):
-    header = (f"{'cell':>4} {'dirs':>4} {'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'kernel':>7} "
-              f"{'TFLOP/s':>7} | {'cuDNN':>7} {'cuDNN alt':>10} {'mm loop':>7} | {'speed-up':>8}")
+    header = (f"{'cell':>4} {'dirs':>4} {'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'graphed':>8} "
+              f"{'kernel':>7} {'TFLOP/s':>7} | {'cuDNN':>7} {'cuDNN alt':>10} {'mm loop':>7} | {'speed-up':>8}")
     print("us per timestep (T = 256, one layer); cuDNN: fp32 for fp32 rows, fp16 for bf16 rows (the speed-ups' "
           "reference); cuDNN alt: TF32 for fp32 rows, bf16 for bf16 rows")
     print(header)
@@ -241,7 +255,8 @@ def print_table(rows):
             kernel = cell("kernel_only_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
             loop = cell("matmul_loop_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
             print(f"{row['cell']:>4} {directions:>4} {row['precision']:>4} {row['batch']:>3} {row['hidden']:>5} "
-                  f"{direction:>6} | {cell(f'persistent_{direction}_us', 8)} {kernel} "
+                  f"{direction:>6} | {cell(f'persistent_{direction}_us', 8)} "
+                  f"{cell(f'persistent_{direction}_graphed_us', 8)} {kernel} "
                   f"{cell(f'persistent_{direction}_tflops', 7)} | {cell(f'{reference}_{direction}_us', 7)} "
                   f"{cell(f'{alternative}_{direction}_us', 10)} {loop} | "
                   f"{cell(f'speedup_{direction}_over_{reference}', 7, 1)}x")
