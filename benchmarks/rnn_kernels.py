@@ -12,8 +12,9 @@ medians of CUDA-event timings after warm-up, in microseconds per timestep:
   persistent layer  input GEMM (products.input_projection) + the persistent recurrence, the same work as one cuDNN
                     layer, as called from Python (the speed-ups' numerator)
   graphed           the same layer call replayed as a CUDA graph (as the trainer's --cuda-graphs steps run it): the
-                    GPU's time alone; below about 1.5 ms a call (bf16 at H <= 1152, B = 4) a layer's forward+backward
-                    from Python is bound by the host, so its time there moves with the CPU between processes
+                    GPU's time alone; below about 2 ms a call (the bf16 ReLU, and bf16 layers at H <= 1152, at B = 4)
+                    a layer's forward+backward from Python is bound by the host, so its time there moves with the CPU
+                    between processes
   kernel only       the persistent recurrence alone on a precomputed input projection (forward), replayed as a
                     CUDA graph so that the host's per-call work (~0.2-0.5 ms of Python and ATen) cannot leave the GPU
                     idle; the JSON also splits it into a per-call prologue and a marginal per-step cost from a second
