@@ -11,7 +11,7 @@ TF32 beside it; bf16 rows run the persistent kernel in bf16 against cuDNN in fp1
 medians of CUDA-event timings after warm-up, in microseconds per timestep:
   persistent layer  input GEMM (products.input_projection) + the persistent recurrence, the same work as one cuDNN
                     layer, as called from Python (the speed-ups' numerator)
-  graphed           the same layer call replayed as a CUDA graph (as the trainer's --cuda-graphs steps run it): the
+  graphed           the same layer call replayed as a CUDA graph (as train.cuda_graphs=true runs it): the
                     GPU's time alone; below about 2 ms a call (the bf16 ReLU, and bf16 layers at H <= 1152, at B = 4)
                     a layer's forward+backward from Python is bound by the host, so its time there moves with the CPU
                     between processes
