@@ -41,7 +41,7 @@ constexpr int saved_values_of(CellKind cell) {
 }
 
 // Where a kernel variant keeps the weights its registers cannot hold: nowhere (registers hold them all), in shared
-// memory, or in shared memory and then L2, re-read every step (fp32 matrices larger than the chip: NOTES.md v23).
+// memory, or in shared memory and then L2, re-read every step (matrices larger than the chip: NOTES.md v23).
 enum class WeightHome : int { kRegisters = 0, kShared = 1, kSharedAndL2 = 2 };
 
 // The matrix-vector product one pass runs each step: `units` hidden units, each owning `row_gates` rows of the
