@@ -9,8 +9,8 @@
 // registers' (c_j for j >= kChunksPerThread), for matrices the register file cannot hold: ReLU above H = 2048, the GRU
 // and LSTM above 1152, and the two directions of a bidirectional layer in one launch (NOTES.md v21). Variants with
 // kSharedAndL2 fill shared memory and keep tiling.l2_chunks more in a global workspace, laid out as the shared chunks
-// and read again every step, for matrices the chip cannot hold at all: the GRU and LSTM from about H = 1600, the
-// ReLU above 3072 (NOTES.md v23).
+// and read again every step, for matrices the chip cannot hold at all: the GRU and LSTM from about H = 1600 (lower
+// at 16 utterances), the ReLU above 3072 (NOTES.md v23).
 #pragma once
 
 #include <vector>
