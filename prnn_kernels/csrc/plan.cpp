@@ -2,10 +2,11 @@
 //
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
-// and the cheapest is kept: first one CTA per SM, then the least work per CTA (rows x padded K), then the fewest
-// threads that still give each (unit, sample) element a thread of its own and each of the SM's four sub-partitions a
-// warp (kMinThreads), then the largest cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's
-// vector, stage.cuh), then fewer CTAs. Variants that keep weights in shared memory are tried only where the
+// and the cheapest is kept: first one CTA per SM, then the least work per busy sub-partition (rows x padded K over the
+// SM's sub-partitions the CTA's warps occupy, at most four), then the fewest CTAs, then the fewest threads that still
+// give each (unit, sample) element a thread of its own and each sub-partition a warp (kMinThreads), then the largest
+// cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then fewer CTAs
+// after rounding to whole clusters. Variants that keep weights in shared memory are tried only where the
 // register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
 // step only where nothing else runs one direction (choose_plan).
 #include <cuda_bf16.h>
@@ -32,7 +33,17 @@ std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellK
 // pass it changed up to 27 % faster on an H100, but for the ReLU at 512 and 768 with 16 utterances, where each thread
 // then finished two elements (3-14 % slower), and the GRU's forward at 256 on 64 threads (up to 11 % slower; NOTES.md,
 // "Threads per CTA"). fp32 tilings of equal work have had equal threads at every shape measured.
-constexpr int kMinThreads = 128;  // one warp for each of an SM's four sub-partitions
+constexpr int kSubPartitions = 4;  // an SM's warp schedulers; a warp runs on one of them
+constexpr int kMinThreads = 32 * kSubPartitions;
+
+// A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the fp32
+// ReLU at 512 ran 34-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter of
+// the CTAs to hand off. Where more warps would add work per busy sub-partition (the ReLU at 768: three warps on 96 CTAs
+// rather than six on 48) the fewer CTAs were 1-10 % slower (NOTES.md, "Work per busy sub-partition").
+double work_per_busy_partition(const Tiling& t) {
+  const int busy_partitions = std::min(t.threads / 32, kSubPartitions);
+  return static_cast<double>(t.rows_per_cta) * t.padded_k / busy_partitions;
+}
 
 // Thread-block cluster sizes tried for every tiling, largest first (8 is the largest every GPU of compute capability
 // 9.0 takes); a tiling that fits at all fits with 1. A cluster reads each step's vector from L2 once for all its CTAs,
@@ -93,7 +104,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   bool found = false;
   Tiling best{};
   const void* best_kernel = nullptr;
-  std::tuple<int, long long, bool, int, int, int> best_score;
+  std::tuple<int, double, int, bool, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   bool l2_tried = false;
   const int gates = gates_of(cell);
@@ -146,8 +157,8 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
         }
         const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
         const bool too_few_threads = t.threads < std::max(kMinThreads, t.units_per_cta * batch);
-        const auto score = std::make_tuple(ctas_per_sm, static_cast<long long>(t.rows_per_cta) * t.padded_k,
-                                           too_few_threads, t.threads, -cluster_size, candidate.num_ctas);
+        const auto score = std::make_tuple(ctas_per_sm, work_per_busy_partition(t), t.num_ctas, too_few_threads,
+                                           t.threads, -cluster_size, candidate.num_ctas);
         if (!found || score < best_score) {
           found = true;
           best = candidate;
