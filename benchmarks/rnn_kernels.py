@@ -197,9 +197,9 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     row["persistent_supported"] = verdict.ok
     row["persistent_reason"] = verdict.reason
     if verdict.ok:
-        row["persistent_fwd_us"] = per_step_us(median_ms(lambda: problem.persistent()))
+        row["persistent_fwd_us"] = per_step_us(median_ms(problem.persistent))
         row["persistent_fwdbwd_us"] = per_step_us(median_ms(problem.forward_backward(problem.persistent)))
-        row["persistent_fwd_graphed_us"] = per_step_us(median_ms(graphed(lambda: problem.persistent())))
+        row["persistent_fwd_graphed_us"] = per_step_us(median_ms(graphed(problem.persistent)))
         row["persistent_fwdbwd_graphed_us"] = per_step_us(
             median_ms(graphed(problem.forward_backward(problem.persistent))))
         plans = launch_plans(cell, hidden_size, batch_size, dtype, "cuda", directions=2 if bidirectional else 1)
