@@ -169,7 +169,8 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   const bool together = pass_plan.together;
   TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
   // Zeroed on the stream before each launch: no flag survives from an earlier call.
-  at::Tensor flags = at::zeros({directions * plan.tiling.num_ctas * prnn::kFlagStride}, layer.status.options());
+  const int64_t flags_per_direction = static_cast<int64_t>(prnn::kChains) * plan.tiling.num_ctas * prnn::kFlagStride;
+  at::Tensor flags = at::zeros({directions * flags_per_direction}, layer.status.options());
   // The weights the chip cannot hold, which the kernel lays out here and reads again every step; most plans need none.
   const int64_t l2_floats_per_direction = static_cast<int64_t>(plan.tiling.num_ctas) * plan.tiling.weight_l2_bytes / 4;
   at::Tensor l2_weights;
@@ -179,7 +180,7 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   for (int d = 0; d < directions; ++d) {
     params.direction[d].tiling = plan.tiling;
     params.direction[d].flags =
-        reinterpret_cast<unsigned*>(flags.data_ptr<int>()) + d * plan.tiling.num_ctas * prnn::kFlagStride;
+        reinterpret_cast<unsigned*>(flags.data_ptr<int>()) + d * flags_per_direction;
     params.direction[d].l2_weights =
         l2_floats_per_direction > 0 ? l2_weights.data_ptr<float>() + d * l2_floats_per_direction : nullptr;
   }
@@ -352,6 +353,7 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
       entry["smem_bytes"] = plan.tiling.smem_bytes;
       entry["weight_smem_bytes"] = plan.tiling.weight_smem_bytes;
       entry["weight_l2_bytes"] = plan.tiling.weight_l2_bytes;
+      entry["chained"] = plan.tiling.chained;
     }
     result.push_back(entry);
   }

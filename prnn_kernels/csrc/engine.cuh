@@ -1,15 +1,23 @@
-// The persistent loop shared by every cell, pass and precision.
+// The persistent loops shared by every cell, pass and precision: the plain engine and the chained engine.
 //
 // Math (fp32_math.cuh, mma_math.cuh) holds this CTA's rows of the matrix on chip and multiplies the staged vector
 // by them; Cell (vanilla_cell.cuh, gated_cells.cuh) finishes each (hidden unit, sample) element from the recurrent
 // products of its kRowGates rows and returns the kVectorGates values it publishes. A thread finishes up to
-// Math::kElementsPerThread elements, whose cell state stays in its registers. Per step:
+// Math::kElementsPerThread elements, whose cell state stays in its registers.
+//
+// The plain engine, per step, with the whole CTA:
 //   wait until every CTA of this direction published the previous vector -> start staging the vector in shared
 //   memory (bulk copies shared by the cluster, stage.cuh) -> start loading the cells' inputs -> wait for the staged
 //   vector -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the next vector ->
 //   publish.
 // A CTA whose wait timed out (the launch is failing and Python will raise) stops waiting but runs the remaining
 // steps: the other CTAs of its cluster wait for its share of every step's staging.
+//
+// The chained engine (fp32 layers with enough work per CTA, fp32_variants.cuh) splits the samples into kChains
+// chains, each with its own flags and staged rows, and hands each chain's step off in a sync warpgroup: per chain one
+// warp waits for the flags and issues the staging copies, one releases the chain's flag once the compute warps'
+// stores are done. The compute warps run chain 0's step, then chain 1's, never waiting for a flag: while they
+// multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24).
 #pragma once
 
 #include <type_traits>
@@ -20,6 +28,104 @@
 
 namespace prnn {
 
+// The (hidden unit, sample) elements a thread of the chained engine finishes, e = thread + u * threads for
+// u < Math::kElementsPerThread.
+template <class Math, class Cell>
+struct Elements {
+  static constexpr int kCount = Math::kElementsPerThread;
+  using Element = typename Cell::Element;
+  Cell cell[kCount];
+  int unit_local[kCount];
+  int sample[kCount];
+  bool active[kCount];
+
+  __device__ void init(const RnnParams<Element>& p, int cta, int threads) {
+    const int units = p.tiling.units_per_cta;
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+      const int e = threadIdx.x + u * threads;
+      sample[u] = e / units;
+      unit_local[u] = e - sample[u] * units;
+      active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
+      if (active[u]) cell[u].init(p, cta * units + unit_local[u], sample[u]);
+    }
+  }
+
+  // Starts loading the step's inputs of the elements in `runs`.
+  __device__ void load(const RnnParams<Element>& p, int step, int cta, const bool (&runs)[kCount]) {
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+      if (runs[u]) cell[u].load(p, step, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
+    }
+  }
+
+  // Finishes the step of the elements in `runs` from the per-warp partial sums and stores what they publish.
+  __device__ void finish(const RnnParams<Element>& p, int step, int cta, const float* partials,
+                         const bool (&runs)[kCount]) {
+    const int rows = p.tiling.rows_per_cta;
+    const int units = p.tiling.units_per_cta;
+    const size_t vector_size = static_cast<size_t>(p.batch) * p.state_stride;
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+      if (runs[u]) {
+        // Gates innermost and the partials unrolled by 4, so independent shared-memory loads are in flight together
+        // while each gate still sums its partials in order.
+        float recurrent[Cell::kRowGates] = {};
+        const float* unit_partials = partials + sample[u] * rows + unit_local[u];
+#pragma unroll 4
+        for (int q = 0; q < p.tiling.num_partials; ++q) {
+#pragma unroll
+          for (int gate = 0; gate < Cell::kRowGates; ++gate) {
+            recurrent[gate] += unit_partials[q * p.batch * rows + gate * units];
+          }
+        }
+        const int unit = cta * units + unit_local[u];
+        float published[Cell::kVectorGates];
+        cell[u].finish(p, step, unit, sample[u], recurrent, published);
+        float* next = p.state + (step + 1) * vector_size + sample[u] * p.state_stride + unit;
+#pragma unroll
+        for (int gate = 0; gate < Cell::kVectorGates; ++gate) next[gate * p.hidden] = published[gate];
+        if constexpr (std::is_same<Element, __nv_bfloat16>::value) {  // the copy the bf16 engine stages
+          __nv_bfloat16* next_bf16 = p.state_bf16 + (static_cast<size_t>(step + 1) * p.batch + sample[u]) *
+                                                        p.state_bf16_stride + unit;
+#pragma unroll
+          for (int gate = 0; gate < Cell::kVectorGates; ++gate) {
+            next_bf16[gate * p.hidden] = __float2bfloat16(published[gate]);
+          }
+        }
+      }
+    }
+  }
+
+  __device__ void end(const RnnParams<Element>& p, int cta) {
+#pragma unroll
+    for (int u = 0; u < kCount; ++u) {
+      if (active[u]) cell[u].end(p, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
+    }
+  }
+};
+
+// Where the chained engine's shared memory goes (element.cuh): staged vector, partial sums, control words, weights.
+template <class Math>
+struct SharedLayout {
+  typename Math::Staged* staged;
+  float* partials;  // (num_partials, B, R)
+  uint64_t* stage_barriers;
+  void* weights;
+
+  __device__ SharedLayout(unsigned char* smem, const Tiling& tiling, int batch) {
+    const int staged_bytes = Math::staged_bytes(tiling, batch);
+    staged = reinterpret_cast<typename Math::Staged*>(smem);
+    partials = reinterpret_cast<float*>(smem + staged_bytes);
+    unsigned char* control =
+        smem + control_offset(staged_bytes, tiling.num_partials * batch * tiling.rows_per_cta);
+    stage_barriers = reinterpret_cast<uint64_t*>(control);
+    weights = control + kControlBytes;
+  }
+};
+
+// The plain engine keeps the elements' loops and the shared-memory layout inline: routing them through Elements and
+// SharedLayout changed ptxas's register allocation in 35 of its 48 bf16 kernels (spills from none up to 44 bytes).
 template <class Math, class Cell>
 __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     persistent_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
@@ -44,7 +150,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   math.load_weights(p, cta, shared_weights);
   zero_shared(smem, staged_bytes);  // padding samples and k >= K stay zero for the whole sequence
   if (threadIdx.x == 0) *abort_s = 0;
-  init_staging(stage_barriers);
+  init_staging(stage_barriers, 2);
 
   Cell cell[Math::kElementsPerThread];
   int unit_local[Math::kElementsPerThread];
@@ -67,7 +173,8 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     // Copies first: the warps that issue them would otherwise wait for their own input loads (NOTES.md v17).
     uint64_t* stage_barrier = stage_barriers + step % 2;
     start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
-                  p.batch, tiling.cluster_size, stage_barrier);
+                  p.batch, tiling.cluster_size, stage_barrier,
+                  threadIdx.x % 32 == 0 ? static_cast<int>(threadIdx.x / 32) : -1, blockDim.x / 32);
 #pragma unroll
     for (int u = 0; u < Math::kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
@@ -114,9 +221,122 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   }
 }
 
+// Registers per thread of the chained engine's warpgroups. A launch gets launch_threads x the launch bound's registers
+// (ptxas: 65536 / threads, in steps of 8, at most 255), and setmaxnreg only moves registers between the CTA's own
+// warpgroups: the sync warpgroup keeps kSyncRegisters and the compute warpgroups take the rest (112 for the 512-thread
+// variants instead of the plain engine's 128, 160 for the 384-thread ones instead of 168).
+constexpr int kSyncRegisters = 32;
+__host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int compute_registers(int compute_threads) {
+  return min_int(((compute_threads + 128) * min_int(65536 / (compute_threads + 128) / 8 * 8, 248) -
+                  128 * kSyncRegisters) / compute_threads / 8 * 8,
+                 248);
+}
+
+// Named barriers: 0 is __syncthreads, 1 the compute warps' own, 2 + c chain c's stores handed to its releasing warp.
+__device__ __forceinline__ void compute_barrier(int threads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+__device__ __forceinline__ void stores_done(int chain, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
+}
+__device__ __forceinline__ void wait_for_stores(int chain, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
+}
+
+// Runs only with at least kChains samples (the planner's rule, fp32_variants.cuh), so every chain has samples.
+template <class Math, class Cell>
+__global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
+    chained_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
+  static_assert(std::is_same<typename Cell::Element, float>::value, "fp32 only: bf16's multiply is per 8 samples");
+  static_assert(2 * kChains == 4, "one staging and one releasing warp per chain fill the sync warpgroup");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int num_ctas = layer.direction[0].tiling.num_ctas;
+  const RnnParams<float>& p = layer.direction[blockIdx.x / num_ctas];
+  const int cta = blockIdx.x % num_ctas;
+  const Tiling& tiling = p.tiling;
+  const int threads = tiling.threads;  // compute threads; the sync warpgroup starts at the next warpgroup
+  const int chain_samples = ceil_div(p.batch, kChains);
+  const SharedLayout<Math> shared(smem, tiling, p.batch);
+  zero_shared(smem, Math::staged_bytes(tiling, p.batch));
+  init_staging(shared.stage_barriers, 2 * kChains);  // chain c, step s: stage_barriers[2 c + s % 2]
+
+  const int sync_warpgroup = round_up(threads, 128);
+  if (threadIdx.x >= sync_warpgroup) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kSyncRegisters));
+    const int warp = (threadIdx.x - sync_warpgroup) / 32;
+    const int chain = warp % kChains;
+    const int first = chain * chain_samples;
+    const int count = min(p.batch - first, chain_samples);
+    unsigned* chain_flags = p.flags + static_cast<size_t>(chain) * num_ctas * kFlagStride;
+    if (warp >= kChains) {  // releases the chain's flag after each step's stores
+      for (int step = 0; step < p.num_steps; ++step) {
+        wait_for_stores(chain, threads);
+        if (threadIdx.x % 32 == 0) release_stamp(chain_flags + static_cast<size_t>(cta) * kFlagStride, step + 1);
+      }
+      return;
+    }
+    bool in_time = true;
+    for (int step = 0; step < p.num_steps; ++step) {
+      if (step > 0 && in_time) in_time = warp_wait_for_step(p, chain_flags, step);
+      if (step > 0 && !in_time) {
+        // Failing: wait for this CTA's own flag alone, so that the staging still runs at most a step ahead of the
+        // multiply (the mbarriers' phases) while the launch runs out its steps.
+        while (load_acquire(chain_flags + static_cast<size_t>(cta) * kFlagStride) < static_cast<unsigned>(step)) {
+        }
+        __syncwarp();
+      }
+      start_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
+                    Math::published_row_bytes(p),
+                    reinterpret_cast<char*>(shared.staged) + first * Math::staged_row_bytes(tiling),
+                    Math::staged_row_bytes(tiling), count, tiling.cluster_size,
+                    shared.stage_barriers + 2 * chain + step % 2, threadIdx.x % 32, 32);
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(compute_registers(Math::kMaxThreads)));
+  if (threadIdx.x >= threads) return;  // the last compute warpgroup's idle warps
+  Math math;
+  math.load_weights(p, cta, shared.weights);
+  Elements<Math, Cell> elements;
+  elements.init(p, cta, threads);
+  bool in_chain[kChains][Elements<Math, Cell>::kCount];
+#pragma unroll
+  for (int chain = 0; chain < kChains; ++chain) {
+#pragma unroll
+    for (int u = 0; u < Elements<Math, Cell>::kCount; ++u) {
+      in_chain[chain][u] = elements.active[u] && elements.sample[u] / chain_samples == chain;
+    }
+  }
+
+  for (int step = 0; step < p.num_steps; ++step) {
+    // A chain's partial sums are rewritten only after the other chain's barrier, which every warp reaches after
+    // finishing this chain's elements.
+#pragma unroll
+    for (int chain = 0; chain < kChains; ++chain) {
+      const int first = chain * chain_samples;
+      elements.load(p, step, cta, in_chain[chain]);
+      finish_staging(shared.stage_barriers + 2 * chain + step % 2, (step / 2) % 2);
+      math.template multiply_samples<Math::kChainSamplesPerPass>(p, shared.staged, shared.partials, first,
+                                                                 min(p.batch, first + chain_samples));
+      compute_barrier(threads);
+      elements.finish(p, step, cta, shared.partials, in_chain[chain]);
+      stores_done(chain, threads);
+    }
+  }
+  elements.end(p, cta);
+}
+
 template <class Math, class Cell>
 KernelVariant kernel_variant() {
   return {reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads, &Math::tilings};
+}
+
+// The chained engine's kernel for Math and Cell, proposing `tilings` (each with chained set).
+template <class Math, class Cell>
+KernelVariant chained_kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&)) {
+  return {reinterpret_cast<const void*>(&chained_rnn_kernel<Math, Cell>), Math::kMaxThreads, tilings};
 }
 
 }  // namespace prnn

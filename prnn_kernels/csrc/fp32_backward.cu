@@ -9,15 +9,19 @@
 namespace prnn {
 
 std::vector<KernelVariant> fp32_backward_variants(CellKind cell) {
+  std::vector<KernelVariant> in_registers;
   switch (cell) {
     case CellKind::kGru:
-      return fp32_variants<GruBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, GruBackward<float>>(),
-                                                kernel_variant<Fp32Math<3, 10, 384>, GruBackward<float>>()});
+      add_variant<Fp32Math<2, 8, 512>, GruBackward<float>, false>(in_registers);
+      add_variant<Fp32Math<3, 10, 384>, GruBackward<float>>(in_registers);
+      return fp32_variants<GruBackward<float>>(in_registers);
     case CellKind::kLstm:
-      return fp32_variants<LstmBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, LstmBackward<float>>(),
-                                                 kernel_variant<Fp32Math<5, 6, 384>, LstmBackward<float>>()});
+      add_variant<Fp32Math<2, 8, 512>, LstmBackward<float>, false>(in_registers);
+      add_variant<Fp32Math<5, 6, 384>, LstmBackward<float>, false>(in_registers);
+      return fp32_variants<LstmBackward<float>>(in_registers);
     default:
-      return fp32_variants<VanillaBackward<float>>({kernel_variant<Fp32Math<2, 8, 512>, VanillaBackward<float>>()});
+      add_variant<Fp32Math<2, 8, 512>, VanillaBackward<float>>(in_registers);
+      return fp32_variants<VanillaBackward<float>>(in_registers);
   }
 }
 

@@ -11,15 +11,19 @@
 namespace prnn {
 
 std::vector<KernelVariant> fp32_forward_variants(CellKind cell) {
+  std::vector<KernelVariant> in_registers;
   switch (cell) {
     case CellKind::kGru:
-      return fp32_variants<GruForward<float>>({kernel_variant<Fp32Math<3, 4, 512>, GruForward<float>>(),
-                                               kernel_variant<Fp32Math<2, 12, 384>, GruForward<float>>()});
+      add_variant<Fp32Math<3, 4, 512>, GruForward<float>>(in_registers);
+      add_variant<Fp32Math<2, 12, 384>, GruForward<float>>(in_registers);
+      return fp32_variants<GruForward<float>>(in_registers);
     case CellKind::kLstm:
-      return fp32_variants<LstmForward<float>>({kernel_variant<Fp32Math<2, 8, 512>, LstmForward<float>>(),
-                                                kernel_variant<Fp32Math<5, 6, 384>, LstmForward<float>>()});
+      add_variant<Fp32Math<2, 8, 512>, LstmForward<float>, false>(in_registers);
+      add_variant<Fp32Math<5, 6, 384>, LstmForward<float>, false>(in_registers);
+      return fp32_variants<LstmForward<float>>(in_registers);
     default:
-      return fp32_variants<VanillaForward<float>>({kernel_variant<Fp32Math<2, 8, 512>, VanillaForward<float>>()});
+      add_variant<Fp32Math<2, 8, 512>, VanillaForward<float>>(in_registers);
+      return fp32_variants<VanillaForward<float>>(in_registers);
   }
 }
 

@@ -39,6 +39,8 @@ struct Fp32Math {
   // -> 24/24 bytes; GRU 3 x 10 backward: 176/300 -> 16/16) and their steps are 1-9 % shorter (H100, NOTES.md v16). The
   // four-sample variants keep one sample at a time: two made ReLU's 4-sample variant 1 % slower.
   static constexpr int kSamplesPerWeightUse = kLarge ? kSamplesPerPass : 1;
+  // The chained engine's passes: two samples, so that a chain of two takes one pass (NOTES.md v24).
+  static constexpr int kChainSamplesPerPass = 2;
   using Element = float;
   using Staged = float;  // staged vector: (round_up(B, 4), padded_k), samples >= B and k >= K zero
 
@@ -168,8 +170,9 @@ struct Fp32Math {
   // chunks' loads are in flight at once, each otherwise waiting a trip to L2: the GRU at 2048 took 9.02 us a forward
   // step loading one chunk at a time in passes of two samples, 8.8 unrolled, 7.35 unrolled in one pass of four (H100,
   // NOTES.md v23). The loads skip L1, which full shared memory leaves small.
+  template <int kSamples>
   __device__ void multiply_l2_chunks(const RnnParams<float>& p, const float4* chunks, int first,
-                                     float (&sum)[kRowsPerThread][kSamplesPerPass]) const {
+                                     float (&sum)[kRowsPerThread][kSamples]) const {
     const Tiling& t = p.tiling;
     const int chunks_per_sample = t.padded_k / 4;
     const float4* l2 = l2_chunks_of(p);
@@ -179,16 +182,17 @@ struct Fp32Math {
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) w[i] = __ldcg(l2 + i * t.threads);
       const int chunk = split + (kChunksPerThread + t.shared_chunks + j) * t.k_splits;
-      multiply_chunk(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
+      multiply_chunk<kSamples>(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
     }
   }
 
   // sum[i][b] += w[i] . (sample first + b at one chunk, from sample_chunks on), one sample at a time: the products of
   // the chunks past the registers' (the loop over the register chunks pairs samples in some variants).
+  template <int kSamples>
   __device__ static void multiply_chunk(const float4 (&w)[kRowsPerThread], const float4* sample_chunks,
-                                        int chunks_per_sample, float (&sum)[kRowsPerThread][kSamplesPerPass]) {
+                                        int chunks_per_sample, float (&sum)[kRowsPerThread][kSamples]) {
 #pragma unroll
-    for (int b = 0; b < kSamplesPerPass; ++b) {
+    for (int b = 0; b < kSamples; ++b) {
       const float4 v = sample_chunks[b * chunks_per_sample];
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
@@ -198,20 +202,28 @@ struct Fp32Math {
     }
   }
 
-  // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k].
+  // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k], every sample.
   __device__ void multiply(const RnnParams<float>& p, const float* staged, float* partials) const {
+    multiply_samples<kSamplesPerPass>(p, staged, partials, 0, p.batch);
+  }
+
+  // The same for samples [begin, end), kSamples at a time (staged rows past `end` are read but not used).
+  template <int kSamples>
+  __device__ void multiply_samples(const RnnParams<float>& p, const float* staged, float* partials, int begin,
+                                   int end) const {
+    static_assert(kSamples % kSamplesPerWeightUse == 0, "whole weight uses per pass");
     const Tiling& t = p.tiling;
     const float4* chunks = reinterpret_cast<const float4*>(staged);
     const int chunks_per_sample = t.padded_k / 4;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
-    for (int first = 0; first < p.batch; first += kSamplesPerPass) {
-      float sum[kRowsPerThread][kSamplesPerPass] = {};
+    for (int first = begin; first < end; first += kSamples) {
+      float sum[kRowsPerThread][kSamples] = {};
 #pragma unroll
       for (int j = 0; j < kChunksPerThread; ++j) {
         const int chunk = split + j * t.k_splits;
 #pragma unroll
-        for (int set = 0; set < kSamplesPerPass; set += kSamplesPerWeightUse) {
+        for (int set = 0; set < kSamples; set += kSamplesPerWeightUse) {
           float4 v[kSamplesPerWeightUse];
 #pragma unroll
           for (int b = 0; b < kSamplesPerWeightUse; ++b) {
@@ -239,22 +251,22 @@ struct Fp32Math {
 #pragma unroll
           for (int i = 0; i < kRowsPerThread; ++i) w[i] = shared[i * t.threads];
           const int chunk = split + (kChunksPerThread + j) * t.k_splits;
-          multiply_chunk(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
+          multiply_chunk<kSamples>(w, chunks + first * chunks_per_sample + chunk, chunks_per_sample, sum);
         }
       }
-      if constexpr (kHome == WeightHome::kSharedAndL2) multiply_l2_chunks(p, chunks, first, sum);
+      if constexpr (kHome == WeightHome::kSharedAndL2) multiply_l2_chunks<kSamples>(p, chunks, first, sum);
       // Lanes of one row group differ in the lane bits above log2(G).
       for (int offset = t.row_groups; offset < 32; offset *= 2) {
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-          for (int b = 0; b < kSamplesPerPass; ++b) sum[i][b] += __shfl_xor_sync(0xffffffffu, sum[i][b], offset);
+          for (int b = 0; b < kSamples; ++b) sum[i][b] += __shfl_xor_sync(0xffffffffu, sum[i][b], offset);
         }
       }
       if (lane < t.row_groups) {
 #pragma unroll
-        for (int b = 0; b < kSamplesPerPass; ++b) {
-          if (first + b < p.batch) {
+        for (int b = 0; b < kSamples; ++b) {
+          if (first + b < end) {
 #pragma unroll
             for (int i = 0; i < kRowsPerThread; ++i) {
               partials[(warp * p.batch + first + b) * t.rows_per_cta + group + t.row_groups * i] = sum[i][b];

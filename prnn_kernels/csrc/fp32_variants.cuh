@@ -4,6 +4,10 @@
 // them they cover the row counts per CTA that larger matrices need (NOTES.md v21). Last, two that keep what shared
 // memory cannot hold either in L2, for matrices larger than the chip, tried only where nothing else runs one direction:
 // 2 x 8 (16 units of an LSTM, or 16 or more of one row each in the backward) and 3 x 8 (16 GRU units) (NOTES.md v23).
+//
+// Variants whose weights and cell state fit the chained engine's registers (add_variant) come in both engines
+// (engine.cuh): the chained one proposes the tilings where chains_pay_off, the plain one the others, so the planner
+// sees each tiling once.
 #pragma once
 
 #include <vector>
@@ -13,16 +17,63 @@
 
 namespace prnn {
 
+// Whether a CTA has enough work per step for two chains of samples to beat one: each chain adds a barrier, a
+// reduction and the cell's pass over its elements, so the overlap pays from about 2^17 multiply-adds per step (rows x
+// padded K x samples). Measured kernel-only on an H200 beside the plain engine (NOTES.md v24): the ReLU at 2048 with
+// 4 utterances (2^17) 5 % faster, with 8 and 16 13-15 %, both directions with 4 9 %, the GRU at 1152 with 4-16 5-14 %
+// forward; the ReLU at 1152 with 4 (73 728) 2-4 % slower, the ReLU at 512 and the GRU at 256 with 4 (2^15) 3-20 %.
+inline bool chains_pay_off(const Tiling& tiling, int batch) {
+  return batch >= kChains && static_cast<long long>(tiling.rows_per_cta) * tiling.padded_k * batch >= (1 << 17);
+}
+
+template <class Math>
+std::vector<Tiling> plain_tilings(const MatrixShape& shape) {
+  std::vector<Tiling> result;
+  for (const Tiling& t : Math::tilings(shape)) {
+    if (!chains_pay_off(t, shape.batch)) result.push_back(t);
+  }
+  return result;
+}
+
+template <class Math>
+std::vector<Tiling> chained_tilings(const MatrixShape& shape) {
+  std::vector<Tiling> result;
+  for (Tiling t : Math::tilings(shape)) {
+    t.chained = true;
+    if (chains_pay_off(t, shape.batch)) result.push_back(t);
+  }
+  return result;
+}
+
+// In the chained engine the 512-thread variants' compute warps have 112 registers, not 128 (engine.cuh): 2 x 8 chunks
+// of weights (64 registers) beside two elements of a gated cell then spilled 24-148 bytes, and the LSTM at 1024 ran
+// 46-49 % slower a forward step than in the plain engine, so there only the vanilla cells chain. The 5 x 6 variant
+// (the LSTM's at 1152, 160 registers instead of 168) ran 1-8 % slower chained, and re-reading the L2 weights once per
+// chain cost the LSTM at 2048 22 % (NOTES.md v24): those run in the plain engine alone.
+template <class Cell>
+constexpr bool vanilla_cell = Cell::kRowGates == 1 && Cell::kVectorGates == 1;
+
+// Math for Cell in the plain engine, and in the chained engine too where `chained`.
+template <class Math, class Cell, bool chained = true>
+void add_variant(std::vector<KernelVariant>& variants) {
+  if constexpr (chained) {
+    variants.push_back({reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads,
+                        &plain_tilings<Math>});
+    variants.push_back(chained_kernel_variant<Math, Cell>(&chained_tilings<Math>));
+  } else {
+    variants.push_back(kernel_variant<Math, Cell>());
+  }
+}
+
 template <class Cell>
 std::vector<KernelVariant> fp32_variants(std::vector<KernelVariant> in_registers) {
   constexpr WeightHome kShared = WeightHome::kShared;
   constexpr WeightHome kL2 = WeightHome::kSharedAndL2;
-  for (const KernelVariant& variant :
-       {kernel_variant<Fp32Math<2, 8, 512, kShared>, Cell>(), kernel_variant<Fp32Math<3, 8, 384, kShared>, Cell>(),
-        kernel_variant<Fp32Math<5, 6, 384, kShared>, Cell>(), kernel_variant<Fp32Math<2, 8, 512, kL2>, Cell>(),
-        kernel_variant<Fp32Math<3, 8, 384, kL2>, Cell>()}) {
-    in_registers.push_back(variant);
-  }
+  add_variant<Fp32Math<2, 8, 512, kShared>, Cell, vanilla_cell<Cell>>(in_registers);
+  add_variant<Fp32Math<3, 8, 384, kShared>, Cell>(in_registers);
+  add_variant<Fp32Math<5, 6, 384, kShared>, Cell, false>(in_registers);
+  add_variant<Fp32Math<2, 8, 512, kL2>, Cell, false>(in_registers);
+  add_variant<Fp32Math<3, 8, 384, kL2>, Cell, false>(in_registers);
   return in_registers;
 }
 

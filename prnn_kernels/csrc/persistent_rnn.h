@@ -73,7 +73,17 @@ struct Tiling {
   int weight_smem_bytes;  // the CTA's weights kept in shared memory (0: all in registers)
   int weight_l2_bytes;    // the CTA's weights read from L2 every step (0: all on chip)
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
+  bool chained;       // fp32: run by the chained engine (engine.cuh), whose sync warpgroup hands off two chains of
+                      //   samples while the compute warps multiply the other chain; else the plain engine
 };
+
+// Sample chains of the chained engine, and the threads a launch of a tiling starts: the chained engine rounds the
+// compute threads up to whole warpgroups and adds one warpgroup for the hand-off (setmaxnreg moves registers
+// between warpgroups only).
+constexpr int kChains = 2;
+inline int launch_threads(const Tiling& tiling) {
+  return tiling.chained ? (tiling.threads + 127) / 128 * 128 + 128 : tiling.threads;
+}
 
 // One direction of a layer. Shapes: T = seq_len, B = batch, H = hidden, G = gates, D = directions in the launch,
 // K = vector_length (H forward, G*H backward), VS = state_stride (K rounded up to 4 floats so rows are 16-byte
@@ -118,7 +128,8 @@ struct RnnParams {
 
   float* l2_weights;  // (num_ctas, weight_l2_bytes) of this direction, written and read by the kernel alone: the
                      //   weights that registers and shared memory cannot hold; nullptr where they hold all
-  unsigned* flags;  // (num_ctas * kFlagStride,) zero before launch; flags[c * kFlagStride] = steps CTA c published
+  unsigned* flags;  // (kChains * num_ctas * kFlagStride,) zero before launch; flags[(chain * num_ctas + c) *
+                    //   kFlagStride] = steps CTA c published of that chain (the plain engine has one chain)
   int* status;      // (1,) 0, or kStatusTimedOut once any wait ran out of time
   unsigned long long timeout_ns;  // bound on every spin-wait
 };

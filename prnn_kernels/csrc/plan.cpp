@@ -63,7 +63,7 @@ struct LaunchConfig {
 
   LaunchConfig(const Tiling& tiling, int directions, cudaStream_t stream) : config{}, attributes{} {
     config.gridDim = dim3(directions * tiling.num_ctas);
-    config.blockDim = dim3(tiling.threads);
+    config.blockDim = dim3(launch_threads(tiling));
     config.dynamicSmemBytes = tiling.smem_bytes;
     config.stream = stream;
     attributes[0].id = cudaLaunchAttributeClusterDimension;
@@ -121,7 +121,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
       if (home > farthest) continue;
       l2_tried = l2_tried || home == WeightHome::kSharedAndL2;
       int per_sm = 0;
-      error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, t.threads, t.smem_bytes);
+      error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, launch_threads(t), t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
       if (per_sm == 0) continue;
       for (const int cluster_size : cluster_sizes(precision, directions)) {

@@ -7,7 +7,7 @@
 // serves each byte once per cluster. Each CTA counts the bytes landing in its own shared memory on an mbarrier (the
 // whole vector, from all slices) and its threads wait for that before the multiply.
 //
-// Two mbarriers alternate by step: a CTA waits for every slice of step s before it finishes step s, so a peer can
+// Two mbarriers alternate by step (two per chain in the chained engine, each chain its own rows): a CTA waits for every slice of step s before it finishes step s, so a peer can
 // run at most one step ahead and its copies of step s + 1 are counted on the other mbarrier. A step's staged buffer
 // is rewritten only after every CTA published the step before (the flag wait), i.e. after this CTA's multiply read
 // it. The copies move whole 16-byte chunks: a row's entries past the vector's length must be zero in global memory.
@@ -32,12 +32,12 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Initialises this CTA's two staging mbarriers (one arrival each: the thread that sets the step's byte count) and
-// makes them, and the shared memory zeroed before, ready for the peers' copies. Call with the whole CTA, before
+// Initialises this CTA's `count` staging mbarriers (one arrival each: the thread that sets the step's byte count)
+// and makes them, and the shared memory zeroed before, ready for the peers' copies. Call with the whole CTA, before
 // any copy of the launch.
-__device__ __forceinline__ void init_staging(uint64_t* barriers) {
+__device__ __forceinline__ void init_staging(uint64_t* barriers, int count) {
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < count; ++i) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barriers + i)));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -46,18 +46,19 @@ __device__ __forceinline__ void init_staging(uint64_t* barriers) {
   cluster_sync();
 }
 
-// Starts staging `batch` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
-// `staged_row_bytes` apart) in every CTA of the cluster. Call with the whole CTA after the step's wait. Lane 0 of warp
-// w issues the copies of rows w, w + warps, ...: a bulk copy takes its operands from uniform registers, so the lanes
-// of one warp would issue theirs one after another (~60 ns each on an H100, NOTES.md v18).
+// Starts staging `rows` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
+// `staged_row_bytes` apart) in every CTA of the cluster. Issuer i of `issuers` (i < 0: none) issues the copies of rows
+// i, i + issuers, ...; issuer 0 also arms the mbarrier. A bulk copy takes its operands from uniform registers, so the
+// lanes of one warp issue theirs one after another (~60 ns each on an H100, NOTES.md v18): the plain engine gives one
+// lane of each warp an issuer, the chained engine's sync warps each lane (a chain stages a few rows).
 __device__ __forceinline__ void start_staging(const void* source, int row_bytes, void* staged, int staged_row_bytes,
-                                              int batch, int cluster_size, uint64_t* barrier) {
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 != 0 || warp >= batch) return;
+                                              int rows, int cluster_size, uint64_t* barrier, int issuer,
+                                              int issuers) {
+  if (issuer < 0 || issuer >= rows) return;
   const uint32_t barrier_address = shared_address(barrier);
-  if (threadIdx.x == 0) {
+  if (issuer == 0) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
-                 "r"(batch * row_bytes)
+                 "r"(rows * row_bytes)
                  : "memory");
   }
   const int chunks = row_bytes / 16;
@@ -68,9 +69,9 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
   // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
   asm volatile("fence.proxy.async.global;" ::: "memory");
   const uint16_t all_ctas = static_cast<uint16_t>((1u << cluster_size) - 1);
-  for (int sample = warp; sample < batch; sample += blockDim.x / 32) {
-    const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * first;
-    const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * first);
+  for (int row = issuer; row < rows; row += issuers) {
+    const char* from = static_cast<const char*>(source) + static_cast<size_t>(row) * row_bytes + 16 * first;
+    const uint32_t to = shared_address(static_cast<char*>(staged) + row * staged_row_bytes + 16 * first);
     if (cluster_size == 1) {
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                    ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address)

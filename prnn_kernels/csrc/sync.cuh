@@ -59,13 +59,58 @@ __device__ bool wait_for_step(const RnnParams<Element>& p, unsigned stamp, int* 
   return *abort_s == 0;
 }
 
-// Call after a barrier that follows every thread's stores of this step: a release store orders them GPU-wide before
-// the stamp. The CTA's last thread stores it: it rarely owns outputs, so no input loads of its own delay the release.
-__device__ __forceinline__ void publish(unsigned* flags, int cta, unsigned stamp) {
-  if (threadIdx.x == blockDim.x - 1) {
-    unsigned* flag = flags + static_cast<size_t>(cta) * kFlagStride;
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(stamp) : "memory");
+// The chained engine's wait, by one warp for one chain's `flags`: each lane loads its flags (CTAs lane, lane + 32,
+// ...) with relaxed loads issued together, then the warp checks them; once all are set an acquire fence (CCTL.IVALL,
+// no MEMBAR) orders what the warp does next after the producers' stores. One acquire load per flag instead would make
+// a lane's loads wait for each other, and one warp polls up to four flags a lane: 8 % of the fp32 ReLU 2048's step
+// (H200, NOTES.md v24). Returns false when the launch is failing; the caller then stops waiting.
+template <class Element>
+__device__ bool warp_wait_for_step(const RnnParams<Element>& p, const unsigned* flags, unsigned stamp) {
+  constexpr int kFlagsPerLoad = 4;  // loads in flight per lane
+  const unsigned long long start = global_ns();
+  const int lane = threadIdx.x % 32;
+  unsigned polls = 0;
+  bool failed = false;
+  for (;;) {
+    bool ready = true;
+    for (int group = 0; group < p.tiling.num_ctas; group += 32 * kFlagsPerLoad) {
+      unsigned published[kFlagsPerLoad];
+#pragma unroll
+      for (int i = 0; i < kFlagsPerLoad; ++i) {
+        const int cta = group + lane + 32 * i;
+        published[i] = stamp;
+        if (cta < p.tiling.num_ctas) {
+          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];"
+                       : "=r"(published[i])
+                       : "l"(flags + static_cast<size_t>(cta) * kFlagStride));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kFlagsPerLoad; ++i) ready = ready && published[i] >= stamp;
+    }
+    if (__all_sync(0xffffffffu, ready)) break;
+    const bool out_of_time = global_ns() - start >= p.timeout_ns || ((++polls & 255) == 0 && load_relaxed(p.status) != 0);
+    if (__any_sync(0xffffffffu, out_of_time)) {
+      failed = true;
+      break;
+    }
   }
+  asm volatile("fence.acquire.gpu;" ::: "memory");
+  __syncwarp();  // carries each lane's acquire on to the lanes that issue the staging copies
+  if (failed && lane == 0) atomicCAS(p.status, 0, kStatusTimedOut);
+  return !failed;
+}
+
+// Orders every store the CTA made before the last barrier GPU-wide before `stamp` lands in `flag` (a release store
+// after a barrier is cumulative over the CTA's stores). One thread calls it.
+__device__ __forceinline__ void release_stamp(unsigned* flag, unsigned stamp) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(stamp) : "memory");
+}
+
+// Call after a barrier that follows every thread's stores of this step. The CTA's last thread stores the stamp: it
+// rarely owns outputs, so no input loads of its own delay the release.
+__device__ __forceinline__ void publish(unsigned* flags, int cta, unsigned stamp) {
+  if (threadIdx.x == blockDim.x - 1) release_stamp(flags + static_cast<size_t>(cta) * kFlagStride, stamp);
 }
 
 }  // namespace prnn
