@@ -3,9 +3,10 @@
 // After finishing step s a CTA stores s + 1 into its own flag (one 128-byte line per flag). A CTA about to run step
 // s needs the whole vector published by step s - 1, so it waits until every flag reads >= s. Vectors of different
 // steps live in different rows of the state buffer, so a fast CTA never overwrites what a slow one still reads, and
-// nothing is reset between steps. The chained engine keeps one such set of flags per chain of samples. Every wait is bounded by %globaltimer: past the bound the CTA records
-// kStatusTimedOut and stops waiting, and a CTA that sees a nonzero status stops waiting too, so a launch that cannot
-// make progress ends (with outputs that Python discards as it raises) instead of hanging.
+// nothing is reset between steps. The chained engine keeps one such set of flags per chain of samples. Every wait is
+// bounded by %globaltimer: past the bound the CTA records kStatusTimedOut and stops waiting, and a CTA that sees a
+// nonzero status stops waiting too, so a launch that cannot make progress ends (with outputs that Python discards as
+// it raises) instead of hanging.
 #pragma once
 
 #include "persistent_rnn.h"
