@@ -7,10 +7,11 @@
 // serves each byte once per cluster. Each CTA counts the bytes landing in its own shared memory on an mbarrier (the
 // whole vector, from all slices) and its threads wait for that before the multiply.
 //
-// Two mbarriers alternate by step (two per chain in the chained engine, each chain its own rows): a CTA waits for every slice of step s before it finishes step s, so a peer can
-// run at most one step ahead and its copies of step s + 1 are counted on the other mbarrier. A step's staged buffer
-// is rewritten only after every CTA published the step before (the flag wait), i.e. after this CTA's multiply read
-// it. The copies move whole 16-byte chunks: a row's entries past the vector's length must be zero in global memory.
+// Two mbarriers alternate by step (two per chain in the chained engine, each chain its own rows): a CTA waits for every
+// slice of step s before it finishes step s, so a peer can run at most one step ahead and its copies of step s + 1 are
+// counted on the other mbarrier. A step's staged buffer is rewritten only after every CTA published the step before
+// (the flag wait), i.e. after this CTA's multiply read it. The copies move whole 16-byte chunks: a row's entries past
+// the vector's length must be zero in global memory.
 #pragma once
 
 #include <cstdint>

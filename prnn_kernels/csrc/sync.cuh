@@ -90,7 +90,8 @@ __device__ bool warp_wait_for_step(const RnnParams<Element>& p, const unsigned* 
       for (int i = 0; i < kFlagsPerLoad; ++i) ready = ready && published[i] >= stamp;
     }
     if (__all_sync(0xffffffffu, ready)) break;
-    const bool out_of_time = global_ns() - start >= p.timeout_ns || ((++polls & 255) == 0 && load_relaxed(p.status) != 0);
+    const bool out_of_time =
+        global_ns() - start >= p.timeout_ns || ((++polls & 255) == 0 && load_relaxed(p.status) != 0);
     if (__any_sync(0xffffffffu, out_of_time)) {
       failed = true;
       break;
