@@ -174,8 +174,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     // Copies first: the warps that issue them would otherwise wait for their own input loads (NOTES.md v17).
     uint64_t* stage_barrier = stage_barriers + step % 2;
     start_staging(Math::published(p, step), Math::published_row_bytes(p), staged, Math::staged_row_bytes(tiling),
-                  p.batch, tiling.cluster_size, stage_barrier,
-                  threadIdx.x % 32 == 0 ? static_cast<int>(threadIdx.x / 32) : -1, blockDim.x / 32);
+                  p.batch, tiling.cluster_size, stage_barrier);
 #pragma unroll
     for (int u = 0; u < Math::kElementsPerThread; ++u) {
       if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
@@ -287,11 +286,11 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
         }
         __syncwarp();
       }
-      start_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
-                    Math::published_row_bytes(p),
-                    reinterpret_cast<char*>(shared.staged) + first * Math::staged_row_bytes(tiling),
-                    Math::staged_row_bytes(tiling), count, tiling.cluster_size,
-                    shared.stage_barriers + 2 * chain + step % 2, threadIdx.x % 32, 32);
+      start_chain_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
+                          Math::published_row_bytes(p),
+                          reinterpret_cast<char*>(shared.staged) + first * Math::staged_row_bytes(tiling),
+                          Math::staged_row_bytes(tiling), count, tiling.cluster_size,
+                          shared.stage_barriers + 2 * chain + step % 2);
     }
     return;
   }

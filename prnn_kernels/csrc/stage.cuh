@@ -47,19 +47,35 @@ __device__ __forceinline__ void init_staging(uint64_t* barriers, int count) {
   cluster_sync();
 }
 
-// Starts staging `rows` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
-// `staged_row_bytes` apart) in every CTA of the cluster. Issuer i of `issuers` (i < 0: none) issues the copies of rows
-// i, i + issuers, ...; issuer 0 also arms the mbarrier. A bulk copy takes its operands from uniform registers, so the
-// lanes of one warp issue theirs one after another (~60 ns each on an H100, NOTES.md v18): the plain engine gives one
-// lane of each warp an issuer, the chained engine's sync warps each lane (a chain stages a few rows).
+// Issues the bulk copy of one row's slice (`bytes` from `from`) into `to` in every CTA of the cluster, counted on the
+// mbarrier at `barrier_address` of each.
+__device__ __forceinline__ void copy_slice(uint32_t to, const char* from, int bytes, uint32_t barrier_address,
+                                           int cluster_size) {
+  if (cluster_size == 1) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address)
+                 : "memory");
+  } else {
+    const uint16_t all_ctas = static_cast<uint16_t>((1u << cluster_size) - 1);
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address), "h"(all_ctas)
+        : "memory");
+  }
+}
+
+// Starts staging `batch` rows of `row_bytes` (a multiple of 16) from `source` (rows back to back) into `staged` (rows
+// `staged_row_bytes` apart) in every CTA of the cluster. Call with the whole CTA after the step's wait. Lane 0 of warp
+// w issues the copies of rows w, w + warps, ...: a bulk copy takes its operands from uniform registers, so the lanes
+// of one warp would issue theirs one after another (~60 ns each on an H100, NOTES.md v18).
 __device__ __forceinline__ void start_staging(const void* source, int row_bytes, void* staged, int staged_row_bytes,
-                                              int rows, int cluster_size, uint64_t* barrier, int issuer,
-                                              int issuers) {
-  if (issuer < 0 || issuer >= rows) return;
+                                              int batch, int cluster_size, uint64_t* barrier) {
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0 || warp >= batch) return;
   const uint32_t barrier_address = shared_address(barrier);
-  if (issuer == 0) {
+  if (threadIdx.x == 0) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
-                 "r"(rows * row_bytes)
+                 "r"(batch * row_bytes)
                  : "memory");
   }
   const int chunks = row_bytes / 16;
@@ -69,20 +85,36 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
   if (bytes == 0) return;
   // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  const uint16_t all_ctas = static_cast<uint16_t>((1u << cluster_size) - 1);
-  for (int row = issuer; row < rows; row += issuers) {
+  for (int sample = warp; sample < batch; sample += blockDim.x / 32) {
+    const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * first;
+    const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * first);
+    copy_slice(to, from, bytes, barrier_address, cluster_size);
+  }
+}
+
+// The same for one chain's `rows` rows, called by one warp (the chained engine's staging warp): lane l issues rows
+// l, l + 32, ... (a chain stages a few). One function for both callers, with the issuing lanes as parameters, changed
+// the plain engine's machine code and cost the bidirectional fp32 ReLU at 1152 3-5 % (NOTES.md v24).
+__device__ __forceinline__ void start_chain_staging(const void* source, int row_bytes, void* staged,
+                                                    int staged_row_bytes, int rows, int cluster_size,
+                                                    uint64_t* barrier) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t barrier_address = shared_address(barrier);
+  if (lane == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
+                 "r"(rows * row_bytes)
+                 : "memory");
+  }
+  const int chunks = row_bytes / 16;
+  const int rank = cluster_rank();
+  const int first = rank * chunks / cluster_size;
+  const int bytes = ((rank + 1) * chunks / cluster_size - first) * 16;
+  if (bytes == 0 || lane >= rows) return;
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  for (int row = lane; row < rows; row += 32) {
     const char* from = static_cast<const char*>(source) + static_cast<size_t>(row) * row_bytes + 16 * first;
     const uint32_t to = shared_address(static_cast<char*>(staged) + row * staged_row_bytes + 16 * first);
-    if (cluster_size == 1) {
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address)
-                   : "memory");
-    } else {
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-          "%4;" ::"r"(to), "l"(from), "r"(bytes), "r"(barrier_address), "h"(all_ctas)
-          : "memory");
-    }
+    copy_slice(to, from, bytes, barrier_address, cluster_size);
   }
 }
 
