@@ -116,6 +116,7 @@ CASES = [
     ("relu", 17, 21, 300, torch.float32, False, True),
     ("tanh", 17, 7, 2048, torch.float32, True, True),  # chained engine, chains of 4 and 3 utterances
     ("gru", 17, 5, 1152, torch.float32, False, True),  # chained engine in both passes, chains of 3 and 2
+    ("tanh", 33, 2, 1536, torch.float32, True, True),  # chained engine, one chain of 2
     ("relu", 17, 4, 2304, torch.float32, False, True),  # fp32 weights partly in shared memory (and below)
     ("tanh", 33, 3, 2816, torch.float32, True, True),
     ("tanh", 17, 8, 2500, torch.float32, False, False),
@@ -459,21 +460,23 @@ def test_fp32_plans_fill_the_sub_partitions_on_the_fewest_ctas(hidden_size, thre
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, hidden_size, batch_size, chained", [
-    ("relu", 2048, 4, [True, True]),  # 16 rows x 2048 x 4 multiply-adds a CTA per step
-    ("relu", 2048, 1, [False, False]),  # one utterance: no second chain
-    ("relu", 1152, 4, [False, False]),  # too little work a step for a second chain to hide the hand-off
-    ("gru", 1152, 4, [True, True]),
-    ("lstm", 1024, 4, [False, False]),  # the gated cells' 2 x 8 variant and
-    ("lstm", 1152, 4, [False, False]),  # the 5 x 6 run in the plain engine only
+@pytest.mark.parametrize("cell, hidden_size, batch_size, chains", [
+    ("relu", 2048, 4, 2),  # 16 rows x 2048 x 4 multiply-adds a CTA per step
+    ("relu", 1152, 4, 0),  # too little work a step for a second chain to hide the hand-off
+    ("relu", 2048, 1, 1),  # one utterance: the hand-off off the compute warps, no second chain
+    ("gru", 1152, 1, 0),  # but not in the 384-thread variants
+    ("gru", 1152, 4, 2),
+    ("lstm", 1024, 4, 0),  # the gated cells' 2 x 8 variant and
+    ("lstm", 1152, 4, 0),  # the 5 x 6 run in the plain engine only
 ])
-def test_fp32_plans_chain_samples_where_the_work_pays(cell, hidden_size, batch_size, chained):
-    # Two chains of samples took 5-15 % off the fp32 ReLU at 2048 and the GRU at 1152 and cost the small layers 2-20 %
-    # (NOTES.md v24). The work per CTA asserted here is that of a GPU with 128 SMs or more.
+def test_fp32_plans_chain_samples_where_the_work_pays(cell, hidden_size, batch_size, chains):
+    # Two chains of samples took 5-15 % off the fp32 ReLU at 2048 and the GRU at 1152 and cost the small layers 2-20 %;
+    # one chain took 3-8 % off the ReLU at 1152-2048 with one utterance (NOTES.md v24). The work per CTA asserted here
+    # is that of a GPU with 128 SMs or more.
     if torch.cuda.get_device_properties(CUDA).multi_processor_count < 128:
         pytest.skip("the tilings asserted here are those of a GPU with 128 SMs or more")
     plans = launch_plans(cell, hidden_size, batch_size, torch.float32, CUDA)
-    assert [plan["chained"] for plan in plans] == chained
+    assert [plan["chains"] for plan in plans] == [chains, chains]
 
 
 @pytest.mark.cuda
@@ -484,11 +487,12 @@ def test_refuses_lengths_out_of_range():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, hidden_size, chained", [("relu", 2048, True), ("lstm", 1024, False)])
-def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, chained):
+@pytest.mark.parametrize("cell, hidden_size, batch_size, chains", [
+    ("relu", 2048, 4, 2), ("relu", 2048, 1, 1), ("lstm", 1024, 4, 0)])
+def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, batch_size, chains):
     if torch.cuda.get_device_properties(CUDA).multi_processor_count >= 128:  # where the engines' rule is known
-        assert launch_plans(cell, hidden_size, 4, torch.float32, CUDA)[0]["chained"] == chained
-    leaves, lengths = random_layer(cell, 64, 4, hidden_size, torch.float32, True, seed=5)
+        assert launch_plans(cell, hidden_size, batch_size, torch.float32, CUDA)[0]["chains"] == chains
+    leaves, lengths = random_layer(cell, 64, batch_size, hidden_size, torch.float32, True, seed=5)
     arguments = layer_arguments(cell, leaves)
     monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # every wait that finds a flag unset fails at once
     persistent_layer(cell, *arguments, lengths, False)

@@ -353,7 +353,7 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
       entry["smem_bytes"] = plan.tiling.smem_bytes;
       entry["weight_smem_bytes"] = plan.tiling.weight_smem_bytes;
       entry["weight_l2_bytes"] = plan.tiling.weight_l2_bytes;
-      entry["chained"] = plan.tiling.chained;
+      entry["chains"] = plan.tiling.chains;
     }
     result.push_back(entry);
   }

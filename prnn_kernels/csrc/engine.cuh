@@ -13,11 +13,12 @@
 // A CTA whose wait timed out (the launch is failing and Python will raise) stops waiting but runs the remaining
 // steps: the other CTAs of its cluster wait for its share of every step's staging.
 //
-// The chained engine (fp32 layers with enough work per CTA, fp32_variants.cuh) splits the samples into kChains
-// chains, each with its own flags and staged rows, and hands each chain's step off in a sync warpgroup: per chain one
-// warp waits for the flags and issues the staging copies, one releases the chain's flag once the compute warps'
-// stores are done. The compute warps run chain 0's step, then chain 1's, never waiting for a flag: while they
-// multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24).
+// The chained engine (fp32 layers with enough work per CTA, fp32_variants.cuh) splits the samples into tiling.chains
+// chains (1 or kChains), each with its own flags and staged rows, and hands each chain's step off in a sync warpgroup:
+// per chain one warp waits for the flags and issues the staging copies, one releases the chain's flag once the compute
+// warps' stores are done. The compute warps run chain 0's step, then chain 1's, never waiting for a flag: while they
+// multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24). With one chain (one or two
+// utterances) only the hand-off moves off the compute warps.
 #pragma once
 
 #include <type_traits>
@@ -244,7 +245,7 @@ __device__ __forceinline__ void wait_for_stores(int chain, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
 }
 
-// Runs only with at least kChains samples (the planner's rule, fp32_variants.cuh), so every chain has samples.
+// The planner gives every chain samples (chains_for, fp32_variants.cuh).
 template <class Math, class Cell>
 __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     chained_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
   const int cta = blockIdx.x % num_ctas;
   const Tiling& tiling = p.tiling;
   const int threads = tiling.threads;  // compute threads; the sync warpgroup starts at the next warpgroup
-  const int chain_samples = ceil_div(p.batch, kChains);
+  const int chain_samples = ceil_div(p.batch, tiling.chains);
   const SharedLayout<Math> shared(smem, tiling, p.batch);
   zero_shared(smem, Math::staged_bytes(tiling, p.batch));
   init_staging(shared.stage_barriers, 2 * kChains);  // chain c, step s: stage_barriers[2 c + s % 2]
@@ -268,6 +269,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     const int chain = warp % kChains;
     const int first = chain * chain_samples;
     const int count = min(p.batch - first, chain_samples);
+    if (chain >= tiling.chains) return;
     unsigned* chain_flags = p.flags + static_cast<size_t>(chain) * num_ctas * kFlagStride;
     if (warp >= kChains) {  // releases the chain's flag after each step's stores
       for (int step = 0; step < p.num_steps; ++step) {
@@ -311,12 +313,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
   }
 
   for (int step = 0; step < p.num_steps; ++step) {
-    // A chain's partial sums are rewritten only after the other chain's barrier, which every warp reaches after
-    // finishing this chain's elements.
 #pragma unroll
     for (int chain = 0; chain < kChains; ++chain) {
+      if (chain >= tiling.chains) break;
       const int first = chain * chain_samples;
       elements.load(p, step, cta, in_chain[chain]);
+      // A chain's partial sums are rewritten after the other chain's barrier, which every warp reaches only after
+      // finishing this chain's elements; a lone chain needs a barrier of its own for that.
+      if (tiling.chains == 1) compute_barrier(threads);
       finish_staging(shared.stage_barriers + 2 * chain + step % 2, (step / 2) % 2);
       math.template multiply_samples<Math::kChainSamplesPerPass>(p, shared.staged, shared.partials, first,
                                                                  min(p.batch, first + chain_samples));
@@ -333,7 +337,7 @@ KernelVariant kernel_variant() {
   return {reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads, &Math::tilings};
 }
 
-// The chained engine's kernel for Math and Cell, proposing `tilings` (each with chained set).
+// The chained engine's kernel for Math and Cell, proposing `tilings` (each with its chains set).
 template <class Math, class Cell>
 KernelVariant chained_kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&)) {
   return {reinterpret_cast<const void*>(&chained_rnn_kernel<Math, Cell>), Math::kMaxThreads, tilings};

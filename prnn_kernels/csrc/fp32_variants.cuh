@@ -6,7 +6,7 @@
 // 2 x 8 (16 units of an LSTM, or 16 or more of one row each in the backward) and 3 x 8 (16 GRU units) (NOTES.md v23).
 //
 // Variants whose weights and cell state fit the chained engine's registers (add_variant) come in both engines
-// (engine.cuh): the chained one proposes the tilings where chains_pay_off, the plain one the others, so the planner
+// (engine.cuh): the chained one proposes the tilings chains_for gives chains, the plain one the others, so the planner
 // sees each tiling once.
 #pragma once
 
@@ -17,20 +17,27 @@
 
 namespace prnn {
 
-// Whether a CTA has enough work per step for two chains of samples to beat one: each chain adds a barrier, a
-// reduction and the cell's pass over its elements, so the overlap pays from about 2^17 multiply-adds per step (rows x
-// padded K x samples). Measured kernel-only on an H200 beside the plain engine (NOTES.md v24): the ReLU at 2048 with
-// 4 utterances (2^17) 5 % faster, with 8 and 16 13-15 %, both directions with 4 9 %, the GRU at 1152 with 4-16 5-14 %
-// forward; the ReLU at 1152 with 4 (73 728) 2-4 % slower, the ReLU at 512 and the GRU at 256 with 4 (2^15) 3-20 %.
-inline bool chains_pay_off(const Tiling& tiling, int batch) {
-  return batch >= kChains && static_cast<long long>(tiling.rows_per_cta) * tiling.padded_k * batch >= (1 << 17);
+// How many chains of samples the chained engine runs a tiling with, or 0 where the plain engine runs it faster.
+// Measured kernel-only beside the plain engine (NOTES.md v24):
+// - Two chains pay from about 2^17 multiply-adds per CTA and step (rows x padded K x samples), each chain adding a
+//   barrier, a reduction and the cell's pass over its elements: the ReLU at 2048 with 4 utterances (2^17) 5 % faster,
+//   with 8 and 16 13-15 %, both directions with 4 9 %, the GRU at 1152 with 4-16 5-14 % forward (H200); the ReLU at
+//   1152 with 4 (73 728) 2-4 % slower, the ReLU at 512 and the GRU at 256 with 4 (2^15) 3-20 %.
+// - With one or two utterances one chain, which only moves the hand-off off the compute warps, paid in the 512-thread
+//   variants from 2^14 multiply-adds per utterance (ReLU 1152-2048 3-8 %, both directions of the ReLU at 2048 17 %, the
+//   GRU's forward at 800 4 %; H100) and cost the 384-thread ones 6-8 % (GRU 1152, ReLU 3072), whose compute warps
+//   have 160 registers instead of 168.
+inline int chains_for(const Tiling& tiling, int batch, int max_threads) {
+  const long long work = static_cast<long long>(tiling.rows_per_cta) * tiling.padded_k;
+  if (batch <= 2) return max_threads == 512 && work >= (1 << 14) ? 1 : 0;
+  return work * batch >= (1 << 17) ? kChains : 0;
 }
 
 template <class Math>
 std::vector<Tiling> plain_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
   for (const Tiling& t : Math::tilings(shape)) {
-    if (!chains_pay_off(t, shape.batch)) result.push_back(t);
+    if (chains_for(t, shape.batch, Math::kMaxThreads) == 0) result.push_back(t);
   }
   return result;
 }
@@ -39,8 +46,8 @@ template <class Math>
 std::vector<Tiling> chained_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
   for (Tiling t : Math::tilings(shape)) {
-    t.chained = true;
-    if (chains_pay_off(t, shape.batch)) result.push_back(t);
+    t.chains = chains_for(t, shape.batch, Math::kMaxThreads);
+    if (t.chains > 0) result.push_back(t);
   }
   return result;
 }

@@ -73,8 +73,8 @@ struct Tiling {
   int weight_smem_bytes;  // the CTA's weights kept in shared memory (0: all in registers)
   int weight_l2_bytes;    // the CTA's weights read from L2 every step (0: all on chip)
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
-  bool chained;       // fp32: run by the chained engine (engine.cuh), whose sync warpgroup hands off two chains of
-                      //   samples while the compute warps multiply the other chain; else the plain engine
+  int chains;         // fp32: 0 for the plain engine; else the chained engine (engine.cuh) with this many chains of
+                      //   samples (1 or kChains), handed off by its sync warpgroup while the compute warps multiply
 };
 
 // Sample chains of the chained engine, and the threads a launch of a tiling starts: the chained engine rounds the
@@ -82,7 +82,7 @@ struct Tiling {
 // between warpgroups only).
 constexpr int kChains = 2;
 inline int launch_threads(const Tiling& tiling) {
-  return tiling.chained ? (tiling.threads + 127) / 128 * 128 + 128 : tiling.threads;
+  return tiling.chains > 0 ? (tiling.threads + 127) / 128 * 128 + 128 : tiling.threads;
 }
 
 // One direction of a layer. Shapes: T = seq_len, B = batch, H = hidden, G = gates, D = directions in the launch,

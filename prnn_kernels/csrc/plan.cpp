@@ -9,7 +9,7 @@
 // after rounding to whole clusters. Variants that keep weights in shared memory are tried only where the
 // register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
 // step only where nothing else runs one direction (choose_plan). An fp32 tiling runs in the plain or the chained engine
-// as chains_pay_off says (fp32_variants.cuh); a chained launch adds a sync warpgroup to the tiling's threads
+// as chains_for says (fp32_variants.cuh); a chained launch adds a sync warpgroup to the tiling's threads
 // (launch_threads).
 #include <cuda_bf16.h>
 
