@@ -267,9 +267,9 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kSyncRegisters));
     const int warp = (threadIdx.x - sync_warpgroup) / 32;
     const int chain = warp % kChains;
+    if (chain >= tiling.chains) return;
     const int first = chain * chain_samples;
     const int count = min(p.batch - first, chain_samples);
-    if (chain >= tiling.chains) return;
     unsigned* chain_flags = p.flags + static_cast<size_t>(chain) * num_ctas * kFlagStride;
     if (warp >= kChains) {  // releases the chain's flag after each step's stores
       for (int step = 0; step < p.num_steps; ++step) {
