@@ -332,9 +332,10 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
   elements.end(p, cta);
 }
 
+// The plain engine's kernel for Math and Cell, proposing `tilings` (all of Math's unless given).
 template <class Math, class Cell>
-KernelVariant kernel_variant() {
-  return {reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads, &Math::tilings};
+KernelVariant kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&) = &Math::tilings) {
+  return {reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads, tilings};
 }
 
 // The chained engine's kernel for Math and Cell, proposing `tilings` (each with its chains set).

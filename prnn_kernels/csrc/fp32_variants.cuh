@@ -64,8 +64,7 @@ constexpr bool vanilla_cell = Cell::kRowGates == 1 && Cell::kVectorGates == 1;
 template <class Math, class Cell, bool chained = true>
 void add_variant(std::vector<KernelVariant>& variants) {
   if constexpr (chained) {
-    variants.push_back({reinterpret_cast<const void*>(&persistent_rnn_kernel<Math, Cell>), Math::kMaxThreads,
-                        &plain_tilings<Math>});
+    variants.push_back(kernel_variant<Math, Cell>(&plain_tilings<Math>));
     variants.push_back(chained_kernel_variant<Math, Cell>(&chained_tilings<Math>));
   } else {
     variants.push_back(kernel_variant<Math, Cell>());
