@@ -2,16 +2,16 @@
 `persistent_bidirectional_layer` (both directions of a layer in one launch), and `support` to ask first.
 
 One launch runs a whole layer: every CTA keeps its rows of weight_hh on chip for the whole sequence (a matrix larger
-than the chip partly in L2, read again every step) and the CTAs exchange each step's vector through L2 with
-step-stamped flags and bulk copies shared within thread-block clusters (prnn_kernels/csrc; Hopper or newer). Cells:
-ReLU and tanh RNNs, GRU and LSTM with torch.nn's weight layout and gate order. The backward data gradient runs the
-same engine in reverse time on weight_hh^T; the weight and bias gradients are one GEMM and one sum over all steps
-afterwards.
+than the chip partly in L2, read again every step) and the CTAs exchange each step's vector through L2 with a
+count of the CTAs' published steps and bulk copies shared within thread-block clusters (prnn_kernels/csrc; Hopper or
+newer). Cells: ReLU and tanh RNNs, GRU and LSTM with torch.nn's weight layout and gate order. The backward data
+gradient runs the same engine in reverse time on weight_hh^T; the weight and bias gradients are one GEMM and one sum
+over all steps afterwards.
 
 Importing this module needs neither a GPU nor a compiler; the extension is built just in time on first use
 (prnn_kernels.build).
 
-Errors inside a launch: every wait for another CTA's flag is bounded (SPIN_TIMEOUT_S; the only other wait, for the
+Errors inside a launch: every wait for the other CTAs' steps is bounded (SPIN_TIMEOUT_S; the only other wait, for the
 step's copies within a thread-block cluster, depends on co-resident CTAs that never stop); a CTA that runs out of
 time sets a status word on the device, stops waiting, and the launch ends instead of hanging. Reading that word on
 the host would need a synchronisation, so it is checked lazily: after each launch (outside CUDA-graph capture) the

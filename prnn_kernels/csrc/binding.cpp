@@ -1,6 +1,6 @@
-// The persistent layers' side of ATen: checks the tensors, allocates outputs, workspace and flags through PyTorch on
-// the current stream, and launches the torch-free kernels (persistent_rnn.h). The module's other functions, the fp32
-// products, are products.cpp's.
+// The persistent layers' side of ATen: checks the tensors, allocates outputs, workspace and step counts through
+// PyTorch on the current stream, and launches the torch-free kernels (persistent_rnn.h). The module's other functions,
+// the fp32 products, are products.cpp's.
 //
 // A call runs D = 1 or 2 directions of one layer. Direction 0 runs reversed when `reverse` is set; with two
 // directions, direction 1 runs the other way. Sequence tensors are laid out as torch.nn lays out a bidirectional
@@ -168,9 +168,9 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   const prnn::LaunchPlan& plan = pass_plan.plan;
   const bool together = pass_plan.together;
   TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
-  // Zeroed on the stream before each launch: no flag survives from an earlier call.
-  const int64_t flags_per_direction = static_cast<int64_t>(prnn::kChains) * plan.tiling.num_ctas * prnn::kFlagStride;
-  at::Tensor flags = at::zeros({directions * flags_per_direction}, layer.status.options());
+  // Zeroed on the stream before each launch: no count survives from an earlier call.
+  const int64_t counts_per_direction = static_cast<int64_t>(prnn::kChains) * prnn::kCountStride;
+  at::Tensor step_counts = at::zeros({directions * counts_per_direction}, layer.status.options());
   // The weights the chip cannot hold, which the kernel lays out here and reads again every step; most plans need none.
   const int64_t l2_floats_per_direction = static_cast<int64_t>(plan.tiling.num_ctas) * plan.tiling.weight_l2_bytes / 4;
   at::Tensor l2_weights;
@@ -179,8 +179,8 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   }
   for (int d = 0; d < directions; ++d) {
     params.direction[d].tiling = plan.tiling;
-    params.direction[d].flags =
-        reinterpret_cast<unsigned*>(flags.data_ptr<int>()) + d * flags_per_direction;
+    params.direction[d].step_counts =
+        reinterpret_cast<unsigned*>(step_counts.data_ptr<int>()) + d * counts_per_direction;
     params.direction[d].l2_weights =
         l2_floats_per_direction > 0 ? l2_weights.data_ptr<float>() + d * l2_floats_per_direction : nullptr;
   }

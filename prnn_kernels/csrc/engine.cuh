@@ -6,19 +6,19 @@
 // Math::kElementsPerThread elements, whose cell state stays in its registers.
 //
 // The plain engine, per step, with the whole CTA:
-//   wait until every CTA of this direction published the previous vector -> start staging the vector in shared
-//   memory (bulk copies shared by the cluster, stage.cuh) -> start loading the cells' inputs -> wait for the staged
-//   vector -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the next vector ->
-//   publish.
+//   wait until every CTA of this direction published the previous vector (the step count, sync.cuh) -> start staging
+//   the vector in shared memory (bulk copies shared by the cluster, stage.cuh) -> start loading the cells' inputs ->
+//   wait for the staged vector -> multiply into per-warp partial sums -> reduce, finish, store the CTA's slice of the
+//   next vector -> count the step.
 // A CTA whose wait timed out (the launch is failing and Python will raise) stops waiting but runs the remaining
 // steps: the other CTAs of its cluster wait for its share of every step's staging.
 //
 // The chained engine (fp32 layers with enough work per CTA, fp32_variants.cuh) splits the samples into tiling.chains
-// chains (1 or kChains), each with its own flags and staged rows, and hands each chain's step off in a sync warpgroup:
-// per chain one warp waits for the flags and issues the staging copies, one releases the chain's flag once the compute
-// warps' stores are done. The compute warps run chain 0's step, then chain 1's, never waiting for a flag: while they
-// multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24). With one chain (one or two
-// utterances) only the hand-off moves off the compute warps.
+// chains (1 or kChains), each with its own step count and staged rows, and hands each chain's step off in a sync
+// warpgroup: per chain one warp counts the chain's step once the compute warps' stores are done, one waits for the
+// count and issues the staging copies. The compute warps run chain 0's step, then chain 1's, never waiting for a
+// count: while they multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24). With one
+// chain (one or two utterances) only the hand-off moves off the compute warps.
 #pragma once
 
 #include <type_traits>
@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
       }
     }
     __syncthreads();
-    publish(p.flags, cta, step + 1);
+    // The last thread rarely owns outputs, so no input loads of its own delay the release.
+    if (threadIdx.x == blockDim.x - 1) count_step(p.step_counts);
   }
 #pragma unroll
   for (int u = 0; u < Math::kElementsPerThread; ++u) {
@@ -234,15 +235,18 @@ __host__ __device__ constexpr int compute_registers(int compute_threads) {
                  248);
 }
 
-// Named barriers: 0 is __syncthreads, 1 the compute warps' own, 2 + c chain c's stores handed to its releasing warp.
+// Named barriers: 0 is __syncthreads, 1 the compute warps' own; chain c's stores are handed to its counting warp on
+// 2 + c and to its staging warp on 2 + kChains + c.
 __device__ __forceinline__ void compute_barrier(int threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
 }
 __device__ __forceinline__ void stores_done(int chain, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
+  asm volatile("bar.arrive %0, %1;" ::"r"(2 + kChains + chain), "r"(threads + 32) : "memory");
 }
-__device__ __forceinline__ void wait_for_stores(int chain, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
+// `to_stage` picks the staging warp's barrier, else the counting warp's.
+__device__ __forceinline__ void wait_for_stores(int chain, int threads, bool to_stage) {
+  asm volatile("bar.sync %0, %1;" ::"r"(2 + (to_stage ? kChains : 0) + chain), "r"(threads + 32) : "memory");
 }
 
 // The planner gives every chain samples (chains_for, fp32_variants.cuh).
@@ -250,7 +254,7 @@ template <class Math, class Cell>
 __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     chained_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
   static_assert(std::is_same<typename Cell::Element, float>::value, "fp32 only: bf16's multiply is per 8 samples");
-  static_assert(2 * kChains == 4, "one staging and one releasing warp per chain fill the sync warpgroup");
+  static_assert(2 * kChains == 4, "one staging and one counting warp per chain fill the sync warpgroup");
   extern __shared__ __align__(16) unsigned char smem[];
   const int num_ctas = layer.direction[0].tiling.num_ctas;
   const RnnParams<float>& p = layer.direction[blockIdx.x / num_ctas];
@@ -270,23 +274,23 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     if (chain >= tiling.chains) return;
     const int first = chain * chain_samples;
     const int count = min(p.batch - first, chain_samples);
-    unsigned* chain_flags = p.flags + static_cast<size_t>(chain) * num_ctas * kFlagStride;
-    if (warp >= kChains) {  // releases the chain's flag after each step's stores
+    unsigned* step_count = p.step_counts + chain * kCountStride;
+    if (warp >= kChains) {  // counts the chain's step after each step's stores
       for (int step = 0; step < p.num_steps; ++step) {
-        wait_for_stores(chain, threads);
-        if (threadIdx.x % 32 == 0) release_stamp(chain_flags + static_cast<size_t>(cta) * kFlagStride, step + 1);
+        wait_for_stores(chain, threads, false);
+        if (threadIdx.x % 32 == 0) count_step(step_count);
       }
       return;
     }
     bool in_time = true;
     for (int step = 0; step < p.num_steps; ++step) {
-      if (step > 0 && in_time) in_time = warp_wait_for_step(p, chain_flags, step);
-      if (step > 0 && !in_time) {
-        // Failing: wait for this CTA's own flag alone, so that the staging still runs at most a step ahead of the
-        // multiply (the mbarriers' phases) while the launch runs out its steps.
-        while (load_acquire(chain_flags + static_cast<size_t>(cta) * kFlagStride) < static_cast<unsigned>(step)) {
-        }
-        __syncwarp();
+      if (step > 0) {
+        // Every lane polls (one load for the warp) and acquires for the copies it issues.
+        if (in_time) in_time = __all_sync(0xffffffffu, wait_for_count(p, step_count, step * num_ctas));
+        // Then this CTA's stores of the step before: already done once the count is complete, but a failing CTA may
+        // count steps it did not wait for, and the staging must never run ahead of this CTA's multiply (the
+        // mbarriers' phases).
+        wait_for_stores(chain, threads, true);
       }
       start_chain_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
                           Math::published_row_bytes(p),
@@ -294,6 +298,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
                           Math::staged_row_bytes(tiling), count, tiling.cluster_size,
                           shared.stage_barriers + 2 * chain + step % 2);
     }
+    wait_for_stores(chain, threads, true);  // the last step's, which the compute warps arrive at too
     return;
   }
 

@@ -9,7 +9,7 @@
 // sequence (a matrix larger than the chip keeps what does not fit in L2, read again every step). Each step it
 // waits for the vector the previous step published, multiplies, lets the cell finish its hidden units and publishes
 // its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two directions of a bidirectional
-// layer run side by side in one launch, each direction on its own vectors and flags.
+// layer run side by side in one launch, each direction on its own vectors and step counts.
 #pragma once
 
 #include <cstdint>
@@ -25,9 +25,9 @@ constexpr int kMaxBatch = 32;
 constexpr int kMaxDirections = 2;
 // Written to the status word when a spin-wait ran out of time; kernels never clear it.
 constexpr int kStatusTimedOut = 1;
-// Each CTA's flag sits alone in a 128-byte line (stride in unsigned words), so the many SMs polling different flags
-// spread over L2 slices instead of queueing on a few lines.
-constexpr int kFlagStride = 32;
+// Each chain's step count sits alone in a 128-byte line (stride in unsigned words), so the other chain's traffic does
+// not queue on the line every SM polls.
+constexpr int kCountStride = 32;
 
 enum class CellKind : int { kRelu = 0, kTanh = 1, kGru = 2, kLstm = 3 };
 enum class Pass : int { kForward = 0, kBackward = 1 };
@@ -128,8 +128,8 @@ struct RnnParams {
 
   float* l2_weights;  // (num_ctas, weight_l2_bytes) of this direction, written and read by the kernel alone: the
                      //   weights that registers and shared memory cannot hold; nullptr where they hold all
-  unsigned* flags;  // (kChains * num_ctas * kFlagStride,) zero before launch; flags[(chain * num_ctas + c) *
-                    //   kFlagStride] = steps CTA c published of that chain (the plain engine has one chain)
+  unsigned* step_counts;  // (kChains * kCountStride,) zero before launch; step_counts[chain * kCountStride] = steps
+                         //   published of that chain, summed over the direction's CTAs (the plain engine has one chain)
   int* status;      // (1,) 0, or kStatusTimedOut once any wait ran out of time
   unsigned long long timeout_ns;  // bound on every spin-wait
 };

@@ -10,8 +10,8 @@
 // Two mbarriers alternate by step (two per chain in the chained engine, each chain its own rows): a CTA waits for every
 // slice of step s before it finishes step s, so a peer can run at most one step ahead and its copies of step s + 1 are
 // counted on the other mbarrier. A step's staged buffer is rewritten only after every CTA published the step before
-// (the flag wait), i.e. after this CTA's multiply read it. The copies move whole 16-byte chunks: a row's entries past
-// the vector's length must be zero in global memory.
+// (the count's wait), i.e. after this CTA's multiply read it. The copies move whole 16-byte chunks: a row's entries
+// past the vector's length must be zero in global memory.
 #pragma once
 
 #include <cstdint>
@@ -120,7 +120,7 @@ __device__ __forceinline__ void start_chain_staging(const void* source, int row_
 
 // Waits until the whole vector started for this mbarrier's current phase (`parity`) has landed. Not bounded by the
 // timeout: it waits only for the CTAs of this cluster, which are resident together and never stop staging (a CTA
-// whose flag wait timed out goes on without waiting, see engine.cuh).
+// whose wait timed out goes on without waiting, see engine.cuh).
 __device__ __forceinline__ void finish_staging(uint64_t* barrier, uint32_t parity) {
   const uint32_t barrier_address = shared_address(barrier);
   uint32_t done = 0;
