@@ -13,10 +13,10 @@ __host__ __device__ constexpr int round_up(int value, int multiple) {
 __host__ __device__ constexpr int ceil_div(int value, int divisor) { return (value + divisor - 1) / divisor; }
 
 // A CTA's dynamic shared memory: the staged vector, the per-warp partial sums, then, 16-byte aligned, the control
-// words (the plain engine's two staging mbarriers and abort flag, or the chained engine's two mbarriers per chain),
-// then the weights a variant keeps in shared memory.
-constexpr int kControlBytes = 32;
-static_assert(2 * kChains * 8 <= kControlBytes, "the chained engine's mbarriers fit the control words");
+// words (the plain engine's two staging mbarriers and abort flag, or the chained engine's two mbarriers per chain,
+// each chain's stored steps and the CTA's failing word), then the weights a variant keeps in shared memory.
+constexpr int kControlBytes = 48;
+static_assert(2 * kChains * 8 + 4 * (kChains + 1) <= kControlBytes, "the chained engine's words fit the control words");
 __host__ __device__ constexpr int control_offset(int staged_bytes, int partial_floats) {
   return round_up(staged_bytes + 4 * partial_floats, 16);
 }

@@ -112,6 +112,8 @@ struct SharedLayout {
   typename Math::Staged* staged;
   float* partials;  // (num_partials, B, R)
   uint64_t* stage_barriers;
+  volatile int* stored_steps;  // (kChains,) steps whose stores the compute warps finished, per chain
+  volatile int* failing;       // nonzero once a wait of this CTA failed: it counts no more steps
   void* weights;
 
   __device__ SharedLayout(unsigned char* smem, const Tiling& tiling, int batch) {
@@ -121,6 +123,8 @@ struct SharedLayout {
     unsigned char* control =
         smem + control_offset(staged_bytes, tiling.num_partials * batch * tiling.rows_per_cta);
     stage_barriers = reinterpret_cast<uint64_t*>(control);
+    stored_steps = reinterpret_cast<int*>(stage_barriers + 2 * kChains);
+    failing = stored_steps + kChains;
     weights = control + kControlBytes;
   }
 };
@@ -235,18 +239,15 @@ __host__ __device__ constexpr int compute_registers(int compute_threads) {
                  248);
 }
 
-// Named barriers: 0 is __syncthreads, 1 the compute warps' own; chain c's stores are handed to its counting warp on
-// 2 + c and to its staging warp on 2 + kChains + c.
+// Named barriers: 0 is __syncthreads, 1 the compute warps' own, 2 + c chain c's stores handed to its counting warp.
 __device__ __forceinline__ void compute_barrier(int threads) {
   asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
 }
 __device__ __forceinline__ void stores_done(int chain, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
-  asm volatile("bar.arrive %0, %1;" ::"r"(2 + kChains + chain), "r"(threads + 32) : "memory");
 }
-// `to_stage` picks the staging warp's barrier, else the counting warp's.
-__device__ __forceinline__ void wait_for_stores(int chain, int threads, bool to_stage) {
-  asm volatile("bar.sync %0, %1;" ::"r"(2 + (to_stage ? kChains : 0) + chain), "r"(threads + 32) : "memory");
+__device__ __forceinline__ void wait_for_stores(int chain, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(2 + chain), "r"(threads + 32) : "memory");
 }
 
 // The planner gives every chain samples (chains_for, fp32_variants.cuh).
@@ -264,6 +265,10 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
   const int chain_samples = ceil_div(p.batch, tiling.chains);
   const SharedLayout<Math> shared(smem, tiling, p.batch);
   zero_shared(smem, Math::staged_bytes(tiling, p.batch));
+  if (threadIdx.x == 0) {
+    for (int chain = 0; chain < kChains; ++chain) shared.stored_steps[chain] = 0;
+    *shared.failing = 0;
+  }
   init_staging(shared.stage_barriers, 2 * kChains);  // chain c, step s: stage_barriers[2 c + s % 2]
 
   const int sync_warpgroup = round_up(threads, 128);
@@ -277,20 +282,29 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
     unsigned* step_count = p.step_counts + chain * kCountStride;
     if (warp >= kChains) {  // counts the chain's step after each step's stores
       for (int step = 0; step < p.num_steps; ++step) {
-        wait_for_stores(chain, threads, false);
-        if (threadIdx.x % 32 == 0) count_step(step_count);
+        wait_for_stores(chain, threads);
+        if (threadIdx.x % 32 == 0) {
+          // A failing CTA stops counting: its steps no longer wait for the others', and a count they inflated could
+          // let another CTA's staging run ahead of its own multiply (the mbarriers' phases).
+          if (*shared.failing == 0) count_step(step_count);
+          shared.stored_steps[chain] = step + 1;
+        }
       }
       return;
     }
     bool in_time = true;
     for (int step = 0; step < p.num_steps; ++step) {
-      if (step > 0) {
+      if (step > 0 && in_time) {
         // Every lane polls (one load for the warp) and acquires for the copies it issues.
-        if (in_time) in_time = __all_sync(0xffffffffu, wait_for_count(p, step_count, step * num_ctas));
-        // Then this CTA's stores of the step before: already done once the count is complete, but a failing CTA may
-        // count steps it did not wait for, and the staging must never run ahead of this CTA's multiply (the
-        // mbarriers' phases).
-        wait_for_stores(chain, threads, true);
+        in_time = __all_sync(0xffffffffu, wait_for_count(p, step_count, step * num_ctas));
+        // Set before this step's copies, whose mbarrier carries it to the compute warps and on to the counting warps.
+        if (!in_time && threadIdx.x % 32 == 0) *shared.failing = 1;
+      }
+      if (step > 0 && !in_time) {
+        // Failing: wait for this CTA's own stores of the step before alone, so that the staging still runs at most a
+        // step ahead of the multiply (the mbarriers' phases) while the launch runs out its steps.
+        while (shared.stored_steps[chain] < step) {
+        }
       }
       start_chain_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
                           Math::published_row_bytes(p),
@@ -298,7 +312,6 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
                           Math::staged_row_bytes(tiling), count, tiling.cluster_size,
                           shared.stage_barriers + 2 * chain + step % 2);
     }
-    wait_for_stores(chain, threads, true);  // the last step's, which the compute warps arrive at too
     return;
   }
 
