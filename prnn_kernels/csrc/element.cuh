@@ -16,7 +16,7 @@ __host__ __device__ constexpr int ceil_div(int value, int divisor) { return (val
 // words (the plain engine's two staging mbarriers and abort flag, or the chained engine's two mbarriers per chain,
 // each chain's stored steps and the CTA's failing word), then the weights a variant keeps in shared memory.
 constexpr int kControlBytes = 48;
-static_assert(2 * kChains * 8 + 4 * (kChains + 1) <= kControlBytes, "the chained engine's words fit the control words");
+static_assert(2 * kChains * 8 + 4 * (kChains + 1) <= kControlBytes, "the chained engine's words fit");
 __host__ __device__ constexpr int control_offset(int staged_bytes, int partial_floats) {
   return round_up(staged_bytes + 4 * partial_floats, 16);
 }

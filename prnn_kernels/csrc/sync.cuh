@@ -4,13 +4,13 @@
 // in a 128-byte line of its own). A CTA about to run step s needs the whole vector published by step s - 1, so it
 // waits until the count reaches s x num_ctas. A CTA counts step s + 1 only after seeing s x num_ctas, so no CTA gets
 // two steps ahead of another and the count reaches s x num_ctas only once every CTA counted s steps (a failing CTA of
-// the plain engine, below, counts without waiting; one of the chained engine stops counting). Vectors of different steps live in different rows of the state buffer, so a fast
-// CTA never overwrites what a slow one still reads, and nothing is reset between steps. One count polled by one
-// thread (one warp in the chained engine) of each CTA replaced one flag per CTA polled by all of them: every SM
-// polling every CTA's flag loaded the L2 enough to cost up to 0.45 us a step (NOTES.md v25). Every wait is bounded by
-// %globaltimer: past the bound the CTA records kStatusTimedOut and stops waiting, and a CTA that sees a nonzero status
-// stops waiting too, so a launch that cannot make progress ends (with outputs that Python discards as it raises)
-// instead of hanging.
+// the plain engine, below, counts without waiting; one of the chained engine stops counting). Vectors of different
+// steps live in different rows of the state buffer, so a fast CTA never overwrites what a slow one still reads, and
+// nothing is reset between steps. One count polled by one thread (one warp in the chained engine) of each CTA
+// replaced one flag per CTA polled by all of them: every SM polling every CTA's flag loaded the L2 enough to cost up
+// to 0.45 us a step (NOTES.md v25). Every wait is bounded by %globaltimer: past the bound the CTA records
+// kStatusTimedOut and stops waiting, and a CTA that sees a nonzero status stops waiting too, so a launch that cannot
+// make progress ends (with outputs that Python discards as it raises) instead of hanging.
 #pragma once
 
 #include "persistent_rnn.h"
