@@ -292,6 +292,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
       }
       return;
     }
+    // Step 0's published vector; step s's lies s vectors further on.
+    const auto* vectors = reinterpret_cast<const char*>(Math::published(p, 0));
+    const ChainStaging staging(vectors + static_cast<size_t>(first) * Math::published_row_bytes(p),
+                               reinterpret_cast<const char*>(Math::published(p, 1)) - vectors,
+                               Math::published_row_bytes(p),
+                               reinterpret_cast<char*>(shared.staged) + first * Math::staged_row_bytes(tiling),
+                               Math::staged_row_bytes(tiling), count, tiling.cluster_size,
+                               shared.stage_barriers + 2 * chain);
     bool in_time = true;
     for (int step = 0; step < p.num_steps; ++step) {
       if (step > 0 && in_time) {
@@ -306,11 +314,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
         while (shared.stored_steps[chain] < step) {
         }
       }
-      start_chain_staging(Math::published(p, step) + static_cast<size_t>(first) * p.state_stride,
-                          Math::published_row_bytes(p),
-                          reinterpret_cast<char*>(shared.staged) + first * Math::staged_row_bytes(tiling),
-                          Math::staged_row_bytes(tiling), count, tiling.cluster_size,
-                          shared.stage_barriers + 2 * chain + step % 2);
+      staging.start(step);
     }
     return;
   }

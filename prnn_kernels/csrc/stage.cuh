@@ -92,31 +92,53 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
   }
 }
 
-// The same for one chain's `rows` rows, called by one warp (the chained engine's staging warp): lane l issues rows
-// l, l + 32, ... (a chain stages a few). One function for both callers, with the issuing lanes as parameters, changed
-// the plain engine's machine code and cost the bidirectional fp32 ReLU at 1152 3-5 % (NOTES.md v24).
-__device__ __forceinline__ void start_chain_staging(const void* source, int row_bytes, void* staged,
-                                                    int staged_row_bytes, int rows, int cluster_size,
-                                                    uint64_t* barrier) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t barrier_address = shared_address(barrier);
-  if (lane == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier_address),
-                 "r"(rows * row_bytes)
-                 : "memory");
+// The same for one chain's `rows` rows (at most 32: chains_for gives a chain at most 16 samples), by one warp (the
+// chained engine's staging warp): lane r issues row r. What stays the same from step to step (the slice, the
+// addresses, the byte counts) is worked out once, before the steps: the warp runs in 32 registers, and the slice's
+// divisions and the long-lived operands around them, worked out again every step, had ptxas spill to local memory
+// between the warp seeing the step's count and issuing its copies (NOTES.md v26). Apart from start_staging: one
+// function for both callers, with the issuing lanes as parameters, changed the plain engine's machine code and cost
+// the bidirectional fp32 ReLU at 1152 3-5 % (NOTES.md v24).
+class ChainStaging {
+ public:
+  // source: the chain's first row at step 0, rows `row_bytes` apart, the next step's `step_bytes` further on;
+  // staged: the chain's first row in shared memory, rows `staged_row_bytes` apart; barriers: the chain's two
+  // mbarriers, used by step parity.
+  __device__ ChainStaging(const void* source, long long step_bytes, int row_bytes, void* staged, int staged_row_bytes,
+                          int rows, int cluster_size, uint64_t* barriers)
+      : step_bytes_(step_bytes), barriers_(shared_address(barriers)), expected_bytes_(rows * row_bytes),
+        cluster_size_(cluster_size) {
+    const int lane = threadIdx.x % 32;
+    const int chunks = row_bytes / 16;
+    const int rank = cluster_rank();
+    const int first = rank * chunks / cluster_size;
+    bytes_ = lane < rows ? ((rank + 1) * chunks / cluster_size - first) * 16 : 0;
+    source_ = static_cast<const char*>(source) + static_cast<size_t>(lane) * row_bytes + 16 * first;
+    to_ = shared_address(static_cast<char*>(staged) + lane * staged_row_bytes + 16 * first);
   }
-  const int chunks = row_bytes / 16;
-  const int rank = cluster_rank();
-  const int first = rank * chunks / cluster_size;
-  const int bytes = ((rank + 1) * chunks / cluster_size - first) * 16;
-  if (bytes == 0 || lane >= rows) return;
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  for (int row = lane; row < rows; row += 32) {
-    const char* from = static_cast<const char*>(source) + static_cast<size_t>(row) * row_bytes + 16 * first;
-    const uint32_t to = shared_address(static_cast<char*>(staged) + row * staged_row_bytes + 16 * first);
-    copy_slice(to, from, bytes, barrier_address, cluster_size);
+
+  // Starts staging step `step`'s rows into every CTA of the cluster. Call with the whole warp after the step's wait.
+  __device__ void start(int step) const {
+    const uint32_t barrier = barriers_ + 8 * (step % 2);
+    if (threadIdx.x % 32 == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(expected_bytes_)
+                   : "memory");
+    }
+    if (bytes_ == 0) return;
+    // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    copy_slice(to_, source_ + step * step_bytes_, bytes_, barrier, cluster_size_);
   }
-}
+
+ private:
+  const char* source_;
+  long long step_bytes_;
+  uint32_t to_;
+  uint32_t barriers_;
+  int bytes_;
+  int expected_bytes_;
+  int cluster_size_;
+};
 
 // Waits until the whole vector started for this mbarrier's current phase (`parity`) has landed. Not bounded by the
 // timeout: it waits only for the CTAs of this cluster, which are resident together and never stop staging (a CTA
