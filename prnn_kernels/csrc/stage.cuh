@@ -33,6 +33,20 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// This CTA's share of a row of `chunks` 16-byte chunks split among the cluster's `cluster_size` CTAs: chunks [first,
+// first + count). Cluster sizes are powers of two (cluster_sizes, plan.cpp), so shifts do what divisions would, at a
+// few instructions instead of a reciprocal and a dozen multiplies on the way from a step's wait to its copies.
+struct RowSlice {
+  int first;
+  int count;
+};
+__device__ __forceinline__ RowSlice row_slice(int chunks, int cluster_size) {
+  const int rank = cluster_rank();
+  const int log2_cluster_size = __ffs(cluster_size) - 1;
+  const int first = (rank * chunks) >> log2_cluster_size;
+  return {first, (((rank + 1) * chunks) >> log2_cluster_size) - first};
+}
+
 // Initialises this CTA's `count` staging mbarriers (one arrival each: the thread that sets the step's byte count)
 // and makes them, and the shared memory zeroed before, ready for the peers' copies. Call with the whole CTA, before
 // any copy of the launch.
@@ -78,24 +92,22 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
                  "r"(batch * row_bytes)
                  : "memory");
   }
-  const int chunks = row_bytes / 16;
-  const int rank = cluster_rank();
-  const int first = rank * chunks / cluster_size;
-  const int bytes = ((rank + 1) * chunks / cluster_size - first) * 16;
+  const RowSlice slice = row_slice(row_bytes / 16, cluster_size);
+  const int bytes = slice.count * 16;
   if (bytes == 0) return;
   // The wait's acquire (generic proxy) before the copy engine's reads (async proxy) of what other SMs published.
   asm volatile("fence.proxy.async.global;" ::: "memory");
   for (int sample = warp; sample < batch; sample += blockDim.x / 32) {
-    const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * first;
-    const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * first);
+    const char* from = static_cast<const char*>(source) + static_cast<size_t>(sample) * row_bytes + 16 * slice.first;
+    const uint32_t to = shared_address(static_cast<char*>(staged) + sample * staged_row_bytes + 16 * slice.first);
     copy_slice(to, from, bytes, barrier_address, cluster_size);
   }
 }
 
 // The same for one chain's `rows` rows (at most 32: chains_for gives a chain at most 16 samples), by one warp (the
 // chained engine's staging warp): lane r issues row r. What stays the same from step to step (the slice, the
-// addresses, the byte counts) is worked out once, before the steps: the warp runs in 32 registers, and the slice's
-// divisions and the long-lived operands around them, worked out again every step, had ptxas spill to local memory
+// addresses, the byte counts) is worked out once, before the steps: the warp runs in 32 registers, and the slice (then
+// divisions) and the long-lived operands around it, worked out again every step, had ptxas spill to local memory
 // between the warp seeing the step's count and issuing its copies (NOTES.md v26). Apart from start_staging: one
 // function for both callers, with the issuing lanes as parameters, changed the plain engine's machine code and cost
 // the bidirectional fp32 ReLU at 1152 3-5 % (NOTES.md v24).
@@ -109,12 +121,10 @@ class ChainStaging {
       : step_bytes_(step_bytes), barriers_(shared_address(barriers)), expected_bytes_(rows * row_bytes),
         cluster_size_(cluster_size) {
     const int lane = threadIdx.x % 32;
-    const int chunks = row_bytes / 16;
-    const int rank = cluster_rank();
-    const int first = rank * chunks / cluster_size;
-    bytes_ = lane < rows ? ((rank + 1) * chunks / cluster_size - first) * 16 : 0;
-    source_ = static_cast<const char*>(source) + static_cast<size_t>(lane) * row_bytes + 16 * first;
-    to_ = shared_address(static_cast<char*>(staged) + lane * staged_row_bytes + 16 * first);
+    const RowSlice slice = row_slice(row_bytes / 16, cluster_size);
+    bytes_ = lane < rows ? slice.count * 16 : 0;
+    source_ = static_cast<const char*>(source) + static_cast<size_t>(lane) * row_bytes + 16 * slice.first;
+    to_ = shared_address(static_cast<char*>(staged) + lane * staged_row_bytes + 16 * slice.first);
   }
 
   // Starts staging step `step`'s rows into every CTA of the cluster. Call with the whole warp after the step's wait.
