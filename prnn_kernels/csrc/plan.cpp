@@ -50,10 +50,10 @@ double work_per_busy_partition(const Tiling& t) {
 // Thread-block cluster sizes tried for every tiling, largest first (8 is the largest every GPU of compute capability
 // 9.0 takes), powers of two only (stage.cuh's row_slice shifts by their logarithm); a tiling that fits at all fits
 // with 1. A cluster reads each step's vector from L2 once for all its CTAs, but each of them waits for all of their
-// copies. Measured on an H100 (NOTES.md, "Cluster sizes by precision"): in
-// bf16 clusters of 2 took up to 23 % off a pass against none, and 8 up to 9 % against 4; an fp32 launch of one
-// direction ran up to 9 % faster in none than in clusters of 2 wherever the planner had picked 2 (about as fast at 1
-// utterance), while both directions of the fp32 ReLU at 1536 in one launch ran 4-6 % slower in none at 8 utterances.
+// copies. Measured on an H100 (NOTES.md, "Cluster sizes by precision"): in bf16 clusters of 2 took up to 23 % off a
+// pass against none, and 8 up to 9 % against 4; an fp32 launch of one direction ran up to 9 % faster in none than in
+// clusters of 2 wherever the planner had picked 2 (about as fast at 1 utterance), while both directions of the fp32
+// ReLU at 1536 in one launch ran 4-6 % slower in none at 8 utterances.
 std::vector<int> cluster_sizes(Precision precision, int directions) {
   if (precision == Precision::kFloat32 && directions == 1) return {8, 4, 1};
   return {8, 4, 2, 1};

@@ -106,9 +106,9 @@ __device__ __forceinline__ void start_staging(const void* source, int row_bytes,
 
 // The same for one chain's `rows` rows (at most 32: chains_for gives a chain at most 16 samples), by one warp (the
 // chained engine's staging warp): lane r issues row r. What stays the same from step to step (the slice, the
-// addresses, the byte counts) is worked out once, before the steps: the warp runs in 32 registers, and the slice (then
-// divisions) and the long-lived operands around it, worked out again every step, had ptxas spill to local memory
-// between the warp seeing the step's count and issuing its copies (NOTES.md v26). Apart from start_staging: one
+// addresses, the byte counts) is worked out once, before the steps: the warp runs in 32 registers, and that arithmetic
+// and the long-lived operands around it, redone every step, had ptxas spill to local memory between the warp seeing
+// the step's count and issuing its copies (NOTES.md v26). Apart from start_staging: one
 // function for both callers, with the issuing lanes as parameters, changed the plain engine's machine code and cost
 // the bidirectional fp32 ReLU at 1152 3-5 % (NOTES.md v24).
 class ChainStaging {
