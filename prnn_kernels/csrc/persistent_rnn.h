@@ -8,7 +8,7 @@
 // Every CTA keeps its slice of rows of the matrix it multiplies by (U forward, U^T backward) on chip for the whole
 // sequence (a matrix larger than the chip keeps what does not fit in L2, read again every step). Each step it
 // waits for the vector the previous step published, multiplies, lets the cell finish its hidden units and publishes
-// its slice of the next vector with a step stamp (see sync.cuh). The CTAs of the two directions of a bidirectional
+// its slice of the next vector, then counts the step (see sync.cuh). The CTAs of the two directions of a bidirectional
 // layer run side by side in one launch, each direction on its own vectors and step counts.
 #pragma once
 
