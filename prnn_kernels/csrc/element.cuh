@@ -23,6 +23,10 @@ __host__ __device__ constexpr int control_offset(int staged_bytes, int partial_f
 __host__ __device__ constexpr int cta_shared_bytes(int staged_bytes, int partial_floats) {
   return control_offset(staged_bytes, partial_floats) + kControlBytes;
 }
+// The per-warp partial sums: partials[warp * partial_stride + sample * R + row].
+__host__ __device__ constexpr int partial_floats(const Tiling& tiling) {
+  return tiling.num_partials * tiling.partial_stride;
+}
 
 __device__ __forceinline__ float to_float(float value) { return value; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }

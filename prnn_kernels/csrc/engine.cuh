@@ -29,26 +29,35 @@
 
 namespace prnn {
 
-// The (hidden unit, sample) elements a thread of the chained engine finishes, e = thread + u * threads for
-// u < Math::kElementsPerThread.
+// The (hidden unit, sample) elements of the chained engine. `lanes` neighbouring lanes reduce an element's partial
+// sums together, and the first of them, its owner, keeps the element's cell state and finishes it: group g =
+// threadIdx.x / lanes holds elements e = g + u * threads / lanes for u < Math::kElementsPerThread. Four lanes for the
+// cells with several gate rows where the CTA's elements fit four to a group, else one: a lane summing a GRU unit's 3 x
+// 16 partials alone took 0.34 us of the fp32 GRU 1152's 3.50 us forward step at 4 utterances, while the vanilla cells,
+// the backward passes and two lanes (16 utterances) ran as fast or faster with one (NOTES.md v27).
 template <class Math, class Cell>
 struct Elements {
   static constexpr int kCount = Math::kElementsPerThread;
+  static constexpr int kMostLanes = Cell::kRowGates > 1 ? 4 : 1;
   using Element = typename Cell::Element;
   Cell cell[kCount];
   int unit_local[kCount];
   int sample[kCount];
-  bool active[kCount];
+  bool active[kCount];  // the element exists (in every lane of its group)
+  int lanes;
+  bool owner;
 
   __device__ void init(const RnnParams<Element>& p, int cta, int threads) {
     const int units = p.tiling.units_per_cta;
+    lanes = p.batch * units <= kCount * (threads / kMostLanes) ? kMostLanes : 1;
+    owner = threadIdx.x % lanes == 0;
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
-      const int e = threadIdx.x + u * threads;
+      const int e = threadIdx.x / lanes + u * (threads / lanes);
       sample[u] = e / units;
       unit_local[u] = e - sample[u] * units;
       active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
-      if (active[u]) cell[u].init(p, cta * units + unit_local[u], sample[u]);
+      if (active[u] && owner) cell[u].init(p, cta * units + unit_local[u], sample[u]);
     }
   }
 
@@ -56,44 +65,44 @@ struct Elements {
   __device__ void load(const RnnParams<Element>& p, int step, int cta, const bool (&runs)[kCount]) {
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
-      if (runs[u]) cell[u].load(p, step, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
+      if (runs[u] && owner) cell[u].load(p, step, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
     }
   }
 
-  // Finishes the step of the elements in `runs` from the per-warp partial sums and stores what they publish.
+  // Finishes the step of the elements in `runs` from the per-warp partial sums and stores what they publish. Each lane
+  // of a group sums every lanes-th partial in order, then the group adds its lanes' sums pairwise. The tilings of those
+  // cells pad partial_stride to 8 modulo 32 floats (chained_tilings), so that a group's four loads hit different banks.
   __device__ void finish(const RnnParams<Element>& p, int step, int cta, const float* partials,
                          const bool (&runs)[kCount]) {
-    const int rows = p.tiling.rows_per_cta;
-    const int units = p.tiling.units_per_cta;
+    const Tiling& t = p.tiling;
     const size_t vector_size = static_cast<size_t>(p.batch) * p.state_stride;
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
+      if (kMostLanes > 1 && !__any_sync(0xffffffffu, runs[u])) continue;  // warp-uniform: the shuffles need every lane
+      float recurrent[Cell::kRowGates] = {};
       if (runs[u]) {
-        // Gates innermost and the partials unrolled by 4, so independent shared-memory loads are in flight together
-        // while each gate still sums its partials in order.
-        float recurrent[Cell::kRowGates] = {};
-        const float* unit_partials = partials + sample[u] * rows + unit_local[u];
+        const float* element_partials = partials + sample[u] * t.rows_per_cta + unit_local[u];
 #pragma unroll 4
-        for (int q = 0; q < p.tiling.num_partials; ++q) {
+        for (int q = threadIdx.x % lanes; q < t.num_partials; q += lanes) {
 #pragma unroll
           for (int gate = 0; gate < Cell::kRowGates; ++gate) {
-            recurrent[gate] += unit_partials[q * p.batch * rows + gate * units];
+            recurrent[gate] += element_partials[q * t.partial_stride + gate * t.units_per_cta];
           }
         }
-        const int unit = cta * units + unit_local[u];
+      }
+      for (int offset = 1; kMostLanes > 1 && offset < lanes; offset *= 2) {
+#pragma unroll
+        for (int gate = 0; gate < Cell::kRowGates; ++gate) {
+          recurrent[gate] += __shfl_xor_sync(0xffffffffu, recurrent[gate], offset);
+        }
+      }
+      if (runs[u] && owner) {
+        const int unit = cta * t.units_per_cta + unit_local[u];
         float published[Cell::kVectorGates];
         cell[u].finish(p, step, unit, sample[u], recurrent, published);
         float* next = p.state + (step + 1) * vector_size + sample[u] * p.state_stride + unit;
 #pragma unroll
         for (int gate = 0; gate < Cell::kVectorGates; ++gate) next[gate * p.hidden] = published[gate];
-        if constexpr (std::is_same<Element, __nv_bfloat16>::value) {  // the copy the bf16 engine stages
-          __nv_bfloat16* next_bf16 = p.state_bf16 + (static_cast<size_t>(step + 1) * p.batch + sample[u]) *
-                                                        p.state_bf16_stride + unit;
-#pragma unroll
-          for (int gate = 0; gate < Cell::kVectorGates; ++gate) {
-            next_bf16[gate * p.hidden] = __float2bfloat16(published[gate]);
-          }
-        }
       }
     }
   }
@@ -101,7 +110,7 @@ struct Elements {
   __device__ void end(const RnnParams<Element>& p, int cta) {
 #pragma unroll
     for (int u = 0; u < kCount; ++u) {
-      if (active[u]) cell[u].end(p, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
+      if (active[u] && owner) cell[u].end(p, cta * p.tiling.units_per_cta + unit_local[u], sample[u]);
     }
   }
 };
@@ -110,7 +119,7 @@ struct Elements {
 template <class Math>
 struct SharedLayout {
   typename Math::Staged* staged;
-  float* partials;  // (num_partials, B, R)
+  float* partials;  // partials[warp * partial_stride + sample * R + row]
   uint64_t* stage_barriers;
   volatile int* stored_steps;  // (kChains,) steps whose stores the compute warps finished, per chain
   volatile int* failing;       // nonzero once a wait of this CTA failed: it counts no more steps
@@ -121,7 +130,7 @@ struct SharedLayout {
     staged = reinterpret_cast<typename Math::Staged*>(smem);
     partials = reinterpret_cast<float*>(smem + staged_bytes);
     unsigned char* control =
-        smem + control_offset(staged_bytes, tiling.num_partials * batch * tiling.rows_per_cta);
+        smem + control_offset(staged_bytes, partial_floats(tiling));
     stage_barriers = reinterpret_cast<uint64_t*>(control);
     stored_steps = reinterpret_cast<int*>(stage_barriers + 2 * kChains);
     failing = stored_steps + kChains;
@@ -344,8 +353,8 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
       // finishing this chain's elements; a lone chain needs a barrier of its own for that.
       if (tiling.chains == 1) compute_barrier(threads);
       finish_staging(shared.stage_barriers + 2 * chain + step % 2, (step / 2) % 2);
-      math.template multiply_samples<Math::kChainSamplesPerPass>(p, shared.staged, shared.partials, first,
-                                                                 min(p.batch, first + chain_samples));
+      math.template multiply_samples<Math::kChainSamplesPerPass, true>(p, shared.staged, shared.partials, first,
+                                                                       min(p.batch, first + chain_samples));
       compute_barrier(threads);
       elements.finish(p, step, cta, shared.partials, in_chain[chain]);
       stores_done(chain, threads);

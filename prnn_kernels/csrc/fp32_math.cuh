@@ -84,9 +84,10 @@ struct Fp32Math {
       t.threads = groups * t.k_splits;
       t.padded_k = 4 * t.k_splits * chunks_per_thread;
       t.num_partials = t.threads / 32;
+      t.partial_stride = shape.batch * t.rows_per_cta;
       const int chunk_bytes = t.threads * kRowsPerThread * static_cast<int>(sizeof(float4));  // one chunk, every row
       const int unshared_bytes =
-          cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta);
+          cta_shared_bytes(staged_bytes(t, shape.batch), partial_floats(t));
       if constexpr (kHome == WeightHome::kSharedAndL2) {
         // Shared memory holds what it can of the chunks past the registers', L2 the rest: at least one, which keeps
         // these tilings out of the planner's shared-memory round.
@@ -204,11 +205,14 @@ struct Fp32Math {
 
   // partials[(warp * B + sample) * R + row] = this warp's share of sum_k W[row][k] * v[sample][k], every sample.
   __device__ void multiply(const RnnParams<float>& p, const float* staged, float* partials) const {
-    multiply_samples<kSamplesPerPass>(p, staged, partials, 0, p.batch);
+    multiply_samples<kSamplesPerPass, false>(p, staged, partials, 0, p.batch);
   }
 
-  // The same for samples [begin, end), kSamples at a time (staged rows past `end` are read but not used).
-  template <int kSamples>
+  // The same for samples [begin, end), kSamples at a time (staged rows past `end` are read but not used). With
+  // kStrided, warp w's partial sums lie tiling.partial_stride floats after warp w - 1's (the chained engine's padded
+  // stride); the plain engine keeps the index its kernels were tuned with, since the same layout indexed through
+  // partial_stride changed ptxas's register allocation in a dozen of them (spills of up to 60 bytes).
+  template <int kSamples, bool kStrided>
   __device__ void multiply_samples(const RnnParams<float>& p, const float* staged, float* partials, int begin,
                                    int end) const {
     static_assert(kSamples % kSamplesPerWeightUse == 0, "whole weight uses per pass");
@@ -269,7 +273,12 @@ struct Fp32Math {
           if (first + b < end) {
 #pragma unroll
             for (int i = 0; i < kRowsPerThread; ++i) {
-              partials[(warp * p.batch + first + b) * t.rows_per_cta + group + t.row_groups * i] = sum[i][b];
+              const int row = group + t.row_groups * i;
+              if constexpr (kStrided) {
+                partials[warp * t.partial_stride + (first + b) * t.rows_per_cta + row] = sum[i][b];
+              } else {
+                partials[(warp * p.batch + first + b) * t.rows_per_cta + row] = sum[i][b];
+              }
             }
           }
         }

@@ -42,12 +42,24 @@ std::vector<Tiling> plain_tilings(const MatrixShape& shape) {
   return result;
 }
 
+// The chained engine's tilings. Where four lanes reduce each element's partials together (cells with several gate rows,
+// Elements in engine.cuh), the partials' stride is padded to 8 modulo 32 floats if shared memory has room, so that the
+// four read different banks.
 template <class Math>
 std::vector<Tiling> chained_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
   for (Tiling t : Math::tilings(shape)) {
     t.chains = chains_for(t, shape.batch, Math::kMaxThreads);
-    if (t.chains > 0) result.push_back(t);
+    if (t.chains == 0) continue;
+    if (shape.row_gates == 1) {
+      result.push_back(t);
+      continue;
+    }
+    Tiling padded = t;
+    padded.partial_stride = round_up(t.partial_stride, 32) + 8;
+    padded.smem_bytes = cta_shared_bytes(Math::staged_bytes(t, shape.batch), partial_floats(padded)) +
+                        t.weight_smem_bytes;
+    result.push_back(padded.smem_bytes <= shape.smem_limit ? padded : t);
   }
   return result;
 }

@@ -85,8 +85,9 @@ struct MmaMath {
       t.padded_k = 16 * (kTilesPerWarp + t.l2_chunks) * t.k_splits;
       t.weight_l2_bytes = t.threads / 32 * t.l2_chunks * static_cast<int>(sizeof(uint4)) * 32;
       t.num_partials = t.k_splits;
+      t.partial_stride = shape.batch * t.rows_per_cta;
       t.weight_smem_bytes = weight_smem_bytes(t.threads);
-      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), t.num_partials * shape.batch * t.rows_per_cta) +
+      t.smem_bytes = cta_shared_bytes(staged_bytes(t, shape.batch), partial_floats(t)) +
                      t.weight_smem_bytes;
       if (t.threads <= 1024) result.push_back(t);
     }

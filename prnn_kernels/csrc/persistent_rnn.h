@@ -75,6 +75,7 @@ struct Tiling {
   int smem_bytes;     // dynamic shared memory per CTA, weight_smem_bytes included
   int chains;         // fp32: 0 for the plain engine; else the chained engine (engine.cuh) with this many chains of
                       //   samples (1 or kChains), handed off by its sync warpgroup while the compute warps multiply
+  int partial_stride;  // floats from one warp's partial sums to the next's: B * R, padded in the chained engine
 };
 
 // Sample chains of the chained engine, and the threads a launch of a tiling starts: the chained engine rounds the
