@@ -33,8 +33,8 @@ namespace prnn {
 // sums together, and the first of them, its owner, keeps the element's cell state and finishes it: group g =
 // threadIdx.x / lanes holds elements e = g + u * threads / lanes for u < Math::kElementsPerThread. Four lanes for the
 // cells with several gate rows where the CTA's elements fit four to a group, else one: a lane summing a GRU unit's 3 x
-// 16 partials alone took 0.34 us of the fp32 GRU 1152's 3.50 us forward step at 4 utterances, while the vanilla cells,
-// the backward passes and two lanes (16 utterances) ran as fast or faster with one (NOTES.md v27).
+// 12 partials alone took 0.38 us of the fp32 GRU 1152's 3.47 us forward step at 4 utterances, while the vanilla cells
+// and two lanes (16 utterances) ran as fast or faster with one (NOTES.md v27).
 template <class Math, class Cell>
 struct Elements {
   static constexpr int kCount = Math::kElementsPerThread;
