@@ -210,8 +210,8 @@ struct Fp32Math {
 
   // The same for samples [begin, end), kSamples at a time (staged rows past `end` are read but not used). With
   // kStrided, warp w's partial sums lie tiling.partial_stride floats after warp w - 1's (the chained engine's padded
-  // stride); the plain engine keeps the index its kernels were tuned with, since the same layout indexed through
-  // partial_stride changed ptxas's register allocation in a dozen of them (spills of up to 60 bytes).
+  // stride); the plain engine keeps the index its kernels were tuned with, whose machine code is then v26's byte for
+  // byte (NOTES.md v27).
   template <int kSamples, bool kStrided>
   __device__ void multiply_samples(const RnnParams<float>& p, const float* staged, float* partials, int begin,
                                    int end) const {
