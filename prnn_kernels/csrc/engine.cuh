@@ -32,13 +32,14 @@ namespace prnn {
 // The (hidden unit, sample) elements of the chained engine. `lanes` neighbouring lanes reduce an element's partial
 // sums together, and the first of them, its owner, keeps the element's cell state and finishes it: group g =
 // threadIdx.x / lanes holds elements e = g + u * threads / lanes for u < Math::kElementsPerThread. Four lanes for the
-// cells with several gate rows where the CTA's elements fit four to a group, else one: a lane summing a GRU unit's 3 x
-// 12 partials alone took 0.38 us of the fp32 GRU 1152's 3.47 us forward step at 4 utterances, while the vanilla cells
-// and two lanes (16 utterances) ran as fast or faster with one (NOTES.md v27).
+// gated cells where the CTA's elements fit four to a group, else one: a lane summing a GRU unit's 3 x 12 partials
+// alone took 0.38 us of the fp32 GRU 1152's 3.47 us forward step at 4 utterances, and four lanes took the backward
+// step there from 3.69 to 3.20 us, while the vanilla cells and two lanes (16 utterances) ran as fast or faster with
+// one (NOTES.md v27, v28).
 template <class Math, class Cell>
 struct Elements {
   static constexpr int kCount = Math::kElementsPerThread;
-  static constexpr int kMostLanes = Cell::kRowGates > 1 ? 4 : 1;
+  static constexpr int kMostLanes = Cell::kRowGates == 1 && Cell::kVectorGates == 1 ? 1 : 4;
   using Element = typename Cell::Element;
   Cell cell[kCount];
   int unit_local[kCount];

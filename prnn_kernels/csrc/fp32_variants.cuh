@@ -42,16 +42,16 @@ std::vector<Tiling> plain_tilings(const MatrixShape& shape) {
   return result;
 }
 
-// The chained engine's tilings. Where four lanes reduce each element's partials together (cells with several gate rows,
-// Elements in engine.cuh), the partials' stride is padded to 8 modulo 32 floats if shared memory has room, so that the
-// four read different banks.
-template <class Math>
+// The chained engine's tilings. Where four lanes reduce each element's partials together (the gated cells, Elements in
+// engine.cuh), the partials' stride is padded to 8 modulo 32 floats if shared memory has room, so that the four read
+// different banks.
+template <class Math, class Cell>
 std::vector<Tiling> chained_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
   for (Tiling t : Math::tilings(shape)) {
     t.chains = chains_for(t, shape.batch, Math::kMaxThreads);
     if (t.chains == 0) continue;
-    if (shape.row_gates == 1) {
+    if (Elements<Math, Cell>::kMostLanes == 1) {
       result.push_back(t);
       continue;
     }
@@ -77,7 +77,7 @@ template <class Math, class Cell, bool chained = true>
 void add_variant(std::vector<KernelVariant>& variants) {
   if constexpr (chained) {
     variants.push_back(kernel_variant<Math, Cell>(&plain_tilings<Math>));
-    variants.push_back(chained_kernel_variant<Math, Cell>(&chained_tilings<Math>));
+    variants.push_back(chained_kernel_variant<Math, Cell>(&chained_tilings<Math, Cell>));
   } else {
     variants.push_back(kernel_variant<Math, Cell>());
   }
