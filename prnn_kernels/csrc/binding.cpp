@@ -247,10 +247,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
       p.state_bf16 = state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(state_bf16[d]) : nullptr;
       p.saved = lstm || layer.cell == CellKind::kGru ? saved[d].data_ptr<float>() : nullptr;
       p.cell_state = lstm ? cell_state[d].data_ptr<float>() : nullptr;
-      p.out = mutable_pointer<Element>(output) + d * H;
+      p.out = nullptr;
       p.input_proj = pointer<Element>(input_proj) + d * gates * H;
     };
     dispatch(layer, Pass::kForward, static_cast<int>(T), fill);
+    // The output is the published h, gathered in one pass (layer_output.cu).
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t* lengths_data = layer.lengths.data_ptr<int64_t>();
+    const int seq_len = static_cast<int>(T), batch = static_cast<int>(B), hidden = static_cast<int>(H);
+    const int state_stride = static_cast<int>(state.size(3)), directions = static_cast<int>(D);
+    const cudaError_t error =
+        layer.precision == Precision::kFloat32
+            ? prnn::launch_layer_output(state.data_ptr<float>(), output.data_ptr<float>(), lengths_data, seq_len,
+                                        batch, hidden, state_stride, directions, reverse, stream)
+            : prnn::launch_layer_output(state.data_ptr<float>(), mutable_pointer<__nv_bfloat16>(output),
+                                        lengths_data, seq_len, batch, hidden, state_stride, directions, reverse,
+                                        stream);
+    TORCH_CHECK(error == cudaSuccess, "persistent RNN layer output launch failed: ", cudaGetErrorString(error));
   }
   at::Tensor h_n = state.select(1, T).narrow(2, 0, H).to(layer.dtype, /*non_blocking=*/false, /*copy=*/true);
   at::Tensor c_n = lstm ? cell_state.to(layer.dtype) : at::empty({0}, input_proj.options());

@@ -9,8 +9,11 @@
 //                                                   the multiply
 //   finish(p, step, unit, sample, recurrent, published)
 //                                                   recurrent: the kRowGates products of the unit's matrix rows with
-//                                                   the published vector; writes the step's outputs and fills the
-//                                                   kVectorGates values this element publishes for the next step
+//                                                   the published vector; writes the step's outputs (the backward
+//                                                   cells' grad_input_proj, the gated forward cells' saved values)
+//                                                   and fills the kVectorGates values this element publishes for the
+//                                                   next step. A forward cell publishes h, which is also the layer's
+//                                                   output: that is gathered after the launch (layer_output.cu).
 //   end(p, unit, sample)                            once, after the last step
 //
 // Masking: sample b updates only at t < length. Forward processing step s runs time t = s (t = T-1-s reversed);
@@ -139,13 +142,6 @@ struct ForwardCell {
 
   __device__ void load(const RnnParams<Element>& p, int step, int unit, int sample) {
     inputs.load(p, forward_time(p, step), sample, unit);
-  }
-
-  // output: h at a valid step, 0 past the sample's length.
-  __device__ void write_output(const RnnParams<Element>& p, int t, int sample, int unit, float output,
-                               float (&published)[1]) const {
-    p.out[hidden_offset(p, t, sample, unit)] = from_float<Element>(output);
-    published[0] = h;
   }
 
   __device__ void end(const RnnParams<Element>&, int, int) {}

@@ -22,7 +22,6 @@ struct GruForward : ForwardCell<Element_, 3> {
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[3],
                          float (&published)[1]) {
     const int t = forward_time(p, step);
-    float output = 0.f;
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
       saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // r
@@ -30,10 +29,9 @@ struct GruForward : ForwardCell<Element_, 3> {
       saved[3] = recurrent[2] + inputs.bias[2];                  // U_n h + b_n
       saved[2] = tanhf(inputs.input_at(2) + saved[0] * saved[3]);  // n
       h = (1.f - saved[1]) * saved[2] + saved[1] * h;
-      output = h;
     }
     store_saved(p, saved, t, sample, unit);
-    this->write_output(p, t, sample, unit, output, published);
+    published[0] = h;
   }
 };
 
@@ -113,7 +111,6 @@ struct LstmForward : ForwardCell<Element_, 4> {
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[4],
                          float (&published)[1]) {
     const int t = forward_time(p, step);
-    float output = 0.f;
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
       saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // i
@@ -124,10 +121,9 @@ struct LstmForward : ForwardCell<Element_, 4> {
       c = saved[1] * c + saved[0] * saved[2];
       saved[5] = tanhf(c);
       h = saved[3] * saved[5];
-      output = h;
     }
     store_saved(p, saved, t, sample, unit);
-    this->write_output(p, t, sample, unit, output, published);
+    published[0] = h;
   }
 
   __device__ void end(const RnnParams<Element>& p, int unit, int sample) { p.cell_state[sample * p.hidden + unit] = c; }

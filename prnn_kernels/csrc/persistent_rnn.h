@@ -116,7 +116,8 @@ struct RnnParams {
                               //   in bf16 anyway, and every CTA reads each vector, so half the bytes; else nullptr
   float* saved;            // (T, B, saved_values_of(cell), H) fp32: written forward, read backward; or nullptr
   float* cell_state;       // LSTM (B, H): forward c0 in, c_n out; backward grad_c_n in, grad_cx out
-  Element* out;            // forward output (hidden tensor, 0 at t >= length); backward grad_input_proj (gates)
+  Element* out;            // backward: grad_input_proj (gate tensor); forward: nullptr, the output is gathered from
+                           //   `state` after the launch (launch_layer_output)
 
   const Element* input_proj;  // forward: gate tensor
   const Element* bias;        // forward: (G*H,) or nullptr
@@ -170,5 +171,12 @@ LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden
 // `directions` directions on `stream`, in clusters of the tiling's cluster_size.
 template <class Element>
 cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream);
+
+// After a forward call's launches: output (T, B, D, H) in the layer's dtype, direction d's h at time t from `state`
+// (D, T+1, B, state_stride), the vectors its launch published, where t < lengths[b], else 0 (layer_output.cu).
+// Direction 0 ran reversed where `reverse`, direction 1 the other way.
+template <class Element>
+cudaError_t launch_layer_output(const float* state, Element* out, const int64_t* lengths, int seq_len, int batch,
+                                int hidden, int state_stride, int directions, bool reverse, cudaStream_t stream);
 
 }  // namespace prnn
