@@ -25,7 +25,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # Two binding files touch ATen (the persistent layers', the products'); the kernels compile in parallel, one
 # precision and pass per file.
 SOURCES = ("binding.cpp", "products.cpp", "plan.cpp", "fp32_forward.cu", "fp32_backward.cu", "bf16_forward.cu",
-           "bf16_backward.cu", "k_major_copy.cu", "layer_output.cu")
+           "bf16_backward.cu", "k_major_copy.cu", "sequence_gather.cu")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
 
 

@@ -193,6 +193,24 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   }
 }
 
+// Fills `out` (T, B, D * width) from a pass's published vectors (D, V, B, stride), vector 1 + s of direction 0 holding
+// time s, or T-1-s where `reversed` (launch_sequence_gather).
+void gather_sequence(const Layer& layer, const at::Tensor& vectors, at::Tensor& out, int64_t width, bool reversed) {
+  const int seq_len = static_cast<int>(layer.seq_len), batch = static_cast<int>(layer.batch);
+  const int directions = static_cast<int>(layer.directions);
+  const int stride = static_cast<int>(vectors.size(3)), per_direction = static_cast<int>(vectors.size(1));
+  const int64_t* lengths = layer.lengths.data_ptr<int64_t>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t error =
+      layer.precision == Precision::kFloat32
+          ? prnn::launch_sequence_gather(vectors.data_ptr<float>(), out.data_ptr<float>(), lengths, seq_len, batch,
+                                         static_cast<int>(width), stride, per_direction, directions, reversed, stream)
+          : prnn::launch_sequence_gather(vectors.data_ptr<float>(), mutable_pointer<__nv_bfloat16>(out), lengths,
+                                         seq_len, batch, static_cast<int>(width), stride, per_direction, directions,
+                                         reversed, stream);
+  TORCH_CHECK(error == cudaSuccess, "persistent RNN sequence gather launch failed: ", cudaGetErrorString(error));
+}
+
 template <class Fill>
 void dispatch(const Layer& layer, Pass pass, int num_steps, Fill&& fill) {
   if (layer.precision == Precision::kFloat32) {
@@ -251,19 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
       p.input_proj = pointer<Element>(input_proj) + d * gates * H;
     };
     dispatch(layer, Pass::kForward, static_cast<int>(T), fill);
-    // The output is the published h, gathered in one pass (layer_output.cu).
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const int64_t* lengths_data = layer.lengths.data_ptr<int64_t>();
-    const int seq_len = static_cast<int>(T), batch = static_cast<int>(B), hidden = static_cast<int>(H);
-    const int state_stride = static_cast<int>(state.size(3)), directions = static_cast<int>(D);
-    const cudaError_t error =
-        layer.precision == Precision::kFloat32
-            ? prnn::launch_layer_output(state.data_ptr<float>(), output.data_ptr<float>(), lengths_data, seq_len,
-                                        batch, hidden, state_stride, directions, reverse, stream)
-            : prnn::launch_layer_output(state.data_ptr<float>(), mutable_pointer<__nv_bfloat16>(output),
-                                        lengths_data, seq_len, batch, hidden, state_stride, directions, reverse,
-                                        stream);
-    TORCH_CHECK(error == cudaSuccess, "persistent RNN layer output launch failed: ", cudaGetErrorString(error));
+    gather_sequence(layer, state, output, H, reverse);  // the output is the published h
   }
   at::Tensor h_n = state.select(1, T).narrow(2, 0, H).to(layer.dtype, /*non_blocking=*/false, /*copy=*/true);
   at::Tensor c_n = lstm ? cell_state.to(layer.dtype) : at::empty({0}, input_proj.options());
@@ -286,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   if (layer.saved_values() > 0) {
     check_tensor(saved, "saved", {D, T, B, layer.saved_values(), H}, at::kFloat, layer.device);
   }
-  const bool lstm = layer.cell == CellKind::kLstm;
+  const bool lstm = layer.cell == CellKind::kLstm, gru = layer.cell == CellKind::kGru;
   TORCH_CHECK(!lstm || grad_c_n, "persistent RNN kernel: an LSTM needs grad_c_n");
   if (lstm) check_tensor(*grad_c_n, "grad_c_n", {D, B, H}, layer.dtype, layer.device);
   const c10::cuda::CUDAGuard guard(layer.device);
@@ -315,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     p.state_bf16 = grad_state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(grad_state_bf16[d]) : nullptr;
     p.saved = layer.saved_values() > 0 ? saved[d].data_ptr<float>() : nullptr;
     p.cell_state = lstm ? grad_cell[d].data_ptr<float>() : nullptr;
-    p.out = mutable_pointer<Element>(grad_input) + d * G * H;
+    p.out = gru ? mutable_pointer<Element>(grad_input) + d * G * H : nullptr;
     p.grad_output = pointer<Element>(grad_output) + d * H;
     p.grad_h_n = pointer<Element>(grad_h_n) + d * B * H;
     p.forward_state = forward_state[d].data_ptr<float>();
@@ -323,6 +329,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     p.grad_hx = grad_hx[d].data_ptr<float>();
   };
   dispatch(layer, Pass::kBackward, static_cast<int>(T) + 1, fill);
+  // Backward step q runs time T-1-q (q where reversed). The GRU publishes its n gradient scaled by r, so it writes
+  // grad_input_proj itself; the other cells publish grad_input_proj.
+  if (!gru) gather_sequence(layer, grad_state, grad_input, G * H, !reverse);
   return {grad_input, grad_hx, grad_cell, grad_state};
 }
 

@@ -9,11 +9,12 @@
 //                                                   the multiply
 //   finish(p, step, unit, sample, recurrent, published)
 //                                                   recurrent: the kRowGates products of the unit's matrix rows with
-//                                                   the published vector; writes the step's outputs (the backward
-//                                                   cells' grad_input_proj, the gated forward cells' saved values)
-//                                                   and fills the kVectorGates values this element publishes for the
-//                                                   next step. A forward cell publishes h, which is also the layer's
-//                                                   output: that is gathered after the launch (layer_output.cu).
+//                                                   the published vector; writes the step's outputs that differ
+//                                                   from what it publishes (the gated forward cells' saved values,
+//                                                   the GRU's grad_input_proj) and fills the kVectorGates values
+//                                                   this element publishes for the next step. The forward output (h)
+//                                                   and the vanilla and LSTM grad_input_proj are those values, and
+//                                                   are gathered after the launch (sequence_gather.cu).
 //   end(p, unit, sample)                            once, after the last step
 //
 // Masking: sample b updates only at t < length. Forward processing step s runs time t = s (t = T-1-s reversed);

@@ -171,11 +171,6 @@ struct LstmBackward {
     } else {
       finish_grad_hx(p, step, unit, sample, length, recurrent[0]);
     }
-    if (step < p.seq_len) {
-      const int t = backward_time(p, step);
-#pragma unroll
-      for (int gate = 0; gate < 4; ++gate) p.out[gate_offset(p, t, sample, gate, unit)] = from_float<Element>(published[gate]);
-    }
   }
 
   __device__ void end(const RnnParams<Element>& p, int unit, int sample) {

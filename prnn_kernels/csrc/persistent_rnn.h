@@ -116,8 +116,9 @@ struct RnnParams {
                               //   in bf16 anyway, and every CTA reads each vector, so half the bytes; else nullptr
   float* saved;            // (T, B, saved_values_of(cell), H) fp32: written forward, read backward; or nullptr
   float* cell_state;       // LSTM (B, H): forward c0 in, c_n out; backward grad_c_n in, grad_cx out
-  Element* out;            // backward: grad_input_proj (gate tensor); forward: nullptr, the output is gathered from
-                           //   `state` after the launch (launch_layer_output)
+  Element* out;            // the GRU's backward: grad_input_proj (gate tensor); else nullptr: the forward output and
+                           //   the other cells' grad_input_proj equal the published vectors and are gathered from
+                           //   `state` after the launch (launch_sequence_gather)
 
   const Element* input_proj;  // forward: gate tensor
   const Element* bias;        // forward: (G*H,) or nullptr
@@ -172,11 +173,13 @@ LaunchPlan plan_launch(Precision precision, Pass pass, CellKind cell, int hidden
 template <class Element>
 cudaError_t launch(const LaunchPlan& plan, const LayerParams<Element>& params, int directions, cudaStream_t stream);
 
-// After a forward call's launches: output (T, B, D, H) in the layer's dtype, direction d's h at time t from `state`
-// (D, T+1, B, state_stride), the vectors its launch published, where t < lengths[b], else 0 (layer_output.cu).
-// Direction 0 ran reversed where `reverse`, direction 1 the other way.
+// After a pass's launches: out (T, B, D, width) in the layer's dtype, direction d's published vector for time t where
+// t < lengths[b], else 0. `vectors` (D, vectors_per_direction, B, vector_stride) is the passes' RnnParams::state;
+// vector 1 + s of direction 0 holds time s, or T-1-s where `reversed`, and direction 1's the other way round
+// (sequence_gather.cu).
 template <class Element>
-cudaError_t launch_layer_output(const float* state, Element* out, const int64_t* lengths, int seq_len, int batch,
-                                int hidden, int state_stride, int directions, bool reverse, cudaStream_t stream);
+cudaError_t launch_sequence_gather(const float* vectors, Element* out, const int64_t* lengths, int seq_len,
+                                   int batch, int width, int vector_stride, int vectors_per_direction, int directions,
+                                   bool reversed, cudaStream_t stream);
 
 }  // namespace prnn

@@ -60,7 +60,6 @@ struct VanillaBackward {
     } else {
       finish_grad_hx(p, step, unit, sample, length, recurrent[0]);
     }
-    if (step < p.seq_len) p.out[gate_offset(p, backward_time(p, step), sample, 0, unit)] = from_float<Element>(grad_pre);
     published[0] = grad_pre;
   }
 
