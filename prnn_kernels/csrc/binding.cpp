@@ -292,7 +292,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   if (layer.saved_values() > 0) {
     check_tensor(saved, "saved", {D, T, B, layer.saved_values(), H}, at::kFloat, layer.device);
   }
-  const bool lstm = layer.cell == CellKind::kLstm, gru = layer.cell == CellKind::kGru;
+  const bool lstm = layer.cell == CellKind::kLstm;
+  const bool gathered = prnn::backward_publishes_grad_input(layer.cell);
   TORCH_CHECK(!lstm || grad_c_n, "persistent RNN kernel: an LSTM needs grad_c_n");
   if (lstm) check_tensor(*grad_c_n, "grad_c_n", {D, B, H}, layer.dtype, layer.device);
   const c10::cuda::CUDAGuard guard(layer.device);
@@ -321,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     p.state_bf16 = grad_state_bf16.numel() > 0 ? mutable_pointer<__nv_bfloat16>(grad_state_bf16[d]) : nullptr;
     p.saved = layer.saved_values() > 0 ? saved[d].data_ptr<float>() : nullptr;
     p.cell_state = lstm ? grad_cell[d].data_ptr<float>() : nullptr;
-    p.out = gru ? mutable_pointer<Element>(grad_input) + d * G * H : nullptr;
+    p.out = gathered ? nullptr : mutable_pointer<Element>(grad_input) + d * G * H;
     p.grad_output = pointer<Element>(grad_output) + d * H;
     p.grad_h_n = pointer<Element>(grad_h_n) + d * B * H;
     p.forward_state = forward_state[d].data_ptr<float>();
@@ -329,9 +330,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     p.grad_hx = grad_hx[d].data_ptr<float>();
   };
   dispatch(layer, Pass::kBackward, static_cast<int>(T) + 1, fill);
-  // Backward step q runs time T-1-q (q where reversed). The GRU publishes its n gradient scaled by r, so it writes
-  // grad_input_proj itself; the other cells publish grad_input_proj.
-  if (!gru) gather_sequence(layer, grad_state, grad_input, G * H, !reverse);
+  // Backward step q runs time T-1-q (q where reversed).
+  if (gathered) gather_sequence(layer, grad_state, grad_input, G * H, !reverse);
   return {grad_input, grad_hx, grad_cell, grad_state};
 }
 

@@ -39,6 +39,7 @@ struct GruForward : ForwardCell<Element_, 3> {
 // through z * h (carried in a register) is the gradient reaching h. grad_input_proj is (dpre_r, dpre_z, dpre_n).
 template <class Element_>
 struct GruBackward {
+  static_assert(!backward_publishes_grad_input(CellKind::kGru), "the GRU's backward stores grad_input_proj itself");
   using Element = Element_;
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 3;
@@ -133,6 +134,7 @@ struct LstmForward : ForwardCell<Element_, 4> {
 // is carried in a register from step to step.
 template <class Element_>
 struct LstmBackward {
+  static_assert(backward_publishes_grad_input(CellKind::kLstm), "the LSTM's grad_input_proj is gathered");
   using Element = Element_;
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 4;

@@ -39,6 +39,9 @@ constexpr int gates_of(CellKind cell) { return cell == CellKind::kGru ? 3 : (cel
 constexpr int saved_values_of(CellKind cell) {
   return cell == CellKind::kGru ? 4 : (cell == CellKind::kLstm ? 6 : 0);
 }
+// Whether a cell's backward pass publishes exactly its grad_input_proj, which is then gathered after the launch
+// (launch_sequence_gather) instead of stored by the cell. The GRU publishes its n gate's gradient scaled by r.
+constexpr bool backward_publishes_grad_input(CellKind cell) { return cell != CellKind::kGru; }
 
 // Where a kernel variant keeps the weights its registers cannot hold: nowhere (registers hold them all), in shared
 // memory, or in shared memory and then L2, re-read every step (matrices larger than the chip: NOTES.md v23).
@@ -116,9 +119,9 @@ struct RnnParams {
                               //   in bf16 anyway, and every CTA reads each vector, so half the bytes; else nullptr
   float* saved;            // (T, B, saved_values_of(cell), H) fp32: written forward, read backward; or nullptr
   float* cell_state;       // LSTM (B, H): forward c0 in, c_n out; backward grad_c_n in, grad_cx out
-  Element* out;            // the GRU's backward: grad_input_proj (gate tensor); else nullptr: the forward output and
-                           //   the other cells' grad_input_proj equal the published vectors and are gathered from
-                           //   `state` after the launch (launch_sequence_gather)
+  Element* out;            // backward where !backward_publishes_grad_input: grad_input_proj (gate tensor); else
+                           //   nullptr: the forward output and the other cells' grad_input_proj equal the published
+                           //   vectors and are gathered from `state` after the launch (launch_sequence_gather)
 
   const Element* input_proj;  // forward: gate tensor
   const Element* bias;        // forward: (G*H,) or nullptr

@@ -33,6 +33,8 @@ struct VanillaForward : ForwardCell<Element_, 1> {
 // reaches h_{t-1}.
 template <class Element_>
 struct VanillaBackward {
+  static_assert(backward_publishes_grad_input(CellKind::kRelu) && backward_publishes_grad_input(CellKind::kTanh),
+                "the vanilla grad_input_proj is gathered");
   using Element = Element_;
   static constexpr int kRowGates = 1;
   static constexpr int kVectorGates = 1;
