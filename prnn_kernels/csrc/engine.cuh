@@ -29,6 +29,10 @@
 
 namespace prnn {
 
+// The vanilla cells: one matrix row and one published value per element.
+template <class Cell>
+constexpr bool vanilla_cell = Cell::kRowGates == 1 && Cell::kVectorGates == 1;
+
 // The (hidden unit, sample) elements of the chained engine. `lanes` neighbouring lanes reduce an element's partial
 // sums together, and the first of them, its owner, keeps the element's cell state and finishes it: group g =
 // threadIdx.x / lanes holds elements e = g + u * threads / lanes for u < Math::kElementsPerThread. Four lanes for the
@@ -39,7 +43,7 @@ namespace prnn {
 template <class Math, class Cell>
 struct Elements {
   static constexpr int kCount = Math::kElementsPerThread;
-  static constexpr int kMostLanes = Cell::kRowGates == 1 && Cell::kVectorGates == 1 ? 1 : 4;
+  static constexpr int kMostLanes = vanilla_cell<Cell> ? 1 : 4;
   using Element = typename Cell::Element;
   Cell cell[kCount];
   int unit_local[kCount];

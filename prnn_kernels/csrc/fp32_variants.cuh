@@ -68,9 +68,7 @@ std::vector<Tiling> chained_tilings(const MatrixShape& shape) {
 // of weights (64 registers) beside two elements of a gated cell then spilled 24-148 bytes, and the LSTM at 1024 ran
 // 46-49 % slower a forward step than in the plain engine, so there only the vanilla cells chain. The 5 x 6 variant
 // (the LSTM's at 1152, 160 registers instead of 168) ran 1-8 % slower chained, and re-reading the L2 weights once per
-// chain cost the LSTM at 2048 22 % (NOTES.md v24): those run in the plain engine alone.
-template <class Cell>
-constexpr bool vanilla_cell = Cell::kRowGates == 1 && Cell::kVectorGates == 1;
+// chain cost the LSTM at 2048 22 % (NOTES.md v24): those run in the plain engine alone (vanilla_cell, engine.cuh).
 
 // Math for Cell in the plain engine, and in the chained engine too where `chained`.
 template <class Math, class Cell, bool chained = true>
