@@ -1,6 +1,6 @@
 """Strong scaling of the training step at a fixed global batch, one process per GPU over MPI.
 
-    mpirun -np N python -m benchmarks.scaling [--model an4|deep|cpu_demo] [--global-batch 8]
+    mpirun -np N python -m benchmarks.scaling [--model an4|deep|deep100|cpu_demo] [--global-batch 8]
         [--backend auto|cudnn|persistent] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
         [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs]
 
@@ -8,7 +8,8 @@ Each rank trains on global_batch / N random utterances of AN4's shape (--frames 
 lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the
 trainer's own (trainer.train.train_step) on the trainer's own model, optimizer and config (conf/ composed by Hydra:
 --model an4 is experiment=an4_gpu, 5 bidirectional GRU layers of 800 over 161 spectrogram features; deep the same
-with 7 layers of 1152; cpu_demo the small model of experiment=cpu_demo, sized for a CPU smoke test). --cuda-graphs
+with 7 layers of 1152; deep100 experiment=deep100, 100 residual bidirectional GRU layers of 512; cpu_demo the small
+model of experiment=cpu_demo, sized for a CPU smoke test). --cuda-graphs
 replays the model's forward and backward from CUDA graphs as train.cuda_graphs=true does (models.cuda_graphs), in
 every measure that runs the step.
 
@@ -53,6 +54,7 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 MODELS = {
     "an4": ("an4_gpu", []),
     "deep": ("an4_gpu", ["model.depth=7", "model.hidden=1152"]),
+    "deep100": ("deep100", []),
     "cpu_demo": ("cpu_demo", []),
 }
 # Characters per 10 ms feature frame in the random targets: AN4 speakers say about 12 characters a second.

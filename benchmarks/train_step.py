@@ -1,11 +1,12 @@
 """Training-step time of the same DeepSpeech2 model on each recurrent backend, in one process on one GPU.
 
-    python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent] [--batches 1 4 8 16 32]
+    python -m benchmarks.train_step [--models an4 deep deep100] [--backends cudnn persistent] [--batches 1 4 8 16 32]
         [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--json PATH]
 
 The step is the trainer's own (trainer.train.train_step: forward under bf16 autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
-experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152. Inputs are random
+experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152, deep100 is
+experiment=deep100 (100 residual bidirectional GRU layers of 512). Inputs are random
 utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend starts from the same initial weights.
 Times are medians over --steps after --warmup, each step bracketed by device synchronisation. Beside each, the GPU
 time of a step: the summed durations of the kernels and copies that torch.profiler records over --steps further
