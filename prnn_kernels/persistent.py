@@ -90,9 +90,11 @@ def launch_plans(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtyp
     pass with `directions_in_one_launch`, `ctas_per_direction`, `threads`, `cluster_size` (CTAs sharing each step's
     vector copies), `units_per_cta`, `smem_bytes`, `weight_smem_bytes` (the part of the CTA's weights kept in shared
     memory, 0 where registers hold them all), `weight_l2_bytes` (the part read again from L2 every step, where the
-    chip cannot hold the matrix; else 0) and `chains` (fp32: 0 for the plain engine, else the chained engine's chains
+    chip cannot hold the matrix; else 0), `chains` (fp32: 0 for the plain engine, else the chained engine's chains
     of samples, whose steps interleave and are handed off by a sync warpgroup; `threads` counts the compute threads
-    only); or `ok` False and the `reason`."""
+    only) and `one_cluster` (bf16: the cluster engine, each direction one thread-block cluster of `cluster_size` =
+    `ctas_per_direction` CTAs that hand each step off through distributed shared memory); or `ok` False and the
+    `reason`."""
     device = torch.device(device)
     verdict = support(cell, hidden_size, batch_size, dtype, device)
     if not verdict.ok:

@@ -487,12 +487,14 @@ def test_refuses_lengths_out_of_range():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cell, hidden_size, batch_size, chains", [
-    ("relu", 2048, 4, 2), ("relu", 2048, 1, 1), ("lstm", 1024, 4, 0)])
-def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, batch_size, chains):
+@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, chains, one_cluster", [
+    ("relu", 2048, 4, torch.float32, 2, False), ("relu", 2048, 1, torch.float32, 1, False),
+    ("lstm", 1024, 4, torch.float32, 0, False), ("gru", 512, 4, torch.bfloat16, 0, True)])
+def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, batch_size, dtype, chains, one_cluster):
     if torch.cuda.get_device_properties(CUDA).multi_processor_count >= 128:  # where the engines' rule is known
-        assert launch_plans(cell, hidden_size, batch_size, torch.float32, CUDA)[0]["chains"] == chains
-    leaves, lengths = random_layer(cell, 64, batch_size, hidden_size, torch.float32, True, seed=5)
+        plan = launch_plans(cell, hidden_size, batch_size, dtype, CUDA)[0]
+        assert (plan["chains"], plan["one_cluster"]) == (chains, one_cluster)
+    leaves, lengths = random_layer(cell, 64, batch_size, hidden_size, dtype, True, seed=5)
     arguments = layer_arguments(cell, leaves)
     monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # every wait that finds a flag unset fails at once
     persistent_layer(cell, *arguments, lengths, False)
@@ -503,13 +505,34 @@ def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, bat
     persistent.raise_if_failed()
     expected, _ = reference_layer(cell, *layer_arguments(cell, [t.detach().double() for t in leaves]), lengths,
                                   False)
-    assert relative_error(output.double(), expected) <= TOLERANCE[torch.float32]
+    assert relative_error(output.double(), expected) <= TOLERANCE[dtype]
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cell, hidden_size, batch_size, directions, one_cluster", [
+    ("relu", 1024, 4, 1, (True, True)),  # 16 CTAs of 64 units, forward and backward
+    ("gru", 512, 4, 2, (True, False)),  # a GRU's backward publishes three values a unit: the plain engine
+    ("lstm", 256, 8, 1, (True, False)),
+    ("tanh", 64, 1, 2, (True, True)),  # one CTA a direction
+    ("gru", 512, 16, 1, (False, False)),  # more utterances than the cluster engine takes
+    ("gru", 1152, 4, 1, (False, False)),  # more weights than 16 SMs' registers hold
+])
+def test_small_bf16_layers_run_in_one_cluster(cell, hidden_size, batch_size, directions, one_cluster):
+    # One cluster a direction, each step handed off through distributed shared memory, ran the bf16 ReLU to 1024 units
+    # and the GRU to 512 1.2-3.6x as fast as the plain engine at 1-4 utterances (NOTES.md, "Probe after v30").
+    plans = launch_plans(cell, hidden_size, batch_size, torch.bfloat16, CUDA, directions)
+    assert [plan["one_cluster"] for plan in plans] == list(one_cluster)
+    for plan in plans:
+        if plan["one_cluster"]:
+            assert plan["cluster_size"] == plan["ctas_per_direction"] <= 16
+            assert plan["units_per_cta"] % 8 == 0 and plan["units_per_cta"] * plan["ctas_per_direction"] >= hidden_size
+
+
+@pytest.mark.cuda
+# The ReLU in the chained engine, the GRU's forward in the cluster engine, the others in the plain one.
 @pytest.mark.parametrize("cell, hidden_size, dtype", [
     ("tanh", 512, torch.float32), ("relu", 2048, torch.float32), ("gru", 512, torch.bfloat16),
-    ("lstm", 512, torch.float32)])  # the ReLU in the chained engine, the others in the plain one
+    ("lstm", 512, torch.float32)])
 def test_forward_and_backward_capture_in_a_cuda_graph(cell, hidden_size, dtype):
     leaves, lengths = random_layer(cell, 33, 4, hidden_size, dtype, True, seed=6)
     upstream = random_upstream(cell, 33, 4, hidden_size, dtype)

@@ -376,6 +376,7 @@ std::vector<py::dict> launch_plans(const std::string& cell, int64_t hidden, int6
       entry["weight_smem_bytes"] = plan.tiling.weight_smem_bytes;
       entry["weight_l2_bytes"] = plan.tiling.weight_l2_bytes;
       entry["chains"] = plan.tiling.chains;
+      entry["one_cluster"] = plan.tiling.one_cluster != 0;
     }
     result.push_back(entry);
   }

@@ -19,6 +19,13 @@
 // count and issues the staging copies. The compute warps run chain 0's step, then chain 1's, never waiting for a
 // count: while they multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24). With one
 // chain (one or two utterances) only the hand-off moves off the compute warps.
+//
+// The cluster engine (bf16 layers small enough for one cluster of at most 16 CTAs a direction, up to 8 utterances)
+// keeps the plain engine's multiply and cells but hands each step off inside the cluster: each CTA sends its slice
+// of the next vector straight into every CTA's shared memory (st.async, counted on the receiver's mbarrier), so no
+// step goes through global memory or a gpu-scope release (about 1.5 us a step through L2, 0.4-0.8 us in a cluster;
+// NOTES.md, "Probe after v30"). It still writes each step's fp32 vector to RnnParams::state, which the gather after
+// the launch, h_n and the backward read.
 #pragma once
 
 #include <type_traits>
@@ -368,6 +375,200 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
   elements.end(p, cta);
 }
 
+// The cluster engine's shared memory: the staged vector twice (a peer may send step s + 1's slice while this CTA
+// still multiplies step s's), the partial sums, the control words (two mbarriers, one per staged buffer, and the abort
+// flag), this CTA's slice of the next vector in bf16 (B, units_per_cta), then the weights a variant keeps there.
+template <class Math>
+struct ClusterLayout {
+  int staged_bytes;  // one buffer
+  int control;
+  int slice;
+  int weights;
+  int total;
+
+  __host__ __device__ ClusterLayout(const Tiling& tiling, int batch) {
+    staged_bytes = Math::staged_bytes(tiling, batch);
+    control = control_offset(2 * staged_bytes, partial_floats(tiling));
+    slice = control + kControlBytes;
+    weights = slice + round_up(batch * tiling.units_per_cta * 2, 16);
+    total = weights + tiling.weight_smem_bytes;
+  }
+};
+
+// The largest cluster a GPU of compute capability 9.0 takes (non-portable above 8), and the most utterances the cluster
+// engine runs: its hand-off grows with the bytes each CTA receives, and it was measured no slower than the plain
+// engine up to 8 (NOTES.md, "Probe after v30").
+constexpr int kMaxClusterCtas = 16;
+constexpr int kMaxClusterBatch = 8;
+
+__device__ __forceinline__ uint32_t cluster_address(uint32_t local_address, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_address), "r"(rank));
+  return remote;
+}
+
+// Waits, bounded by the timeout, until the mbarrier's phase of this `parity` completed: every CTA's slice landed.
+// Returns false, with the status word set, if the wait ran out of time.
+template <class Element>
+__device__ bool wait_for_slices(const RnnParams<Element>& p, uint64_t* barrier, uint32_t parity) {
+  const uint32_t address = shared_address(barrier);
+  const unsigned long long start = global_ns();
+  while (true) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred ready;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n\t"
+        "selp.b32 %0, 1, 0, ready;\n\t}"
+        : "=r"(done)
+        : "r"(address), "r"(parity)
+        : "memory");
+    if (done) return true;
+    if (global_ns() - start >= p.timeout_ns) {
+      atomicCAS(p.status, 0, kStatusTimedOut);
+      return false;
+    }
+  }
+}
+
+// One direction per cluster: CTA `cta` of its direction is rank `cta` of the cluster (cluster_size = num_ctas).
+template <class Math, class Cell>
+__global__ void __launch_bounds__(Math::kMaxThreads, 1)
+    cluster_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
+  static_assert(std::is_same<typename Cell::Element, __nv_bfloat16>::value, "slices travel in bf16");
+  static_assert(Cell::kVectorGates == 1, "a CTA's slice of the next vector is one run of units");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int num_ctas = layer.direction[0].tiling.num_ctas;
+  const RnnParams<__nv_bfloat16>& p = layer.direction[blockIdx.x / num_ctas];
+  const int cta = blockIdx.x % num_ctas;
+  const Tiling& tiling = p.tiling;
+  const int rows = tiling.rows_per_cta;
+  const int units = tiling.units_per_cta;
+  const ClusterLayout<Math> layout(tiling, p.batch);
+  const int staged_stride = Math::staged_stride(tiling);
+  auto* staged = reinterpret_cast<__nv_bfloat16*>(smem);  // buffer b at staged + b * staged_elements
+  const int staged_elements = layout.staged_bytes / 2;
+  float* partials = reinterpret_cast<float*>(smem + 2 * layout.staged_bytes);  // (num_partials, B, R)
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(smem + layout.control);
+  auto* slice = reinterpret_cast<__nv_bfloat16*>(smem + layout.slice);
+
+  Math math;
+  math.load_weights(p, cta, smem + layout.weights);
+  zero_shared(smem, layout.weights);  // padding samples and k >= K stay zero for the whole sequence
+  __syncthreads();
+  // Step 0 multiplies the vector published before the launch (hx, or the backward's zero), read by each CTA itself.
+  const __nv_bfloat16* first = Math::published(p, 0);
+  for (int i = threadIdx.x; i < p.batch * p.vector_length; i += blockDim.x) {
+    const int sample = i / p.vector_length, k = i - sample * p.vector_length;
+    staged[sample * staged_stride + k] = first[sample * p.state_bf16_stride + k];
+  }
+  const uint32_t step_bytes = static_cast<uint32_t>(num_ctas * p.batch * units * 2);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(barriers + b)));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // Buffer s % 2 receives the vector step s multiplies; arm it for step 1's.
+    if (p.num_steps > 1) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barriers + 1)),
+                   "r"(step_bytes)
+                   : "memory");
+    }
+  }
+
+  Cell cell[Math::kElementsPerThread];
+  int unit_local[Math::kElementsPerThread];
+  int sample[Math::kElementsPerThread];
+  bool active[Math::kElementsPerThread];
+#pragma unroll
+  for (int u = 0; u < Math::kElementsPerThread; ++u) {
+    const int e = threadIdx.x + u * blockDim.x;
+    sample[u] = e / units;
+    unit_local[u] = e - sample[u] * units;
+    active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
+    if (active[u]) cell[u].init(p, cta * units + unit_local[u], sample[u]);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeroing, then the peers' asynchronous stores
+  cluster_sync();  // every CTA's barriers initialised and staged buffers zeroed before any slice arrives
+
+  const size_t vector_size = static_cast<size_t>(p.batch) * p.state_stride;
+  const int chunks = p.batch * units / 8;  // 16-byte chunks of this CTA's slice
+  for (int step = 0; step < p.num_steps; ++step) {
+    const int buffer = step % 2;
+    // A CTA whose wait ran out of time stops, so it arms and sends no more; its peers then run out of time waiting for
+    // its slices and stop too, and all meet at the cluster barrier below (Python raises from the status word).
+    if (step > 0 && __syncthreads_or(!wait_for_slices(p, barriers + buffer, ((step - 1) / 2) % 2))) break;
+#pragma unroll
+    for (int u = 0; u < Math::kElementsPerThread; ++u) {
+      if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
+    }
+    math.multiply(p, staged + buffer * staged_elements, partials);
+    __syncthreads();
+    if (threadIdx.x == 0 && step + 2 < p.num_steps) {  // every thread is past this buffer's wait
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barriers + buffer)),
+                   "r"(step_bytes)
+                   : "memory");
+    }
+#pragma unroll
+    for (int u = 0; u < Math::kElementsPerThread; ++u) {
+      if (active[u]) {
+        float recurrent[Cell::kRowGates] = {};
+        const float* unit_partials = partials + sample[u] * rows + unit_local[u];
+#pragma unroll 4
+        for (int q = 0; q < tiling.num_partials; ++q) {
+#pragma unroll
+          for (int gate = 0; gate < Cell::kRowGates; ++gate) {
+            recurrent[gate] += unit_partials[q * p.batch * rows + gate * units];
+          }
+        }
+        const int unit = cta * units + unit_local[u];
+        float published[1];
+        cell[u].finish(p, step, unit, sample[u], recurrent, published);
+        p.state[(step + 1) * vector_size + sample[u] * p.state_stride + unit] = published[0];
+        slice[sample[u] * units + unit_local[u]] = __float2bfloat16(published[0]);
+      }
+    }
+    __syncthreads();
+    if (step + 1 < p.num_steps) {
+      const int next = (step + 1) % 2;
+      const uint32_t next_barrier = shared_address(barriers + next);
+      for (int i = threadIdx.x; i < num_ctas * chunks; i += blockDim.x) {
+        const int rank = i / chunks, chunk = i - rank * chunks;
+        const int row = chunk / (units / 8), part = chunk - row * (units / 8);
+        const uint4 value = *reinterpret_cast<const uint4*>(slice + row * units + 8 * part);
+        const uint32_t to = shared_address(staged + next * staged_elements + row * staged_stride + cta * units +
+                                           8 * part);
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                cluster_address(to, rank)),
+            "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "r"(cluster_address(next_barrier, rank))
+            : "memory");
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < Math::kElementsPerThread; ++u) {
+    if (active[u]) cell[u].end(p, cta * units + unit_local[u], sample[u]);
+  }
+  cluster_sync();  // no CTA leaves while a peer may still send into its shared memory
+}
+
+// Math's tilings that one cluster runs: at most kMaxClusterCtas CTAs, slices of whole 16-byte chunks (units_per_cta a
+// multiple of 8) that stay inside the staged rows.
+template <class Math>
+std::vector<Tiling> one_cluster_tilings(const MatrixShape& shape) {
+  std::vector<Tiling> result;
+  if (shape.batch > kMaxClusterBatch) return result;
+  for (Tiling t : Math::tilings(shape)) {
+    if (t.num_ctas > kMaxClusterCtas || t.units_per_cta % 8 != 0 || t.num_ctas * t.units_per_cta > t.padded_k) {
+      continue;
+    }
+    t.one_cluster = 1;
+    t.cluster_size = t.num_ctas;
+    t.smem_bytes = ClusterLayout<Math>(t, shape.batch).total;
+    result.push_back(t);
+  }
+  return result;
+}
+
 // The plain engine's kernel for Math and Cell, proposing `tilings` (all of Math's unless given).
 template <class Math, class Cell>
 KernelVariant kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&) = &Math::tilings) {
@@ -378,6 +579,12 @@ KernelVariant kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&) 
 template <class Math, class Cell>
 KernelVariant chained_kernel_variant(std::vector<Tiling> (*tilings)(const MatrixShape&)) {
   return {reinterpret_cast<const void*>(&chained_rnn_kernel<Math, Cell>), Math::kMaxThreads, tilings};
+}
+
+// The cluster engine's kernel for Math and Cell.
+template <class Math, class Cell>
+KernelVariant cluster_kernel_variant() {
+  return {reinterpret_cast<const void*>(&cluster_rnn_kernel<Math, Cell>), Math::kMaxThreads, &one_cluster_tilings<Math>};
 }
 
 }  // namespace prnn

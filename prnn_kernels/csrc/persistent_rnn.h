@@ -79,6 +79,8 @@ struct Tiling {
   int chains;         // fp32: 0 for the plain engine; else the chained engine (engine.cuh) with this many chains of
                       //   samples (1 or kChains), handed off by its sync warpgroup while the compute warps multiply
   int partial_stride;  // floats from one warp's partial sums to the next's: B * R, padded in the chained engine
+  int one_cluster;     // bf16: 1 for the cluster engine (engine.cuh), whose direction is one thread-block cluster of
+                       //   cluster_size = num_ctas CTAs handing each step off through distributed shared memory
 };
 
 // Sample chains of the chained engine, and the threads a launch of a tiling starts: the chained engine rounds the

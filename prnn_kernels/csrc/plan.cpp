@@ -2,7 +2,9 @@
 //
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
-// and the cheapest is kept: first one CTA per SM, then the least work per busy sub-partition (rows x padded K over the
+// and the cheapest is kept: first the cluster engine's wherever one fits (one cluster a direction, bf16, up to 8
+// utterances, weights in registers: faster than the plain engine at every such shape measured, NOTES.md "Probe after
+// v30"), then one CTA per SM, then the least work per busy sub-partition (rows x padded K over the
 // SM's sub-partitions the CTA's warps occupy, at most four), then the fewest CTAs, then the fewest threads that still
 // give each (unit, sample) element a thread of its own and each sub-partition a warp (kMinThreads), then the largest
 // cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then fewer CTAs
@@ -107,7 +109,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   bool found = false;
   Tiling best{};
   const void* best_kernel = nullptr;
-  std::tuple<int, double, int, bool, int, int, int> best_score;
+  std::tuple<bool, int, double, int, bool, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   bool l2_tried = false;
   const int gates = gates_of(cell);
@@ -115,6 +117,10 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
                                                    : MatrixShape{hidden, 1, gates * hidden, batch, smem_optin};
   for (const KernelVariant& variant : kernel_variants(precision, pass, cell)) {
     error = cudaFuncSetAttribute(variant.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
+    // The cluster engine's clusters take up to 16 CTAs; past 8 a kernel must allow it.
+    if (error == cudaSuccess) {
+      error = cudaFuncSetAttribute(variant.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    }
     if (error != cudaSuccess) return refuse(cuda_failure("cudaFuncSetAttribute", error));
     for (const Tiling& t : variant.tilings(shape)) {
       if (t.threads > variant.max_threads || t.smem_bytes > smem_optin) continue;
@@ -127,7 +133,8 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, launch_threads(t), t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
       if (per_sm == 0) continue;
-      for (const int cluster_size : cluster_sizes(precision, directions)) {
+      const std::vector<int> sizes = t.one_cluster ? std::vector<int>{t.num_ctas} : cluster_sizes(precision, directions);
+      for (const int cluster_size : sizes) {
         Tiling candidate = t;
         candidate.cluster_size = cluster_size;
         candidate.num_ctas = (t.num_ctas + cluster_size - 1) / cluster_size * cluster_size;
@@ -160,8 +167,8 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
         }
         const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
         const bool too_few_threads = t.threads < std::max(kMinThreads, t.units_per_cta * batch);
-        const auto score = std::make_tuple(ctas_per_sm, work_per_busy_partition(t), t.num_ctas, too_few_threads,
-                                           t.threads, -cluster_size, candidate.num_ctas);
+        const auto score = std::make_tuple(!t.one_cluster, ctas_per_sm, work_per_busy_partition(t), t.num_ctas,
+                                           too_few_threads, t.threads, -cluster_size, candidate.num_ctas);
         if (!found || score < best_score) {
           found = true;
           best = candidate;
