@@ -484,7 +484,12 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     sample[u] = e / units;
     unit_local[u] = e - sample[u] * units;
     active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
-    if (active[u]) cell[u].init(p, cta * units + unit_local[u], sample[u]);
+    if (active[u]) {
+      cell[u].init(p, cta * units + unit_local[u], sample[u]);
+      // Each step's inputs load a step ahead, after the step before finished: a step here is short enough that loads
+      // issued at its start still ran when its cells needed them.
+      cell[u].load(p, 0, cta * units + unit_local[u], sample[u]);
+    }
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the zeroing, then the peers' asynchronous stores
   cluster_sync();  // every CTA's barriers initialised and staged buffers zeroed before any slice arrives
@@ -496,10 +501,6 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
     // A CTA whose wait ran out of time stops, so it arms and sends no more; its peers then run out of time waiting for
     // its slices and stop too, and all meet at the cluster barrier below (Python raises from the status word).
     if (step > 0 && __syncthreads_or(!wait_for_slices(p, barriers + buffer, ((step - 1) / 2) % 2))) break;
-#pragma unroll
-    for (int u = 0; u < Math::kElementsPerThread; ++u) {
-      if (active[u]) cell[u].load(p, step, cta * units + unit_local[u], sample[u]);
-    }
     math.multiply(p, staged + buffer * staged_elements, partials);
     __syncthreads();
     if (threadIdx.x == 0 && step + 2 < p.num_steps) {  // every thread is past this buffer's wait
@@ -524,6 +525,7 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
         cell[u].finish(p, step, unit, sample[u], recurrent, published);
         p.state[(step + 1) * vector_size + sample[u] * p.state_stride + unit] = published[0];
         slice[sample[u] * units + unit_local[u]] = __float2bfloat16(published[0]);
+        if (step + 1 < p.num_steps) cell[u].load(p, step + 1, unit, sample[u]);
       }
     }
     __syncthreads();
