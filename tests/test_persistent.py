@@ -430,18 +430,18 @@ def test_launch_plans_hold_every_unit_on_co_resident_ctas(cell, hidden_size, bat
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("hidden_size, batch_size, threads", [
-    (1024, 4, 256),  # 8 k-tiles per warp: half the warps of 4 tiles for the same work
-    (512, 8, 128),
+    (1024, 8, 256),  # 8 k-tiles per warp: half the warps of 4 tiles for the same work
+    (1024, 16, 256),  # 16 units of 16 utterances: one element a thread
     (512, 16, 256),  # 128 threads would finish two (unit, sample) elements each
-    (256, 4, 128),  # 64 would leave two of an SM's four sub-partitions without a warp
 ])
 def test_bf16_plans_take_the_fewest_threads_that_finish_one_element_each(hidden_size, batch_size, threads):
-    # Among tilings of equal work, fewer warps ran the bf16 passes up to 27 % faster, but not where each thread then
-    # finished two elements (NOTES.md, "Threads per CTA"). These shapes fit one CTA per SM on 64 SMs.
+    # Among tilings of equal work, fewer warps ran the plain engine's bf16 passes up to 27 % faster, but not where each
+    # thread then finished two elements (NOTES.md, "Threads per CTA"). These shapes are past the cluster engine's (each
+    # CTA would receive more than 8 KB of the vector a step) and fit one CTA per SM on 64 SMs.
     if torch.cuda.get_device_properties(CUDA).multi_processor_count < 64:
         pytest.skip("the tilings asserted here are those of a GPU with 64 SMs or more")
     plans = launch_plans("relu", hidden_size, batch_size, torch.bfloat16, CUDA)
-    assert [plan["threads"] for plan in plans] == [threads, threads]
+    assert [(plan["threads"], plan["one_cluster"]) for plan in plans] == [(threads, False)] * 2
 
 
 @pytest.mark.cuda
@@ -515,11 +515,13 @@ def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, bat
     ("lstm", 256, 8, 1, (True, False)),
     ("tanh", 64, 1, 2, (True, True)),  # one CTA a direction
     ("gru", 512, 16, 1, (False, False)),  # more utterances than the cluster engine takes
+    ("relu", 1024, 8, 1, (False, False)),  # 16 KB of the vector a step into each CTA: level with the plain engine
     ("gru", 1152, 4, 1, (False, False)),  # more weights than 16 SMs' registers hold
 ])
 def test_small_bf16_layers_run_in_one_cluster(cell, hidden_size, batch_size, directions, one_cluster):
-    # One cluster a direction, each step handed off through distributed shared memory, ran the bf16 ReLU to 1024 units
-    # and the GRU to 512 1.2-3.6x as fast as the plain engine at 1-4 utterances (NOTES.md, "Probe after v30").
+    # One cluster a direction, each step handed off through distributed shared memory, ran the bf16 ReLU to 1024 units,
+    # the GRU and the LSTM to 512 1.1-1.8x as fast as the plain engine where each CTA receives up to 8 KB of the vector
+    # a step (NOTES.md, "The cluster engine lands").
     plans = launch_plans(cell, hidden_size, batch_size, torch.bfloat16, CUDA, directions)
     assert [plan["one_cluster"] for plan in plans] == list(one_cluster)
     for plan in plans:

@@ -395,11 +395,13 @@ struct ClusterLayout {
   }
 };
 
-// The largest cluster a GPU of compute capability 9.0 takes (non-portable above 8), and the most utterances the cluster
-// engine runs: its hand-off grows with the bytes each CTA receives, and it was measured no slower than the plain
-// engine up to 8 (NOTES.md, "Probe after v30").
+// The largest cluster a GPU of compute capability 9.0 takes (non-portable above 8); the most utterances the cluster
+// engine runs (one MMA sample tile); and the most bytes of the vector each CTA receives a step: the hand-off grows with
+// them, and the engine was measured faster than the plain one up to 8 KB and level at 16 (NOTES.md, "The cluster
+// engine lands").
 constexpr int kMaxClusterCtas = 16;
 constexpr int kMaxClusterBatch = 8;
+constexpr int kMaxClusterVectorBytes = 8192;
 
 __device__ __forceinline__ uint32_t cluster_address(uint32_t local_address, int rank) {
   uint32_t remote;
@@ -408,37 +410,40 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t local_address, int 
 }
 
 // Waits, bounded by the timeout, until the mbarrier's phase of this `parity` completed: every CTA's slice landed.
-// Returns false, with the status word set, if the wait ran out of time.
+// Returns false, with the status word set, if the wait ran out of time. The clock is read only once the slices are
+// found missing (a zero timeout then fails at once; the tests use that): reading it every step cost the step.
+__device__ __forceinline__ bool slices_landed(uint32_t barrier_address, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t.reg .pred ready;\n\tmbarrier.test_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n\t"
+      "selp.b32 %0, 1, 0, ready;\n\t}"
+      : "=r"(done)
+      : "r"(barrier_address), "r"(parity)
+      : "memory");
+  return done;
+}
+
 template <class Element>
 __device__ bool wait_for_slices(const RnnParams<Element>& p, uint64_t* barrier, uint32_t parity) {
   const uint32_t address = shared_address(barrier);
+  if (slices_landed(address, parity)) return true;
   const unsigned long long start = global_ns();
-  while (true) {
-    uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred ready;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n\t"
-        "selp.b32 %0, 1, 0, ready;\n\t}"
-        : "=r"(done)
-        : "r"(address), "r"(parity)
-        : "memory");
-    if (done) return true;
+  while (!slices_landed(address, parity)) {
     if (global_ns() - start >= p.timeout_ns) {
       atomicCAS(p.status, 0, kStatusTimedOut);
       return false;
     }
   }
+  return true;
 }
 
 // One direction per cluster: CTA `cta` of its direction is rank `cta` of the cluster (cluster_size = num_ctas).
 template <class Math, class Cell>
-__global__ void __launch_bounds__(Math::kMaxThreads, 1)
-    cluster_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
+__device__ __forceinline__ void cluster_rnn_direction(const RnnParams<__nv_bfloat16>& p, const int cta) {
   static_assert(std::is_same<typename Cell::Element, __nv_bfloat16>::value, "slices travel in bf16");
   static_assert(Cell::kVectorGates == 1, "a CTA's slice of the next vector is one run of units");
   extern __shared__ __align__(16) unsigned char smem[];
-  const int num_ctas = layer.direction[0].tiling.num_ctas;
-  const RnnParams<__nv_bfloat16>& p = layer.direction[blockIdx.x / num_ctas];
-  const int cta = blockIdx.x % num_ctas;
+  const int num_ctas = p.tiling.num_ctas;
   const Tiling& tiling = p.tiling;
   const int rows = tiling.rows_per_cta;
   const int units = tiling.units_per_cta;
@@ -498,11 +503,12 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   const int chunks = p.batch * units / 8;  // 16-byte chunks of this CTA's slice
   for (int step = 0; step < p.num_steps; ++step) {
     const int buffer = step % 2;
-    // A CTA whose wait ran out of time stops, so it arms and sends no more; its peers then run out of time waiting for
-    // its slices and stop too, and all meet at the cluster barrier below (Python raises from the status word).
-    if (step > 0 && __syncthreads_or(!wait_for_slices(p, barriers + buffer, ((step - 1) / 2) % 2))) break;
+    const bool timed_out = step > 0 && !wait_for_slices(p, barriers + buffer, ((step - 1) / 2) % 2);
     math.multiply(p, staged + buffer * staged_elements, partials);
-    __syncthreads();
+    // A CTA whose wait ran out of time stops (after a multiply of whatever had landed, which nothing reads), so it
+    // arms and sends no more; its peers then run out of time waiting for its slices and stop too, and all meet at
+    // the cluster barrier below (Python raises from the status word). One barrier both sums the partials and agrees.
+    if (__syncthreads_or(timed_out)) break;
     if (threadIdx.x == 0 && step + 2 < p.num_steps) {  // every thread is past this buffer's wait
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barriers + buffer)),
                    "r"(step_bytes)
@@ -553,12 +559,27 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
   cluster_sync();  // no CTA leaves while a peer may still send into its shared memory
 }
 
+template <class Math, class Cell>
+__global__ void __launch_bounds__(Math::kMaxThreads, 1)
+    cluster_rnn_kernel(const __grid_constant__ LayerParams<typename Cell::Element> layer) {
+  // Each direction gets its own inlined copy, in which p lies at a fixed offset of the parameter space and its fields
+  // are immediate constant operands. Read at a run-time index, each field is a constant-cache load with a register
+  // address, several in a row every step: 0.1-0.3 us of this engine's 1-2 us steps. The plain and chained engines
+  // spilled with two copies and lost more than that (NOTES.md, "The cluster engine lands").
+  const int num_ctas = layer.direction[0].tiling.num_ctas;
+  if (static_cast<int>(blockIdx.x) < num_ctas) {
+    cluster_rnn_direction<Math, Cell>(layer.direction[0], blockIdx.x);
+  } else {
+    cluster_rnn_direction<Math, Cell>(layer.direction[1], blockIdx.x - num_ctas);
+  }
+}
+
 // Math's tilings that one cluster runs: at most kMaxClusterCtas CTAs, slices of whole 16-byte chunks (units_per_cta a
 // multiple of 8) that stay inside the staged rows.
 template <class Math>
 std::vector<Tiling> one_cluster_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
-  if (shape.batch > kMaxClusterBatch) return result;
+  if (shape.batch > kMaxClusterBatch || shape.batch * shape.k_extent * 2 > kMaxClusterVectorBytes) return result;
   for (Tiling t : Math::tilings(shape)) {
     if (t.num_ctas > kMaxClusterCtas || t.units_per_cta % 8 != 0 || t.num_ctas * t.units_per_cta > t.padded_k) {
       continue;
@@ -586,7 +607,8 @@ KernelVariant chained_kernel_variant(std::vector<Tiling> (*tilings)(const Matrix
 // The cluster engine's kernel for Math and Cell.
 template <class Math, class Cell>
 KernelVariant cluster_kernel_variant() {
-  return {reinterpret_cast<const void*>(&cluster_rnn_kernel<Math, Cell>), Math::kMaxThreads, &one_cluster_tilings<Math>};
+  return {reinterpret_cast<const void*>(&cluster_rnn_kernel<Math, Cell>), Math::kMaxThreads,
+          &one_cluster_tilings<Math>};
 }
 
 }  // namespace prnn

@@ -133,7 +133,8 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, variant.kernel, launch_threads(t), t.smem_bytes);
       if (error != cudaSuccess) return refuse(cuda_failure("cudaOccupancyMaxActiveBlocksPerMultiprocessor", error));
       if (per_sm == 0) continue;
-      const std::vector<int> sizes = t.one_cluster ? std::vector<int>{t.num_ctas} : cluster_sizes(precision, directions);
+      const std::vector<int> sizes =
+          t.one_cluster ? std::vector<int>{t.num_ctas} : cluster_sizes(precision, directions);
       for (const int cluster_size : sizes) {
         Tiling candidate = t;
         candidate.cluster_size = cluster_size;
