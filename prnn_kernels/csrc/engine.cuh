@@ -20,12 +20,12 @@
 // count: while they multiply one chain, the other chain's vector travels between the SMs (NOTES.md v24). With one
 // chain (one or two utterances) only the hand-off moves off the compute warps.
 //
-// The cluster engine (bf16 layers small enough for one cluster of at most 16 CTAs a direction, up to 8 utterances)
-// keeps the plain engine's multiply and cells but hands each step off inside the cluster: each CTA sends its slice
-// of the next vector straight into every CTA's shared memory (st.async, counted on the receiver's mbarrier), so no
-// step goes through global memory or a gpu-scope release (about 1.5 us a step through L2, 0.4-0.8 us in a cluster;
-// NOTES.md, "Probe after v30"). It still writes each step's fp32 vector to RnnParams::state, which the gather after
-// the launch, h_n and the backward read.
+// The cluster engine (bf16 layers small enough for one cluster of at most 16 CTAs a direction, up to 8 utterances and
+// 8 KB of the vector a step) keeps the plain engine's multiply and cells but hands each step off inside the cluster:
+// each CTA sends its slice of the next vector straight into every CTA's shared memory (st.async, counted on the
+// receiver's mbarrier), so no step goes through global memory or a gpu-scope release (about 1.5 us a step through L2,
+// 0.4-0.8 us in a cluster; NOTES.md, "Probe after v30"). It still writes each step's fp32 vector to RnnParams::state,
+// which the gather after the launch, h_n and the backward read.
 #pragma once
 
 #include <type_traits>

@@ -1,14 +1,14 @@
 // The one tiling chooser and the one launch path for every persistent kernel (torch-free host code).
 //
 // Each compiled variant proposes tilings for a shape (its geometry); here they are held to the device's limits read
-// from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs)
-// and the cheapest is kept: first the cluster engine's wherever one fits (one cluster a direction, bf16, up to 8
-// utterances, weights in registers: faster than the plain engine at every such shape measured, NOTES.md "Probe after
-// v30"), then one CTA per SM, then the least work per busy sub-partition (rows x padded K over the
-// SM's sub-partitions the CTA's warps occupy, at most four), then the fewest CTAs, then the fewest threads that still
-// give each (unit, sample) element a thread of its own and each sub-partition a warp (kMinThreads), then the largest
-// cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then fewer CTAs
-// after rounding to whole clusters. Variants that keep weights in shared memory are tried only where the
+// from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs) and
+// the cheapest is kept: first the cluster engine's wherever one fits (one cluster a direction, bf16, up to 8 utterances
+// and 8 KB of the vector a step, weights in registers: faster than the plain engine at every such shape measured,
+// NOTES.md "The cluster engine lands"), then one CTA per SM, then the least work per busy sub-partition (rows x padded
+// K over the SM's sub-partitions the CTA's warps occupy, at most four), then the fewest CTAs, then the fewest threads
+// that still give each (unit, sample) element a thread of its own and each sub-partition a warp (kMinThreads), then the
+// largest cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then
+// fewer CTAs after rounding to whole clusters. Variants that keep weights in shared memory are tried only where the
 // register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
 // step only where nothing else runs one direction (choose_plan). An fp32 tiling runs in the plain or the chained engine
 // as chains_for says (fp32_variants.cuh); a chained launch adds a sync warpgroup to the tiling's threads
