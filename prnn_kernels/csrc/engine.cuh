@@ -376,8 +376,9 @@ __global__ void __launch_bounds__(Math::kMaxThreads + 128, 1)
 }
 
 // The cluster engine's shared memory: the staged vector twice (a peer may send step s + 1's slice while this CTA
-// still multiplies step s's), the partial sums, the control words (two mbarriers, one per staged buffer, and the abort
-// flag), this CTA's slice of the next vector in bf16 (B, units_per_cta), then the weights a variant keeps there.
+// still multiplies step s's), the partial sums, the control words (two mbarriers, one per staged buffer), this CTA's
+// slice of the next vector in bf16 (B, units_per_cta), then the weights a variant keeps there (none of those offered:
+// bf16_variants.cuh).
 template <class Math>
 struct ClusterLayout {
   int staged_bytes;  // one buffer
