@@ -587,8 +587,7 @@ std::vector<Tiling> one_cluster_tilings(const MatrixShape& shape) {
     if (t.num_ctas > kMaxClusterCtas || t.units_per_cta % 8 != 0 || t.num_ctas * t.units_per_cta > t.padded_k) {
       continue;
     }
-    t.one_cluster = 1;
-    t.cluster_size = t.num_ctas;
+    t.one_cluster = 1;  // the planner makes the cluster the direction's num_ctas CTAs
     t.smem_bytes = ClusterLayout<Math>(t, shape.batch).total;
     result.push_back(t);
   }
