@@ -22,6 +22,8 @@
 // backward step q runs the forward steps in the opposite order, plus one extra step q = T that only collects grad_hx.
 #pragma once
 
+#include <type_traits>
+
 #include "element.cuh"
 
 namespace prnn {
@@ -30,7 +32,30 @@ __device__ __forceinline__ int clamp_length(int64_t length, int seq_len) {
   return length < 0 ? 0 : (length > seq_len ? seq_len : static_cast<int>(length));
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// The cells' activations at their layer's precision. fp32 layers take CUDA's accurate expf, division and tanhf, which
+// their tests hold to 1e-5 of float64. bf16 layers, whose weights, inputs and published values are rounded to 2^-9
+// anyway, take the special-function unit's approximations: ex2 and rcp for the sigmoid (about 2 ulp), tanh.approx for
+// tanh (at most 2^-10.99 relative). Besides being shorter, they have no branch: the accurate division's slow-path
+// branch kept a GRU's two sigmoids from overlapping, so its finish ran them one after the other.
+template <class Element>
+__device__ __forceinline__ float sigmoid_for(float x) {
+  if constexpr (std::is_same_v<Element, float>) {
+    return 1.f / (1.f + expf(-x));
+  } else {
+    return __fdividef(1.f, 1.f + __expf(-x));
+  }
+}
+
+template <class Element>
+__device__ __forceinline__ float tanh_for(float x) {
+  if constexpr (std::is_same_v<Element, float>) {
+    return tanhf(x);
+  } else {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+}
 
 template <class Element>
 __device__ __forceinline__ int forward_time(const RnnParams<Element>& p, int step) {

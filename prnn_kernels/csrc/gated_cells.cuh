@@ -24,10 +24,10 @@ struct GruForward : ForwardCell<Element_, 3> {
     const int t = forward_time(p, step);
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
-      saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // r
-      saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // z
+      saved[0] = sigmoid_for<Element>(inputs.pre_activation(0, recurrent[0]));  // r
+      saved[1] = sigmoid_for<Element>(inputs.pre_activation(1, recurrent[1]));  // z
       saved[3] = recurrent[2] + inputs.bias[2];                  // U_n h + b_n
-      saved[2] = tanhf(inputs.input_at(2) + saved[0] * saved[3]);  // n
+      saved[2] = tanh_for<Element>(inputs.input_at(2) + saved[0] * saved[3]);  // n
       h = (1.f - saved[1]) * saved[2] + saved[1] * h;
     }
     store_saved(p, saved, t, sample, unit);
@@ -114,13 +114,13 @@ struct LstmForward : ForwardCell<Element_, 4> {
     const int t = forward_time(p, step);
     float saved[kSaved] = {};  // zeros past the sample's length, so every output of a call is defined
     if (t < length) {
-      saved[0] = sigmoid(inputs.pre_activation(0, recurrent[0]));  // i
-      saved[1] = sigmoid(inputs.pre_activation(1, recurrent[1]));  // f
-      saved[2] = tanhf(inputs.pre_activation(2, recurrent[2]));     // g
-      saved[3] = sigmoid(inputs.pre_activation(3, recurrent[3]));  // o
+      saved[0] = sigmoid_for<Element>(inputs.pre_activation(0, recurrent[0]));  // i
+      saved[1] = sigmoid_for<Element>(inputs.pre_activation(1, recurrent[1]));  // f
+      saved[2] = tanh_for<Element>(inputs.pre_activation(2, recurrent[2]));     // g
+      saved[3] = sigmoid_for<Element>(inputs.pre_activation(3, recurrent[3]));  // o
       saved[4] = c;
       c = saved[1] * c + saved[0] * saved[2];
-      saved[5] = tanhf(c);
+      saved[5] = tanh_for<Element>(c);
       h = saved[3] * saved[5];
     }
     store_saved(p, saved, t, sample, unit);

@@ -6,8 +6,9 @@
 
 namespace prnn {
 
+template <class Element>
 __device__ __forceinline__ float activate(CellKind cell, float pre) {
-  return cell == CellKind::kRelu ? fmaxf(pre, 0.f) : tanhf(pre);
+  return cell == CellKind::kRelu ? fmaxf(pre, 0.f) : tanh_for<Element>(pre);
 }
 
 // d act / d pre, from the activation's output h.
@@ -24,7 +25,7 @@ struct VanillaForward : ForwardCell<Element_, 1> {
 
   __device__ void finish(const RnnParams<Element>& p, int step, int unit, int sample, const float (&recurrent)[1],
                          float (&published)[1]) {
-    if (forward_time(p, step) < length) h = activate(p.cell, inputs.pre_activation(0, recurrent[0]));
+    if (forward_time(p, step) < length) h = activate<Element>(p.cell, inputs.pre_activation(0, recurrent[0]));
     published[0] = h;
   }
 };
