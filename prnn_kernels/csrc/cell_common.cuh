@@ -6,8 +6,8 @@
 //   init(p, unit, sample)                           once, before the first step
 //   load(p, step, unit, sample)                     after the step's wait and staging copies: starts loading the
 //                                                   step's inputs, whose latency then hides behind staging and
-//                                                   the multiply (the cluster engine: after finishing the step
-//                                                   before, whose hand-off then hides it)
+//                                                   the multiply (the cluster engine: once the step before has
+//                                                   handed off, so that the wait for the next vector hides it)
 //   finish(p, step, unit, sample, recurrent, published)
 //                                                   recurrent: the kRowGates products of the unit's matrix rows with
 //                                                   the published vector; writes the step's outputs that differ

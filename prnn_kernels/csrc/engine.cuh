@@ -492,8 +492,8 @@ __device__ __forceinline__ void cluster_rnn_direction(const RnnParams<__nv_bfloa
     active[u] = sample[u] < p.batch && cta * units + unit_local[u] < p.hidden;
     if (active[u]) {
       cell[u].init(p, cta * units + unit_local[u], sample[u]);
-      // Each step's inputs load a step ahead, after the step before finished: a step here is short enough that loads
-      // issued at its start still ran when its cells needed them.
+      // Each step's inputs load a step ahead, once the step before has handed off: a step here is short enough that
+      // loads issued at its start still ran when its cells needed them.
       cell[u].load(p, 0, cta * units + unit_local[u], sample[u]);
     }
   }
@@ -501,7 +501,13 @@ __device__ __forceinline__ void cluster_rnn_direction(const RnnParams<__nv_bfloa
   cluster_sync();  // every CTA's barriers initialised and staged buffers zeroed before any slice arrives
 
   const size_t vector_size = static_cast<size_t>(p.batch) * p.state_stride;
-  const int chunks = p.batch * units / 8;  // 16-byte chunks of this CTA's slice
+  // Each thread sends one 16-byte chunk of this CTA's slice (one_cluster_tilings: no more chunks than threads) to
+  // every rank_stride-th peer from its first_rank, into the same place of each peer's staged buffer: worked out here
+  // once, the two divisions it takes are off every step's hand-off.
+  const int chunks = p.batch * units / 8;
+  const int chunk = threadIdx.x % chunks, first_rank = threadIdx.x / chunks, rank_stride = blockDim.x / chunks;
+  const int chunk_row = chunk / (units / 8), chunk_part = chunk - chunk_row * (units / 8);
+  const uint32_t chunk_to = shared_address(staged + chunk_row * staged_stride + cta * units + 8 * chunk_part);
   for (int step = 0; step < p.num_steps; ++step) {
     const int buffer = step % 2;
     const bool timed_out = step > 0 && !wait_for_slices(p, barriers + buffer, ((step - 1) / 2) % 2);
@@ -515,6 +521,7 @@ __device__ __forceinline__ void cluster_rnn_direction(const RnnParams<__nv_bfloa
                    "r"(step_bytes)
                    : "memory");
     }
+    float published[Math::kElementsPerThread][1];
 #pragma unroll
     for (int u = 0; u < Math::kElementsPerThread; ++u) {
       if (active[u]) {
@@ -529,29 +536,32 @@ __device__ __forceinline__ void cluster_rnn_direction(const RnnParams<__nv_bfloa
             recurrent[gate] += unit_partials[q * p.batch * rows + gate * units];
           }
         }
-        const int unit = cta * units + unit_local[u];
-        float published[1];
-        cell[u].finish(p, step, unit, sample[u], recurrent, published);
-        p.state[(step + 1) * vector_size + sample[u] * p.state_stride + unit] = published[0];
-        slice[sample[u] * units + unit_local[u]] = __float2bfloat16(published[0]);
-        if (step + 1 < p.num_steps) cell[u].load(p, step + 1, unit, sample[u]);
+        cell[u].finish(p, step, cta * units + unit_local[u], sample[u], recurrent, published[u]);
+        slice[sample[u] * units + unit_local[u]] = __float2bfloat16(published[u][0]);
       }
     }
     __syncthreads();
-    if (step + 1 < p.num_steps) {
+    if (step + 1 < p.num_steps && first_rank < rank_stride) {
       const int next = (step + 1) % 2;
+      const uint4 value = *reinterpret_cast<const uint4*>(slice + 8 * chunk);
+      const uint32_t to = chunk_to + next * layout.staged_bytes;
       const uint32_t next_barrier = shared_address(barriers + next);
-      for (int i = threadIdx.x; i < num_ctas * chunks; i += blockDim.x) {
-        const int rank = i / chunks, chunk = i - rank * chunks;
-        const int row = chunk / (units / 8), part = chunk - row * (units / 8);
-        const uint4 value = *reinterpret_cast<const uint4*>(slice + row * units + 8 * part);
-        const uint32_t to = shared_address(staged + next * staged_elements + row * staged_stride + cta * units +
-                                           8 * part);
+      for (int rank = first_rank; rank < num_ctas; rank += rank_stride) {
         asm volatile(
             "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
                 cluster_address(to, rank)),
             "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "r"(cluster_address(next_barrier, rank))
             : "memory");
+      }
+    }
+    // What the hand-off does not wait for comes after it: the published vector's fp32 copy, read after the launch,
+    // and the next step's inputs, which then load behind the wait for the peers' slices.
+#pragma unroll
+    for (int u = 0; u < Math::kElementsPerThread; ++u) {
+      if (active[u]) {
+        const int unit = cta * units + unit_local[u];
+        p.state[(step + 1) * vector_size + sample[u] * p.state_stride + unit] = published[u][0];
+        if (step + 1 < p.num_steps) cell[u].load(p, step + 1, unit, sample[u]);
       }
     }
   }
@@ -578,13 +588,14 @@ __global__ void __launch_bounds__(Math::kMaxThreads, 1)
 }
 
 // Math's tilings that one cluster runs: at most kMaxClusterCtas CTAs, slices of whole 16-byte chunks (units_per_cta a
-// multiple of 8) that stay inside the staged rows.
+// multiple of 8), no more of them than threads, that stay inside the staged rows.
 template <class Math>
 std::vector<Tiling> one_cluster_tilings(const MatrixShape& shape) {
   std::vector<Tiling> result;
   if (shape.batch > kMaxClusterBatch || shape.batch * shape.k_extent * 2 > kMaxClusterVectorBytes) return result;
   for (Tiling t : Math::tilings(shape)) {
-    if (t.num_ctas > kMaxClusterCtas || t.units_per_cta % 8 != 0 || t.num_ctas * t.units_per_cta > t.padded_k) {
+    if (t.num_ctas > kMaxClusterCtas || t.units_per_cta % 8 != 0 || t.num_ctas * t.units_per_cta > t.padded_k ||
+        shape.batch * t.units_per_cta / 8 > t.threads) {
       continue;
     }
     t.one_cluster = 1;  // the planner makes the cluster the direction's num_ctas CTAs
