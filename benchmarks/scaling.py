@@ -244,8 +244,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="an4")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="of the recurrent layers")
-    parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's (the persistent kernel "
-                        "runs relu and tanh)")
+    parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's")
     parser.add_argument("--global-batch", type=int, default=8, help="utterances per step over all ranks")
     parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measure")
