@@ -184,10 +184,11 @@ def test_missing_checkpoint_names_the_path(tmp_path):
 
 # --- the training step ----------------------------------------------------------------------------------------------
 
-def tiny_setup(nan_in_features: bool):
+def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
     torch.manual_seed(0)
     cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "model.backend=reference",
-                          "data.features.kind=mel", "data.features.n_mels=20", "train.amp=none"])
+                          "data.features.kind=mel", "data.features.n_mels=20", "train.amp=none",
+                          f"optim={optimizer_name}"])
     model = build.model(cfg.model, 20)
     optimizer = build.optimizer(cfg.optim, model.parameters())
     schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
@@ -206,15 +207,30 @@ def test_train_step_updates_weights():
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-def test_nan_loss_skips_the_step_and_leaves_weights_untouched():
-    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=True)
-    before = [t.detach().clone() for t in model.state_dict().values()]
-    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_a_skipped_step_leaves_no_trace(optimizer_name):
+    """A NaN batch is skipped inside the queued optimizer step (found_inf): weights, batch-norm statistics, optimizer
+    state and schedule after [bad batch, good batch] are exactly those after the good batch alone."""
+    cpu = DistEnv(0, 1, torch.device("cpu"))
+    cfg, model, optimizer, schedule, good = tiny_setup(nan_in_features=False, optimizer_name=optimizer_name)
+    assert train_step(model, good, optimizer, schedule, cfg, cpu)[0] == "ok"
+
+    cfg, skipping_model, skipping_optimizer, skipping_schedule, bad = tiny_setup(True, optimizer_name)
+    before = [t.detach().clone() for t in skipping_model.state_dict().values()]
+    outcome, loss = train_step(skipping_model, bad, skipping_optimizer, skipping_schedule, cfg, cpu)
     assert outcome == "non-finite loss or gradient" and math.isnan(loss)
-    # Weights and batch-norm running statistics alike: the bad batch leaves no trace.
-    assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
-    assert all(p.grad is None for p in model.parameters())
-    assert not optimizer.state  # no momentum or Adam moments recorded from the bad batch
+    assert all(torch.equal(b, t) for b, t in zip(before, skipping_model.state_dict().values()))
+    assert all(p.grad is None for p in skipping_model.parameters())
+    assert train_step(skipping_model, good, skipping_optimizer, skipping_schedule, cfg, cpu)[0] == "ok"
+
+    for expected, got in zip(model.state_dict().values(), skipping_model.state_dict().values()):
+        assert torch.equal(expected, got)
+    assert skipping_schedule.state_dict() == schedule.state_dict()
+    expected_state, got_state = optimizer.state_dict()["state"], skipping_optimizer.state_dict()["state"]
+    assert expected_state.keys() == got_state.keys()
+    for index, moments in expected_state.items():
+        assert moments.keys() == got_state[index].keys()
+        assert all(torch.equal(value, got_state[index][name]) for name, value in moments.items())
 
 
 # --- evaluation -----------------------------------------------------------------------------------------------------

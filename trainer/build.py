@@ -25,19 +25,23 @@ def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
 
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
+    """A fused optimizer, CPU or GPU: one kernel per update instead of several per parameter chunk, and the only kind
+    that takes GradScaler's found_inf input, which lets train_step queue a step that may yet be skipped."""
     parameters = list(parameters)
-    # On a GPU the update is one fused kernel instead of torch's default foreach kernels, several per parameter chunk;
-    # elsewhere torch's default (None: an explicit False would also turn off its choice of foreach).
-    fused = True if parameters and all(parameter.is_cuda for parameter in parameters) else None
     if optim_cfg.name == "sgd":
-        return torch.optim.SGD(
+        sgd = torch.optim.SGD(
             parameters, lr=optim_cfg.lr, momentum=optim_cfg.momentum, nesterov=True,
-            weight_decay=optim_cfg.weight_decay, fused=fused,
+            weight_decay=optim_cfg.weight_decay, fused=True,
         )
+        # Fused SGD leaves a first step's momentum buffers uninitialised when found_inf skips it, and later steps
+        # would then read them. Zeros give the same first step (no dampening: the buffer becomes the gradient).
+        for parameter in parameters:
+            sgd.state[parameter]["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        return sgd
     if optim_cfg.name == "adamw":
         return torch.optim.AdamW(
             parameters, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
-            fused=fused,
+            fused=True,
         )
     raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {optim_cfg.name!r}")
 

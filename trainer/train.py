@@ -131,17 +131,21 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     (loss_sum * (env.world_size / global_count)).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip_norm)
     mean_loss = distributed.all_reduce_sum(loss_sum.detach().clone()) / global_count  # over all ranks, for the log
-    # Host sync 2: a non-finite gradient (allreduced, so the same on every rank) skips the step untouched.
+    # A non-finite gradient norm (allreduced gradients, so the same on every rank) skips the update inside the fused
+    # optimizer (GradScaler's found_inf input), so the host queues the step behind the backward instead of waiting
+    # for it first: on a deep model the step's launches cost the host milliseconds.
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+    optimizer.step()
+    del optimizer.found_inf
+    optimizer.zero_grad(set_to_none=True)
+    # Host sync 2: a skipped step also puts back the batch-norm statistics and leaves the schedule where it was.
     loss_value, norm_value = torch.stack([mean_loss, grad_norm.detach()]).tolist()
     if not math.isfinite(norm_value):
-        optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), statistics):
                 buffer.copy_(saved)
         return "non-finite loss or gradient", math.nan
-    optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     return "ok", loss_value
 
 
