@@ -112,13 +112,13 @@ def test_unknown_optimizer_names_the_key():
         build.optimizer(cfg.optim, [torch.nn.Parameter(torch.zeros(1))])
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_optimizers_on_a_gpu_are_fused_and_step_as_torch_default_does(name):
+def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
     cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=1e-2"])
     generator = torch.Generator().manual_seed(0)
     shapes = [(800, 161), (3, 3), (2400,)]
-    parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator).cuda()) for shape in shapes]
+    parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
     fused = build.optimizer(cfg.optim, parameters)
     assert fused.defaults["fused"]
     initial = [parameter.detach().clone() for parameter in parameters]
@@ -128,7 +128,7 @@ def test_optimizers_on_a_gpu_are_fused_and_step_as_torch_default_does(name):
     default = type(fused)(expected, **options)  # torch's default: foreach kernels
     for _ in range(3):
         for parameter, twin in zip(parameters, expected):
-            parameter.grad = torch.randn(parameter.shape, generator=generator).cuda()
+            parameter.grad = torch.randn(parameter.shape, generator=generator).to(device)
             twin.grad = parameter.grad.clone()
         fused.step()
         default.step()
