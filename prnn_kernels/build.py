@@ -2,9 +2,13 @@
 
 The extension is compiled by `torch.utils.cpp_extension.load` for the GPU's own architecture only (explicit
 -gencode, e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into
-$TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries the hash of every file in csrc/ and the
-architecture: an edited kernel gets a fresh build, an unchanged one loads from the cache, and torch's build lock makes
-concurrent ranks wait for one build instead of racing.
+$TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries a hash of everything the build depends on (every file
+in csrc/, the flags, torch's and CUDA's versions) and the architecture. An edited kernel gets a fresh build; an
+unchanged one, once built, is imported straight from the cache: torch's loader would run ninja again, which rebuilds
+everything (about a minute) whenever the sources' paths or times differ from the last build's (a second checkout, a
+fresh copy), even though the name proves their contents the same. One process builds while the others wait on a lock
+that the operating system releases if its holder dies: torch before 2.14 locks the build with a file whose mere
+existence blocks, and a rank killed mid-build left every later process of the machine waiting on it forever.
 
     python -m prnn_kernels.build [--arch 90a] [--if-gpu] [--verbose]
 
@@ -13,12 +17,16 @@ builds ahead of time, and on Hopper and later compiles the fp32 layers' 3xTF32 p
 scripts do, with --if-gpu so that a CPU job starts too).
 """
 import argparse
+import contextlib
 import functools
 import hashlib
+import importlib.util
+import logging
 import os
 import shutil
 from pathlib import Path
 
+import filelock
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -26,16 +34,23 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # precision and pass per file.
 SOURCES = ("binding.cpp", "products.cpp", "plan.cpp", "fp32_forward.cu", "fp32_backward.cu", "bf16_forward.cu",
            "bf16_backward.cu", "k_major_copy.cu", "sequence_gather.cu")
+C_FLAGS = ("-O3",)
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
+# How long a process waits for another one's build before it gives up and says so (a build takes one to two minutes).
+BUILD_WAIT_S = 1800.0
+
+log = logging.getLogger(__name__)
 
 
-def source_hash() -> str:
-    """Hash of every source and header in csrc/ (names and contents)."""
+def build_hash() -> str:
+    """Hash of everything a build depends on: every source and header in csrc/ (names and contents), the flags, and the
+    versions of torch and of the CUDA it was built with (a library built against one torch does not load in another)."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
+    digest.update(repr((SOURCES, C_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -69,6 +84,43 @@ def build_root() -> Path:
 @functools.lru_cache(maxsize=None)
 def load_extension(arch: str | None = None, root: str | None = None, verbose: bool = False):
     """Builds (or loads from the cache) the extension for `arch` (default: the current GPU's) under `root`."""
+    arch = arch or device_arch()
+    name = f"prnn_kernels_{build_hash()}_sm{arch}"
+    directory = (Path(root) if root else build_root()) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    built = directory / "built"  # written once the library is complete, never before
+    if not built.exists():
+        with build_lock(directory):
+            if not built.exists():  # else another process built it while this one waited
+                module = _build(name, directory, arch, verbose)
+                built.write_text(f"{name}.so\n")
+                return module
+    return _import_built(name, directory)
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, timeout_s: float = BUILD_WAIT_S):
+    """Held by the one process that builds in `directory`. The operating system releases it when its holder exits,
+    however it exits; a process that waits longer than `timeout_s` raises, naming the lock."""
+    lock = filelock.FileLock(directory / "build.lock")
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        log.warning("prnn_kernels: waiting for another process building the CUDA extension in %s", directory)
+        try:
+            lock.acquire(timeout=timeout_s)
+        except filelock.Timeout:
+            raise RuntimeError(
+                f"prnn_kernels: waited {timeout_s:.0f} s for another process building the CUDA extension in "
+                f"{directory} (it holds {lock.lock_file}); if no build is running there, that process is stuck: end it"
+            ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _build(name: str, directory: Path, arch: str, verbose: bool):
     from torch.utils import cpp_extension
 
     home = cuda_home()
@@ -76,16 +128,15 @@ def load_extension(arch: str | None = None, root: str | None = None, verbose: bo
         raise RuntimeError("prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME")
     # torch guesses the toolkit from the nvcc on PATH, which can be a wrapper script outside it.
     cpp_extension.CUDA_HOME = str(home)
-    arch = arch or device_arch()
-    name = f"prnn_kernels_{source_hash()}_sm{arch}"
-    directory = Path(root) if root else build_root()
-    directory = directory / name
-    directory.mkdir(parents=True, exist_ok=True)
+    # torch's own lock for this directory: under build_lock no other process is inside torch's loader here, so a lock
+    # file left there is stale (torch before 2.14 waits as long as one exists) or unused (from 2.14 it is a lock the
+    # operating system holds, none now).
+    (directory / "lock").unlink(missing_ok=True)
     try:
         return cpp_extension.load(
             name=name,
             sources=[str(CSRC / source) for source in SOURCES],
-            extra_cflags=["-O3"],
+            extra_cflags=list(C_FLAGS),
             extra_cuda_cflags=[*CUDA_FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}"],
             build_directory=str(directory),
             verbose=verbose,
@@ -96,6 +147,21 @@ def load_extension(arch: str | None = None, root: str | None = None, verbose: bo
             "It needs nvcc (set CUDA_HOME) and ninja; run `python -m prnn_kernels.build --verbose` to see the "
             "compiler output."
         ) from error
+
+
+def _import_built(name: str, directory: Path):
+    """Imports the library a finished build left in `directory` (what torch's loader does after its build step)."""
+    library = directory / f"{name}.so"
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise RuntimeError(
+            f"prnn_kernels: the cached CUDA extension {library} does not load ({error}); remove {directory} to build "
+            "it again"
+        ) from error
+    return module
 
 
 def main(argv=None):

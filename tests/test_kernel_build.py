@@ -1,24 +1,73 @@
-"""The CUDA sources still compile for Hopper (sm_90a) with nvcc, and the fp32 products with Triton, so CI catches a
-kernel that no longer builds.
+"""Building the extension. The CUDA sources still compile for Hopper (sm_90a) with nvcc, and the fp32 products with
+Triton, so CI catches a kernel that no longer builds; a finished build loads in later processes without a rebuild; the
+build lock never outlives its holder.
 
-Needs no GPU: `python -m prnn_kernels.build --arch 90a` into a temporary directory (about a minute), which imports the
-extension (registering the operators' CUDA kernels with the dispatcher) and compiles the products.
+The compile needs no GPU: `python -m prnn_kernels.build --arch 90a` into a temporary directory (about a minute), which
+imports the extension (registering the operators' CUDA kernels with the dispatcher) and compiles the products.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from prnn_kernels import build
 from prnn_kernels import persistent  # noqa: F401  declares the operators the extension registers CUDA kernels for
 
+LOAD_FROM_CACHE = """
+import prnn_kernels.persistent
+from prnn_kernels import build
+print(build.load_extension("90a").__file__)
+"""
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from prnn_kernels.build import build_lock
+with build_lock(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
 
 @pytest.mark.skipif(build.cuda_home() is None, reason="no CUDA toolkit (bin/nvcc and cuda_runtime.h): set CUDA_HOME")
 def test_extension_and_products_compile_for_hopper(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = f"prnn_kernels_{build.build_hash()}_sm90a"
+    directory = tmp_path / "prnn_kernels" / name
+    directory.mkdir(parents=True)
+    # The lock file of a torch build killed midway: torch before 2.14 waits for as long as it exists.
+    (directory / "lock").touch()
     build.main(["--arch", "90a"])
     output = capsys.readouterr().out
-    assert f"built prnn_kernels_{build.source_hash()}_sm90a from {tmp_path}" in output, output
+    assert f"built {name} from {directory}" in output, output
     assert "compiled the fp32 layers' 3xTF32 products for sm_90 into Triton's cache" in output, output
     module = build.load_extension("90a", verbose=False)  # the build above, from load_extension's cache
     assert {"support", "launch_plans", "load_product", "product"} <= set(dir(module))
     for operator in ("persistent_forward", "persistent_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"prnn_kernels::{operator}", "CUDA")
+
+    # Another process imports the finished build as it is. The library now looks older than its objects, so running
+    # ninja there (as torch's loader would) would link it again.
+    library = directory / f"{name}.so"
+    os.utime(library, (946684800, 946684800))
+    result = subprocess.run([sys.executable, "-c", LOAD_FROM_CACHE], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == str(library)
+    assert library.stat().st_mtime == 946684800
+
+
+def test_the_build_lock_names_its_holder_and_dies_with_it(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(RuntimeError, match=f"waited 1 s for another process building .* in {tmp_path}"):
+            with build.build_lock(tmp_path, timeout_s=1):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with build.build_lock(tmp_path, timeout_s=60):  # a killed holder leaves nothing behind that blocks
+        pass
