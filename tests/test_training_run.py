@@ -64,6 +64,7 @@ def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tm
     assert last < 0.2 * first, f"loss fell only from {first:.1f} to {last:.1f}"
     best_wer = min(epoch["eval_wer"] for epoch in epochs)
     assert epochs[0]["eval_wer"] > 90 and best_wer < 70, [epoch["eval_wer"] for epoch in epochs]
+    assert not any("peak_gpu_allocated_gib" in epoch for epoch in epochs) and "peak GPU memory" not in result.output
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
 
     # The evaluation tool reproduces the best epoch's WER from best.pt and writes one line per utterance.
@@ -211,6 +212,9 @@ def test_graphed_training_captures_each_length_while_the_loader_works(an4_train,
     steps, epochs = read_metrics(tmp_path / "run")
     assert sorted(steps) == list(range(1, 7)) and all(math.isfinite(loss) for loss in steps.values())
     assert [line["epoch"] for line in epochs] == [1, 2]
+    # Each epoch logs the most GPU memory its training and evaluation held.
+    assert all(0 < line["peak_gpu_allocated_gib"] <= line["peak_gpu_reserved_gib"] < 200 for line in epochs), epochs
+    assert result.output.count("GiB reserved") == 2, result.output[-4000:]
 
 
 def test_cuda_graphs_on_a_cpu_is_one_clear_error(tmp_path):

@@ -149,6 +149,18 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     return "ok", loss_value
 
 
+def peak_gpu_memory_gib(device: torch.device) -> tuple[float, float] | None:
+    """The most GPU memory any rank's allocator held since the last reset, (allocated by tensors, reserved from the
+    GPU) in GiB, or None off the GPU: logged each epoch, so that a deeper or wider model's headroom shows before it
+    runs out. Every rank must call it (a collective)."""
+    if device.type != "cuda":
+        return None
+    peaks = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                         dtype=torch.float64, device=device)
+    allocated, reserved = (distributed.all_reduce_max(peaks) / 2**30).tolist()
+    return allocated, reserved
+
+
 def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     """train.resume: null starts afresh, a path resumes from that checkpoint, and "auto" from this run directory's
     last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise."""
@@ -286,6 +298,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         losses = []
         utterances = 0
         started = time.perf_counter()
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
         wrapped.train()
         progress = tqdm(
             loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
@@ -323,19 +337,25 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                              progress_bar=env.is_main and cfg.train.progress_bar)
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
+        peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
         mean_loss = sum(losses) / max(len(losses), 1)
         result = {"epoch": epoch + 1, "loss": mean_loss, "wer": counts.wer, "cer": counts.cer}
         if env.is_main:
             log.info(
-                "epoch %d: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s",
+                "epoch %d: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
                 epoch + 1, mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
+                "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
                 "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
             )
             writer.add_scalar("eval/wer", counts.wer, epoch + 1)
             writer.add_scalar("eval/cer", counts.cer, epoch + 1)
             record = {"epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
                       "elapsed_s": round(time.perf_counter() - run_started, 1)}
+            if peak_memory:
+                allocated, reserved = peak_memory
+                record["peak_gpu_allocated_gib"] = round(allocated, 2)
+                record["peak_gpu_reserved_gib"] = round(reserved, 2)
             if counts.unreadable:
                 log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
                             "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
