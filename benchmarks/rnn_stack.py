@@ -4,13 +4,14 @@
         [--batch 4] [--json PATH]
 
 Bidirectional stacks (input size = hidden size, T = 256, every sample running all steps) of each depth, built as
-`prnn_kernels.GRU(..., backend="persistent")` and as `torch.nn.GRU` with the same weights, timed forward and
-forward + backward (gradients of the input and every parameter) in one process. fp32 stacks are compared with cuDNN
-in fp32 and in TF32, bf16 stacks run in bf16 against cuDNN in fp16 and in bf16 (benchmarks.rnn_kernels.BASELINES).
-Times are medians of CUDA-event timings after warm-up. Per depth the table gives the stack's time in ms and its time
-per layer; "per added layer" is the slope of a least-squares line through (depth, time), the marginal cost of one
-more layer, and "fixed" is that line at depth 0. Shapes the persistent kernel refuses are reported with its reason
-and skipped.
+`prnn_kernels.GRU(..., backend="persistent")` and as `torch.nn.GRU` with the same weights, timed forward and forward +
+backward (gradients of the input and every parameter) in one process, each called from Python and replayed from a CUDA
+graph ("graphed": the GPU's time alone; called from Python, cuDNN's bf16 and small fp32 layers take the host's time,
+see benchmarks.rnn_kernels). fp32 stacks are compared with cuDNN in fp32 and in TF32, bf16 stacks run in bf16 against
+cuDNN in fp16 and in bf16 (benchmarks.rnn_kernels.BASELINES). Times are medians of CUDA-event timings after warm-up.
+Per depth the table gives the stack's time in ms and its time per layer; "per added layer" is the slope of a
+least-squares line through (depth, time), the marginal cost of one more layer, and "fixed" is that line at depth 0.
+Shapes the persistent kernel refuses are reported with its reason and skipped.
 """
 import argparse
 import json
@@ -21,12 +22,15 @@ import torch
 from torch import nn
 
 import prnn_kernels
-from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, median_ms
+from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 # --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
 DTYPES = {"float32": (torch.float32, "fp32"), "bfloat16": (torch.bfloat16, "bf16")}
+# Each stack's timings: JSON key -> the table's label.
+MEASURES = {"fwd_ms": "fwd", "fwd_bwd_ms": "fwd+bwd", "fwd_graphed_ms": "fwd graphed",
+            "fwd_bwd_graphed_ms": "fwd+bwd graphed"}
 
 
 def stack_pair(cell, hidden_size, depth, dtype):
@@ -42,7 +46,7 @@ def stack_pair(cell, hidden_size, depth, dtype):
 
 
 def time_stack(module, batch_size, hidden_size, dtype):
-    """(forward ms, forward + backward ms) of one stack on random inputs."""
+    """{measure: ms} of one stack on random inputs (MEASURES)."""
     x = torch.randn(NUM_STEPS, batch_size, hidden_size, device="cuda", dtype=dtype, requires_grad=True)
     grad_output = torch.randn(NUM_STEPS, batch_size, 2 * hidden_size, device="cuda", dtype=dtype)
     leaves = [x, *module.parameters()]
@@ -55,7 +59,8 @@ def time_stack(module, batch_size, hidden_size, dtype):
         output, _ = module(x)
         torch.autograd.grad(output, leaves, grad_output)
 
-    return median_ms(forward), median_ms(forward_backward)
+    return {"fwd_ms": median_ms(forward), "fwd_bwd_ms": median_ms(forward_backward),
+            "fwd_graphed_ms": median_ms(graphed(forward)), "fwd_bwd_graphed_ms": median_ms(graphed(forward_backward))}
 
 
 def line_fit(depths, times):
@@ -68,7 +73,7 @@ def line_fit(depths, times):
 
 
 def measure(cell, hidden_size, depths, dtype_name, batch_size):
-    """Rows of {backend, precision, depth, fwd_ms, fwd_bwd_ms} for one cell, size and persistent dtype; a cuDNN row's
+    """Rows of {backend, precision, depth, and the MEASURES} for one cell, size and persistent dtype; a cuDNN row's
     precision is its baseline's name (fp32, tf32, fp16, bf16)."""
     dtype, precision = DTYPES[dtype_name]
     rows = []
@@ -78,21 +83,20 @@ def measure(cell, hidden_size, depths, dtype_name, batch_size):
         runs += [("cudnn", name, d, tf32, theirs) for name, d, tf32 in BASELINES[precision]]
         for backend, label, run_dtype, tf32, module in runs:
             with cudnn_allowing_tf32(tf32):
-                fwd, fwd_bwd = time_stack(module.to(run_dtype), batch_size, hidden_size, run_dtype)
-            rows.append({"backend": backend, "precision": label, "depth": depth, "fwd_ms": fwd,
-                         "fwd_bwd_ms": fwd_bwd})
+                times = time_stack(module.to(run_dtype), batch_size, hidden_size, run_dtype)
+            rows.append({"backend": backend, "precision": label, "depth": depth, **times})
         del ours, theirs
         torch.cuda.empty_cache()
     return rows
 
 
 def summarise(rows):
-    """Per (backend, precision): the fixed and per-added-layer cost of forward and forward + backward."""
+    """Per (backend, precision): the fixed and per-added-layer cost of each of the MEASURES."""
     summary = []
     for key in dict.fromkeys((r["backend"], r["precision"]) for r in rows):
         mine = [r for r in rows if (r["backend"], r["precision"]) == key]
         entry = {"backend": key[0], "precision": key[1]}
-        for measure_name in ("fwd_ms", "fwd_bwd_ms"):
+        for measure_name in MEASURES:
             fixed, per_layer = line_fit([r["depth"] for r in mine], [r[measure_name] for r in mine])
             entry[f"{measure_name}_fixed"], entry[f"{measure_name}_per_layer"] = fixed, per_layer
         summary.append(entry)
@@ -101,22 +105,22 @@ def summarise(rows):
 
 def print_table(cell, hidden_size, batch_size, rows, summary, depths):
     print(f"\n{cell} bidirectional stack, H = {hidden_size}, B = {batch_size}, T = {NUM_STEPS}: ms (ms per layer)")
-    header = f"{'backend':<11}{'precision':<10}{'pass':<9}" + "".join(f"{f'depth {d}':>18}" for d in depths)
+    header = f"{'backend':<11}{'precision':<10}{'pass':<16}" + "".join(f"{f'depth {d}':>18}" for d in depths)
     print(header + f"{'per added layer':>17}{'fixed':>9}")
     for entry in summary:
-        for name, label in (("fwd_ms", "fwd"), ("fwd_bwd_ms", "fwd+bwd")):
+        for name, label in MEASURES.items():
             cells = []
             for depth in depths:
                 row = next(r for r in rows if (r["backend"], r["precision"], r["depth"]) ==
                            (entry["backend"], entry["precision"], depth))
                 cells.append(f"{row[name]:8.2f} ({row[name] / depth:6.2f})")
-            print(f"{entry['backend']:<11}{entry['precision']:<10}{label:<9}" + "".join(f"{c:>18}" for c in cells) +
+            print(f"{entry['backend']:<11}{entry['precision']:<10}{label:<16}" + "".join(f"{c:>18}" for c in cells) +
                   f"{entry[name + '_per_layer']:17.2f}{entry[name + '_fixed']:9.2f}")
     persistent = summary[0]
     for baseline in summary[1:]:
-        ratios = [baseline[f"{n}_per_layer"] / persistent[f"{n}_per_layer"] for n in ("fwd_ms", "fwd_bwd_ms")]
-        print(f"per added layer, cuDNN {baseline['precision']} / persistent {persistent['precision']}: "
-              f"fwd {ratios[0]:.2f}x, fwd+bwd {ratios[1]:.2f}x")
+        ratios = ", ".join(f"{label} {baseline[f'{name}_per_layer'] / persistent[f'{name}_per_layer']:.2f}x"
+                           for name, label in MEASURES.items())
+        print(f"per added layer, cuDNN {baseline['precision']} / persistent {persistent['precision']}: {ratios}")
 
 
 def main():
