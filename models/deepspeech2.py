@@ -187,6 +187,12 @@ class DeepSpeech2(nn.Module):
         self.lookahead = None if bidirectional else Lookahead(hidden, lookahead)
         self.classifier = nn.Linear(hidden, num_classes)
 
+    def recurrent_backend(self, batch_size: int, dtype: torch.dtype, device) -> str:
+        """The backend the recurrent layers run a batch of this size and dtype on, on `device`: "persistent", "cudnn"
+        (torch.nn: cuDNN on a GPU) or "reference". The layers share cell, size and backend, so one answers for all.
+        Raises ValueError, naming why, where backend="persistent" cannot run it."""
+        return self.layers[0].rnn.backend_for(batch_size, dtype, device)
+
     def output_lengths(self, lengths):
         """(B,) output frames T'_b for (B,) input frames, on lengths' device."""
         return self.front_end.output_lengths(lengths)

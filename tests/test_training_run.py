@@ -58,6 +58,7 @@ def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tm
     result = run("trainer", args)
     assert result.returncode == 0, result.output[-4000:]
     assert "final test WER" in result.stdout
+    assert "recurrent layers on the reference recurrence (plain PyTorch): 8 utterances a rank, fp32" in result.output
 
     steps, epochs = read_metrics(run_dir)
     first, last = np.mean(list(steps.values())[:8]), np.mean(list(steps.values())[-8:])
@@ -208,6 +209,7 @@ def test_graphed_training_captures_each_length_while_the_loader_works(an4_train,
     # while the loader prepares the next batches, which broke every capture after the first when batches were pinned.
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:96])
     result = train(tmp_path / "run", utterances, *GRAPHED_ON_A_GPU)
+    assert "recurrent layers on the persistent kernels: 32 utterances a rank, bf16" in result.output
     assert result.output.count("capturing CUDA graphs") >= 2, result.output[-4000:]
     steps, epochs = read_metrics(tmp_path / "run")
     assert sorted(steps) == list(range(1, 7)) and all(math.isfinite(loss) for loss in steps.values())
@@ -222,6 +224,14 @@ def test_cuda_graphs_on_a_cpu_is_one_clear_error(tmp_path):
     assert result.returncode == 2
     assert "train.cuda_graphs=true needs a CUDA device, this run is on cpu" in result.output
     assert "Traceback" not in result.output
+
+
+def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
+    result = train(tmp_path / "run", utterances, "model.backend=persistent", check=False, timeout=300)
+    assert result.returncode == 2
+    assert "backend='persistent' cannot run: needs a CUDA GPU" in result.output, result.output[-2000:]
+    assert "parameters;" not in result.output and "Traceback" not in result.output
 
 
 def test_missing_corpus_folder_is_one_clear_error(tmp_path):

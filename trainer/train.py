@@ -149,6 +149,13 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     return "ok", loss_value
 
 
+def recurrent_backend_name(backend: str, device: torch.device) -> str:
+    """How the log names a model.recurrent_backend answer."""
+    if backend == "cudnn":
+        return "cuDNN (torch.nn)" if device.type == "cuda" else "torch.nn"
+    return {"persistent": "the persistent kernels", "reference": "the reference recurrence (plain PyTorch)"}[backend]
+
+
 def peak_gpu_memory_gib(device: torch.device) -> tuple[float, float] | None:
     """The most GPU memory any rank's allocator held since the last reset, (allocated by tensors, reserved from the
     GPU) in GiB, or None off the GPU: logged each epoch, so that a deeper or wider model's headroom shows before it
@@ -221,11 +228,19 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
     )
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
+    # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why.
+    per_rank_batch = cfg.train.global_batch_size // env.world_size
+    recurrent_dtype = torch.bfloat16 if build.uses_amp(cfg.train.amp, env.device) else torch.float32
+    recurrent_backend = model.recurrent_backend(per_rank_batch, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch",
             sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),
         )
+        slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
+        log.info("recurrent layers on %s: %d utterances a rank%s, %s",
+                 recurrent_backend_name(recurrent_backend, env.device), per_rank_batch, slices,
+                 "bf16" if recurrent_dtype == torch.bfloat16 else "fp32")
 
     optimizer = build.optimizer(cfg.optim, model.parameters())
     scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
