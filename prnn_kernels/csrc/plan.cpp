@@ -4,15 +4,15 @@
 // from its properties (threads, registers and shared memory through the occupancy query, co-residency of all CTAs) and
 // the cheapest is kept: first the cluster engine's wherever one fits (one cluster a direction, bf16, up to 8 utterances
 // and 8 KB of the vector a step, weights in registers: faster than the plain engine at every such shape measured,
-// NOTES.md "The cluster engine lands"), then one CTA per SM, then the least work per busy sub-partition (rows x padded
-// K over the SM's sub-partitions the CTA's warps occupy, at most four), then the fewest CTAs, then the fewest threads
-// that still give each (unit, sample) element a thread of its own and each sub-partition a warp (kMinThreads), then the
-// largest cluster of the sizes offered (cluster_sizes: the fewest L2 reads of each step's vector, stage.cuh), then
-// fewer CTAs after rounding to whole clusters. Variants that keep weights in shared memory are tried only where the
-// register-only variants cannot run all of the launch's directions at once, and those that re-read some from L2 every
-// step only where nothing else runs one direction (choose_plan). An fp32 tiling runs in the plain or the chained engine
-// as chains_for says (fp32_variants.cuh); a chained launch adds a sync warpgroup to the tiling's threads
-// (launch_threads).
+// NOTES.md "The cluster engine lands"), then one CTA per SM, then (bf16) CTAs of at most 16 warps, then the least work
+// per busy sub-partition (rows x padded K over the SM's sub-partitions the CTA's warps occupy, at most four), then the
+// fewest CTAs, then the fewest threads that still give each (unit, sample) element a thread of its own and each
+// sub-partition a warp (kMinThreads), then the largest cluster of the sizes offered (cluster_sizes: the fewest L2 reads
+// of each step's vector, stage.cuh), then fewer CTAs after rounding to whole clusters. Variants that keep weights in
+// shared memory are tried only where the register-only variants cannot run all of the launch's directions at once, and
+// those that re-read some from L2 every step only where nothing else runs one direction (choose_plan). An fp32 tiling
+// runs in the plain or the chained engine as chains_for says (fp32_variants.cuh); a chained launch adds a sync
+// warpgroup to the tiling's threads (launch_threads).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -39,6 +39,12 @@ std::vector<KernelVariant> kernel_variants(Precision precision, Pass pass, CellK
 // "Threads per CTA"). fp32 tilings of equal work have had equal threads at every shape measured.
 constexpr int kSubPartitions = 4;  // an SM's warp schedulers; a warp runs on one of them
 constexpr int kMinThreads = 32 * kSubPartitions;
+
+// bf16 CTAs of more than 16 warps come from the 4-tile variant, where its K splits pad K least (H = 800: 26 warps, 13
+// partial sums to add for each element). They are taken only where no tiling of 16 warps or fewer fits: in a sample of
+// the 308 bf16 plans that rule changed (of 5170, H = 64 to 4096, 1 to 32 utterances, one and two directions), each ran
+// forward+backward 4-13 % faster (median 8 %) and forward up to 25 % faster (the LSTM at 800; NOTES.md v32).
+constexpr int kMostBf16Threads = 512;
 
 // A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the fp32
 // ReLU at 512 ran 33-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter of
@@ -109,7 +115,7 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
   bool found = false;
   Tiling best{};
   const void* best_kernel = nullptr;
-  std::tuple<bool, int, double, int, bool, int, int, int> best_score;
+  std::tuple<bool, int, bool, double, int, bool, int, int, int> best_score;
   int fewest_ctas_not_resident = 0, most_resident = 0;  // for the reason when nothing fits
   bool l2_tried = false;
   const int gates = gates_of(cell);
@@ -168,8 +174,9 @@ LaunchPlan choose(Precision precision, Pass pass, CellKind cell, int hidden, int
         }
         const int ctas_per_sm = (ctas + num_sms - 1) / num_sms;
         const bool too_few_threads = t.threads < std::max(kMinThreads, t.units_per_cta * batch);
-        const auto score = std::make_tuple(!t.one_cluster, ctas_per_sm, work_per_busy_partition(t), t.num_ctas,
-                                           too_few_threads, t.threads, -cluster_size, candidate.num_ctas);
+        const bool too_many_threads = precision == Precision::kBFloat16 && t.threads > kMostBf16Threads;
+        const auto score = std::make_tuple(!t.one_cluster, ctas_per_sm, too_many_threads, work_per_busy_partition(t),
+                                           t.num_ctas, too_few_threads, t.threads, -cluster_size, candidate.num_ctas);
         if (!found || score < best_score) {
           found = true;
           best = candidate;
