@@ -41,9 +41,10 @@ constexpr int kSubPartitions = 4;  // an SM's warp schedulers; a warp runs on on
 constexpr int kMinThreads = 32 * kSubPartitions;
 
 // bf16 CTAs of more than 16 warps come from the 4-tile variant, where its K splits pad K least (H = 800: 26 warps, 13
-// partial sums to add for each element). They are taken only where no tiling of 16 warps or fewer fits: in a sample of
-// the 308 bf16 plans that rule changed (of 5170, H = 64 to 4096, 1 to 32 utterances, one and two directions), each ran
-// forward+backward 4-13 % faster (median 8 %) and forward up to 25 % faster (the LSTM at 800; NOTES.md v32).
+// partial sums to add for each element). They are taken only where no tiling of 16 warps or fewer fits: that changes
+// 308 of 5170 bf16 plans (H = 64 to 4096 in steps of 32, 1 to 32 utterances, one and two directions), and 36 of them
+// drawn at random each ran forward+backward 4-13 % faster (median 8 %), forward up to 25 % (the LSTM at 800; NOTES.md
+// v32).
 constexpr int kMostBf16Threads = 512;
 
 // A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the fp32
