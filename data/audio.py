@@ -1,4 +1,5 @@
 """Reading speech audio as a mono float waveform at the model's sample rate."""
+import math
 import os
 
 import soundfile
@@ -10,29 +11,59 @@ class AudioError(ValueError):
     """An audio file that cannot be used: unreadable, not audio, without samples, or with NaN/infinite samples."""
 
 
+# What a file's header may claim before anything is decoded. A corrupt header can claim 2^36 frames or a sample rate
+# of a megahertz; decoding or resampling that would take hundreds of GiB instead of failing on the one file.
+MAX_SECONDS = 3600
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
+# Resampling between two rates builds a filter of one phase per step of their ratio in lowest terms: 16000 -> 16001 Hz
+# needs 16001 phases (seconds and gigabytes for a short clip). An odd rate further from the model's than this many
+# phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed).
+MAX_RESAMPLING_PHASES = 1000
+
+
 def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tensor:
     """Read `path` (any format libsndfile knows: FLAC, WAV, NIST SPHERE...) as a mono waveform.
 
-    Channels are averaged and other sample rates resampled to `sample_rate`.
+    Channels are averaged and other sample rates resampled to `sample_rate` (an odd rate such as 16001 Hz as the
+    nearest multiple of 100 Hz, see MAX_RESAMPLING_PHASES).
 
     Returns:
-        (N,) float32 samples in [-1, 1].
+        (N,) float32 samples, in [-1, 1] for integer formats (float files hold what they hold).
     Raises:
-        AudioError naming the file and the reason when it cannot be read, holds no samples, or holds non-finite
+        AudioError naming the file and the reason when it cannot be read, its header claims more than MAX_SECONDS of
+        audio or a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE, it holds no samples, or holds non-finite
         ones (a float file can; they would turn the whole batch's loss into NaN).
     """
     # libsndfile reports a missing file as "System error"; say what it is.
     if not os.path.isfile(path):
         raise AudioError(f"{path}: no such audio file")
+    # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
+    # raises TypeError), the message names the file.
+    try:
+        header = soundfile.info(path)
+    except Exception as error:
+        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
+    if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
+        raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
+                         f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+    if header.frames > MAX_SECONDS * header.samplerate:
+        raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
+                         f"the {MAX_SECONDS} s a file may hold")
     try:
         samples, file_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (N, C)
-    except soundfile.LibsndfileError as error:
-        raise AudioError(f"{path}: cannot read audio ({error.error_string})") from None
+    except Exception as error:
+        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
     if samples.shape[0] == 0:
         raise AudioError(f"{path}: audio holds no samples")
     waveform = torch.from_numpy(samples).mean(dim=1)  # (N,)
     if not torch.isfinite(waveform).all():
         raise AudioError(f"{path}: audio holds NaN or infinite samples")
     if file_rate != sample_rate:
+        if max(file_rate, sample_rate) // math.gcd(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:
+            file_rate = max(100, round(file_rate / 100) * 100)
         waveform = torchaudio.functional.resample(waveform, file_rate, sample_rate)
     return waveform
+
+
+def _reason(error: Exception) -> str:
+    return getattr(error, "error_string", None) or str(error) or type(error).__name__

@@ -67,7 +67,9 @@ class SpeechDataset(Dataset):
     not a fault in the data.
 
     Audio is read when an item is asked for; `__getitem__` returns None (and warns once for that file) when it
-    cannot be read, has no samples, or turns out too short for its transcript after all. `collate` drops these.
+    cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
+    out too short for its transcript after all, or lasts more than a second beyond `max_duration` whatever the
+    manifest said. `collate` drops these.
 
     Args:
         manifest_paths: JSONL manifests (see data.manifest), read in order.
@@ -94,6 +96,7 @@ class SpeechDataset(Dataset):
         self.features = features
         self.augment = augment
         self.time_stride = time_stride
+        self.max_duration = max_duration
         self.seed = seed
         self.epoch = 0
         self.utterances: list[Utterance] = []
@@ -163,7 +166,17 @@ class SpeechDataset(Dataset):
         except AudioError as error:
             self._warn_once(index, f"skipping {error}")
             return None
+        seconds = len(waveform) / self.features.sample_rate
+        if self.max_duration is not None and seconds > self.max_duration + 1:
+            detail = (f"its audio lasts {seconds:.1f} s, more than max_duration ({self.max_duration} s); "
+                      f"the manifest says {utterance.duration} s")
+            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
+            return None
         features = self.features(waveform)  # (T, F)
+        if not torch.isfinite(features).all():
+            detail = f"its features are not finite (its largest sample is {float(waveform.abs().max()):.3g})"
+            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
+            return None
         num_outputs = math.ceil(len(features) / self.time_stride)
         if num_outputs < min_ctc_frames(targets):
             detail = self._too_long_detail(num_outputs, targets)

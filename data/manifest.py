@@ -1,8 +1,10 @@
 """JSONL manifests: one utterance a line, {"audio_filepath", "duration", "text", "speaker"}.
 
-The format is NeMo's, so manifests written elsewhere load too; there `speaker` may be absent.
+The format is NeMo's, so manifests written elsewhere load too; there `speaker` may be absent. NeMo's `offset` (a
+segment of a longer file) is refused rather than ignored: the whole file would be read under the segment's transcript.
 """
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,14 +22,20 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
-    line that is not a JSON object with a string `audio_filepath` and `text` and a non-negative `duration`.
+    line that is not UTF-8, or not a JSON object with a string `audio_filepath` and `text` and a finite,
+    non-negative `duration` (and no `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"manifest {path} does not exist")
     utterances = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 (byte {error.start} of the line: "
+                                 f"{error.reason})") from None
             if line.strip():
                 utterances.append(_parse_line(line, path, line_number))
     return utterances
@@ -46,8 +54,11 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
     # bool is an int subclass, and True is no duration.
-    if isinstance(duration, bool) or not isinstance(duration, int | float) or duration < 0:
-        raise ValueError(f"{where}: 'duration' must be a non-negative number of seconds, got {duration!r}")
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration < math.inf:
+        raise ValueError(f"{where}: 'duration' must be a finite, non-negative number of seconds, got {duration!r}")
+    if record.get("offset", 0) != 0:
+        raise ValueError(f"{where}: 'offset' {record['offset']!r} (a segment of a longer file) is not supported; "
+                         "cut the segment into a file of its own")
     if not isinstance(text, str):
         raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
     if not isinstance(speaker, str):

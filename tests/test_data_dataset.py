@@ -96,6 +96,24 @@ def test_unreadable_empty_or_too_short_audio_gives_none_and_warns_once(manifest,
     assert "short.wav" in messages[2] and "6 output frames" in messages[2]
 
 
+def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_gives_none(tmp_path, caplog):
+    write_noise(tmp_path / "good.wav", 1.0)
+    write_noise(tmp_path / "lecture.wav", 25.0)
+    soundfile.write(tmp_path / "loud.wav", np.array([3e38, -3e38] * 8000, np.float32), RATE, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [
+        Utterance(str(tmp_path / "good.wav"), 1.0, "A", "a"),
+        Utterance(str(tmp_path / "lecture.wav"), 1.0, "A", "a"),  # 25 s, past max_duration, listed as 1 s
+        Utterance(str(tmp_path / "loud.wav"), 1.0, "A", "a"),  # finite samples whose spectrum overflows
+    ])
+    dataset = make_dataset(tmp_path / "m.jsonl")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert [dataset[index] is None for index in range(3)] == [False, True, True]
+    lecture, loud = (record.getMessage() for record in caplog.records)
+    assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in lecture
+    assert "loud.wav: its features are not finite (its largest sample is 3e+38)" in loud
+
+
 def test_sample_holds_features_targets_and_index(manifest):
     sample = make_dataset(manifest)[1]
     assert sample.features.shape == (51, 161) and sample.features.dtype == torch.float32

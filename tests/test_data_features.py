@@ -1,8 +1,11 @@
 """Audio reading, log spectral features and SpecAugment."""
+import struct
+
 import numpy as np
 import pytest
 import soundfile
 import torch
+import torchaudio.functional
 
 from data.audio import AudioError, load_audio
 from data.features import FeatureExtractor, SpecAugment
@@ -48,6 +51,41 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         with pytest.raises(AudioError, match=f"{name}: {reason}"):
             load_audio(tmp_path / name)
     assert issubclass(AudioError, ValueError)
+
+
+def test_headers_that_lie_raise_audio_error_before_anything_is_decoded(tmp_path):
+    soundfile.write(tmp_path / "a.flac", tone(300, 0.2, 16000), 16000)
+    flac = bytearray((tmp_path / "a.flac").read_bytes())
+    flac[21] |= 0x0F  # STREAMINFO's 36-bit sample count, all ones: 2^36 - 1 samples, 50 days at 16 kHz
+    flac[22:26] = b"\xff\xff\xff\xff"
+    (tmp_path / "huge.flac").write_bytes(bytes(flac))
+    soundfile.write(tmp_path / "a.wav", tone(300, 0.2, 16000), 16000)
+    wav = bytearray((tmp_path / "a.wav").read_bytes())
+    wav[24:28] = struct.pack("<I", 1_000_003)  # the fmt chunk's sample rate
+    (tmp_path / "megahertz.wav").write_bytes(bytes(wav))
+    (tmp_path / "headerless.raw").write_bytes(b"\x00\x01" * 4000)  # RAW: soundfile wants a rate and raises TypeError
+    reasons = {
+        "huge.flac": "its header gives 4294967 s of audio, more than the 3600 s a file may hold",
+        "megahertz.wav": "its header gives a sample rate of 1000003 Hz, outside 1000-384000 Hz",
+        "headerless.raw": "cannot read audio",
+    }
+    for name, reason in reasons.items():
+        with pytest.raises(AudioError, match=f"{name}: {reason}"):
+            load_audio(tmp_path / name)
+
+
+def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, monkeypatch):
+    # 16001 Hz in lowest terms against 16000 would need a filter of 16001 phases: gigabytes for a clip of seconds.
+    rates = []
+    resample = torchaudio.functional.resample
+    monkeypatch.setattr(torchaudio.functional, "resample",
+                        lambda waveform, orig, new: rates.append((orig, new)) or resample(waveform, orig, new))
+    soundfile.write(tmp_path / "odd.wav", tone(440, 0.25, 16001), 16001, subtype="FLOAT")
+    soundfile.write(tmp_path / "cd.wav", tone(440, 0.25, 44100), 44100, subtype="FLOAT")
+    odd, cd = (load_audio(tmp_path / name, sample_rate=16000) for name in ("odd.wav", "cd.wav"))
+    assert rates == [(16000, 16000), (44100, 16000)]  # 44100 / 16000 is 441 / 160 in lowest terms: kept
+    assert abs(len(odd) - 4000) <= 1 and len(cd) == 4000
+    assert int(torch.fft.rfft(odd[:4000]).abs().argmax()) == int(torch.fft.rfft(cd).abs().argmax()) == 110  # 4 Hz bins
 
 
 def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():

@@ -43,6 +43,10 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": "1.0", "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": -1, "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": NaN, "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": Infinity, "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": 1e999, "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
     ],
@@ -53,3 +57,13 @@ def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint
     path.write_text(f"{good}\n{bad_line}\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: .*{complaint}"):
         read_manifest(path)
+
+
+def test_a_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_skipped(tmp_path):
+    good = json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}).encode()
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good.replace(b'"A"', b'"CAF\xc9"') + b"\n")  # Latin-1 E acute
+    with pytest.raises(ValueError, match="m.jsonl:2: not UTF-8"):
+        read_manifest(path)
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good + b"\n")
+    assert [utterance.text for utterance in read_manifest(path)] == ["A", "A"]
