@@ -1,4 +1,5 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
+import argparse
 import json
 import math
 
@@ -11,11 +12,11 @@ from conftest import REPO_ROOT
 from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
-from trainer import build, checkpoint
+from trainer import build, checkpoint, decode, lm
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.train import open_metrics, record_job, train_loader, train_step
+from trainer.train import check_config, check_resumable, open_metrics, record_job, train_loader, train_step
 
 
 # --- decoding and error rates -------------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ def test_every_experiment_composes_and_builds(experiment):
     model = build.model(cfg.model, features.num_features)
     assert len(model.layers) == 2
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    check_config(cfg)
 
 
 def test_command_line_overrides_reach_the_model():
@@ -104,6 +106,56 @@ def test_unknown_config_key_is_refused():
 
     with pytest.raises(ConfigCompositionException, match="model.depht"):
         compose_config(["model.depht=3"])
+
+
+@pytest.mark.parametrize("override, complaint", [
+    ("train.grad_clip_norm=-1", "train.grad_clip_norm must be a positive number, not -1"),  # would flip the gradient
+    ("train.max_steps=0", "train.max_steps must be a positive integer or null, not 0"),
+    ("train.global_batch_size=abc", "train.global_batch_size must be a positive integer, not 'abc'"),
+    ("train.checkpoint_every_steps=true", "train.checkpoint_every_steps must be a positive integer or null, not True"),
+    ("train.amp=fp16", "train.amp must be bf16 or none, not 'fp16'"),
+    ("model.depth=2.5", "model.depth must be a positive integer, not 2.5"),
+    ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
+    ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds, not -5"),
+    ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved
+])
+def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
+    check_config(compose_config(["experiment=cpu_demo"]))  # the defaults pass
+    with pytest.raises(ValueError) as error:
+        check_config(compose_config(["experiment=cpu_demo", override]))
+    assert str(error.value) == complaint
+
+
+def test_interpolations_in_the_model_and_feature_groups_are_resolved():
+    cfg = compose_config(["model.depth=1", "model.hidden=${model.conv_channels}", "data.features.kind=mel",
+                          "data.features.n_mels=${model.conv_channels}"])
+    model = build.model(cfg.model, build.features(cfg.data).num_features)
+    assert model.layers[0].rnn.hidden_size == cfg.model.conv_channels == 32
+    assert build.features(cfg.data).num_features == 32
+
+
+def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_backend(tmp_path):
+    saved = OmegaConf.to_container(compose_config(["model.hidden=64", "optim=adamw"]), resolve=True)
+    check_resumable(saved, compose_config(["model.hidden=64", "model.backend=reference", "model.batch_slice=4"]),
+                    tmp_path / "last.pt")
+    with pytest.raises(ValueError) as error:
+        check_resumable(saved, compose_config(["model.hidden=32", "optim=sgd"]), tmp_path / "last.pt")
+    assert str(error.value) == (f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with other "
+                                "settings (model.hidden=64 there, 32 here; optim.name='adamw' there, 'sgd' here)")
+
+
+def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
+    arguments = argparse.Namespace(beam=0, lm=None, lm_weight=0.5, word_bonus=1.0)
+    with pytest.raises(ValueError, match="beam width must be at least 1"):
+        decode.from_arguments(arguments)
+
+
+def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
+    assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
+    assert "no words to count: the transcripts of" in capsys.readouterr().err
+    assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")]) == 2
+    assert f"no folder {tmp_path / 'no'}" in capsys.readouterr().err
 
 
 def test_unknown_optimizer_names_the_key():
@@ -154,7 +206,8 @@ def test_lr_schedule_warms_up_then_anneals_per_epoch():
 # --- checkpoints ----------------------------------------------------------------------------------------------------
 
 def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
-    state = {"model": {"w": torch.randn(3)}, "train_state": {"epoch": 2, "best_wer": math.inf}, "rng": [checkpoint.rng_state()]}
+    state = {"model": {"w": torch.randn(3)}, "config": {"seed": 1}, "train_state": {"epoch": 2, "best_wer": math.inf},
+             "rng": [checkpoint.rng_state()]}
     checkpoint.save(tmp_path / "c.pt", state)
     loaded = checkpoint.load(tmp_path / "c.pt")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
@@ -175,6 +228,20 @@ def test_checkpoint_with_code_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="evil.pt"):
         checkpoint.load(path)
     assert "this must never run" not in capsys.readouterr().out
+
+
+def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
+    torch.save(torch.ones(3), tmp_path / "tensor.pt")
+    torch.save({"model": {}, "config": {}}, tmp_path / "weights.pt")
+    (tmp_path / "half.pt").write_bytes((tmp_path / "weights.pt").read_bytes()[:100])
+    with pytest.raises(ValueError, match="tensor.pt is not a checkpoint written by python -m trainer: it has no "
+                                         "model, config$"):
+        checkpoint.load(tmp_path / "tensor.pt")
+    assert checkpoint.load(tmp_path / "weights.pt") == {"model": {}, "config": {}}
+    with pytest.raises(ValueError, match="weights.pt .* it has no optimizer, scheduler, sampler, train_state, rng$"):
+        checkpoint.load(tmp_path / "weights.pt", checkpoint.TRAINING_PARTS)
+    with pytest.raises(ValueError, match="cannot load checkpoint .*half.pt: not a complete checkpoint"):
+        checkpoint.load(tmp_path / "half.pt")
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):

@@ -119,6 +119,17 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     for name, tensor in whole_model.items():
         torch.testing.assert_close(split_model[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
 
+    # Started again with the limit it already reached (a requeued job), the run trains nothing more; started with
+    # another model, it stops before loading anything.
+    again = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
+    assert "nothing to train" in again.output
+    assert sorted(read_metrics(tmp_path / "split")[0]) == [1, 2, 3, 4, 5, 6]
+    assert torch.load(checkpoint_path, weights_only=True)["train_state"]["step"] == 6
+    other = train(tmp_path / "split", utterances, *common, "model.hidden=48", f"train.resume={checkpoint_path}",
+                  check=False)
+    assert other.returncode == 2 and "Traceback" not in other.output
+    assert "it was written by a run with other settings (model.hidden=32 there, 48 here)" in other.output
+
 
 @pytest.mark.slow
 def test_killed_run_resumes_from_its_mid_epoch_checkpoint(an4_train, tmp_path):

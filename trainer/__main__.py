@@ -11,6 +11,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
 from trainer.train import train
@@ -21,7 +22,8 @@ log = logging.getLogger("trainer")
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
-        result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
+            result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except (FileNotFoundError, ValueError) as error:
         log.error("error on rank %d: %s", distributed.launcher_rank(), error)
         distributed.abort_job(2)

@@ -12,7 +12,7 @@ OPTIMIZERS = ("sgd", "adamw")
 
 
 def features(data_cfg: DictConfig) -> FeatureExtractor:
-    return FeatureExtractor(**OmegaConf.to_container(data_cfg.features))
+    return FeatureExtractor(**OmegaConf.to_container(data_cfg.features, resolve=True))
 
 
 def uses_amp(amp: str, device: torch.device) -> bool:
@@ -21,7 +21,9 @@ def uses_amp(amp: str, device: torch.device) -> bool:
 
 
 def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
-    return DeepSpeech2(num_features=num_features, num_classes=len(ALPHABET), **OmegaConf.to_container(model_cfg))
+    return DeepSpeech2(
+        num_features=num_features, num_classes=len(ALPHABET), **OmegaConf.to_container(model_cfg, resolve=True)
+    )
 
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:

@@ -32,11 +32,22 @@ def save(path: Path, state: dict) -> None:
     os.replace(temporary, path)
 
 
-def load(path: str | Path) -> dict:
+# What every checkpoint holds, and what resuming a run needs besides.
+MODEL_PARTS = ("model", "config")
+TRAINING_PARTS = (*MODEL_PARTS, "optimizer", "scheduler", "sampler", "train_state", "rng")
+
+
+def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
+    """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
-        raise ValueError(f"cannot load checkpoint {path}: {error}") from error
+        raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
+                         f"holding more than tensors and plain data ({type(error).__name__}: {error})") from error
+    missing = [part for part in parts if not isinstance(saved, dict) or part not in saved]
+    if missing:
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
+    return saved

@@ -139,4 +139,4 @@ def from_arguments(args: argparse.Namespace):
     if args.beam is None and args.lm is None:
         return greedy_decode
     lm = NGramLM.from_arpa(args.lm) if args.lm else None
-    return BeamSearch(args.beam or BeamSearch.beam_width, lm, args.lm_weight, args.word_bonus)
+    return BeamSearch(BeamSearch.beam_width if args.beam is None else args.beam, lm, args.lm_weight, args.word_bonus)

@@ -6,10 +6,12 @@
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
@@ -18,6 +20,13 @@ from trainer import build, decode
 from trainer.metrics import ErrorCounts
 
 log = logging.getLogger(__name__)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 @torch.no_grad()
@@ -54,20 +63,24 @@ def main(argv=None) -> int:
     parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
     parser.add_argument("--out", help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
     decode.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if args.out and not Path(args.out).absolute().parent.is_dir():
+            raise FileNotFoundError(f"--out {args.out}: no folder {Path(args.out).absolute().parent}")
         device = torch.device(args.device)
         model, features, cfg = build.from_checkpoint(args.checkpoint, device)
         dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)
         decoder = decode.from_arguments(args)
-    except (FileNotFoundError, ValueError) as error:
+    # RuntimeError: a device torch does not know or cannot reach (--device cuda without a driver)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
-    counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
+    with logging_redirect_tqdm():
+        counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
     if args.out:
         with open(args.out, "w") as out:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")

@@ -144,7 +144,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:
+        if not Path(args.out).absolute().parent.is_dir():
+            raise FileNotFoundError(f"--out {args.out}: no folder {Path(args.out).absolute().parent}")
         sentences = [normalize_text(u.text).split() for path in args.manifest for u in read_manifest(path)]
+        if not any(sentences):
+            raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are all empty")
         arpa = build_arpa([words for words in sentences if words], args.order)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

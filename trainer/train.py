@@ -192,10 +192,60 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     return result
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass, and true is no count
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
+# fails deep inside the sampler. Each entry: key, test, what the value must be.
+CONFIG_RULES = (
+    ("train.epochs", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("train.global_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("train.eval_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("train.max_steps", lambda v: v is None or _is_int(v) and v >= 1, "a positive integer or null"),
+    ("train.checkpoint_every_steps", lambda v: v is None or _is_int(v) and v >= 1, "a positive integer or null"),
+    ("train.grad_clip_norm", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("train.amp", lambda v: v in ("bf16", "none"), "bf16 or none"),
+    ("train.num_workers", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    ("train.graph_pad_frames", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("model.depth", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("model.hidden", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("distributed.timeout_s", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raises ValueError naming the first value CONFIG_RULES refuses (interpolations resolved first)."""
+    for key, valid, what in CONFIG_RULES:
+        value = OmegaConf.select(cfg, key)
+        if not valid(value):
+            raise ValueError(f"{key} must be {what}, not {value!r}")
+
+
+# What a checkpoint's run must share with this one for its weights and optimizer state to fit. The backend and the
+# batch slicing may change on resume: the same function, run by other kernels.
+RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirectional", "model.lookahead",
+                     "model.residual", "model.conv_channels", "data.features", "optim.name")
+
+
+def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
+    saved = OmegaConf.create(saved_config)
+    differ = [f"{key}={OmegaConf.select(saved, key)!r} there, {OmegaConf.select(cfg, key)!r} here"
+              for key in RESUME_MUST_MATCH if OmegaConf.select(saved, key) != OmegaConf.select(cfg, key)]
+    if differ:
+        raise ValueError(f"cannot resume from {path}: it was written by a run with other settings ({'; '.join(differ)})")
+
+
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
+    check_config(cfg)
     checkpoint_every = cfg.train.checkpoint_every_steps
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"train.checkpoint_every_steps must be a positive integer or null, not {checkpoint_every!r}")
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
     if cfg.train.cuda_graphs and env.world_size > 1 and distributed.backend() != "nccl":
@@ -219,7 +269,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     prepare_manifests(cfg.data, env)
     features = build.features(cfg.data)
     model = build.model(cfg.model, features.num_features).to(env.device)
-    augment = SpecAugment(**OmegaConf.to_container(cfg.data.augment.masks)) if cfg.data.augment.enabled else None
+    masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
+    augment = SpecAugment(**masks) if cfg.data.augment.enabled else None
     train_set = SpeechDataset(
         list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
     )
@@ -252,7 +303,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
              "elapsed_s": 0.0}
     resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     if resume is not None:
-        saved = checkpoint.load(resume)
+        saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
+        check_resumable(saved["config"], cfg, resume)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
@@ -304,7 +356,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
 
     result = {}
     max_steps = cfg.train.max_steps
+    if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
+        log.info("nothing to train: %s reached epoch %d, step %d (train.epochs=%d, train.max_steps=%s)", resume,
+                 state["epoch"], state["step"], cfg.train.epochs, max_steps)
     for epoch in range(state["epoch"], cfg.train.epochs):
+        if max_steps is not None and state["step"] >= max_steps:
+            break
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)

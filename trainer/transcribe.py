@@ -20,7 +20,8 @@ def main(argv=None) -> int:
         device = torch.device(args.device)
         model, features, _ = build.from_checkpoint(args.checkpoint, device)
         decoder = decode.from_arguments(args)
-    except (FileNotFoundError, ValueError) as error:
+    # RuntimeError: a device torch does not know or cannot reach (--device cuda without a driver)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     failures = 0
