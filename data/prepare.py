@@ -7,7 +7,9 @@ AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N
 the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
 each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
 
-Utterances whose audio is missing or unreadable are skipped with a warning naming the file, and counted.
+Utterances whose audio is missing or whose header cannot be read are skipped with a warning naming the file, and
+counted (audio that is damaged past its header is found when training reads it). An utterance with an empty
+transcript is written as it is: the dataset leaves it out, names it and counts it.
 """
 import argparse
 import logging
@@ -63,12 +65,10 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
     utterances, num_skipped = [], 0
     for transcript in transcripts:
-        for line_number, line in enumerate(transcript.read_text(encoding="utf-8").splitlines(), start=1):
+        for line in _read_utf8(transcript).splitlines():
             if not line.strip():
                 continue
             utterance_id, _, text = line.strip().partition(" ")
-            if not text:
-                raise ValueError(f"{transcript}:{line_number}: expected 'ID TEXT', got {line!r}")
             audio_stem = transcript.parent / utterance_id
             utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
             if utterance is None:
@@ -81,8 +81,8 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
 
 
 def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], int]:
-    ids = fileids.read_text(encoding="utf-8").split()
-    lines = [line for line in transcription.read_text(encoding="utf-8").splitlines() if line.strip()]
+    ids = _read_utf8(fileids).split()
+    lines = [line for line in _read_utf8(transcription).splitlines() if line.strip()]
     if len(ids) != len(lines):
         raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
     utterances, num_skipped = [], 0
@@ -110,10 +110,18 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
         return None
     try:
         duration = soundfile.info(str(audio)).duration
-    except soundfile.LibsndfileError as error:
-        logger.warning("skipping %s: cannot read audio (%s)", audio, error.error_string)
+    except Exception as error:  # libsndfile's error, or soundfile's TypeError for a file it takes for RAW
+        logger.warning("skipping %s: cannot read audio (%s)", audio, getattr(error, "error_string", None) or error)
         return None
     return Utterance(str(audio), duration, text, speaker)
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 ({error.reason})") from None
 
 
 def _write(label: str, manifest: Path, utterances: list[Utterance], num_skipped: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import soundfile
 
 from data.manifest import Utterance, read_manifest
-from data.prepare import main, prepare_an4
+from data.prepare import main, prepare_an4, prepare_librispeech
 
 RATE = 16000
 
@@ -97,8 +97,10 @@ def test_librispeech_layout(tmp_path, caplog):
     source = tmp_path / "dev-clean"
     chapter = source / "84" / "121123"
     chapter.mkdir(parents=True)
-    (chapter / "84-121123.trans.txt").write_text("84-121123-0000 GO DO YOU HEAR\n84-121123-0001 BUT IN LESS\n")
+    (chapter / "84-121123.trans.txt").write_text("84-121123-0000 GO DO YOU HEAR\n84-121123-0001 BUT IN LESS\n"
+                                                 "84-121123-0002\n")  # an empty transcript: the dataset skips it
     write_audio(chapter / "84-121123-0000.flac", 1.5)
+    write_audio(chapter / "84-121123-0002.flac", 0.5)
     other = source / "174" / "50561"
     other.mkdir(parents=True)
     (other / "174-50561.trans.txt").write_text("174-50561-0000 FORGOTTEN TOO THE NAME OF GILLIAN\n")
@@ -108,10 +110,14 @@ def test_librispeech_layout(tmp_path, caplog):
     assert read_manifest(tmp_path / "out" / "dev-clean.jsonl") == [
         Utterance(str(other / "174-50561-0000.flac"), 0.25, "FORGOTTEN TOO THE NAME OF GILLIAN", "174"),
         Utterance(str(chapter / "84-121123-0000.flac"), 1.5, "GO DO YOU HEAR", "84"),
+        Utterance(str(chapter / "84-121123-0002.flac"), 0.5, "", "84"),
     ]
     assert "skipping " + str(chapter / "84-121123-0001") in caplog.text
     main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev"])
-    assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 2
+    assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 3
+    (other / "174-50561.trans.txt").write_bytes(b"174-50561-0000 FORGOTTEN\n174-50561-0001 CAF\xc9\n")  # Latin-1
+    with pytest.raises(ValueError, match="174-50561.trans.txt:2: not UTF-8"):
+        prepare_librispeech(source, tmp_path / "out")
 
 
 @pytest.mark.parametrize(
