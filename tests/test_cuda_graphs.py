@@ -96,10 +96,11 @@ def test_graphed_steps_match_eager_steps(amp, loss_tolerance, update_tolerance, 
             assert abs(loss - eager_loss) <= loss_tolerance * abs(eager_loss), (step, loss, eager_loss)
         else:
             assert math.isnan(loss) and math.isnan(eager_loss)
-        worst_update = max(update_errors, key=update_errors.get)
-        assert update_errors[worst_update] <= update_tolerance, (step, worst_update, update_errors[worst_update])
-        worst_buffer = max(buffer_errors, key=buffer_errors.get)
-        assert buffer_errors[worst_buffer] <= 1e-5, (step, worst_buffer, buffer_errors[worst_buffer])
+        # Each error held to its bound (not the largest: max() passes a NaN that is not first).
+        bad_updates = {name: error for name, error in update_errors.items() if not error <= update_tolerance}
+        assert not bad_updates, (step, bad_updates)
+        bad_buffers = {name: error for name, error in buffer_errors.items() if not error <= 1e-5}
+        assert not bad_buffers, (step, bad_buffers)
 
 
 @pytest.mark.cuda

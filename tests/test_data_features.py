@@ -137,9 +137,10 @@ def test_spec_augment_zeroes_whole_bands_and_spans_and_repeats_under_a_seed():
 def test_spec_augment_time_masks_respect_max_time_fraction():
     augment = SpecAugment(num_freq_masks=0, time_mask=35, max_time_fraction=0.1)
     torch.manual_seed(0)
+    masked = []
     for _ in range(20):
-        masked_frames = (augment(torch.ones(100, 8)) == 0).all(dim=1)
-        assert int(masked_frames.sum()) <= 2 * 10
+        masked.append(int((augment(torch.ones(100, 8)) == 0).all(dim=1).sum()))
+    assert max(masked) <= 2 * 10 and sum(masked) > 0, masked
 
 
 @pytest.mark.parametrize("kind", ["spectrogram", "mel"])

@@ -378,8 +378,10 @@ def test_scaling_model_projects_a_measurement(scaling_result, tmp_path):
     projection = json.loads((tmp_path / "scaling_projection.json").read_text())
     rows = projection["rows"]
     # Default: global batches 128 and 512 on 1..128 GPUs, at the measured overlap, 0 and 1 (fewer if they coincide).
-    num_overlaps = len({row["overlap"] for row in rows})
-    assert len(rows) == 2 * 8 * num_overlaps
+    measured = scaling_model.Measurement(str(scaling_result["path"])).measured_overlap()
+    overlaps = list(dict.fromkeys([measured, 0.0, 1.0]))
+    assert sorted({row["overlap"] for row in rows}) == sorted(overlaps)
+    assert len(rows) == 2 * 8 * len(overlaps)
     assert all(row["efficiency"] == 1.0 for row in rows if row["gpus"] == 1)
     assert projection["model_check"]["gpus"] == 2
 

@@ -77,7 +77,14 @@ def test_padding_values_change_nothing_in_training(cell, bidirectional, batch_no
 def test_hundred_layer_residual_stack_trains():
     model = small_model("gru", True, depth=100, hidden=4, residual=True, conv_channels=2)
     features, lengths = ragged_batch()
+    inputs, outputs = [], []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda module, args, output: inputs.append(args[0]) or outputs.append(output))
     log_probs, out_lengths = model(features, lengths)
+    # Each layer after the first adds its output to its input: the next layer's input is the sum.
+    assert torch.equal(inputs[1], outputs[0])
+    for index in range(1, 99):
+        assert torch.equal(inputs[index + 1], inputs[index] + outputs[index]), f"layer {index}"
     targets, target_lengths = torch.tensor([[1, 2], [3, 3], [4, 5]]), torch.tensor([2, 2, 1])
     loss = torch.nn.functional.ctc_loss(log_probs, targets, out_lengths, target_lengths)
     loss.backward()
@@ -107,18 +114,23 @@ def test_reference_and_cudnn_backends_agree(cell, bidirectional):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cudnn"])
-def test_batch_slices_train_the_same_function(backend):
+def test_batch_slices_train_the_same_function(backend, monkeypatch):
     """Recurrent layers on slices of 2 utterances (a per-GPU batch of 2 on one device): batch norm still sees the whole
     batch, so the training forward and every gradient are the whole batch's."""
     features, lengths = ragged_batch(torch.float64)
     whole = small_model("gru", True, backend=backend).double()
     sliced = small_model("gru", True, backend=backend, batch_slice=2).double()
-    assert all(layer.rnn.batch_slice == 2 for layer in sliced.layers)
+    run_sizes = []
+    for layer in sliced.layers:
+        run = layer.rnn._forward_on
+        monkeypatch.setattr(layer.rnn, "_forward_on", lambda backend, input, hx, lengths, run=run: run_sizes.append(
+            input.shape[1]) or run(backend, input, hx, lengths))
     results = []
     for model in (whole, sliced):
         log_probs, _ = model(features, lengths)
         upstream = torch.linspace(-1, 1, log_probs.numel(), dtype=log_probs.dtype).view_as(log_probs)
         results.append([log_probs, *torch.autograd.grad((log_probs * upstream).sum(), list(model.parameters()))])
+    assert run_sizes == [2, 1] * len(sliced.layers)  # 3 utterances: a slice of 2, then 1, in every layer
     for whole_value, sliced_value in zip(*results, strict=True):
         assert relative_error(sliced_value, whole_value) < 1e-10
 

@@ -169,11 +169,15 @@ def test_backend_for_a_cpu_input(backend, expected):
 @pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
 @pytest.mark.parametrize("backend", ["reference", "cudnn"])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first):
+def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first, monkeypatch):
     """Slices of 3, the last one short, give the whole batch's outputs, final states and every gradient."""
     torch.manual_seed(0)
     _, module = module_pair(cell, hidden_size=6, num_layers=2, bidirectional=True, batch_first=batch_first)
     module.backend = backend
+    run_sizes = []
+    run = module._forward_on
+    monkeypatch.setattr(module, "_forward_on", lambda backend, input, hx, lengths: run_sizes.append(
+        input.shape[0 if batch_first else 1]) or run(backend, input, hx, lengths))
     batch_size = 7
     shape = (batch_size, NUM_STEPS, INPUT_SIZE) if batch_first else (NUM_STEPS, batch_size, INPUT_SIZE)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
@@ -188,6 +192,7 @@ def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first):
         upstream = sum((output * torch.linspace(-1, 1, output.numel(), dtype=torch.float64).view_as(output)).sum()
                        for output in outputs)
         results.append([*outputs, *torch.autograd.grad(upstream, [x, *states, *module.parameters()])])
+    assert run_sizes == [7, 3, 3, 1]  # the whole batch, then its slices
     for whole, sliced in zip(*results, strict=True):
         assert relative_error(sliced, whole) < TOLERANCE
 

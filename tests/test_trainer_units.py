@@ -92,8 +92,11 @@ def test_every_experiment_composes_and_builds(experiment):
 
 
 def test_command_line_overrides_reach_the_model():
-    cfg = compose_config(["model.depth=100", "model.hidden=1152", "model.cell=lstm", "model.backend=reference"])
-    assert (cfg.model.depth, cfg.model.hidden, cfg.model.cell, cfg.model.backend) == (100, 1152, "lstm", "reference")
+    cfg = compose_config(["model.depth=3", "model.hidden=8", "model.cell=lstm", "model.backend=reference",
+                          "model.conv_channels=2"])
+    recurrent = [m for m in build.model(cfg.model, 161).modules() if isinstance(m, torch.nn.RNNBase)]
+    assert len(recurrent) == 3
+    assert all(m.mode == "LSTM" and m.hidden_size == 8 and m.backend == "reference" for m in recurrent)
     deep = build.model(compose_config(["experiment=deep100", "model.hidden=8", "model.conv_channels=2"]).model, 161)
     recurrent = [m for m in deep.modules() if isinstance(m, torch.nn.RNNBase)]
     assert len(recurrent) == 100 and all(m.hidden_size == 8 for m in recurrent)
@@ -212,7 +215,21 @@ def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
     loaded = checkpoint.load(tmp_path / "c.pt")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert loaded["train_state"] == state["train_state"]
+    assert torch.equal(loaded["rng"][0]["torch"], state["rng"][0]["torch"])
+    assert loaded["rng"][0]["python"] == state["rng"][0]["python"]
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
+
+
+def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path / "c.pt", {"model": {"w": torch.zeros(3)}, "config": {}})
+
+    def crash(*args):
+        raise OSError("the job was killed mid-write")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path / "c.pt", {"model": {"w": torch.ones(3)}, "config": {}})
+    assert torch.equal(checkpoint.load(tmp_path / "c.pt")["model"]["w"], torch.zeros(3))
 
 
 class Payload:
