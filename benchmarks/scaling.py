@@ -83,7 +83,7 @@ def random_batch(batch_size: int, num_frames: int, num_features: int, seed: int,
     lengths[0] = num_frames
     target_lengths = (lengths * CHARS_PER_FRAME).long().clamp_min(1)
     targets = torch.randint(1, NUM_CLASSES, (int(target_lengths.sum()),), generator=generator)
-    batch = Batch(features, lengths, targets, target_lengths, torch.arange(batch_size), num_skipped=0)
+    batch = Batch(features, lengths, targets, target_lengths, torch.arange(batch_size))
     return batch.to(device)
 
 

@@ -24,6 +24,13 @@ class Sample:
     index: int  # position in the dataset
 
 
+@dataclass(frozen=True)
+class Unusable:
+    """What the dataset gives for an item whose audio cannot train: its position, and the warning naming why."""
+    index: int
+    reason: str
+
+
 @dataclass
 class Batch:
     features: torch.Tensor  # (B, T_max, F) float32, zero after each utterance's end
@@ -31,7 +38,11 @@ class Batch:
     targets: torch.Tensor  # (sum of L,) int64, the utterances' targets one after another
     target_lengths: torch.Tensor  # (B,) int64
     indices: torch.Tensor  # (B,) int64 dataset positions
-    num_skipped: int  # samples of this batch dropped because their audio could not be used
+    unusable: tuple[Unusable, ...] = ()  # items of this batch dropped because their audio could not be used
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.unusable)
 
     def pin_memory(self) -> "Batch":
         """Called by DataLoader(pin_memory=True), so that `to(..., non_blocking=True)` really overlaps."""
@@ -66,10 +77,11 @@ class SpeechDataset(Dataset):
     longer than `max_duration` seconds are dropped too, counted but not named one by one: that is a choice,
     not a fault in the data.
 
-    Audio is read when an item is asked for; `__getitem__` returns None (and warns once for that file) when it
+    Audio is read when an item is asked for; `__getitem__` returns an Unusable naming the file and why when it
     cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
     out too short for its transcript after all, or lasts more than a second beyond `max_duration` whatever the
-    manifest said. `collate` drops these.
+    manifest said. `collate` sets these aside in `Batch.unusable`, and `warn_once` (called where the batches arrive:
+    loader processes start from a fresh copy of the dataset every epoch, and would warn every epoch) logs each once.
 
     Args:
         manifest_paths: JSONL manifests (see data.manifest), read in order.
@@ -159,29 +171,23 @@ class SpeechDataset(Dataset):
     def __len__(self) -> int:
         return len(self.utterances)
 
-    def __getitem__(self, index: int) -> Sample | None:
+    def __getitem__(self, index: int) -> Sample | Unusable:
         utterance, targets = self.utterances[index], self.targets[index]
         try:
             waveform = load_audio(utterance.audio_filepath, self.features.sample_rate)
         except AudioError as error:
-            self._warn_once(index, f"skipping {error}")
-            return None
+            return Unusable(index, f"skipping {error}")
         seconds = len(waveform) / self.features.sample_rate
         if self.max_duration is not None and seconds > self.max_duration + 1:
-            detail = (f"its audio lasts {seconds:.1f} s, more than max_duration ({self.max_duration} s); "
-                      f"the manifest says {utterance.duration} s")
-            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
-            return None
+            return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
+                                         f"({self.max_duration} s); the manifest says {utterance.duration} s")
         features = self.features(waveform)  # (T, F)
         if not torch.isfinite(features).all():
-            detail = f"its features are not finite (its largest sample is {float(waveform.abs().max()):.3g})"
-            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
-            return None
+            return self._unusable(index, "its features are not finite (its largest sample is "
+                                         f"{float(waveform.abs().max()):.3g})")
         num_outputs = math.ceil(len(features) / self.time_stride)
         if num_outputs < min_ctc_frames(targets):
-            detail = self._too_long_detail(num_outputs, targets)
-            self._warn_once(index, f"skipping {utterance.audio_filepath}: {detail}")
-            return None
+            return self._unusable(index, self._too_long_detail(num_outputs, targets))
         if self.augment is not None:
             # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
             # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
@@ -190,19 +196,23 @@ class SpeechDataset(Dataset):
                 features = self.augment(features)
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
 
-    def _warn_once(self, index: int, message: str) -> None:
-        if index not in self._warned:
-            self._warned.add(index)
-            logger.warning(message)
+    def _unusable(self, index: int, detail: str) -> Unusable:
+        return Unusable(index, f"skipping {self.utterances[index].audio_filepath}: {detail}")
+
+    def warn_once(self, unusable: Sequence[Unusable]) -> None:
+        """Logs the warning of each item not warned about before."""
+        for item in unusable:
+            if item.index not in self._warned:
+                self._warned.add(item.index)
+                logger.warning(item.reason)
 
 
-def collate(samples: Sequence[Sample | None]) -> Batch:
-    """Pad the usable samples into one Batch; None entries are dropped and counted in `num_skipped`.
+def collate(samples: Sequence[Sample | Unusable]) -> Batch:
+    """Pad the usable samples into one Batch; Unusable items go into `Batch.unusable`.
 
     With no usable sample the Batch has B = 0 (features of shape (0, 0, 0)): the training loop skips it.
     """
-    usable = [sample for sample in samples if sample is not None]
-    num_skipped = len(samples) - len(usable)
+    usable = [sample for sample in samples if isinstance(sample, Sample)]
     feature_lengths = torch.tensor([len(sample.features) for sample in usable], dtype=torch.int64)
     num_features = usable[0].features.shape[1] if usable else 0
     max_frames = int(feature_lengths.max()) if usable else 0
@@ -216,5 +226,5 @@ def collate(samples: Sequence[Sample | None]) -> Batch:
         targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64),
         target_lengths=torch.tensor([len(target) for target in targets], dtype=torch.int64),
         indices=torch.tensor([sample.index for sample in usable], dtype=torch.int64),
-        num_skipped=num_skipped,
+        unusable=tuple(sample for sample in samples if isinstance(sample, Unusable)),
     )

@@ -8,7 +8,7 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
-from data.dataset import SpeechDataset, collate, min_ctc_frames
+from data.dataset import SpeechDataset, Unusable, collate, min_ctc_frames
 from data.features import FeatureExtractor, SpecAugment
 from data.manifest import Utterance, write_manifest
 from data.sampler import BucketBatchSampler
@@ -84,19 +84,33 @@ def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
         make_dataset(tmp_path / "empty.jsonl")
 
 
-def test_unreadable_empty_or_too_short_audio_gives_none_and_warns_once(manifest, caplog):
+def test_unreadable_empty_or_too_short_audio_is_unusable_and_warned_about_once(manifest, caplog):
     dataset = make_dataset(manifest)
+    items = [dataset[index] for index in range(5)]
+    assert [isinstance(item, Unusable) for item in items] == [False, False, True, True, True]
+    assert [item.index for item in items] == [0, 1, 2, 3, 4]
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert [dataset[index] is None for index in range(5)] == [False, False, True, True, True]
-        assert dataset[2] is None
+        dataset.warn_once(items[2:])
+        dataset.warn_once([dataset[2], dataset[3]])  # a later epoch: no second warning
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 3
     assert "corrupt.flac" in messages[0] and "empty.wav" in messages[1] and "no samples" in messages[1]
     assert "short.wav" in messages[2] and "6 output frames" in messages[2]
 
 
-def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_gives_none(tmp_path, caplog):
+def test_loader_processes_warn_about_nothing_and_each_unusable_file_is_warned_about_once(manifest, caplog):
+    dataset = make_dataset(manifest)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # two epochs, each with a new loader process and so a fresh copy of the dataset
+            for batch in DataLoader(dataset, batch_size=5, collate_fn=collate, num_workers=1):
+                dataset.warn_once(batch.unusable)
+    assert sorted(record.getMessage().split(":")[0] for record in caplog.records) == [
+        f"skipping {manifest.parent / name}" for name in ("corrupt.flac", "empty.wav", "short.wav")]
+
+
+def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unusable(tmp_path):
     write_noise(tmp_path / "good.wav", 1.0)
     write_noise(tmp_path / "lecture.wav", 25.0)
     soundfile.write(tmp_path / "loud.wav", np.array([3e38, -3e38] * 8000, np.float32), RATE, subtype="FLOAT")
@@ -106,10 +120,9 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_gives_n
         Utterance(str(tmp_path / "loud.wav"), 1.0, "A", "a"),  # finite samples whose spectrum overflows
     ])
     dataset = make_dataset(tmp_path / "m.jsonl")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert [dataset[index] is None for index in range(3)] == [False, True, True]
-    lecture, loud = (record.getMessage() for record in caplog.records)
+    items = [dataset[index] for index in range(3)]
+    assert [isinstance(item, Unusable) for item in items] == [False, True, True]
+    lecture, loud = (item.reason for item in items[1:])
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in lecture
     assert "loud.wav: its features are not finite (its largest sample is 3e+38)" in loud
 
@@ -136,9 +149,9 @@ def test_collate_pads_concatenates_and_counts_skipped(manifest):
 
 
 def test_collate_of_only_unusable_samples_is_an_empty_batch():
-    batch = collate([None, None])
+    batch = collate([Unusable(3, "skipping a"), Unusable(5, "skipping b")])
     assert batch.features.shape[0] == 0 and batch.targets.numel() == 0 and batch.indices.numel() == 0
-    assert batch.num_skipped == 2
+    assert batch.num_skipped == 2 and [item.index for item in batch.unusable] == [3, 5]
 
 
 def test_augment_masks_the_training_features(manifest):

@@ -40,6 +40,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     rows = []
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
     for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
+        dataset.warn_once(batch.unusable)
         counts.unreadable += batch.num_skipped
         if len(batch.indices) == 0:
             continue

@@ -378,7 +378,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
         for batch in progress:
-            if batch.num_skipped:
+            if batch.unusable:
+                train_set.warn_once(batch.unusable)
                 skipped["utterances unreadable or too long"] += batch.num_skipped
             outcome, loss = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
             state["step"] += 1
