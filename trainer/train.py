@@ -373,17 +373,20 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         wrapped.train()
+        # Counted by hand: a bar that wraps the loader counts a batch only when the next one is asked for, so a stop
+        # at train.max_steps left it a step behind.
         progress = tqdm(
-            loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
+            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
-        for batch in progress:
+        for batch in loader:
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
                 skipped["utterances unreadable or too long"] += batch.num_skipped
             outcome, loss = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
             state["step"] += 1
             state["epoch_step"] += 1
+            progress.update()
             if outcome != "ok":
                 skipped[f"step skipped: {outcome}"] += 1
                 log.warning("step %d skipped: %s", state["step"], outcome)
