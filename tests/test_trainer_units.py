@@ -319,38 +319,34 @@ def test_a_skipped_step_leaves_no_trace(optimizer_name):
 
 # --- evaluation -----------------------------------------------------------------------------------------------------
 
-def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):
+def evaluate_manifest(utterances, tmp_path):
+    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments)."""
     from data.dataset import SpeechDataset
     from data.manifest import Utterance, write_manifest
     from data.sampler import eval_shard
     from trainer.evaluate import evaluate
 
-    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
-    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 2.0, "  two   six eight ", "x")])
+    write_manifest(tmp_path / "m.jsonl", [Utterance(*arguments) for arguments in utterances])
     cfg = compose_config(["model.depth=1", "model.hidden=8", "model.conv_channels=2", "data.features.kind=mel",
                           "data.features.n_mels=40"])
     features = build.features(cfg.data)
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
-    counts, rows = evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+    return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+
+
+def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    counts, rows = evaluate_manifest([(str(audio), 2.0, "  two   six eight ", "x")], tmp_path)
     assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3 and counts.unreadable == 0
 
 
-def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path):
-    from data.dataset import SpeechDataset
-    from data.manifest import Utterance, write_manifest
-    from data.sampler import eval_shard
-    from trainer.evaluate import evaluate
-
+def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path, caplog):
     audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
-    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 2.0, "TWO", "x"),
-                                          Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX EIGHT", "x")])
-    cfg = compose_config(["model.depth=1", "model.hidden=8", "model.conv_channels=2"])
-    features = build.features(cfg.data)
-    model = build.model(cfg.model, features.num_features)
-    dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
-    counts, rows = evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+    counts, rows = evaluate_manifest([(str(audio), 2.0, "TWO", "x"), (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")],
+                                     tmp_path)
     assert (len(rows), counts.words, counts.unreadable) == (1, 1, 1)
+    assert "gone.flac: no such audio file" in caplog.text
 
 
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
