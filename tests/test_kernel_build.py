@@ -59,11 +59,12 @@ def test_extension_and_products_compile_for_hopper(tmp_path, monkeypatch, capsys
     assert library.stat().st_mtime == 946684800
 
 
-def test_the_build_lock_names_its_holder_and_dies_with_it(tmp_path):
+def test_a_wait_for_the_build_lock_names_the_lock_and_the_lock_dies_with_its_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        with pytest.raises(RuntimeError, match=f"waited 1 s for another process building .* in {tmp_path}"):
+        with pytest.raises(RuntimeError, match=f"waited 1 s for another process building .* in {tmp_path} "
+                                               f"\\(it holds {tmp_path / 'build.lock'}\\)"):
             with build.build_lock(tmp_path, timeout_s=1):
                 pass
     finally:
