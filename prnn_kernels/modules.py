@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from prnn_kernels.reference import reference_layer
 
@@ -46,7 +46,8 @@ class _BackendChoice:
         name = type(self).__name__
         if backend not in BACKENDS:
             raise ValueError(f"prnn_kernels.{name}: backend={backend!r} is not one of {BACKENDS}")
-        if batch_slice is not None and (not isinstance(batch_slice, int) or batch_slice < 1):
+        if batch_slice is not None and (isinstance(batch_slice, bool) or not isinstance(batch_slice, int)
+                                        or batch_slice < 1):
             raise ValueError(f"prnn_kernels.{name}: batch_slice={batch_slice!r} must be a positive integer or None")
         super().__init__(*args, **kwargs)
         if self.proj_size:
@@ -59,10 +60,18 @@ class _BackendChoice:
         return f"{super().extra_repr()}, backend={self.backend!r}, batch_slice={self.batch_slice}"
 
     def forward(self, input, hx=None, lengths=None):
+        name = f"prnn_kernels.{type(self).__name__}"
+        if isinstance(input, PackedSequence):
+            raise ValueError(f"{name}: a PackedSequence is not taken; pass the padded tensor and lengths=")
         if input.dim() != 3:
-            raise ValueError(f"prnn_kernels.{type(self).__name__}: input must be 3-D, got shape {tuple(input.shape)}")
+            raise ValueError(f"{name}: input must be 3-D, got shape {tuple(input.shape)}")
         batch_dim = 0 if self.batch_first else 1
         batch_size = input.shape[batch_dim]
+        if self.cell == "lstm" and hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
+            got = f"a tuple of {len(hx)}" if isinstance(hx, tuple) else type(hx).__name__
+            raise ValueError(f"{name}: hx must be a tuple (h0, c0), got {got}")
+        if lengths is not None:
+            lengths = _checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
         backend = self.backend_for(batch_size, input.dtype, input.device)
         if self.batch_slice is None or batch_size <= self.batch_slice:
             return self._forward_on(backend, input, hx, lengths)
@@ -175,6 +184,19 @@ class _BackendChoice:
             outputs.append(output)
             finals.append(final_state)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], finals
+
+
+def _checked_lengths(name, lengths, batch_size, num_steps):
+    """`lengths` as a tensor, refused with a message naming it unless it holds one integer per sample in [1, T]; the
+    range is checked on CPU lengths only, as reading GPU ones would wait for the GPU (and break a graph's capture)."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise ValueError(f"{name}: lengths must be integers, got {lengths.dtype}")
+    if tuple(lengths.shape) != (batch_size,):
+        raise ValueError(f"{name}: lengths must have shape ({batch_size},), one per sample, got {tuple(lengths.shape)}")
+    if lengths.device.type == "cpu" and bool(((lengths < 1) | (lengths > num_steps)).any()):
+        raise ValueError(f"{name}: lengths must lie in [1, T={num_steps}], got {lengths.tolist()}")
+    return lengths
 
 
 def _state_slice(hx, start, size):

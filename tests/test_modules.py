@@ -152,6 +152,28 @@ def test_backend_errors():
         prnn_kernels.GRU(4, 8, backend="reference")(torch.randn(5, 2, 3))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_arguments_torch_would_misread_are_refused_naming_them(backend):
+    # Left unchecked, the backends disagreed: cuDNN's packing dropped a sample that a short lengths left out while the
+    # reference broadcast it, and a float length ran 3 steps on one and 4 on the other.
+    gru, lstm = prnn_kernels.GRU(4, 3, backend=backend), prnn_kernels.LSTM(4, 3, backend=backend)
+    x = torch.randn(5, 2, 4)
+    refusals = [
+        (lambda: gru(x, lengths=torch.tensor([3])), r"GRU: lengths must have shape \(2,\), one per sample, got \(1,\)"),
+        (lambda: gru(x, lengths=torch.tensor([3.5, 5.0])), "lengths must be integers, got torch.float32"),
+        (lambda: gru(x, lengths=torch.tensor([9, 5])), r"lengths must lie in \[1, T=5\], got \[9, 5\]"),
+        (lambda: gru(x, lengths=torch.tensor([0, 5])), r"lengths must lie in \[1, T=5\], got \[0, 5\]"),
+        (lambda: gru(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])), "a PackedSequence is not taken"),
+        (lambda: lstm(x, torch.zeros(1, 2, 3)), r"LSTM: hx must be a tuple \(h0, c0\), got Tensor"),
+        (lambda: lstm(x, (torch.zeros(1, 2, 3),) * 3), r"hx must be a tuple \(h0, c0\), got a tuple of 3"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            call()
+    output, _ = gru(x, lengths=[5, 3])  # a list, as pack_padded_sequence takes
+    assert output.shape == (5, 2, 3) and not output[3:, 1].any()
+
+
 def test_persistent_backend_on_cpu_says_why():
     pytest.importorskip("prnn_kernels.persistent")
     module = prnn_kernels.GRU(4, 8, backend="persistent")
@@ -202,4 +224,6 @@ def test_batch_slice_is_checked_and_shown():
         prnn_kernels.GRU(4, 8, batch_slice=0)
     with pytest.raises(ValueError, match="batch_slice=2.5"):
         prnn_kernels.GRU(4, 8, batch_slice=2.5)
+    with pytest.raises(ValueError, match="batch_slice=True"):  # a bool is an int to isinstance
+        prnn_kernels.GRU(4, 8, batch_slice=True)
     assert "batch_slice=4" in repr(prnn_kernels.GRU(4, 8, batch_slice=4))
