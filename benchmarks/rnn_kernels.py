@@ -41,6 +41,7 @@ import json
 import platform
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -294,6 +295,8 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.rnn_kernels needs a CUDA GPU")
+    if args.json:  # before the measuring, which a missing folder would otherwise lose at its end
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)

@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -134,6 +135,8 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.rnn_stack needs a CUDA GPU")
+    if args.json:  # before the measuring, which a missing folder would otherwise lose at its end
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if len(set(args.depths)) < 2:
         sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
     torch.manual_seed(0)

@@ -280,6 +280,9 @@ def main(argv=None) -> None:
         "trainer_config": OmegaConf.to_container(cfg, resolve=True),
     }
     baseline = read_baseline(args.baseline, config) if args.baseline else None
+    if env.is_main:  # --device auto takes the CPU where there is no GPU, where the larger models take minutes
+        print(f"measuring the {args.model} model on {env.world_size} x {device_name(device)}, compute batches "
+              f"{args.compute_batches}, global batch {args.global_batch}", flush=True)
 
     result = measure(args, env, cfg, config, baseline)
     if env.is_main:

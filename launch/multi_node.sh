@@ -5,18 +5,28 @@
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the fast network;
 # default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses).
 set -euo pipefail
-hostfile=${1:?usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]}
-num_processes=${2:?usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]}
+usage="usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]"
+hostfile=${1:?$usage}
+num_processes=${2:?$usage}
+[[ -r $hostfile ]] || { echo "no readable hostfile '$hostfile'; $usage" >&2; exit 2; }
+[[ $num_processes =~ ^[1-9][0-9]*$ ]] || {
+    echo "NUM_PROCESSES must be a positive integer, not '$num_processes'; $usage" >&2; exit 2; }
 shift 2
 run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}
-export MASTER_ADDR=${MASTER_ADDR:-$(awk 'NF {print $1; exit}' "$hostfile")}
+[[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ ]] || {
+    echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-" >&2; exit 2; }
+# The first host line, past blank lines and comments: its name and its slots, the processes each node runs.
+read -r first_host first_slots < <(awk '!/^[[:space:]]*(#|$)/ {print $1, $2; exit}' "$hostfile") || true
+[[ ${first_slots:-} =~ ^slots=[1-9][0-9]*$ ]] || {
+    echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '${first_host:-} ${first_slots:-}'" >&2; exit 2; }
+export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
-for name in $(env | grep -o '^NCCL_[A-Z_]*'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made
+for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
 exec ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
-    --map-by ppr:"$(awk 'NF {sub("slots=", "", $2); print $2; exit}' "$hostfile")":node \
+    --map-by ppr:"${first_slots#slots=}":node \
     "${forwarded[@]}" \
     "${PYTHON:-python3}" -m trainer run_name="$run_name" "$@"

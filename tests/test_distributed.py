@@ -234,6 +234,65 @@ def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
         distributed.rank_gpu(0, 3, 2, share_gpus=False)
 
 
+def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_rank(monkeypatch):
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    for variables, expected in [
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}, (3, 4, 3, 4)),
+        ({"PMIX_RANK": "3", "PMIX_SIZE": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"}, (3, 4, 1, 2)),
+        # srun without --ntasks-per-node: at least the ranks up to this one share the node
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}, (3, 4, 3, 4)),
+    ]:
+        with monkeypatch.context() as scope:
+            for name, value in variables.items():
+                scope.setenv(name, value)
+            assert distributed._ranks_from_launcher() == expected
+
+
+@needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
+def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
+    """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""
+    environment = {name: value for name, value in os.environ.items()
+                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+    environment |= {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
+    result = subprocess.run([sys.executable, "-c", "from trainer import distributed; distributed.init('cpu')"],
+                            cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_NTASKS)" in result.stderr, result.stderr
+
+
+def launch_script(script: str, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
+    """launch/SCRIPT with MPIRUN=echo: its stdout's last line is the mpirun command it would run."""
+    return subprocess.run([str(REPO_ROOT / "launch" / script), *arguments], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable, "MPIRUN": "echo",
+                                                      **environment})
+
+
+def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp_path):
+    ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", RUN_NAME="first try")
+    command = ran.stdout.splitlines()[-1]
+    assert ran.returncode == 0 and command.startswith("-np 2 --bind-to none "), ran.stderr
+    assert command.endswith("-m trainer run_name=first try experiment=cpu_demo")
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# the allocation\n\nnode01 slots=8\nnode02 slots=8\n")
+    ran = launch_script("multi_node.sh", str(hosts), "16", "experiment=an4_gpu", NCCL_P2P_DISABLE="1",
+                        NCCL_IB_HCA="mlx5")
+    command = ran.stdout.splitlines()[-1]
+    assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 "), ran.stderr
+    assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
+    (tmp_path / "bare.txt").write_text("node01\n")
+    for script, arguments, environment, refusal in [
+        ("single_node.sh", ["experiment=cpu_demo"], {},
+         "NUM_GPUS must be a positive integer, not 'experiment=cpu_demo'"),
+        ("single_node.sh", ["2"], {"RUN_NAME": "lr=3e-4"}, "RUN_NAME 'lr=3e-4': use letters, digits, spaces"),
+        ("multi_node.sh", [str(tmp_path / "none.txt"), "16"], {}, f"no readable hostfile '{tmp_path / 'none.txt'}'"),
+        ("multi_node.sh", [str(tmp_path / "bare.txt"), "16"], {}, "its first host line must read 'NAME slots=GPUS'"),
+    ]:
+        refused = launch_script(script, *arguments, **environment)
+        assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
+
+
 def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_otherwise(monkeypatch):
     variables = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_DUMP_ON_TIMEOUT")
     for name in variables:  # set, then deleted: monkeypatch restores each as it was before the test

@@ -25,12 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
-# (rank, size, local rank) variables of each launcher, checked in order.
+# (rank, size, local rank, ranks on the node) variables of each launcher, checked in order.
 LAUNCHER_VARIABLES = [
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # OpenMPI
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH (hydra), Intel MPI
-    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),  # PMIx launchers
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH (hydra), Intel MPI
+    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),  # PMIx launchers
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),  # srun
 ]
 ABORT_GRACE_S = 2.0
 
@@ -46,8 +46,8 @@ class DistEnv:
         return self.rank == 0
 
 
-def _launcher_variables() -> tuple[str, str, str] | None:
-    """The (rank, size, local rank) variable names of the launcher that started this process with size > 1."""
+def _launcher_variables() -> tuple[str, str, str, str] | None:
+    """The variable names (LAUNCHER_VARIABLES) of the launcher that started this process with size > 1."""
     for names in LAUNCHER_VARIABLES:
         if int(os.environ.get(names[1], "1")) > 1:
             return names
@@ -73,9 +73,12 @@ def launcher_rank() -> int:
     return int(os.environ[names[0]]) if names else 0
 
 
-def _ranks_from_launcher() -> tuple[int, int, int]:
-    rank, size, local = _launcher_variables()
-    return int(os.environ[rank]), int(os.environ[size]), int(os.environ.get(local, 0))
+def _ranks_from_launcher() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
+    node, at least this one and those of lower local rank do."""
+    rank, size, local, local_size = (os.environ.get(name) for name in _launcher_variables())
+    local_rank = int(local or 0)
+    return int(rank), int(size), local_rank, max(int(local_size or 1), local_rank + 1)
 
 
 def _free_port() -> int:
@@ -129,10 +132,16 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
 
     try:
         rank, world_size, local_rank, ranks_on_node, world = _ranks_from_mpi()
+        launched_size = _ranks_from_launcher()[1]
+        if world_size != launched_size:  # else each process would train alone, all into one run directory
+            raise ValueError(
+                f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
+                f"({_launcher_variables()[1]}): the MPI library mpi4py loaded is not the launcher's (under srun, "
+                "match --mpi / SRUN_MPI to it)"
+            )
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
     except ImportError:
-        rank, world_size, local_rank = _ranks_from_launcher()
-        ranks_on_node = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS") or 1)
+        rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
         if "MASTER_PORT" not in os.environ:
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])

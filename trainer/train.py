@@ -240,7 +240,8 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
     differ = [f"{key}={OmegaConf.select(saved, key)!r} there, {OmegaConf.select(cfg, key)!r} here"
               for key in RESUME_MUST_MATCH if OmegaConf.select(saved, key) != OmegaConf.select(cfg, key)]
     if differ:
-        raise ValueError(f"cannot resume from {path}: it was written by a run with other settings ({'; '.join(differ)})")
+        raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
+                         f"({'; '.join(differ)})")
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
