@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from data.audio import AudioError, load_audio
 from data.features import FeatureExtractor, SpecAugment
 from data.manifest import Utterance, read_manifest
+from data.sampler import epoch_seed
 from data.text import encode, invalid_characters, normalize_text
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class SpeechDataset(Dataset):
             # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
             # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + index)
+                torch.manual_seed(epoch_seed(self.seed, self.epoch) * 1_000_033 + index)
                 features = self.augment(features)
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
 

@@ -10,6 +10,11 @@ import torch
 from torch.utils.data import Sampler
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """One seed for each (seed, epoch): seed + epoch gave seed s's epoch e + 1 the order of seed s + 1's epoch e."""
+    return seed * 1_000_003 + epoch
+
+
 class BucketBatchSampler(Sampler[list[int]]):
     """Yields this rank's dataset indices for each global batch of an epoch.
 
@@ -17,8 +22,10 @@ class BucketBatchSampler(Sampler[list[int]]):
     utterances first steady early training). Other epochs: utterances sorted by duration after a seeded
     relative jitter of up to +-`jitter` so groupings change from epoch to epoch, then the global batches in a
     seeded random order. Each epoch drops `len(durations) % global_batch_size` utterances so that every rank
-    takes the same number of steps; after SortaGrad the dropped ones are a seeded random mix of the shortest
-    and the longest. Everything depends on `seed` and the epoch only, never on the rank, so ranks agree.
+    takes the same number of steps: the longest in the SortaGrad epoch, a seeded random choice after it, each
+    utterance as likely as any other (dropping from the ends of the sorted order left AN4's shortest utterances
+    out of two epochs in three). Everything depends on `seed` and the epoch only, never on the rank, so ranks
+    agree; seed and epoch are mixed so that neighbouring seeds do not share their orders an epoch apart.
 
     The state ({"epoch", "position"}: global batches handed out so far this epoch) does not depend on rank or
     world size, so a run saved with N ranks resumes with M. Finishing an epoch's iteration moves to the next
@@ -68,11 +75,11 @@ class BucketBatchSampler(Sampler[list[int]]):
             # A stable sort keeps equal durations in manifest order, so this is the same on every rank.
             order = torch.argsort(self.durations, stable=True)[:num_used]
             return order.view(num_batches, self.global_batch_size).tolist()
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        noise = torch.rand(len(self.durations), generator=generator, dtype=torch.float64) * 2 - 1
-        order = torch.argsort(self.durations * (1 + self.jitter * noise), stable=True)
-        start = int(torch.randint(len(order) - num_used + 1, (1,), generator=generator))
-        batches = order[start : start + num_used].view(num_batches, self.global_batch_size)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        kept = torch.randperm(len(self.durations), generator=generator)[:num_used]
+        noise = torch.rand(num_used, generator=generator, dtype=torch.float64) * 2 - 1
+        order = kept[torch.argsort(self.durations[kept] * (1 + self.jitter * noise), stable=True)]
+        batches = order.view(num_batches, self.global_batch_size)
         return batches[torch.randperm(num_batches, generator=generator)].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

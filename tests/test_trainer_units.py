@@ -145,6 +145,10 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
         check_resumable(saved, compose_config(["model.hidden=32", "optim=sgd"]), tmp_path / "last.pt")
     assert str(error.value) == (f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with other "
                                 "settings (model.hidden=64 there, 32 here; optim.name='adamw' there, 'sgd' here)")
+    # Its sampler position counts global batches of its own size, order and utterances.
+    with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
+        check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
+                        tmp_path / "last.pt")
 
 
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():

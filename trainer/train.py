@@ -21,7 +21,7 @@ from tqdm import tqdm
 from data.dataset import Batch, SpeechDataset, collate
 from data.features import SpecAugment
 from data.prepare import prepare_an4
-from data.sampler import BucketBatchSampler, eval_shard
+from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from models.cuda_graphs import CudaGraphed
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
@@ -79,7 +79,7 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
         collate_fn=collate,
         num_workers=cfg.train.num_workers,
         pin_memory=env.device.type == "cuda" and not cfg.train.cuda_graphs,
-        generator=torch.Generator().manual_seed(cfg.seed + epoch),
+        generator=torch.Generator().manual_seed(epoch_seed(cfg.seed, epoch)),
     )
 
 
@@ -229,10 +229,13 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be {what}, not {value!r}")
 
 
-# What a checkpoint's run must share with this one for its weights and optimizer state to fit. The backend and the
-# batch slicing may change on resume: the same function, run by other kernels.
+# What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
+# position to name the same global batches (another batch size, seed or utterance set would train some utterances of
+# the epoch twice and skip others). The backend and the batch slicing may change on resume: the same function, run by
+# other kernels; so may the world size, which the global batch does not depend on.
 RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirectional", "model.lookahead",
-                     "model.residual", "model.conv_channels", "data.features", "optim.name")
+                     "model.residual", "model.conv_channels", "data.features", "optim.name", "train.global_batch_size",
+                     "seed", "data.sortagrad", "data.train_manifests", "data.max_duration")
 
 
 def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
@@ -286,8 +289,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     recurrent_backend = model.recurrent_backend(per_rank_batch, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
-            "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch",
+            "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "
+            "utterances of each (the longest in a SortaGrad epoch, a random choice after it)",
             sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),
+            len(train_set) - len(sampler) * cfg.train.global_batch_size,
         )
         slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
         log.info("recurrent layers on %s: %d utterances a rank%s, %s",
