@@ -21,12 +21,14 @@ def log_probs_over(frames: list[dict[str, float]]) -> torch.Tensor:
     return (probs / probs.sum(-1, keepdim=True)).log()
 
 
+@pytest.mark.parametrize("chars", ["ABC", "AB "])
 @pytest.mark.parametrize("seed", range(6))
-def test_beam_search_finds_the_most_probable_labelling(seed):
+def test_beam_search_finds_the_most_probable_transcript(seed, chars):
     """With a beam wide enough to keep every prefix, the search returns argmax_W P_ctc(W), found here by scoring
-    every labelling of up to T characters from {A, B, C} with torch's CTC loss."""
+    every labelling of up to T characters with torch's CTC loss and adding up those of one transcript: labellings
+    that differ only in spaces that separate no words (" A", "A ", "A  B") spell the same one."""
     generator = torch.Generator().manual_seed(seed)
-    num_frames, chars = 6, "ABC"
+    num_frames = 6
     logits = torch.full((num_frames, 1, NUM_CLASSES), -1e4, dtype=torch.float64)
     for char in "_" + chars:
         logits[:, 0, ALPHABET.index(char)] = torch.randn(num_frames, generator=generator, dtype=torch.float64)
@@ -40,10 +42,32 @@ def test_beam_search_finds_the_most_probable_labelling(seed):
         log_probs.expand(-1, len(labellings), -1), targets, torch.full((len(labellings),), num_frames),
         torch.tensor([len(text) for text in labellings]), reduction="none", zero_infinity=False,
     )
-    by_text = dict(zip(labellings, scores.tolist())) | {"": log_probs[:, 0, 0].sum().item()}
+    by_text = {"": log_probs[:, 0, 0].sum().item()}
+    for text, score in zip(labellings, scores.tolist()):
+        transcript = " ".join(text.split())
+        by_text[transcript] = torch.logaddexp(torch.tensor(by_text.get(transcript, -math.inf)),
+                                              torch.tensor(score)).item()
     best = max(by_text, key=by_text.get)
     decoded = BeamSearch(beam_width=512, prune_log_prob=-math.inf)(log_probs, torch.tensor([num_frames]))
     assert decoded == [best], (decoded, best, sorted(by_text.items(), key=lambda item: -item[1])[:3])
+
+
+def test_a_space_that_separates_no_words_adds_to_its_transcript():
+    # "B" 0.2025 and "B " 0.2475 are one transcript, 0.45 against "A"'s 0.3025; a leading space likewise.
+    trailing = log_probs_over([{"A": 0.55, "B": 0.45}, {"B": 0.45, " ": 0.55}])
+    leading = log_probs_over([{" ": 0.6, "B": 0.4}, {"A": 1.0}])
+    for log_probs, expected, greedy in [(trailing, "B", "A"), (leading, "A", "A")]:
+        search = BeamSearch(beam_width=8, prune_log_prob=-math.inf)
+        assert search(log_probs, torch.tensor([2])) == [expected]
+        assert greedy_decode(log_probs, torch.tensor([2])) == [greedy]  # no stray space to count as an error
+
+
+def test_decoders_refuse_a_nan():
+    log_probs = log_probs_over([{"_": 0.99, "Z": 0.01}])
+    log_probs[0, 0, ALPHABET.index("Z")] = math.nan
+    for decoder in (greedy_decode, BeamSearch()):
+        with pytest.raises(ValueError, match="log_probs hold NaN"):
+            decoder(log_probs, torch.tensor([1]))
 
 
 def test_beam_search_sums_paths_where_the_best_path_does_not():
@@ -72,7 +96,7 @@ def test_built_model_is_a_distribution_after_every_history(order):
     histories = [(), ("<s>",), ("ONE",), ("<s>", "TWO"), ("THREE", "FOUR"), ("NEVER", "SEEN"), ("FIVE", "FIVE")]
     for history in histories:
         total = sum(10 ** lm.log10_prob(history, word) for word in [*vocabulary, "</s>", "<unk>"])
-        assert total == pytest.approx(1.0, abs=1e-4), history  # the ARPA text keeps 6 decimals
+        assert total == pytest.approx(1.0, abs=1e-7), history  # the ARPA text keeps 9 decimals
 
 
 ARPA = """\\data\\
@@ -103,6 +127,18 @@ def test_arpa_reader_backs_off_and_upper_cases(tmp_path):
     assert lm.log10_prob(("YES",), "YES") == pytest.approx(-0.3 - 0.5)  # backoff weight of YES, then P(YES)
     assert lm.log10_prob(("NO",), "MAYBE") == pytest.approx(-1.0)  # unseen word: <unk>; NO has no backoff weight
     assert lm.log10_prob(("<s>", "NO", "YES"), "NO") == pytest.approx(-0.2)  # only the last word is history
+
+
+def test_arpa_reader_takes_what_other_tools_write(tmp_path):
+    path = tmp_path / "kenlm.arpa"
+    path.write_text("\ufeffThis 2-gram model was built by hand\n# and commented\n" + ARPA.replace(
+        "-0.2\tyes no", "-0.2\tyes no\n-0.05\t<unk> yes"))
+    lm = NGramLM.from_arpa(path)
+    assert lm.log10_prob(("FOO",), "YES") == pytest.approx(-0.05)  # an unknown history word is <unk> too
+    assert lm.log10_prob(("FOO",), "NO") == pytest.approx(-0.7)  # <unk> has no backoff weight here
+    path.write_text(ARPA.replace("-0.7\tno", "-0.7\tno\n-3.0\tNO"))
+    with pytest.raises(ValueError, match=rf"{path}:9: 'NO' is an n-gram the model already has in another case"):
+        NGramLM.from_arpa(path)
 
 
 def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):

@@ -19,16 +19,24 @@ LN_10 = math.log(10)
 
 
 def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-    """Best path per frame, repeats collapsed, blanks (index 0) removed.
+    """Best path per frame, repeats collapsed, blanks (index 0) removed, spaces only between words (as the beam
+    search's transcripts and the references have them: a stray space would count as a character error).
 
     log_probs: (T, B, V); lengths: (B,) valid frames per utterance.
     """
+    check_finite(log_probs)
     best = log_probs.argmax(dim=-1).T.cpu()  # (B, T)
     texts = []
     for path, length in zip(best, lengths.tolist()):
         path = torch.unique_consecutive(path[:length])
-        texts.append(decode(path[path != 0].tolist()))
+        texts.append(" ".join(decode(path[path != 0].tolist()).split()))
     return texts
+
+
+def check_finite(log_probs: torch.Tensor) -> None:
+    """A NaN would win every argmax and lose every comparison: refuse it rather than decode nonsense."""
+    if torch.isnan(log_probs).any():
+        raise ValueError("log_probs hold NaN: the model's output is not finite")
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class BeamSearch:
 
     def __call__(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         """log_probs: (T, B, V); lengths: (B,). The best transcript of each utterance."""
+        check_finite(log_probs)
         frames = log_probs.float().transpose(0, 1).cpu()
         return [self.decode_one(frames[b, :length].tolist()) for b, length in enumerate(lengths.tolist())]
 
@@ -75,15 +84,27 @@ class BeamSearch:
                         arriving = prefix.blank + p
                     else:
                         arriving = total + p
-                    if arriving == -math.inf or (c == SPACE and (not text or last == SPACE)):
-                        continue  # no path reaches it; or a space that would not separate two words
+                    if arriving == -math.inf:
+                        continue  # no path reaches it
+                    if c == SPACE and (not text or last == SPACE):
+                        # A space that separates no words spells the same transcript as a blank would.
+                        entry = extended.setdefault(text, Prefix(lm=prefix.lm))
+                        entry.blank = _log_add(entry.blank, arriving)
+                        continue
                     new_text = (*text, c)
                     lm = prefix.lm + (self._word_score(text) if c == SPACE else 0.0)
                     entry = extended.setdefault(new_text, Prefix(lm=lm))
                     entry.char = _log_add(entry.char, arriving)
             beams = dict(sorted(extended.items(), key=lambda item: -self._rank(*item))[: self.beam_width])
-        best = max(beams.items(), key=lambda item: self._rank(*item, final=True))[0]
-        return decode(best).strip()
+        # "X " is the transcript "X": its paths add to those of "X", whose language model score at the end is the same.
+        transcripts: dict[tuple, Prefix] = {}
+        for text, prefix in sorted(beams.items(), key=lambda item: len(item[0])):
+            if text and text[-1] == SPACE:
+                text, prefix = text[:-1], Prefix(blank=prefix.total(), lm=prefix.lm - self._word_score(text[:-1]))
+            entry = transcripts.setdefault(text, Prefix(lm=prefix.lm))
+            entry.blank = _log_add(entry.blank, prefix.total())
+        best = max(transcripts.items(), key=lambda item: self._rank(*item, final=True))[0]
+        return decode(best)
 
     def _rank(self, text: tuple, prefix: "Prefix", final: bool = False) -> float:
         if self.lm is None:

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from data.manifest import read_manifest
-from data.text import normalize_text
+from data.text import invalid_characters, normalize_text
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
@@ -35,15 +35,17 @@ class NGramLM:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"language model not found: {path}")
-        return cls.from_arpa_text(path.read_text(encoding="utf-8"), source=str(path))
+        return cls.from_arpa_text(path.read_text(encoding="utf-8-sig"), source=str(path))
 
     @classmethod
     def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
         tables = {}
         order = 0
+        in_data = False  # ARPA files may carry any text before \data\ (KenLM's builder writes a comment there)
         for line_number, line in enumerate(text.splitlines(), start=1):
             line = line.strip()
-            if not line or line.startswith("ngram ") or line in ("\\data\\", "\\end\\"):
+            in_data = in_data or line == "\\data\\"
+            if not in_data or not line or line.startswith("ngram ") or line in ("\\data\\", "\\end\\"):
                 continue
             if line.startswith("\\") and line.endswith("-grams:"):
                 order_text = line[1 : -len("-grams:")]
@@ -61,6 +63,9 @@ class NGramLM:
                 raise ValueError(f"{source}:{line_number}: not an ARPA {order}-gram line: {line[:80]!r}") from None
             words = tuple(word if word in (SENTENCE_START, SENTENCE_END, UNKNOWN) else word.upper()
                           for word in fields[1 : order + 1])
+            if words in tables:  # the model spells upper case: "no" and "NO" would be one n-gram with two scores
+                raise ValueError(f"{source}:{line_number}: {' '.join(fields[1:order + 1])!r} is an n-gram the model "
+                                 "already has in another case")
             tables[words] = (log_prob, backoff)
         if not tables:
             raise ValueError(f"{source} holds no n-grams")
@@ -71,6 +76,7 @@ class NGramLM:
         if (word,) not in self.tables:
             word = UNKNOWN
         history = history[-(self.order - 1) :] if self.order > 1 else ()
+        history = tuple(h if (h,) in self.tables else UNKNOWN for h in history)  # as the word itself, and as KenLM
         backoff = 0.0
         while True:
             entry = self.tables.get((*history, word))
@@ -121,7 +127,7 @@ def build_arpa(sentences: list[list[str]], order: int) -> str:
     sections = []
     for k in range(1, order + 1):
         entries = [
-            f"{log_prob:.6f}\t{' '.join(ngram)}" + (f"\t{backoff:.6f}" if backoff else "")
+            f"{log_prob:.9f}\t{' '.join(ngram)}" + (f"\t{backoff:.9f}" if backoff else "")
             for ngram, (log_prob, backoff) in sorted(tables.items()) if len(ngram) == k
         ]
         lines.append(f"ngram {k}={len(entries)}")
@@ -146,15 +152,19 @@ def main(argv=None) -> int:
     try:
         if not Path(args.out).absolute().parent.is_dir():
             raise FileNotFoundError(f"--out {args.out}: no folder {Path(args.out).absolute().parent}")
-        sentences = [normalize_text(u.text).split() for path in args.manifest for u in read_manifest(path)]
-        if not any(sentences):
-            raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are all empty")
-        arpa = build_arpa([words for words in sentences if words], args.order)
+        texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
+        # Transcripts the model cannot spell are left out of training; their words would only take probability.
+        spellable = [text.split() for text in texts if text and not invalid_characters(text)]
+        if not spellable:
+            raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
+                             "characters outside the alphabet")
+        arpa = build_arpa(spellable, args.order)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     Path(args.out).write_text(arpa, encoding="utf-8")
-    print(f"wrote {args.out}: a {args.order}-gram model of {len(sentences)} transcripts")
+    left_out = f"; {len(texts) - len(spellable)} empty or unspellable left out" if len(spellable) < len(texts) else ""
+    print(f"wrote {args.out}: a {args.order}-gram model of {len(spellable)} transcripts{left_out}")
     return 0
 
 
