@@ -98,7 +98,7 @@ class BeamSearch:
             beams = dict(sorted(extended.items(), key=lambda item: -self._rank(*item))[: self.beam_width])
         # "X " is the transcript "X": its paths add to those of "X", whose language model score at the end is the same.
         transcripts: dict[tuple, Prefix] = {}
-        for text, prefix in sorted(beams.items(), key=lambda item: len(item[0])):
+        for text, prefix in beams.items():
             if text and text[-1] == SPACE:
                 text, prefix = text[:-1], Prefix(blank=prefix.total(), lm=prefix.lm - self._word_score(text[:-1]))
             entry = transcripts.setdefault(text, Prefix(lm=prefix.lm))
