@@ -154,6 +154,27 @@ def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_pat
     assert_trained_alike(tmp_path, two_rank_run)
 
 
+def with_corrupt_first_file(an4_slice: dict, folder: Path) -> dict:
+    """The slice with its first training utterance's audio replaced by bytes no decoder reads."""
+    lines = an4_slice["train"].read_text().splitlines()
+    corrupt = folder / "corrupt.wav"
+    corrupt.write_bytes(b"not audio at all" * 64)
+    lines[0] = json.dumps({**json.loads(lines[0]), "audio_filepath": str(corrupt)})
+    manifest = folder / "train.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    return {**an4_slice, "train": manifest}
+
+
+@needs_mpiexec
+def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
+    """Rank 0 logs the epoch's utterances and the unreadable ones over all ranks, whichever rank's shard lost one."""
+    command = trainer_command(with_corrupt_first_file(an4_slice, tmp_path), tmp_path / "run", 2, "train.epochs=1")
+    code, output = run_job(command, TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert "epoch 1: loss" in output, output
+    assert "15 utterances in" in output and "skipped: 1 utterances unreadable or too long" in output, output
+
+
 def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str) -> str:
     """One GPU process, then two ranks with `overrides`, both with GRU layers on the persistent kernels (batch 2 per
     rank against 4 in one process) in fp32; the two-rank job's output."""
@@ -195,13 +216,7 @@ def test_graphed_ranks_skip_a_step_whose_shards_differ_in_size(an4_slice, tmp_pa
     from prnn_kernels.build import load_extension
 
     load_extension()
-    lines = an4_slice["train"].read_text().splitlines()
-    corrupt = tmp_path / "corrupt.wav"
-    corrupt.write_bytes(b"not audio at all" * 64)
-    lines[0] = json.dumps({**json.loads(lines[0]), "audio_filepath": str(corrupt)})
-    manifest = tmp_path / "train.jsonl"
-    manifest.write_text("\n".join(lines) + "\n")
-    command = trainer_command({**an4_slice, "train": manifest}, tmp_path / "run", 2, *ON_GPUS,
+    command = trainer_command(with_corrupt_first_file(an4_slice, tmp_path), tmp_path / "run", 2, *ON_GPUS,
                               "train.cuda_graphs=true")
     code, output = run_job(command, TRAIN_TIMEOUT_S)
     assert code == 0, output

@@ -290,8 +290,9 @@ def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
 def test_train_step_updates_weights():
     cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
     before = [p.detach().clone() for p in model.parameters()]
-    outcome, loss = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
-    assert outcome == "ok" and math.isfinite(loss) and loss > 0
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
+    assert (step.utterances, step.unusable) == (2, 0)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
@@ -305,7 +306,7 @@ def test_a_skipped_step_leaves_no_trace(optimizer_name):
 
     cfg, skipping_model, skipping_optimizer, skipping_schedule, bad = tiny_setup(True, optimizer_name)
     before = [t.detach().clone() for t in skipping_model.state_dict().values()]
-    outcome, loss = train_step(skipping_model, bad, skipping_optimizer, skipping_schedule, cfg, cpu)
+    outcome, loss, *_ = train_step(skipping_model, bad, skipping_optimizer, skipping_schedule, cfg, cpu)
     assert outcome == "non-finite loss or gradient" and math.isnan(loss)
     assert all(torch.equal(b, t) for b, t in zip(before, skipping_model.state_dict().values()))
     assert all(p.grad is None for p in skipping_model.parameters())

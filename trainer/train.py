@@ -10,6 +10,7 @@ import random
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,33 +84,43 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
     )
 
 
-def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> tuple[str, float]:
-    """One optimizer step on this rank's shard of a global batch.
+class StepResult(NamedTuple):
+    """What one train_step did, the same on every rank."""
+    outcome: str  # "ok", or why the step was skipped
+    loss: float  # mean loss per utterance of the global batch; nan for a skipped step
+    utterances: int  # in the global batch, over all ranks
+    unusable: int  # dropped from the global batch by the ranks' loaders (audio unreadable or too long)
 
-    Returns ("ok", mean loss per utterance of the global batch) or (reason, nan) for a skipped step; ranks always
-    agree on skipping, so none waits on a collective that another never joins.
-    """
+
+def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> StepResult:
+    """One optimizer step on this rank's shard of a global batch. Ranks always agree on skipping, so none waits on a
+    collective that another never joins."""
     device = env.device
     local_count = len(batch.indices)
     num_frames = batch.features.shape[1]
     graphed = isinstance(getattr(model, "module", model), CudaGraphed)  # DDP holds the model it wraps as .module
-    # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty.
+    # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty;
+    # rank 0's log counts the whole batch's dropped utterances too.
     counts = distributed.all_reduce_sum(
-        torch.tensor([local_count, int(local_count == 0)], dtype=torch.float64, device=device)
+        torch.tensor([local_count, int(local_count == 0), batch.num_skipped], dtype=torch.float64, device=device)
     )
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
         local_shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
         counts = torch.cat([counts, distributed.all_reduce_max(local_shape)])
-    global_count, empty_shards, *shape = counts.tolist()
+    global_count, empty_shards, unusable, *shape = (int(count) for count in counts.tolist())
+
+    def skipped(reason: str) -> StepResult:
+        return StepResult(reason, math.nan, global_count, unusable)
+
     if empty_shards:
-        return "empty shard (all its audio unreadable)", math.nan
+        return skipped("empty shard (all its audio unreadable)")
     forward_options = {}
     if graphed:
         largest_shard, negated_smallest_shard, longest = shape
         if largest_shard != -negated_smallest_shard:
-            return "shards of unequal size under CUDA graphs (audio unreadable)", math.nan
-        forward_options["min_frames"] = int(longest)
+            return skipped("shards of unequal size under CUDA graphs (audio unreadable)")
+        forward_options["min_frames"] = longest
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
@@ -144,9 +155,9 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), statistics):
                 buffer.copy_(saved)
-        return "non-finite loss or gradient", math.nan
+        return skipped("non-finite loss or gradient")
     scheduler.step()
-    return "ok", loss_value
+    return StepResult("ok", loss_value, global_count, unusable)
 
 
 def recurrent_backend_name(backend: str, device: torch.device) -> str:
@@ -388,22 +399,23 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         for batch in loader:
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
-                skipped["utterances unreadable or too long"] += batch.num_skipped
-            outcome, loss = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
+            step = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
             state["step"] += 1
             state["epoch_step"] += 1
             progress.update()
-            if outcome != "ok":
-                skipped[f"step skipped: {outcome}"] += 1
-                log.warning("step %d skipped: %s", state["step"], outcome)
+            if step.unusable:
+                skipped["utterances unreadable or too long"] += step.unusable
+            if step.outcome != "ok":
+                skipped[f"step skipped: {step.outcome}"] += 1
+                log.warning("step %d skipped: %s", state["step"], step.outcome)
             else:
-                losses.append(loss)
-                utterances += len(batch.indices) * env.world_size
+                losses.append(step.loss)
+                utterances += step.utterances
                 if env.is_main:
                     rate = utterances / (time.perf_counter() - started)
-                    progress.set_postfix(loss=f"{loss:.3f}", utt_per_s=f"{rate:.1f}")
-                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss}) + "\n")
-                    writer.add_scalar("train/loss", loss, state["step"])
+                    progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=f"{rate:.1f}")
+                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": step.loss}) + "\n")
+                    writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if max_steps is not None and state["step"] >= max_steps:
                 break
