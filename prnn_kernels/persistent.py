@@ -58,6 +58,14 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
         dtype: dtype of input_proj (float32 or bfloat16).
         device: where the tensors live.
     """
+    # What no GPU would run comes first, so that a machine without one names it too.
+    if cell not in CELLS:
+        return Support(False, f"cell {cell!r} is not one of {CELLS}")
+    if dtype not in DTYPES:
+        return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
+    if not 1 <= batch_size <= MAX_BATCH:
+        return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH}; the modules' batch_slice "
+                              "runs a larger batch as slices)")
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return Support(False, "needs a CUDA GPU")
@@ -68,13 +76,6 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
 
 @functools.lru_cache(maxsize=None)
 def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device_index: int) -> Support:
-    if cell not in CELLS:
-        return Support(False, f"cell {cell!r} is not one of {CELLS}")
-    if dtype not in DTYPES:
-        return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
-    if not 1 <= batch_size <= MAX_BATCH:
-        return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH}; the modules' batch_slice "
-                              "runs a larger batch as slices)")
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         return Support(False, f"needs compute capability 9.0 (Hopper) or newer for its bulk copies in thread-block "

@@ -25,6 +25,10 @@ def test_support_without_cuda_says_why():
     assert not verdict.ok and verdict.reason == "needs a CUDA GPU"
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         launch_plans("relu", 2048, 4, torch.float32, "cpu")
+    # What no GPU would run is named first, with or without one.
+    assert "is not one of" in support("conv", 256, 4, torch.float32, "cpu").reason
+    assert "batch size 33" in support("relu", 256, 33, torch.float32, "cpu").reason
+    assert "dtype" in support("gru", 256, 4, torch.float16, "cpu").reason
 
 
 @pytest.fixture
