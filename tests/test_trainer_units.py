@@ -161,8 +161,9 @@ def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
     assert "no words to count: the transcripts of" in capsys.readouterr().err
-    assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")]) == 2
-    assert f"no folder {tmp_path / 'no'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")])
+    assert refused.value.code == 2 and f"argument --out: no folder {tmp_path / 'no'}" in capsys.readouterr().err
 
 
 def test_unknown_optimizer_names_the_key():

@@ -6,7 +6,6 @@
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -17,16 +16,10 @@ from data.dataset import SpeechDataset, collate
 from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
+from trainer.cli import output_file, positive_int
 from trainer.metrics import ErrorCounts
 
 log = logging.getLogger(__name__)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 @torch.no_grad()
@@ -62,15 +55,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
     parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
-    parser.add_argument("--out", help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
+    parser.add_argument("--out", type=output_file,
+                        help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=positive_int, default=16)
     decode.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.out and not Path(args.out).absolute().parent.is_dir():
-            raise FileNotFoundError(f"--out {args.out}: no folder {Path(args.out).absolute().parent}")
         device = torch.device(args.device)
         model, features, cfg = build.from_checkpoint(args.checkpoint, device)
         dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from data.manifest import read_manifest
 from data.text import invalid_characters, normalize_text
+from trainer.cli import output_file
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
@@ -147,11 +148,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
     parser.add_argument("--order", type=int, default=3)
-    parser.add_argument("--out", required=True, help="the ARPA file to write")
+    parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:
-        if not Path(args.out).absolute().parent.is_dir():
-            raise FileNotFoundError(f"--out {args.out}: no folder {Path(args.out).absolute().parent}")
         texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
         # Transcripts the model cannot spell are left out of training; their words would only take probability.
         spellable = [text.split() for text in texts if text and not invalid_characters(text)]
