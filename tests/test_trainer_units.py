@@ -3,7 +3,9 @@ import argparse
 import json
 import math
 
+import numpy as np
 import pytest
+import soundfile
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -118,6 +120,10 @@ def test_unknown_config_key_is_refused():
     ("train.checkpoint_every_steps=true", "train.checkpoint_every_steps must be a positive integer or null, not True"),
     ("train.amp=fp16", "train.amp must be bf16 or none, not 'fp16'"),
     ("model.depth=2.5", "model.depth must be a positive integer, not 2.5"),
+    ("model.conv_channels=-2", "model.conv_channels must be a positive integer, not -2"),
+    ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
+    ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string
+    ("model.residual=3", "model.residual must be true or false, not 3"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
     ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds, not -5"),
     ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved
@@ -264,6 +270,58 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
         checkpoint.load(tmp_path / "weights.pt", checkpoint.TRAINING_PARTS)
     with pytest.raises(ValueError, match="cannot load checkpoint .*half.pt: not a complete checkpoint"):
         checkpoint.load(tmp_path / "half.pt")
+
+
+def small_checkpoint(path, *overrides: str):
+    """A checkpoint of a small untrained model (what from_checkpoint reads), under `overrides`."""
+    cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "data.features.kind=mel",
+                          "data.features.n_mels=40", *overrides])
+    network = build.model(cfg.model, build.features(cfg.data).num_features)
+    checkpoint.save(path, {"model": network.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)})
+    return path
+
+
+def test_a_checkpoint_of_the_persistent_backend_evaluates_anywhere(tmp_path):
+    """Rebuilt on auto: the kernels where they run, torch.nn on this CPU; the same weights either way."""
+    path = small_checkpoint(tmp_path / "persistent.pt", "model.backend=persistent")
+    model, features, cfg = build.from_checkpoint(path, torch.device("cpu"))
+    assert cfg.model.backend == "auto" and model.recurrent_backend(4, torch.float32, "cpu") == "cudnn"
+    log_probs, _ = model(torch.randn(2, 30, features.num_features), torch.tensor([30, 20]))
+    assert torch.isfinite(log_probs).all()
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
+    good = checkpoint.load(small_checkpoint(tmp_path / "good.pt"))
+    wider = checkpoint.load(small_checkpoint(tmp_path / "wider.pt", "model.hidden=32"))
+    cases = {
+        "empty": {"model": {}, "config": {}},
+        "unknown_key": {**good, "config": {**good["config"], "model": {**good["config"]["model"], "dropout": 0.1}}},
+        "tensor_model": {**good, "model": torch.ones(3)},
+        "other_shapes": {**good, "model": wider["model"]},
+    }
+    for name, saved in cases.items():
+        checkpoint.save(tmp_path / f"{name}.pt", saved)
+        with pytest.raises(ValueError) as error:
+            build.from_checkpoint(tmp_path / f"{name}.pt", torch.device("cpu"))
+        message = str(error.value)
+        assert message.startswith(f"{tmp_path / name}.pt: not a checkpoint of this trainer's model (") and \
+            "\n" not in message, (name, message)
+
+
+def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(tmp_path, monkeypatch, capsys):
+    from trainer import transcribe
+
+    path = small_checkpoint(tmp_path / "8k.pt", "data.features.sample_rate=8000")
+    good, huge = tmp_path / "good.wav", tmp_path / "huge.wav"
+    soundfile.write(good, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    soundfile.write(huge, np.full(16000, 3e38), 16000, subtype="FLOAT")  # float32, whose squares overflow
+    rates = []
+    load_audio = transcribe.load_audio
+    monkeypatch.setattr(transcribe, "load_audio", lambda file, rate: rates.append(rate) or load_audio(file, rate))
+    assert transcribe.main(["--checkpoint", str(path), "--device", "cpu", str(good), str(huge)]) == 1
+    assert rates == [8000, 8000]
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}\t") and f"{huge}\terror: " in err and "not finite" in err, (out, err)
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):

@@ -239,3 +239,13 @@ def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4
     assert "parameters;" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.cuda
+def test_an_evaluation_batch_the_kernels_refuse_ends_the_job_before_training(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
+    result = train(tmp_path / "run", utterances, "device=cuda", "model.backend=persistent", "train.eval_batch_size=64",
+                   check=False, timeout=300)
+    assert result.returncode == 2
+    assert "backend='persistent' cannot run: batch size 64 is out of range" in result.output, result.output[-2000:]
+    assert "epoch 1:" not in result.output and "Traceback" not in result.output
+
+

@@ -59,10 +59,22 @@ def lr_schedule(optim_cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_p
 
 
 def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExtractor, DictConfig]:
-    """Rebuilds the model and its feature extractor from the config stored inside a checkpoint (eval mode)."""
+    """Rebuilds the model and its feature extractor from the config stored inside a checkpoint (eval mode).
+
+    A model trained on the persistent kernels is rebuilt on `auto`: the kernels where they run, torch.nn elsewhere
+    (a CPU, an older GPU), which computes the same function, so a checkpoint evaluates wherever it is taken.
+    Raises ValueError naming the file where it holds no model this code can build."""
     saved = checkpoint.load(path)
-    cfg = OmegaConf.create(saved["config"])
-    extractor = features(cfg.data)
-    network = model(cfg.model, extractor.num_features)
-    network.load_state_dict(saved["model"])
+    try:
+        cfg = OmegaConf.create(saved["config"])
+        if cfg.model.backend == "persistent":
+            cfg.model.backend = "auto"
+        extractor = features(cfg.data)
+        network = model(cfg.model, extractor.num_features)
+        network.load_state_dict(saved["model"])
+    # What a config or state dict from elsewhere raises: missing or unknown keys (omegaconf's errors subclass
+    # KeyError and AttributeError), wrong types, tensors of other shapes (RuntimeError, one line of many kept).
+    except (KeyError, AttributeError, TypeError, ValueError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
     return network.to(device).eval(), extractor, cfg

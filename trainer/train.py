@@ -225,6 +225,11 @@ CONFIG_RULES = (
     ("train.graph_pad_frames", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.depth", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.hidden", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("model.conv_channels", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("model.lookahead", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    # A string such as "no" would be true, and build the bidirectional model the user turned off.
+    ("model.bidirectional", lambda v: isinstance(v, bool), "true or false"),
+    ("model.residual", lambda v: isinstance(v, bool), "true or false"),
     ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
@@ -294,10 +299,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
     )
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
-    # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why.
+    # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why:
+    # the training batch, and the evaluation's, which would otherwise fail only after the first epoch.
     per_rank_batch = cfg.train.global_batch_size // env.world_size
     recurrent_dtype = torch.bfloat16 if build.uses_amp(cfg.train.amp, env.device) else torch.float32
     recurrent_backend = model.recurrent_backend(per_rank_batch, recurrent_dtype, env.device)
+    model.recurrent_backend(cfg.train.eval_batch_size, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "

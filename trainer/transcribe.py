@@ -12,7 +12,7 @@ from trainer import build, decode
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to 16 kHz)")
+    parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     decode.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for path in args.audio:
             try:
-                feats = features(load_audio(path))
+                feats = features(load_audio(path, features.sample_rate))
+                if not torch.isfinite(feats).all():  # float samples past float32's range, as the dataset skips
+                    raise AudioError(f"{path}: its features are not finite (samples out of range?)")
             except (AudioError, FileNotFoundError) as error:
                 print(f"{path}\terror: {error}", file=sys.stderr)
                 failures += 1
