@@ -24,7 +24,8 @@ first backend: the mean over the seeds both finished of the per-seed difference,
 difference is paired because a seed gives every backend the same initial weights and data order, so what makes a seed
 hard or easy cancels. --at-epoch E compares every run as it stood at epoch E (its WER then, the best up to then): runs
 of a budget that ran out can be compared where all of them got to. Writes the same, with the command and versions, to
---json. A failed run is reported with its exit status and left out of the means; the others still count.
+--json. A failed run is reported with its exit status and left out of the means, as is one that stopped short of
+the epochs its config.yaml sets (a run copied without it counts as it stands); the others still count.
 """
 import argparse
 import json
@@ -37,12 +38,31 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of one of a run's JSON-lines files; none where the run has not written it yet."""
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The records of one of a run's JSON-lines files; none where the run has not written it yet. A line a killed job
+    left half written is skipped, as the trainer skips it when it resumes."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def planned_epochs(run_dir: Path) -> int | None:
+    """The epochs the run was set to train (train.epochs in the config.yaml the trainer writes into its directory), or
+    None where that cannot tell when it ends: no config.yaml (a run copied without it) or a train.max_steps."""
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        return None
+    config = OmegaConf.load(config_path)
+    return OmegaConf.select(config, "train.epochs") if OmegaConf.select(config, "train.max_steps") is None else None
 
 
 def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
@@ -52,17 +72,20 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances."""
     evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
+    planned = planned_epochs(run_dir)
+    # Stopped short of its epochs (crashed, killed, out of time): not a finished run's WER. None: cannot tell.
+    unfinished = {"unfinished": planned is not None and epochs < planned} if at_epoch is None else {}
     if at_epoch is not None:
         evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
     partial = [line["epoch"] for line in evaluated if line.get("eval_unreadable")]
     evaluated = [line for line in evaluated if not line.get("eval_unreadable")]
     if not evaluated:
         return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None,
-                "partial_epochs": partial}
+                "partial_epochs": partial, **unfinished}
     last = evaluated[-1]
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"],
-            "partial_epochs": partial}
+            "partial_epochs": partial, **unfinished}
 
 
 def devices(run_dir: Path) -> list[str]:
@@ -80,10 +103,12 @@ def visible_gpus() -> list[str]:
 
 
 def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
-    """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call."""
-    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
-            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
-            **evaluations(runs_dir / name, at_epoch)}
+    """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call.
+    Its ranks are those its last job ran with (jobs.jsonl), `ranks` where it records none."""
+    jobs = read_jsonl(runs_dir / name / "jobs.jsonl")
+    return {"run": name, "backend": backend, "seed": seed, "ranks": jobs[-1].get("world_size", ranks) if jobs else ranks,
+            "gpu": None, "returncode": None, "wall_s": None, "output": str(runs_dir / f"{name}.out"),
+            "devices": devices(runs_dir / name), **evaluations(runs_dir / name, at_epoch)}
 
 
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
@@ -115,9 +140,10 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
     """Per backend: runs that finished, mean and sample standard deviation of their last WER; then for every backend
     after the first, over the seeds both finished, the mean per-seed difference of the last WER from the first
-    backend's and its standard error (None where too few runs give one)."""
+    backend's and its standard error (None where too few runs give one). A run that failed, has no evaluation or
+    stopped short of its epochs is left out."""
     finished = {(row["backend"], row["seed"]): row["last_wer"] for row in rows
-                if row["returncode"] in (0, None) and row["last_wer"] is not None}
+                if row["returncode"] in (0, None) and row["last_wer"] is not None and not row.get("unfinished")}
     summary = []
     for backend in backends:
         wers = [wer for (run_backend, _), wer in finished.items() if run_backend == backend]
@@ -217,6 +243,9 @@ def main(argv=None) -> None:
         print(f"{row['run']:<28} {exit_status:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
               f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10} {elapsed:>7}")
     for row in rows:
+        if row.get("unfinished"):
+            print(f"{row['run']}: stopped after epoch {row['epochs']} of {planned_epochs(runs_dir / row['run'])}: "
+                  "left out of the means (--at-epoch compares runs where all of them got to)")
         if row["partial_epochs"]:
             print(f"{row['run']}: left out the evaluations after epochs {row['partial_epochs']}, which could not "
                   "read the whole test set (eval_unreadable)")

@@ -96,7 +96,7 @@ def write_metrics(run_dir, wers, elapsed_per_epoch=5.0):
 def test_evaluations_give_the_last_and_best(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 72.0])
     assert evaluations(tmp_path / "run") == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 70.0,
-                                             "elapsed_s": 15.0, "partial_epochs": []}
+                                             "elapsed_s": 15.0, "partial_epochs": [], "unfinished": False}
     assert evaluations(tmp_path / "missing")["epochs"] == 0
 
 
@@ -106,7 +106,7 @@ def test_evaluations_leave_out_those_over_part_of_the_test_set(tmp_path):
     lines[2] = json.dumps({"epoch": 2, "eval_wer": 0.0, "eval_cer": 0.0, "elapsed_s": 10.0, "eval_unreadable": 130})
     (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     assert evaluations(tmp_path / "run") == {"epochs": 3, "last_wer": 72.0, "last_cer": 36.0, "best_wer": 72.0,
-                                             "elapsed_s": 15.0, "partial_epochs": [2]}
+                                             "elapsed_s": 15.0, "partial_epochs": [2], "unfinished": False}
     assert evaluations(tmp_path / "run", at_epoch=1)["partial_epochs"] == []
 
 
@@ -116,6 +116,28 @@ def test_evaluations_at_an_epoch_give_the_run_as_it_stood_then(tmp_path):
                                                          "best_wer": 70.0, "elapsed_s": 10.0, "partial_epochs": []}
     short = evaluations(tmp_path / "run", at_epoch=4)
     assert short["epochs"] == 3 and short["last_wer"] is None and short["best_wer"] is None
+
+
+def test_a_run_short_of_its_epochs_or_with_a_half_written_line_is_read_as_it_stands(tmp_path, capsys):
+    """A crashed run is no finished run: its config.yaml says how many epochs it was set to train."""
+    runs = tmp_path / "runs"
+    for name, wers in (("x-cudnn-s1", [50.0, 8.0]), ("x-cudnn-s2", [60.0, 7.0]), ("x-persistent-s1", [50.0, 9.0]),
+                       ("x-persistent-s2", [85.0])):
+        write_metrics(runs / name, wers)
+        (runs / name / "config.yaml").write_text("train:\n  epochs: 2\n  max_steps: null\n")
+    with open(runs / "x-persistent-s2" / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 31, "epoch": 1, "lo')  # the job killed mid-write
+    (runs / "x-persistent-s1" / "jobs.jsonl").write_text(json.dumps({"from_step": 0, "world_size": 8, "device": "GPU A"}) + "\n")
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "2", "--runs-dir", str(runs),
+                     "--json", str(tmp_path / "wer.json")])
+    result = json.loads((tmp_path / "wer.json").read_text())
+    assert [(run["run"], run["unfinished"], run["ranks"]) for run in result["runs"]] == [
+        ("x-cudnn-s1", False, 1), ("x-cudnn-s2", False, 1), ("x-persistent-s1", False, 8),
+        ("x-persistent-s2", True, 1)]
+    cudnn, persistent = result["summary"]
+    assert (cudnn["runs"], persistent["runs"], persistent["paired_seeds"], persistent["difference"]) == (2, 1, 1, 1.0)
+    assert "x-persistent-s2: stopped after epoch 1 of 2" in capsys.readouterr().out
+    assert evaluations(runs / "x-persistent-s2", at_epoch=1)["last_wer"] == 85.0  # as it stood then, it counts
 
 
 def test_report_summarises_runs_where_they_stand_without_training(tmp_path, capsys):
