@@ -97,6 +97,7 @@ class Measurement:
             self.gradient_bytes = data["model"]["gradient_bytes"]
             self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
             self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
+            self.world_size = data["world_size"]
         except KeyError as error:
             raise ValueError(f"{path} lacks {error}, which benchmarks.scaling writes") from None
         self.batches = [batch for batch, _ in points]
@@ -370,10 +371,23 @@ def main(argv=None) -> int:
     try:
         cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
                           args.nics_per_node, args.network_latency_us)
+        for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):
+            if not getattr(cluster, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cluster, name)}")
+        for name in ("nvlink_latency_us", "network_latency_us"):
+            if not getattr(cluster, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cluster, name)}")
+        if any(batch < 1 for batch in args.global_batch):
+            raise ValueError(f"--global-batch values must be at least 1, got {args.global_batch}")
+        if not 0 <= args.backward_share <= 1:
+            raise ValueError(f"--backward-share must lie in [0, 1], got {args.backward_share}")
         check_gpu_counts(args.gpus, cluster)
         if any(overlap < 0 or overlap > 1 for overlap in args.overlap or []):
             raise ValueError(f"--overlap values must lie in [0, 1], got {args.overlap}")
         measurement = Measurement(args.measured)
+        if measurement.world_size > cluster.gpus_per_node and measurement.world_size % cluster.gpus_per_node:
+            raise ValueError(f"the measured run's {measurement.world_size} GPUs are not whole nodes of "
+                             f"--gpus-per-node {cluster.gpus_per_node}")
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -381,7 +395,7 @@ def main(argv=None) -> int:
     overlaps = args.overlap or ([measured_overlap, 0.0, 1.0] if measured_overlap is not None else [0.0, 0.5, 1.0])
     overlaps = list(dict.fromkeys(overlaps))  # a measured 0 or 1 would otherwise draw the same curve twice
     rows, left_out = projection(
-        measurement, cluster, args.global_batch, sorted(args.gpus), overlaps, args.backward_share
+        measurement, cluster, sorted(set(args.global_batch)), sorted(set(args.gpus)), overlaps, args.backward_share
     )
     if not rows:
         print("error: no --global-batch is divisible by any --gpus count", file=sys.stderr)

@@ -520,3 +520,30 @@ def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
     dip_at_the_end = measurement({1: 10.0, 2: 30.0, 4: 20.0})
     assert dip_at_the_end.compute_ms(1000) == 20.0  # flat, where the falling line would reach -4970 ms
     assert dip_at_the_end.extension(upward=True) == (20.0, 0.0)
+
+
+@pytest.mark.parametrize("arguments, complaint", [
+    (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
+    (["--nic-Gbps", "0"], "--nic-Gbps must be positive, got 0.0"),
+    (["--nvlink-latency-us", "-1"], "--nvlink-latency-us must not be negative, got -1.0"),
+    (["--global-batch", "-128"], "--global-batch values must be at least 1, got [-128]"),
+    (["--backward-share", "-5"], "--backward-share must lie in [0, 1], got -5.0"),
+    (["--gpus-per-node", "4"], "the measured run's 6 GPUs are not whole nodes of --gpus-per-node 4"),
+])
+def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, capsys, arguments, complaint):
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[])
+    six_gpus = {**json.loads(measured.read_text()), "world_size": 6}
+    measured.write_text(json.dumps(six_gpus))
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out"), *arguments]) == 2
+    assert capsys.readouterr().err == f"error: {complaint}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_scaling_model_counts_a_repeated_gpu_count_once(tmp_path):
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[])
+    arguments = ["--measured", str(measured), "--out", str(tmp_path), "--gpus", "8", "8", "--global-batch", "64", "64",
+                 "--overlap", "0"]
+    assert scaling_model.main(arguments) == 0
+    assert len(json.loads((tmp_path / "scaling_projection.json").read_text())["rows"]) == 1
