@@ -55,6 +55,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
+from trainer.cli import positive_int
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
@@ -287,8 +288,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results and the full configuration to this file")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
-    parser.add_argument("--batches", nargs="+", type=int, help=f"default {BATCHES}")
-    parser.add_argument("--hiddens", nargs="+", type=int, help=f"default {HIDDENS}")
+    parser.add_argument("--batches", nargs="+", type=positive_int, help=f"default {BATCHES}")
+    parser.add_argument("--hiddens", nargs="+", type=positive_int, help=f"default {HIDDENS}")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true",
                         help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")

@@ -25,6 +25,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
+from trainer.cli import positive_int
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 # --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
@@ -127,10 +128,10 @@ def print_table(cell, hidden_size, batch_size, rows, summary, depths):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cells", nargs="+", default=["gru"], choices=sorted(MODULES))
-    parser.add_argument("--hiddens", nargs="+", type=int, default=[800, 1152])
-    parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4, 7])
+    parser.add_argument("--hiddens", nargs="+", type=positive_int, default=[800, 1152])
+    parser.add_argument("--depths", nargs="+", type=positive_int, default=[1, 2, 4, 7])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--json", help="write the results and the configuration to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():

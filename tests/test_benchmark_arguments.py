@@ -1,0 +1,20 @@
+"""The GPU benchmarks refuse a size or count they cannot measure before anything runs, naming the argument, on any
+machine."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+
+@pytest.mark.parametrize("module, arguments, complaint", [
+    ("benchmarks.rnn_kernels", ["--hiddens", "0"], "argument --hiddens: must be at least 1, not 0"),
+    ("benchmarks.rnn_kernels", ["--batches", "4", "-1"], "argument --batches: must be at least 1, not -1"),
+    ("benchmarks.rnn_stack", ["--depths", "0", "2"], "argument --depths: must be at least 1, not 0"),
+    ("benchmarks.rnn_stack", ["--batch", "0"], "argument --batch: must be at least 1, not 0"),
+])
+def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complaint):
+    result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and complaint in result.stderr, result.stderr[-2000:]
