@@ -121,12 +121,13 @@ COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "
 def read_baseline(path: str, config: dict) -> dict:
     """A world-of-one JSON of this script with the same COMPARABLE settings as `config`."""
     baseline = json.loads(Path(path).read_text())
-    if baseline.get("benchmark") != "scaling" or baseline["world_size"] != 1:
+    if not isinstance(baseline, dict) or baseline.get("benchmark") != "scaling" or baseline.get("world_size") != 1 \
+            or not isinstance(baseline.get("config"), dict):
         raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process")
     baseline["config"].setdefault("cuda_graphs", False)  # JSONs from before --cuda-graphs ran without
     for key in COMPARABLE:
-        if baseline["config"][key] != config[key]:
-            raise ValueError(f"--baseline {path} has {key}={baseline['config'][key]!r}, this run {config[key]!r}")
+        if baseline["config"].get(key) != config[key]:
+            raise ValueError(f"--baseline {path} has {key}={baseline['config'].get(key)!r}, this run {config[key]!r}")
     return baseline
 
 

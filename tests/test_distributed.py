@@ -547,3 +547,18 @@ def test_scaling_model_counts_a_repeated_gpu_count_once(tmp_path):
                  "--overlap", "0"]
     assert scaling_model.main(arguments) == 0
     assert len(json.loads((tmp_path / "scaling_projection.json").read_text())["rows"]) == 1
+
+
+def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
+    from benchmarks.scaling import read_baseline
+
+    config = {"model_config": {}, "global_batch": 8, "frames": 300, "amp": True, "num_features": 161,
+              "cuda_graphs": False}
+    for name, content in (("list", [1, 2]), ("bare", {"benchmark": "scaling"}),
+                          ("no_config", {"benchmark": "scaling", "world_size": 1})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=f"--baseline .*{name}.json must be a benchmarks.scaling JSON"):
+            read_baseline(str(tmp_path / f"{name}.json"), config)
+    (tmp_path / "old.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": {"frames": 300}}))
+    with pytest.raises(ValueError, match="has model_config=None, this run {}"):
+        read_baseline(str(tmp_path / "old.json"), config)
