@@ -20,7 +20,7 @@ from pathlib import Path
 
 import soundfile
 
-from data.manifest import Utterance, write_manifest
+from data.manifest import Utterance, read_manifest, write_manifest
 from data.text import normalize_text
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
         transcription = _require(source / "etc" / f"an4_{split}.transcription")
         manifest = out / f"an4_{split}.jsonl"
         manifests[split] = manifest
-        if _newer_than(manifest, [fileids, transcription]):
+        if _an4_manifest_current(manifest, source, fileids, transcription):
             logger.info("%s is up to date", manifest)
             continue
         utterances, num_skipped = _an4_utterances(source, fileids, transcription)
@@ -65,10 +65,11 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
     utterances, num_skipped = [], 0
     for transcript in transcripts:
-        for line in _read_utf8(transcript).splitlines():
+        # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
+        for line in _read_utf8(transcript).split("\n"):
             if not line.strip():
                 continue
-            utterance_id, _, text = line.strip().partition(" ")
+            utterance_id, text = (line.split(maxsplit=1) + [""])[:2]  # a tab after the id separates it too
             audio_stem = transcript.parent / utterance_id
             utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
             if utterance is None:
@@ -80,9 +81,25 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     return manifest
 
 
+def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:
+    """Whether `manifest` is newer than its etc files, lists audio of this source folder, and as many utterances as
+    have an audio file now: a corpus moved or copied elsewhere, or audio added or removed since, builds it again."""
+    if not _newer_than(manifest, [fileids, transcription]):
+        return False
+    try:
+        listed = read_manifest(manifest)
+    except ValueError:  # not a manifest this code wrote
+        return False
+    if not all(Path(utterance.audio_filepath).is_relative_to(source) for utterance in listed):
+        return False
+    stems = [source / "wav" / fileid for fileid in _read_utf8(fileids).split()]
+    present = sum(any(stem.with_name(stem.name + suffix).is_file() for suffix in AN4_AUDIO_SUFFIXES) for stem in stems)
+    return present == len(listed)
+
+
 def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], int]:
     ids = _read_utf8(fileids).split()
-    lines = [line for line in _read_utf8(transcription).splitlines() if line.strip()]
+    lines = [line for line in _read_utf8(transcription).split("\n") if line.strip()]
     if len(ids) != len(lines):
         raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
     utterances, num_skipped = [], 0
@@ -117,8 +134,9 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
 
 
 def _read_utf8(path: Path) -> str:
+    """The file's text; a byte-order mark at its start is not part of it."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         line = path.read_bytes()[: error.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 ({error.reason})") from None
@@ -159,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             prepare_an4(args.source, args.out)
         else:
             prepare_librispeech(args.source, args.out, args.name)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # OSError: an --out that cannot be written (a file, no permission)
         parser.exit(2, f"{parser.prog}: error: {error}\n")
 
 

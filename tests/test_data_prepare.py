@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,25 @@ def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     assert train.stat().st_mtime != 1.2e9
 
 
+def test_an4_is_rewritten_when_the_corpus_moved_or_its_audio_changed(tiny_an4, tmp_path):
+    out = tmp_path / "out"
+    assert len(read_manifest(prepare_an4(tiny_an4, out)["train"])) == 3
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_an4, moved)  # etc files keep older times than the manifests
+    assert all(Path(u.audio_filepath).is_relative_to(moved) for u in read_manifest(prepare_an4(moved, out)["train"]))
+    write_audio(moved / "wav" / "an4_clstk/mgah/cen2-mgah-b.flac", 0.5)  # the missing audio arrives
+    assert len(read_manifest(prepare_an4(moved, out)["train"])) == 4
+    (moved / "wav" / "an4_clstk/fash/an251-fash-b.flac").unlink()
+    assert len(read_manifest(prepare_an4(moved, out)["train"])) == 3
+
+
+def test_an4_etc_files_may_start_with_a_byte_order_mark(tiny_an4, tmp_path):
+    for name in ("an4_test.fileids", "an4_test.transcription"):
+        path = tiny_an4 / "etc" / name
+        path.write_text("\ufeff" + path.read_text(), encoding="utf-8")
+    assert len(read_manifest(prepare_an4(tiny_an4, tmp_path / "out")["test"])) == 1
+
+
 def test_an4_transcript_for_another_fileid_names_file_and_line(tiny_an4, tmp_path):
     (tiny_an4 / "etc" / "an4_test.transcription").write_text("RUBOUT (an999-fcaw-b)\n")
     with pytest.raises(ValueError, match=r"an4_test.transcription:1: .*an406-fcaw-b"):
@@ -115,9 +135,21 @@ def test_librispeech_layout(tmp_path, caplog):
     assert "skipping " + str(chapter / "84-121123-0001") in caplog.text
     main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev"])
     assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 3
+    # A line breaks at "\n" only, and a tab after the id separates it as a space does.
+    (other / "174-50561.trans.txt").write_text("174-50561-0000\tFORGOTTEN\x85 TOO\n174-50561-0001 A\u2028B\n")
+    manifest = prepare_librispeech(source, tmp_path / "out")
+    assert [(u.audio_filepath, u.text) for u in read_manifest(manifest) if u.speaker == "174"] == [
+        (str(other / "174-50561-0000.flac"), "FORGOTTEN TOO")]  # the whole line; \x85 is white space to Python
     (other / "174-50561.trans.txt").write_bytes(b"174-50561-0000 FORGOTTEN\n174-50561-0001 CAF\xc9\n")  # Latin-1
     with pytest.raises(ValueError, match="174-50561.trans.txt:2: not UTF-8"):
         prepare_librispeech(source, tmp_path / "out")
+
+
+def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "a_file")])
+    assert exit_info.value.code == 2 and str(tmp_path / "a_file") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
