@@ -2,11 +2,17 @@
 
 Features are time-major, (T, F): T frames of F features.
 """
+import math
+
 import torch
 import torchaudio.transforms
 from torch import nn
 
 FEATURE_KINDS = ("spectrogram", "mel")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class FeatureExtractor(nn.Module):
@@ -34,6 +40,9 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         if kind not in FEATURE_KINDS:
             raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
+        if not (_is_number(sample_rate) and sample_rate > 0 and _is_number(window_ms) and _is_number(hop_ms)):
+            raise ValueError(f"sample_rate={sample_rate!r}, window_ms={window_ms!r} and hop_ms={hop_ms!r} must be "
+                             "positive numbers")
         self.kind = kind
         self.sample_rate = sample_rate
         self.normalize = normalize
@@ -41,6 +50,14 @@ class FeatureExtractor(nn.Module):
         self.hop_length = round(sample_rate * hop_ms / 1000)
         if window_length < 2 or self.hop_length < 1:
             raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
+        if self.hop_length > window_length:  # frames would skip the audio between them
+            raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
+        # The mel filters take an FFT of the next power of two; the spectrogram's is the window itself.
+        self.n_fft = window_length if kind == "spectrogram" else 1 << (window_length - 1).bit_length()
+        if kind == "mel" and not (isinstance(n_mels, int) and not isinstance(n_mels, bool)
+                                  and 1 <= n_mels <= self.n_fft // 2 + 1):
+            raise ValueError(f"n_mels={n_mels!r} must be an integer from 1 to {self.n_fft // 2 + 1} (the FFT's bins "
+                             f"at window_ms={window_ms}, {sample_rate} Hz)")
         if kind == "spectrogram":
             self.transform = torchaudio.transforms.Spectrogram(
                 n_fft=window_length,
@@ -54,7 +71,7 @@ class FeatureExtractor(nn.Module):
         else:
             self.transform = torchaudio.transforms.MelSpectrogram(
                 sample_rate=sample_rate,
-                n_fft=1 << (window_length - 1).bit_length(),
+                n_fft=self.n_fft,
                 win_length=window_length,
                 hop_length=self.hop_length,
                 n_mels=n_mels,
@@ -68,8 +85,8 @@ class FeatureExtractor(nn.Module):
         return self._num_features
 
     def num_frames(self, num_samples: int) -> int:
-        """Frames produced from `num_samples` samples (centred frames)."""
-        return 1 + num_samples // self.hop_length
+        """Frames produced from `num_samples` samples: centred frames, the signal padded by n_fft // 2 each side."""
+        return 1 + (num_samples + 2 * (self.n_fft // 2) - self.n_fft) // self.hop_length
 
     def forward(self, waveform: torch.Tensor) -> torch.Tensor:
         """(N,) waveform at `sample_rate` -> (T, F) float32 features, T = num_frames(N)."""

@@ -1,4 +1,5 @@
 """Audio reading, log spectral features and SpecAugment."""
+import re
 import struct
 
 import numpy as np
@@ -104,6 +105,27 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
     features = FeatureExtractor(kind)(waveform)
     torch.testing.assert_close(features.mean(dim=0), torch.zeros(features.shape[1]), atol=1e-4, rtol=0)
     torch.testing.assert_close(features.std(dim=0, correction=0), torch.ones(features.shape[1]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("settings, complaint", [
+    (dict(kind="mel", n_mels=0), "n_mels=0 must be an integer from 1 to 257"),
+    (dict(kind="mel", n_mels=300), "n_mels=300 must be an integer from 1 to 257"),  # bands with no FFT bin
+    (dict(kind="mel", n_mels=2.5), "n_mels=2.5 must be an integer"),
+    (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
+    (dict(sample_rate=-16000), "sample_rate=-16000, window_ms=20 and hop_ms=10 must be positive numbers"),
+    (dict(window_ms="20"), "window_ms='20'"),
+])
+def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):
+    with pytest.raises(ValueError, match=re.escape(complaint)):
+        FeatureExtractor(**settings)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(sample_rate=22050), dict(kind="mel", sample_rate=22050)])
+def test_num_frames_counts_the_frames_the_features_have(settings):
+    """An odd window (441 samples at 22050 Hz) pads by one sample less than it is long."""
+    extractor = FeatureExtractor(**settings)
+    for num_samples in range(1, 1200, 7):
+        assert extractor(torch.zeros(num_samples)).shape[0] == extractor.num_frames(num_samples), num_samples
 
 
 def test_unknown_feature_kind_is_a_value_error():
