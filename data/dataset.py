@@ -193,7 +193,8 @@ class SpeechDataset(Dataset):
             # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
             # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(epoch_seed(self.seed, self.epoch) * 1_000_033 + index)
+                # Wrapped into the 64 bits a seed may take: a date such as 20240101 as the run's seed overflows them.
+                torch.manual_seed((epoch_seed(self.seed, self.epoch) * 1_000_033 + index) % 2**64)
                 features = self.augment(features)
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
 

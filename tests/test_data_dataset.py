@@ -163,6 +163,13 @@ def test_augment_masks_the_training_features(manifest):
     assert changed.any() and bool((augmented[changed] == 0).all())
 
 
+def test_augment_takes_any_integer_seed(manifest):
+    """The masks' seed mixes seed, epoch and item into 64 bits: a date as the seed once overflowed them."""
+    for seed in (20240101, 2**70, -1):
+        dataset = make_dataset(manifest, augment=SpecAugment(freq_mask=30, time_mask=30), seed=seed)
+        assert torch.equal(dataset[0].features, dataset[0].features)
+
+
 def test_a_lone_path_is_one_manifest(manifest):
     assert len(SpeechDataset(manifest, FeatureExtractor("mel"))) == 6  # no stride or length limit: 6 kept
 

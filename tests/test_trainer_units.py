@@ -120,6 +120,7 @@ def test_unknown_config_key_is_refused():
     ("train.checkpoint_every_steps=true", "train.checkpoint_every_steps must be a positive integer or null, not True"),
     ("train.amp=fp16", "train.amp must be bf16 or none, not 'fp16'"),
     ("model.depth=2.5", "model.depth must be a positive integer, not 2.5"),
+    ("seed=1.5", "seed must be an integer, not 1.5"),
     ("model.conv_channels=-2", "model.conv_channels must be a positive integer, not -2"),
     ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
     ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string

@@ -214,6 +214,7 @@ def _is_number(value) -> bool:
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
 # fails deep inside the sampler. Each entry: key, test, what the value must be.
 CONFIG_RULES = (
+    ("seed", _is_int, "an integer"),
     ("train.epochs", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("train.global_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("train.eval_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
