@@ -23,7 +23,9 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
+import sysconfig
 from pathlib import Path
 
 import filelock
@@ -43,14 +45,18 @@ log = logging.getLogger(__name__)
 
 
 def build_hash() -> str:
-    """Hash of everything a build depends on: every source and header in csrc/ (names and contents), the flags, and the
-    versions of torch and of the CUDA it was built with (a library built against one torch does not load in another)."""
+    """Hash of everything a build depends on: every source and header in csrc/ (names and contents), the flags, the
+    versions of torch and of the CUDA it was built with (a library built against one torch does not load in another),
+    and the Python it is a module of."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
-    digest.update(repr((SOURCES, C_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda)).encode())
+    # EXT_SUFFIX names the CPython and its ABI (cpython-312-x86_64-linux-gnu, a free-threaded build's "t"): the library
+    # is a Python module of one interpreter.
+    digest.update(repr((SOURCES, C_FLAGS, CUDA_FLAGS, torch.__version__, torch.version.cuda,
+                        sysconfig.get_config_var("EXT_SUFFIX"))).encode())
     return digest.hexdigest()[:16]
 
 
@@ -62,9 +68,16 @@ def device_arch(device=None) -> str:
 
 
 def cuda_home() -> Path | None:
-    """The CUDA toolkit to build with: $CUDA_HOME or $CUDA_PATH, else the one holding the nvcc on PATH, else
-    /usr/local/cuda; only a directory with bin/nvcc and include/cuda_runtime.h counts."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    """The CUDA toolkit to build with: $CUDA_HOME or $CUDA_PATH (an error if it lacks bin/nvcc or
+    include/cuda_runtime.h), else the one holding the nvcc on PATH, else /usr/local/cuda, where it has both."""
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(variable):  # set by the user: the one to build with, or an error, never another toolkit
+            named = Path(os.environ[variable])
+            for needed in (named / "bin" / "nvcc", named / "include" / "cuda_runtime.h"):
+                if not needed.exists():
+                    raise RuntimeError(f"prnn_kernels: {variable}={named} is no CUDA toolkit: it has no {needed}")
+            return named
+    candidates = []
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent)
@@ -153,10 +166,10 @@ def _import_built(name: str, directory: Path):
     """Imports the library a finished build left in `directory` (what torch's loader does after its build step)."""
     library = directory / f"{name}.so"
     spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
     try:
+        module = importlib.util.module_from_spec(spec)  # loads the library: a missing or damaged one fails here
         spec.loader.exec_module(module)
-    except ImportError as error:
+    except (ImportError, OSError) as error:
         raise RuntimeError(
             f"prnn_kernels: the cached CUDA extension {library} does not load ({error}); remove {directory} to build "
             "it again"
@@ -164,30 +177,48 @@ def _import_built(name: str, directory: Path):
     return module
 
 
+def hopper_or_later_arch(text: str) -> str:
+    """--arch: an arch-specific target from Hopper on (90a, 100a), which the kernels' register reallocation
+    (setmaxnreg) and multicast bulk copies need."""
+    match = re.fullmatch(r"(\d{2,3})a", text)
+    if match is None or int(match[1]) < 90:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an arch-specific target from Hopper on, such as 90a")
+    return text
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
-    parser.add_argument("--if-gpu", action="store_true", help="with no --arch and no GPU visible, build nothing")
+    parser = argparse.ArgumentParser(prog="python -m prnn_kernels.build", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=hopper_or_later_arch,
+                        help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
+    parser.add_argument("--if-gpu", action="store_true",
+                        help="with no --arch and no GPU visible that runs the kernels, build nothing")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args(argv)
-    if args.arch is None and not torch.cuda.is_available():
-        if args.if_gpu:
-            print("prnn_kernels.build: no CUDA GPU visible, nothing to build")
-            return
-        parser.error("no CUDA GPU is visible here: name the architecture to build for with --arch (e.g. 90a)")
-    arch = args.arch or device_arch()
+    arch = args.arch
+    if arch is None:
+        if not torch.cuda.is_available():
+            reason = "no CUDA GPU is visible here"
+        elif not re.fullmatch(r"\d+a", device_arch()):
+            reason = f"this GPU (sm_{device_arch()}) is older than Hopper, which the persistent kernels need"
+        else:
+            arch, reason = device_arch(), None
+        if reason is not None:
+            if args.if_gpu:
+                print(f"prnn_kernels.build: {reason}, nothing to build")
+                return
+            parser.error(f"{reason}: name the architecture to build for with --arch (e.g. 90a)")
     module = load_extension(arch, verbose=args.verbose)
     print(f"built {module.__name__} from {module.__file__}")
-    capability = int(arch.rstrip("a"))
-    if capability >= 90:
-        from prnn_kernels.products import compile_products
+    from prnn_kernels.products import compile_products
 
-        try:
-            compile_products(capability)
-        except (ImportError, RuntimeError) as error:
-            print(f"the fp32 layers' GEMMs will run on cuBLAS, not as 3xTF32 products: {error}")
-        else:
-            print(f"compiled the fp32 layers' 3xTF32 products for sm_{capability} into Triton's cache")
+    capability = int(arch.rstrip("a"))
+    try:
+        compile_products(capability)
+    except Exception as error:  # Triton's own errors (a compilation, its cache) are no RuntimeError
+        print(f"the fp32 layers' GEMMs will run on cuBLAS, not as 3xTF32 products: {error}")
+    else:
+        print(f"compiled the fp32 layers' 3xTF32 products for sm_{capability} into Triton's cache")
 
 
 if __name__ == "__main__":

@@ -121,18 +121,20 @@ def _loaded(device_index: int):
         return None
     from prnn_kernels.persistent import _extension
 
+    # Anything that keeps the products from this device leaves the GEMMs to cuBLAS: Triton's compilation errors and
+    # an unwritable cache are no RuntimeError, and a device may refuse a kernel's shared memory when it is loaded.
     try:
         compiled = compile_products(major * 10 + minor)
-    except RuntimeError as error:
+        for (has_bias, name), kernel in compiled.items():
+            metadata, tiling = kernel.metadata, TILINGS[name]
+            align = getattr(metadata, "global_scratch_align", 1)
+            scratch_bytes = -(-getattr(metadata, "global_scratch_size", 0) // align) * align
+            _extension().load_product(device_index, has_bias, name == "small", kernel.asm["cubin"], metadata.name,
+                                      tiling.block_m, tiling.block_n, tiling.warps, metadata.shared, scratch_bytes)
+    except Exception as error:
         warnings.warn(f"prnn_kernels: the fp32 layers' GEMMs run on cuBLAS, not as 3xTF32 products: {error}",
                       stacklevel=3)
         return None
-    for (has_bias, name), kernel in compiled.items():
-        metadata, tiling = kernel.metadata, TILINGS[name]
-        align = getattr(metadata, "global_scratch_align", 1)
-        scratch_bytes = -(-getattr(metadata, "global_scratch_size", 0) // align) * align
-        _extension().load_product(device_index, has_bias, name == "small", kernel.asm["cubin"], metadata.name,
-                                  tiling.block_m, tiling.block_n, tiling.warps, metadata.shared, scratch_bytes)
     return _extension()
 
 

@@ -72,3 +72,32 @@ def test_a_wait_for_the_build_lock_names_the_lock_and_the_lock_dies_with_its_hol
         holder.wait()
     with build.build_lock(tmp_path, timeout_s=60):  # a killed holder leaves nothing behind that blocks
         pass
+
+
+@pytest.mark.parametrize("arch", ["9.0", "sm_90a", "90", "80a", "100f", ""])
+def test_an_arch_the_kernels_cannot_be_built_for_is_refused_by_name(arch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build.main(["--arch", arch])
+    assert exit_info.value.code == 2
+    assert f"argument --arch: {arch!r} is not an arch-specific target from Hopper on" in capsys.readouterr().err
+
+
+def test_the_cache_key_names_the_python_the_extension_is_a_module_of(monkeypatch):
+    key = build.build_hash()
+    real = build.sysconfig.get_config_var
+    monkeypatch.setattr(build.sysconfig, "get_config_var",
+                        lambda name: ".cpython-313t-x86_64-linux-gnu.so" if name == "EXT_SUFFIX" else real(name))
+    assert build.build_hash() != key
+
+
+def test_a_cached_extension_that_does_not_load_says_to_remove_it(tmp_path):
+    (tmp_path / "prnn_kernels_x_sm90a.so").write_bytes(b"\x7fELF too short")
+    for name in ("prnn_kernels_x_sm90a", "prnn_kernels_missing_sm90a"):
+        with pytest.raises(RuntimeError, match=f"does not load .*; remove {tmp_path} to build it again"):
+            build._import_built(name, tmp_path)
+
+
+def test_a_cuda_home_that_is_no_toolkit_is_named_not_passed_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match=f"CUDA_HOME={tmp_path} is no CUDA toolkit: it has no {tmp_path}/bin/nvcc"):
+        build.cuda_home()

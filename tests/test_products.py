@@ -213,3 +213,18 @@ def test_input_projection_replays_from_a_cuda_graph():
     expected = expected, *torch.autograd.grad(expected, expected_leaves, upstream.double())
     for actual, wanted in zip(captured, expected, strict=True):
         assert relative_error(actual.double(), wanted) <= TOLERANCE
+
+
+def test_a_product_that_cannot_be_compiled_here_leaves_the_gemms_to_cublas(monkeypatch):
+    """Whatever keeps the products from a device (Triton's own compilation errors, an unwritable cache) falls back."""
+    def unwritable_cache(capability):
+        raise PermissionError("[Errno 13] Permission denied: '/home/user/.triton/cache'")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(products, "compile_products", unwritable_cache)
+    products._loaded.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="run on cuBLAS, not as 3xTF32 products: .*Permission denied"):
+            assert products._loaded(0) is None
+    finally:
+        products._loaded.cache_clear()
