@@ -68,25 +68,21 @@ def device_arch(device=None) -> str:
 
 
 def cuda_home() -> Path | None:
-    """The CUDA toolkit to build with: $CUDA_HOME or $CUDA_PATH (an error if it lacks bin/nvcc or
-    include/cuda_runtime.h), else the one holding the nvcc on PATH, else /usr/local/cuda, where it has both."""
+    """The CUDA toolkit to build with, the first that has bin/nvcc and include/cuda_runtime.h: $CUDA_HOME, $CUDA_PATH
+    (either, set but lacking them, is named in a warning), the one holding the nvcc on PATH, /usr/local/cuda."""
+    def is_toolkit(folder: Path) -> bool:
+        return (folder / "bin" / "nvcc").exists() and (folder / "include" / "cuda_runtime.h").exists()
+
     for variable in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(variable):  # set by the user: the one to build with, or an error, never another toolkit
-            named = Path(os.environ[variable])
-            for needed in (named / "bin" / "nvcc", named / "include" / "cuda_runtime.h"):
-                if not needed.exists():
-                    raise RuntimeError(f"prnn_kernels: {variable}={named} is no CUDA toolkit: it has no {needed}")
-            return named
-    candidates = []
+        named = os.environ.get(variable)
+        if named and is_toolkit(Path(named)):
+            return Path(named)
+        if named:  # the user's choice, passed over: say so, so that another toolkit is no surprise
+            log.warning("prnn_kernels: %s=%s is no CUDA toolkit (it lacks bin/nvcc or include/cuda_runtime.h); "
+                        "looking for another", variable, named)
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(Path(nvcc).resolve().parent.parent)
-    candidates.append("/usr/local/cuda")
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
-            if (Path(candidate) / "include" / "cuda_runtime.h").exists():
-                return Path(candidate)
-    return None
+    candidates = [Path(nvcc).resolve().parent.parent] if nvcc else []
+    return next((folder for folder in [*candidates, Path("/usr/local/cuda")] if is_toolkit(folder)), None)
 
 
 def build_root() -> Path:

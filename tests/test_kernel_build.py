@@ -97,7 +97,7 @@ def test_a_cached_extension_that_does_not_load_says_to_remove_it(tmp_path):
             build._import_built(name, tmp_path)
 
 
-def test_a_cuda_home_that_is_no_toolkit_is_named_not_passed_over(tmp_path, monkeypatch):
+def test_a_cuda_home_that_is_no_toolkit_is_named_when_passed_over(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    with pytest.raises(RuntimeError, match=f"CUDA_HOME={tmp_path} is no CUDA toolkit: it has no {tmp_path}/bin/nvcc"):
-        build.cuda_home()
+    assert build.cuda_home() != tmp_path
+    assert f"CUDA_HOME={tmp_path} is no CUDA toolkit" in caplog.text
