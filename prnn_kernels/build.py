@@ -191,14 +191,15 @@ def main(argv=None):
                         help="with no --arch and no GPU visible that runs the kernels, build nothing")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args(argv)
-    arch = args.arch
+    arch, reason = args.arch, None
     if arch is None:
         if not torch.cuda.is_available():
             reason = "no CUDA GPU is visible here"
-        elif not re.fullmatch(r"\d+a", device_arch()):
-            reason = f"this GPU (sm_{device_arch()}) is older than Hopper, which the persistent kernels need"
         else:
-            arch, reason = device_arch(), None
+            try:
+                arch = hopper_or_later_arch(device_arch())
+            except argparse.ArgumentTypeError:
+                reason = f"this GPU (sm_{device_arch()}) is older than Hopper, which the persistent kernels need"
         if reason is not None:
             if args.if_gpu:
                 print(f"prnn_kernels.build: {reason}, nothing to build")
