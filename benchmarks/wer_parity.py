@@ -2,11 +2,14 @@
 train to the same word error rate as cuDNN?
 
     python -m benchmarks.wer_parity [--backends cudnn persistent] [--seeds 1234 7] [--parallel 4] [--graphs]
-        [--ranks 1] [--name wer] [--runs-dir runs] [--at-epoch E] [--report] [--json PATH] [-- TRAINER_OVERRIDES ...]
+        [--ranks 1] [--name wer] [--runs-dir runs] [--at-epoch E] [--report] [--json PATH]
+        [--backend-overrides BACKEND OVERRIDE ...] [-- TRAINER_OVERRIDES ...]
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
-model.backend, seed, train.resume=auto and the overrides; its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to
+model.backend, seed, train.resume=auto and the overrides, then that backend's --backend-overrides (e.g.
+`--backend-overrides persistent model.batch_slice=4`: cuDNN at the whole batch against the persistent kernels at a
+per-GPU batch of 4, in one command); its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to
 --parallel runs go at once, spread round-robin over the visible GPUs (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per
 run: runs that share a GPU share its time, which at a small per-GPU batch leaves most of it idle anyway.
 --graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed sequences a graph cannot hold).
@@ -168,7 +171,8 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
     with ThreadPoolExecutor(args.parallel) as pool:
         # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
         # every backend equally often, so no backend gets the less crowded GPUs.
-        futures = [pool.submit(train, runs_dir, name, backend, seed, args.overrides, args.graphs, args.ranks,
+        futures = [pool.submit(train, runs_dir, name, backend, seed,
+                               [*args.overrides, *backend_overrides(args).get(backend, [])], args.graphs, args.ranks,
                                gpus[index % len(gpus)] if gpus else None, args.at_epoch)
                    for index, (name, backend, seed) in enumerate(jobs)]
         rows = []
@@ -178,6 +182,11 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
             print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last WER "
                   f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
     return rows
+
+
+def backend_overrides(args) -> dict[str, list[str]]:
+    """--backend-overrides as {backend: its overrides}, each given after the common ones (so it wins over them)."""
+    return {backend: overrides for backend, *overrides in args.backend_overrides or []}
 
 
 def environment() -> dict:
@@ -210,8 +219,14 @@ def main(argv=None) -> None:
     parser.add_argument("--at-epoch", type=int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", help="write the runs, the summary and the configuration here")
+    parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
+                        help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     args = parser.parse_args(argv)
+    for backend, *overrides in args.backend_overrides or []:
+        if backend not in args.backends or not overrides or not all("=" in override for override in overrides):
+            sys.exit(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
+                     f"({' '.join(args.backends)}), then KEY=VALUE overrides")
     if args.parallel < 1 or args.ranks < 1:
         sys.exit("--parallel and --ranks must be at least 1")
     if args.graphs and args.ranks > 1:
@@ -262,7 +277,8 @@ def main(argv=None) -> None:
     if args.json:
         command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
         config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
-                  "ranks": args.ranks, "overrides": args.overrides, "at_epoch": args.at_epoch, "gpus": gpus,
+                  "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
+                  "at_epoch": args.at_epoch, "gpus": gpus,
                   "report": args.report}
         # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen
         # (each run's own devices are in its row).

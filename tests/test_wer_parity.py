@@ -172,3 +172,23 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == ["2", "GPU-8f1c"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []
+
+
+def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch):
+    commands = {}
+
+    def run(command, **kwargs):
+        commands[next(part for part in command if part.startswith("seed="))
+                 + next(part for part in command if part.startswith("model.backend="))] = command
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--runs-dir", str(tmp_path),
+                     "--backend-overrides", "persistent", "model.batch_slice=4", "--", "train.epochs=3"])
+    cudnn, persistent = commands["seed=1model.backend=cudnn"], commands["seed=1model.backend=persistent"]
+    assert "train.epochs=3" in cudnn and "train.epochs=3" in persistent
+    assert "model.batch_slice=4" in persistent and not any("batch_slice" in part for part in cudnn)
+    with pytest.raises(SystemExit, match="--backend-overrides reference model.batch_slice=4: give one of --backends"):
+        wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "reference",
+                         "model.batch_slice=4"])
