@@ -109,9 +109,10 @@ def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_ep
     """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call.
     Its ranks are those its last job ran with (jobs.jsonl), `ranks` where it records none."""
     jobs = read_jsonl(runs_dir / name / "jobs.jsonl")
-    return {"run": name, "backend": backend, "seed": seed, "ranks": jobs[-1].get("world_size", ranks) if jobs else ranks,
-            "gpu": None, "returncode": None, "wall_s": None, "output": str(runs_dir / f"{name}.out"),
-            "devices": devices(runs_dir / name), **evaluations(runs_dir / name, at_epoch)}
+    ranks = jobs[-1].get("world_size", ranks) if jobs else ranks
+    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
+            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
+            **evaluations(runs_dir / name, at_epoch)}
 
 
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,

@@ -12,7 +12,8 @@ from trainer import build, decode
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("audio", nargs="+", help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
+    parser.add_argument("audio", nargs="+",
+                        help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     decode.add_arguments(parser)
     args = parser.parse_args(argv)
