@@ -29,4 +29,4 @@ for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # e
 exec ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
     --map-by ppr:"${first_slots#slots=}":node \
     "${forwarded[@]}" \
-    "${PYTHON:-python3}" -m trainer run_name="$run_name" "$@"
+    "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"

@@ -20,4 +20,4 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank w
 # --bind-to none: each rank's data-loading workers may use any core of the node.
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
 exec ${MPIRUN:-mpirun} -np "$num_gpus" --bind-to none \
-    "${PYTHON:-python3}" -m trainer run_name="$run_name" "$@"
+    "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"

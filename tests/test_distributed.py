@@ -175,6 +175,13 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
     assert "15 utterances in" in output and "skipped: 1 utterances unreadable or too long" in output, output
 
 
+@needs_mpiexec
+def test_a_bad_value_the_distributed_start_takes_is_one_line_on_every_rank(an4_slice, tmp_path):
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
+    assert code != 0 and "Traceback" not in output, output
+    assert "distributed.timeout_s must be a positive number of seconds, not 'abc'" in output, output
+
+
 def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str) -> str:
     """One GPU process, then two ranks with `overrides`, both with GRU layers on the persistent kernels (batch 2 per
     rank against 4 in one process) in fp32; the two-rank job's output."""
@@ -288,7 +295,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", RUN_NAME="first try")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and command.startswith("-np 2 --bind-to none "), ran.stderr
-    assert command.endswith("-m trainer run_name=first try experiment=cpu_demo")
+    # Quoted, so that Hydra keeps any name a string: unquoted, 1e5 named the run 100000.0 and null None.
+    assert command.endswith("-m trainer run_name='first try' experiment=cpu_demo")
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("# the allocation\n\nnode01 slots=8\nnode02 slots=8\n")
     ran = launch_script("multi_node.sh", str(hosts), "16", "experiment=an4_gpu", NCCL_P2P_DISABLE="1",
