@@ -125,6 +125,8 @@ def test_unknown_config_key_is_refused():
     ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
     ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string
     ("model.residual=3", "model.residual must be true or false, not 3"),
+    ("train.cuda_graphs=no", "train.cuda_graphs must be true or false, not 'no'"),
+    ("data.augment.enabled=off", "data.augment.enabled must be true or false, not 'off'"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
     ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds, not -5"),
     ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved

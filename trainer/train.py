@@ -195,6 +195,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
+    check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
@@ -228,13 +229,14 @@ CONFIG_RULES = (
     ("model.hidden", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.conv_channels", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.lookahead", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-    # A string such as "no" would be true, and build the bidirectional model the user turned off.
-    ("model.bidirectional", lambda v: isinstance(v, bool), "true or false"),
-    ("model.residual", lambda v: isinstance(v, bool), "true or false"),
     ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("distributed.timeout_s", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+    # On/off keys: a string such as "no" would be true, and turn on what the user turned off.
+    *((key, lambda v: isinstance(v, bool), "true or false") for key in (
+        "model.bidirectional", "model.residual", "data.sortagrad", "data.augment.enabled", "data.features.normalize",
+        "train.cuda_graphs", "train.sync_batch_norm", "train.progress_bar", "distributed.share_gpus")),
 )
 
 
@@ -265,7 +267,6 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
-    check_config(cfg)
     checkpoint_every = cfg.train.checkpoint_every_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
