@@ -86,8 +86,11 @@ def cuda_home() -> Path | None:
 
 
 def build_root() -> Path:
-    default = Path.home() / ".cache" / "torch_extensions"
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", default)) / "prnn_kernels"
+    """Where torch's own extensions go: $TORCH_EXTENSIONS_DIR, else torch_extensions in the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    default = Path(cache) / "torch_extensions"
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default) / "prnn_kernels"
 
 
 @functools.lru_cache(maxsize=None)

@@ -90,6 +90,18 @@ def test_the_cache_key_names_the_python_the_extension_is_a_module_of(monkeypatch
     assert build.build_hash() != key
 
 
+def test_the_build_cache_is_where_torch_puts_its_extensions(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert build.build_root() == tmp_path / "cache" / "torch_extensions" / "prnn_kernels"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    assert build.build_root() == tmp_path / "extensions" / "prnn_kernels"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert build.build_root() == tmp_path / ".cache" / "torch_extensions" / "prnn_kernels"
+
+
 def test_a_cached_extension_that_does_not_load_says_to_remove_it(tmp_path):
     (tmp_path / "prnn_kernels_x_sm90a.so").write_bytes(b"\x7fELF too short")
     for name in ("prnn_kernels_x_sm90a", "prnn_kernels_missing_sm90a"):
