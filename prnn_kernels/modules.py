@@ -7,7 +7,7 @@ and state dicts load both ways. Backends:
   "persistent" the same composition on the persistent kernels (`prnn_kernels.persistent`), both directions of a
                bidirectional layer in one call; an unsupported shape raises.
   "auto"       persistent where the support query says it can run a CUDA input, otherwise cudnn, warning once per
-               reason why a CUDA input did not get the persistent kernel.
+               layer shape (cell, hidden size, dtype) why a CUDA input did not get the persistent kernel.
 
 `batch_slice=N` runs a larger batch as slices of at most N sequences, one after another, each through every layer
 on the backend chosen for a slice of N: each slice computes what a GPU with a per-GPU batch of N would, so one GPU can
@@ -25,7 +25,7 @@ from prnn_kernels.reference import reference_layer
 
 BACKENDS = ("auto", "persistent", "cudnn", "reference")
 _CELL_OF_MODE = {"RNN_RELU": "relu", "RNN_TANH": "tanh", "GRU": "gru", "LSTM": "lstm"}
-# Reasons "auto" already warned about, so a training loop warns once rather than every step.
+# Layer shapes (cell, hidden size, dtype) "auto" already warned about, so a training loop warns once, not every step.
 _warned_fallbacks = set()
 
 
@@ -70,9 +70,13 @@ class _BackendChoice:
         if self.cell == "lstm" and hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
             got = f"a tuple of {len(hx)}" if isinstance(hx, tuple) else type(hx).__name__
             raise ValueError(f"{name}: hx must be a tuple (h0, c0), got {got}")
+        if input.shape[1 - batch_dim] == 0:
+            raise ValueError(f"{name}: input has no time steps, shape {tuple(input.shape)}")
+        if hx is not None:  # against the whole batch: batch_slice hands each slice its part
+            self.check_forward_args(input, hx, None)
         if lengths is not None:
             lengths = _checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
-        backend = self.backend_for(batch_size, input.dtype, input.device)
+        backend = self.backend_for(batch_size, _compute_dtype(input), input.device)
         if self.batch_slice is None or batch_size <= self.batch_slice:
             return self._forward_on(backend, input, hx, lengths)
         outputs, states = [], []
@@ -109,9 +113,11 @@ class _BackendChoice:
             return "persistent"
         if self.backend == "persistent":
             raise ValueError(f"prnn_kernels.{type(self).__name__}: backend='persistent' cannot run: {verdict.reason}")
-        if verdict.reason not in _warned_fallbacks:
-            _warned_fallbacks.add(verdict.reason)
-            warnings.warn(f"prnn_kernels: using cuDNN, not the persistent kernel: {verdict.reason}", stacklevel=2)
+        layer = (self.cell, self.hidden_size, dtype)
+        if layer not in _warned_fallbacks:  # once per layer shape, not once per batch size the loader makes
+            _warned_fallbacks.add(layer)
+            warnings.warn(f"prnn_kernels: {self.cell} H={self.hidden_size} {dtype} runs on cuDNN, not the persistent "
+                          f"kernel: {verdict.reason}", stacklevel=2)
         return "cudnn"
 
     def _torch_forward(self, input, hx, lengths):
@@ -197,6 +203,15 @@ def _checked_lengths(name, lengths, batch_size, num_steps):
     if lengths.device.type == "cpu" and bool(((lengths < 1) | (lengths > num_steps)).any()):
         raise ValueError(f"{name}: lengths must lie in [1, T={num_steps}], got {lengths.tolist()}")
     return lengths
+
+
+def _compute_dtype(input):
+    """The dtype the recurrence runs in: under autocast the input projection comes out in autocast's dtype, whatever
+    the input's."""
+    device_type = input.device.type
+    if input.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return input.dtype
 
 
 def _state_slice(hx, start, size):

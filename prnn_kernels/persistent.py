@@ -68,7 +68,7 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
                               "runs a larger batch as slices)")
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        return Support(False, "needs a CUDA GPU")
+        return Support(False, "needs a CUDA GPU (compute capability 9.0, Hopper, or newer)")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _cuda_support(cell, int(hidden_size), int(batch_size), dtype, device.index)
@@ -80,8 +80,12 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
     if major < 9:
         return Support(False, f"needs compute capability 9.0 (Hopper) or newer for its bulk copies in thread-block "
                               f"clusters, device {device_index} has {major}.{minor}")
+    try:
+        extension = _extension()
+    except RuntimeError as error:  # no toolkit, a failed build, a damaged cache: "auto" runs cuDNN instead
+        return Support(False, f"its CUDA extension is unavailable: {error}")
     with torch.cuda.device(device_index):
-        ok, reason = _extension().support(cell, hidden_size, batch_size, dtype == torch.bfloat16)
+        ok, reason = extension.support(cell, hidden_size, batch_size, dtype == torch.bfloat16)
     return Support(ok, reason)
 
 
@@ -342,12 +346,24 @@ def _round_up_4(size):
     return (size + 3) // 4 * 4
 
 
-@functools.lru_cache(maxsize=None)
 def _extension():
     """The compiled extension; loading it registers the operators' CUDA kernels (binding.cpp) with the dispatcher."""
+    extension, error = _built_extension()
+    if error is not None:
+        raise RuntimeError(error)
+    return extension
+
+
+@functools.lru_cache(maxsize=None)
+def _built_extension():
+    """(extension, None), or (None, why not): a build that failed once is not tried again by the same process, as it
+    can take a minute to fail."""
     from prnn_kernels.build import load_extension
 
-    return load_extension()
+    try:
+        return load_extension(), None
+    except RuntimeError as error:
+        return None, str(error)
 
 
 # The operators are declared here so that they exist, with shapes for tracing (register_fake), on machines without

@@ -166,6 +166,7 @@ def test_arguments_torch_would_misread_are_refused_naming_them(backend):
         (lambda: gru(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])), "a PackedSequence is not taken"),
         (lambda: lstm(x, torch.zeros(1, 2, 3)), r"LSTM: hx must be a tuple \(h0, c0\), got Tensor"),
         (lambda: lstm(x, (torch.zeros(1, 2, 3),) * 3), r"hx must be a tuple \(h0, c0\), got a tuple of 3"),
+        (lambda: gru(x[:0]), r"GRU: input has no time steps, shape \(0, 2, 4\)"),
     ]
     for call, message in refusals:
         with pytest.raises(ValueError, match=message):
@@ -217,6 +218,51 @@ def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first, monkey
     assert run_sizes == [7, 3, 3, 1]  # the whole batch, then its slices
     for whole, sliced in zip(*results, strict=True):
         assert relative_error(sliced, whole) < TOLERANCE
+
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_an_initial_state_is_checked_against_the_whole_batch_before_slicing(backend):
+    # Checked slice by slice, a state of 6 for a batch of 4 ran, and one of 3 was refused as "(1, 2, 5)".
+    gru = prnn_kernels.GRU(5, 5, backend=backend, batch_slice=2)
+    lstm = prnn_kernels.LSTM(5, 5, backend=backend, batch_slice=2)
+    x = torch.randn(3, 4, 5)
+    for size in (6, 3):
+        with pytest.raises(RuntimeError, match=rf"Expected hidden size \(1, 4, 5\), got \[1, {size}, 5\]"):
+            gru(x, torch.zeros(1, size, 5))
+    with pytest.raises(RuntimeError, match=r"Expected hidden\[1\] size \(1, 4, 5\), got \[1, 6, 5\]"):
+        lstm(x, (torch.zeros(1, 4, 5), torch.zeros(1, 6, 5)))
+    assert gru(x, torch.zeros(1, 4, 5))[1].shape == (1, 4, 5)
+
+
+def test_the_backend_is_chosen_for_the_dtype_the_recurrence_runs_in(monkeypatch):
+    # Under autocast the input projection, which the kernel takes, is in autocast's dtype, not the input's.
+    persistent = pytest.importorskip("prnn_kernels.persistent")
+    asked = []
+    monkeypatch.setattr(persistent, "support", lambda cell, hidden, batch, dtype, device: asked.append(dtype) or
+                        persistent.Support(False, "asked"))
+    module = prnn_kernels.GRU(4, 8, backend="persistent")
+    x = torch.randn(5, 2, 4)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), pytest.raises(ValueError, match="asked"):
+            module(x)
+    assert asked == [torch.float32, torch.bfloat16]
+
+
+def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monkeypatch):
+    persistent = pytest.importorskip("prnn_kernels.persistent")
+    monkeypatch.setattr(persistent, "support", lambda cell, hidden, batch, dtype, device:
+                        persistent.Support(False, f"batch size {batch} is out of range"))
+    monkeypatch.setattr(prnn_kernels.modules, "_warned_fallbacks", set())
+    module = prnn_kernels.GRU(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch_size in (40, 37, 48, 40):
+            assert module.backend_for(batch_size, torch.float32, "cuda") == "cudnn"
+        prnn_kernels.GRU(4, 16).backend_for(40, torch.float32, "cuda")  # another layer shape warns for itself
+    assert [str(warning.message) for warning in caught] == [
+        "prnn_kernels: gru H=8 torch.float32 runs on cuDNN, not the persistent kernel: batch size 40 is out of range",
+        "prnn_kernels: gru H=16 torch.float32 runs on cuDNN, not the persistent kernel: batch size 40 is out of range",
+    ]
 
 
 def test_batch_slice_is_checked_and_shown():

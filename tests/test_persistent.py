@@ -1,12 +1,14 @@
 """persistent_layer against the float64 reference: outputs and every gradient over many shapes, the refusals, a launch
 that times out, CUDA-graph capture and the custom ops' registration (opcheck)."""
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from prnn_kernels import persistent
+import prnn_kernels
+from prnn_kernels import build, modules, persistent
 from prnn_kernels.persistent import (
     directions_run_together,
     launch_plans,
@@ -22,13 +24,46 @@ CUDA = torch.device("cuda")
 
 def test_support_without_cuda_says_why():
     verdict = support("relu", 2048, 4, torch.float32, "cpu")
-    assert not verdict.ok and verdict.reason == "needs a CUDA GPU"
+    assert not verdict.ok and verdict.reason == "needs a CUDA GPU (compute capability 9.0, Hopper, or newer)"
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         launch_plans("relu", 2048, 4, torch.float32, "cpu")
     # What no GPU would run is named first, with or without one.
     assert "is not one of" in support("conv", 256, 4, torch.float32, "cpu").reason
     assert "batch size 33" in support("relu", 256, 33, torch.float32, "cpu").reason
     assert "dtype" in support("gru", 256, 4, torch.float16, "cpu").reason
+
+
+@pytest.fixture
+def hopper_without_its_extension(monkeypatch):
+    """torch.cuda answers as on a Hopper GPU, and building the extension fails as it does without a CUDA toolkit;
+    counts the builds tried."""
+    builds = []
+
+    def failed_build():
+        builds.append(1)
+        raise RuntimeError("prnn_kernels: no CUDA toolkit found")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(build, "load_extension", failed_build)
+    persistent._cuda_support.cache_clear()
+    persistent._built_extension.cache_clear()
+    yield builds
+    persistent._cuda_support.cache_clear()
+    persistent._built_extension.cache_clear()
+
+
+def test_an_extension_that_cannot_be_built_is_a_reason_auto_falls_back_on(hopper_without_its_extension, monkeypatch):
+    monkeypatch.setattr(modules, "_warned_fallbacks", set())
+    verdict = support("gru", 16, 4, torch.float32, "cuda")
+    assert not verdict.ok and verdict.reason == "its CUDA extension is unavailable: prnn_kernels: no CUDA toolkit found"
+    with pytest.warns(UserWarning, match="runs on cuDNN, not the persistent kernel: its CUDA extension is unavailable"):
+        assert prnn_kernels.GRU(8, 32).backend_for(4, torch.float32, "cuda") == "cudnn"
+    with pytest.raises(ValueError, match="backend='persistent' cannot run: its CUDA extension is unavailable"):
+        prnn_kernels.GRU(8, 64, backend="persistent").backend_for(4, torch.float32, "cuda")
+    assert len(hopper_without_its_extension) == 1  # tried once: a failing build can take a minute
 
 
 @pytest.fixture
