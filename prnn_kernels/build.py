@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -138,6 +139,10 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
     home = cuda_home()
     if home is None:
         raise RuntimeError("prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME")
+    known = nvcc_architectures(home)
+    if known and arch.rstrip("a") not in known:  # else nvcc fails only after the build has started
+        raise RuntimeError(f"prnn_kernels: the nvcc of {home} cannot build for sm_{arch}; it knows "
+                           f"{', '.join(sorted(known, key=int))}")
     # torch guesses the toolkit from the nvcc on PATH, which can be a wrapper script outside it.
     cpp_extension.CUDA_HOME = str(home)
     # torch's own lock for this directory: under build_lock no other process is inside torch's loader here, so a lock
@@ -161,6 +166,16 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
         ) from error
 
 
+def nvcc_architectures(home: Path) -> set[str]:
+    """The compute capabilities the toolkit's nvcc builds for ("90", "100", ...); empty if it cannot say."""
+    try:
+        listing = subprocess.run([str(home / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True, text=True,
+                                 timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return set(re.findall(r"compute_(\d+)", listing))
+
+
 def _import_built(name: str, directory: Path):
     """Imports the library a finished build left in `directory` (what torch's loader does after its build step)."""
     library = directory / f"{name}.so"
@@ -179,7 +194,7 @@ def _import_built(name: str, directory: Path):
 def hopper_or_later_arch(text: str) -> str:
     """--arch: an arch-specific target from Hopper on (90a, 100a), which the kernels' register reallocation
     (setmaxnreg) and multicast bulk copies need."""
-    match = re.fullmatch(r"(\d{2,3})a", text)
+    match = re.fullmatch(r"([1-9]\d{1,2})a", text)
     if match is None or int(match[1]) < 90:
         raise argparse.ArgumentTypeError(f"{text!r} is not an arch-specific target from Hopper on, such as 90a")
     return text

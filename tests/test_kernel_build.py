@@ -74,12 +74,21 @@ def test_a_wait_for_the_build_lock_names_the_lock_and_the_lock_dies_with_its_hol
         pass
 
 
-@pytest.mark.parametrize("arch", ["9.0", "sm_90a", "90", "80a", "100f", ""])
+@pytest.mark.parametrize("arch", ["9.0", "sm_90a", "90", "80a", "100f", "090a", ""])
 def test_an_arch_the_kernels_cannot_be_built_for_is_refused_by_name(arch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build.main(["--arch", arch])
     assert exit_info.value.code == 2
     assert f"argument --arch: {arch!r} is not an arch-specific target from Hopper on" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(build.cuda_home() is None, reason="needs a CUDA toolkit (nvcc)")
+def test_an_arch_the_toolkit_does_not_know_is_refused_before_the_build(tmp_path):
+    known = build.nvcc_architectures(build.cuda_home())
+    assert "90" in known
+    with pytest.raises(RuntimeError, match=r"cannot build for sm_95a; it knows .*\b90\b"):
+        build._build("prnn_kernels_x_sm95a", tmp_path, "95a", verbose=False)
+    assert not any(tmp_path.iterdir())  # refused before nvcc ran
 
 
 def test_the_cache_key_names_the_python_the_extension_is_a_module_of(monkeypatch):
