@@ -130,11 +130,16 @@ def test_unknown_config_key_is_refused():
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
     ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds, not -5"),
     ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved
+    ("train.resume=true", "train.resume must be null, auto or a checkpoint's path, not True"),
+    ("data.max_duration=abc", "data.max_duration must be a positive number of seconds or null, not 'abc'"),
+    ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), not [0.9]"),
+    ("optim.weight_decay=-1", "optim.weight_decay must be a non-negative number, not -1"),
+    ("optim=sgd optim.momentum=-0.9", "optim.momentum must be a non-negative number, not -0.9"),
 ])
 def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
     check_config(compose_config(["experiment=cpu_demo"]))  # the defaults pass
     with pytest.raises(ValueError) as error:
-        check_config(compose_config(["experiment=cpu_demo", override]))
+        check_config(compose_config(["experiment=cpu_demo", *override.split()]))
     assert str(error.value) == complaint
 
 
@@ -152,8 +157,12 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
                     tmp_path / "last.pt")
     with pytest.raises(ValueError) as error:
         check_resumable(saved, compose_config(["model.hidden=32", "optim=sgd"]), tmp_path / "last.pt")
-    assert str(error.value) == (f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with other "
-                                "settings (model.hidden=64 there, 32 here; optim.name='adamw' there, 'sgd' here)")
+    assert str(error.value).startswith(f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with "
+                                       "other settings (model.hidden=64 there, 32 here; ")
+    assert "; optim.name='adamw' there, 'sgd' here;" in str(error.value)
+    # The optimizer's state would bring back the checkpoint's rate, while config.yaml said the new one was used.
+    with pytest.raises(ValueError, match=r"settings \(optim.lr=0.001 there, 0.5 here\)$"):
+        check_resumable(saved, compose_config(["model.hidden=64", "optim.lr=0.5"]), tmp_path / "last.pt")
     # Its sampler position counts global batches of its own size, order and utterances.
     with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
         check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
@@ -224,7 +233,7 @@ def test_lr_schedule_warms_up_then_anneals_per_epoch():
 
 def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
     state = {"model": {"w": torch.randn(3)}, "config": {"seed": 1}, "train_state": {"epoch": 2, "best_wer": math.inf},
-             "rng": [checkpoint.rng_state()]}
+             "rng": [checkpoint.rng_state(torch.device("cpu"))]}
     checkpoint.save(tmp_path / "c.pt", state)
     loaded = checkpoint.load(tmp_path / "c.pt")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
@@ -232,6 +241,33 @@ def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
     assert torch.equal(loaded["rng"][0]["torch"], state["rng"][0]["torch"])
     assert loaded["rng"][0]["python"] == state["rng"][0]["python"]
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
+
+
+def test_a_checkpoint_holds_the_random_state_of_its_own_gpu_only(monkeypatch):
+    # With every visible GPU's state, a job resumed where fewer GPUs are visible failed (IndexError).
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or
+                        torch.full((2,), device.index, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state.tolist(), device)))
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    state = checkpoint.rng_state(second)
+    checkpoint.set_rng_state(state, first)  # resumed on a host with one GPU
+    every_gpu = [torch.full((2,), index, dtype=torch.uint8) for index in range(4)]  # a checkpoint before the change
+    checkpoint.set_rng_state({**state, "cuda": every_gpu}, second)
+    checkpoint.set_rng_state({**state, "cuda": every_gpu[:1]}, second)
+    assert calls == [("get", second), ("set", [1, 1], first), ("set", [1, 1], second), ("set", [0, 0], second)]
+    assert "cuda" not in checkpoint.rng_state(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+def test_the_gpu_random_state_comes_back():
+    device = torch.device("cuda", 0)
+    state = checkpoint.rng_state(device)
+    drawn = torch.rand(4, device=device)
+    checkpoint.set_rng_state(state, device)
+    assert torch.equal(torch.rand(4, device=device), drawn)
+    checkpoint.set_rng_state({**state, "cuda": [state["cuda"]] * 9}, device)  # from a host with 9 GPUs
+    assert torch.equal(torch.rand(4, device=device), drawn)
 
 
 def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, monkeypatch):

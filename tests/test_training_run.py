@@ -3,6 +3,7 @@ then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it 
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO_ROOT, TINY, wait_for_file, write_slice
 from data.manifest import read_manifest
@@ -105,7 +107,10 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     train(tmp_path / "whole", utterances, *common, "train.max_steps=6")
     train(tmp_path / "split", utterances, *common, "train.max_steps=3")
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
-    train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
+    shutil.copy(checkpoint_path, tmp_path / "step3.pt")
+    resumed = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
+    assert "epoch 1 (steps 4-4, from the resume): loss" in resumed.output  # not a whole epoch's loss and count
+    assert "another run directory's checkpoint" not in resumed.output
 
     whole, _ = read_metrics(tmp_path / "whole")
     split, _ = read_metrics(tmp_path / "split")
@@ -129,6 +134,16 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
                   check=False)
     assert other.returncode == 2 and "Traceback" not in other.output
     assert "it was written by a run with other settings (model.hidden=32 there, 48 here)" in other.output
+
+    # Resumed from an earlier checkpoint (a job that died after its last checkpoint), the run logs steps 4-6 again:
+    # TensorBoard, like metrics.jsonl, holds each step once.
+    again = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={tmp_path / 'step3.pt'}")
+    assert "another run directory's checkpoint: this run writes to" in again.output
+    assert sorted(read_metrics(tmp_path / "split")[0]) == [1, 2, 3, 4, 5, 6]
+    events = EventAccumulator(str(tmp_path / "split" / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [event.step for event in events.Scalars("eval/wer")] == [4]  # epoch 1 ended at step 4
 
 
 @pytest.mark.slow

@@ -10,18 +10,23 @@ from pathlib import Path
 import torch
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """This process's random-number state: the CPU's, Python's and, on a GPU, that of its own GPU only (a job may
+    resume where another number of GPUs is visible)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        cuda = state["cuda"]
+        if isinstance(cuda, list):  # checkpoints before 2026-11-28 hold every visible GPU's
+            cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def save(path: Path, state: dict) -> None:

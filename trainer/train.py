@@ -9,6 +9,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -185,6 +186,10 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if resume is None:
         return None
     if resume != "auto":
+        if Path(resume).resolve().parent.parent != run_dir.resolve():
+            log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its "
+                     "metrics.jsonl from the checkpoint's next step on (run_name=NAME train.resume=auto continues run "
+                     "NAME in its own directory)", resume, run_dir)
         return Path(resume)
     last = run_dir / "checkpoints" / "last.pt"
     if last.is_file():
@@ -232,6 +237,12 @@ CONFIG_RULES = (
     ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a non-negative number"),
+    ("optim.betas", lambda v: v is None or isinstance(v, Sequence) and len(v) == 2
+     and all(_is_number(beta) and 0 <= beta < 1 for beta in v), "two numbers in [0, 1)"),
+    ("optim.momentum", lambda v: v is None or _is_number(v) and v >= 0, "a non-negative number"),
+    ("data.max_duration", lambda v: v is None or _is_number(v) and v > 0, "a positive number of seconds or null"),
+    ("train.resume", lambda v: v is None or isinstance(v, str) and v != "", "null, auto or a checkpoint's path"),
     ("distributed.timeout_s", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
     # On/off keys: a string such as "no" would be true, and turn on what the user turned off.
     *((key, lambda v: isinstance(v, bool), "true or false") for key in (
@@ -250,20 +261,29 @@ def check_config(cfg: DictConfig) -> None:
 
 # What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
 # position to name the same global batches (another batch size, seed or utterance set would train some utterances of
-# the epoch twice and skip others). The backend and the batch slicing may change on resume: the same function, run by
-# other kernels; so may the world size, which the global batch does not depend on.
+# the epoch twice and skip others). The optimizer's settings too: its state restores the checkpoint's rate, betas
+# and decay, so new values would be written to config.yaml but not used. The backend and the batch slicing may change
+# on resume: the same function, run by other kernels; so may the world size, which the global batch does not depend on.
 RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirectional", "model.lookahead",
-                     "model.residual", "model.conv_channels", "data.features", "optim.name", "train.global_batch_size",
+                     "model.residual", "model.conv_channels", "data.features", "optim", "train.global_batch_size",
                      "seed", "data.sortagrad", "data.train_manifests", "data.max_duration")
 
 
 def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
     saved = OmegaConf.create(saved_config)
-    differ = [f"{key}={OmegaConf.select(saved, key)!r} there, {OmegaConf.select(cfg, key)!r} here"
-              for key in RESUME_MUST_MATCH if OmegaConf.select(saved, key) != OmegaConf.select(cfg, key)]
+    differ = [difference for key in RESUME_MUST_MATCH for difference in _differences(saved, cfg, key)]
     if differ:
         raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
                          f"({'; '.join(differ)})")
+
+
+def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
+    """How `key` differs between a checkpoint's config and this one's, a group's entries one by one."""
+    there, here = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
+    if isinstance(there, DictConfig) and isinstance(here, DictConfig):
+        return [difference for entry in sorted(set(there) | set(here))
+                for difference in _differences(saved, cfg, f"{key}.{entry}")]
+    return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
@@ -337,7 +357,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         sampler.load_state_dict(saved["sampler"])
         # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
         state = {"elapsed_s": 0.0, "best_unreadable": 0, **saved["train_state"]}
-        checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)])
+        checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)], env.device)
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
     if env.is_main:
         record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
@@ -349,7 +369,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
     if env.world_size > 1:
         wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
-    writer = SummaryWriter(run_dir / "tensorboard") if env.is_main else None
+    writer = None
+    if env.is_main:  # a resumed run drops the events its checkpoint does not cover, as metrics.jsonl drops lines
+        writer = SummaryWriter(run_dir / "tensorboard", purge_step=state["step"] + 1 if resume is not None else None)
     metrics_file = None
     if env.is_main:
         metrics_file = open_metrics(run_dir / "metrics.jsonl", state if resume is not None else None)
@@ -362,9 +384,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         state["elapsed_s"] = time.perf_counter() - run_started
         rng_states = [None] * env.world_size
         if env.world_size > 1:
-            torch.distributed.all_gather_object(rng_states, checkpoint.rng_state())
+            torch.distributed.all_gather_object(rng_states, checkpoint.rng_state(env.device))
         else:
-            rng_states = [checkpoint.rng_state()]
+            rng_states = [checkpoint.rng_state(env.device)]
         if env.is_main:
             checkpoint.save(
                 run_dir / "checkpoints" / name,
@@ -396,6 +418,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         losses = []
         utterances = 0
         started = time.perf_counter()
+        first_step = state["epoch_step"]  # past 0 where this job resumed inside the epoch
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         wrapped.train()
@@ -434,7 +457,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         progress.close()
         if state["epoch_step"] < len(sampler):  # stopped by train.max_steps inside the epoch
             save("last.pt")
-            log.info("stopped at step %d (train.max_steps); resume with train.resume=%s", state["step"], run_dir / "checkpoints" / "last.pt")
+            log.info("stopped at step %d (train.max_steps); train.resume=auto under the same run_name continues "
+                     "it from %s", state["step"], run_dir / "checkpoints" / "last.pt")
             break
 
         counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
@@ -446,13 +470,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         result = {"epoch": epoch + 1, "loss": mean_loss, "wer": counts.wer, "cer": counts.cer}
         if env.is_main:
             log.info(
-                "epoch %d: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
-                epoch + 1, mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
+                "epoch %d%s: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
+                epoch + 1, f" (steps {first_step + 1}-{len(sampler)}, from the resume)" if first_step else "",
+                mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
                 "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
             )
-            writer.add_scalar("eval/wer", counts.wer, epoch + 1)
-            writer.add_scalar("eval/cer", counts.cer, epoch + 1)
+            # At the step, as the training scalars are: a resumed run's purge (above) goes by step.
+            writer.add_scalar("eval/wer", counts.wer, state["step"])
+            writer.add_scalar("eval/cer", counts.cer, state["step"])
             record = {"epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
                       "elapsed_s": round(time.perf_counter() - run_started, 1)}
             if peak_memory:
