@@ -4,7 +4,9 @@ A checkpoint holds only state dicts, tensors and plain data (the resolved config
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
 import os
+import pickle
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -42,6 +44,16 @@ MODEL_PARTS = ("model", "config")
 TRAINING_PARTS = (*MODEL_PARTS, "optimizer", "scheduler", "sampler", "train_state", "rng")
 
 
+def _reason(error: Exception) -> str:
+    """torch's error in one line; for a file the safe loader refuses, only the sentence saying what it found, not
+    torch's advice around it (to load the file with weights_only=False, or to allow what it found)."""
+    if isinstance(error, pickle.UnpicklingError):
+        for sentence in re.split(r"(?<=\.)\s+|\n+", str(error)):
+            if "nsupported" in sentence:
+                return " ".join(sentence.split()).removeprefix("WeightsUnpickler error: ")
+    return " ".join(str(error).split())
+
+
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
     path = Path(path)
@@ -51,7 +63,8 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
-                         f"holding more than tensors and plain data ({type(error).__name__}: {error})") from error
+                         f"holding more than tensors and plain data ({type(error).__name__}: {_reason(error)})"
+                         ) from error
     missing = [part for part in parts if not isinstance(saved, dict) or part not in saved]
     if missing:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
