@@ -1,7 +1,8 @@
 """Training-step time of the same DeepSpeech2 model on each recurrent backend, in one process on one GPU.
 
-    python -m benchmarks.train_step [--models an4 deep deep100] [--backends cudnn persistent] [--batches 1 4 8 16 32]
-        [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--json PATH]
+    python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent]
+        [--batches 1 4 8 16 32] [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--seed 1234]
+        [--json PATH]
 
 The step is the trainer's own (trainer.train.train_step: forward under bf16 autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is

@@ -248,7 +248,8 @@ def test_a_checkpoint_holds_the_random_state_of_its_own_gpu_only(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or
                         torch.full((2,), device.index, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state.tolist(), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: calls.append(("set", state.tolist(), device)))
     first, second = torch.device("cuda", 0), torch.device("cuda", 1)
     state = checkpoint.rng_state(second)
     checkpoint.set_rng_state(state, first)  # resumed on a host with one GPU

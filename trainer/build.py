@@ -49,7 +49,9 @@ def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
 
 
 def lr_schedule(optim_cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
-    """Linear warm-up over `warmup_steps`, then the rate is multiplied by `anneal` at every epoch boundary."""
+    """The rate after s weight updates: lr x min(1, (s + 1) / warmup_steps) x anneal ** (s // steps_per_epoch). The
+    anneal runs from the first step, warm-up or not, so a warm-up longer than an epoch peaks below lr; a skipped step
+    (the scheduler steps only with the weights) moves each later anneal one step past its epoch boundary."""
 
     def factor(step: int) -> float:
         warmup = min(1.0, (step + 1) / optim_cfg.warmup_steps) if optim_cfg.warmup_steps > 0 else 1.0

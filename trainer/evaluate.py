@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
     parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
     parser.add_argument("--out", type=output_file,
-                        help="write one tab-separated line per utterance: file, errors, reference, hypothesis")
+                        help="write a tab-separated table, a header, then one line per utterance: file, word "
+                             "errors, character errors, reference, hypothesis")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=positive_int, default=16)
     decode.add_arguments(parser)

@@ -145,7 +145,8 @@ def _discount(table: Counter) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
     parser.add_argument("--order", type=int, default=3)
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
