@@ -170,6 +170,22 @@ def test_augment_takes_any_integer_seed(manifest):
         assert torch.equal(dataset[0].features, dataset[0].features)
 
 
+def test_augment_masks_follow_seed_epoch_and_item(manifest):
+    """Each (seed, epoch, item) draws its own masks, the same on every load, whatever the global generator holds."""
+    def masks(seed, epoch, index):
+        dataset = make_dataset(manifest, augment=SpecAugment(freq_mask=30, time_mask=30), seed=seed)
+        dataset.set_epoch(epoch)
+        torch.manual_seed(epoch * 7 + index)  # the global state must not matter
+        return dataset[index].features == 0
+
+    first = masks(1, 0, 0)
+    assert torch.equal(first, masks(1, 0, 0))
+    assert not torch.equal(first, masks(1, 1, 0)) and not torch.equal(first, masks(2, 0, 0))
+    second = masks(1, 0, 1)
+    # Another item of another length: compare its masked frequency bands, which any item has.
+    assert not torch.equal(first.all(0), second.all(0))
+
+
 def test_a_lone_path_is_one_manifest(manifest):
     assert len(SpeechDataset(manifest, FeatureExtractor("mel"))) == 6  # no stride or length limit: 6 kept
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from data.text import ALPHABET, NUM_CLASSES, encode
-from trainer.decode import BeamSearch, greedy_decode
+from trainer.decode import BeamSearch, Prefix, greedy_decode
 from trainer.lm import NGramLM, build_arpa
 
 
@@ -85,6 +85,40 @@ def test_language_model_settles_what_the_audio_leaves_open():
     assert BeamSearch(beam_width=8)(log_probs, lengths) == ["A B"]
     lm = NGramLM.from_arpa_text(build_arpa([["A", "C"]] * 6 + [["A", "B"]], order=2))
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
+
+
+UNIGRAMS = """\\data\\
+ngram 1=5
+
+\\1-grams:
+-0.6\tA
+-0.7\tAB
+-0.4\t</s>
+-2.0\t<unk>
+-99\t<s>
+
+\\end\\
+"""
+
+
+def test_a_transcript_scores_ctc_plus_weighted_language_model_plus_word_bonus():
+    lm = NGramLM.from_arpa_text(UNIGRAMS)
+    search = BeamSearch(lm=lm, lm_weight=0.7, word_bonus=0.3)
+    ln = math.log(10)
+    # "A AB" without its last word scored yet (a prefix's lm holds its completed words), at the end of the audio:
+    # its last word and the end of the sentence are scored then, and each of its two words earns the bonus.
+    prefix = Prefix(blank=-1.25, char=-2.5, lm=-0.6 * ln)
+    expected = math.log(math.exp(-1.25) + math.exp(-2.5)) + 0.7 * (-0.6 - 0.7 - 0.4) * ln + 0.3 * 2
+    assert search._rank(tuple(encode("A AB")), prefix, final=True) == pytest.approx(expected, rel=1e-12)
+    assert search._rank(tuple(encode("A AB")), prefix) == pytest.approx(expected - 0.7 * (-0.7 - 0.4) * ln, rel=1e-12)
+
+
+def test_a_transcript_that_ends_in_a_space_scores_its_last_word_once():
+    # CTC: "A" 0.6 (A, then a space that ends it), "AB" 0.4. With the language model "A" wins, ln 0.6 + ln P(A) +
+    # ln P(</s>) = -2.81 against -3.44; scoring A's word twice (as the space and again at the end) would give -4.19.
+    frames = [{"A": 1.0}, {" ": 0.6, "B": 0.4}]
+    lm = NGramLM.from_arpa_text(UNIGRAMS)
+    assert BeamSearch(lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs_over(frames), torch.tensor([2])) == ["A"]
 
 
 @pytest.mark.parametrize("order", [1, 2, 3])
