@@ -1,4 +1,5 @@
 """Audio reading, log spectral features and SpecAugment."""
+import math
 import re
 import struct
 
@@ -93,9 +94,15 @@ def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
 
 def test_mel_features():
     extractor = FeatureExtractor("mel", n_mels=64, normalize=False)
-    features = extractor(torch.from_numpy(tone(1000, 0.5, 16000)))
+    loud = torch.from_numpy(tone(1000, 0.5, 16000))
+    features = extractor(loud)
     assert extractor.num_features == 64 and features.shape == (51, 64)
     assert torch.isfinite(features).all()
+    # Log power: half the amplitude is a quarter of the power, ln 4 less in the tone's band.
+    band = features[25].argmax()
+    assert features[25, band] - extractor(loud / 2)[25, band] == pytest.approx(math.log(4), abs=1e-3)
+    # Digital silence sits on the floor, finite.
+    assert torch.equal(extractor(torch.zeros(800)), torch.full((6, 64), math.log(1e-10)))
 
 
 @pytest.mark.parametrize("kind", ["spectrogram", "mel"])
@@ -125,7 +132,8 @@ def test_num_frames_counts_the_frames_the_features_have(settings):
     """An odd window (441 samples at 22050 Hz) pads by one sample less than it is long."""
     extractor = FeatureExtractor(**settings)
     for num_samples in range(1, 1200, 7):
-        assert extractor(torch.zeros(num_samples)).shape[0] == extractor.num_frames(num_samples), num_samples
+        features = extractor(torch.zeros(num_samples))
+        assert features.shape[0] == extractor.num_frames(num_samples) and torch.isfinite(features).all(), num_samples
 
 
 def test_unknown_feature_kind_is_a_value_error():

@@ -125,6 +125,8 @@ def test_dropout_between_layers_only_in_training():
     assert relative_error(ours(x)[0], theirs(x)[0]) < TOLERANCE
     ours.train()
     assert relative_error(ours(x)[0], theirs(x)[0]) > 1e-3
+    # Not on the input of the first layer: its final state is the same in training.
+    assert relative_error(ours(x)[1][0], theirs(x)[1][0]) < TOLERANCE
 
 
 def test_auto_on_cpu_runs_torch_silently():

@@ -1,5 +1,6 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
 import argparse
+import copy
 import json
 import math
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -175,6 +177,15 @@ def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
         decode.from_arguments(arguments)
 
 
+def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path, capsys):
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+                                      '{"audio_filepath": "b.wav", "duration": 1.0, "text": "café ok"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert "a 1-gram model of 1 transcripts; 1 empty or unspellable left out" in capsys.readouterr().out
+    words = lm.NGramLM.from_arpa_text((tmp_path / "m.arpa").read_text()).tables
+    assert ("YES",) in words and ("OK",) not in words and ("CAFÉ",) not in words
+
+
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
@@ -201,9 +212,12 @@ def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
     assert fused.defaults["fused"]
     initial = [parameter.detach().clone() for parameter in parameters]
     expected = [torch.nn.Parameter(parameter.detach().clone()) for parameter in parameters]
-    options = {key: value for key, value in fused.defaults.items() if key in ("lr", "momentum", "nesterov",
-                                                                                 "betas", "weight_decay")}
-    default = type(fused)(expected, **options)  # torch's default: foreach kernels
+    # Torch's default (foreach kernels) with the settings as the config and the README give them, not as the fused
+    # optimizer took them.
+    if name == "sgd":
+        default = torch.optim.SGD(expected, lr=1e-2, momentum=cfg.optim.momentum, nesterov=True, weight_decay=1e-2)
+    else:
+        default = torch.optim.AdamW(expected, lr=1e-2, betas=tuple(cfg.optim.betas), weight_decay=1e-2)
     for _ in range(3):
         for parameter, twin in zip(parameters, expected):
             parameter.grad = torch.randn(parameter.shape, generator=generator).to(device)
@@ -397,6 +411,28 @@ def test_train_step_updates_weights():
     assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
     assert (step.utterances, step.unusable) == (2, 0)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_train_step_takes_the_mean_ctc_loss_and_clips_its_gradient(clip):
+    """The step against one computed here from torch alone: the loss per utterance, its gradient clipped by norm (a
+    bound well under the gradient's, or far over it, where the gradient's scale shows), then Nesterov SGD, whose
+    update scales with the gradient."""
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False, optimizer_name="sgd")
+    cfg.train.grad_clip_norm = clip
+    twin = copy.deepcopy(model)
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+
+    log_probs, out_lengths = twin(batch.features, batch.feature_lengths)
+    loss = F.ctc_loss(log_probs, batch.targets, out_lengths, batch.target_lengths, reduction="sum") / 2
+    assert step.outcome == "ok" and step.loss == pytest.approx(loss.item(), rel=1e-6)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip)
+    assert 1e-3 < norm < 1e6
+    torch.optim.SGD(twin.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=True,
+                    weight_decay=cfg.optim.weight_decay).step()
+    for name, expected in twin.state_dict().items():
+        assert relative_error(model.state_dict()[name].double(), expected.double()) <= 1e-5, name
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
