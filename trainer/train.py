@@ -369,11 +369,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
     if env.world_size > 1:
         wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
-    writer = None
-    if env.is_main:  # a resumed run drops the events its checkpoint does not cover, as metrics.jsonl drops lines
+    writer, metrics_file = None, None
+    if env.is_main:  # a resumed run drops the events and lines its checkpoint does not cover: each step listed once
         writer = SummaryWriter(run_dir / "tensorboard", purge_step=state["step"] + 1 if resume is not None else None)
-    metrics_file = None
-    if env.is_main:
         metrics_file = open_metrics(run_dir / "metrics.jsonl", state if resume is not None else None)
 
     # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
