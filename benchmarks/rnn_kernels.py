@@ -56,6 +56,7 @@ from prnn_kernels.persistent import (
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 from trainer.cli import positive_int
+from trainer.environment import command_line, source_commit
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
@@ -304,7 +305,7 @@ def main():
     configuration = {"num_steps": NUM_STEPS, "cells": args.cells, "batches": list(batches), "hiddens": list(hiddens),
                      "precisions": args.precisions,
                      "bidirectional_batch": BIDIRECTIONAL_BATCH, "input_size": "hidden", "warmup": WARMUP,
-                     "repeats": REPEATS, "statistic": "median", "command": " ".join(sys.argv)}
+                     "repeats": REPEATS, "statistic": "median", "command": command_line()}
     grid = [(cell, batch, hidden, precision, False) for cell in args.cells for hidden in hiddens
             for batch in batches for precision in args.precisions]
     grid += [(cell, BIDIRECTIONAL_BATCH, hidden, precision, True) for cell in args.cells for hidden in hiddens
@@ -327,6 +328,7 @@ def write_json(path, rows, configuration):
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
+        "commit": source_commit(),
         "baselines": {precision: [{"name": name, "dtype": str(dtype), "cudnn_allow_tf32": tf32}
                                   for name, dtype, tf32 in baselines] for precision, baselines in BASELINES.items()},
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,

@@ -15,7 +15,6 @@ Shapes the persistent kernel refuses are reported with its reason and skipped.
 """
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
 from trainer.cli import positive_int
+from trainer.environment import command_line, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 # --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
@@ -158,9 +158,8 @@ def main():
                                 "summary": summary})
     if args.json:
         config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
-                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "cudnn": torch.backends.cudnn.version(), "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-                  "python": platform.python_version(), "command": " ".join(sys.argv)}
+                  "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
+                  "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "command": command_line()}
         with open(args.json, "w") as f:
             json.dump({"config": config, "results": results}, f, indent=1)
         print(f"\nwrote {args.json}")

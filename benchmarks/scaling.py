@@ -46,7 +46,7 @@ from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
 from trainer.distributed import DistEnv
-from trainer.environment import device_name, versions
+from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -200,6 +200,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
         "device": device_name(device),
         "host": platform.node(),
         "versions": versions(device),
+        "command": command_line(),
         "config": config,
         "model": {
             "parameters": num_parameters,
@@ -268,6 +269,8 @@ def main(argv=None) -> None:
         )
     if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
         raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+    if args.cuda_graphs and args.warmup < 1:
+        raise ValueError("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     device = env.device
     if args.cuda_graphs and device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs a GPU, this run is on {device}")

@@ -30,7 +30,7 @@ from benchmarks.scaling import MODELS, compose_config, random_batch, summary, ti
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.environment import device_name, versions
+from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
 
@@ -129,10 +129,12 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks.train_step needs a CUDA GPU")
     if min(args.batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
         sys.exit("--batches and --steps must be positive, --warmup at least 0, --frames at least 10")
+    if args.cuda_graphs and args.warmup < 1:
+        sys.exit("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.train_step needs a CUDA GPU")
     device = distributed.init("cuda").device
     torch.cuda.init()  # before the memory statistics are reset
     configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
@@ -161,7 +163,7 @@ def main(argv=None) -> None:
 def write_json(args, rows: list[dict], configs: dict, device) -> None:
     result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
               "versions": versions(device), "config": {**vars(args), "model_configs": configs,
-                                                       "command": " ".join(sys.argv)}, "rows": rows}
+                                                       "command": command_line()}, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -18,3 +18,11 @@ def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complai
     result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and complaint in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["benchmarks.train_step", "benchmarks.scaling"])
+def test_graphed_steps_are_timed_after_their_capture(module):
+    result = subprocess.run([sys.executable, "-m", module, "--cuda-graphs", "--warmup", "0"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "--cuda-graphs needs --warmup of at least 1" in result.stderr, result.stderr[-2000:]

@@ -3,6 +3,9 @@ import argparse
 import copy
 import json
 import math
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from prnn_kernels import relative_error
 from trainer import build, checkpoint, decode, lm
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
+from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.train import check_config, check_resumable, open_metrics, record_job, train_loader, train_step
 
@@ -520,6 +524,17 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     with open_metrics(path, None):  # a fresh run
         pass
     assert path.read_text() == ""
+
+
+def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
+    commit = source_commit()
+    assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", commit), commit
+    assert versions(torch.device("cpu"))["commit"] == commit
+    assert source_commit(tmp_path) is None  # no git checkout there
+    code = "from trainer.environment import command_line; print(command_line())"
+    printed = subprocess.run([sys.executable, "-c", code, "two words"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    assert printed == f"python -c '{code}' 'two words'"
 
 
 def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_path, caplog):

@@ -1,7 +1,14 @@
-"""Where a job runs, for the run directory's jobs.jsonl and the benchmarks' results: the device and the versions."""
+"""Where a job runs, for the run directory's jobs.jsonl and the benchmarks' results: the device, the versions (the
+code's commit among them) and the command."""
 import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def device_name(device: torch.device) -> str:
@@ -11,7 +18,7 @@ def device_name(device: torch.device) -> str:
 
 
 def versions(device: torch.device) -> dict:
-    found = {"python": platform.python_version(), "torch": torch.__version__}
+    found = {"python": platform.python_version(), "torch": torch.__version__, "commit": source_commit()}
     if device.type == "cuda":
         found.update(
             cuda=torch.version.cuda,
@@ -19,3 +26,24 @@ def versions(device: torch.device) -> dict:
             nccl=".".join(map(str, torch.cuda.nccl.version())),
         )
     return found
+
+
+def source_commit(root: Path = REPO_ROOT) -> str | None:
+    """The git commit the code is at, with "+changes" where its tracked files differ from it; None outside a git
+    checkout (or without git)."""
+    try:
+        def git(*arguments):
+            return subprocess.run(["git", "-C", str(root), *arguments], capture_output=True, text=True, check=True,
+                                  timeout=30).stdout.strip()
+
+        commit = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}+changes" if changed else commit
+
+
+def command_line() -> str:
+    """The command that started this process, as typed (`python -m benchmarks.rnn_kernels ...`; sys.argv would name
+    the module's file instead)."""
+    return shlex.join(["python", *sys.orig_argv[1:]])
