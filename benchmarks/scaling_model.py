@@ -12,9 +12,10 @@ At global batch G on N GPUs each GPU trains b = G / N utterances per step, and a
                       measured batches and, beyond them, extended at the per-sample cost of the nearest measured
                       interval: a fixed per-step part plus b times a per-sample part, the latter never negative
                       (a dip between two measured batches is timing noise, not a batch that computes faster)
-  small collectives   latency-bound allreduces on the critical path: the trainer's utterance count, and for each
-                      synchronised batch norm one allreduce of its statistics forward and one of their gradients
-                      backward (3 fp32 numbers per channel)
+  small collectives   latency-bound allreduces on the critical path: the trainer's utterance counts before the
+                      step and its loss after the backward (and under CUDA graphs the shards' shape), and for each
+                      synchronised batch norm one allreduce of its statistics forward (3 fp32 numbers per channel)
+                      and one of their gradients backward (2 per channel)
   gradient allreduce  DDP's gradient buckets (fp32 gradients in buckets of the recorded cap, 25 MB), each allreduced
   exposed             gradient allreduce - min(overlap * gradient allreduce, backward share * compute(b)): DDP hides
                       the `overlap` fraction of it behind backward, but never more than backward lasts
@@ -33,10 +34,14 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# The trainer's per-step utterance-count allreduce: two float64 numbers.
-COUNT_ALLREDUCE_BYTES = 16
-# Batch-norm statistics allreduced per channel (sum, sum of squares, count), in float32.
-BATCH_NORM_BYTES_PER_CHANNEL = 3 * 4
+# The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
+# (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
+STEP_ALLREDUCE_BYTES = (24, 4)
+GRAPHED_STEP_ALLREDUCE_BYTES = (*STEP_ALLREDUCE_BYTES, 24)
+# Synchronised batch norm, per channel in float32: forward its sum, sum of squares and count; backward the sums of
+# the gradient and of the gradient times the normalised input.
+BATCH_NORM_FORWARD_BYTES_PER_CHANNEL = 3 * 4
+BATCH_NORM_BACKWARD_BYTES_PER_CHANNEL = 2 * 4
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Measurement:
             self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
             self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
             self.world_size = data["world_size"]
+            self.cuda_graphs = data["config"].get("cuda_graphs", False)
         except KeyError as error:
             raise ValueError(f"{path} lacks {error}, which benchmarks.scaling writes") from None
         self.batches = [batch for batch, _ in points]
@@ -143,8 +149,10 @@ def step(measurement: Measurement, cluster: Cluster, global_batch: int, num_gpus
     """The modelled step on `num_gpus` at `global_batch`: its parts in ms, and the strong-scaling efficiency."""
     per_gpu_batch = global_batch // num_gpus
     compute = measurement.compute_ms(per_gpu_batch)
-    small = allreduce_s(COUNT_ALLREDUCE_BYTES, num_gpus, cluster) + sum(
-        2 * allreduce_s(BATCH_NORM_BYTES_PER_CHANNEL * channels, num_gpus, cluster)
+    step_allreduces = GRAPHED_STEP_ALLREDUCE_BYTES if measurement.cuda_graphs else STEP_ALLREDUCE_BYTES
+    small = sum(allreduce_s(num_bytes, num_gpus, cluster) for num_bytes in step_allreduces) + sum(
+        allreduce_s(BATCH_NORM_FORWARD_BYTES_PER_CHANNEL * channels, num_gpus, cluster)
+        + allreduce_s(BATCH_NORM_BACKWARD_BYTES_PER_CHANNEL * channels, num_gpus, cluster)
         for channels in measurement.batch_norm_channels
     )
     num_full_buckets, last_bucket = divmod(measurement.gradient_bytes, measurement.bucket_bytes)
@@ -218,6 +226,7 @@ def assumptions(measurement: Measurement, cluster: Cluster, backward_share: floa
         "gradient_bytes": measurement.gradient_bytes,
         "ddp_bucket_bytes": measurement.bucket_bytes,
         "sync_batch_norm_channels": measurement.batch_norm_channels,
+        "cuda_graphs": measurement.cuda_graphs,
         "compute_measured_batches": measurement.batches,
         # The lines the projection extends below and above the measured batches.
         "compute_line_smallest_batches": {"batches": measurement.batches[:2], "fixed_ms": first_fixed,
@@ -251,9 +260,10 @@ def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check:
         f"- Gradients: {assumed['gradient_bytes'] / 1e6:.1f} MB of fp32, allreduced in DDP buckets of "
         f"{assumed['ddp_bucket_bytes'] / 2**20:.0f} MiB; backward is {assumed['backward_share_of_compute']:.2f} of "
         "compute and can hide at most that much allreduce.",
-        f"- Small collectives per step: 1 utterance count + 2 per synchronised batch norm "
-        f"(channels {assumed['sync_batch_norm_channels']}), latency-bound, not overlapped (NCCL would pick a tree "
-        "for these tiny messages at large N; the ring latency here is pessimistic).",
+        "- Small collectives per step: the trainer's utterance counts and loss"
+        + (" and, under CUDA graphs, the shards' shape" if assumed["cuda_graphs"] else "")
+        + f"; 2 per synchronised batch norm (channels {assumed['sync_batch_norm_channels']}), latency-bound, not "
+        "overlapped (NCCL would pick a tree for these tiny messages at large N; the ring latency here is pessimistic).",
         f"- Inside a node of {cluster['gpus_per_node']} GPUs: NVLink at {cluster['nvlink_GBps']:g} GB/s per GPU and "
         f"direction, {cluster['nvlink_latency_us']:g} us per ring hop.",
         f"- Between nodes: {cluster['nics_per_node']} x {cluster['nic_Gbps']:g} Gb/s NICs per node, "

@@ -501,7 +501,8 @@ def test_scaling_model_arithmetic(tmp_path):
     assert measurement.compute_ms(2) == pytest.approx(12.0)
     assert measurement.compute_ms(16) == pytest.approx(40.0)  # extrapolated along the same line
     row = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=2, overlap=0.5, backward_share=2 / 3)
-    count_ms = (16 / 100e9 + 2e-6) * 1e3  # one ring hop each way for 16 bytes
+    # The step's counts (24 bytes) and loss (4), one ring hop each way.
+    count_ms = (24 / 100e9 + 2e-6) * 1e3 + (4 / 100e9 + 2e-6) * 1e3
     bucket_ms = (25 * mebibyte / 100e9 + 2e-6) * 1e3
     assert row["compute_ms"] == pytest.approx(24.0)  # 8 utterances per GPU
     assert row["small_collectives_ms"] == pytest.approx(count_ms)
@@ -511,6 +512,17 @@ def test_scaling_model_arithmetic(tmp_path):
     # Backward (1% of 10 ms here) caps how much allreduce it can hide, whatever the overlap.
     capped = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=16, overlap=1.0, backward_share=0.01)
     assert capped["exposed_allreduce_ms"] == pytest.approx(capped["gradient_allreduce_ms"] - 0.1)
+    # Under CUDA graphs the step also allreduces the shards' shape (24 bytes); a synchronised batch norm of 10
+    # channels adds its statistics forward (120 bytes) and their gradients backward (80).
+    path = write_measurement(tmp_path / "graphed.json", gradient_bytes=50 * mebibyte, ddp_bucket_cap_mb=25,
+                             sync_batch_norm_channels=[10])
+    measured = json.loads(path.read_text())
+    measured["config"]["cuda_graphs"] = True
+    path.write_text(json.dumps(measured))
+    graphed = scaling_model.step(scaling_model.Measurement(str(path)), cluster, global_batch=16, num_gpus=2,
+                                 overlap=0.5, backward_share=2 / 3)
+    expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (24, 4, 24, 120, 80)]
+    assert graphed["small_collectives_ms"] == pytest.approx(sum(expected))
 
 
 def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
