@@ -38,7 +38,6 @@ it holds weights).
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -56,7 +55,7 @@ from prnn_kernels.persistent import (
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 from trainer.cli import positive_int
-from trainer.environment import command_line, source_commit
+from trainer.environment import command_line, versions
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
@@ -324,11 +323,7 @@ def write_json(path, rows, configuration):
     result = {
         "device": torch.cuda.get_device_name(0),
         "multiprocessors": properties.multi_processor_count,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
-        "commit": source_commit(),
+        **versions(torch.device("cuda")),
         "baselines": {precision: [{"name": name, "dtype": str(dtype), "cudnn_allow_tf32": tf32}
                                   for name, dtype, tf32 in baselines] for precision, baselines in BASELINES.items()},
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
