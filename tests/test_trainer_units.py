@@ -24,7 +24,9 @@ from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.train import check_config, check_resumable, open_metrics, record_job, train_loader, train_step
+from trainer.train import (
+    check_config, check_resumable, checkpoint_to_resume, open_metrics, record_job, train_loader, train_step,
+)
 
 
 # --- decoding and error rates -------------------------------------------------------------------------------------
@@ -512,7 +514,9 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     steps = [{"step": step, "epoch": (step - 1) // 4, "loss": 1.0 / step} for step in range(1, 11)]
     evaluations = [{"epoch": 1, "eval_wer": 90.0}, {"epoch": 2, "eval_wer": 80.0}]
     lines = steps[:4] + evaluations[:1] + steps[4:8] + evaluations[1:] + steps[8:]
-    written = "".join(json.dumps(line) + "\n" for line in lines) + '{"step": 11, "ep'  # killed mid-line
+    # A line added by hand and a line killed mid-write are no lines of the trainer's.
+    written = ("".join(json.dumps(line) + "\n" for line in lines[:3]) + '{"note": "lr lowered"}\n'
+               + "".join(json.dumps(line) + "\n" for line in lines[3:]) + '{"step": 11, "ep')
     path.write_text(written)
     # A checkpoint from inside the second epoch, at step 6: one evaluation, six losses.
     with open_metrics(path, {"epoch": 1, "step": 6}) as metrics:
@@ -524,6 +528,28 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     with open_metrics(path, None):  # a fresh run
         pass
     assert path.read_text() == ""
+
+
+def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')  # a job that died before its checkpoint
+    assert checkpoint_to_resume(None, run_dir) is None
+    with caplog.at_level("INFO", logger="trainer.train"):
+        assert checkpoint_to_resume("auto", run_dir) is None
+    assert "no " + str(run_dir / "checkpoints" / "last.pt") + " yet, starting afresh" in caplog.text
+
+    (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
+    for resume in (None, "auto"):  # auto finds no last.pt to continue from, and must not replace best.pt either
+        with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(best.pt in "
+                                             r"checkpoints/\), which starting afresh would overwrite"):
+            checkpoint_to_resume(resume, run_dir)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "last.pt"
+    with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
+        checkpoint_to_resume(None, run_dir)
+    elsewhere = tmp_path / "other" / "checkpoints" / "last.pt"
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere
 
 
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):

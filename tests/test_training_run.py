@@ -134,6 +134,11 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
                   check=False)
     assert other.returncode == 2 and "Traceback" not in other.output
     assert "it was written by a run with other settings (model.hidden=32 there, 48 here)" in other.output
+    assert "hidden: 32" in (tmp_path / "split" / "config.yaml").read_text()  # the refused run changed nothing
+    # Started afresh (no train.resume) over the run, it stops before replacing anything.
+    fresh = train(tmp_path / "split", utterances, *common, "train.max_steps=6", check=False)
+    assert fresh.returncode == 2 and "which starting afresh would overwrite" in fresh.output, fresh.output
+    assert torch.load(checkpoint_path, weights_only=True)["train_state"]["step"] == 6
 
     # Resumed from an earlier checkpoint (a job that died after its last checkpoint), the run logs steps 4-6 again:
     # TensorBoard, like metrics.jsonl, holds each step once.

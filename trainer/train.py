@@ -52,6 +52,8 @@ def open_metrics(path: Path, resumed: dict | None):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if not isinstance(record, dict) or not ("step" in record or "epoch" in record):
+                continue  # not a line the trainer wrote
             covered = record["step"] <= resumed["step"] if "step" in record else record["epoch"] <= resumed["epoch"]
             if covered:
                 kept.append(line + "\n")
@@ -182,19 +184,24 @@ def peak_gpu_memory_gib(device: torch.device) -> tuple[float, float] | None:
 
 def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     """train.resume: null starts afresh, a path resumes from that checkpoint, and "auto" from this run directory's
-    last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise."""
-    if resume is None:
-        return None
-    if resume != "auto":
+    last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
+    Raises ValueError rather than start afresh over checkpoints already in the run directory: it would replace them."""
+    if resume is not None and resume != "auto":
         if Path(resume).resolve().parent.parent != run_dir.resolve():
             log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its "
                      "metrics.jsonl from the checkpoint's next step on (run_name=NAME train.resume=auto continues run "
                      "NAME in its own directory)", resume, run_dir)
         return Path(resume)
     last = run_dir / "checkpoints" / "last.pt"
-    if last.is_file():
+    if resume == "auto" and last.is_file():
         return last
-    log.info("train.resume=auto: no %s yet, starting afresh", last)
+    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
+    if earlier:
+        raise ValueError(f"{run_dir} already holds a run ({', '.join(earlier)} in checkpoints/), which starting "
+                         "afresh would overwrite: continue it with train.resume=auto (or train.resume=PATH), or give "
+                         "this run another run_name")
+    if resume == "auto":
+        log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
 
 
@@ -300,11 +307,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
         # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
         torch.backends.mkldnn.enabled = False
+    resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     torch.manual_seed(cfg.seed + env.rank)
     random.seed(cfg.seed + env.rank)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
@@ -347,7 +354,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     # evaluation (ErrorCounts.beats).
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
-    resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
@@ -359,7 +365,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         state = {"elapsed_s": 0.0, "best_unreadable": 0, **saved["train_state"]}
         checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)], env.device)
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
-    if env.is_main:
+    if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
 
     if env.world_size > 1:
