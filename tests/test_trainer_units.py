@@ -25,7 +25,8 @@ from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.train import (
-    check_config, check_resumable, checkpoint_to_resume, open_metrics, record_job, train_loader, train_step,
+    check_config, check_resumable, checkpoint_to_resume, open_metrics, record_job, restore, resumed_train_state,
+    train_loader, train_step,
 )
 
 
@@ -334,6 +335,33 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
         checkpoint.load(tmp_path / "weights.pt", checkpoint.TRAINING_PARTS)
     with pytest.raises(ValueError, match="cannot load checkpoint .*half.pt: not a complete checkpoint"):
         checkpoint.load(tmp_path / "half.pt")
+    # A config holding an interpolation was put there by other means: resolving it would read the environment.
+    edited = {"data": {"features": {"sample_rate": 16000}, "paths": ["a", "${oc.env:HOME}"]}}
+    torch.save({"model": {}, "config": edited}, tmp_path / "edited.pt")
+    with pytest.raises(ValueError, match=r"edited.pt .*: its config.data.paths.1 holds an interpolation \(\$\{...\}\)"):
+        checkpoint.load(tmp_path / "edited.pt")
+
+
+def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_path):
+    path = tmp_path / "last.pt"
+    state = {"epoch": 0, "step": 0, "best_wer": math.inf}
+    loaders = {"model": torch.nn.Linear(2, 3).load_state_dict,
+               "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
+               "rng": lambda states: checkpoint.set_rng_state(states[0], torch.device("cpu"))}
+    good = {"model": torch.nn.Linear(2, 3).state_dict(), "train_state": {"epoch": 2, "step": 9, "best_wer": 50.0},
+            "rng": [checkpoint.rng_state(torch.device("cpu"))]}
+    restore(path, good, loaders)
+    assert state == {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": 0.0, "best_unreadable": 0}
+    cases = {
+        "model": (torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
+        "train_state": ({"epoch": 2, "step": "9"}, "no number for step, best_wer"),
+        "rng": ([], "list index out of range"),
+    }
+    for part, (value, reason) in cases.items():
+        with pytest.raises(ValueError, match=rf"cannot resume from {re.escape(str(path))}: its {part} does not fit "
+                                             rf"this run \(.*{reason}") as error:
+            restore(path, {**good, part: value}, loaders)
+        assert "\n" not in str(error.value)
 
 
 def small_checkpoint(path, *overrides: str):

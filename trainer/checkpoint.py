@@ -68,4 +68,17 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     missing = [part for part in parts if not isinstance(saved, dict) or part not in saved]
     if missing:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
+    interpolated = _interpolation(saved.get("config"), "config")
+    if interpolated:
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {interpolated} holds an "
+                         "interpolation (${...}), which the trainer resolves before it saves a config")
     return saved
+
+
+def _interpolation(value, key: str) -> str | None:
+    """The key of the first string in a stored config that OmegaConf would resolve (`${oc.env:...}` reads the
+    environment), or None."""
+    if isinstance(value, str):
+        return key if "${" in value else None
+    entries = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next(filter(None, (_interpolation(entry, f"{key}.{name}") for name, entry in entries)), None)

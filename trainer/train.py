@@ -205,6 +205,27 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     return None
 
 
+def resumed_train_state(state: dict, saved_state: dict) -> dict:
+    """A checkpoint's train_state, each of `state`'s entries a number; ValueError naming those that are not."""
+    # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
+    resumed = {"elapsed_s": 0.0, "best_unreadable": 0, **saved_state}
+    wrong = [key for key in state if not isinstance(resumed.get(key), int | float)]
+    if wrong:
+        raise ValueError(f"no number for {', '.join(wrong)}")
+    return resumed
+
+
+def restore(path: Path, saved: dict, loaders: dict) -> None:
+    """Hands each part of a checkpoint to its loader; ValueError naming the file and the part one refuses (a file
+    edited by hand or written by other code: a checkpoint holds plain data, which nothing else checks)."""
+    for part, load_part in loaders.items():
+        try:
+            load_part(saved[part])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+            reason = " ".join(str(error).split()[:40]) or type(error).__name__
+            raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
     check_config(cfg)  # before the distributed start, which takes two of its values
@@ -357,13 +378,14 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        sampler.load_state_dict(saved["sampler"])
-        # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
-        state = {"elapsed_s": 0.0, "best_unreadable": 0, **saved["train_state"]}
-        checkpoint.set_rng_state(saved["rng"][min(env.rank, len(saved["rng"]) - 1)], env.device)
+        restore(resume, saved, {
+            "model": model.load_state_dict,
+            "optimizer": optimizer.load_state_dict,
+            "scheduler": scheduler.load_state_dict,
+            "sampler": sampler.load_state_dict,
+            "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
+            "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
+        })
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
