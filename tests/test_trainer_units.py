@@ -527,6 +527,30 @@ def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path
     assert "gone.flac: no such audio file" in caplog.text
 
 
+def test_evaluation_leaves_the_model_in_its_mode_and_an_earlier_table_when_nothing_decodes(an4_source, tmp_path,
+                                                                                           capsys):
+    from data.dataset import SpeechDataset
+    from data.manifest import Utterance, write_manifest
+    from trainer.evaluate import evaluate, main
+
+    path = small_checkpoint(tmp_path / "small.pt")
+    model, features, _ = build.from_checkpoint(path, torch.device("cpu"))
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    write_manifest(tmp_path / "one.jsonl", [Utterance(str(audio), 2.0, "TWO", "x")])
+    dataset = SpeechDataset([tmp_path / "one.jsonl"], features, None, model.time_stride)
+    for training in (False, True):
+        model.train(training)
+        evaluate(model, dataset, [[0]], torch.device("cpu"))
+        assert model.training is training
+
+    write_manifest(tmp_path / "gone.jsonl", [Utterance(str(tmp_path / "gone.flac"), 1.0, "TWO", "x")])
+    table = tmp_path / "errors.tsv"
+    table.write_text("an earlier run's table\n")
+    assert main(["--checkpoint", str(path), "--manifest", str(tmp_path / "gone.jsonl"), "--out", str(table)]) == 1
+    assert "none of the 1 utterances" in capsys.readouterr().err
+    assert table.read_text() == "an earlier run's table\n"
+
+
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
                                                           ("cpu", False, False)])
 def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device, cuda_graphs, pinned):

@@ -27,7 +27,8 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
              num_workers: int = 0, progress_bar: bool = False,
              decoder=decode.greedy_decode) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
-    counts and one row per utterance."""
+    counts and one row per utterance. The model is left in the mode it came in."""
+    was_training = model.training
     model.eval()
     counts = ErrorCounts()
     rows = []
@@ -47,7 +48,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
                 "audio_filepath": utterance.audio_filepath, "reference": reference, "hypothesis": hypothesis,
                 "word_errors": word_errors, "char_errors": char_errors,
             })
-    model.train()
+    model.train(was_training)
     return counts, rows
 
 
@@ -75,15 +76,15 @@ def main(argv=None) -> int:
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
     with logging_redirect_tqdm():
         counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
+    if not rows:  # before --out is opened: an earlier table there stays
+        print(f"error: none of the {len(dataset)} utterances of {args.manifest or cfg.data.eval_manifest} could be "
+              "decoded (the warnings above name them)", file=sys.stderr)
+        return 1
     if args.out:
         with open(args.out, "w") as out:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")
             for row in sorted(rows, key=lambda row: row["audio_filepath"]):
                 out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
-    if not rows:
-        print(f"error: none of the {len(dataset)} utterances of {args.manifest or cfg.data.eval_manifest} could be "
-              "decoded (the warnings above name them)", file=sys.stderr)
-        return 1
     unreadable = f"; {counts.unreadable} unreadable, left out" if counts.unreadable else ""
     print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{unreadable})")
     return 0
