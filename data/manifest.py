@@ -4,8 +4,8 @@ The format is NeMo's, so manifests written elsewhere load too; there `speaker` m
 segment of a longer file) is refused rather than ignored: the whole file would be read under the segment's transcript.
 """
 import json
-import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +26,8 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     non-negative `duration` (and no `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"manifest {path} is a folder, not a file")
     if not path.is_file():
         raise FileNotFoundError(f"manifest {path} does not exist")
     utterances = []
@@ -47,6 +49,8 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
@@ -54,7 +58,8 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
     # bool is an int subclass, and True is no duration.
-    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration < math.inf:
+    # An integer no float can hold (a line of 400 digits) is not finite either.
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration <= sys.float_info.max:
         raise ValueError(f"{where}: 'duration' must be a finite, non-negative number of seconds, got {duration!r}")
     if record.get("offset", 0) != 0:
         raise ValueError(f"{where}: 'offset' {record['offset']!r} (a segment of a longer file) is not supported; "

@@ -33,6 +33,9 @@ def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
 def test_missing_manifest_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         read_manifest(tmp_path / "nope.jsonl")
+    (tmp_path / "manifests").mkdir()
+    with pytest.raises(ValueError, match="manifest .*manifests is a folder, not a file"):
+        read_manifest(tmp_path / "manifests")
 
 
 @pytest.mark.parametrize(
@@ -46,6 +49,9 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": NaN, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": Infinity, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": 1e999, "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": 1' + "0" * 400 + ', "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": ' + "[" * 100_000 + "]" * 100_000 + "}",
+         "nested too deeply"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
