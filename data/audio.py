@@ -59,10 +59,18 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     if not torch.isfinite(waveform).all():
         raise AudioError(f"{path}: audio holds NaN or infinite samples")
     if file_rate != sample_rate:
-        if max(file_rate, sample_rate) // math.gcd(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:
+        if _resampling_phases(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:
             file_rate = max(100, round(file_rate / 100) * 100)
+        if _resampling_phases(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:  # the model's own rate is the odd one
+            raise AudioError(f"{path}: resampling {file_rate} Hz to the model's {sample_rate} Hz would take "
+                             f"{_resampling_phases(file_rate, sample_rate)} filter phases, more than "
+                             f"{MAX_RESAMPLING_PHASES}: give the model a rate in whole hundreds of Hz")
         waveform = torchaudio.functional.resample(waveform, file_rate, sample_rate)
     return waveform
+
+
+def _resampling_phases(from_rate: int, to_rate: int) -> int:
+    return max(from_rate, to_rate) // math.gcd(from_rate, to_rate)
 
 
 def _reason(error: Exception) -> str:

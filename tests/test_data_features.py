@@ -81,6 +81,11 @@ def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, monkeyp
     assert rates == [(16000, 16000), (44100, 16000)]  # 44100 / 16000 is 441 / 160 in lowest terms: kept
     assert abs(len(odd) - 4000) <= 1 and len(cd) == 4000
     assert int(torch.fft.rfft(odd[:4000]).abs().argmax()) == int(torch.fft.rfft(cd).abs().argmax()) == 110  # 4 Hz bins
+    # Where the model's own rate is the odd one, no file's rounding helps: each is refused, naming both rates.
+    with pytest.raises(AudioError, match="cd.wav: resampling 44100 Hz to the model's 16001 Hz would take 44100 "
+                                         "filter phases, more than 1000"):
+        load_audio(tmp_path / "cd.wav", sample_rate=16001)
+    assert rates == [(16000, 16000), (44100, 16000)]
 
 
 def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():

@@ -129,7 +129,16 @@ def test_unknown_config_key_is_refused():
     ("train.checkpoint_every_steps=true", "train.checkpoint_every_steps must be a positive integer or null, not True"),
     ("train.amp=fp16", "train.amp must be bf16 or none, not 'fp16'"),
     ("model.depth=2.5", "model.depth must be a positive integer, not 2.5"),
-    ("seed=1.5", "seed must be an integer, not 1.5"),
+    ("seed=1.5", "seed must be an integer from 0 to 2**32 - 1, not 1.5"),
+    ("seed=100000000000000", "seed must be an integer from 0 to 2**32 - 1, not 100000000000000"),
+    ("data.train_manifests=a.jsonl", "data.train_manifests must be a list of one or more manifest paths, not 'a.jsonl'"),
+    ("data.train_manifests=[]", "data.train_manifests must be a list of one or more manifest paths, not []"),
+    ("data.eval_manifest=null", "data.eval_manifest must be a manifest's path, not None"),
+    ("data.features.sample_rate=8000.0", "data.features.sample_rate must be an integer number of Hz from 1000 to "
+                                         "384000, not 8000.0"),
+    ("data.augment.masks.freq_mask=-5", "data.augment.masks.freq_mask must be a non-negative integer, not -5"),
+    ("data.augment.masks.max_time_fraction=5", "data.augment.masks.max_time_fraction must be a number from 0 to 1, "
+                                               "not 5"),
     ("model.conv_channels=-2", "model.conv_channels must be a positive integer, not -2"),
     ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
     ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string

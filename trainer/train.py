@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.dataset import Batch, SpeechDataset, collate
 from data.features import SpecAugment
 from data.prepare import prepare_an4
@@ -248,7 +249,7 @@ def _is_number(value) -> bool:
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
 # fails deep inside the sampler. Each entry: key, test, what the value must be.
 CONFIG_RULES = (
-    ("seed", _is_int, "an integer"),
+    ("seed", lambda v: _is_int(v) and 0 <= v < 2**32, "an integer from 0 to 2**32 - 1"),
     ("train.epochs", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("train.global_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("train.eval_batch_size", lambda v: _is_int(v) and v >= 1, "a positive integer"),
@@ -270,6 +271,14 @@ CONFIG_RULES = (
      and all(_is_number(beta) and 0 <= beta < 1 for beta in v), "two numbers in [0, 1)"),
     ("optim.momentum", lambda v: v is None or _is_number(v) and v >= 0, "a non-negative number"),
     ("data.max_duration", lambda v: v is None or _is_number(v) and v > 0, "a positive number of seconds or null"),
+    ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
+     and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths"),
+    ("data.eval_manifest", lambda v: isinstance(v, str) and v != "", "a manifest's path"),
+    ("data.features.sample_rate", lambda v: _is_int(v) and MIN_SAMPLE_RATE <= v <= MAX_SAMPLE_RATE,
+     f"an integer number of Hz from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"),
+    *((f"data.augment.masks.{key}", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+      for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
+    ("data.augment.masks.max_time_fraction", lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
     ("train.resume", lambda v: v is None or isinstance(v, str) and v != "", "null, auto or a checkpoint's path"),
     ("distributed.timeout_s", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
     # On/off keys: a string such as "no" would be true, and turn on what the user turned off.
