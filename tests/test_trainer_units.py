@@ -153,6 +153,11 @@ def test_unknown_config_key_is_refused():
     ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), not [0.9]"),
     ("optim.weight_decay=-1", "optim.weight_decay must be a non-negative number, not -1"),
     ("optim=sgd optim.momentum=-0.9", "optim.momentum must be a non-negative number, not -0.9"),
+    # Hydra refuses an unknown key on the command line, but takes one from an experiment file or a + override.
+    ("+train.epoch=3", "unknown config key train.epoch: conf/train.yaml and conf/{model,data,optim}/ define no such "
+                       "key (misspelt in an experiment file, or added by a + override?)"),
+    ("+data.features.rate=8000", "unknown config key data.features.rate: conf/train.yaml and conf/{model,data,optim}/ "
+                                 "define no such key (misspelt in an experiment file, or added by a + override?)"),
 ])
 def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
     check_config(compose_config(["experiment=cpu_demo"]))  # the defaults pass

@@ -288,8 +288,34 @@ CONFIG_RULES = (
 )
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_GROUPS = ("model", "data", "optim")
+
+
+def known_config_keys() -> set[str]:
+    """Every key a config may hold: conf/train.yaml's and those of each option of its groups. Hydra refuses other
+    keys on the command line, but not those an experiment file (or a `+key=value` override) brings in."""
+    files = [("", CONF_DIR / "train.yaml")]
+    files += [(f"{group}.", path) for group in CONFIG_GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
+    keys = set()
+    for prefix, path in files:
+        entries = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        keys |= _leaf_keys({key: value for key, value in entries.items() if key not in ("defaults", "hydra")}, prefix)
+    return keys
+
+
+def _leaf_keys(entries: dict, prefix: str = "") -> set[str]:
+    return {leaf for key, value in entries.items()
+            for leaf in (_leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])}
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Raises ValueError naming the first value CONFIG_RULES refuses (interpolations resolved first)."""
+    """Raises ValueError naming the first key no config file defines, or else the first value CONFIG_RULES refuses
+    (interpolations resolved first)."""
+    unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known_config_keys())
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]}: conf/train.yaml and conf/{{{','.join(CONFIG_GROUPS)}}}/ "
+                         "define no such key (misspelt in an experiment file, or added by a + override?)")
     for key, valid, what in CONFIG_RULES:
         value = OmegaConf.select(cfg, key)
         if not valid(value):
