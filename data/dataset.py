@@ -1,10 +1,13 @@
 """Utterances from manifests as (features, target ids), and their collation into padded batches."""
+import hashlib
+import json
 import logging
 import math
 import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -128,6 +131,16 @@ class SpeechDataset(Dataset):
             ", ".join(map(str, manifest_paths)),
             dict(self.skipped) or "none",
         )
+
+    def fingerprint(self) -> str:
+        """The utterances kept, in order, as a count and a digest of their file names, durations and transcripts:
+        another set behind the same manifest paths (a corpus prepared again, a manifest edited) gives another one,
+        the same corpus in another folder the same one."""
+        digest = hashlib.sha256()
+        for utterance in self.utterances:
+            entry = [Path(utterance.audio_filepath).name, utterance.duration, utterance.text]
+            digest.update(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
+        return f"{len(self.utterances)} utterances, sha256 {digest.hexdigest()[:16]}"
 
     def _add(self, utterance: Utterance, max_duration: float | None) -> None:
         if max_duration is not None and utterance.duration > max_duration:

@@ -1,6 +1,7 @@
 """SpeechDataset: what it drops, what it returns, and how samples are collated."""
 import logging
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,6 +185,27 @@ def test_augment_masks_follow_seed_epoch_and_item(manifest):
     second = masks(1, 0, 1)
     # Another item of another length: compare its masked frequency bands, which any item has.
     assert not torch.equal(first.all(0), second.all(0))
+
+
+def test_the_fingerprint_tells_another_set_of_utterances_but_not_another_folder(manifest, tmp_path):
+    dataset = make_dataset(manifest)
+    kept = dataset.utterances
+    assert dataset.fingerprint().startswith(f"{len(kept)} utterances, sha256 ")
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    second = kept[1]
+    variants = {
+        "moved": [Utterance(str(moved / Path(u.audio_filepath).name), u.duration, u.text, u.speaker) for u in kept],
+        "reordered": [second, kept[0], *kept[2:]],
+        "retimed": [kept[0], Utterance(second.audio_filepath, 0.6, second.text, second.speaker), *kept[2:]],
+        "retold": [kept[0], Utterance(second.audio_filepath, second.duration, "HI THERE", second.speaker), *kept[2:]],
+    }
+    fingerprints = {}
+    for name, utterances in variants.items():
+        write_manifest(tmp_path / f"{name}.jsonl", utterances)
+        fingerprints[name] = make_dataset(tmp_path / f"{name}.jsonl").fingerprint()
+    assert fingerprints.pop("moved") == dataset.fingerprint()
+    assert len({dataset.fingerprint(), *fingerprints.values()}) == 4, fingerprints
 
 
 def test_a_lone_path_is_one_manifest(manifest):

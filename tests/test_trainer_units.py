@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.train import (
-    check_config, check_resumable, checkpoint_to_resume, open_metrics, record_job, restore, resumed_train_state,
-    train_loader, train_step,
+    SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, open_metrics,
+    record_job, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -131,9 +132,12 @@ def test_unknown_config_key_is_refused():
     ("model.depth=2.5", "model.depth must be a positive integer, not 2.5"),
     ("seed=1.5", "seed must be an integer from 0 to 2**32 - 1, not 1.5"),
     ("seed=100000000000000", "seed must be an integer from 0 to 2**32 - 1, not 100000000000000"),
-    ("data.train_manifests=a.jsonl", "data.train_manifests must be a list of one or more manifest paths, not 'a.jsonl'"),
-    ("data.train_manifests=[]", "data.train_manifests must be a list of one or more manifest paths, not []"),
-    ("data.eval_manifest=null", "data.eval_manifest must be a manifest's path, not None"),
+    ("data.train_manifests=a.jsonl",
+     f"data.train_manifests must be a list of one or more manifest paths{SET_MANIFESTS}, not 'a.jsonl'"),
+    ("data.train_manifests=[]", f"data.train_manifests must be a list of one or more manifest paths{SET_MANIFESTS}, "
+                                "not []"),
+    ("data=manifest data.train_manifests=[a.jsonl]",  # no eval_manifest: AN4's test set must not stand in for it
+     f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not None"),
     ("data.features.sample_rate=8000.0", "data.features.sample_rate must be an integer number of Hz from 1000 to "
                                          "384000, not 8000.0"),
     ("data.augment.masks.freq_mask=-5", "data.augment.masks.freq_mask must be a non-negative integer, not -5"),
@@ -354,6 +358,16 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": edited}, tmp_path / "edited.pt")
     with pytest.raises(ValueError, match=r"edited.pt .*: its config.data.paths.1 holds an interpolation \(\$\{...\}\)"):
         checkpoint.load(tmp_path / "edited.pt")
+
+
+def test_a_checkpoint_of_another_training_set_is_refused():
+    here = "948 utterances, sha256 0123456789abcdef"
+    check_same_training_set({"train_set": here}, here, Path("last.pt"))
+    check_same_training_set({}, here, Path("last.pt"))  # written before checkpoints held one
+    with pytest.raises(ValueError, match=r"cannot resume from last.pt: it was written for another training set "
+                                         r"\(947 utterances, sha256 fedcba9876543210; 948 utterances, sha256 "
+                                         r"0123456789abcdef here\): a manifest changed since"):
+        check_same_training_set({"train_set": "947 utterances, sha256 fedcba9876543210"}, here, Path("last.pt"))
 
 
 def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_path):

@@ -129,7 +129,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     again = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
     assert "nothing to train" in again.output
     assert sorted(read_metrics(tmp_path / "split")[0]) == [1, 2, 3, 4, 5, 6]
-    assert torch.load(checkpoint_path, weights_only=True)["train_state"]["step"] == 6
+    saved = torch.load(checkpoint_path, weights_only=True)
+    assert saved["train_state"]["step"] == 6 and saved["train_set"].startswith("16 utterances, sha256 ")
     other = train(tmp_path / "split", utterances, *common, "model.hidden=48", f"train.resume={checkpoint_path}",
                   check=False)
     assert other.returncode == 2 and "Traceback" not in other.output

@@ -188,10 +188,10 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
     Raises ValueError rather than start afresh over checkpoints already in the run directory: it would replace them."""
     if resume is not None and resume != "auto":
-        if Path(resume).resolve().parent.parent != run_dir.resolve():
+        if not is_own_checkpoint(Path(resume), run_dir):
             log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its "
-                     "metrics.jsonl from the checkpoint's next step on (run_name=NAME train.resume=auto continues run "
-                     "NAME in its own directory)", resume, run_dir)
+                     "metrics.jsonl from the checkpoint's next step on and its best.pt from its own evaluations "
+                     "(run_name=NAME train.resume=auto continues run NAME in its own directory)", resume, run_dir)
         return Path(resume)
     last = run_dir / "checkpoints" / "last.pt"
     if resume == "auto" and last.is_file():
@@ -204,6 +204,18 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
+
+
+def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
+    return path.resolve().parent.parent == run_dir.resolve()
+
+
+def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
+    """A checkpoint's sampler position names global batches of its own training set: another set behind the same
+    manifest paths would train some utterances of the epoch twice and skip others."""
+    if saved.get("train_set", fingerprint) != fingerprint:  # checkpoints from before 2026-12-02 hold none
+        raise ValueError(f"cannot resume from {path}: it was written for another training set ({saved['train_set']}; "
+                         f"{fingerprint} here): a manifest changed since (prepared again, or edited)")
 
 
 def resumed_train_state(state: dict, saved_state: dict) -> dict:
@@ -246,6 +258,8 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+SET_MANIFESTS = " (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] " \
+                "data.eval_manifest=c.jsonl)"
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
 # fails deep inside the sampler. Each entry: key, test, what the value must be.
 CONFIG_RULES = (
@@ -272,8 +286,8 @@ CONFIG_RULES = (
     ("optim.momentum", lambda v: v is None or _is_number(v) and v >= 0, "a non-negative number"),
     ("data.max_duration", lambda v: v is None or _is_number(v) and v > 0, "a positive number of seconds or null"),
     ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
-     and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths"),
-    ("data.eval_manifest", lambda v: isinstance(v, str) and v != "", "a manifest's path"),
+     and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths" + SET_MANIFESTS),
+    ("data.eval_manifest", lambda v: isinstance(v, str) and v != "", "a manifest's path" + SET_MANIFESTS),
     ("data.features.sample_rate", lambda v: _is_int(v) and MIN_SAMPLE_RATE <= v <= MAX_SAMPLE_RATE,
      f"an integer number of Hz from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"),
     *((f"data.augment.masks.{key}", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
@@ -379,6 +393,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     train_set = SpeechDataset(
         list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
     )
+    train_fingerprint = train_set.fingerprint()
     eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
     sampler = BucketBatchSampler(
         train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
@@ -413,6 +428,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
+        check_same_training_set(saved, train_fingerprint, resume)
         restore(resume, saved, {
             "model": model.load_state_dict,
             "optimizer": optimizer.load_state_dict,
@@ -421,6 +437,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
+        if not is_own_checkpoint(resume, run_dir):  # this directory's best.pt is chosen among its own evaluations
+            state.update(best_unreadable=math.inf, best_wer=math.inf)
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -460,6 +478,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                     "train_state": state,
                     "rng": rng_states,
                     "config": OmegaConf.to_container(cfg, resolve=True),
+                    "train_set": train_fingerprint,
                 },
             )
             metrics_file.flush()  # after a crash the metrics hold at least what the checkpoint does
