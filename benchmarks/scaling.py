@@ -214,7 +214,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
         result["step"] = summary(timed(step_on(alone, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
     else:
         # Graphs captured from here on hold the batch norms' all-reduces.
-        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
+        model.sync_batch_norm(cfg.train.sync_batch_norm)
         wrapped = distributed.data_parallel(graphed(model), device, args.cuda_graphs, bucket_cap_mb=DDP_BUCKET_CAP_MB)
         step = step_on(wrapped, per_rank_batch, env.world_size)
         result["step"] = summary(timed(step), per_rank_batch=per_rank_batch)

@@ -121,7 +121,7 @@ class SpeechDataset(Dataset):
         self._warned: set[int] = set()
         for path in manifest_paths:
             for utterance in read_manifest(path):
-                self._add(utterance, max_duration)
+                self._add(utterance)
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{dict(self.skipped) or 'none, the manifest is empty'}")
@@ -142,8 +142,8 @@ class SpeechDataset(Dataset):
             digest.update(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
         return f"{len(self.utterances)} utterances, sha256 {digest.hexdigest()[:16]}"
 
-    def _add(self, utterance: Utterance, max_duration: float | None) -> None:
-        if max_duration is not None and utterance.duration > max_duration:
+    def _add(self, utterance: Utterance) -> None:
+        if self.max_duration is not None and utterance.duration > self.max_duration:
             self.skipped["longer than max_duration"] += 1
             return
         text = normalize_text(utterance.text)

@@ -12,7 +12,7 @@ from torch import nn
 import prnn_kernels
 from models.batch_norm import MaskedBatchNorm
 
-CELLS = ("relu", "tanh", "gru", "lstm")
+CELLS = tuple(prnn_kernels.NUM_GATES)  # relu, tanh, gru, lstm
 # The clipped ReLU of DeepSpeech2: min(max(x, 0), 20).
 CLIP = 20.0
 
@@ -143,7 +143,7 @@ class DeepSpeech2(nn.Module):
         conv_channels: channels of both conv layers.
         batch_norm: batch norm in the front end and on the input of every recurrent layer after the first.
 
-    The trainer finds the batch norms as `MaskedBatchNorm` modules and sets their `sync_stats`.
+    `sync_batch_norm(True)` makes the batch norms average their statistics over the job's ranks.
     """
 
     def __init__(
@@ -186,6 +186,12 @@ class DeepSpeech2(nn.Module):
         )
         self.lookahead = None if bidirectional else Lookahead(hidden, lookahead)
         self.classifier = nn.Linear(hidden, num_classes)
+
+    def sync_batch_norm(self, enabled: bool) -> None:
+        """Whether the batch norms average their statistics over the ranks of torch.distributed (a multi-GPU job)."""
+        for module in self.modules():
+            if isinstance(module, MaskedBatchNorm):
+                module.sync_stats = enabled
 
     def recurrent_backend(self, batch_size: int, dtype: torch.dtype, device) -> str:
         """The backend the recurrent layers run a batch of this size and dtype on, on `device`: "persistent", "cudnn"

@@ -95,11 +95,11 @@ def build_root() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_extension(arch: str | None = None, root: str | None = None, verbose: bool = False):
-    """Builds (or loads from the cache) the extension for `arch` (default: the current GPU's) under `root`."""
+def load_extension(arch: str | None = None, verbose: bool = False):
+    """Builds (or loads from the cache under build_root()) the extension for `arch` (default: the current GPU's)."""
     arch = arch or device_arch()
     name = f"prnn_kernels_{build_hash()}_sm{arch}"
-    directory = (Path(root) if root else build_root()) / name
+    directory = build_root() / name
     directory.mkdir(parents=True, exist_ok=True)
     built = directory / "built"  # written once the library is complete, never before
     if not built.exists():

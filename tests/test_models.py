@@ -251,3 +251,14 @@ def test_sync_stats_matches_whole_batch(tmp_path):
     for result in ranks:
         for key in ("weight_grad", "bias_grad", "running_mean", "running_var"):
             assert relative_error(result[key], expected[key]) < 1e-12, key
+
+
+def test_sync_batch_norm_switches_every_batch_norm_and_nothing_else():
+    model = DeepSpeech2(num_features=40, num_classes=29, depth=3, hidden=8, conv_channels=2)
+    norms = [module for module in model.modules() if isinstance(module, MaskedBatchNorm)]
+    assert len(norms) == 4 and not any(norm.sync_stats for norm in norms)  # two conv layers, two recurrent inputs
+    model.sync_batch_norm(True)
+    assert all(norm.sync_stats for norm in norms)
+    assert not [module for module in model.modules() if hasattr(module, "sync_stats") and module not in norms]
+    model.sync_batch_norm(False)
+    assert not any(norm.sync_stats for norm in norms)

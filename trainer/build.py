@@ -4,7 +4,7 @@ from omegaconf import DictConfig, OmegaConf
 import torch
 
 from data.features import FeatureExtractor
-from data.text import ALPHABET
+from data.text import NUM_CLASSES
 from models import DeepSpeech2
 from trainer import checkpoint
 
@@ -22,7 +22,7 @@ def uses_amp(amp: str, device: torch.device) -> bool:
 
 def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
     return DeepSpeech2(
-        num_features=num_features, num_classes=len(ALPHABET), **OmegaConf.to_container(model_cfg, resolve=True)
+        num_features=num_features, num_classes=NUM_CLASSES, **OmegaConf.to_container(model_cfg, resolve=True)
     )
 
 

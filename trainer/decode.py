@@ -19,7 +19,7 @@ LN_10 = math.log(10)
 
 
 def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
-    """Best path per frame, repeats collapsed, blanks (index 0) removed, spaces only between words (as the beam
+    """Best path per frame, repeats collapsed, blanks (BLANK) removed, spaces only between words (as the beam
     search's transcripts and the references have them: a stray space would count as a character error).
 
     log_probs: (T, B, V); lengths: (B,) valid frames per utterance.
@@ -29,7 +29,7 @@ def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
     texts = []
     for path, length in zip(best, lengths.tolist()):
         path = torch.unique_consecutive(path[:length])
-        texts.append(" ".join(decode(path[path != 0].tolist()).split()))
+        texts.append(" ".join(decode(path[path != BLANK].tolist()).split()))
     return texts
 
 

@@ -25,6 +25,7 @@ from data.dataset import Batch, SpeechDataset, collate
 from data.features import SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
+from data.text import BLANK
 from models.cuda_graphs import CudaGraphed
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
@@ -138,7 +139,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
         batch.targets.to(device, non_blocking=True),
         out_lengths,
         batch.target_lengths.to(device, non_blocking=True),
-        blank=0,
+        blank=BLANK,
         reduction="sum",
         zero_infinity=True,
     )
@@ -445,7 +446,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
 
     if env.world_size > 1:
-        model.apply(lambda module: setattr(module, "sync_stats", cfg.train.sync_batch_norm))
+        model.sync_batch_norm(cfg.train.sync_batch_norm)
     wrapped = model
     if cfg.train.cuda_graphs:
         wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
