@@ -207,8 +207,9 @@ class DeepSpeech2(nn.Module):
         """
         Args:
             features: (B, T, F), padded past each utterance's length.
-            lengths: (B,) int64 valid frames per utterance; keep it on the CPU for the cuDNN backend, which packs
-                sequences with CPU lengths.
+            lengths: (B,) int64 valid frames per utterance, on either device. Layers on cuDNN pack their sequences
+                by lengths on the host, copying GPU lengths there (a host sync a layer); the persistent and reference
+                backends use them on the model's device, and CUDA graphs need them there.
         Returns:
             log_probs: (T', B, V) log-softmax over classes, in float32 (float64 for a float64 model), as CTC wants.
             out_lengths: (B,) valid output frames, on lengths' device.
