@@ -34,10 +34,10 @@ from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
 
-def persistent_verdict(cfg, batch_size: int, amp: bool, device) -> dict:
+def persistent_verdict(cfg, batch_size: int, device) -> dict:
     """Whether the model's recurrent layers run on the persistent kernels at this batch, and both directions of a
     layer in one launch."""
-    dtype = torch.bfloat16 if amp else torch.float32
+    dtype = build.compute_dtype(cfg.train.amp, device)
     model = cfg.model
     verdict = support(model.cell, model.hidden, batch_size, dtype, device)
     together = verdict.ok and model.bidirectional and directions_run_together(
@@ -63,7 +63,7 @@ def measure(args, model_name: str, backend: str, cuda_graphs: bool, batch_size: 
     amp = build.uses_amp(cfg.train.amp, device)
     row = {"model": model_name, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch_size}
     if backend == "persistent":
-        row["persistent"] = persistent_verdict(cfg, batch_size, amp, device)
+        row["persistent"] = persistent_verdict(cfg, batch_size, device)
         if not row["persistent"]["supported"]:
             return row
     num_features = build.features(cfg.data).num_features

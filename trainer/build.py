@@ -20,6 +20,16 @@ def uses_amp(amp: str, device: torch.device) -> bool:
     return amp == "bf16" and device.type == "cuda"
 
 
+def autocast(amp: str, device: torch.device) -> torch.autocast:
+    """The context a forward pass runs in: bf16 autocast where uses_amp says so, none otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_amp(amp, device))
+
+
+def compute_dtype(amp: str, device: torch.device) -> torch.dtype:
+    """What the recurrent layers compute in: bf16 under autocast (the persistent kernels' bf16), fp32 otherwise."""
+    return torch.bfloat16 if uses_amp(amp, device) else torch.float32
+
+
 def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
     return DeepSpeech2(
         num_features=num_features, num_classes=NUM_CLASSES, **OmegaConf.to_container(model_cfg, resolve=True)

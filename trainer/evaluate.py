@@ -38,7 +38,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
         counts.unreadable += batch.num_skipped
         if len(batch.indices) == 0:
             continue
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(amp, device)):
+        with build.autocast(amp, device):
             log_probs, out_lengths = model(batch.features.to(device), batch.feature_lengths.to(device))
         for index, hypothesis in zip(batch.indices.tolist(), decoder(log_probs, out_lengths)):
             utterance = dataset.utterances[index]

@@ -129,7 +129,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=build.uses_amp(cfg.train.amp, device)):
+    with build.autocast(cfg.train.amp, device):
         log_probs, out_lengths = model(
             batch.features.to(device, non_blocking=True), batch.feature_lengths.to(device, non_blocking=True),
             **forward_options,
@@ -403,7 +403,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
     # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why:
     # the training batch, and the evaluation's, which would otherwise fail only after the first epoch.
     per_rank_batch = cfg.train.global_batch_size // env.world_size
-    recurrent_dtype = torch.bfloat16 if build.uses_amp(cfg.train.amp, env.device) else torch.float32
+    recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
     recurrent_backend = model.recurrent_backend(per_rank_batch, recurrent_dtype, env.device)
     model.recurrent_backend(cfg.train.eval_batch_size, recurrent_dtype, env.device)
     if env.is_main:
