@@ -34,15 +34,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
         audio or a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE, it holds no samples, or holds non-finite
         ones (a float file can; they would turn the whole batch's loss into NaN).
     """
-    # libsndfile reports a missing file as "System error"; say what it is.
-    if not os.path.isfile(path):
-        raise AudioError(f"{path}: no such audio file")
-    # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
-    # raises TypeError), the message names the file.
-    try:
-        header = soundfile.info(path)
-    except Exception as error:
-        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
+    header = audio_header(path)
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
         raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
                          f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
@@ -67,6 +59,20 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
                              f"{MAX_RESAMPLING_PHASES}: give the model a rate in whole hundreds of Hz")
         waveform = torchaudio.functional.resample(waveform, file_rate, sample_rate)
     return waveform
+
+
+def audio_header(path: str | os.PathLike):
+    """The file's header as libsndfile reads it (samplerate, frames, duration...); AudioError naming the file where
+    there is no such file or it is not audio."""
+    # libsndfile reports a missing file as "System error"; say what it is.
+    if not os.path.isfile(path):
+        raise AudioError(f"{path}: no such audio file")
+    # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
+    # raises TypeError), the message names the file.
+    try:
+        return soundfile.info(str(path))
+    except Exception as error:
+        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
 
 
 def _resampling_phases(from_rate: int, to_rate: int) -> int:

@@ -18,8 +18,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-import soundfile
-
+from data.audio import AudioError, audio_header
 from data.manifest import Utterance, read_manifest, write_manifest
 from data.text import normalize_text
 
@@ -126,9 +125,9 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
         logger.warning("skipping %s: no %s file", audio_stem, " / ".join(suffixes))
         return None
     try:
-        duration = soundfile.info(str(audio)).duration
-    except Exception as error:  # libsndfile's error, or soundfile's TypeError for a file it takes for RAW
-        logger.warning("skipping %s: cannot read audio (%s)", audio, getattr(error, "error_string", None) or error)
+        duration = audio_header(audio).duration
+    except AudioError as error:
+        logger.warning("skipping %s", error)
         return None
     return Utterance(str(audio), duration, text, speaker)
 

@@ -64,6 +64,15 @@ def test_an4_manifests_have_clean_text_speakers_durations_and_absolute_paths(tin
     assert "wrote 3 utterances" in caplog.text and "skipped 1 without usable audio" in caplog.text
 
 
+def test_an4_audio_that_is_not_audio_is_skipped_and_named(tiny_an4, tmp_path, caplog):
+    corrupt = tiny_an4 / "wav" / "an4_clstk/mgah/cen2-mgah-b.flac"
+    corrupt.write_bytes(b"not audio at all" * 64)
+    with caplog.at_level(logging.INFO):
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "manifests")])
+    assert f"skipping {corrupt}: cannot read audio (" in caplog.text
+    assert "wrote 3 utterances" in caplog.text and "skipped 1 without usable audio" in caplog.text
+
+
 def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     manifests = prepare_an4(tiny_an4, tmp_path / "out")
     assert set(manifests) == {"train", "test"}
