@@ -217,6 +217,16 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert result.returncode == 1 and "none of the 3 utterances" in result.output, result.output[-2000:]
 
 
+@pytest.mark.slow
+def test_a_run_whose_weights_diverge_stops_at_its_evaluation_saving_nothing_of_them(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    result = train(tmp_path / "run", manifest, "model.hidden=32", "train.epochs=1", "train.global_batch_size=2",
+                   "optim.lr=1e38", "optim.warmup_steps=0", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert "evaluating after epoch 1 (step 4): log_probs hold NaN" in result.output, result.output[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("overrides, returncode, message", [
     ([], 2, "absent.jsonl"),  # the manifest the arguments name
     (["train.checkpoint_every_steps=0"], 2, "train.checkpoint_every_steps must be a positive integer or null, not 0"),

@@ -543,8 +543,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                      "it from %s", state["step"], run_dir / "checkpoints" / "last.pt")
             break
 
-        counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
-                             progress_bar=env.is_main and cfg.train.progress_bar)
+        try:
+            counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
+                                 progress_bar=env.is_main and cfg.train.progress_bar)
+        except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
+            raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
+                             "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
+                             ) from error
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
