@@ -259,8 +259,8 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-SET_MANIFESTS = " (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] " \
-                "data.eval_manifest=c.jsonl)"
+SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
+                 "data.eval_manifest=c.jsonl)")
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
 # fails deep inside the sampler. Each entry: key, test, what the value must be.
 CONFIG_RULES = (
