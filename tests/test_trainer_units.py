@@ -1,6 +1,7 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
 import argparse
 import copy
+import importlib
 import json
 import math
 import re
@@ -447,6 +448,18 @@ def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         checkpoint.load(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
+    main = importlib.import_module(f"trainer.{tool}").main
+    extra = ["a.flac"] if tool == "transcribe" else []
+    assert main(["--checkpoint", str(tmp_path / "nope.pt"), *extra]) == 2
+    assert capsys.readouterr().err == f"error: checkpoint not found: {tmp_path / 'nope.pt'}\n"
+    path = small_checkpoint(tmp_path / "small.pt")
+    assert main(["--checkpoint", str(path), "--device", "tpu9", *extra]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "tpu9" in error and error.count("\n") == 1, error
 
 
 # --- the training step ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
 from trainer.cli import output_file, positive_int
+from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 
 log = logging.getLogger(__name__)
@@ -54,23 +55,18 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
+    add_model_arguments(parser)
     parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
     parser.add_argument("--out", type=output_file,
                         help="write a tab-separated table, a header, then one line per utterance: file, word "
                              "errors, character errors, reference, hypothesis")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch-size", type=positive_int, default=16)
-    decode.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        device = torch.device(args.device)
-        model, features, cfg = build.from_checkpoint(args.checkpoint, device)
+        model, features, cfg, decoder, device = load_model(args)
         dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)
-        decoder = decode.from_arguments(args)
-    # RuntimeError: a device torch does not know or cannot reach (--device cuda without a driver)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
+    except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)

@@ -6,23 +6,18 @@ import sys
 import torch
 
 from data.audio import AudioError, load_audio
-from trainer import build, decode
+from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
-    parser.add_argument("--checkpoint", required=True)
+    add_model_arguments(parser)
     parser.add_argument("audio", nargs="+",
                         help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    decode.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        device = torch.device(args.device)
-        model, features, _ = build.from_checkpoint(args.checkpoint, device)
-        decoder = decode.from_arguments(args)
-    # RuntimeError: a device torch does not know or cannot reach (--device cuda without a driver)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        model, features, _, decoder, device = load_model(args)
+    except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     failures = 0
