@@ -146,6 +146,10 @@ class _BackendChoice:
             lengths = torch.full((batch_size,), num_steps, dtype=torch.int64, device=input.device)
         else:
             lengths = lengths.to(input.device)
+            # Padding zeroed, as torch.nn's packed sequences never read it: the input projection's weight gradient
+            # sums over every row, and an infinite or NaN padding row would make it NaN (0 x inf).
+            padding = torch.arange(num_steps, device=input.device)[:, None] >= lengths[None, :]  # (T, B)
+            input = input.masked_fill(padding[:, :, None], 0)
         layer_input = input  # (T, B, F) for the first layer, (T, B, num_directions * H) after
         final_states = []
         all_weights = self.all_weights  # a property that rebuilds its lists on every access

@@ -194,6 +194,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     for name, tensor in given:
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"persistent_layer: {name} must have shape {expected[name]}, got {tuple(tensor.shape)}")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:  # cast to int64, 2.5 would run 2 steps
+        raise ValueError(f"persistent_layer: lengths must be integers, got {lengths.dtype}")
     if lengths.device.type == "cpu" and bool(((lengths < 0) | (lengths > num_steps)).any()):
         raise ValueError(f"persistent_layer: lengths must lie in [0, T={num_steps}], got {lengths.tolist()}")
     dtype = input_proj.dtype

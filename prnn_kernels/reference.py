@@ -62,7 +62,10 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     if cell not in _STEPS:
         raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
     step = _STEPS[cell]
-    num_steps = input_proj.shape[0]
+    num_steps, batch_size = input_proj.shape[:2]
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or tuple(lengths.shape) != (batch_size,):
+        raise ValueError(f"reference_layer: lengths must be ({batch_size},) integers, one per sample, got "
+                         f"{lengths.dtype} of shape {tuple(lengths.shape)}")
     # (T, B, 1): whether sample b still has input at step t.
     valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths.to(input_proj.device)[None, :]
     valid = valid.unsqueeze(2).unbind(0)

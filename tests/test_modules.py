@@ -1,4 +1,5 @@
 """prnn_kernels.RNN / GRU / LSTM: the reference stack against torch.nn in float64, state dicts, backend choice."""
+import math
 import warnings
 
 import pytest
@@ -94,14 +95,17 @@ def test_padding_values_change_nothing(backend):
     padded = torch.arange(NUM_STEPS)[:, None] >= lengths[None, :]  # (T, B)
     x = torch.randn(NUM_STEPS, 3, INPUT_SIZE, dtype=torch.float64)
     other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(x), x)
+    # Not finite either: the input projection's weight gradient sums over the padding rows too.
+    not_finite = torch.where(padded[:, :, None], torch.tensor([math.inf, -math.inf, math.nan]).repeat(3)[:INPUT_SIZE], x)
     results = []
-    for values in (x, other_padding):
+    for values in (x, other_padding, not_finite):
         values = values.clone().requires_grad_()
         output, h_n = module(values, lengths=lengths)
         grads = torch.autograd.grad(output.sum() + h_n.sum(), [values, *module.parameters()])
         results.append([output, h_n, *grads])
-    for first, second in zip(*results):
-        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    for first, *others in zip(*results):
+        for other in others:
+            torch.testing.assert_close(first, other, rtol=0, atol=0)
     assert not results[0][0][padded].any()
 
 

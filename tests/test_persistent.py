@@ -536,10 +536,12 @@ def test_fp32_plans_chain_samples_where_the_work_pays(cell, hidden_size, batch_s
 
 
 @pytest.mark.cuda
-def test_refuses_lengths_out_of_range():
+def test_refuses_lengths_out_of_range_or_not_integers():
     leaves, _ = random_layer("relu", 5, 2, 64, torch.float32, True, seed=4)
     with pytest.raises(ValueError, match="lengths must lie in"):
         persistent_layer("relu", *leaves, torch.tensor([5, 6]), False)
+    with pytest.raises(ValueError, match="lengths must be integers, got torch.float32"):
+        persistent_layer("relu", *leaves, torch.tensor([2.5, 5.0]), False)
 
 
 @pytest.mark.cuda
@@ -653,3 +655,21 @@ def test_custom_ops_pass_opcheck(cell):
     backward_args = (cell, torch.randn_like(output), torch.randn_like(h_n), grad_c_n, state, saved, [weight], lengths,
                      False, status, 10**9, False)
     torch.library.opcheck(torch.ops.prnn_kernels.persistent_backward.default, backward_args)
+
+
+@pytest.mark.cuda
+def test_padding_that_is_not_finite_changes_nothing_on_the_persistent_backend():
+    """The input projection's weight gradient sums over every row, padding included: 0 x inf would make it NaN."""
+    torch.manual_seed(0)
+    module = prnn_kernels.GRU(16, 32, num_layers=2, bidirectional=True, backend="persistent").to(CUDA)
+    lengths = torch.tensor([12, 5, 9], device=CUDA)
+    padded = torch.arange(12, device=CUDA)[:, None] >= lengths[None, :]  # (T, B)
+    x = torch.randn(12, 3, 16, device=CUDA)
+    results = []
+    for values in (x, x.masked_fill(padded[:, :, None], math.inf)):
+        values = values.clone().requires_grad_()
+        output, h_n = module(values, lengths=lengths)
+        results.append([output, h_n, *torch.autograd.grad(output.sum() + h_n.sum(), [values, *module.parameters()])])
+    for zero_padded, inf_padded in zip(*results):
+        assert torch.isfinite(inf_padded).all()
+        torch.testing.assert_close(inf_padded, zero_padded)

@@ -134,3 +134,10 @@ def test_autocast_sums_recurrent_gradients_in_the_parameters_dtype(cell):
 def test_unknown_cell_is_rejected():
     with pytest.raises(ValueError, match="'elman'"):
         reference_layer("elman", torch.zeros(2, 1, 3), torch.zeros(1, 3), torch.eye(3), None, torch.tensor([2]), False)
+
+
+@pytest.mark.parametrize("lengths", [torch.tensor([2.5, 5.0]), torch.tensor([True, True]), torch.tensor([3])])
+def test_lengths_that_are_not_one_integer_per_sample_are_refused(lengths):
+    # 2.5 would run three steps here where the persistent layer, which casts to int64, runs two.
+    with pytest.raises(ValueError, match=r"reference_layer: lengths must be \(2,\) integers, one per sample"):
+        reference_layer("relu", torch.randn(5, 2, 4), torch.zeros(2, 4), torch.randn(4, 4), None, lengths, False)
