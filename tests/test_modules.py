@@ -96,7 +96,8 @@ def test_padding_values_change_nothing(backend):
     x = torch.randn(NUM_STEPS, 3, INPUT_SIZE, dtype=torch.float64)
     other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(x), x)
     # Not finite either: the input projection's weight gradient sums over the padding rows too.
-    not_finite = torch.where(padded[:, :, None], torch.tensor([math.inf, -math.inf, math.nan]).repeat(3)[:INPUT_SIZE], x)
+    not_finite_row = torch.tensor([math.inf, -math.inf, math.nan]).repeat(INPUT_SIZE)[:INPUT_SIZE]
+    not_finite = torch.where(padded[:, :, None], not_finite_row, x)
     results = []
     for values in (x, other_padding, not_finite):
         values = values.clone().requires_grad_()
