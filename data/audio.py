@@ -17,7 +17,8 @@ MAX_SECONDS = 3600
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
 # Resampling between two rates builds a filter of one phase per step of their ratio in lowest terms: 16000 -> 16001 Hz
 # needs 16001 phases (seconds and gigabytes for a short clip). An odd rate further from the model's than this many
-# phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed).
+# phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed);
+# where the model's own rate is the odd one, that does not help, and the file is refused.
 MAX_RESAMPLING_PHASES = 1000
 
 
@@ -32,7 +33,8 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     Raises:
         AudioError naming the file and the reason when it cannot be read, its header claims more than MAX_SECONDS of
         audio or a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE, it holds no samples, or holds non-finite
-        ones (a float file can; they would turn the whole batch's loss into NaN).
+        ones (a float file can; they would turn the whole batch's loss into NaN), or resampling it to `sample_rate`
+        would take more than MAX_RESAMPLING_PHASES filter phases even from the nearest multiple of 100 Hz.
     """
     header = audio_header(path)
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
