@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from data.audio import AudioError, load_audio
-from data.features import FeatureExtractor, SpecAugment
+from data.features import FeatureExtractor, SpecAugment, non_finite_detail
 from data.manifest import Utterance, read_manifest
 from data.sampler import epoch_seed
 from data.text import encode, invalid_characters, normalize_text
@@ -196,9 +196,8 @@ class SpeechDataset(Dataset):
             return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
                                          f"({self.max_duration} s); the manifest says {utterance.duration} s")
         features = self.features(waveform)  # (T, F)
-        if not torch.isfinite(features).all():
-            return self._unusable(index, "its features are not finite (its largest sample is "
-                                         f"{float(waveform.abs().max()):.3g})")
+        if detail := non_finite_detail(features, waveform):
+            return self._unusable(index, detail)
         num_outputs = math.ceil(len(features) / self.time_stride)
         if num_outputs < min_ctc_frames(targets):
             return self._unusable(index, self._too_long_detail(num_outputs, targets))

@@ -104,6 +104,14 @@ class FeatureExtractor(nn.Module):
         return features
 
 
+def non_finite_detail(features: torch.Tensor, waveform: torch.Tensor) -> str | None:
+    """Why `features` of `waveform` cannot be used, or None if they are finite: float samples near the end of the
+    float range overflow the spectrum (shared by the dataset, which skips such a file, and transcription)."""
+    if torch.isfinite(features).all():
+        return None
+    return f"its features are not finite (its largest sample is {float(waveform.abs().max()):.3g})"
+
+
 class SpecAugment(nn.Module):
     """SpecAugment (Park et al. 2019) without time warping: zero bands of features and spans of frames.
 

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from data.audio import AudioError, load_audio
+from data.features import non_finite_detail
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 
 
@@ -24,9 +25,10 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for path in args.audio:
             try:
-                feats = features(load_audio(path, features.sample_rate))
-                if not torch.isfinite(feats).all():  # float samples past float32's range, as the dataset skips
-                    raise AudioError(f"{path}: its features are not finite (samples out of range?)")
+                waveform = load_audio(path, features.sample_rate)
+                feats = features(waveform)
+                if detail := non_finite_detail(feats, waveform):
+                    raise AudioError(f"{path}: {detail}")
             except (AudioError, FileNotFoundError) as error:
                 print(f"{path}\terror: {error}", file=sys.stderr)
                 failures += 1
