@@ -46,15 +46,23 @@ class _BackendChoice:
         name = type(self).__name__
         if backend not in BACKENDS:
             raise ValueError(f"prnn_kernels.{name}: backend={backend!r} is not one of {BACKENDS}")
-        if batch_slice is not None and (isinstance(batch_slice, bool) or not isinstance(batch_slice, int)
-                                        or batch_slice < 1):
-            raise ValueError(f"prnn_kernels.{name}: batch_slice={batch_slice!r} must be a positive integer or None")
         super().__init__(*args, **kwargs)
         if self.proj_size:
             raise ValueError(f"prnn_kernels.{name}: proj_size={self.proj_size} is not supported; use proj_size=0")
         self.backend = backend
         self.batch_slice = batch_slice
         self.cell = _CELL_OF_MODE[self.mode]
+
+    @property
+    def batch_slice(self) -> int | None:
+        return self._batch_slice
+
+    @batch_slice.setter
+    def batch_slice(self, value):  # checked here, so that setting it on a built model is checked too
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"prnn_kernels.{type(self).__name__}: batch_slice={value!r} must be a positive integer "
+                             "or None")
+        self._batch_slice = value
 
     def extra_repr(self):
         return f"{super().extra_repr()}, backend={self.backend!r}, batch_slice={self.batch_slice}"
@@ -121,7 +129,7 @@ class _BackendChoice:
         return "cudnn"
 
     def _torch_forward(self, input, hx, lengths):
-        if lengths is None:
+        if lengths is None or lengths.numel() == 0:  # torch cannot pack an empty batch, and it has no padding
             return super().forward(input, hx)
         num_steps = input.shape[1 if self.batch_first else 0]
         # pack_padded_sequence wants lengths on the CPU.

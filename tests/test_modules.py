@@ -272,6 +272,18 @@ def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monke
     ]
 
 
+@pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_an_empty_batch_with_lengths_gives_empty_outputs(cell, backend):
+    module = prnn_kernels.LSTM if cell == "lstm" else prnn_kernels.GRU if cell == "gru" else prnn_kernels.RNN
+    layer = module(3, 5, num_layers=2, bidirectional=True, backend=backend, **({"nonlinearity": "relu"}
+                                                                            if cell == "relu" else {}))
+    output, state = layer(torch.randn(4, 0, 3), lengths=torch.zeros(0, dtype=torch.int64))
+    assert output.shape == (4, 0, 10)
+    for tensor in state if cell == "lstm" else (state,):
+        assert tensor.shape == (4, 0, 5)
+
+
 def test_batch_slice_is_checked_and_shown():
     with pytest.raises(ValueError, match="batch_slice=0"):
         prnn_kernels.GRU(4, 8, batch_slice=0)
@@ -279,4 +291,8 @@ def test_batch_slice_is_checked_and_shown():
         prnn_kernels.GRU(4, 8, batch_slice=2.5)
     with pytest.raises(ValueError, match="batch_slice=True"):  # a bool is an int to isinstance
         prnn_kernels.GRU(4, 8, batch_slice=True)
-    assert "batch_slice=4" in repr(prnn_kernels.GRU(4, 8, batch_slice=4))
+    gru = prnn_kernels.GRU(4, 8, batch_slice=4)
+    assert "batch_slice=4" in repr(gru)
+    with pytest.raises(ValueError, match="batch_slice=-1"):  # set on a built module, as a sweep of slices would
+        gru.batch_slice = -1
+    assert gru.batch_slice == 4
