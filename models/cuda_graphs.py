@@ -7,16 +7,12 @@ padded in time to a multiple of `pad_frames` (the model masks padding, so no val
 forward/backward pair is captured per (batch size, padded frames), the first time that shape comes. Everything
 after the model (CTC loss, clipping, the optimizer) stays eager.
 """
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import prnn_kernels
 from prnn_kernels.persistent import graph_replayed
-
-log = logging.getLogger(__name__)
 
 _RECURRENT_MODULES = (prnn_kernels.RNN, prnn_kernels.GRU, prnn_kernels.LSTM)
 
@@ -65,10 +61,13 @@ class CudaGraphed(nn.Module):
         # frees at capture holds data only within a forward-backward pair.
         self._pool = None
 
-    @property
-    def num_graphs(self) -> int:
-        """Captured (batch size, padded frames) shapes so far."""
-        return len(self._graphed)
+    def graph_shape(self, batch_size: int, num_frames: int, min_frames: int = 0) -> tuple[int, int]:
+        """The (batch size, padded frames) whose graphs a training batch of this size replays."""
+        return batch_size, -(-max(num_frames, min_frames) // self.pad_frames) * self.pad_frames
+
+    def is_captured(self, shape: tuple[int, int]) -> bool:
+        """Whether graphs of this graph_shape exist; its first batch captures them, which takes a few passes."""
+        return shape in self._graphed
 
     def forward(self, features, lengths, min_frames: int = 0):
         """features: (B, T, F) and lengths: (B,), both on the model's GPU; training mode pads the batch to at least
@@ -76,9 +75,8 @@ class CudaGraphed(nn.Module):
         if not self.training:
             return self.model(features, lengths)
         batch_size, num_frames, _ = features.shape
-        padded_frames = -(-max(num_frames, min_frames) // self.pad_frames) * self.pad_frames
-        features = F.pad(features, (0, 0, 0, padded_frames - num_frames))
-        key = (batch_size, padded_frames)
+        key = self.graph_shape(batch_size, num_frames, min_frames)
+        features = F.pad(features, (0, 0, 0, key[1] - num_frames))
         if key not in self._graphed:
             self._graphed[key] = self._capture(features, lengths)
         with torch.autocast("cuda", enabled=False):
@@ -90,7 +88,7 @@ class CudaGraphed(nn.Module):
         return log_probs[:num_out_frames], out_lengths
 
     def _capture(self, features, lengths):
-        batch_size, padded_frames, _ = features.shape
+        batch_size = features.shape[0]
         dtype = torch.bfloat16 if self.amp else next(self.model.parameters()).dtype
         for name, module in self.model.named_modules():
             recurrent = isinstance(module, _RECURRENT_MODULES)
@@ -100,8 +98,6 @@ class CudaGraphed(nn.Module):
                     "packed sequences need their lengths on the host, which a graph cannot capture; use "
                     "model.backend=persistent (it says why a shape cannot run) or train.cuda_graphs=false"
                 )
-        log.info("capturing CUDA graphs of the training forward and backward for batch %d, %d frames",
-                 batch_size, padded_frames)
         # The captured autograd graph keeps the parameters' gradient accumulators, made on the capture's side stream,
         # alive, so every backward warns that they run on another stream than the graph's; the engine synchronises
         # the two streams, so the results are right and the warning says nothing a user can act on.

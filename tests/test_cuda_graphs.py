@@ -80,7 +80,9 @@ def graphed_against_eager(amp, seed):
         buffer_errors = {name: difference(value.double(), eager_buffers[name].double())
                          for name, value in model.named_buffers() if value.is_floating_point()}
         yield eager, graph, update_errors, buffer_errors
-    assert graphed.num_graphs == 3
+    # One pair of graphs per (batch size, frames padded to 50): the 95- and 100-frame batches share one, as do the
+    # 120-, 140- and 150-frame batches of 4.
+    assert graphed._graphed.keys() == {(4, 100), (4, 150), (3, 150)}
 
 
 # Margins seen on an H100 over five seeds: fp32 losses within 1.4e-7, updates 7e-5, batch-norm statistics 2.5e-7; bf16
@@ -117,3 +119,13 @@ def test_graphs_refuse_a_cudnn_layer_with_the_reason():
 def test_pad_frames_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="pad_frames must be a positive integer, not 0"):
         CudaGraphed(torch.nn.Linear(2, 2), 0, amp=False)
+
+
+def test_a_batch_replays_the_graphs_of_its_size_and_frames_padded_up_to_the_longest_shards():
+    graphed = CudaGraphed(torch.nn.Linear(2, 2), PAD_FRAMES, amp=False)
+    assert graphed.graph_shape(4, 95) == (4, 100)
+    assert graphed.graph_shape(4, 100) == (4, 100)
+    assert graphed.graph_shape(3, 101) == (3, 150)
+    assert graphed.graph_shape(4, 95, min_frames=140) == (4, 150)  # another rank's shard is longer
+    assert graphed.graph_shape(4, 95, min_frames=20) == (4, 100)
+    assert not graphed.is_captured((4, 100))

@@ -103,7 +103,8 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     device = env.device
     local_count = len(batch.indices)
     num_frames = batch.features.shape[1]
-    graphed = isinstance(getattr(model, "module", model), CudaGraphed)  # DDP holds the model it wraps as .module
+    inner = getattr(model, "module", model)  # DDP holds the model it wraps as .module
+    graphed = isinstance(inner, CudaGraphed)
     # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty;
     # rank 0's log counts the whole batch's dropped utterances too.
     counts = distributed.all_reduce_sum(
@@ -126,6 +127,10 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
         if largest_shard != -negated_smallest_shard:
             return skipped("shards of unequal size under CUDA graphs (audio unreadable)")
         forward_options["min_frames"] = longest
+        graph_shape = inner.graph_shape(local_count, num_frames, longest)
+        if not inner.is_captured(graph_shape):
+            log.info("capturing CUDA graphs of the training forward and backward for batch %d, %d frames",
+                     *graph_shape)
 
     # Batch-norm running statistics change in the forward pass; kept aside so a skipped step leaves no trace.
     statistics = [buffer.clone() for buffer in model.buffers()]
