@@ -185,6 +185,13 @@ def test_augment_masks_follow_seed_epoch_and_item(manifest):
     second = masks(1, 0, 1)
     # Another item of another length: compare its masked frequency bands, which any item has.
     assert not torch.equal(first.all(0), second.all(0))
+    # Loading leaves the global generator where it was: with num_workers=0 it is the trainer's own.
+    dataset = make_dataset(manifest, augment=SpecAugment(freq_mask=30, time_mask=30), seed=1)
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    dataset[0]
+    assert torch.equal(torch.rand(4), expected)
 
 
 def test_the_fingerprint_tells_another_set_of_utterances_but_not_another_folder(manifest, tmp_path):

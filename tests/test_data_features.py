@@ -97,6 +97,14 @@ def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
     assert int(features[50].argmax()) == 20  # 1000 Hz / 50 Hz per bin
 
 
+def test_spectrogram_is_log1p_of_a_hamming_windowed_stft_of_the_zero_padded_signal():
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(x, (160, 160))
+    spectrum = torch.stft(padded, 320, 160, window=torch.hamming_window(320), center=False, return_complex=True)
+    expected = spectrum.abs().log1p().T
+    torch.testing.assert_close(FeatureExtractor("spectrogram", normalize=False)(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_mel_features():
     extractor = FeatureExtractor("mel", n_mels=64, normalize=False)
     loud = torch.from_numpy(tone(1000, 0.5, 16000))

@@ -53,6 +53,7 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": ' + "[" * 100_000 + "]" * 100_000 + "}",
          "nested too deeply"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": -1.0, "text": "A"}', "'offset' -1.0 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
     ],

@@ -84,6 +84,19 @@ def test_order_depends_on_seed_and_epoch_only():
         BucketBatchSampler(DURATIONS, GLOBAL_BATCH, jitter=0.0))
 
 
+def test_the_jitter_lengthens_and_shortens_durations():
+    # 8 utterances of 1.0 s and 8 of 1.15 s in global batches of 8: only a jitter that can shorten a duration by up to
+    # 10 % (1.15 * 0.9 < 1.0 * 1.1) ever puts both lengths in one batch; no jitter, or one that only lengthens, never.
+    durations = [1.0] * 8 + [1.15] * 8
+
+    def mixed_batches(jitter):
+        sampler = BucketBatchSampler(durations, 8, sortagrad=False, jitter=jitter)
+        batches = [batch for epoch in range(20) for batch in sampler.global_batches(epoch)]
+        return sum(len({durations[i] for i in batch}) > 1 for batch in batches)
+
+    assert mixed_batches(0.0) == 0 and mixed_batches(0.1) > 0
+
+
 def test_neighbouring_seeds_do_not_share_their_orders_an_epoch_apart():
     for epoch in range(1, 4):
         assert (BucketBatchSampler(DURATIONS, GLOBAL_BATCH, seed=5).global_batches(epoch + 1)
@@ -113,6 +126,8 @@ def test_iteration_counts_position_and_rolls_into_the_next_epoch():
     assert len(list(iterator)) == len(sampler) - 3
     assert sampler.state_dict() == {"epoch": 1, "position": 0}
     assert list(sampler) == sampler.global_batches(1)  # a second pass is the next epoch
+    sampler.load_state_dict({"epoch": 1, "position": len(sampler)})  # saved after an epoch's last batch
+    assert list(sampler) == [] and sampler.state_dict() == {"epoch": 2, "position": 0}
 
 
 @pytest.mark.parametrize("saved_world_size, resumed_world_size", [(1, 1), (2, 2), (2, 4), (4, 1)])

@@ -87,6 +87,22 @@ def test_language_model_settles_what_the_audio_leaves_open():
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
 
 
+def test_language_model_settles_a_word_that_a_space_completes():
+    # The audio prefers "B A"; the unigrams prefer C to B by 1.7 decades (3.9 nats), which only a score given when the
+    # space completes the first word brings in: the last word, A, is the same either way.
+    frames = [{"B": 0.55, "C": 0.45}, {" ": 1.0}, {"A": 1.0}]
+    log_probs, lengths = log_probs_over(frames), torch.tensor([3])
+    assert BeamSearch(beam_width=8)(log_probs, lengths) == ["B A"]
+    lm = NGramLM.from_arpa_text(UNIGRAMS.replace("ngram 1=5", "ngram 1=6").replace("-0.7\tAB", "-0.3\tC\n-2.0\tB"))
+    assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["C A"]
+
+
+def test_a_pruning_threshold_above_every_class_keeps_the_likeliest():
+    frames = [{"A": 0.6, "_": 0.4}]
+    search = BeamSearch(beam_width=4, prune_log_prob=math.log(0.9))
+    assert search(log_probs_over(frames), torch.tensor([1])) == ["A"]
+
+
 UNIGRAMS = """\\data\\
 ngram 1=5
 

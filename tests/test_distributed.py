@@ -251,6 +251,7 @@ def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path,
 
 def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
     assert [distributed.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
+    assert [distributed.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
     assert [distributed.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="3 ranks on this node but 2 GPU"):
         distributed.rank_gpu(0, 3, 2, share_gpus=False)

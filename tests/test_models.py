@@ -3,9 +3,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from models import DeepSpeech2, MaskedBatchNorm
-from models.deepspeech2 import Lookahead
+from models.deepspeech2 import Lookahead, RecurrentLayer
 from prnn_kernels import relative_error
 
 NUM_FEATURES = 13
@@ -72,6 +73,39 @@ def test_padding_values_change_nothing_in_training(cell, bidirectional, batch_no
     for first, second in zip(*results, strict=True):
         torch.testing.assert_close(first, second, rtol=0, atol=0)
     assert not results[0][1][padded].any()
+
+
+def test_more_padding_changes_nothing_in_training():
+    # The batch norms' statistics count valid frames only, so the same utterances padded to a longer batch train alike.
+    model = small_model("gru", True).double()
+    features, lengths = ragged_batch(torch.float64)
+    longer = torch.cat([features, torch.zeros(len(LENGTHS), 17, NUM_FEATURES, dtype=torch.float64)], dim=1)
+    log_probs, out_lengths = model(features, lengths)
+    longer_log_probs, _ = model(longer, lengths)
+    for b, length in enumerate(out_lengths.tolist()):
+        assert relative_error(longer_log_probs[:length, b], log_probs[:length, b]) < 1e-10
+
+
+def test_the_front_end_clips_its_activations_to_0_20():
+    model = small_model("gru", True, batch_norm=False)
+    with torch.no_grad():
+        for conv in model.front_end.convs:
+            conv.weight.mul_(100)
+    features = 10 * torch.randn(2, 30, NUM_FEATURES, generator=torch.Generator().manual_seed(0))
+    x = model.front_end(features, torch.tensor([30, 20]))
+    assert x.max() == 20 and x.min() == 0
+
+
+def test_a_bidirectional_layer_sums_the_directions_torch_computes():
+    layer = RecurrentLayer("gru", 5, 7, bidirectional=True, backend="reference", batch_norm=False).double()
+    torch_gru = torch.nn.GRU(5, 7, bidirectional=True, dtype=torch.float64)
+    torch_gru.load_state_dict(layer.rnn.state_dict())
+    x = torch.randn(6, 3, 5, dtype=torch.float64)
+    lengths = torch.tensor([6, 4, 2])
+    mask = (torch.arange(6)[:, None] < lengths[None, :])[:, :, None]
+    packed_output, _ = torch_gru(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    both, _ = pad_packed_sequence(packed_output, total_length=6)
+    assert relative_error(layer(x, lengths, mask), both[..., :7] + both[..., 7:]) < 1e-10
 
 
 def test_hundred_layer_residual_stack_trains():

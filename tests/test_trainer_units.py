@@ -49,6 +49,8 @@ def test_greedy_decode_collapses_repeats_and_removes_blanks():
     assert greedy_decode(log_probs, torch.tensor([10, 9])) == ["HELLO", "NO"]
     # Frames past a length are ignored even when they spell something.
     assert greedy_decode(log_probs, torch.tensor([3, 4])) == ["HE", "N"]
+    assert greedy_decode(log_probs, torch.tensor([4, 5])) == ["HE", "N"]  # the next frames spell L and O
+    assert greedy_decode(log_probs, torch.tensor([5, 6])) == ["HEL", "NO"]
 
 
 def test_edit_distance_hand_worked():
@@ -355,7 +357,7 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     with pytest.raises(ValueError, match="cannot load checkpoint .*half.pt: not a complete checkpoint"):
         checkpoint.load(tmp_path / "half.pt")
     # A config holding an interpolation was put there by other means: resolving it would read the environment.
-    edited = {"data": {"features": {"sample_rate": 16000}, "paths": ["a", "${oc.env:HOME}"]}}
+    edited = {"data": {"features": {"sample_rate": 16000}, "paths": ["a", "b/${oc.env:HOME}"]}}
     torch.save({"model": {}, "config": edited}, tmp_path / "edited.pt")
     with pytest.raises(ValueError, match=r"edited.pt .*: its config.data.paths.1 holds an interpolation \(\$\{...\}\)"):
         checkpoint.load(tmp_path / "edited.pt")
@@ -487,6 +489,17 @@ def test_train_step_updates_weights():
     assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
     assert (step.utterances, step.unusable) == (2, 0)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert schedule.last_epoch == 1  # the schedule steps with the weights
+
+
+def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():
+    cfg, model, optimizer, schedule, _ = tiny_setup(nan_in_features=False, optimizer_name="sgd")
+    features = torch.randn(2, 60, 20)
+    # 60 frames give 30 outputs, too few for 40 characters: that utterance's CTC loss is infinite.
+    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0),
+                     Sample(features[1], torch.tensor(encode("A" * 40)), 1)])
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e6])

@@ -32,7 +32,7 @@ def test_runs_each_backend_and_seed_then_continues_them(an4_train, tmp_path):
     assert [run["gpu"] for run in result["runs"]] == ["3", "5", "3", "5"] and result["config"]["gpus"] == ["3", "5"]
     for run in result["runs"]:
         assert run["returncode"] == 0 and run["epochs"] == 1 and run["devices"][0].startswith("CPU"), run
-        assert 0 <= run["last_wer"] <= 100 and run["best_wer"] == run["last_wer"]
+        assert 0 <= run["last_wer"] < math.inf and run["best_wer"] == run["last_wer"]  # WER may pass 100 %
         assert "final test WER" in (tmp_path / "runs" / f"{run['run']}.out").read_text()
     reference, cudnn = result["summary"]
     assert reference["runs"] == cudnn["runs"] == 2

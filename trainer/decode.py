@@ -111,10 +111,8 @@ class BeamSearch:
             return prefix.total()
         words = decode(text).split()
         lm = prefix.lm
-        if final:  # the last word, unless a space already scored it, then the end of the sentence
-            if text and text[-1] != SPACE:
-                lm += self._word_score(text)
-            lm += self._lm_ln(tuple(words), SENTENCE_END)
+        if final:  # the last word (transcripts are ranked without a trailing space), then the end of the sentence
+            lm += self._word_score(text) + self._lm_ln(tuple(words), SENTENCE_END)
         return prefix.total() + self.lm_weight * lm + self.word_bonus * len(words)
 
     def _word_score(self, text: tuple) -> float:
