@@ -428,7 +428,9 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
             build.from_checkpoint(tmp_path / f"{name}.pt", torch.device("cpu"))
         message = str(error.value)
         assert message.startswith(f"{tmp_path / name}.pt: not a checkpoint of this trainer's model (") and \
-            "\n" not in message, (name, message)
+            "\n" not in message and len(message) < 300 + len(str(tmp_path)) + 60, (name, message)
+        if name == "other_shapes":  # which tensor does not fit, not torch's heading alone
+            assert "size mismatch for layers.0.rnn.weight_ih_l0" in message, message
 
 
 def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(tmp_path, monkeypatch, capsys):

@@ -85,8 +85,11 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         network = model(cfg.model, extractor.num_features)
         network.load_state_dict(saved["model"])
     # What a config or state dict from elsewhere raises: missing or unknown keys (omegaconf's errors subclass
-    # KeyError and AttributeError), wrong types, tensors of other shapes (RuntimeError, one line of many kept).
+    # KeyError and AttributeError), wrong types, tensors of other shapes (RuntimeError: its heading and first detail,
+    # a list of 100 layers' keys cut short).
     except (KeyError, AttributeError, TypeError, ValueError, RuntimeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = " ".join(lines[:2]) or type(error).__name__
+        reason = reason if len(reason) <= 300 else reason[:297] + "..."
         raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
     return network.to(device).eval(), extractor, cfg
