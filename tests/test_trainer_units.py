@@ -4,6 +4,7 @@ import copy
 import importlib
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from conftest import REPO_ROOT
 from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
-from trainer import build, checkpoint, decode, lm
+from trainer import build, checkpoint, cli, decode, lm
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
@@ -221,6 +222,15 @@ def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")])
     assert refused.value.code == 2 and f"argument --out: no folder {tmp_path / 'no'}" in capsys.readouterr().err
+
+
+def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp_path, monkeypatch):
+    assert cli.output_file(str(tmp_path / "x.arpa")) == str(tmp_path / "x.arpa")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path} is a folder; name a file in it"):
+        cli.output_file(str(tmp_path))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # what a folder not the user's answers
+    with pytest.raises(argparse.ArgumentTypeError, match="x.arpa cannot be written"):
+        cli.output_file(str(tmp_path / "x.arpa"))
 
 
 def test_unknown_optimizer_names_the_key():

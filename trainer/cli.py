@@ -1,6 +1,7 @@
 """Argument types the trainer's command lines share: argparse refuses a bad value, naming its argument, before any
 work starts."""
 import argparse
+import os
 from pathlib import Path
 
 
@@ -12,8 +13,12 @@ def positive_int(text: str) -> int:
 
 
 def output_file(text: str) -> str:
-    """A file to write, in a folder that exists: found out before the work whose result it would hold."""
-    folder = Path(text).absolute().parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"no folder {folder}")
+    """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold."""
+    path = Path(text).absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; name a file in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {path.parent}")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{path} cannot be written (permissions)")
     return text
