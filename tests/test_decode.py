@@ -195,12 +195,12 @@ def test_arpa_reader_backs_off_and_upper_cases(tmp_path):
 def test_arpa_reader_takes_what_other_tools_write(tmp_path):
     path = tmp_path / "kenlm.arpa"
     path.write_text("\ufeffThis 2-gram model was built by hand\n# and commented\n" + ARPA.replace(
-        "-0.2\tyes no", "-0.2\tyes no\n-0.05\t<unk> yes"))
+        "-0.2\tyes no", "-0.2\tyes no\n-0.05\t<unk> yes").replace("ngram 2=2", "ngram 2=3") + "notes after the end\n")
     lm = NGramLM.from_arpa(path)
     assert lm.log10_prob(("FOO",), "YES") == pytest.approx(-0.05)  # an unknown history word is <unk> too
     assert lm.log10_prob(("FOO",), "NO") == pytest.approx(-0.7)  # <unk> has no backoff weight here
     path.write_text(ARPA.replace("-0.7\tno", "-0.7\tno\n-3.0\tNO"))
-    with pytest.raises(ValueError, match=rf"{path}:9: 'NO' is an n-gram the model already has in another case"):
+    with pytest.raises(ValueError, match=rf"{path}:9: 'NO' is an n-gram the model already has \(n-grams are read"):
         NGramLM.from_arpa(path)
 
 
@@ -213,8 +213,28 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header"):
         NGramLM.from_arpa(bad)
     without_unknown = tmp_path / "no_unk.arpa"
-    without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", ""))
-    with pytest.raises(ValueError, match="no <unk> unigram"):
+    without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", "").replace("ngram 1=4", "ngram 1=3"))
+    with pytest.raises(ValueError, match=f"{without_unknown} has no <unk> unigram"):
         NGramLM.from_arpa(without_unknown)
+    lines = ARPA.splitlines(keepends=True)
+    for cut in (7, 12, 14):  # inside the unigrams, inside the bigrams, before \end\
+        bad.write_text("".join(lines[:cut]))
+        with pytest.raises(ValueError, match=rf"{bad} ends before \\end\\ \(cut short\?\)$"):
+            NGramLM.from_arpa(bad)
+    # A unigram gone and the bigrams after an \end\: what is read no longer matches the header.
+    bad.write_text("".join(lines[:6] + lines[7:]).replace("\n\n\\2-grams", "\n\\end\\\n\\2-grams"))
+    with pytest.raises(ValueError, match=rf"{bad}: its header declares 4 1-grams, 2 2-grams, its sections hold "
+                                         r"3 1-grams \(cut short or edited\?\)"):
+        NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=two"))
+    with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram 2=two'"):
+        NGramLM.from_arpa(bad)
+    for value in ("nan", "1e400", "-inf"):
+        bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
+        with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):
+            NGramLM.from_arpa(bad)
+    bad.write_text("no model here\n")
+    with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
+        NGramLM.from_arpa(bad)
     with pytest.raises(FileNotFoundError, match="absent.arpa"):
         NGramLM.from_arpa(tmp_path / "absent.arpa")

@@ -25,11 +25,11 @@ NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a hi
 class NGramLM:
     """log10 P(word | history) with backoff, from ARPA's tables of (log10 probability, log10 backoff weight)."""
 
-    def __init__(self, tables: dict[tuple[str, ...], tuple[float, float]]):
+    def __init__(self, tables: dict[tuple[str, ...], tuple[float, float]], source: str = "the language model"):
         self.tables = tables
         self.order = max(len(ngram) for ngram in tables)
         if (UNKNOWN,) not in tables:
-            raise ValueError(f"the language model has no {UNKNOWN} unigram, so unseen words cannot be scored")
+            raise ValueError(f"{source} has no {UNKNOWN} unigram, so unseen words cannot be scored")
 
     @classmethod
     def from_arpa(cls, path: str | Path) -> "NGramLM":
@@ -40,13 +40,25 @@ class NGramLM:
 
     @classmethod
     def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
+        """Refuses a model whose sections hold other counts of n-grams than its header declares, or that has no
+        \\end\\: a file cut short at a line's end would otherwise load as a smaller (or lower-order) model."""
         tables = {}
+        declared, found = {}, Counter()  # n-grams of each order: the header's counts, the sections' lines
         order = 0
-        in_data = False  # ARPA files may carry any text before \data\ (KenLM's builder writes a comment there)
+        in_data = ended = False  # ARPA files may carry any text before \data\ (KenLM's builder writes a comment there)
         for line_number, line in enumerate(text.splitlines(), start=1):
             line = line.strip()
             in_data = in_data or line == "\\data\\"
-            if not in_data or not line or line.startswith("ngram ") or line in ("\\data\\", "\\end\\"):
+            if in_data and line == "\\end\\":
+                ended = True
+                break
+            if not in_data or not line or line == "\\data\\":
+                continue
+            if line.startswith("ngram "):
+                size, _, count = line[len("ngram "):].partition("=")
+                if not (size.strip().isdigit() and count.strip().isdigit()):
+                    raise ValueError(f"{source}:{line_number}: not an ARPA header line: {line[:80]!r}")
+                declared[int(size)] = int(count)
                 continue
             if line.startswith("\\") and line.endswith("-grams:"):
                 order_text = line[1 : -len("-grams:")]
@@ -62,15 +74,24 @@ class NGramLM:
                 backoff = float(fields[order + 1]) if len(fields) == order + 2 else 0.0
             except ValueError:
                 raise ValueError(f"{source}:{line_number}: not an ARPA {order}-gram line: {line[:80]!r}") from None
+            if not (math.isfinite(log_prob) and math.isfinite(backoff)):
+                raise ValueError(f"{source}:{line_number}: a log10 probability or backoff weight that is not finite: "
+                                 f"{line[:80]!r}")
             words = tuple(word if word in (SENTENCE_START, SENTENCE_END, UNKNOWN) else word.upper()
                           for word in fields[1 : order + 1])
             if words in tables:  # the model spells upper case: "no" and "NO" would be one n-gram with two scores
                 raise ValueError(f"{source}:{line_number}: {' '.join(fields[1:order + 1])!r} is an n-gram the model "
-                                 "already has in another case")
+                                 "already has (n-grams are read upper case)")
             tables[words] = (log_prob, backoff)
+            found[order] += 1
         if not tables:
             raise ValueError(f"{source} holds no n-grams")
-        return cls(tables)
+        if not ended:
+            raise ValueError(f"{source} ends before \\end\\ (cut short?)")
+        if dict(found) != declared:
+            raise ValueError(f"{source}: its header declares {_ngram_counts(declared)}, its sections hold "
+                             f"{_ngram_counts(found)} (cut short or edited?)")
+        return cls(tables, source)
 
     def log10_prob(self, history: tuple[str, ...], word: str) -> float:
         """log10 P(word | the last order - 1 words of history), backing off to shorter histories."""
@@ -85,6 +106,10 @@ class NGramLM:
                 return backoff + entry[0]
             backoff += self.tables.get(history, (0.0, 0.0))[1]
             history = history[1:]
+
+
+def _ngram_counts(counts: dict[int, int]) -> str:
+    return ", ".join(f"{counts[order]} {order}-grams" for order in sorted(counts)) or "no n-grams"
 
 
 def build_arpa(sentences: list[list[str]], order: int) -> str:
