@@ -38,7 +38,7 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
     Raises: FileNotFoundError naming a missing folder or file; ValueError naming the file and line of a
     transcription that does not match its fileids.
     """
-    source, out = _require(Path(source).absolute(), folder=True), Path(out)
+    source, out = _require(Path(source).resolve(), folder=True), Path(out)
     manifests = {}
     for split in AN4_SPLITS:
         fileids = _require(source / "etc" / f"an4_{split}.fileids")
@@ -58,7 +58,7 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
 
     Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file.
     """
-    source = _require(Path(source).absolute(), folder=True)
+    source = _require(Path(source).resolve(), folder=True)
     transcripts = sorted(source.rglob("*.trans.txt"))
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")

@@ -99,6 +99,24 @@ def test_an4_is_rewritten_when_the_corpus_moved_or_its_audio_changed(tiny_an4, t
     assert len(read_manifest(prepare_an4(moved, out)["train"])) == 3
 
 
+def test_an4_spelt_another_way_lists_the_same_paths_and_is_not_rewritten(tiny_an4, tmp_path, monkeypatch):
+    # A relative source with ".." (from a folder that may go away) lists its audio by their plain absolute paths, so
+    # the manifests stay valid and current whichever way the folder is named.
+    out = tmp_path / "out"
+    train = prepare_an4(tiny_an4, out)["train"]
+    os.utime(train, (2e9, 2e9))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert prepare_an4(Path("..") / "an4", out)["train"] == train
+    assert train.stat().st_mtime == 2e9
+    assert all(Path(u.audio_filepath).is_relative_to(tiny_an4) and ".." not in u.audio_filepath
+               for u in read_manifest(train))
+    out.joinpath("an4_train.jsonl").unlink()
+    prepare_an4(Path("..") / "an4", out)
+    assert all(".." not in u.audio_filepath for u in read_manifest(train))
+
+
 def test_an4_etc_files_may_start_with_a_byte_order_mark(tiny_an4, tmp_path):
     for name in ("an4_test.fileids", "an4_test.transcription"):
         path = tiny_an4 / "etc" / name
