@@ -13,6 +13,7 @@ import prnn_kernels
 from models.batch_norm import MaskedBatchNorm
 
 CELLS = tuple(prnn_kernels.NUM_GATES)  # relu, tanh, gru, lstm
+BACKENDS = prnn_kernels.BACKENDS
 # The clipped ReLU of DeepSpeech2: min(max(x, 0), 20).
 CLIP = 20.0
 

@@ -151,6 +151,10 @@ def test_unknown_config_key_is_refused():
     ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
     ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string
     ("model.residual=3", "model.residual must be true or false, not 3"),
+    ("model.cell=bogus", "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"),
+    ("model.backend=fast", "model.backend must be one of auto, persistent, cudnn, reference, not 'fast'"),
+    ("model.batch_slice=0", "model.batch_slice must be a positive integer or null, not 0"),
+    ("train.progress_line_s=-1", "train.progress_line_s must be a non-negative number of seconds, not -1"),
     ("train.cuda_graphs=no", "train.cuda_graphs must be true or false, not 'no'"),
     ("data.augment.enabled=off", "data.augment.enabled must be true or false, not 'off'"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
@@ -640,6 +644,7 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     # A checkpoint from inside the second epoch, at step 6: one evaluation, six losses.
     with open_metrics(path, {"epoch": 1, "step": 6}) as metrics:
         metrics.write(json.dumps({"step": 7, "epoch": 1, "loss": 0.5}) + "\n")
+        assert path.read_text().endswith('"loss": 0.5}\n')  # on disk at once, for tail -f and a job killed next
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert kept == steps[:4] + evaluations[:1] + steps[4:6] + [{"step": 7, "epoch": 1, "loss": 0.5}]
 

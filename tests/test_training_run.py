@@ -104,7 +104,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
     common = ["model.hidden=32", "train.global_batch_size=4", "train.num_workers=1", "data.augment.enabled=true"]
     # 16 utterances in global batches of 4: 4 steps an epoch, so step 6 is in the second epoch.
-    train(tmp_path / "whole", utterances, *common, "train.max_steps=6")
+    whole_run = train(tmp_path / "whole", utterances, *common, "train.max_steps=6", "train.progress_line_s=0")
+    assert "epoch 1: step 1 of 4, loss " in whole_run.output and "epoch 2: step 2 of 4, loss " in whole_run.output
     train(tmp_path / "split", utterances, *common, "train.max_steps=3")
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")

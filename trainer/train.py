@@ -27,6 +27,7 @@ from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK
 from models.cuda_graphs import CudaGraphed
+from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
 from trainer.environment import device_name, versions
@@ -60,7 +61,7 @@ def open_metrics(path: Path, resumed: dict | None):
             if covered:
                 kept.append(line + "\n")
     path.write_text("".join(kept))
-    return open(path, "a")
+    return open(path, "a", buffering=1)  # line by line, so that `tail -f` and a killed job see every step
 
 
 def record_job(path: Path, from_step: int, env: DistEnv, resumed: bool) -> None:
@@ -279,6 +280,10 @@ CONFIG_RULES = (
     ("train.amp", lambda v: v in ("bf16", "none"), "bf16 or none"),
     ("train.num_workers", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("train.graph_pad_frames", lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    ("train.progress_line_s", lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
+    ("model.cell", lambda v: v in CELLS, f"one of {', '.join(CELLS)}"),
+    ("model.backend", lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
+    ("model.batch_slice", lambda v: v is None or _is_int(v) and v >= 1, "a positive integer or null"),
     ("model.depth", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.hidden", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     ("model.conv_channels", lambda v: _is_int(v) and v >= 1, "a positive integer"),
@@ -515,6 +520,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
             desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
+        last_progress_line = started
         for batch in loader:
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
@@ -533,6 +539,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
                 if env.is_main:
                     rate = utterances / (time.perf_counter() - started)
                     progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=f"{rate:.1f}")
+                    now = time.perf_counter()
+                    if not cfg.train.progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
+                        last_progress_line = now
+                        log.info("epoch %d: step %d of %d, loss %.3f, %.1f utterances/s", epoch + 1,
+                                 state["epoch_step"], len(sampler), step.loss, rate)
                     metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": step.loss}) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
