@@ -68,7 +68,7 @@ def audio_header(path: str | os.PathLike):
     there is no such file or it is not audio."""
     # libsndfile reports a missing file as "System error"; say what it is.
     if not os.path.isfile(path):
-        raise AudioError(f"{path}: no such audio file")
+        raise AudioError(f"{path}: {'a folder, not an audio file' if os.path.isdir(path) else 'no such audio file'}")
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
     # raises TypeError), the message names the file.
     try:

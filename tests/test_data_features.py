@@ -54,11 +54,13 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     wav[24:28] = struct.pack("<I", 1_000_003)  # the fmt chunk's sample rate
     (tmp_path / "megahertz.wav").write_bytes(bytes(wav))
     (tmp_path / "headerless.raw").write_bytes(b"\x00\x01" * 4000)  # RAW: soundfile wants a rate and raises TypeError
+    (tmp_path / "folder.wav").mkdir()
     reasons = {
         "nan.wav": "audio holds NaN or infinite samples",
         "corrupt.flac": "cannot read audio",
         "empty.wav": "audio holds no samples",
         "missing.wav": "no such audio file",
+        "folder.wav": "a folder, not an audio file",
         "huge.flac": "its header gives 4294967 s of audio, more than the 3600 s a file may hold",
         "megahertz.wav": "its header gives a sample rate of 1000003 Hz, outside 1000-384000 Hz",
         "headerless.raw": "cannot read audio",

@@ -14,7 +14,8 @@ MODEL_ERRORS = (FileNotFoundError, ValueError, RuntimeError)
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--checkpoint, --device and the decoder's options (trainer.decode)."""
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the model runs: cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     decode.add_arguments(parser)
 
 
