@@ -81,8 +81,11 @@ def main(argv=None) -> int:
             out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")
             for row in sorted(rows, key=lambda row: row["audio_filepath"]):
                 out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
-    unreadable = f"; {counts.unreadable} unreadable, left out" if counts.unreadable else ""
-    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{unreadable})")
+    # The WER is over the utterances decoded: say which others the manifest held (each named in a warning above).
+    left_out = [f"{count} {reason}" for reason, count in dataset.skipped.items()]
+    left_out += [f"{counts.unreadable} unreadable"] if counts.unreadable else []
+    left_out = f"; left out: {', '.join(left_out)}" if left_out else ""
+    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{left_out})")
     return 0
 
 
