@@ -18,6 +18,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from tqdm import tqdm
+
 from data.audio import AudioError, audio_header
 from data.manifest import Utterance, read_manifest, write_manifest
 from data.text import normalize_text
@@ -63,7 +65,9 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
     utterances, num_skipped = [], 0
-    for transcript in transcripts:
+    # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
+    logger.info("reading the %d chapters under %s", len(transcripts), source)
+    for transcript in tqdm(transcripts, desc=source.name, unit=" chapters", disable=None):
         # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
         for line in _read_utf8(transcript).split("\n"):
             if not line.strip():

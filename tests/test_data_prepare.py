@@ -160,6 +160,7 @@ def test_librispeech_layout(tmp_path, caplog):
         Utterance(str(chapter / "84-121123-0002.flac"), 0.5, "", "84"),
     ]
     assert "skipping " + str(chapter / "84-121123-0001") in caplog.text
+    assert f"reading the 2 chapters under {source}" in caplog.text  # said before the long part
     main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev"])
     assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 3
     # A line breaks at "\n" only, and a tab after the id separates it as a space does.
