@@ -183,6 +183,7 @@ def main(argv=None) -> int:
         if not spellable:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
+        print(f"counting the {args.order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
         arpa = build_arpa(spellable, args.order)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
