@@ -23,6 +23,7 @@ from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
 from trainer import build, checkpoint, cli, decode, lm
+from trainer.__main__ import MAX_FOLDER_NAME, job_folder
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
@@ -700,3 +701,11 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     assert [(job["from_step"], job["world_size"]) for job in jobs] == [(0, 1), (40, 1)]
     assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
+
+
+def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrides():
+    assert job_folder("data.eval_manifest=m/a.jsonl,model.cell=gru") == "data.eval_manifest=m_a.jsonl,model.cell=gru"
+    long = ",".join(f"data.train_manifests=[/corpus/{index:03d}.jsonl]" for index in range(20))
+    name = job_folder(long)
+    assert "/" not in name and len(name.encode()) == MAX_FOLDER_NAME and name.startswith("data.train_manifests=[")
+    assert job_folder(long) == name and job_folder(long.replace("019", "020")) != name  # stable, and apart

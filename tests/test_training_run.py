@@ -1,5 +1,5 @@
 """The real entry points end to end on CPU: `python -m trainer` on real AN4 speech, resume, bad input, user errors,
-then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
+sweeps (`-m`), then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
 import json
 import math
 import os
@@ -12,15 +12,18 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO_ROOT, TINY, wait_for_file, write_slice
 from data.manifest import read_manifest
 
-def run(module: str, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+    """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there)."""
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": python_path},
     )
     result.output = result.stdout + result.stderr
     return result
@@ -228,6 +231,63 @@ def test_a_run_whose_weights_diverge_stops_at_its_evaluation_saving_nothing_of_t
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
     assert "evaluating after epoch 1 (step 4): log_probs hold NaN" in result.output, result.output[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def sweep(cwd, manifest, *overrides, timeout=900):
+    """`python -m trainer -m` in `cwd`, whose runs/ then holds the jobs where the default config puts them: 8
+    utterances in global batches of 4, two steps an epoch."""
+    data = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}"]
+    return run("trainer", ["-m", *data, *TINY, "model.hidden=16", "model.depth=1", "train.global_batch_size=4",
+                           *overrides], timeout, cwd=cwd)
+
+
+def sweep_jobs(sweep_dir) -> dict:
+    """{model.cell: job folder} of the sweep's jobs that ran (wrote config.yaml)."""
+    folders = [path.parent for path in sweep_dir.glob("*/config.yaml")]
+    return {OmegaConf.load(folder / "config.yaml").model.cell: folder for folder in folders}
+
+
+@pytest.mark.slow
+def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    first = sweep(tmp_path, manifest, "run_name=sw", "model.cell=relu,gru", "train.max_steps=1")
+    assert first.returncode == 0, first.output[-4000:]
+    jobs = sweep_jobs(tmp_path / "runs" / "sw")
+    assert sorted(jobs) == ["gru", "relu"] and not (tmp_path / "multirun").exists(), first.output[-4000:]
+    for folder in jobs.values():
+        # Named by its overrides, less those that do not change what it trains (run again below: a higher max_steps).
+        assert folder.parent == tmp_path / "runs" / "sw" and "train.max_steps" not in folder.name, folder
+        hint = ("the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) "
+                f"with run_name=sw train.resume=auto continues it from {folder / 'checkpoints' / 'last.pt'}")
+        assert hint in first.output
+
+    again = sweep(tmp_path, manifest, "model.cell=relu,gru", "train.max_steps=2", "train.resume=auto", "run_name=sw")
+    assert again.returncode == 0, again.output[-4000:]
+    assert sweep_jobs(tmp_path / "runs" / "sw") == jobs  # no new folder
+    for folder in jobs.values():
+        assert f"resumed from {folder / 'checkpoints' / 'last.pt'} at epoch 0, step 1" in again.output
+        assert sorted(read_metrics(folder)[0]) == [1, 2]
+        records = [json.loads(line) for line in (folder / "jobs.jsonl").read_text().splitlines()]
+        assert [record["from_step"] for record in records] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_non_zero(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    result = sweep(tmp_path, manifest, "run_name=bad", "model.cell=relu,bogus,gru", "train.max_steps=1")
+    assert result.output.count("stopped at step 1") == 2, result.output[-4000:]  # job 2 ran
+    assert result.returncode == 1, result.output[-4000:]
+    assert sorted(sweep_jobs(tmp_path / "runs" / "bad")) == ["gru", "relu"], result.output[-4000:]
+    bogus = "DeepSpeech2: cell='bogus' is not one of ('relu', 'tanh', 'gru', 'lstm')"
+    assert f"error on rank 0: {bogus}" in result.output and "Traceback" not in result.output
+    assert "sweep job 1 failed; the jobs after it still run" in result.output
+    # Hydra names the failed job at the end.
+    assert "Error executing job with overrides:" in result.output and f"sweep job 1 failed: {bogus}" in result.output
+
+    # A sweep over a key that job folder names leave out would put two jobs in one folder: the second is refused.
+    result = sweep(tmp_path, manifest, "run_name=same", "train.max_steps=1,2")
+    assert result.returncode == 1 and "is job 0's folder too" in result.output, result.output[-4000:]
+    assert len(list((tmp_path / "runs" / "same").glob("*/checkpoints/last.pt"))) == 1
 
 
 @pytest.mark.parametrize("overrides, returncode, message", [

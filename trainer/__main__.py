@@ -2,7 +2,13 @@
 
 A user error (missing corpus or manifest, a bad config value) prints one line and exits 2. Any other exception on
 any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a collective.
+
+A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
+again with train.resume=auto continues each job in its own folder. A job that fails there logs its error as a run
+does, and the jobs after it still run; the sweep then ends with exit code 1, Hydra naming the first failed job's
+overrides. Under MPI a failing job still ends the whole MPI job (its other ranks would wait on it).
 """
+import hashlib
 import logging
 import sys
 import traceback
@@ -10,7 +16,9 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
@@ -18,18 +26,77 @@ from trainer.train import train
 
 log = logging.getLogger("trainer")
 
+MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
+
+
+def job_folder(override_dirname: str) -> str:
+    """A sweep job's folder name (hydra.sweep.subdir) from its overrides, Hydra's hydra.job.override_dirname: sorted,
+    so the same for the same job whatever the sweep's order, less the keys its exclude_keys names. A "/" in a value (a
+    manifest's path) becomes "_", so the name is one folder; a name past MAX_FOLDER_NAME bytes is cut, a digest of the
+    whole appended. Two jobs of one sweep that these rules give one folder are refused (main)."""
+    name = override_dirname.replace("/", "_")
+    if len(name.encode()) > MAX_FOLDER_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        name = name.encode()[:MAX_FOLDER_NAME - 17].decode(errors="ignore") + "-" + digest
+    return name
+
+
+OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
+
+
+class SweepJobFailed(CompactHydraException):
+    """A sweep job's failure, already logged. Hydra records it and runs the remaining jobs, then prints the first failed
+    job's overrides and this exception's one line, and exits 1."""
+
+
+_sweep_folders: dict[Path, int] = {}  # each job folder of this sweep, and the job that took it
+
+
+def claim_job_folder(run_dir: Path, job: int) -> None:
+    """Refuses a sweep job whose folder an earlier job of the same sweep took: one would resume or overwrite the
+    other's run. It happens where the sweep varies a key that job folder names leave out (train.max_steps...)."""
+    earlier = _sweep_folders.setdefault(run_dir, job)
+    if earlier != job:
+        excluded = ", ".join(HydraConfig.get().job.config.override_dirname.exclude_keys)
+        raise ValueError(f"{run_dir} is job {earlier}'s folder too: sweep job folders are named by "
+                         f"the overrides less {excluded}, so a sweep over one of those puts its jobs in one folder "
+                         "(sweep over it in separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})")
+
+
+def end_job(exit_code: int, summary: str) -> None:
+    """After a job's error is logged: a sweep that MPI did not launch goes on with its next job (SweepJobFailed tells
+    Hydra this one failed); a single run, or any job under MPI, ends the process (every rank) with exit_code."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not distributed.launched_by_mpi():
+        log.error("sweep job %d failed; the jobs after it still run, and the sweep exits 1 at the end",
+                  hydra_cfg.job.num)
+        raise SweepJobFailed(f"sweep job {hydra_cfg.job.num} failed: {summary}") from None
+    distributed.abort_job(exit_code)
+
+
+def continue_with(cfg: DictConfig) -> str:
+    """What continues a run that train.max_steps stopped, for the trainer's log line."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        return "train.resume=auto under the same run_name"
+    return (f"the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) with "
+            f"run_name={cfg.run_name} train.resume=auto")
+
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            claim_job_folder(run_dir, hydra_cfg.job.num)
         with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
-            result = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+            result = train(cfg, run_dir, continue_with(cfg))
     except (FileNotFoundError, ValueError) as error:
         log.error("error on rank %d: %s", distributed.launcher_rank(), error)
-        distributed.abort_job(2)
-    except Exception:
+        end_job(2, str(error))
+    except Exception as error:
         log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
-        distributed.abort_job(1)
+        end_job(1, f"{type(error).__name__}: {error} (its traceback is above)")
     else:
         if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
             print(f"final test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%  (epoch {result['epoch']})")

@@ -246,13 +246,14 @@ def restore(path: Path, saved: dict, loaders: dict) -> None:
             raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...})."""
+def train(cfg: DictConfig, run_dir: Path, continue_with: str = "train.resume=auto under the same run_name") -> dict:
+    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...}). continue_with: what
+    continues the run where train.max_steps stops it, for the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
-    result = _train(cfg, run_dir, env)
+    result = _train(cfg, run_dir, env, continue_with)
     distributed.shutdown()
     return result
 
@@ -374,7 +375,7 @@ def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
@@ -555,8 +556,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict:
         progress.close()
         if state["epoch_step"] < len(sampler):  # stopped by train.max_steps inside the epoch
             save("last.pt")
-            log.info("stopped at step %d (train.max_steps); train.resume=auto under the same run_name continues "
-                     "it from %s", state["step"], run_dir / "checkpoints" / "last.pt")
+            log.info("stopped at step %d (train.max_steps); %s continues it from %s", state["step"], continue_with,
+                     run_dir / "checkpoints" / "last.pt")
             break
 
         try:
