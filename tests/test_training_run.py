@@ -278,7 +278,7 @@ def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_
     assert result.output.count("stopped at step 1") == 2, result.output[-4000:]  # job 2 ran
     assert result.returncode == 1, result.output[-4000:]
     assert sorted(sweep_jobs(tmp_path / "runs" / "bad")) == ["gru", "relu"], result.output[-4000:]
-    bogus = "DeepSpeech2: cell='bogus' is not one of ('relu', 'tanh', 'gru', 'lstm')"
+    bogus = "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"
     assert f"error on rank 0: {bogus}" in result.output and "Traceback" not in result.output
     assert "sweep job 1 failed; the jobs after it still run" in result.output
     # Hydra names the failed job at the end.

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
-from trainer.train import train
+from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")
 
@@ -77,7 +77,7 @@ def end_job(exit_code: int, summary: str) -> None:
 def continue_with(cfg: DictConfig) -> str:
     """What continues a run that train.max_steps stopped, for the trainer's log line."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
-        return "train.resume=auto under the same run_name"
+        return CONTINUE_RUN
     return (f"the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) with "
             f"run_name={cfg.run_name} train.resume=auto")
 

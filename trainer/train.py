@@ -246,7 +246,10 @@ def restore(path: Path, saved: dict, loaders: dict) -> None:
             raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
 
 
-def train(cfg: DictConfig, run_dir: Path, continue_with: str = "train.resume=auto under the same run_name") -> dict:
+CONTINUE_RUN = "train.resume=auto under the same run_name"
+
+
+def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
     """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...}). continue_with: what
     continues the run where train.max_steps stops it, for the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
