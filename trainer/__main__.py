@@ -82,8 +82,27 @@ def continue_with(cfg: DictConfig) -> str:
             f"run_name={cfg.run_name} train.resume=auto")
 
 
+def leave_the_log_to_rank_0(rank: int) -> None:
+    """Hydra gives every rank the console and the run's log file, where rank 0 speaks for the job (its lines count
+    every rank's work). Other ranks add only their warnings and errors, tagged with their rank, rather than each line
+    again untagged."""
+    if rank == 0 or getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: done
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    make_record = logging.getLogRecordFactory()
+
+    def tagged_record(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        record.msg = f"[rank {rank}] {record.msg}"
+        return record
+
+    tagged_record.tags_rank = True
+    logging.setLogRecordFactory(tagged_record)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    leave_the_log_to_rank_0(distributed.launcher_rank())
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
