@@ -121,6 +121,14 @@ def test_command_line_overrides_reach_the_model():
     assert [m.batch_slice for m in sliced.modules() if isinstance(m, torch.nn.RNNBase)] == [4, 4]
 
 
+def test_the_trainers_help_says_what_it_does_and_lists_the_choices():
+    result = subprocess.run([sys.executable, "-m", "trainer", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("python -m trainer [key=value ...]: trains the "
+                                                               "DeepSpeech2 model"), result.stdout[:500]
+    assert "experiment: an4_gpu, cpu_demo, deep100" in result.stdout and "cell: gru" in result.stdout
+
+
 def test_unknown_config_key_is_refused():
     from hydra.errors import ConfigCompositionException
 
