@@ -176,7 +176,9 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
     # The run's log is rank 0's (the dataset's lines once, not once a rank); rank 1 adds only its warnings, tagged.
     log = (tmp_path / "run" / "__main__.log").read_text()
     assert log.count("utterances from") == 2, log  # the training set and the test set
-    assert all("[WARNING]" in line or "[ERROR]" in line for line in log.splitlines() if "[rank 1]" in line), log
+    rank_1 = [line for line in log.splitlines() if "[rank 1]" in line]
+    assert any("[rank 1] rank 1 of 2 (local rank 1)" in line for line in rank_1), log  # its own device, rendezvous
+    assert all("[WARNING]" in line or "[ERROR]" in line or "[rank 1] rank 1 of 2" in line for line in rank_1), log
 
 
 @needs_mpiexec

@@ -84,11 +84,12 @@ def continue_with(cfg: DictConfig) -> str:
 
 def leave_the_log_to_rank_0(rank: int) -> None:
     """Hydra gives every rank the console and the run's log file, where rank 0 speaks for the job (its lines count
-    every rank's work). Other ranks add only their warnings and errors, tagged with their rank, rather than each line
-    again untagged."""
+    every rank's work). Other ranks add only their start line (trainer.distributed: their device and rendezvous) and
+    their warnings and errors, tagged with their rank, rather than each line again untagged."""
     if rank == 0 or getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: done
         return
     logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger(distributed.__name__).setLevel(logging.INFO)
     make_record = logging.getLogRecordFactory()
 
     def tagged_record(*args, **kwargs):
