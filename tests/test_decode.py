@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from data.text import ALPHABET, NUM_CLASSES, encode
-from trainer.decode import BeamSearch, Prefix, greedy_decode
+from trainer.decode import BeamSearch, Paths, Prefix, greedy_decode
 from trainer.lm import NGramLM, build_arpa
 
 
@@ -123,10 +123,15 @@ def test_a_transcript_scores_ctc_plus_weighted_language_model_plus_word_bonus():
     ln = math.log(10)
     # "A AB" without its last word scored yet (a prefix's lm holds its completed words), at the end of the audio:
     # its last word and the end of the sentence are scored then, and each of its two words earns the bonus.
-    prefix = Prefix(blank=-1.25, char=-2.5, lm=-0.6 * ln)
+    prefix = Prefix(context=search._history((), "<s>"))
+    for c in encode("A AB"):
+        prefix = search._child(prefix, c)
+    assert str(prefix) == "A AB"
+    assert prefix.lm == pytest.approx(-0.6 * ln, rel=1e-12)
+    paths = Paths(blank=-1.25, char=-2.5)
     expected = math.log(math.exp(-1.25) + math.exp(-2.5)) + 0.7 * (-0.6 - 0.7 - 0.4) * ln + 0.3 * 2
-    assert search._rank(tuple(encode("A AB")), prefix, final=True) == pytest.approx(expected, rel=1e-12)
-    assert search._rank(tuple(encode("A AB")), prefix) == pytest.approx(expected - 0.7 * (-0.7 - 0.4) * ln, rel=1e-12)
+    assert search._rank(prefix, paths, final=True) == pytest.approx(expected, rel=1e-12)
+    assert search._rank(prefix, paths) == pytest.approx(expected - 0.7 * (-0.7 - 0.4) * ln, rel=1e-12)
 
 
 def test_a_transcript_that_ends_in_a_space_scores_its_last_word_once():

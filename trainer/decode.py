@@ -7,7 +7,8 @@ language model scoring each word as the space after it (or the end) is reached.
 """
 import argparse
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,76 +62,113 @@ class BeamSearch:
         return [self.decode_one(frames[b, :length].tolist()) for b, length in enumerate(lengths.tolist())]
 
     def decode_one(self, frames: list[list[float]]) -> str:
-        # A prefix (a tuple of character ids) carries ln P of its paths ending in a blank and in its last character,
-        # and the language model's ln score of its completed words.
-        beams = {(): Prefix(blank=0.0)}
+        # The beams map a prefix (one Prefix object per text) to ln P of its paths.
+        beams = {Prefix(context=self._history((), SENTENCE_START)): Paths(blank=0.0)}
         for frame in frames:
             candidates = [c for c, value in enumerate(frame) if value >= self.prune_log_prob]
             if not candidates:  # a threshold above every class: try the likeliest
                 candidates = [max(range(len(frame)), key=frame.__getitem__)]
-            extended: dict[tuple, Prefix] = {}
-            for text, prefix in beams.items():
-                total = prefix.total()
+            extended: dict[Prefix, Paths] = {}
+            for prefix, paths in beams.items():
+                total = paths.total()
                 for c in candidates:
                     p = frame[c]
                     if c == BLANK:
-                        entry = extended.setdefault(text, Prefix(lm=prefix.lm))
+                        entry = extended.setdefault(prefix, Paths())
                         entry.blank = _log_add(entry.blank, total + p)
                         continue
-                    last = text[-1] if text else None
-                    if c == last:  # the same character again: a repeat unless a blank came between
-                        entry = extended.setdefault(text, Prefix(lm=prefix.lm))
-                        entry.char = _log_add(entry.char, prefix.char + p)
-                        arriving = prefix.blank + p
+                    if c == prefix.char:  # the same character again: a repeat unless a blank came between
+                        entry = extended.setdefault(prefix, Paths())
+                        entry.char = _log_add(entry.char, paths.char + p)
+                        arriving = paths.blank + p
                     else:
                         arriving = total + p
                     if arriving == -math.inf:
                         continue  # no path reaches it
-                    if c == SPACE and (not text or last == SPACE):
+                    if c == SPACE and not prefix.partial:
                         # A space that separates no words spells the same transcript as a blank would.
-                        entry = extended.setdefault(text, Prefix(lm=prefix.lm))
+                        entry = extended.setdefault(prefix, Paths())
                         entry.blank = _log_add(entry.blank, arriving)
                         continue
-                    new_text = (*text, c)
-                    lm = prefix.lm + (self._word_score(text) if c == SPACE else 0.0)
-                    entry = extended.setdefault(new_text, Prefix(lm=lm))
+                    entry = extended.setdefault(self._child(prefix, c), Paths())
                     entry.char = _log_add(entry.char, arriving)
             beams = dict(sorted(extended.items(), key=lambda item: -self._rank(*item))[: self.beam_width])
-        # "X " is the transcript "X": its paths add to those of "X", whose language model score at the end is the same.
-        transcripts: dict[tuple, Prefix] = {}
-        for text, prefix in beams.items():
-            if text and text[-1] == SPACE:
-                text, prefix = text[:-1], Prefix(blank=prefix.total(), lm=prefix.lm - self._word_score(text[:-1]))
-            entry = transcripts.setdefault(text, Prefix(lm=prefix.lm))
-            entry.blank = _log_add(entry.blank, prefix.total())
-        best = max(transcripts.items(), key=lambda item: self._rank(*item, final=True))[0]
-        return decode(best)
+        # "X " is the transcript "X", its parent: its paths add to those of "X".
+        transcripts: dict[Prefix, Paths] = {}
+        for prefix, paths in beams.items():
+            entry = transcripts.setdefault(prefix.parent if prefix.char == SPACE else prefix, Paths())
+            entry.blank = _log_add(entry.blank, paths.total())
+        return str(max(transcripts.items(), key=lambda item: self._rank(*item, final=True))[0])
 
-    def _rank(self, text: tuple, prefix: "Prefix", final: bool = False) -> float:
+    def _child(self, prefix: "Prefix", c: int) -> "Prefix":
+        """`prefix` and then character c, as the Prefix already made for that text while anything holds one: the
+        paths that reach a text by different routes (a beam "AB" kept, a beam "A" and then B) merge as one key."""
+        reference = prefix.children.get(c)
+        child = reference() if reference else None
+        if child is None:
+            if c != SPACE:
+                child = Prefix(prefix, c, prefix.words, prefix.lm, prefix.context, prefix.partial + ALPHABET[c])
+            else:
+                lm = prefix.lm + self._word_score(prefix)
+                child = Prefix(prefix, c, prefix.words + 1, lm, self._history(prefix.context, prefix.partial))
+            prefix.children[c] = weakref.ref(child)
+        return child
+
+    def _rank(self, prefix: "Prefix", paths: "Paths", final: bool = False) -> float:
         if self.lm is None:
-            return prefix.total()
-        words = decode(text).split()
+            return paths.total()
         lm = prefix.lm
         if final:  # the last word (transcripts are ranked without a trailing space), then the end of the sentence
-            lm += self._word_score(text) + self._lm_ln(tuple(words), SENTENCE_END)
-        return prefix.total() + self.lm_weight * lm + self.word_bonus * len(words)
+            history = self._history(prefix.context, prefix.partial) if prefix.partial else prefix.context
+            lm += self._word_score(prefix) + self._lm_ln(history, SENTENCE_END)
+        return paths.total() + self.lm_weight * lm + self.word_bonus * (prefix.words + bool(prefix.partial))
 
-    def _word_score(self, text: tuple) -> float:
-        """ln P_lm of the last word of `text` given the words before it (0 without a language model)."""
-        if self.lm is None:
+    def _word_score(self, prefix: "Prefix") -> float:
+        """ln P_lm of the word `prefix` ends in given the words before it (0 without a language model or word)."""
+        if self.lm is None or not prefix.partial:
             return 0.0
-        words = decode(text).split()
-        return self._lm_ln(tuple(words[:-1]), words[-1]) if words else 0.0
+        return self._lm_ln(prefix.context, prefix.partial)
+
+    def _history(self, context: tuple[str, ...], word: str) -> tuple[str, ...]:
+        """`word` after `context`, cut to the order - 1 words that the language model reads of a history."""
+        keep = self.lm.order - 1 if self.lm else 0
+        return (*context, word)[-keep:] if keep else ()
 
     def _lm_ln(self, history: tuple[str, ...], word: str) -> float:
-        return self.lm.log10_prob((SENTENCE_START, *history), word) * LN_10
+        return self.lm.log10_prob(history, word) * LN_10
 
 
-@dataclass
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class Prefix:
+    """A transcript prefix: its last character under the prefix before it (the empty one has neither), and what
+    ranking reads of its text, kept here so that no frame costs more as the text grows: the count and ln language
+    model score of its completed words, the last order - 1 of them (after <s>) as the model's history, and the word it
+    is in the middle of. One object per text, compared by identity (BeamSearch._child); it holds its children (at most
+    one per character) weakly, so that those no beam holds any more are freed."""
+
+    parent: "Prefix | None" = None
+    char: int | None = None
+    words: int = 0
+    lm: float = 0.0
+    context: tuple[str, ...] = ()
+    partial: str = ""
+    children: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        chars = []
+        prefix = self
+        while prefix.parent is not None:
+            chars.append(prefix.char)
+            prefix = prefix.parent
+        return decode(reversed(chars))
+
+
+@dataclass(slots=True)
+class Paths:
+    """ln P of a prefix's paths that end in a blank, and of those that end in its last character."""
+
     blank: float = -math.inf
     char: float = -math.inf
-    lm: float = 0.0
 
     def total(self) -> float:
         return _log_add(self.blank, self.char)
