@@ -541,9 +541,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
                 losses.append(step.loss)
                 utterances += step.utterances
                 if env.is_main:
-                    rate = utterances / (time.perf_counter() - started)
-                    progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=f"{rate:.1f}")
                     now = time.perf_counter()
+                    rate = utterances / (now - started)
+                    progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=f"{rate:.1f}")
                     if not cfg.train.progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
                         last_progress_line = now
                         log.info("epoch %d: step %d of %d, loss %.3f, %.1f utterances/s", epoch + 1,
