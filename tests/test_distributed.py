@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -323,6 +324,27 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
 
 
+@pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])
+def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stopped_the_trainer(tmp_path, trainer_exit):
+    """launch/slurm.sbatch under stand-ins for srun and scontrol that record their arguments: a trainer that exits
+    128 + SIGUSR1 (stopped ahead of the time limit, its checkpoint written) has the job requeued; any other exit is
+    the job's own."""
+    calls = tmp_path / "calls.txt"
+    srun = f'echo "srun $*" >> {calls}; [[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0'
+    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
+    for tool, body in (("srun", srun), ("scontrol", scontrol)):
+        (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (tmp_path / tool).chmod(0o755)
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+                              "SLURM_JOB_NODELIST": "node[07-08]", "PYTHON": "python3"})
+    assert ran.returncode == trainer_exit, ran.stderr
+    recorded = calls.read_text().splitlines()
+    assert "srun --mpi=pmix python3 -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu" in recorded
+    assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
+
+
 def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_otherwise(monkeypatch):
     variables = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_DUMP_ON_TIMEOUT")
     for name in variables:  # set, then deleted: monkeypatch restores each as it was before the test
@@ -405,6 +427,30 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     assert code != 0, output
     if signal_number == signal.SIGSTOP and not overrides:
         assert "training failed on rank 0:" in output, output
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(an4_slice, tmp_path):
+    """SIGUSR1 (which mpirun forwards to every rank, and SLURM sends ahead of a job's time limit) sent here to rank 1
+    alone: the ranks agree in the next step's all-reduce, rank 0 writes last.pt at that step, and every rank exits
+    128 + SIGUSR1, so the launcher reports the job unfinished."""
+    run_dir = tmp_path / "run"
+    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100"))
+    wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
+    while '"step"' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+        time.sleep(0.02)  # training has begun
+    os.kill(rank_process(1, run_dir), signal.SIGUSR1)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code == 128 + signal.SIGUSR1, output
+    stopped_at = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    assert steps == list(range(1, stopped_at + 1)), (steps, stopped_at)
+    assert "[rank 1] SIGUSR1 received: stopping after the current training step" in output, output
+    assert f"stopped at step {stopped_at} (SIGUSR1 on 1 of 2 ranks)" in output or \
+        "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name continues it" in output, output
+    assert "Traceback" not in output, output
 
 
 @needs_mpiexec

@@ -6,8 +6,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
+from trainer.stop import STOP_SIGNALS, StopSignals
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, open_metrics,
     record_job, restore, resumed_train_state, train_loader, train_step,
@@ -517,6 +520,27 @@ def test_train_step_updates_weights():
     assert (step.utterances, step.unusable) == (2, 0)
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert schedule.last_epoch == 1  # the schedule steps with the weights
+    assert step.stop_requests == {}
+    # A stop signal still lets the step train; the result says which signal reached how many ranks.
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")), signal.SIGUSR1)
+    assert step.outcome == "ok" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 2
+
+
+def test_stop_signals_are_taken_only_while_listening_the_first_kept_and_a_second_ctrl_c_interrupts():
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    with StopSignals() as stop:
+        assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers  # none taken before listen()
+        stop.listen()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+        assert stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert stop.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

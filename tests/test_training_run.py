@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -157,33 +158,53 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_from_its_mid_epoch_checkpoint(an4_train, tmp_path):
-    """A job killed mid-epoch (preempted) and started again under the same run directory with train.resume=auto
-    continues from its last periodic checkpoint and trains exactly as an uninterrupted run."""
+def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped(an4_train, tmp_path):
+    """A job killed mid-epoch (out of memory, a node lost) and started again under the same run directory with
+    train.resume=auto continues from its last periodic checkpoint. A job sent SIGTERM (a scheduler preempting it: the
+    signal reaches its data-loading worker too) stops at the end of a step with its checkpoint and exits 143, as a
+    process SIGTERM ended would, and continues from that step. Both then train exactly as an uninterrupted run."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
     common = ["model.hidden=32", "train.global_batch_size=4", "data.augment.enabled=true", "train.max_steps=12",
-              "train.resume=auto"]  # 4 steps an epoch; the first start finds nothing to resume
+              "train.num_workers=1", "train.resume=auto"]  # 4 steps an epoch; the first start finds nothing to resume
     train(tmp_path / "whole", utterances, *common)
 
-    run_dir = tmp_path / "killed"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *train_arguments(run_dir, utterances, *common, "train.checkpoint_every_steps=2")],
-        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    last = run_dir / "checkpoints" / "last.pt"
-    wait_for_file(last, job, 300)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
-    saved_step = torch.load(last, weights_only=True)["train_state"]["step"]
-    assert 2 <= saved_step < 12, saved_step
+    def start(run_dir, *overrides):
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer", *train_arguments(run_dir, utterances, *common, *overrides)],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
 
-    result = train(run_dir, utterances, *common)
-    assert f"resumed from {last}" in result.output
+    killed = tmp_path / "killed"
+    job = start(killed, "train.checkpoint_every_steps=2")
+    wait_for_file(killed / "checkpoints" / "last.pt", job, 300)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.communicate()
+    killed_at = torch.load(killed / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
+    assert 2 <= killed_at < 12, killed_at
+
+    signalled = tmp_path / "signalled"
+    job = start(signalled)
+    wait_for_file(signalled / "metrics.jsonl", job, 300)
+    while '"step"' not in (signalled / "metrics.jsonl").read_text() and job.poll() is None:
+        time.sleep(0.02)  # training has begun
+    os.killpg(job.pid, signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stopped_at = torch.load(signalled / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
+    assert 1 <= stopped_at < 12, stopped_at
+    assert "SIGTERM received: stopping after the current training step" in output, output[-4000:]
+    assert "(SIGTERM); train.resume=auto under the same run_name continues it from" in output, output[-4000:]
+    assert "final test WER" not in output and "Traceback" not in output, output[-4000:]
+    assert sorted(read_metrics(signalled)[0]) == list(range(1, stopped_at + 1))  # the checkpoint's step is the last
+
     whole, _ = read_metrics(tmp_path / "whole")
-    resumed, _ = read_metrics(run_dir)
-    assert sorted(resumed) == list(range(1, 13))
-    for step in range(saved_step + 1, 13):
-        assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"step {step}"
+    for run_dir, saved_step in ((killed, killed_at), (signalled, stopped_at)):
+        result = train(run_dir, utterances, *common)
+        assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'}" in result.output
+        resumed, _ = read_metrics(run_dir)
+        assert sorted(resumed) == list(range(1, 13))
+        for step in range(saved_step + 1, 13):
+            assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"{run_dir.name}, step {step}"
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from trainer import build, decode
 from trainer.cli import output_file, positive_int
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
+from trainer.stop import ignore_in_data_workers
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     model.eval()
     counts = ErrorCounts()
     rows = []
-    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers)
+    # Its workers leave stop signals to the process, so that a training run stopped during its evaluation finishes it.
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
+                        worker_init_fn=ignore_in_data_workers)
     for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
         dataset.warn_once(batch.unusable)
         counts.unreadable += batch.num_skipped

@@ -1,12 +1,14 @@
 """Training, top to bottom: distributed init -> data -> model -> optimizer -> epochs of (steps, evaluation, checkpoint).
 
-One call of `train_step` is exactly one optimizer step. Only rank 0 writes checkpoints, logs, TensorBoard and the
-progress bar; every rank can resume from what it wrote.
+One call of `train_step` is exactly one optimizer step (a skipped one updates nothing). Only rank 0 writes checkpoints,
+logs, TensorBoard and the progress bar; every rank can resume from what it wrote. SIGUSR1, SIGTERM or Ctrl-C stops
+training after a step with its checkpoint (trainer.stop).
 """
 import json
 import logging
 import math
 import random
+import signal
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ from trainer.distributed import DistEnv
 from trainer.environment import device_name, versions
 from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
+from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
         num_workers=cfg.train.num_workers,
         pin_memory=env.device.type == "cuda" and not cfg.train.cuda_graphs,
         generator=torch.Generator().manual_seed(epoch_seed(cfg.seed, epoch)),
+        worker_init_fn=ignore_in_data_workers,
     )
 
 
@@ -96,29 +100,34 @@ class StepResult(NamedTuple):
     loss: float  # mean loss per utterance of the global batch; nan for a skipped step
     utterances: int  # in the global batch, over all ranks
     unusable: int  # dropped from the global batch by the ranks' loaders (audio unreadable or too long)
+    stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop); every rank stops after a step with any
 
 
-def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv) -> StepResult:
+def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv,
+               stop_signal: signal.Signals | None = None) -> StepResult:
     """One optimizer step on this rank's shard of a global batch. Ranks always agree on skipping, so none waits on a
-    collective that another never joins."""
+    collective that another never joins, and on stopping: stop_signal is the one this rank received, if any."""
     device = env.device
     local_count = len(batch.indices)
     num_frames = batch.features.shape[1]
     inner = getattr(model, "module", model)  # DDP holds the model it wraps as .module
     graphed = isinstance(inner, CudaGraphed)
-    # Host sync 1: every rank must know the global utterance count (the loss normaliser) and whether a shard is empty;
-    # rank 0's log counts the whole batch's dropped utterances too.
-    counts = distributed.all_reduce_sum(
-        torch.tensor([local_count, int(local_count == 0), batch.num_skipped], dtype=torch.float64, device=device)
-    )
+    # Host sync 1: every rank must know the global utterance count (the loss normaliser), whether a shard is empty and
+    # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too.
+    received = [int(number == stop_signal) for number in STOP_SIGNALS]
+    counts = distributed.all_reduce_sum(torch.tensor(
+        [local_count, int(local_count == 0), batch.num_skipped, *received], dtype=torch.float64, device=device
+    ))
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
         local_shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
         counts = torch.cat([counts, distributed.all_reduce_max(local_shape)])
-    global_count, empty_shards, unusable, *shape = (int(count) for count in counts.tolist())
+    global_count, empty_shards, unusable, *rest = (int(count) for count in counts.tolist())
+    ranks_received, shape = rest[:len(STOP_SIGNALS)], rest[len(STOP_SIGNALS):]
+    stop_requests = {number: ranks for number, ranks in zip(STOP_SIGNALS, ranks_received) if ranks}
 
     def skipped(reason: str) -> StepResult:
-        return StepResult(reason, math.nan, global_count, unusable)
+        return StepResult(reason, math.nan, global_count, unusable, stop_requests)
 
     if empty_shards:
         return skipped("empty shard (all its audio unreadable)")
@@ -168,7 +177,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
                 buffer.copy_(saved)
         return skipped("non-finite loss or gradient")
     scheduler.step()
-    return StepResult("ok", loss_value, global_count, unusable)
+    return StepResult("ok", loss_value, global_count, unusable, stop_requests)
 
 
 def recurrent_backend_name(backend: str, device: torch.device) -> str:
@@ -256,7 +265,8 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
-    result = _train(cfg, run_dir, env, continue_with)
+    with StopSignals() as stop_signals:
+        result = _train(cfg, run_dir, env, continue_with, stop_signals)
     distributed.shutdown()
     return result
 
@@ -378,7 +388,7 @@ def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
@@ -503,6 +513,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
     if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
         log.info("nothing to train: %s reached epoch %d, step %d (train.epochs=%d, train.max_steps=%s)", resume,
                  state["epoch"], state["step"], cfg.train.epochs, max_steps)
+    # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
+    stop_signals.listen()
     for epoch in range(state["epoch"], cfg.train.epochs):
         if max_steps is not None and state["step"] >= max_steps:
             break
@@ -525,10 +537,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
         last_progress_line = started
+        stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
         for batch in loader:
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
-            step = train_step(wrapped, batch, optimizer, scheduler, cfg, env)
+            step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
             state["step"] += 1
             state["epoch_step"] += 1
             progress.update()
@@ -551,15 +564,22 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
                     metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": step.loss}) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
-            if max_steps is not None and state["step"] >= max_steps:
+            if step.stop_requests:
+                # The signal most ranks received gives every rank's exit code (trainer/__main__.py).
+                result["stop_signal"] = max(step.stop_requests, key=step.stop_requests.get)
+                stopped_by = ", ".join(number.name + (f" on {ranks} of {env.world_size} ranks" if env.world_size > 1
+                                                      else "") for number, ranks in step.stop_requests.items())
+            elif max_steps is not None and state["step"] >= max_steps:
+                stopped_by = "train.max_steps"
+            if stopped_by:
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
                 save("last.pt")
         progress.close()
-        if state["epoch_step"] < len(sampler):  # stopped by train.max_steps inside the epoch
+        if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
-            log.info("stopped at step %d (train.max_steps); %s continues it from %s", state["step"], continue_with,
+            log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
             break
 
@@ -574,7 +594,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
         mean_loss = sum(losses) / max(len(losses), 1)
-        result = {"epoch": epoch + 1, "loss": mean_loss, "wer": counts.wer, "cer": counts.cer}
+        result.update(epoch=epoch + 1, loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
                 "epoch %d%s: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
@@ -602,7 +622,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str) -> 
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
-        if max_steps is not None and state["step"] >= max_steps:
+        if stopped_by:
+            log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by, continue_with,
+                     run_dir / "checkpoints" / "last.pt")
             break
 
     if env.is_main:

@@ -1,0 +1,50 @@
+"""Stopping a run cleanly on a signal: SIGUSR1, SIGTERM and a first Ctrl-C (SIGINT) ask training to stop after the step
+in progress and write checkpoints/last.pt, so that train.resume=auto continues it exactly. Schedulers send SIGTERM
+before they preempt a job (SLURM also SIGUSR1 ahead of its time limit with --signal), mpirun forwards SIGUSR1 to every
+rank, and ranks agree on the step they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once."""
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """From `listen()` to the end of its `with` block, this process's stop signals set `received` (the first one)
+    instead of ending it. Python takes signals on the main thread only; elsewhere (a test calling train() from a
+    thread) it leaves them alone."""
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        return self
+
+    def listen(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
+
+    def __exit__(self, *exception) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _handle(self, number: int, frame) -> None:
+        if self.received is not None:
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.received = signal.Signals(number)
+        log.warning("%s received: stopping after the current training step, writing checkpoints/last.pt%s",
+                    self.received.name, "; Ctrl-C again interrupts at once" if number == signal.SIGINT else "")
+
+
+def ignore_in_data_workers(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: its workers leave stop signals to the training process (one Ctrl-C or scheduler
+    signal reaches every process of the job). torch's workers die on SIGTERM, and the training process then fails on
+    the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
