@@ -2,8 +2,9 @@
 that can weigh in a word n-gram language model (Hannun et al., 2014, "First-pass large vocabulary continuous
 speech recognition using bi-directional recurrent DNNs").
 
-The beam search ranks a transcript W by  log P_ctc(W | audio) + lm_weight * ln P_lm(W) + word_bonus * |W|, the
-language model scoring each word as the space after it (or the end) is reached.
+With a language model the beam search ranks a transcript W by  log P_ctc(W | audio) + lm_weight * ln P_lm(W) +
+word_bonus * |W|, the language model scoring each word as the space after it (or the end) is reached; without one, by
+log P_ctc(W | audio) alone.
 """
 import argparse
 import math
