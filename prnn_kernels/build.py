@@ -1,14 +1,15 @@
 """Just-in-time build of the persistent RNN CUDA extension, cached per source hash and GPU architecture.
 
-The extension is compiled by `torch.utils.cpp_extension.load` for the GPU's own architecture only (explicit
--gencode, e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into
-$TORCH_EXTENSIONS_DIR/prnn_kernels/<name>, where the name carries a hash of everything the build depends on (every file
-in csrc/, the flags, torch's and CUDA's versions) and the architecture. An edited kernel gets a fresh build; an
-unchanged one, once built, is imported straight from the cache: torch's loader would run ninja again, which rebuilds
-everything (about a minute) whenever the sources' paths or times differ from the last build's (a second checkout, a
-fresh copy), even though the name proves their contents the same. One process builds while the others wait on a lock
-that the operating system releases if its holder dies: torch before 2.14 locks the build with a file whose mere
-existence blocks, and a rank killed mid-build left every later process of the machine waiting on it forever.
+The extension is compiled by `torch.utils.cpp_extension.load` for the GPU's own architecture only (explicit -gencode,
+e.g. sm_90a on Hopper: the arch-specific target, whose multicast bulk copies the kernels use) into
+$TORCH_EXTENSIONS_DIR/prnn_kernels/<name> (build_root), where the name carries a hash of everything the build depends on
+(the sources and headers in csrc/, the flags, torch's and CUDA's versions, the Python's extension suffix) and the
+architecture. An edited kernel gets a fresh build; an unchanged one, once built, is imported straight from the cache:
+torch's loader would run ninja again, which rebuilds everything (about a minute) whenever the sources' paths or times
+differ from the last build's (a second checkout, a fresh copy), even though the name proves their contents the same. One
+process builds while the others wait on a lock that the operating system releases if its holder dies: torch before 2.14
+locks the build with a file whose mere existence blocks, and a rank killed mid-build left every later process of the
+machine waiting on it forever.
 
     python -m prnn_kernels.build [--arch 90a] [--if-gpu] [--verbose]
 
