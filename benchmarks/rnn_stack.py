@@ -126,7 +126,8 @@ def print_table(cell, hidden_size, batch_size, rows, summary, depths):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_stack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", nargs="+", default=["gru"], choices=sorted(MODULES))
     parser.add_argument("--hiddens", nargs="+", type=positive_int, default=[800, 1152])
     parser.add_argument("--depths", nargs="+", type=positive_int, default=[1, 2, 4, 7])
