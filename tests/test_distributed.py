@@ -457,7 +457,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
 def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.global_batch_size=5"), FAILURE_TIMEOUT_S)
     assert code == 2, output
-    assert "global_batch_size 5 must be a positive multiple of world_size 2" in output, output
+    assert "train.global_batch_size=5: global_batch_size 5 must be a positive multiple of world_size 2" in output, output
 
 
 def scaling_command(world_size: int, json_path: Path, *extra) -> list:

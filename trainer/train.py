@@ -420,9 +420,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     )
     train_fingerprint = train_set.fingerprint()
     eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
-    sampler = BucketBatchSampler(
-        train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
-    )
+    try:
+        sampler = BucketBatchSampler(
+            train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
+        )
+    except ValueError as error:  # data/ knows no config keys: name the one to change
+        raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}") from None
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
     # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why:
     # the training batch, and the evaluation's, which would otherwise fail only after the first epoch.
