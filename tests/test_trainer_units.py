@@ -25,6 +25,7 @@ from data.dataset import collate, Sample
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
 from trainer import build, checkpoint, cli, decode, lm
+import trainer.__main__ as trainer_main
 from trainer.__main__ import MAX_FOLDER_NAME, job_folder
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
@@ -733,6 +734,16 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     assert [(job["from_step"], job["world_size"]) for job in jobs] == [(0, 1), (40, 1)]
     assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
+
+
+def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch, capsys):
+    monkeypatch.setattr(trainer_main, "_failed_sweep_jobs", [])
+    assert trainer_main.sweep_exit_code() == 0
+    trainer_main._failed_sweep_jobs.append(("sweep job 0 (runs/a): bad value", 2))
+    assert trainer_main.sweep_exit_code() == 2
+    trainer_main._failed_sweep_jobs.append(("sweep job 3 (runs/b): RuntimeError: x (its traceback is above)", 1))
+    assert trainer_main.sweep_exit_code() == 1
+    assert "failed: sweep job 3 (runs/b): RuntimeError" in capsys.readouterr().err
 
 
 def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrides():

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,17 +298,22 @@ def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     result = sweep(tmp_path, manifest, "run_name=bad", "model.cell=relu,bogus,gru", "train.max_steps=1")
     assert result.output.count("stopped at step 1") == 2, result.output[-4000:]  # job 2 ran
-    assert result.returncode == 1, result.output[-4000:]
+    assert result.returncode == 2, result.output[-4000:]  # a user error, as a run's would be
     assert sorted(sweep_jobs(tmp_path / "runs" / "bad")) == ["gru", "relu"], result.output[-4000:]
     bogus = "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"
     assert f"error on rank 0: {bogus}" in result.output and "Traceback" not in result.output
     assert "sweep job 1 failed; the jobs after it still run" in result.output
-    # Hydra names the failed job at the end.
-    assert "Error executing job with overrides:" in result.output and f"sweep job 1 failed: {bogus}" in result.output
+    # The sweep names the failed job, and where its log is, at the end; nothing about a stack trace.
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"failed: sweep job 1 ({tmp_path / 'runs' / 'bad'}/") and last_line.endswith(
+        f"): {bogus}"), result.stderr[-2000:]
+    folder = Path(last_line.removeprefix("failed: sweep job 1 (").removesuffix(f"): {bogus}"))
+    assert (folder / "__main__.log").read_text().count(bogus) == 1 and folder not in sweep_jobs(folder.parent).values()
+    assert "HYDRA_FULL_ERROR" not in result.output
 
     # A sweep over a key that job folder names leave out would put two jobs in one folder: the second is refused.
     result = sweep(tmp_path, manifest, "run_name=same", "train.max_steps=1,2")
-    assert result.returncode == 1 and "is job 0's folder too" in result.output, result.output[-4000:]
+    assert result.returncode == 2 and "is job 0's folder too" in result.output, result.output[-4000:]
     assert len(list((tmp_path / "runs" / "same").glob("*/checkpoints/last.pt"))) == 1
 
 

@@ -8,8 +8,9 @@ a sweep stops there too.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
 again with train.resume=auto continues each job in its own folder. A job that fails there logs its error as a run
-does, and the jobs after it still run; the sweep then ends with exit code 1, Hydra naming the first failed job's
-overrides. Under MPI a failing job still ends the whole MPI job (its other ranks would wait on it).
+does, and the jobs after it still run; the sweep then names each failed job's folder and error, and exits 2 where
+every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI job (its other ranks
+would wait on it).
 """
 import hashlib
 import logging
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -47,12 +47,8 @@ def job_folder(override_dirname: str) -> str:
 OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
 
 
-class SweepJobFailed(CompactHydraException):
-    """A sweep job's failure, already logged. Hydra records it and runs the remaining jobs, then prints the first failed
-    job's overrides and this exception's one line, and exits 1."""
-
-
 _sweep_folders: dict[Path, int] = {}  # each job folder of this sweep, and the job that took it
+_failed_sweep_jobs: list[tuple[str, int]] = []  # (what failed where, the exit code a run would have had)
 
 
 def claim_job_folder(run_dir: Path, job: int) -> None:
@@ -67,14 +63,25 @@ def claim_job_folder(run_dir: Path, job: int) -> None:
 
 
 def end_job(exit_code: int, summary: str) -> None:
-    """After a job's error is logged: a sweep that MPI did not launch goes on with its next job (SweepJobFailed tells
-    Hydra this one failed); a single run, or any job under MPI, ends the process (every rank) with exit_code."""
+    """After a job's error is logged: a sweep that MPI did not launch goes on with its next job, and
+    sweep_exit_code reports this one at the end; a single run, or any job under MPI, ends the process (every rank)
+    with exit_code."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not distributed.launched_by_mpi():
-        log.error("sweep job %d failed; the jobs after it still run, and the sweep exits 1 at the end",
-                  hydra_cfg.job.num)
-        raise SweepJobFailed(f"sweep job {hydra_cfg.job.num} failed: {summary}") from None
+        log.error("sweep job %d failed; the jobs after it still run, and the sweep ends non-zero", hydra_cfg.job.num)
+        _failed_sweep_jobs.append((f"sweep job {hydra_cfg.job.num} ({hydra_cfg.runtime.output_dir}): {summary}",
+                                   exit_code))
+        return
     distributed.abort_job(exit_code)
+
+
+def sweep_exit_code() -> int:
+    """After the sweep: names each failed job on stderr; 2 where every failure was a user error, 1 else, 0 if none."""
+    for failure, _ in _failed_sweep_jobs:
+        print(f"failed: {failure}", file=sys.stderr)
+    if not _failed_sweep_jobs:
+        return 0
+    return 2 if all(exit_code == 2 for _, exit_code in _failed_sweep_jobs) else 1
 
 
 def continue_with(cfg: DictConfig) -> str:
@@ -128,4 +135,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(sweep_exit_code())
