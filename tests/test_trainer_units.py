@@ -354,6 +354,28 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, m
     assert torch.equal(checkpoint.load(tmp_path / "c.pt")["model"]["w"], torch.zeros(3))
 
 
+def test_a_checkpoint_the_disk_cannot_hold_is_one_error_naming_it_and_leaves_no_temporary_file(tmp_path):
+    """A full disk, played by a file size limit (RLIMIT_FSIZE: Python ignores SIGXFSZ, so the write fails): the
+    previous checkpoint stays whole, the part-written temporary file is removed, and the error names the file."""
+    path = tmp_path / "last.pt"
+    checkpoint.save(path, {"model": {"w": torch.zeros(3)}, "config": {}})
+    script = (
+        "import resource, sys, torch\n"
+        "from pathlib import Path\n"
+        "from trainer import checkpoint\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        f"    checkpoint.save(Path({str(path)!r}), {{'model': {{'w': torch.ones(10**6)}}, 'config': {{}}}})\n"
+        "except ValueError as error:\n"  # what the trainer reports in one line, exit code 2
+        "    sys.exit(str(error))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.startswith(f"cannot write checkpoint {path} ("), result.stderr
+    assert result.stderr.rstrip().endswith("; last.pt there, if any, is as it was"), result.stderr
+    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.zeros(3))
+    assert [file.name for file in tmp_path.iterdir()] == ["last.pt"]
+
+
 class Payload:
     """Something a malicious checkpoint could carry: unpickling it would run __reduce__."""
 

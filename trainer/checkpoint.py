@@ -3,10 +3,12 @@
 A checkpoint holds only state dicts, tensors and plain data (the resolved config as a dict), so loading one
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
+import contextlib
 import os
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,11 +33,34 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda, device)
 
 
+class CheckpointWriteError(ValueError):
+    """A checkpoint that could not be written: a full disk, a quota, a folder the job may not write in. Something the
+    user fixes, not a fault of the trainer, so a ValueError: the trainer says it in one line and exits 2."""
+
+
 def save(path: Path, state: dict) -> None:
-    """Writes to a temporary file beside the target, then renames: a crash mid-write never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes to a temporary file beside the target, flushed to disk, then renames: a crash or a full disk mid-write
+    never leaves half a file, and the checkpoint already at `path` stays as it was. CheckpointWriteError naming the
+    file where it cannot be written, and no temporary file left behind."""
     temporary = path.with_name(f".{path.name}.tmp")
-    torch.save(state, temporary)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())  # a full disk may refuse only the delayed write: fail here, before the rename
+    except BaseException as error:
+        # Removed even on Ctrl-C: a part-written file would keep the space a full disk lacks, and be left there.
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        if not isinstance(error, Exception):
+            raise
+        # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left.
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
+        raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}); "
+                                   f"{path.name} there, if any, is as it was") from error
     os.replace(temporary, path)
 
 
