@@ -209,6 +209,44 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
 
 
 @pytest.mark.slow
+def test_a_second_job_in_a_run_directory_in_use_is_refused_changing_nothing(an4_train, tmp_path):
+    """Launched twice, or requeued while the first job still runs: two jobs in one run directory would overwrite each
+    other's checkpoints and metrics.jsonl. The second is refused before it changes anything there, and once the first
+    has ended, however it ended, the directory is free again."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir = tmp_path / "run"
+    common = ["model.hidden=32", "train.global_batch_size=4", "train.resume=auto"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "trainer",
+         *train_arguments(run_dir, manifest, *common, "train.epochs=50", "train.checkpoint_every_steps=1")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        wait_for_file(run_dir / "checkpoints" / "last.pt", first, 300)
+        second = train(run_dir, manifest, *common, "train.max_steps=1", check=False, timeout=300)
+        assert second.returncode == 2, second.output[-4000:]
+        assert f"{run_dir} is in use by another job (pid {first.pid} on " in second.output, second.output[-4000:]
+        assert "Traceback" not in second.output and first.poll() is None
+        assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 1  # the first job's line only
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    again = train(run_dir, manifest, *common, "train.max_steps=1", timeout=300)
+    assert "resumed from" in again.output
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")  # a file where the folder should be
+    result = train(tmp_path / "run", manifest, "model.hidden=32", "train.max_steps=1", check=False, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+    assert f"{tmp_path / 'run' / 'checkpoints'} is not a folder: the run writes its checkpoints there" in result.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
+
+
+@pytest.mark.slow
 def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     good = [u for u in an4_train if u.duration < 2.5][:8]
     (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)

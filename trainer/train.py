@@ -4,11 +4,15 @@ One call of `train_step` is exactly one optimizer step (a skipped one updates no
 logs, TensorBoard and the progress bar; every rank can resume from what it wrote. SIGUSR1, SIGTERM or Ctrl-C stops
 training after a step with its checkpoint (trainer.stop).
 """
+import contextlib
+import fcntl
 import json
 import logging
 import math
+import os
 import random
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -222,6 +226,51 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     return None
 
 
+RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
+
+
+@contextlib.contextmanager
+def hold_run_directory(run_dir: Path, is_main: bool):
+    """Rank 0 holds the run directory for the whole job: a second job there (launched twice, or requeued while the
+    first still runs) is refused with ValueError before it changes anything, rather than both writing checkpoints and
+    metrics.jsonl over each other. An flock, which the kernel releases when the job ends however it ends (killed, out
+    of memory): no stale lock outlives it. A checkpoints/ that cannot be written is refused here too, before training
+    rather than at the first checkpoint."""
+    if not is_main:
+        yield
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / RUN_LOCK, "a+")
+    except OSError as error:
+        raise ValueError(f"cannot write in the run directory {run_dir} ({error.strerror})") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise ValueError(f"{run_dir} is in use by another job ({lock.read().strip() or 'its process unknown'}): "
+                             "two jobs there would overwrite each other's checkpoints and metrics; wait for it to end, "
+                             "or give this run another run_name") from None
+        except OSError as error:  # a file system without locks: run as before, unguarded
+            log.warning("cannot lock %s (%s): nothing stops a second job in this run directory", lock.name,
+                        error.strerror)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        check_checkpoint_folder(run_dir / "checkpoints")
+        yield
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder: the run writes its checkpoints there")
+    writable = folder if folder.exists() else folder.parent
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise ValueError(f"{writable} cannot be written by this job (its permissions, or a read-only file system): "
+                         f"the run writes its checkpoints in {folder}")
+
+
 def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
 
@@ -265,7 +314,7 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
-    with StopSignals() as stop_signals:
+    with StopSignals() as stop_signals, hold_run_directory(run_dir, env.is_main):
         result = _train(cfg, run_dir, env, continue_with, stop_signals)
     distributed.shutdown()
     return result
