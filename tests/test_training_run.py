@@ -284,6 +284,33 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_path):
+    """A manifest of relative audio paths, reached through a symlink in another folder: its paths are taken relative
+    to the symlink's folder, where no audio is, so every step is skipped. The run ends at the epoch's end, naming
+    why, rather than evaluate and exit 0 as if it had trained."""
+    corpus = tmp_path / "corpus"
+    (corpus / "wav").mkdir(parents=True)
+    utterances = [u for u in an4_train if u.duration < 2.5][:8]
+    for utterance in utterances:
+        shutil.copy(utterance.audio_filepath, corpus / "wav")
+    with open(corpus / "train.jsonl", "w") as manifest:
+        for utterance in utterances:
+            manifest.write(json.dumps({"audio_filepath": f"wav/{Path(utterance.audio_filepath).name}",
+                                       "duration": utterance.duration, "text": utterance.text}) + "\n")
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "train.jsonl").symlink_to(corpus / "train.jsonl")
+    arguments = train_arguments(tmp_path / "run", tmp_path / "links" / "train.jsonl", "model.hidden=32",
+                                "train.global_batch_size=4", "train.epochs=2")
+    arguments[2] = f"data.eval_manifest={corpus / 'train.jsonl'}"
+    result = run("trainer", arguments, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+    assert f"{tmp_path / 'links' / 'wav'}/" in result.output and "no such audio file" in result.output
+    assert ("epoch 1 trained nothing: none of the 8 utterances its 2 steps loaded could be used (named above); "
+            "a manifest's relative audio paths are taken relative to its own folder") in result.output
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists() and "final test WER" not in result.output
+
+
+@pytest.mark.slow
 def test_a_run_whose_weights_diverge_stops_at_its_evaluation_saving_nothing_of_them(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     result = train(tmp_path / "run", manifest, "model.hidden=32", "train.epochs=1", "train.global_batch_size=2",

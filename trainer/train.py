@@ -305,6 +305,7 @@ def restore(path: Path, saved: dict, loaders: dict) -> None:
 
 
 CONTINUE_RUN = "train.resume=auto under the same run_name"
+UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts them
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
@@ -598,7 +599,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["epoch_step"] += 1
             progress.update()
             if step.unusable:
-                skipped["utterances unreadable or too long"] += step.unusable
+                skipped[UNUSABLE] += step.unusable
             if step.outcome != "ok":
                 skipped[f"step skipped: {step.outcome}"] += 1
                 log.warning("step %d skipped: %s", state["step"], step.outcome)
@@ -634,6 +635,14 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
             break
+        # Every utterance of the epoch unreadable (a corpus moved, relative paths taken from another folder): each step
+        # was skipped, and evaluating and saving would end the run as if it had trained.
+        loaded = (len(sampler) - first_step) * cfg.train.global_batch_size
+        if loaded and skipped[UNUSABLE] == loaded:
+            raise ValueError(f"epoch {epoch + 1} trained nothing: none of the {loaded} utterances its "
+                             f"{len(sampler) - first_step} steps loaded could be used (named above); a manifest's "
+                             "relative audio paths are taken relative to its own folder (a symlink's, not its "
+                             "target's)")
 
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
