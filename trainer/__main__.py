@@ -85,7 +85,7 @@ def sweep_exit_code() -> int:
 
 
 def continue_with(cfg: DictConfig) -> str:
-    """What continues a run that train.max_steps stopped, for the trainer's log line."""
+    """What continues a run that train.max_steps or a stop signal stopped, for the trainer's log line."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         return CONTINUE_RUN
     return (f"the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) with "

@@ -309,8 +309,9 @@ UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
-    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...}). continue_with: what
-    continues the run where train.max_steps stops it, for the log (a sweep's job: the sweep run again)."""
+    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...}), with "stop_signal" where
+    a stop signal ended it. continue_with: what continues the run where train.max_steps or a stop signal stops it, for
+    the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
