@@ -45,7 +45,7 @@ class Batch:
     unusable: tuple[Unusable, ...] = ()  # items of this batch dropped because their audio could not be used
 
     @property
-    def num_skipped(self) -> int:
+    def num_unusable(self) -> int:
         return len(self.unusable)
 
     def pin_memory(self) -> "Batch":

@@ -145,14 +145,14 @@ def test_collate_pads_concatenates_and_counts_skipped(manifest):
     assert batch.targets.tolist() == encode("HELLO") + encode("HI THERE")
     assert batch.target_lengths.tolist() == [5, 8]
     assert batch.indices.tolist() == [0, 1]
-    assert batch.num_skipped == 3
+    assert batch.num_unusable == 3
     assert all(tensor.dtype == torch.int64 for tensor in (batch.feature_lengths, batch.targets, batch.target_lengths))
 
 
 def test_collate_of_only_unusable_samples_is_an_empty_batch():
     batch = collate([Unusable(3, "skipping a"), Unusable(5, "skipping b")])
     assert batch.features.shape[0] == 0 and batch.targets.numel() == 0 and batch.indices.numel() == 0
-    assert batch.num_skipped == 2 and [item.index for item in batch.unusable] == [3, 5]
+    assert batch.num_unusable == 2 and [item.index for item in batch.unusable] == [3, 5]
 
 
 def test_augment_masks_the_training_features(manifest):
@@ -226,4 +226,4 @@ def test_data_loader_with_bucket_sampler_and_a_worker(manifest):
     batches = list(loader)
     assert len(batches) == 2
     assert sorted(index for batch in batches for index in batch.indices.tolist()) == [0, 1]
-    assert sum(batch.num_skipped for batch in batches) == 2  # the third bad one fell into the dropped remainder
+    assert sum(batch.num_unusable for batch in batches) == 2  # the third bad one fell into the dropped remainder

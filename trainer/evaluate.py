@@ -39,7 +39,7 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
                         worker_init_fn=ignore_in_data_workers)
     for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
         dataset.warn_once(batch.unusable)
-        counts.unreadable += batch.num_skipped
+        counts.unreadable += batch.num_unusable
         if len(batch.indices) == 0:
             continue
         with build.autocast(amp, device):

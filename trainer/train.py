@@ -120,7 +120,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too.
     received = [int(number == stop_signal) for number in STOP_SIGNALS]
     counts = distributed.all_reduce_sum(torch.tensor(
-        [local_count, int(local_count == 0), batch.num_skipped, *received], dtype=torch.float64, device=device
+        [local_count, int(local_count == 0), batch.num_unusable, *received], dtype=torch.float64, device=device
     ))
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
