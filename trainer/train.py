@@ -456,8 +456,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     resume = checkpoint_to_resume(cfg.train.resume, run_dir)
     torch.manual_seed(cfg.seed + env.rank)
     random.seed(cfg.seed + env.rank)
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if env.is_main:  # hold_run_directory made the run directory
         log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
