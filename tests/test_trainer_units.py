@@ -17,6 +17,7 @@ import pytest
 import soundfile
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -31,7 +32,7 @@ from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.stop import STOP_SIGNALS, StopSignals
+from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, open_metrics,
     record_job, restore, resumed_train_state, train_loader, train_step,
@@ -564,6 +565,21 @@ def test_stop_signals_are_taken_only_while_listening_the_first_kept_and_a_second
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
+
+
+def signalled_as_it_starts(worker_id: int) -> None:
+    """A worker_init_fn: the job's SIGTERM reaches the worker before ignore_in_data_workers has run."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    ignore_in_data_workers(worker_id)
+
+
+def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working():
+    loader = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=signalled_as_it_starts)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):  # a plain start: torch's handler ends it
+        list(loader)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # this process takes its signals as before
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

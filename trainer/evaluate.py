@@ -19,7 +19,7 @@ from trainer import build, decode
 from trainer.cli import output_file, positive_int
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
-from trainer.stop import ignore_in_data_workers
+from trainer.stop import ignore_in_data_workers, start_data_workers
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     # Its workers leave stop signals to the process, so that a training run stopped during its evaluation finishes it.
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
                         worker_init_fn=ignore_in_data_workers)
-    for batch in tqdm(loader, desc="evaluating", disable=not progress_bar, dynamic_ncols=True, leave=False):
+    for batch in tqdm(start_data_workers(loader), desc="evaluating", total=len(loader), disable=not progress_bar,
+                      dynamic_ncols=True, leave=False):
         dataset.warn_once(batch.unusable)
         counts.unreadable += batch.num_unusable
         if len(batch.indices) == 0:

@@ -6,6 +6,9 @@ they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once."
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+
+from torch.utils.data import DataLoader
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,18 @@ class StopSignals:
 def ignore_in_data_workers(worker_id: int) -> None:
     """A DataLoader's worker_init_fn: its workers leave stop signals to the training process (one Ctrl-C or scheduler
     signal reaches every process of the job). torch's workers die on SIGTERM, and the training process then fails on
-    the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself."""
+    the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself. A
+    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and goes here."""
     for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+
+
+def start_data_workers(loader: DataLoader) -> Iterator:
+    """iter(loader), its workers started with the stop signals blocked: they inherit the block, so a signal that
+    reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
+    first, ends a worker). This process takes a signal that came meanwhile as the block ends."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

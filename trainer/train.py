@@ -39,7 +39,7 @@ from trainer.distributed import DistEnv
 from trainer.environment import device_name, versions
 from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
-from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers
+from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 
 log = logging.getLogger(__name__)
 
@@ -591,7 +591,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
-        for batch in loader:
+        for batch in start_data_workers(loader):
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
             step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
