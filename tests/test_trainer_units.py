@@ -30,7 +30,7 @@ import trainer.__main__ as trainer_main
 from trainer.__main__ import MAX_FOLDER_NAME, job_folder
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
-from trainer.environment import source_commit, versions
+from trainer.environment import command_line, source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
@@ -771,6 +771,7 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     jobs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(job["from_step"], job["world_size"]) for job in jobs] == [(0, 1), (40, 1)]
     assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
+    assert all(job["command"] == command_line() for job in jobs), jobs
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
 
 

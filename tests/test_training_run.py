@@ -228,6 +228,10 @@ def test_a_second_job_in_a_run_directory_in_use_is_refused_changing_nothing(an4_
         assert f"{run_dir} is in use by another job (pid {first.pid} on " in second.output, second.output[-4000:]
         assert "Traceback" not in second.output and first.poll() is None
         assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 1  # the first job's line only
+        # Its settings nowhere but in its refusal's log lines (Hydra's .hydra/ would hold its config and overrides).
+        written = [path for path in run_dir.rglob("*") if path.is_file() and path.suffix not in (".log", ".pt")
+                   and "max_steps=1" in path.read_text(errors="replace").replace(": ", "=")]
+        assert not written, written
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()

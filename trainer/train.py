@@ -36,7 +36,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
-from trainer.environment import device_name, versions
+from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
@@ -73,9 +73,10 @@ def open_metrics(path: Path, resumed: dict | None):
 
 def record_job(path: Path, from_step: int, env: DistEnv, resumed: bool) -> None:
     """Logs where this job runs and adds it to the run's jobs.jsonl, one line per job: a resumed run may go on on other
-    hardware or software, and its figures should say so. A fresh run starts the file anew."""
+    hardware or software, or with other overrides, and its figures should say so. A fresh run starts the file anew."""
     software = versions(env.device)
-    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device), **software}
+    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device), **software,
+           "command": command_line()}
     with open(path, "a" if resumed else "w") as jobs:
         jobs.write(json.dumps(job) + "\n")
     log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
