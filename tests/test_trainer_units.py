@@ -1,6 +1,7 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
 import argparse
 import copy
+import errno
 import importlib
 import json
 import math
@@ -27,7 +28,7 @@ from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
 from trainer import build, checkpoint, cli, decode, lm
 import trainer.__main__ as trainer_main
-from trainer.__main__ import MAX_FOLDER_NAME, job_folder
+from trainer.__main__ import MAX_FOLDER_NAME, job_folder, user_error_message
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, source_commit, versions
@@ -726,6 +727,38 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     with open_metrics(path, None):  # a fresh run
         pass
     assert path.read_text() == ""
+
+
+def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_line(tmp_path):
+    """A resumed run rewrites metrics.jsonl with the lines its checkpoint covers; a full disk, played by a file size
+    limit (the write fails with EFBIG), leaves the file as it was and no temporary file."""
+    path = tmp_path / "metrics.jsonl"
+    written = "".join(json.dumps({"step": step, "epoch": 0, "loss": 1.0}) + "\n" for step in range(1, 41))
+    path.write_text(written)
+    script = (
+        "import resource\n"
+        "from pathlib import Path\n"
+        "from trainer.__main__ import user_error_message\n"
+        "from trainer.train import open_metrics\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        f"    open_metrics(Path({str(path)!r}), {{'epoch': 0, 'step': 30}})\n"
+        "except OSError as error:\n"
+        f"    print(user_error_message(error, Path({str(tmp_path)!r})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("cannot write: File too large; "), result.stderr
+    assert f" MiB free in {tmp_path}; checkpoints are written whole or not at all" in result.stdout
+    assert path.read_text() == written and [file.name for file in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_only_what_the_user_fixes_is_a_one_line_error():
+    assert user_error_message(ValueError("model.depth must be a positive integer"), Path("r")) == (
+        "model.depth must be a positive integer")
+    assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r")).startswith(
+        "cannot write r/config.yaml: Disk quota exceeded")
+    assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
+    assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
 
 
 def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, caplog):

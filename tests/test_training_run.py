@@ -251,6 +251,17 @@ def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(a
 
 
 @pytest.mark.slow
+def test_a_full_disk_under_the_run_records_is_one_line_and_exit_2(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "jobs.jsonl").symlink_to("/dev/full")  # every write there: "No space left on device"
+    result = train(tmp_path / "run", manifest, "model.hidden=32", "train.max_steps=1", check=False, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+    assert "cannot write: No space left on device; " in result.output, result.output[-4000:]
+    assert f" MiB free in {tmp_path / 'run'}; checkpoints are written whole or not at all" in result.output
+
+
+@pytest.mark.slow
 def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     good = [u for u in an4_train if u.duration < 2.5][:8]
     (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)

@@ -1,6 +1,6 @@
 """`python -m trainer [overrides]`: the Hydra entry point (configs in conf/; see conf/train.yaml).
 
-A user error (missing corpus or manifest, a bad config value) prints one line and exits 2. Any other exception on
+A user error (missing corpus or manifest, a bad config value, a full disk) prints one line and exits 2. Any other exception on
 any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a collective. A run
 stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every rank, as a
 process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it unfinished;
@@ -12,8 +12,11 @@ does, and the jobs after it still run; the sweep then names each failed job's fo
 every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI job (its other ranks
 would wait on it).
 """
+import contextlib
+import errno
 import hashlib
 import logging
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -84,6 +87,24 @@ def sweep_exit_code() -> int:
     return 2 if all(exit_code == 2 for _, exit_code in _failed_sweep_jobs) else 1
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+
+
+def user_error_message(error: Exception, run_dir: Path) -> str | None:
+    """One line for what the user fixes (a missing file, a value refused, a full disk), or None for anything else,
+    which gets its traceback."""
+    if isinstance(error, FileNotFoundError | ValueError):
+        return str(error)
+    if not isinstance(error, OSError) or error.errno not in FULL_DISK:
+        return None
+    free = ""
+    with contextlib.suppress(OSError):
+        free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free in {run_dir}"
+    written = f" {error.filename}" if error.filename else ""  # a failed write() names no file
+    return (f"cannot write{written}: {error.strerror}{free}; checkpoints are written whole or not at all, so once "
+            "there is space train.resume=auto continues from the last one")
+
+
 def continue_with(cfg: DictConfig) -> str:
     """What continues a run that train.max_steps or a stop signal stopped, for the trainer's log line."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
@@ -121,12 +142,14 @@ def main(cfg: DictConfig) -> None:
             claim_job_folder(run_dir, hydra_cfg.job.num)
         with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
             result = train(cfg, run_dir, continue_with(cfg))
-    except (FileNotFoundError, ValueError) as error:
-        log.error("error on rank %d: %s", distributed.launcher_rank(), error)
-        end_job(2, str(error))
     except Exception as error:
-        log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
-        end_job(1, f"{type(error).__name__}: {error} (its traceback is above)")
+        message = user_error_message(error, run_dir)
+        if message is not None:
+            log.error("error on rank %d: %s", distributed.launcher_rank(), message)
+            end_job(2, message)
+        else:
+            log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
+            end_job(1, f"{type(error).__name__}: {error} (its traceback is above)")
     else:
         if "stop_signal" in result:
             sys.exit(128 + result["stop_signal"])

@@ -54,7 +54,8 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
 def open_metrics(path: Path, resumed: dict | None):
     """The run's metrics.jsonl, open for appending. A fresh run starts it empty; a resumed one keeps the lines its
     checkpoint covers (losses up to its step, evaluations up to its epoch) and drops those of the steps it is about to
-    train again, and a line a killed job left half written, so that every step and epoch is listed once."""
+    train again, and a line a killed job left half written, so that every step and epoch is listed once. The kept lines
+    are written beside it, then renamed over it: a full disk leaves the file as it was."""
     kept = []
     if resumed is not None and path.exists():
         for line in path.read_text().splitlines():
@@ -67,7 +68,13 @@ def open_metrics(path: Path, resumed: dict | None):
             covered = record["step"] <= resumed["step"] if "step" in record else record["epoch"] <= resumed["epoch"]
             if covered:
                 kept.append(line + "\n")
-    path.write_text("".join(kept))
+    rewritten = path.with_name(f".{path.name}.tmp")
+    try:
+        rewritten.write_text("".join(kept))
+    except OSError:
+        rewritten.unlink(missing_ok=True)
+        raise
+    os.replace(rewritten, path)
     return open(path, "a", buffering=1)  # line by line, so that `tail -f` and a killed job see every step
 
 
