@@ -4,7 +4,9 @@
 # hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the fast network;
 # default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses).
+# Ctrl-C, SIGTERM or SIGUSR1 to it stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
+source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]"
 hostfile=${1:?$usage}
 num_processes=${2:?$usage}
@@ -26,7 +28,7 @@ for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # e
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
-exec ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
+run_mpi_job ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
     --map-by ppr:"${first_slots#slots=}":node \
     "${forwarded[@]}" \
     "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"

@@ -3,7 +3,9 @@
 #   launch/single_node.sh 8 experiment=an4_gpu model.backend=persistent
 # Settings from the environment: PYTHON (default python3), MPIRUN (default mpirun; may carry options, e.g.
 # MPIRUN="mpirun -x NCCL_DEBUG"), RUN_NAME (default: now).
+# Ctrl-C, SIGTERM or SIGUSR1 to it stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
+source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/single_node.sh NUM_GPUS [trainer overrides...]"
 num_gpus=${1:?$usage}
 # Else a forgotten count takes the first override's place: mpirun would start one rank without it.
@@ -19,5 +21,5 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank w
 
 # --bind-to none: each rank's data-loading workers may use any core of the node.
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
-exec ${MPIRUN:-mpirun} -np "$num_gpus" --bind-to none \
+run_mpi_job ${MPIRUN:-mpirun} -np "$num_gpus" --bind-to none \
     "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"

@@ -6,6 +6,7 @@ benchmarks.scaling_model run.
 Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
 its test, with the job killed, instead of stalling CI.
 """
+import contextlib
 import json
 import os
 import signal
@@ -322,6 +323,63 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     ]:
         refused = launch_script(script, *arguments, **environment)
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
+
+
+RANK_STAND_IN = """
+import signal, sys, time
+from pathlib import Path
+folder, rank = Path(sys.argv[1]), sys.argv[2]
+
+def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (here 1.5 s), then 128 + number
+    time.sleep(1.5)
+    (folder / f"rank{rank}").write_text(signal.Signals(number).name)
+    sys.exit(128 + number)
+
+for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(number, stop)
+(folder / f"ready{rank}").write_text("")
+time.sleep(60)
+"""
+
+# OpenMPI's mpirun as measured (README, Multi-GPU training), only harsher: on Ctrl-C or SIGTERM it kills its ranks at
+# once, where OpenMPI passes SIGTERM on and kills a second later; it passes no SIGUSR1 on.
+OPENMPI_STAND_IN = """#!/usr/bin/env bash
+[[ $1 == --version ]] && { echo "mpirun (Open MPI) 4.1.6"; exit 0; }
+ranks=()
+for rank in 0 1; do "$PYTHON" "$FOLDER/rank.py" "$FOLDER" $rank & ranks+=($!); done
+trap 'kill -KILL "${ranks[@]}"; exit 1' INT TERM
+trap '' USR1
+status=0
+for pid in "${ranks[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@pytest.mark.parametrize("stop_signal, to_the_group", [(signal.SIGINT, True), (signal.SIGUSR1, False),
+                                                       (signal.SIGTERM, False)])
+def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself(tmp_path, stop_signal, to_the_group):
+    """single_node.sh under a stand-in for OpenMPI's mpirun: a terminal's Ctrl-C (to every process of its group) or a
+    signal to the script reaches each rank as itself, and the ranks have the time to stop cleanly."""
+    (tmp_path / "rank.py").write_text(RANK_STAND_IN)
+    (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN)
+    (tmp_path / "mpirun").chmod(0o755)
+    script = subprocess.Popen(
+        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=REPO_ROOT,
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(tmp_path / "mpirun"), "FOLDER": str(tmp_path)},
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+            assert script.poll() is None and time.monotonic() < deadline, script.communicate()[0]
+            time.sleep(0.1)
+        os.killpg(script.pid, stop_signal) if to_the_group else os.kill(script.pid, stop_signal)
+        output = script.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == 128 + stop_signal, output
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stop_signal.name] * 2
 
 
 @pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])

@@ -1,7 +1,8 @@
 """Stopping a run cleanly on a signal: SIGUSR1, SIGTERM and a first Ctrl-C (SIGINT) ask training to stop after the step
 in progress and write checkpoints/last.pt, so that train.resume=auto continues it exactly. Schedulers send SIGTERM
 before they preempt a job (SLURM also SIGUSR1 ahead of its time limit with --signal); MPICH's mpiexec passes all three
-on to every rank, OpenMPI's mpirun Ctrl-C and SIGTERM as SIGTERM (README, Multi-GPU training). Ranks agree on the step
+on to every rank; under OpenMPI's mpirun, which kills the ranks a second after it passes a signal on, the launch
+scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training). Ranks agree on the step
 they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once."""
 import logging
 import signal
