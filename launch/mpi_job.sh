@@ -5,7 +5,8 @@
 # last.pt (2-8 s on the recipes), and passes no SIGUSR1 on (README, Multi-GPU training). So under OpenMPI, mpirun runs
 # in a session of its own, which a terminal's Ctrl-C does not reach, and this script passes each signal to the ranks
 # mpirun started on this node itself (a closed terminal's SIGHUP as SIGTERM). One rank's signal stops every rank after
-# the same step (trainer/stop.py), those on other nodes too.
+# the same step (trainer/stop.py), those on other nodes too. Only the trainer's processes: mpirun's other children are
+# its ssh or srun connections to the other nodes. Where this node runs no rank, mpirun gets the signal, as before.
 run_mpi_job() {
     if ! "$1" --version 2>/dev/null | grep -q "Open MPI"; then
         exec "$@"
@@ -15,7 +16,8 @@ run_mpi_job() {
     local interrupted
     for name in INT TERM USR1 HUP; do
         # shellcheck disable=SC2064  # the launcher's pid and the signal's name, fixed now
-        trap "interrupted=1; pkill -${name/HUP/TERM} -P $launcher || true" "$name"
+        trap "interrupted=1; pkill -${name/HUP/TERM} -P $launcher -f ' -m trainer ' ||
+              kill -${name/HUP/TERM} $launcher || true" "$name"
     done
     while true; do  # a trapped signal ends a wait early; the next one gets mpirun's exit code
         interrupted=""

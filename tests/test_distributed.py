@@ -326,31 +326,35 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
 
 
 RANK_STAND_IN = """
-import signal, sys, time
+import os, signal, sys, time
 from pathlib import Path
-folder, rank = Path(sys.argv[1]), sys.argv[2]
+rank = os.environ["RANK"]
 
 def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (here 1.5 s), then 128 + number
     time.sleep(1.5)
-    (folder / f"rank{rank}").write_text(signal.Signals(number).name)
+    Path(f"rank{rank}").write_text(signal.Signals(number).name)
     sys.exit(128 + number)
 
 for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
     signal.signal(number, stop)
-(folder / f"ready{rank}").write_text("")
+Path(f"ready{rank}").write_text("")
 time.sleep(60)
 """
 
 # OpenMPI's mpirun as measured (README, Multi-GPU training), only harsher: on Ctrl-C or SIGTERM it kills its ranks at
-# once, where OpenMPI passes SIGTERM on and kills a second later; it passes no SIGUSR1 on.
+# once, where OpenMPI passes SIGTERM on and kills a second later; it passes no SIGUSR1 on. Beside its two ranks it
+# starts a process as its connection to another node, which must not be signalled.
 OPENMPI_STAND_IN = """#!/usr/bin/env bash
 [[ $1 == --version ]] && { echo "mpirun (Open MPI) 4.1.6"; exit 0; }
-ranks=()
-for rank in 0 1; do "$PYTHON" "$FOLDER/rank.py" "$FOLDER" $rank & ranks+=($!); done
-trap 'kill -KILL "${ranks[@]}"; exit 1' INT TERM
+shift 4  # -np 2 --bind-to none
+sleep 60 & children=($!)
+for rank in 0 1; do RANK=$rank "$@" & children+=($!); done
+trap 'kill -KILL "${children[@]}"; exit 1' INT TERM
 trap '' USR1
 status=0
-for pid in "${ranks[@]}"; do wait "$pid" || status=$?; done
+for pid in "${children[@]:1}"; do wait "$pid" || status=$?; done
+kill -0 "${children[0]}" || exit 99  # the connection died
+kill "${children[0]}"
 exit $status
 """
 
@@ -359,13 +363,16 @@ exit $status
                                                        (signal.SIGTERM, False)])
 def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself(tmp_path, stop_signal, to_the_group):
     """single_node.sh under a stand-in for OpenMPI's mpirun: a terminal's Ctrl-C (to every process of its group) or a
-    signal to the script reaches each rank as itself, and the ranks have the time to stop cleanly."""
-    (tmp_path / "rank.py").write_text(RANK_STAND_IN)
+    signal to the script reaches each rank as itself, and the ranks have the time to stop cleanly. The ranks run a
+    stand-in `trainer` package in the working directory."""
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
     (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN)
     (tmp_path / "mpirun").chmod(0o755)
     script = subprocess.Popen(
-        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=REPO_ROOT,
-        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(tmp_path / "mpirun"), "FOLDER": str(tmp_path)},
+        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(tmp_path / "mpirun"), "PYTHONPATH": str(REPO_ROOT)},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
