@@ -1,5 +1,6 @@
 """The real entry points end to end on CPU: `python -m trainer` on real AN4 speech, resume, bad input, user errors,
 sweeps (`-m`), then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
+import contextlib
 import json
 import math
 import os
@@ -395,6 +396,30 @@ def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_
     result = sweep(tmp_path, manifest, "run_name=same", "train.max_steps=1,2")
     assert result.returncode == 2 and "is job 0's folder too" in result.output, result.output[-4000:]
     assert len(list((tmp_path / "runs" / "same").glob("*/checkpoints/last.pt"))) == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4_train, tmp_path):
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    data = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}"]
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "-m", *data, *TINY, "model.hidden=16", "model.depth=1",
+         "train.global_batch_size=4", "train.epochs=1000", "run_name=stopped", "model.cell=bogus,gru"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "runs" / "stopped").glob("*/checkpoints/last.pt")):  # the second job trains
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-4000:]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)
+        stderr = job.communicate(timeout=300)[1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGUSR1, stderr[-4000:]
+    assert "failed: sweep job 0 (" in stderr and "model.cell must be one of" in stderr, stderr[-4000:]
 
 
 @pytest.mark.parametrize("overrides, returncode, message", [

@@ -78,10 +78,14 @@ def end_job(exit_code: int, summary: str) -> None:
     distributed.abort_job(exit_code)
 
 
-def sweep_exit_code() -> int:
-    """After the sweep: names each failed job on stderr; 2 where every failure was a user error, 1 else, 0 if none."""
+def name_failed_sweep_jobs() -> None:
     for failure, _ in _failed_sweep_jobs:
         print(f"failed: {failure}", file=sys.stderr)
+
+
+def sweep_exit_code() -> int:
+    """After the sweep: names each failed job on stderr; 2 where every failure was a user error, 1 else, 0 if none."""
+    name_failed_sweep_jobs()
     if not _failed_sweep_jobs:
         return 0
     return 2 if all(exit_code == 2 for _, exit_code in _failed_sweep_jobs) else 1
@@ -152,6 +156,7 @@ def main(cfg: DictConfig) -> None:
             end_job(1, f"{type(error).__name__}: {error} (its traceback is above)")
     else:
         if "stop_signal" in result:
+            name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
             sys.exit(128 + result["stop_signal"])
         if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
             print(f"final test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%  (epoch {result['epoch']})")
