@@ -12,8 +12,7 @@ run_mpi_job() {
         exec "$@"
     fi
     setsid "$@" &
-    local launcher=$! status=0 name
-    local interrupted
+    local launcher=$! status=0 name interrupted
     for name in INT TERM USR1 HUP; do
         # shellcheck disable=SC2064  # the launcher's pid and the signal's name, fixed now
         trap "interrupted=1; pkill -${name/HUP/TERM} -P $launcher -f ' -m trainer ' ||
