@@ -7,11 +7,15 @@
 # mpirun started on this node itself (a closed terminal's SIGHUP as SIGTERM). One rank's signal stops every rank after
 # the same step (trainer/stop.py), those on other nodes too. Only the trainer's processes: mpirun's other children are
 # its ssh or srun connections to the other nodes. Where this node runs no rank, mpirun gets the signal, as before.
+# Should this script be killed outright (SIGKILL), mpirun gets SIGTERM (setpriv --pdeathsig, where util-linux has it)
+# rather than run on alone.
 run_mpi_job() {
     if ! "$1" --version 2>/dev/null | grep -q "Open MPI"; then
         exec "$@"
     fi
-    setsid "$@" &
+    local orphan_guard=()
+    command -v setpriv > /dev/null && orphan_guard=(setpriv --pdeathsig TERM)
+    setsid "${orphan_guard[@]}" "$@" &
     local launcher=$! status=0 name interrupted
     for name in INT TERM USR1 HUP; do
         # shellcheck disable=SC2064  # the launcher's pid and the signal's name, fixed now

@@ -349,7 +349,7 @@ OPENMPI_STAND_IN = """#!/usr/bin/env bash
 shift 4  # -np 2 --bind-to none
 sleep 60 & children=($!)
 for rank in 0 1; do RANK=$rank "$@" & children+=($!); done
-trap 'kill -KILL "${children[@]}"; exit 1' INT TERM
+trap 'kill -KILL "${children[@]}"; touch terminated; exit 1' INT TERM
 trap '' USR1
 status=0
 for pid in "${children[@]:1}"; do wait "$pid" || status=$?; done
@@ -359,12 +359,9 @@ exit $status
 """
 
 
-@pytest.mark.parametrize("stop_signal, to_the_group", [(signal.SIGINT, True), (signal.SIGUSR1, False),
-                                                       (signal.SIGTERM, False)])
-def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself(tmp_path, stop_signal, to_the_group):
-    """single_node.sh under a stand-in for OpenMPI's mpirun: a terminal's Ctrl-C (to every process of its group) or a
-    signal to the script reaches each rank as itself, and the ranks have the time to stop cleanly. The ranks run a
-    stand-in `trainer` package in the working directory."""
+def start_under_openmpi_stand_in(tmp_path) -> subprocess.Popen:
+    """single_node.sh with 2 ranks under the stand-in mpirun, whose ranks run a stand-in `trainer` package in the
+    working directory; returns once both ranks have started."""
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
@@ -375,11 +372,23 @@ def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself
         env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(tmp_path / "mpirun"), "PYTHONPATH": str(REPO_ROOT)},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+        if script.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(script.pid, signal.SIGKILL)
+            pytest.fail(script.communicate()[0])
+        time.sleep(0.1)
+    return script
+
+
+@pytest.mark.parametrize("stop_signal, to_the_group", [(signal.SIGINT, True), (signal.SIGUSR1, False),
+                                                       (signal.SIGTERM, False)])
+def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself(tmp_path, stop_signal, to_the_group):
+    """A terminal's Ctrl-C (to every process of its group) or a signal to the script reaches each rank as itself,
+    and the ranks have the time to stop cleanly."""
+    script = start_under_openmpi_stand_in(tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
-            assert script.poll() is None and time.monotonic() < deadline, script.communicate()[0]
-            time.sleep(0.1)
         os.killpg(script.pid, stop_signal) if to_the_group else os.kill(script.pid, stop_signal)
         output = script.communicate(timeout=60)[0]
     finally:
@@ -387,6 +396,16 @@ def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself
             os.killpg(script.pid, signal.SIGKILL)
     assert script.returncode == 128 + stop_signal, output
     assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stop_signal.name] * 2
+
+
+def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_path):
+    script = start_under_openmpi_stand_in(tmp_path)
+    os.killpg(script.pid, signal.SIGKILL)
+    script.communicate(timeout=60)
+    wait_until = time.monotonic() + 30
+    while not (tmp_path / "terminated").exists():  # the stand-in mpirun got SIGTERM (and killed its ranks)
+        assert time.monotonic() < wait_until, "mpirun runs on without the script"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])
