@@ -780,6 +780,10 @@ def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
         checkpoint_to_resume(None, run_dir)
     elsewhere = tmp_path / "other" / "checkpoints" / "last.pt"
+    with pytest.raises(FileNotFoundError, match=f"checkpoint not found: {re.escape(str(elsewhere))}"):
+        checkpoint_to_resume(str(elsewhere), run_dir)
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_bytes(b"")
     assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere
 
 

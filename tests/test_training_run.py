@@ -428,6 +428,8 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     (["train.grad_clip_norm=-1"], 2, "train.grad_clip_norm must be a positive number, not -1"),
     (["train.cuda_graphs=true"], 2, "train.cuda_graphs=true needs a CUDA device, this run is on cpu"),
     (["data.an4_source=NO_AN4"], 2, "NO_AN4"),  # a corpus folder that is not there
+    # A checkpoint that is not there, named before the data are read (the manifest here is missing too).
+    (["train.resume=NO_AN4/last.pt"], 2, "checkpoint not found: NO_AN4/last.pt (train.resume)"),
     (["model.depht=3"], 1, "depht"),  # refused by Hydra itself
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):
