@@ -13,9 +13,11 @@ run_mpi_job() {
     if ! "$1" --version 2>/dev/null | grep -q "Open MPI"; then
         exec "$@"
     fi
-    local orphan_guard=()
-    command -v setpriv > /dev/null && orphan_guard=(setpriv --pdeathsig TERM)
-    setsid "${orphan_guard[@]}" "$@" &
+    if setpriv --pdeathsig TERM true 2> /dev/null; then  # util-linux 2.33 and later
+        setsid setpriv --pdeathsig TERM "$@" &
+    else
+        setsid "$@" &
+    fi
     local launcher=$! status=0 name interrupted
     for name in INT TERM USR1 HUP; do
         # shellcheck disable=SC2064  # the launcher's pid and the signal's name, fixed now
