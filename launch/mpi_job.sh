@@ -13,7 +13,7 @@ run_mpi_job() {
     if ! "$1" --version 2>/dev/null | grep -q "Open MPI"; then
         exec "$@"
     fi
-    if setpriv --pdeathsig TERM true 2> /dev/null; then  # util-linux 2.33 and later
+    if setpriv --pdeathsig TERM true 2> /dev/null; then  # an older setpriv lacks the option
         setsid setpriv --pdeathsig TERM "$@" &
     else
         setsid "$@" &
