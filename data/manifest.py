@@ -5,9 +5,11 @@ segment of a longer file) is refused rather than ignored: the whole file would b
 """
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+# Seconds; a larger duration is a mistake (a day is 86400 s), and past about 1e304 it overflows a sample count.
+MAX_DURATION = 1e6
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,8 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
-    line that is not UTF-8, or not a JSON object with a string `audio_filepath` and `text` and a finite,
-    non-negative `duration` (and no `offset` other than 0). A byte-order mark before the first line is skipped.
+    line that is not UTF-8, or not a JSON object with a string `audio_filepath` and `text` and a `duration` from 0
+    to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
     if path.is_dir():
@@ -49,6 +51,8 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    except ValueError as error:  # a number Python will not read (an integer of more than 4300 digits)
+        raise ValueError(f"{where}: not readable JSON ({error})") from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(record, dict):
@@ -58,9 +62,9 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
     # bool is an int subclass, and True is no duration.
-    # An integer no float can hold (a line of 400 digits) is not finite either.
-    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration <= sys.float_info.max:
-        raise ValueError(f"{where}: 'duration' must be a finite, non-negative number of seconds, got {duration!r}")
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration <= MAX_DURATION:
+        raise ValueError(f"{where}: 'duration' must be a number of seconds from 0 to {MAX_DURATION:g}, "
+                         f"got {duration!r}")
     if record.get("offset", 0) != 0:
         raise ValueError(f"{where}: 'offset' {record['offset']!r} (a segment of a longer file) is not supported; "
                          "cut the segment into a file of its own")
@@ -68,6 +72,12 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
         raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
     if not isinstance(speaker, str):
         raise ValueError(f"{where}: 'speaker' must be a string, got {speaker!r}")
+    for key, value in (("audio_filepath", audio_filepath), ("text", text), ("speaker", speaker)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:  # JSON's \ud800 escapes decode to lone surrogates
+            raise ValueError(f"{where}: {key!r} holds {value[error.start]!r}, half of a UTF-16 surrogate pair, "
+                             "which is no character") from None
     return Utterance(str(path.parent.absolute() / audio_filepath), float(duration), text, speaker)
 
 
@@ -80,7 +90,12 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with partial.open("w", encoding="utf-8") as out:
-        for utterance in utterances:
-            out.write(json.dumps(asdict(utterance), ensure_ascii=False) + "\n")
-    partial.replace(path)
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            for utterance in utterances:
+                out.write(json.dumps(asdict(utterance), ensure_ascii=False) + "\n")
+        partial.replace(path)
+    except OSError as error:  # a full disk or a file size limit: a failed write() names no file
+        raise OSError(error.errno, error.strerror, str(path)) from error
+    finally:
+        partial.unlink(missing_ok=True)

@@ -1,7 +1,11 @@
 """Reading and writing JSONL manifests."""
+import errno
 import json
+import subprocess
+import sys
 
 import pytest
+from conftest import REPO_ROOT
 
 from data.manifest import Utterance, read_manifest, write_manifest
 
@@ -15,6 +19,21 @@ def test_write_then_read_gives_the_same_utterances(tmp_path):
     write_manifest(path, utterances)
     assert read_manifest(path) == utterances
     assert [p.name for p in path.parent.iterdir()] == ["m.jsonl"]  # no partial file left behind
+
+
+def test_a_failed_write_names_the_manifest_and_leaves_no_partial_file(tmp_path):
+    """A full disk, played by a file size limit (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails)."""
+    path = tmp_path / "m.jsonl"
+    script = (
+        "import resource\n"
+        "from data.manifest import Utterance, write_manifest\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        f"write_manifest({str(path)!r}, [Utterance('/a.flac', 1.25, 'HELLO', 'spk1')] * 1000)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.rstrip().endswith(f"OSError: [Errno {errno.EFBIG}] File too large: '{path}'"), result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
@@ -50,12 +69,16 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": Infinity, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": 1e999, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": 1' + "0" * 400 + ', "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": 1e305, "text": "A"}', "'duration' must be .* to 1e\\+06, got 1e\\+305"),
+        ('{"audio_filepath": "a.wav", "duration": 1' + "0" * 5000 + ', "text": "A"}', "not readable JSON .*digits"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": ' + "[" * 100_000 + "]" * 100_000 + "}",
          "nested too deeply"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": -1.0, "text": "A"}', "'offset' -1.0 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
+        ('{"audio_filepath": "a\\ud800.wav", "duration": 1.0, "text": "A"}', "'audio_filepath' holds '.ud800', half"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A\\udfff"}', "'text' holds '.udfff', half"),
     ],
 )
 def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint):
