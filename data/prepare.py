@@ -85,28 +85,28 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
 
 
 def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:
-    """Whether `manifest` is newer than its etc files, lists audio of this source folder, and as many utterances as
-    have an audio file now: a corpus moved or copied elsewhere, or audio added or removed since, builds it again."""
+    """Whether `manifest` is newer than its etc files and lists the audio files of this source folder that exist
+    now, less those whose header still cannot be read: a corpus moved or copied elsewhere, or audio added, removed or
+    mended since, builds it again."""
     if not _newer_than(manifest, [fileids, transcription]):
         return False
     try:
-        listed = read_manifest(manifest)
+        listed = {utterance.audio_filepath for utterance in read_manifest(manifest)}
     except ValueError:  # not a manifest this code wrote
         return False
-    if not all(Path(utterance.audio_filepath).is_relative_to(source) for utterance in listed):
-        return False
     stems = [source / "wav" / fileid for fileid in _read_utf8(fileids).split()]
-    present = sum(any(stem.with_name(stem.name + suffix).is_file() for suffix in AN4_AUDIO_SUFFIXES) for stem in stems)
-    return present == len(listed)
+    present = {str(audio) for stem in stems if (audio := _audio_file(stem, AN4_AUDIO_SUFFIXES)) is not None}
+    return listed <= present and not any(_header_readable(Path(audio)) for audio in present - listed)
 
 
 def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], int]:
     ids = _read_utf8(fileids).split()
-    lines = [line for line in _read_utf8(transcription).split("\n") if line.strip()]
+    lines = [(number, line) for number, line in enumerate(_read_utf8(transcription).split("\n"), start=1)
+             if line.strip()]
     if len(ids) != len(lines):
         raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
     utterances, num_skipped = [], 0
-    for line_number, (fileid, line) in enumerate(zip(ids, lines), start=1):
+    for fileid, (line_number, line) in zip(ids, lines):
         match = _AN4_LINE.match(line)
         if match is None or match["id"] != Path(fileid).name:
             raise ValueError(f"{transcription}:{line_number}: expected 'TEXT ({Path(fileid).name})', got {line!r}")
@@ -123,8 +123,7 @@ def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[l
 def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str) -> Utterance | None:
     """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (with a warning
     naming the file) when there is no such file or it cannot be read."""
-    candidates = [audio_stem.with_name(audio_stem.name + suffix) for suffix in suffixes]
-    audio = next((path for path in candidates if path.is_file()), None)
+    audio = _audio_file(audio_stem, suffixes)
     if audio is None:
         logger.warning("skipping %s: no %s file", audio_stem, " / ".join(suffixes))
         return None
@@ -134,6 +133,20 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
         logger.warning("skipping %s", error)
         return None
     return Utterance(str(audio), duration, text, speaker)
+
+
+def _audio_file(audio_stem: Path, suffixes: tuple[str, ...]) -> Path | None:
+    """`audio_stem` + the first suffix that names a file, or None."""
+    candidates = (audio_stem.with_name(audio_stem.name + suffix) for suffix in suffixes)
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _header_readable(audio: Path) -> bool:
+    try:
+        audio_header(audio)
+    except AudioError:
+        return False
+    return True
 
 
 def _read_utf8(path: Path) -> str:

@@ -99,6 +99,20 @@ def test_an4_is_rewritten_when_the_corpus_moved_or_its_audio_changed(tiny_an4, t
     assert len(read_manifest(prepare_an4(moved, out)["train"])) == 3
 
 
+def test_an4_is_not_rewritten_for_audio_still_unreadable_and_is_once_it_is_mended(tiny_an4, tmp_path, caplog):
+    unreadable = tiny_an4 / "wav" / "an4_clstk/mgah/cen2-mgah-b.flac"
+    unreadable.write_bytes(b"not audio at all" * 64)
+    train = prepare_an4(tiny_an4, tmp_path / "out")["train"]
+    os.utime(train, (2e9, 2e9))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        prepare_an4(tiny_an4, tmp_path / "out")
+    assert train.stat().st_mtime == 2e9 and f"{train} is up to date" in caplog.text
+    assert "skipping" not in caplog.text
+    write_audio(unreadable, 0.5)
+    assert len(read_manifest(prepare_an4(tiny_an4, tmp_path / "out")["train"])) == 4
+
+
 def test_an4_spelt_another_way_lists_the_same_paths_and_is_not_rewritten(tiny_an4, tmp_path, monkeypatch):
     # A relative source with ".." (from a folder that may go away) lists its audio by their plain absolute paths, so
     # the manifests stay valid and current whichever way the folder is named.
@@ -127,6 +141,12 @@ def test_an4_etc_files_may_start_with_a_byte_order_mark(tiny_an4, tmp_path):
 def test_an4_transcript_for_another_fileid_names_file_and_line(tiny_an4, tmp_path):
     (tiny_an4 / "etc" / "an4_test.transcription").write_text("RUBOUT (an999-fcaw-b)\n")
     with pytest.raises(ValueError, match=r"an4_test.transcription:1: .*an406-fcaw-b"):
+        prepare_an4(tiny_an4, tmp_path / "out")
+
+
+def test_an4_transcription_line_numbers_count_blank_lines(tiny_an4, tmp_path):
+    (tiny_an4 / "etc" / "an4_test.transcription").write_text("\n\nRUBOUT (an999-fcaw-b)\n")
+    with pytest.raises(ValueError, match=r"an4_test.transcription:3: .*an406-fcaw-b"):
         prepare_an4(tiny_an4, tmp_path / "out")
 
 
