@@ -429,6 +429,17 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
 
+def test_the_slurm_script_asks_for_the_time_limits_signal_and_may_be_requeued():
+    """sbatch reads its options from the script's #SBATCH lines, up to the first command."""
+    options = []
+    for line in (REPO_ROOT / "launch" / "slurm.sbatch").read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH "):
+            options += line.split()[1:]
+        elif line.strip() and not line.startswith("#"):
+            break
+    assert "--signal=USR1@180" in options and "--requeue" in options, options
+
+
 def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_otherwise(monkeypatch):
     variables = ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_DUMP_ON_TIMEOUT")
     for name in variables:  # set, then deleted: monkeypatch restores each as it was before the test
