@@ -6,20 +6,20 @@ train to the same word error rate as cuDNN?
         [--backend-overrides BACKEND OVERRIDE ...] [-- TRAINER_OVERRIDES ...]
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
-train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with
-model.backend, seed, train.resume=auto and the overrides, then that backend's --backend-overrides (e.g.
-`--backend-overrides persistent model.batch_slice=4`: cuDNN at the whole batch against the persistent kernels at a
-per-GPU batch of 4, in one command); its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to
---parallel runs go at once, spread round-robin over the visible GPUs (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per
-run: runs that share a GPU share its time, which at a small per-GPU batch leaves most of it idle anyway.
---graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed sequences a graph cannot hold).
---ranks N makes each run a data-parallel job of N ranks (launch/single_node.sh under MPIRUN) on its one GPU, with
-distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the global batch / N, e.g. the recipe's
-global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine with fewer GPUs.
-Running the same command again continues each unfinished run from its last.pt (one that finished all its epochs
-ends at once), so a long comparison can span several jobs. --report trains nothing: it summarises the runs as they
-stand in RUNS_DIR (finished, stopped part way, or copied there from another machine). Every run lists the devices its
-jobs trained on, from its jobs.jsonl.
+train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with the
+overrides, then that backend's --backend-overrides (e.g. `--backend-overrides persistent model.batch_slice=4`: cuDNN at
+the whole batch against the persistent kernels at a per-GPU batch of 4, in one command), then model.backend, seed, its
+run directory, train.resume=auto and train.progress_bar=false, which the overrides may not set; its output goes to
+RUNS_DIR/NAME-BACKEND-sSEED.out. Up to --parallel runs go at once, spread round-robin over the visible GPUs
+(CUDA_VISIBLE_DEVICES, or every GPU), one GPU per run: runs that share a GPU share its time, which at a small per-GPU
+batch leaves most of it idle anyway. --graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed
+sequences a graph cannot hold). --ranks N makes each run a data-parallel job of N ranks (launch/single_node.sh under
+MPIRUN) on its one GPU, with distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the global
+batch / N, e.g. the recipe's global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine
+with fewer GPUs. Running the same command again continues each unfinished run from its last.pt (one that finished all
+its epochs ends at once), so a long comparison can span several jobs. --report trains nothing: it summarises the runs
+as they stand in RUNS_DIR (finished, stopped part way, or copied there from another machine). Every run lists the
+devices its jobs trained on, from its jobs.jsonl.
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
@@ -185,6 +185,10 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
     return rows
 
 
+# What train() sets for each run, after the overrides: the same key among them would be silently replaced.
+RUN_KEYS = ("model.backend", "seed", "run_name", "hydra.run.dir", "train.resume", "train.progress_bar")
+
+
 def backend_overrides(args) -> dict[str, list[str]]:
     """--backend-overrides as {backend: its overrides}, each given after the common ones (so it wins over them)."""
     return {backend: overrides for backend, *overrides in args.backend_overrides or []}
@@ -228,6 +232,11 @@ def main(argv=None) -> None:
         if backend not in args.backends or not overrides or not all("=" in override for override in overrides):
             sys.exit(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
                      f"({' '.join(args.backends)}), then KEY=VALUE overrides")
+    given = [*args.overrides, *(override for _, *overrides in args.backend_overrides or [] for override in overrides)]
+    taken = sorted({key for override in given if (key := override.split("=", 1)[0].lstrip("+~")) in RUN_KEYS})
+    if taken:
+        sys.exit(f"{', '.join(taken)}: set for each run by this script (from --backends, --seeds, --name and "
+                 "--runs-dir); leave them out of the overrides")
     if args.parallel < 1 or args.ranks < 1:
         sys.exit("--parallel and --ranks must be at least 1")
     if args.graphs and args.ranks > 1:

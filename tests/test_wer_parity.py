@@ -193,3 +193,5 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match="--backend-overrides reference model.batch_slice=4: give one of --backends"):
         wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "reference",
                          "model.batch_slice=4"])
+    with pytest.raises(SystemExit, match="^seed, train.resume: set for each run by this script"):
+        wer_parity.main(["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"])
