@@ -240,6 +240,14 @@ def test_a_second_job_in_a_run_directory_in_use_is_refused_changing_nothing(an4_
     assert "resumed from" in again.output
 
 
+@pytest.mark.parametrize("sweep", [[], ["-m", "model.hidden=8,16"]])
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, sweep):
+    (tmp_path / "runs").write_text("")  # a file where runs/ should be
+    result = run("trainer", [*sweep, "experiment=cpu_demo", "run_name=r"], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+    assert result.stderr == "error: cannot make the run directory runs/r: Not a directory\n", result.output[-4000:]
+
+
 @pytest.mark.slow
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])

@@ -1,0 +1,29 @@
+"""A Hydra callback (conf/train.yaml, hydra.callbacks) that makes the run's directory before Hydra does.
+
+Hydra makes it inside its own error handling, so one it cannot make (a file named `runs`, no permission, a full disk)
+ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
+trainer's other user errors are.
+"""
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def make_or_exit(directory: str) -> None:
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"error: cannot make the run directory {directory}: {error.strerror or error}"
+              + (f" ({error.filename})" if error.filename and str(error.filename) != directory else ""),
+              file=sys.stderr)
+        sys.exit(2)
+
+
+class MakeRunDirectory(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        make_or_exit(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        make_or_exit(config.hydra.sweep.dir)
