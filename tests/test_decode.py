@@ -1,4 +1,6 @@
 """The beam-search decoder against brute force over every labelling, and the n-gram language model it uses."""
+import argparse
+import gzip
 import itertools
 import math
 import random
@@ -8,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from data.text import ALPHABET, NUM_CLASSES, encode
+from trainer import decode
 from trainer.decode import BeamSearch, Paths, Prefix, greedy_decode
 from trainer.lm import NGramLM, build_arpa
 
@@ -238,8 +241,23 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):
             NGramLM.from_arpa(bad)
+    compressed = tmp_path / "model.arpa.gz"
+    compressed.write_bytes(gzip.compress(ARPA.encode()))
+    with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 is not UTF-8 \(a compressed"):
+        NGramLM.from_arpa(compressed)
     bad.write_text("no model here\n")
     with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
         NGramLM.from_arpa(bad)
     with pytest.raises(FileNotFoundError, match="absent.arpa"):
         NGramLM.from_arpa(tmp_path / "absent.arpa")
+
+
+@pytest.mark.parametrize("option", ["--lm-weight", "--word-bonus"])
+def test_decoder_weights_must_be_finite(option, capsys):
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    assert getattr(parser.parse_args([option, "-2.5"]), option[2:].replace("-", "_")) == -2.5
+    for value in ("nan", "inf", "-inf"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"{option}={value}"])
+        assert f"argument {option}: must be a finite number, not {value}" in capsys.readouterr().err

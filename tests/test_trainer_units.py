@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO_ROOT
 from data.dataset import collate, Sample
+from data.manifest import Utterance, write_manifest
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
 from trainer import build, checkpoint, cli, decode, lm
@@ -243,6 +244,9 @@ def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")])
     assert refused.value.code == 2 and f"argument --out: no folder {tmp_path / 'no'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--order", "0", "--out", str(tmp_path / "x.arpa")])
+    assert refused.value.code == 2 and "argument --order: must be at least 1, not 0" in capsys.readouterr().err
 
 
 def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp_path, monkeypatch):
@@ -414,6 +418,13 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": edited}, tmp_path / "edited.pt")
     with pytest.raises(ValueError, match=r"edited.pt .*: its config.data.paths.1 holds an interpolation \(\$\{...\}\)"):
         checkpoint.load(tmp_path / "edited.pt")
+    # Nor inside a tuple (OmegaConf makes it a list), or as YAML text, where "\u0024{" spells "${" once parsed.
+    torch.save({"model": {}, "config": {"data": {"paths": ("a", "${oc.env:HOME}")}}}, tmp_path / "tuple.pt")
+    with pytest.raises(ValueError, match=r"tuple.pt .*: its config.data.paths.1 holds an interpolation"):
+        checkpoint.load(tmp_path / "tuple.pt")
+    torch.save({"model": {}, "config": 'data: {kind: "\\u0024{oc.env:HOME}"}'}, tmp_path / "yaml.pt")
+    with pytest.raises(ValueError, match=r"yaml.pt is not a checkpoint .*: its config is a str, not a mapping$"):
+        checkpoint.load(tmp_path / "yaml.pt")
 
 
 def test_a_checkpoint_of_another_training_set_is_refused():
@@ -436,12 +447,13 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
             "rng": [checkpoint.rng_state(torch.device("cpu"))]}
     restore(path, good, loaders)
     assert state == {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": 0.0, "best_unreadable": 0}
-    cases = {
-        "model": (torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
-        "train_state": ({"epoch": 2, "step": "9"}, "no number for step, best_wer"),
-        "rng": ([], "list index out of range"),
-    }
-    for part, (value, reason) in cases.items():
+    cases = [
+        ("model", torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
+        ("train_state", {"epoch": 2, "step": "9"}, "no number, or no count where one belongs, for step, best_wer"),
+        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1}, "no count where one belongs, for epoch, step"),
+        ("rng", [], "list index out of range"),
+    ]
+    for part, value, reason in cases:
         with pytest.raises(ValueError, match=rf"cannot resume from {re.escape(str(path))}: its {part} does not fit "
                                              rf"this run \(.*{reason}") as error:
             restore(path, {**good, part: value}, loaders)
@@ -506,6 +518,29 @@ def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         checkpoint.load(tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_a_model_that_is_not_finite_in_one_line(tool, tmp_path, capsys):
+    main = importlib.import_module(f"trainer.{tool}").main
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "A", "a")])
+    inputs = [str(audio)] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
+    saved = checkpoint.load(small_checkpoint(tmp_path / "small.pt"))
+    saved["model"]["classifier.weight"][0, 0] = math.nan
+    checkpoint.save(tmp_path / "nan.pt", saved)
+    assert main(["--checkpoint", str(tmp_path / "nan.pt"), "--device", "cpu", *inputs]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nan.pt'}: its model holds values that are not finite, "
+                                       "in classifier.weight\n")
+    # Finite weights whose output is not (the batch norm's running variance negative: the square root of it NaN).
+    saved = checkpoint.load(small_checkpoint(tmp_path / "small.pt"))
+    variance = next(name for name in saved["model"] if name.endswith("running_var"))
+    saved["model"][variance].fill_(-1.0)
+    checkpoint.save(tmp_path / "negative.pt", saved)
+    assert main(["--checkpoint", str(tmp_path / "negative.pt"), "--device", "cpu", *inputs]) == 2
+    error = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after evaluate's progress bar
+    assert error.startswith(f"error: {tmp_path / 'negative.pt'}: log_probs hold NaN") and error.count("\n") == 1, error
 
 
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])

@@ -92,4 +92,9 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         reason = " ".join(lines[:2]) or type(error).__name__
         reason = reason if len(reason) <= 300 else reason[:297] + "..."
         raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
+    not_finite = [name for name, tensor in network.state_dict().items()
+                  if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if not_finite:  # the trainer saves no such model (an evaluation of it stops the run first): edited by hand
+        raise ValueError(f"{path}: its model holds values that are not finite, in {', '.join(not_finite[:3])}"
+                         + (f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""))
     return network.to(device).eval(), extractor, cfg

@@ -93,7 +93,10 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     missing = [part for part in parts if not isinstance(saved, dict) or part not in saved]
     if missing:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
-    interpolated = _interpolation(saved.get("config"), "config")
+    if not isinstance(saved["config"], dict):  # a string would be parsed as YAML, where \u0024{ spells ${
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its config is a "
+                         f"{type(saved['config']).__name__}, not a mapping")
+    interpolated = _interpolation(saved["config"], "config")
     if interpolated:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {interpolated} holds an "
                          "interpolation (${...}), which the trainer resolves before it saves a config")
@@ -105,5 +108,5 @@ def _interpolation(value, key: str) -> str | None:
     environment), or None."""
     if isinstance(value, str):
         return key if "${" in value else None
-    entries = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    entries = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
     return next(filter(None, (_interpolation(entry, f"{key}.{name}") for name, entry in entries)), None)

@@ -1,6 +1,7 @@
 """Argument types the trainer's command lines share: argparse refuses a bad value, naming its argument, before any
 work starts."""
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -9,6 +10,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
     return value
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data.text import ALPHABET, BLANK, decode
+from trainer.cli import finite_float
 from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM
 
 SPACE = ALPHABET.index(" ")
@@ -188,8 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam", type=int, help="CTC prefix beam search of this width (default: greedy, or 16 "
                                                  "with --lm)")
     parser.add_argument("--lm", help="an ARPA word n-gram model for the beam search (python -m trainer.lm builds one)")
-    parser.add_argument("--lm-weight", type=float, default=BeamSearch.lm_weight, help="weight of ln P_lm")
-    parser.add_argument("--word-bonus", type=float, default=BeamSearch.word_bonus, help="added per word, with --lm")
+    parser.add_argument("--lm-weight", type=finite_float, default=BeamSearch.lm_weight, help="weight of ln P_lm")
+    parser.add_argument("--word-bonus", type=finite_float, default=BeamSearch.word_bonus,
+                        help="added per word, with --lm")
 
 
 def from_arguments(args: argparse.Namespace):

@@ -74,8 +74,12 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
-    with logging_redirect_tqdm():
-        counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
+    try:
+        with logging_redirect_tqdm():
+            counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
+    except ValueError as error:  # the model's output not finite (decode.check_finite)
+        print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
+        return 2
     if not rows:  # before --out is opened: an earlier table there stays
         print(f"error: none of the {len(dataset)} utterances of {args.manifest or cfg.data.eval_manifest} could be "
               "decoded (the warnings above name them)", file=sys.stderr)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from data.manifest import read_manifest
 from data.text import invalid_characters, normalize_text
-from trainer.cli import output_file
+from trainer.cli import output_file, positive_int
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
@@ -36,7 +36,12 @@ class NGramLM:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"language model not found: {path}")
-        return cls.from_arpa_text(path.read_text(encoding="utf-8-sig"), source=str(path))
+        try:
+            text = path.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not an ARPA text file: byte {error.start} is not UTF-8 (a compressed "
+                             "model must be decompressed first)") from None
+        return cls.from_arpa_text(text, source=str(path))
 
     @classmethod
     def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
-    parser.add_argument("--order", type=int, default=3)
+    parser.add_argument("--order", type=positive_int, default=3)
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:

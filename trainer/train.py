@@ -295,12 +295,19 @@ def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
 
 
 def resumed_train_state(state: dict, saved_state: dict) -> dict:
-    """A checkpoint's train_state, each of `state`'s entries a number; ValueError naming those that are not."""
+    """A checkpoint's train_state, each of `state`'s entries a number, a count (a non-negative integer) where `state`
+    holds one; ValueError naming those that are not."""
     # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
     resumed = {"elapsed_s": 0.0, "best_unreadable": 0, **saved_state}
-    wrong = [key for key in state if not isinstance(resumed.get(key), int | float)]
+
+    def fits(key, value):
+        if isinstance(state[key], int):
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return isinstance(value, int | float)
+
+    wrong = [key for key in state if not fits(key, resumed.get(key))]
     if wrong:
-        raise ValueError(f"no number for {', '.join(wrong)}")
+        raise ValueError(f"no number, or no count where one belongs, for {', '.join(wrong)}")
     return resumed
 
 

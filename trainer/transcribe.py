@@ -34,7 +34,12 @@ def main(argv=None) -> int:
                 failures += 1
                 continue
             log_probs, out_lengths = model(feats.unsqueeze(0).to(device), torch.tensor([feats.shape[0]], device=device))
-            print(f"{path}\t{decoder(log_probs, out_lengths)[0]}")
+            try:
+                transcript = decoder(log_probs, out_lengths)[0]
+            except ValueError as error:  # the model's output not finite (decode.check_finite), from finite features
+                print(f"error: {args.checkpoint}: {error} (for {path})", file=sys.stderr)
+                return 2
+            print(f"{path}\t{transcript}")
     return 1 if failures else 0
 
 
