@@ -1,6 +1,7 @@
 """persistent_layer against the float64 reference: outputs and every gradient over many shapes, the refusals, a launch
 that times out, CUDA-graph capture and the custom ops' registration (opcheck)."""
 import contextlib
+import json
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import prnn_kernels
-from prnn_kernels import build, modules, persistent
+from prnn_kernels import build, modules, persistent, support_table
 from prnn_kernels.persistent import (
     directions_run_together,
     launch_plans,
@@ -31,6 +32,38 @@ def test_support_without_cuda_says_why():
     assert "is not one of" in support("conv", 256, 4, torch.float32, "cpu").reason
     assert "batch size 33" in support("relu", 256, 33, torch.float32, "cpu").reason
     assert "dtype" in support("gru", 256, 4, torch.float16, "cpu").reason
+
+
+def test_the_support_table_needs_a_gpu_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert support_table.main(["--hiddens", "256"]) == 2
+    assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
+
+
+def test_the_support_table_writes_counts_as_runs_from_one_up():
+    assert [support_table.counts(batches) for batches in ([], [1, 2, 3], [2, 3], [1, 3])] == ["-", "3", "2,3", "1,3"]
+
+
+@pytest.mark.cuda
+def test_the_support_table_gives_what_the_support_query_answers(tmp_path, capsys):
+    assert support_table.main(["--cells", "relu", "lstm", "--hiddens", "256", "2048", "8192", "--max-batch", "8",
+                               "--json", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [row["hidden"] for row in rows] == [256, 2048, 8192]
+    for row in rows:
+        for cell in ("relu", "lstm"):
+            for name, dtype in support_table.PRECISIONS.items():
+                shape = row[f"{cell}_{name}"]
+                answers = [support(cell, row["hidden"], batch, dtype, CUDA).ok for batch in range(1, 9)]
+                assert shape["batches"] == [batch for batch, ok in zip(range(1, 9), answers) if ok], (row, cell)
+                assert set(shape["together"]) <= set(shape["batches"])
+                assert (shape["reason"] is None) == answers[0]
+    assert rows[0]["relu_fp32"]["batches"] == list(range(1, 9))  # a small layer runs at every count
+    assert rows[2]["lstm_fp32"] == {"batches": [], "together": [], "reason": support("lstm", 8192, 1, torch.float32,
+                                                                                      CUDA).reason}
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].split() == ["H", "relu", "fp32", "relu", "bf16", "lstm", "fp32", "lstm", "bf16"]
+    assert printed[2].startswith("  256 ") and printed[2].split()[1:3] == ["8", "(8)"]
 
 
 @pytest.fixture

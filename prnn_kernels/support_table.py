@@ -1,0 +1,84 @@
+"""What the persistent kernels run on this GPU, from the support query: for each cell, precision and hidden size,
+the most utterances it runs (forward and backward) and the most at which both directions of a bidirectional layer
+run in one launch.
+
+    python -m prnn_kernels.support_table [--cells relu gru lstm] [--precisions fp32 bf16] [--hiddens H ...]
+        [--max-batch 16] [--json PATH]
+
+The default sizes are the multiples of 128 up to 6272. Each shape's counts run from 1 utterance up (the query is
+asked at each count: the table says so where a larger count runs and a smaller does not). A size where nothing runs
+shows "-", and the JSON gives the query's reason at one utterance. Building the extension, the first time, takes a
+minute or two.
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HIDDENS = tuple(range(128, 6273, 128))
+
+
+def fits(cell: str, hidden_size: int, dtype: torch.dtype, max_batch: int) -> dict:
+    """{"batches": the utterance counts that run, "together": those that run both directions in one launch,
+    "reason": why one utterance does not run, else None} for one shape on the current GPU."""
+    batches = [batch for batch in range(1, max_batch + 1) if support(cell, hidden_size, batch, dtype, "cuda").ok]
+    together = [batch for batch in batches if directions_run_together(cell, hidden_size, batch, dtype, "cuda")]
+    reason = None if 1 in batches else support(cell, hidden_size, 1, dtype, "cuda").reason
+    return {"batches": batches, "together": together, "reason": reason}
+
+
+def counts(batches: list[int]) -> str:
+    """"-" for none, the largest where they run from 1 up, else each one."""
+    if not batches:
+        return "-"
+    return str(batches[-1]) if batches == list(range(1, len(batches) + 1)) else ",".join(map(str, batches))
+
+
+def count_from_1_to(largest: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if not 1 <= value <= largest:
+            raise argparse.ArgumentTypeError(f"must be 1 to {largest}, not {value}")
+        return value
+    return parse
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prnn_kernels.support_table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", nargs="+", choices=CELLS, default=["relu", "gru", "lstm"],
+                        help="tanh runs as relu does")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--hiddens", nargs="+", type=count_from_1_to(1 << 16), default=list(HIDDENS))
+    parser.add_argument("--max-batch", type=count_from_1_to(MAX_BATCH), default=16)
+    parser.add_argument("--json", help="write the table, the device and the reasons here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the support query answers for a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
+    columns = [(cell, precision) for cell in args.cells for precision in args.precisions]
+    device = torch.cuda.get_device_properties(torch.cuda.current_device())
+    print(f"{device.name} ({device.multi_processor_count} SMs, {device.L2_cache_size >> 20} MB of L2): the most "
+          f"utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one launch")
+    print(f"{'H':>5} " + " ".join(f"{cell + ' ' + precision:>13}" for cell, precision in columns), flush=True)
+    table = []
+    for hidden in args.hiddens:
+        row = {f"{cell}_{precision}": fits(cell, hidden, PRECISIONS[precision], args.max_batch)
+               for cell, precision in columns}
+        table.append({"hidden": hidden, **row})
+        print(f"{hidden:>5} " + " ".join(
+            f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
+            flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": device.name, "sms": device.multi_processor_count, "l2_bytes": device.L2_cache_size,
+                       "torch": torch.__version__, "max_batch": args.max_batch, "rows": table}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
