@@ -787,6 +787,23 @@ def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_lin
     assert path.read_text() == written and [file.name for file in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
+def test_tensorboard_events_the_disk_cannot_hold_are_one_error_in_the_main_thread_and_no_thread_traceback(tmp_path):
+    script = (
+        "import resource\n"
+        "from trainer.train import tensorboard_writer\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        f"writer = tensorboard_writer({str(tmp_path)!r}, None)\n"
+        "try:\n"
+        "    for step in range(1000):\n"
+        "        writer.add_scalar('loss', 1.0, step)\n"
+        "        writer.flush()\n"
+        "except OSError as error:\n"
+        "    print(error.errno)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == f"{errno.EFBIG}\n" and result.stderr == "", result.stderr
+
+
 def test_only_what_the_user_fixes_is_a_one_line_error():
     assert user_error_message(ValueError("model.depth must be a positive integer"), Path("r")) == (
         "model.depth must be a positive integer")

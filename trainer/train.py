@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -49,6 +50,19 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     if data_cfg.an4_source is not None and env.is_main:
         prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
     distributed.barrier()
+
+
+def tensorboard_writer(log_dir: Path, purge_step: int | None) -> SummaryWriter:
+    """TensorBoard's writer, whose thread's write errors (a full disk) reach the run as one line: the thread keeps its
+    error for the next add_scalar to raise (__main__.user_error_message words it), and would also raise it itself,
+    which Python prints as a traceback of its own before that line."""
+    threading.excepthook = _leave_tensorboard_write_errors_to_the_writer
+    return SummaryWriter(log_dir, purge_step=purge_step)
+
+
+def _leave_tensorboard_write_errors_to_the_writer(args, print_it=threading.excepthook) -> None:
+    if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+        print_it(args)
 
 
 def open_metrics(path: Path, resumed: dict | None):
@@ -549,7 +563,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
     writer, metrics_file = None, None
     if env.is_main:  # a resumed run drops the events and lines its checkpoint does not cover: each step listed once
-        writer = SummaryWriter(run_dir / "tensorboard", purge_step=state["step"] + 1 if resume is not None else None)
+        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if resume is not None else None)
         metrics_file = open_metrics(run_dir / "metrics.jsonl", state if resume is not None else None)
 
     # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
