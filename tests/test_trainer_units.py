@@ -36,8 +36,8 @@ from trainer.environment import command_line, source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
-    SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, open_metrics,
-    record_job, restore, resumed_train_state, train_loader, train_step,
+    SET_MANIFESTS, check_config, check_resumable, check_same_run, check_same_training_set, checkpoint_to_resume,
+    open_metrics, record_job, recorded_run_id, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -813,7 +813,7 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
     assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
 
 
-def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
+def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')  # a job that died before its checkpoint
@@ -822,21 +822,42 @@ def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
         assert checkpoint_to_resume("auto", run_dir) is None
     assert "no " + str(run_dir / "checkpoints" / "last.pt") + " yet, starting afresh" in caplog.text
 
-    (run_dir / "checkpoints" / "best.pt").write_bytes(b"")
-    for resume in (None, "auto"):  # auto finds no last.pt to continue from, and must not replace best.pt either
-        with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(best.pt in "
-                                             r"checkpoints/\), which starting afresh would overwrite"):
-            checkpoint_to_resume(resume, run_dir)
-    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
-    assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "last.pt"
-    with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
-        checkpoint_to_resume(None, run_dir)
     elsewhere = tmp_path / "other" / "checkpoints" / "last.pt"
     with pytest.raises(FileNotFoundError, match=f"checkpoint not found: {re.escape(str(elsewhere))}"):
         checkpoint_to_resume(str(elsewhere), run_dir)
     elsewhere.parent.mkdir(parents=True)
     elsewhere.write_bytes(b"")
-    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # into a run directory of no checkpoints
+
+    (run_dir / "checkpoints" / "best.pt").write_bytes(b"")  # a first last.pt whose save did not finish
+    with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(best.pt in "
+                                         r"checkpoints/\), which starting afresh would overwrite"):
+        checkpoint_to_resume(None, run_dir)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer.train"):
+        assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "best.pt"
+    assert "no " + str(run_dir / "checkpoints" / "last.pt") + ", continuing from " in caplog.text
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "last.pt"
+    assert checkpoint_to_resume(str(run_dir / "checkpoints" / "best.pt"), run_dir) == run_dir / "checkpoints" / "best.pt"
+    with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
+        checkpoint_to_resume(None, run_dir)
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # check_same_run decides, once it is read
+
+
+def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_of_that_runs(tmp_path):
+    run_dir, outside = tmp_path / "run", tmp_path / "copy" / "step3.pt"
+    check_same_run({"run_id": "b"}, outside, run_dir)  # no checkpoints there: a new run starts from it
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    check_same_run({"run_id": "a"}, outside, run_dir)  # a copy of one of its own
+    check_same_run({"run_id": "b"}, run_dir / "checkpoints" / "last.pt", run_dir)  # its own file: whatever it holds
+    for saved in ({"run_id": "b"}, {}):  # another run's, or one from before run ids: it cannot tell
+        with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(last.pt in "
+                                             rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
+                                             r"checkpoints .* would overwrite them; give this run another run_name"):
+            check_same_run(saved, outside, run_dir)
 
 
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
@@ -855,10 +876,11 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
     path.write_text('{"from_step": 0, "device": "an earlier run"}\n')
     with caplog.at_level("INFO", logger="trainer.train"):
-        record_job(path, 0, env, resumed=False)
-        record_job(path, 40, env, resumed=True)
+        record_job(path, "run-a", 0, env, resumed=False)
+        record_job(path, "run-a", 40, env, resumed=True)
     jobs = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [(job["from_step"], job["world_size"]) for job in jobs] == [(0, 1), (40, 1)]
+    assert [(job["run_id"], job["from_step"], job["world_size"]) for job in jobs] == [("run-a", 0, 1), ("run-a", 40, 1)]
+    assert recorded_run_id(tmp_path) == "run-a" and recorded_run_id(tmp_path / "elsewhere") is None
     assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
     assert all(job["command"] == command_line() for job in jobs), jobs
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text

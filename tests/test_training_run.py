@@ -147,6 +147,11 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     fresh = train(tmp_path / "split", utterances, *common, "train.max_steps=6", check=False)
     assert fresh.returncode == 2 and "which starting afresh would overwrite" in fresh.output, fresh.output
     assert torch.load(checkpoint_path, weights_only=True)["train_state"]["step"] == 6
+    # Resumed from another run's checkpoint, it stops before replacing this one's.
+    foreign = train(tmp_path / "split", utterances, *common, "train.max_steps=6",
+                    f"train.resume={tmp_path / 'whole' / 'checkpoints' / 'last.pt'}", check=False)
+    assert foreign.returncode == 2 and "is not one of its checkpoints" in foreign.output, foreign.output[-4000:]
+    assert torch.load(checkpoint_path, weights_only=True)["train_state"]["step"] == 6
 
     # Resumed from an earlier checkpoint (a job that died after its last checkpoint), the run logs steps 4-6 again:
     # TensorBoard, like metrics.jsonl, holds each step once.

@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,12 +93,12 @@ def open_metrics(path: Path, resumed: dict | None):
     return open(path, "a", buffering=1)  # line by line, so that `tail -f` and a killed job see every step
 
 
-def record_job(path: Path, from_step: int, env: DistEnv, resumed: bool) -> None:
+def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: bool) -> None:
     """Logs where this job runs and adds it to the run's jobs.jsonl, one line per job: a resumed run may go on on other
     hardware or software, or with other overrides, and its figures should say so. A fresh run starts the file anew."""
     software = versions(env.device)
-    job = {"from_step": from_step, "world_size": env.world_size, "device": device_name(env.device), **software,
-           "command": command_line()}
+    job = {"run_id": run_id, "from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
+           **software, "command": command_line()}
     with open(path, "a" if resumed else "w") as jobs:
         jobs.write(json.dumps(job) + "\n")
     log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
@@ -230,6 +231,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
     Raises ValueError rather than start afresh over checkpoints already in the run directory: it would replace them,
     and FileNotFoundError for a path that holds no file, before the data and the model are built."""
+    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
     if resume is not None and resume != "auto":
         if not Path(resume).is_file():
             raise FileNotFoundError(f"checkpoint not found: {resume} (train.resume)")
@@ -238,10 +240,12 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
                      "metrics.jsonl from the checkpoint's next step on and its best.pt from its own evaluations "
                      "(run_name=NAME train.resume=auto continues run NAME in its own directory)", resume, run_dir)
         return Path(resume)
-    last = run_dir / "checkpoints" / "last.pt"
+    last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
     if resume == "auto" and last.is_file():
         return last
-    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
+    if resume == "auto" and best.is_file():  # written just before last.pt, whose first save did not finish
+        log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, best)
+        return best
     if earlier:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(earlier)} in checkpoints/), which starting "
                          "afresh would overwrite: continue it with train.resume=auto (or train.resume=PATH), or give "
@@ -298,6 +302,30 @@ def check_checkpoint_folder(folder: Path) -> None:
 
 def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
+
+
+def recorded_run_id(run_dir: Path) -> str | None:
+    """The run id in the last line of the run directory's jobs.jsonl; None without one (no job yet, or jobs from
+    before run ids)."""
+    try:
+        lines = (run_dir / "jobs.jsonl").read_text().splitlines()
+        return json.loads(lines[-1]).get("run_id") if lines else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_same_run(saved: dict, path: Path, run_dir: Path) -> None:
+    """A checkpoint from outside the run directory, resumed where the directory holds checkpoints, must be one of
+    this run's (a copy of an earlier one): another run's would overwrite them, and its metrics.jsonl would keep this
+    run's lines up to the checkpoint's step."""
+    held = sorted(file.name for file in (run_dir / "checkpoints").glob("*.pt"))
+    if not held or is_own_checkpoint(path, run_dir):
+        return
+    ours = recorded_run_id(run_dir)
+    if ours is None or saved.get("run_id") != ours:
+        raise ValueError(f"{run_dir} already holds a run ({', '.join(held)} in checkpoints/), and {path} is "
+                         f"not one of its checkpoints (run {saved.get('run_id')} against {ours}): resuming from it "
+                         "there would overwrite them; give this run another run_name")
 
 
 def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
@@ -535,10 +563,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # evaluation (ErrorCounts.beats).
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
+    run_id = uuid.uuid4().hex  # carried by the run's checkpoints and jobs.jsonl (check_same_run)
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
         check_same_training_set(saved, train_fingerprint, resume)
+        check_same_run(saved, resume, run_dir)
         restore(resume, saved, {
             "model": model.load_state_dict,
             "optimizer": optimizer.load_state_dict,
@@ -549,10 +579,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         })
         if not is_own_checkpoint(resume, run_dir):  # this directory's best.pt is chosen among its own evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
+        if saved.get("run_id") and (is_own_checkpoint(resume, run_dir) or saved["run_id"] == recorded_run_id(run_dir)):
+            run_id = saved["run_id"]  # this run goes on; from another run's checkpoint a new one starts
         log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        record_job(run_dir / "jobs.jsonl", state["step"], env, resumed=resume is not None)
+        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=resume is not None)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
@@ -589,6 +621,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "rng": rng_states,
                     "config": OmegaConf.to_container(cfg, resolve=True),
                     "train_set": train_fingerprint,
+                    "run_id": run_id,
                 },
             )
             metrics_file.flush()  # after a crash the metrics hold at least what the checkpoint does
