@@ -616,6 +616,8 @@ def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # this process takes its signals as before
+    loader.multiprocessing_context = "forkserver"  # Python 3.14's default on Linux: workers not forked from here
+    assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

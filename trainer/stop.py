@@ -60,6 +60,10 @@ def start_data_workers(loader: DataLoader) -> Iterator:
     """iter(loader), its workers started with the stop signals blocked: they inherit the block, so a signal that
     reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
     first, ends a worker). This process takes a signal that came meanwhile as the block ends."""
+    if loader.num_workers > 0:
+        # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
+        # workers from another process.
+        loader.multiprocessing_context = "fork"
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)
