@@ -143,6 +143,9 @@ def test_unknown_config_key_is_refused():
         compose_config(["model.depht=3"])
 
 
+PICK = " (optim=NAME picks an optimizer with its settings)"
+
+
 @pytest.mark.parametrize("override, complaint", [
     ("train.grad_clip_norm=-1", "train.grad_clip_norm must be a positive number, not -1"),  # would flip the gradient
     ("train.max_steps=0", "train.max_steps must be a positive integer or null, not 0"),
@@ -178,9 +181,17 @@ def test_unknown_config_key_is_refused():
     ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved
     ("train.resume=true", "train.resume must be null, auto or a checkpoint's path, not True"),
     ("data.max_duration=abc", "data.max_duration must be a positive number of seconds or null, not 'abc'"),
-    ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1), not [0.9]"),
+    ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not [0.9]" + PICK),
+    ("optim.betas=null", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not None" + PICK),
     ("optim.weight_decay=-1", "optim.weight_decay must be a non-negative number, not -1"),
-    ("optim=sgd optim.momentum=-0.9", "optim.momentum must be a non-negative number, not -0.9"),
+    ("optim=sgd optim.momentum=-0.9", "optim.momentum must be a positive number (Nesterov momentum needs one) for "
+                                      "optim.name=sgd, not -0.9" + PICK),
+    ("optim=sgd optim.momentum=0", "optim.momentum must be a positive number (Nesterov momentum needs one) for "
+                                   "optim.name=sgd, not 0" + PICK),
+    ("optim.name=sgd", "optim.momentum must be a positive number (Nesterov momentum needs one) for optim.name=sgd, "
+                       "not None" + PICK),
+    ("optim.name=adagrad", "optim.name must be one of adamw, sgd, as optim=NAME picks it with its settings, not "
+                           "'adagrad'"),
     # Hydra refuses an unknown key on the command line, but takes one from an experiment file or a + override.
     ("+train.epoch=3", "unknown config key train.epoch: conf/train.yaml and conf/{model,data,optim}/ define no such "
                        "key (misspelt in an experiment file, or added by a + override?)"),

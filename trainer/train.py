@@ -390,6 +390,12 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# Each optimizer's own key (its config group sets it; the other group has none), and what its value must be.
+OPTIMIZER_KEYS = {
+    "adamw": ("optim.betas", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) == 2
+              and all(_is_number(beta) and 0 <= beta < 1 for beta in v), "two numbers in [0, 1)"),
+    "sgd": ("optim.momentum", lambda v: _is_number(v) and v > 0, "a positive number (Nesterov momentum needs one)"),
+}
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
@@ -417,9 +423,8 @@ CONFIG_RULES = (
     ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a non-negative number"),
-    ("optim.betas", lambda v: v is None or isinstance(v, Sequence) and len(v) == 2
-     and all(_is_number(beta) and 0 <= beta < 1 for beta in v), "two numbers in [0, 1)"),
-    ("optim.momentum", lambda v: v is None or _is_number(v) and v >= 0, "a non-negative number"),
+    ("optim.name", lambda v: v in OPTIMIZER_KEYS, f"one of {', '.join(OPTIMIZER_KEYS)}, as optim=NAME picks it with "
+     "its settings"),
     ("data.max_duration", lambda v: v is None or _is_number(v) and v > 0, "a positive number of seconds or null"),
     ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
      and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths" + SET_MANIFESTS),
@@ -470,6 +475,11 @@ def check_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not valid(value):
             raise ValueError(f"{key} must be {what}, not {value!r}")
+    key, valid, what = OPTIMIZER_KEYS[cfg.optim.name]
+    value = OmegaConf.select(cfg, key)
+    if not valid(value):
+        raise ValueError(f"{key} must be {what} for optim.name={cfg.optim.name}, not {value!r} (optim=NAME "
+                         "picks an optimizer with its settings)")
 
 
 # What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
