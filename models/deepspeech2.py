@@ -215,6 +215,7 @@ class DeepSpeech2(nn.Module):
             log_probs: (T', B, V) log-softmax over classes, in float32 (float64 for a float64 model), as CTC wants.
             out_lengths: (B,) valid output frames, on lengths' device.
         """
+        lengths = prnn_kernels.checked_lengths("DeepSpeech2", lengths, features.shape[0], features.shape[1])
         out_lengths = self.output_lengths(lengths)
         x = self.front_end(features, lengths.to(features.device))  # (T', B, C * F')
         mask = sequence_mask(out_lengths.to(x.device), x.shape[0]).t().unsqueeze(2)  # (T', B, 1)

@@ -83,7 +83,7 @@ class _BackendChoice:
         if hx is not None:  # against the whole batch: batch_slice hands each slice its part
             self.check_forward_args(input, hx, None)
         if lengths is not None:
-            lengths = _checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
+            lengths = checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
         backend = self.backend_for(batch_size, _compute_dtype(input), input.device)
         if self.batch_slice is None or batch_size <= self.batch_slice:
             return self._forward_on(backend, input, hx, lengths)
@@ -204,7 +204,7 @@ class _BackendChoice:
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], finals
 
 
-def _checked_lengths(name, lengths, batch_size, num_steps):
+def checked_lengths(name, lengths, batch_size, num_steps):
     """`lengths` as a tensor, refused with a message naming it unless it holds one integer per sample in [1, T]; the
     range is checked on CPU lengths only, as reading GPU ones would wait for the GPU (and break a graph's capture)."""
     lengths = torch.as_tensor(lengths)

@@ -43,6 +43,16 @@ def test_output_shapes_and_lengths(cell, bidirectional, batch_norm):
     assert torch.equal(out_lengths, (lengths + model.time_stride - 1) // model.time_stride)
 
 
+def test_lengths_the_features_cannot_hold_are_refused_naming_them():
+    model = small_model("gru", False)
+    features = torch.randn(2, 11, NUM_FEATURES)
+    for lengths in ([11, 12], [11, 0], [11, -3]):  # [11, 12] gives the same output frames as [11, 11] (stride 2)
+        with pytest.raises(ValueError, match=rf"DeepSpeech2: lengths must lie in \[1, T=11\], got \{lengths}"):
+            model(features, torch.tensor(lengths))
+    with pytest.raises(ValueError, match=r"DeepSpeech2: lengths must have shape \(2,\), one per sample, got \(3,\)"):
+        model(features, torch.tensor([11, 11, 11]))
+
+
 @pytest.mark.parametrize("cell, bidirectional, batch_norm", ARCHITECTURES)
 def test_each_sample_decodes_as_if_alone(cell, bidirectional, batch_norm):
     model = small_model(cell, bidirectional, batch_norm).double()
