@@ -215,6 +215,29 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
 
 
 @pytest.mark.slow
+def test_a_signal_during_an_evaluation_stops_the_run_at_that_epochs_end(an4_train, tmp_path):
+    short = [u for u in an4_train if u.duration < 2.5]
+    train_set = write_slice(tmp_path / "train.jsonl", short[:16])  # 4 steps an epoch
+    test_set = write_slice(tmp_path / "test.jsonl", short[16:136])  # an evaluation long enough to signal it
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=3",
+                                                           "train.global_batch_size=4", f"data.eval_manifest={test_set}")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    wait_for_file(run_dir / "metrics.jsonl", job, 300)
+    while '"step": 4,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+        time.sleep(0.02)  # the epoch's last step is logged: its evaluation comes next
+    os.killpg(job.pid, signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name continues it" in output, output
+    steps, epochs = read_metrics(run_dir)
+    assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 4
+
+
+@pytest.mark.slow
 def test_a_second_job_in_a_run_directory_in_use_is_refused_changing_nothing(an4_train, tmp_path):
     """Launched twice, or requeued while the first job still runs: two jobs in one run directory would overwrite each
     other's checkpoints and metrics.jsonl. The second is refused before it changes anything there, and once the first

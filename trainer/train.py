@@ -304,6 +304,14 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
 
 
+def stop_for(requests: dict, world_size: int, result: dict) -> str:
+    """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
+    gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
+    result["stop_signal"] = max(requests, key=requests.get)
+    return ", ".join(number.name + (f" on {ranks} of {world_size} ranks" if world_size > 1 else "")
+                     for number, ranks in requests.items())
+
+
 def recorded_run_id(run_dir: Path) -> str | None:
     """The run id in the last line of the run directory's jobs.jsonl; None without one (no job yet, or jobs from
     before run ids)."""
@@ -693,10 +701,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if step.stop_requests:
-                # The signal most ranks received gives every rank's exit code (trainer/__main__.py).
-                result["stop_signal"] = max(step.stop_requests, key=step.stop_requests.get)
-                stopped_by = ", ".join(number.name + (f" on {ranks} of {env.world_size} ranks" if env.world_size > 1
-                                                      else "") for number, ranks in step.stop_requests.items())
+                stopped_by = stop_for(step.stop_requests, env.world_size, result)
             elif max_steps is not None and state["step"] >= max_steps:
                 stopped_by = "train.max_steps"
             if stopped_by:
@@ -758,6 +763,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
+        if not stopped_by and epoch + 1 < cfg.train.epochs:  # a signal during the evaluation: stop here, not a step on
+            received = distributed.all_reduce_sum(torch.tensor(
+                [int(number == stop_signals.received) for number in STOP_SIGNALS], dtype=torch.float64,
+                device=env.device)).tolist()
+            requests = {number: int(ranks) for number, ranks in zip(STOP_SIGNALS, received) if ranks}
+            stopped_by = stop_for(requests, env.world_size, result) if requests else None
         if stopped_by:
             log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
