@@ -404,7 +404,7 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
     assert again.returncode == 0, again.output[-4000:]
     assert sweep_jobs(tmp_path / "runs" / "sw") == jobs  # no new folder
     for folder in jobs.values():
-        assert f"resumed from {folder / 'checkpoints' / 'last.pt'} at epoch 0, step 1" in again.output
+        assert f"resumed from {folder / 'checkpoints' / 'last.pt'} at step 1 (step 1 of epoch 1)" in again.output
         assert sorted(read_metrics(folder)[0]) == [1, 2]
         records = [json.loads(line) for line in (folder / "jobs.jsonl").read_text().splitlines()]
         assert [record["from_step"] for record in records] == [0, 1]

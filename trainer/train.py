@@ -564,9 +564,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "
-            "utterances of each (the longest in a SortaGrad epoch, a random choice after it)",
+            "utterances of each (%s)",
             sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),
             len(train_set) - len(sampler) * cfg.train.global_batch_size,
+            "the longest in a SortaGrad epoch, a random choice after it" if cfg.data.sortagrad else "a random choice",
         )
         slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
         log.info("recurrent layers on %s: %d utterances a rank%s, %s",
@@ -599,7 +600,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state.update(best_unreadable=math.inf, best_wer=math.inf)
         if saved.get("run_id") and (is_own_checkpoint(resume, run_dir) or saved["run_id"] == recorded_run_id(run_dir)):
             run_id = saved["run_id"]  # this run goes on; from another run's checkpoint a new one starts
-        log.info("resumed from %s at epoch %d, step %d", resume, state["epoch"], state["step"])
+        log.info("resumed from %s at step %d (%s)", resume, state["step"],
+                 f"step {state['epoch_step']} of epoch {state['epoch'] + 1}" if state["epoch_step"]
+                 else f"the end of epoch {state['epoch']}")
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=resume is not None)
