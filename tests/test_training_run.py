@@ -354,12 +354,15 @@ def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_
     arguments = train_arguments(tmp_path / "run", tmp_path / "links" / "train.jsonl", "model.hidden=32",
                                 "train.global_batch_size=4", "train.epochs=2")
     arguments[2] = f"data.eval_manifest={corpus / 'train.jsonl'}"
-    result = run("trainer", arguments, timeout=300)
-    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
-    assert f"{tmp_path / 'links' / 'wav'}/" in result.output and "no such audio file" in result.output
-    assert ("epoch 1 trained nothing: none of the 8 utterances its 2 steps loaded could be used (named above); "
-            "a manifest's relative audio paths are taken relative to its own folder") in result.output
-    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists() and "final test WER" not in result.output
+    # Nor is anything saved where a step limit or a periodic checkpoint comes before the epoch's end.
+    for limit, loaded in (([], "8 utterances its 2 steps"), (["train.max_steps=1"], "4 utterances its 1 step"),
+                          (["train.checkpoint_every_steps=1"], "4 utterances its 1 step")):
+        result = run("trainer", [*arguments, *limit], timeout=300)
+        assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+        assert f"{tmp_path / 'links' / 'wav'}/" in result.output and "no such audio file" in result.output
+        assert (f"epoch 1 trained nothing: none of the {loaded} loaded could be used (named above); a manifest's "
+                "relative audio paths are taken relative to its own folder") in result.output, result.output[-4000:]
+        assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists() and "final test WER" not in result.output
 
 
 @pytest.mark.slow

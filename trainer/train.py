@@ -304,6 +304,17 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
 
 
+def refuse_if_nothing_trained(epoch: int, steps: int, unusable: int, cfg: DictConfig) -> None:
+    """Before the epoch's steps so far are saved or evaluated: ValueError where every utterance they loaded was
+    unusable (a corpus moved, relative paths taken from another folder), each step skipped; saving would carry the
+    run on as if it had trained."""
+    loaded = steps * cfg.train.global_batch_size
+    if loaded and unusable == loaded:
+        raise ValueError(f"epoch {epoch + 1} trained nothing: none of the {loaded} utterances its {steps} "
+                         f"step{'s' if steps > 1 else ''} loaded could be used (named above); a manifest's relative audio paths are taken relative "
+                         "to its own folder (a symlink's, not its target's)")
+
+
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
     """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
     gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
@@ -711,21 +722,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
+                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, skipped[UNUSABLE], cfg)
                 save("last.pt")
         progress.close()
+        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, skipped[UNUSABLE], cfg)
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
             log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
             break
-        # Every utterance of the epoch unreadable (a corpus moved, relative paths taken from another folder): each step
-        # was skipped, and evaluating and saving would end the run as if it had trained.
-        loaded = (len(sampler) - first_step) * cfg.train.global_batch_size
-        if loaded and skipped[UNUSABLE] == loaded:
-            raise ValueError(f"epoch {epoch + 1} trained nothing: none of the {loaded} utterances its "
-                             f"{len(sampler) - first_step} steps loaded could be used (named above); a manifest's "
-                             "relative audio paths are taken relative to its own folder (a symlink's, not its "
-                             "target's)")
 
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
