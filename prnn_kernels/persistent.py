@@ -132,7 +132,7 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         weight_hh: (G*H, H) recurrent weights, cast to input_proj's dtype for the kernel; their gradient comes back in
             their own dtype, from fp32 sums (fp32 master weights of a bf16 layer get it unrounded).
         bias_hh: (G*H,) recurrent bias in weight_hh's dtype, or None.
-        lengths: (B,) int64 valid steps per sample; on the CPU they are checked to lie in [0, T], on the GPU they
+        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample; on the CPU they are checked to lie in [0, T], on the GPU they
             are clamped to it.
         reverse: run t = T-1 .. 0; a sample's pass starts from hx at its own last valid step.
 
@@ -162,6 +162,9 @@ def persistent_bidirectional_layer(cell, input_proj, hx, weight_hh, bias_hh, len
         output: (T, B, 2*H) as torch.nn lays out a bidirectional layer (forward direction's h first).
         final states: the pair (forward, reverse) of what persistent_layer returns as h_n.
     """
+    if not all(len(pair) == 2 for pair in (hx, weight_hh, bias_hh)):
+        raise ValueError("persistent_bidirectional_layer: hx, weight_hh and bias_hh must each be a pair (forward "
+                         "direction, reverse direction)")
     output, final_states = _run_layer(cell, input_proj, list(hx), list(weight_hh), list(bias_hh), lengths, False)
     return output, tuple(final_states)
 
@@ -186,7 +189,10 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
                          f"{NUM_GATES[cell]} gates x H")
     if (bias_hh[0] is None) != (bias_hh[-1] is None):
         raise ValueError("persistent_bidirectional_layer: give both biases or neither")
+    if cell == "lstm" and not all(isinstance(h, tuple | list) and len(h) == 2 for h in hx):
+        raise ValueError("persistent_layer: an LSTM's hx must be a tuple (h0, c0)")
     states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
+    lengths = torch.as_tensor(lengths)
     expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size),
                 "lengths": (batch_size,)}
     given = [("weight_hh", w) for w in weight_hh] + [("bias_hh", b) for b in bias_hh if b is not None]

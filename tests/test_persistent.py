@@ -575,6 +575,19 @@ def test_refuses_lengths_out_of_range_or_not_integers():
         persistent_layer("relu", *leaves, torch.tensor([5, 6]), False)
     with pytest.raises(ValueError, match="lengths must be integers, got torch.float32"):
         persistent_layer("relu", *leaves, torch.tensor([2.5, 5.0]), False)
+    expected, _ = persistent_layer("relu", *leaves, torch.tensor([5, 3]), False)
+    assert torch.equal(persistent_layer("relu", *leaves, [5, 3], False)[0], expected)  # a list, as a tensor
+
+
+@pytest.mark.cuda
+def test_refuses_an_lstm_state_that_is_not_a_pair_or_directions_that_are_not_two():
+    input_proj, h0, c0, weight_hh, bias_hh = random_layer("lstm", 5, 2, 64, torch.float32, True, seed=4)[0]
+    with pytest.raises(ValueError, match=r"an LSTM's hx must be a tuple \(h0, c0\)"):
+        persistent_layer("lstm", input_proj, h0, weight_hh, bias_hh, torch.tensor([5, 3]), False)
+    both = torch.cat([input_proj, input_proj], dim=2)
+    with pytest.raises(ValueError, match="hx, weight_hh and bias_hh must each be a pair"):
+        persistent_bidirectional_layer("lstm", both, [(h0, c0)] * 3, [weight_hh] * 3, [bias_hh] * 3,
+                                       torch.tensor([5, 3]))
 
 
 @pytest.mark.cuda
