@@ -132,8 +132,8 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         weight_hh: (G*H, H) recurrent weights, cast to input_proj's dtype for the kernel; their gradient comes back in
             their own dtype, from fp32 sums (fp32 master weights of a bf16 layer get it unrounded).
         bias_hh: (G*H,) recurrent bias in weight_hh's dtype, or None.
-        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample; on the CPU they are checked to lie in [0, T], on the GPU they
-            are clamped to it.
+        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample; on the CPU they are checked to
+            lie in [0, T], on the GPU they are clamped to it.
         reverse: run t = T-1 .. 0; a sample's pass starts from hx at its own last valid step.
 
     Returns:

@@ -716,7 +716,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if step.stop_requests:
                 stopped_by = stop_for(step.stop_requests, env.world_size, result)
-            elif max_steps is not None and state["step"] >= max_steps:
+            elif max_steps is not None and state["step"] >= max_steps and not (
+                    epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler)):  # not the run's last step
                 stopped_by = "train.max_steps"
             if stopped_by:
                 break
