@@ -68,6 +68,9 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
     if job.poll() is not None:
         output = job.communicate()[0] if job.stdout else ""
         pytest.fail(f"the job ended before {path} appeared:\n{(output or '')[-4000:]}")
+    if not path.exists():
+        job.kill()
+        pytest.fail(f"{path} did not appear within {timeout_s} s")
 
 
 @pytest.fixture(scope="session")
