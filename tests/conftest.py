@@ -61,7 +61,8 @@ def find_an4() -> Path:
 
 
 def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
-    """Returns once `path` exists, while `job` still runs; fails the test if the job ends first."""
+    """Returns once `path` exists, while `job` still runs; fails the test if the job ends first, or ends the job and
+    fails it if `path` has not appeared within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not path.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
