@@ -4,23 +4,28 @@
 # hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the fast network;
 # default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses).
-# Ctrl-C, SIGTERM or SIGUSR1 to it stops the job after a step, with its checkpoint (launch/mpi_job.sh).
+# Ctrl-C, SIGTERM, SIGUSR1 or a closed terminal stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]"
-hostfile=${1:?$usage}
-num_processes=${2:?$usage}
+hostfile=${1-}
+num_processes=${2-}
 [[ -r $hostfile ]] || { echo "no readable hostfile '$hostfile'; $usage" >&2; exit 2; }
 [[ $num_processes =~ ^[1-9][0-9]*$ ]] || {
     echo "NUM_PROCESSES must be a positive integer, not '$num_processes'; $usage" >&2; exit 2; }
 shift 2
 run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}
-[[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ ]] || {
-    echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-" >&2; exit 2; }
-# The first host line, past blank lines and comments: its name and its slots, the processes each node runs.
-read -r first_host first_slots < <(awk '!/^[[:space:]]*(#|$)/ {print $1, $2; exit}' "$hostfile") || true
-[[ ${first_slots:-} =~ ^slots=[1-9][0-9]*$ ]] || {
-    echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '${first_host:-} ${first_slots:-}'" >&2; exit 2; }
+# A name of dots alone would be runs/ itself or the working directory.
+[[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ && ! $run_name =~ ^\.+$ ]] || {
+    echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-, not dots alone" >&2; exit 2; }
+# The first host line, past blank lines and comments (a Windows line end taken off): its name and its slots, the
+# processes each node runs, wherever the slots= field stands.
+first_line=$(tr -d '\r' < "$hostfile" | awk '!/^[[:space:]]*(#|$)/ {print; exit}')
+read -r first_host _ <<< "$first_line" || true
+first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "$first_line" |
+              tr -d '[:space:]' || true)
+[[ -n $first_slots ]] || {
+    echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '$first_line'" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)

@@ -3,18 +3,19 @@
 #   launch/single_node.sh 8 experiment=an4_gpu model.backend=persistent
 # Settings from the environment: PYTHON (default python3), MPIRUN (default mpirun; may carry options, e.g.
 # MPIRUN="mpirun -x NCCL_DEBUG"), RUN_NAME (default: now).
-# Ctrl-C, SIGTERM or SIGUSR1 to it stops the job after a step, with its checkpoint (launch/mpi_job.sh).
+# Ctrl-C, SIGTERM, SIGUSR1 or a closed terminal stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/single_node.sh NUM_GPUS [trainer overrides...]"
-num_gpus=${1:?$usage}
+num_gpus=${1-}
 # Else a forgotten count takes the first override's place: mpirun would start one rank without it.
 [[ $num_gpus =~ ^[1-9][0-9]*$ ]] || { echo "NUM_GPUS must be a positive integer, not '$num_gpus'; $usage" >&2; exit 2; }
 shift
 run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank writes to and resumes from one run dir
 # The name becomes a Hydra override and a folder: '=', ',' or brackets in it would end every rank in a parse error.
-[[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ ]] || {
-    echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-" >&2; exit 2; }
+# A name of dots alone would be runs/ itself or the working directory.
+[[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ && ! $run_name =~ ^\.+$ ]] || {
+    echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-, not dots alone" >&2; exit 2; }
 
 # Build the CUDA extension once before the ranks start, instead of every rank waiting on the build lock.
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu

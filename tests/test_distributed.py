@@ -307,7 +307,7 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     # Quoted, so that Hydra keeps any name a string: unquoted, 1e5 named the run 100000.0 and null None.
     assert command.endswith("-m trainer run_name='first try' experiment=cpu_demo")
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("# the allocation\n\nnode01 slots=8\nnode02 slots=8\n")
+    hosts.write_text("# the allocation\n\nnode01 max_slots=8 slots=8\r\nnode02 slots=8\r\n")  # written on Windows
     ran = launch_script("multi_node.sh", str(hosts), "16", "experiment=an4_gpu", NCCL_P2P_DISABLE="1",
                         NCCL_IB_HCA="mlx5")
     command = ran.stdout.splitlines()[-1]
@@ -317,9 +317,13 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     for script, arguments, environment, refusal in [
         ("single_node.sh", ["experiment=cpu_demo"], {},
          "NUM_GPUS must be a positive integer, not 'experiment=cpu_demo'"),
+        ("single_node.sh", [], {}, "NUM_GPUS must be a positive integer, not ''; usage: launch/single_node.sh"),
         ("single_node.sh", ["2"], {"RUN_NAME": "lr=3e-4"}, "RUN_NAME 'lr=3e-4': use letters, digits, spaces"),
+        ("single_node.sh", ["2"], {"RUN_NAME": ".."}, "RUN_NAME '..': use letters, digits, spaces and ._+@-, not dots"),
+        ("multi_node.sh", [], {}, "no readable hostfile ''; usage: launch/multi_node.sh"),
         ("multi_node.sh", [str(tmp_path / "none.txt"), "16"], {}, f"no readable hostfile '{tmp_path / 'none.txt'}'"),
-        ("multi_node.sh", [str(tmp_path / "bare.txt"), "16"], {}, "its first host line must read 'NAME slots=GPUS'"),
+        ("multi_node.sh", [str(tmp_path / "bare.txt"), "16"], {},
+         "its first host line must read 'NAME slots=GPUS', got 'node01'"),
     ]:
         refused = launch_script(script, *arguments, **environment)
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
@@ -328,7 +332,7 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
 RANK_STAND_IN = """
 import os, signal, sys, time
 from pathlib import Path
-rank = os.environ["RANK"]
+rank = os.environ.get("RANK") or os.environ["PMI_RANK"]  # set by the stand-in mpirun, or by MPICH
 
 def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (here 1.5 s), then 128 + number
     time.sleep(1.5)
@@ -359,17 +363,19 @@ exit $status
 """
 
 
-def start_under_openmpi_stand_in(tmp_path) -> subprocess.Popen:
-    """single_node.sh with 2 ranks under the stand-in mpirun, whose ranks run a stand-in `trainer` package in the
-    working directory; returns once both ranks have started."""
+def start_launch_script(tmp_path, mpirun: str | None = None) -> subprocess.Popen:
+    """single_node.sh with 2 ranks under `mpirun` (default: the stand-in OpenMPI mpirun), whose ranks run a stand-in
+    `trainer` package in the working directory; returns once both ranks have started."""
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
-    (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN)
-    (tmp_path / "mpirun").chmod(0o755)
+    if mpirun is None:
+        mpirun = str(tmp_path / "mpirun")
+        (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN)
+        (tmp_path / "mpirun").chmod(0o755)
     script = subprocess.Popen(
         [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
-        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(tmp_path / "mpirun"), "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": mpirun, "PYTHONPATH": str(REPO_ROOT)},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 60
@@ -382,24 +388,27 @@ def start_under_openmpi_stand_in(tmp_path) -> subprocess.Popen:
     return script
 
 
+@pytest.mark.parametrize("mpi", ["openmpi", pytest.param("mpich", marks=needs_mpiexec)])
 @pytest.mark.parametrize("stop_signal, to_the_group", [(signal.SIGINT, True), (signal.SIGUSR1, False),
-                                                       (signal.SIGTERM, False)])
-def test_under_openmpi_the_launch_script_passes_stop_signals_to_the_ranks_itself(tmp_path, stop_signal, to_the_group):
-    """A terminal's Ctrl-C (to every process of its group) or a signal to the script reaches each rank as itself,
-    and the ranks have the time to stop cleanly."""
-    script = start_under_openmpi_stand_in(tmp_path)
+                                                       (signal.SIGTERM, False), (signal.SIGHUP, True)])
+def test_the_launch_script_passes_stop_signals_on_to_the_ranks_once(tmp_path, mpi, stop_signal, to_the_group):
+    """A terminal's Ctrl-C or hangup (to every process of its group) or a signal to the script reaches each rank
+    once, as itself (a hangup as SIGTERM), and the ranks have the time to stop cleanly: under OpenMPI's mpirun, which
+    would not wait for them, from the script itself; under MPICH's mpiexec, which passes signals on, through it."""
+    script = start_launch_script(tmp_path, MPIEXEC if mpi == "mpich" else None)
     try:
         os.killpg(script.pid, stop_signal) if to_the_group else os.kill(script.pid, stop_signal)
         output = script.communicate(timeout=60)[0]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(script.pid, signal.SIGKILL)
-    assert script.returncode == 128 + stop_signal, output
-    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stop_signal.name] * 2
+    stopped_by = signal.SIGTERM if stop_signal == signal.SIGHUP else stop_signal
+    assert script.returncode == 128 + stopped_by, output
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stopped_by.name] * 2
 
 
 def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_path):
-    script = start_under_openmpi_stand_in(tmp_path)
+    script = start_launch_script(tmp_path)
     os.killpg(script.pid, signal.SIGKILL)
     script.communicate(timeout=60)
     wait_until = time.monotonic() + 30
