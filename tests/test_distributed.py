@@ -293,6 +293,14 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
     assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_NTASKS)" in result.stderr, result.stderr
 
 
+def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
+    with pytest.raises(ValueError, match="rank 0's address localhost is a loopback address, which the ranks on other "
+                                         "nodes cannot reach: set MASTER_ADDR"):
+        distributed.check_reachable_from_other_nodes("localhost", 8, 16)
+    distributed.check_reachable_from_other_nodes("127.0.0.1", 16, 16)  # one node: loopback reaches every rank
+    distributed.check_reachable_from_other_nodes("192.0.2.7", 8, 16)
+
+
 def launch_script(script: str, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
     """launch/SCRIPT with MPIRUN=echo: its stdout's last line is the mpirun command it would run."""
     return subprocess.run([str(REPO_ROOT / "launch" / script), *arguments], cwd=REPO_ROOT, capture_output=True,

@@ -12,6 +12,7 @@ is slow; what it is for is an N-GPU job's arithmetic (per-GPU batch, batch-norm 
 """
 import datetime
 import gc
+import ipaddress
 import logging
 import os
 import socket
@@ -92,6 +93,21 @@ def _main_address() -> str:
     return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
 
 
+def check_reachable_from_other_nodes(address: str, ranks_on_node: int, world_size: int) -> None:
+    """ValueError where the job spans nodes and rank 0's address is a loopback one (a host name that resolves to
+    127.0.1.1, as many do): the other nodes' ranks would connect to themselves and wait out the timeout."""
+    if ranks_on_node >= world_size:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return  # a name this node cannot resolve: the rendezvous says so
+    if loopback:
+        raise ValueError(f"rank 0's address {address} is a loopback address, which the ranks on other nodes cannot "
+                         "reach: set MASTER_ADDR to its node's address on the network the nodes share "
+                         "(launch/multi_node.sh sets it to the hostfile's first host)")
+
+
 def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: bool) -> int:
     """The index of the GPU that local rank `local_rank` of `ranks_on_node` takes among the node's `num_gpus`."""
     if ranks_on_node <= num_gpus:
@@ -146,6 +162,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])
 
+    check_reachable_from_other_nodes(address, ranks_on_node, world_size)
     backend = "gloo"
     if use_cuda:
         num_gpus = torch.cuda.device_count()
