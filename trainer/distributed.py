@@ -156,13 +156,13 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
                 "match --mpi / SRUN_MPI to it)"
             )
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
+        check_reachable_from_other_nodes(address, ranks_on_node, world_size)  # MPI counts the node's ranks exactly
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
         if "MASTER_PORT" not in os.environ:
             raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
         address, port = _main_address(), int(os.environ["MASTER_PORT"])
 
-    check_reachable_from_other_nodes(address, ranks_on_node, world_size)
     backend = "gloo"
     if use_cuda:
         num_gpus = torch.cuda.device_count()
