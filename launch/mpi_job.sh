@@ -11,7 +11,8 @@
 # (setpriv --pdeathsig, where util-linux has it) rather than run on alone.
 run_mpi_job() {
     local open_mpi=""
-    if "$1" --version 2>/dev/null | grep -q "Open MPI"; then
+    # OpenMPI's mpirun says "Open MPI", its mpiexec "OpenRTE".
+    if "$1" --version 2>/dev/null | grep -q -E "Open MPI|OpenRTE"; then
         open_mpi=1
     fi
     if setpriv --pdeathsig TERM true 2> /dev/null; then  # an older setpriv lacks the option

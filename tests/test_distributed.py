@@ -340,7 +340,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
 RANK_STAND_IN = """
 import os, signal, sys, time
 from pathlib import Path
-rank = os.environ.get("RANK") or os.environ["PMI_RANK"]  # set by the stand-in mpirun, or by MPICH
+# Set by the stand-in mpirun, or by MPICH's or OpenMPI's mpiexec.
+rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"]
 
 def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (here 1.5 s), then 128 + number
     time.sleep(1.5)
@@ -357,7 +358,7 @@ time.sleep(60)
 # once, where OpenMPI passes SIGTERM on and kills a second later; it passes no SIGUSR1 on. Beside its two ranks it
 # starts a process as its connection to another node, which must not be signalled.
 OPENMPI_STAND_IN = """#!/usr/bin/env bash
-[[ $1 == --version ]] && { echo "mpirun (Open MPI) 4.1.6"; exit 0; }
+[[ $1 == --version ]] && { echo "VERSION"; exit 0; }
 shift 4  # -np 2 --bind-to none
 sleep 60 & children=($!)
 for rank in 0 1; do RANK=$rank "$@" & children+=($!); done
@@ -371,15 +372,16 @@ exit $status
 """
 
 
-def start_launch_script(tmp_path, mpirun: str | None = None) -> subprocess.Popen:
-    """single_node.sh with 2 ranks under `mpirun` (default: the stand-in OpenMPI mpirun), whose ranks run a stand-in
-    `trainer` package in the working directory; returns once both ranks have started."""
+def start_launch_script(tmp_path, mpirun: str | None = None,
+                        version: str = "mpirun (Open MPI) 4.1.6") -> subprocess.Popen:
+    """single_node.sh with 2 ranks under `mpirun` (default: the stand-in OpenMPI mpirun, saying `version`), whose
+    ranks run a stand-in `trainer` package in the working directory; returns once both ranks have started."""
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
     if mpirun is None:
         mpirun = str(tmp_path / "mpirun")
-        (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN)
+        (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN.replace("VERSION", version))
         (tmp_path / "mpirun").chmod(0o755)
     script = subprocess.Popen(
         [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
@@ -396,14 +398,20 @@ def start_launch_script(tmp_path, mpirun: str | None = None) -> subprocess.Popen
     return script
 
 
-@pytest.mark.parametrize("mpi", ["openmpi", pytest.param("mpich", marks=needs_mpiexec)])
+@pytest.mark.parametrize("mpi", ["openmpi_stand_in", "openmpi_mpiexec_stand_in",
+                                 pytest.param("mpiexec", marks=needs_mpiexec)])
 @pytest.mark.parametrize("stop_signal, to_the_group", [(signal.SIGINT, True), (signal.SIGUSR1, False),
                                                        (signal.SIGTERM, False), (signal.SIGHUP, True)])
 def test_the_launch_script_passes_stop_signals_on_to_the_ranks_once(tmp_path, mpi, stop_signal, to_the_group):
     """A terminal's Ctrl-C or hangup (to every process of its group) or a signal to the script reaches each rank
     once, as itself (a hangup as SIGTERM), and the ranks have the time to stop cleanly: under OpenMPI's mpirun, which
-    would not wait for them, from the script itself; under MPICH's mpiexec, which passes signals on, through it."""
-    script = start_launch_script(tmp_path, MPIEXEC if mpi == "mpich" else None)
+    would not wait for them, from the script itself; under MPICH's mpiexec, which passes signals on, through it. The
+    real mpiexec is MPICH's where the `test` extra installed it, OpenMPI's on the GPU machine."""
+    if mpi == "mpiexec":
+        script = start_launch_script(tmp_path, MPIEXEC)
+    else:  # OpenMPI's mpiexec calls itself OpenRTE
+        version = "mpiexec (OpenRTE) 4.1.6" if mpi == "openmpi_mpiexec_stand_in" else "mpirun (Open MPI) 4.1.6"
+        script = start_launch_script(tmp_path, version=version)
     try:
         os.killpg(script.pid, stop_signal) if to_the_group else os.kill(script.pid, stop_signal)
         output = script.communicate(timeout=60)[0]
