@@ -16,6 +16,17 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
+def received_counts(received: signal.Signals | None) -> list[int]:
+    """This rank's part of a sum over ranks that counts, per stop signal, the ranks that received it."""
+    return [int(number == received) for number in STOP_SIGNALS]
+
+
+def stop_requests(summed_counts) -> dict:
+    """{signal: how many ranks received it} from the sum of every rank's received_counts, the signals none received
+    left out."""
+    return {number: int(ranks) for number, ranks in zip(STOP_SIGNALS, summed_counts) if ranks}
+
+
 class StopSignals:
     """From `listen()` to the end of its `with` block, this process's stop signals set `received` (the first one)
     instead of ending it. Python takes signals on the main thread only; elsewhere (a test calling train() from a

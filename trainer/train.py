@@ -41,7 +41,9 @@ from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
-from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
+from trainer.stop import (
+    STOP_SIGNALS, StopSignals, ignore_in_data_workers, received_counts, start_data_workers, stop_requests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,20 +143,19 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     graphed = isinstance(inner, CudaGraphed)
     # Host sync 1: every rank must know the global utterance count (the loss normaliser), whether a shard is empty and
     # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too.
-    received = [int(number == stop_signal) for number in STOP_SIGNALS]
     counts = distributed.all_reduce_sum(torch.tensor(
-        [local_count, int(local_count == 0), batch.num_unusable, *received], dtype=torch.float64, device=device
+        [local_count, int(local_count == 0), batch.num_unusable, *received_counts(stop_signal)], dtype=torch.float64,
+        device=device,
     ))
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
         local_shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
         counts = torch.cat([counts, distributed.all_reduce_max(local_shape)])
     global_count, empty_shards, unusable, *rest = (int(count) for count in counts.tolist())
-    ranks_received, shape = rest[:len(STOP_SIGNALS)], rest[len(STOP_SIGNALS):]
-    stop_requests = {number: ranks for number, ranks in zip(STOP_SIGNALS, ranks_received) if ranks}
+    requests, shape = stop_requests(rest[:len(STOP_SIGNALS)]), rest[len(STOP_SIGNALS):]
 
     def skipped(reason: str) -> StepResult:
-        return StepResult(reason, math.nan, global_count, unusable, stop_requests)
+        return StepResult(reason, math.nan, global_count, unusable, requests)
 
     if empty_shards:
         return skipped("empty shard (all its audio unreadable)")
@@ -204,7 +205,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
                 buffer.copy_(saved)
         return skipped("non-finite loss or gradient")
     scheduler.step()
-    return StepResult("ok", loss_value, global_count, unusable, stop_requests)
+    return StepResult("ok", loss_value, global_count, unusable, requests)
 
 
 def recurrent_backend_name(backend: str, device: torch.device) -> str:
@@ -231,7 +232,6 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
     Raises ValueError rather than start afresh over checkpoints already in the run directory: it would replace them,
     and FileNotFoundError for a path that holds no file, before the data and the model are built."""
-    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
     if resume is not None and resume != "auto":
         if not Path(resume).is_file():
             raise FileNotFoundError(f"checkpoint not found: {resume} (train.resume)")
@@ -246,6 +246,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if resume == "auto" and best.is_file():  # written just before last.pt, whose first save did not finish
         log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, best)
         return best
+    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
     if earlier:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(earlier)} in checkpoints/), which starting "
                          "afresh would overwrite: continue it with train.resume=auto (or train.resume=PATH), or give "
@@ -311,8 +312,8 @@ def refuse_if_nothing_trained(epoch: int, steps: int, unusable: int, cfg: DictCo
     loaded = steps * cfg.train.global_batch_size
     if loaded and unusable == loaded:
         raise ValueError(f"epoch {epoch + 1} trained nothing: none of the {loaded} utterances its {steps} "
-                         f"step{'s' if steps > 1 else ''} loaded could be used (named above); a manifest's relative audio paths are taken relative "
-                         "to its own folder (a symlink's, not its target's)")
+                         f"step{'s' if steps > 1 else ''} loaded could be used (named above); a manifest's relative "
+                         "audio paths are taken relative to its own folder (a symlink's, not its target's)")
 
 
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
@@ -773,10 +774,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             save("best.pt")
         save("last.pt")
         if not stopped_by and epoch + 1 < cfg.train.epochs:  # a signal during the evaluation: stop here, not a step on
-            received = distributed.all_reduce_sum(torch.tensor(
-                [int(number == stop_signals.received) for number in STOP_SIGNALS], dtype=torch.float64,
-                device=env.device)).tolist()
-            requests = {number: int(ranks) for number, ranks in zip(STOP_SIGNALS, received) if ranks}
+            requests = stop_requests(distributed.all_reduce_sum(torch.tensor(
+                received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
             stopped_by = stop_for(requests, env.world_size, result) if requests else None
         if stopped_by:
             log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by, continue_with,
