@@ -36,7 +36,7 @@ from trainer.environment import command_line, source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
-    SET_MANIFESTS, check_config, check_resumable, check_same_run, check_same_training_set, checkpoint_to_resume,
+    SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
     open_metrics, record_job, recorded_run_id, restore, resumed_train_state, train_loader, train_step,
 )
 
@@ -852,25 +852,26 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
     assert "no " + str(run_dir / "checkpoints" / "last.pt") + ", continuing from " in caplog.text
     (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
     assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "last.pt"
-    assert checkpoint_to_resume(str(run_dir / "checkpoints" / "best.pt"), run_dir) == run_dir / "checkpoints" / "best.pt"
+    best = run_dir / "checkpoints" / "best.pt"
+    assert checkpoint_to_resume(str(best), run_dir) == best
     with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
         checkpoint_to_resume(None, run_dir)
-    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # check_same_run decides, once it is read
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # continued_run_id decides, once it is read
 
 
 def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_of_that_runs(tmp_path):
     run_dir, outside = tmp_path / "run", tmp_path / "copy" / "step3.pt"
-    check_same_run({"run_id": "b"}, outside, run_dir)  # no checkpoints there: a new run starts from it
+    continued_run_id({"run_id": "b"}, outside, run_dir)  # no checkpoints there: a new run starts from it
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
     (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
-    check_same_run({"run_id": "a"}, outside, run_dir)  # a copy of one of its own
-    check_same_run({"run_id": "b"}, run_dir / "checkpoints" / "last.pt", run_dir)  # its own file: whatever it holds
+    continued_run_id({"run_id": "a"}, outside, run_dir)  # a copy of one of its own
+    continued_run_id({"run_id": "b"}, run_dir / "checkpoints" / "last.pt", run_dir)  # its own file: whatever it holds
     for saved in ({"run_id": "b"}, {}):  # another run's, or one from before run ids: it cannot tell
         with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(last.pt in "
                                              rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
                                              r"checkpoints .* would overwrite them; give this run another run_name"):
-            check_same_run(saved, outside, run_dir)
+            continued_run_id(saved, outside, run_dir)
 
 
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):

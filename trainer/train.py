@@ -334,18 +334,21 @@ def recorded_run_id(run_dir: Path) -> str | None:
         return None
 
 
-def check_same_run(saved: dict, path: Path, run_dir: Path) -> None:
-    """A checkpoint from outside the run directory, resumed where the directory holds checkpoints, must be one of
-    this run's (a copy of an earlier one): another run's would overwrite them, and its metrics.jsonl would keep this
-    run's lines up to the checkpoint's step."""
-    held = sorted(file.name for file in (run_dir / "checkpoints").glob("*.pt"))
-    if not held or is_own_checkpoint(path, run_dir):
-        return
+def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
+    """The run id a job resuming from `path` carries on: the checkpoint's where it is this run's (its own file, or a
+    copy of one, whose id the directory's jobs.jsonl records), None where a new run starts from another's. ValueError
+    where that other run's checkpoint would overwrite the checkpoints the directory holds, and its metrics.jsonl keep
+    this run's lines up to the checkpoint's step."""
+    theirs = saved.get("run_id")
     ours = recorded_run_id(run_dir)
-    if ours is None or saved.get("run_id") != ours:
+    if is_own_checkpoint(path, run_dir) or (theirs is not None and theirs == ours):
+        return theirs
+    held = sorted(file.name for file in (run_dir / "checkpoints").glob("*.pt"))
+    if held:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(held)} in checkpoints/), and {path} is "
-                         f"not one of its checkpoints (run {saved.get('run_id')} against {ours}): resuming from it "
+                         f"not one of its checkpoints (run {theirs} against {ours}): resuming from it "
                          "there would overwrite them; give this run another run_name")
+    return None
 
 
 def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
@@ -594,12 +597,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # evaluation (ErrorCounts.beats).
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
-    run_id = uuid.uuid4().hex  # carried by the run's checkpoints and jobs.jsonl (check_same_run)
+    run_id = None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id)
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
         check_same_training_set(saved, train_fingerprint, resume)
-        check_same_run(saved, resume, run_dir)
+        run_id = continued_run_id(saved, resume, run_dir)
         restore(resume, saved, {
             "model": model.load_state_dict,
             "optimizer": optimizer.load_state_dict,
@@ -610,11 +613,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         })
         if not is_own_checkpoint(resume, run_dir):  # this directory's best.pt is chosen among its own evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
-        if saved.get("run_id") and (is_own_checkpoint(resume, run_dir) or saved["run_id"] == recorded_run_id(run_dir)):
-            run_id = saved["run_id"]  # this run goes on; from another run's checkpoint a new one starts
         log.info("resumed from %s at step %d (%s)", resume, state["step"],
                  f"step {state['epoch_step']} of epoch {state['epoch'] + 1}" if state["epoch_step"]
                  else f"the end of epoch {state['epoch']}")
+    run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=resume is not None)
