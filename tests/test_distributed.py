@@ -270,10 +270,11 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
         for name in names:
             monkeypatch.delenv(name, raising=False)
     for variables, expected in [
-        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}, (3, 4, 3, 4)),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"},
+         (3, 4, 3, 4)),
         ({"PMIX_RANK": "3", "PMIX_SIZE": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"}, (3, 4, 1, 2)),
         # srun without --ntasks-per-node: at least the ranks up to this one share the node
-        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}, (3, 4, 3, 4)),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "3"}, (3, 4, 3, 4)),
     ]:
         with monkeypatch.context() as scope:
             for name, value in variables.items():
@@ -281,16 +282,32 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
             assert distributed._ranks_from_launcher() == expected
 
 
+def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch):
+    """A batch script or salloc shell holds the allocation's SLURM_NTASKS and SLURM_PROCID=0; only srun's tasks hold
+    their step's count. Taken for an srun launch, a process started there without srun waited for ranks that never
+    came (or, with mpi4py, was refused as an MPI that does not see the launcher's ranks)."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NTASKS_PER_NODE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    assert not distributed.launched_by_mpi()
+    assert distributed.init("cpu").world_size == 1
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")  # what srun sets in each task it starts
+    assert distributed.launched_by_mpi()
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""
     environment = {name: value for name, value in os.environ.items()
                    if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
-    environment |= {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
+    environment |= {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}
     result = subprocess.run([sys.executable, "-c", "from trainer import distributed; distributed.init('cpu')"],
                             cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_NTASKS)" in result.stderr, result.stderr
+    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS)" in result.stderr, result.stderr
 
 
 def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
