@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -112,7 +113,12 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     # 16 utterances in global batches of 4: 4 steps an epoch, so step 6 is in the second epoch.
     whole_run = train(tmp_path / "whole", utterances, *common, "train.max_steps=6", "train.progress_line_s=0")
     assert "epoch 1: step 1 of 4, loss " in whole_run.output and "epoch 2: step 2 of 4, loss " in whole_run.output
-    train(tmp_path / "split", utterances, *common, "train.max_steps=3")
+    # Its last line names the stop, and the evaluation it quotes is epoch 1's, not the stopped model's.
+    assert re.search(r"^stopped at step 6 \(train\.max_steps\); the last evaluation, after epoch 1 \(step 4\): "
+                     r"test WER [\d.]+%  CER [\d.]+%$", whole_run.stdout, re.MULTILINE), whole_run.stdout
+    assert "final test WER" not in whole_run.stdout
+    first = train(tmp_path / "split", utterances, *common, "train.max_steps=3")
+    assert "stopped at step 3 (train.max_steps), before this job's first evaluation" in first.stdout, first.stdout
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")
     resumed = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")

@@ -117,6 +117,18 @@ def continue_with(cfg: DictConfig) -> str:
             f"run_name={cfg.run_name} train.resume=auto")
 
 
+def summary_line(result: dict) -> str:
+    """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it inside an epoch,
+    the step it stopped at and the last evaluation's figures, which are not the saved model's."""
+    figures = f"test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%" if "wer" in result else ""
+    if "stopped_at_step" not in result:
+        return f"final {figures}  (epoch {result['epoch']})"
+    if not figures:
+        return f"stopped at step {result['stopped_at_step']} (train.max_steps), before this job's first evaluation"
+    return (f"stopped at step {result['stopped_at_step']} (train.max_steps); the last evaluation, after epoch "
+            f"{result['epoch']} (step {result['step']}): {figures}")
+
+
 def leave_the_log_to_rank_0(rank: int) -> None:
     """Hydra gives every rank the console and the run's log file, where rank 0 speaks for the job (its lines count
     every rank's work). Other ranks add only their start line (trainer.distributed: their device and rendezvous) and
@@ -159,7 +171,7 @@ def main(cfg: DictConfig) -> None:
             name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
             sys.exit(128 + result["stop_signal"])
         if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
-            print(f"final test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%  (epoch {result['epoch']})")
+            print(summary_line(result))
 
 
 if __name__ == "__main__":

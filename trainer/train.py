@@ -392,8 +392,8 @@ UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
-    """Trains as the config says; returns the final evaluation figures ({"wer", "cer", ...}), with "stop_signal" where
-    a stop signal ended it. continue_with: what continues the run where train.max_steps or a stop signal stops it, for
+    """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", ...}), with
+    "stop_signal" where a stop signal ended it and "stopped_at_step" where training stopped inside an epoch. continue_with: what continues the run where train.max_steps or a stop signal stops it, for
     the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
@@ -732,6 +732,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, skipped[UNUSABLE], cfg)
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
+            result["stopped_at_step"] = state["step"]
             log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
             break
@@ -747,7 +748,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
         mean_loss = sum(losses) / max(len(losses), 1)
-        result.update(epoch=epoch + 1, loss=mean_loss, wer=counts.wer, cer=counts.cer)
+        result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
                 "epoch %d%s: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
