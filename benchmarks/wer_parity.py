@@ -7,8 +7,8 @@ train to the same word error rate as cuDNN?
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with the
-overrides, then that backend's --backend-overrides (e.g. `--backend-overrides persistent model.batch_slice=4`: cuDNN at
-the whole batch against the persistent kernels at a per-GPU batch of 4, in one command), then model.backend, seed, its
+overrides, then that backend's --backend-overrides (e.g. `--backend-overrides persistent model.batch_slice=4 --`: cuDNN
+at the whole batch against the persistent kernels at a per-GPU batch of 4, in one command; the -- is required), then model.backend, seed, its
 run directory, train.resume=auto and train.progress_bar=false, which the overrides may not set; its output goes to
 RUNS_DIR/NAME-BACKEND-sSEED.out. Up to --parallel runs go at once, spread round-robin over the visible GPUs
 (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per run: runs that share a GPU share its time, which at a small per-GPU
@@ -27,13 +27,15 @@ first backend: the mean over the seeds both finished of the per-seed difference,
 difference is paired because a seed gives every backend the same initial weights and data order, so what makes a seed
 hard or easy cancels. --at-epoch E compares every run as it stood at epoch E (its WER then, the best up to then): runs
 of a budget that ran out can be compared where all of them got to. Writes the same, with the command and versions, to
---json. A failed run is reported with its exit status and left out of the means, as is one that stopped short of
-the epochs its config.yaml sets (a run copied without it counts as it stands); the others still count.
+--json. A failed run is reported with its exit status and the last line of its output, and left out of the means (the
+command then exits 1), as is one that stopped short of the epochs its config.yaml sets (a run copied without it counts
+as it stands); the others still count.
 """
 import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -227,7 +229,11 @@ def main(argv=None) -> None:
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
                         help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.backend_overrides and "--" not in argv:  # else the common overrides went to the last backend alone
+        sys.exit("--backend-overrides takes every word after it up to --: end it with --, then the overrides common "
+                 "to every backend (none: end with --)")
     for backend, *overrides in args.backend_overrides or []:
         if backend not in args.backends or not overrides or not all("=" in override for override in overrides):
             sys.exit(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
@@ -245,6 +251,8 @@ def main(argv=None) -> None:
         sys.exit("--backends and --seeds must not repeat")
     if args.at_epoch is not None and args.at_epoch < 1:
         sys.exit(f"--at-epoch must be at least 1, got {args.at_epoch}")
+    if args.json:  # now, not after hours of training
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:
@@ -285,8 +293,7 @@ def main(argv=None) -> None:
         print(f"{entry['backend']:<12} {entry['runs']:>4} {percent(entry['mean_wer']):>10} "
               f"{percent(entry['std_wer']):>6} {versus:>22}")
     if args.json:
-        command = ["python -m benchmarks.wer_parity", *(argv if argv is not None else sys.argv[1:])]
-        config = {"command": " ".join(command), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
+        config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
                   "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
                   "at_epoch": args.at_epoch, "gpus": gpus,
                   "report": args.report}
@@ -296,6 +303,17 @@ def main(argv=None) -> None:
             config.update(environment())
         Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
         print(f"wrote {args.json}")
+    failed = [row for row in rows if row["returncode"] not in (0, None)]
+    for row in failed:
+        print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
+
+
+def last_line(path: Path) -> str:
+    """A run's output's last line that is not blank: what the trainer says when it stops on an error."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    return lines[-1].strip() if lines else f"{path} is empty"
 
 
 if __name__ == "__main__":

@@ -195,6 +195,33 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch)
     assert "model.batch_slice=4" in persistent and not any("batch_slice" in part for part in cudnn)
     with pytest.raises(SystemExit, match="--backend-overrides reference model.batch_slice=4: give one of --backends"):
         wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "reference",
-                         "model.batch_slice=4"])
+                         "model.batch_slice=4", "--"])
+    # Without --, the common overrides would be the last backend's alone: each backend would train another recipe.
+    with pytest.raises(SystemExit, match="^--backend-overrides takes every word after it up to --"):
+        wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "persistent",
+                         "model.batch_slice=4", "experiment=an4_gpu"])
     with pytest.raises(SystemExit, match="^seed, train.resume: set for each run by this script"):
         wer_parity.main(["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"])
+
+
+def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkeypatch, capsys):
+    """The runs' output goes to files: the one line that says why a run failed reaches the terminal, and the exit
+    status says a run failed. --json into a folder not made yet is made first, not after the training."""
+    def run(command, stdout=None, **kwargs):
+        if command[1:3] != ["-m", "trainer"]:  # the versions' git query
+            return real_run(command, stdout=stdout, **kwargs)
+        failing = "model.backend=persistent" in command
+        stdout.write("error on rank 0: backend='persistent' cannot run: needs a CUDA GPU\n\n" if failing else "ok\n")
+        return subprocess.CompletedProcess(command, 2 if failing else 0)
+
+    real_run = subprocess.run
+    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    json_path = tmp_path / "not" / "made" / "wer.json"
+    with pytest.raises(SystemExit) as stopped:
+        wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--runs-dir", str(tmp_path / "runs"),
+                         "--json", str(json_path), "--", "hydra.job.name=a b"])
+    assert stopped.value.code == 1
+    assert json.loads(json_path.read_text())["config"]["command"].endswith("-- 'hydra.job.name=a b'")
+    assert ("wer-persistent-s1 failed (exit 2): error on rank 0: backend='persistent' cannot run: needs a CUDA GPU"
+            in capsys.readouterr().err)
