@@ -187,13 +187,22 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     def timed(function):
         return time_ms(function, args.warmup, args.steps, device)
 
+    # Every batch asked first: backend=persistent raises, naming why, at a batch its kernels cannot run, which would
+    # otherwise end the run after the smaller batches' measures, with nothing written.
+    per_rank_batch = args.global_batch // env.world_size
+    dtype = build.compute_dtype(cfg.train.amp, device)
+    for batch_size in sorted({*args.compute_batches, per_rank_batch}):
+        try:
+            model.recurrent_backend(batch_size, dtype, device)
+        except ValueError as error:
+            raise ValueError(f"per-rank batch {batch_size}: {error} (--compute-batches names the batches measured)"
+                             ) from None
+
     # Compute alone first, while the model is not yet wrapped: each rank on its own, as in a world of one.
     alone = graphed(model)
     compute = [
-        summary(timed(step_on(alone, per_rank_batch, 1)), per_rank_batch=per_rank_batch)
-        for per_rank_batch in args.compute_batches
+        summary(timed(step_on(alone, batch_size, 1)), per_rank_batch=batch_size) for batch_size in args.compute_batches
     ]
-    per_rank_batch = args.global_batch // env.world_size
     result = {
         "benchmark": "scaling",
         "world_size": env.world_size,
@@ -272,6 +281,9 @@ def main(argv=None) -> None:
     if args.cuda_graphs and args.warmup < 1:
         raise ValueError("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     device = env.device
+    if args.device == "auto" and device.type == "cpu" and args.model != "cpu_demo":
+        raise ValueError(f"no GPU here, and the {args.model} model's measures would take hours on a CPU: pass --model "
+                         "cpu_demo for the CPU's smoke test, or --device cpu to measure it anyway")
     if args.cuda_graphs and device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs a GPU, this run is on {device}")
     cfg = compose_config(args.model, args.backend, args.cell, args.amp)
@@ -284,7 +296,7 @@ def main(argv=None) -> None:
         "trainer_config": OmegaConf.to_container(cfg, resolve=True),
     }
     baseline = read_baseline(args.baseline, config) if args.baseline else None
-    if env.is_main:  # --device auto takes the CPU where there is no GPU, where the larger models take minutes
+    if env.is_main:
         print(f"measuring the {args.model} model on {env.world_size} x {device_name(device)}, compute batches "
               f"{args.compute_batches}, global batch {args.global_batch}", flush=True)
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO_ROOT
 
@@ -26,3 +27,23 @@ def test_graphed_steps_are_timed_after_their_capture(module):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, result.stdout[-2000:]
     assert "--cuda-graphs needs --warmup of at least 1" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measuring_any():
+    """The default --compute-batches run to 512 utterances, past what the kernels hold: refused before the smaller
+    batches' minutes of measures, which it would otherwise end with nothing written."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--backend", "persistent", "--compute-batches",
+                             "1", "4096", "--steps", "1", "--warmup", "0", "--frames", "50"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "error on rank 0: per-rank batch 4096: prnn_kernels.GRU: backend='persistent' cannot run" in result.stderr, (
+        result.stderr[-2000:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
+def test_scaling_on_a_machine_without_a_gpu_refuses_the_gpu_models_unless_asked():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no GPU here, and the an4 model's measures would take hours on a CPU" in result.stderr, result.stderr[-2000:]
