@@ -142,6 +142,9 @@ def main():
     if len(set(args.depths)) < 2:
         sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
     torch.manual_seed(0)
+    config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
+              "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
+              "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "command": command_line()}
     results = []
     for cell in args.cells:
         for hidden_size in args.hiddens:
@@ -151,18 +154,15 @@ def main():
                     print(f"\n{cell} H = {hidden_size} {dtype_name}: persistent kernel refused: {verdict.reason}")
                     results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name,
                                     "refused": verdict.reason})
-                    continue
-                rows = measure(cell, hidden_size, args.depths, dtype_name, args.batch)
-                summary = summarise(rows)
-                print_table(cell, hidden_size, args.batch, rows, summary, args.depths)
-                results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
-                                "summary": summary})
+                else:
+                    rows = measure(cell, hidden_size, args.depths, dtype_name, args.batch)
+                    summary = summarise(rows)
+                    print_table(cell, hidden_size, args.batch, rows, summary, args.depths)
+                    results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
+                                    "summary": summary})
+                if args.json:  # rewritten after every stack, so a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
     if args.json:
-        config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
-                  "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
-                  "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "command": command_line()}
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "results": results}, f, indent=1)
         print(f"\nwrote {args.json}")
 
 
