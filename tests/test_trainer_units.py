@@ -192,6 +192,19 @@ PICK = " (optim=NAME picks an optimizer with its settings)"
                        "not None" + PICK),
     ("optim.name=adagrad", "optim.name must be one of adamw, sgd, as optim=NAME picks it with its settings, not "
                            "'adagrad'"),
+    # Known keys, since the other optimizer's file has them, but the chosen one would never read them.
+    ("+optim.momentum=0.5", "optim.momentum is sgd's setting, which optim.name=adamw does not read" + PICK),
+    ("optim=sgd +optim.betas=[0.5,0.6]", "optim.betas is adamw's setting, which optim.name=sgd does not read" + PICK),
+    ("optim.anneal=1.1", "optim.anneal must be a number in (0, 1], the factor the rate is multiplied by each epoch, "
+                         "not 1.1"),  # deepspeech.pytorch's divisor: the rate would grow every epoch
+    ("data.an4_source=''", "data.an4_source must be null or AN4's folder, not ''"),
+    ("data.an4_source=123", "data.an4_source must be null or AN4's folder, not 123"),
+    ("data.manifest_dir=null", "data.manifest_dir must be a folder's path, not None"),
+    ("data.features.kind=mfcc", "data.features.kind must be one of spectrogram, mel, not 'mfcc'"),
+    ("data.features.window_ms=1e9", "data.features.window_ms must be a number of milliseconds in (0, 1000], not "
+                                    "1000000000.0"),  # a 64 GB window
+    ("data.features.hop_ms=abc", "data.features.hop_ms must be a number of milliseconds in (0, 1000], not 'abc'"),
+    ("data.features.n_mels=0", "data.features.n_mels must be a positive integer, not 0"),
     # Hydra refuses an unknown key on the command line, but takes one from an experiment file or a + override.
     ("+train.epoch=3", "unknown config key train.epoch: conf/train.yaml and conf/{model,data,optim}/ define no such "
                        "key (misspelt in an experiment file, or added by a + override?)"),
@@ -203,6 +216,15 @@ def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
     with pytest.raises(ValueError) as error:
         check_config(compose_config(["experiment=cpu_demo", *override.split()]))
     assert str(error.value) == complaint
+
+
+@pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
+def test_an_experiments_optimizer_settings_give_way_to_another_optimizer(experiment):
+    """The experiments tune AdamW: optim=sgd with one trains on SGD's own settings, not AdamW's rate and schedule."""
+    sgd = compose_config(["optim=sgd"]).optim
+    assert compose_config([f"experiment={experiment}", "optim=sgd"]).optim == sgd
+    adamw = compose_config([f"experiment={experiment}"]).optim
+    assert adamw.name == "adamw" and adamw != compose_config([]).optim  # its own settings over AdamW's defaults
 
 
 def test_interpolations_in_the_model_and_feature_groups_are_resolved():

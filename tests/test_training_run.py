@@ -282,6 +282,16 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, sw
     assert result.stderr == "error: cannot make the run directory runs/r: Not a directory\n", result.output[-4000:]
 
 
+@pytest.mark.parametrize("run_name", ["..", "", "a/b", "null"])
+def test_a_run_name_that_is_no_folder_of_runs_is_refused(tmp_path, run_name):
+    """`..` wrote the run into the working directory, an empty name into runs/ itself, null into runs/None."""
+    result = run("trainer", ["experiment=cpu_demo", f"run_name={run_name}"], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
+    assert result.stderr.startswith("error: run_name=") and "must name one folder of runs/" in result.stderr, (
+        result.output[-4000:])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])

@@ -1,14 +1,24 @@
-"""A Hydra callback (conf/train.yaml, hydra.callbacks) that makes the run's directory before Hydra does.
+"""A Hydra callback (conf/train.yaml, hydra.callbacks) that checks run_name and makes the run's directory before Hydra
+does.
 
 Hydra makes it inside its own error handling, so one it cannot make (a file named `runs`, no permission, a full disk)
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
-trainer's other user errors are.
+trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
+the run wrote into runs/ itself or the working directory.
 """
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+
+def check_run_name(run_name) -> None:
+    name = str(run_name) if isinstance(run_name, str | int) and not isinstance(run_name, bool) else ""
+    if not name.strip() or set(name) <= {"."} or "/" in name or "\\" in name:
+        print(f"error: run_name={run_name!r} must name one folder of runs/: not empty, not dots alone, no / or \\",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 def make_or_exit(directory: str) -> None:
@@ -23,7 +33,9 @@ def make_or_exit(directory: str) -> None:
 
 class MakeRunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        check_run_name(config.run_name)
         make_or_exit(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        check_run_name(config.run_name)
         make_or_exit(config.hydra.sweep.dir)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.dataset import Batch, SpeechDataset, collate
-from data.features import SpecAugment
+from data.features import FEATURE_KINDS, SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK
@@ -444,7 +444,9 @@ CONFIG_RULES = (
     ("model.lookahead", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
     ("optim.warmup_steps", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
-    ("optim.anneal", lambda v: _is_number(v) and v > 0, "a positive number"),
+    # A factor: deepspeech.pytorch's learning_anneal of 1.1 (a divisor) is 0.9091 here, and 1.1 would grow the rate.
+    ("optim.anneal", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1], the factor the rate is multiplied by "
+     "each epoch"),
     ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a non-negative number"),
     ("optim.name", lambda v: v in OPTIMIZER_KEYS, f"one of {', '.join(OPTIMIZER_KEYS)}, as optim=NAME picks it with "
      "its settings"),
@@ -452,8 +454,14 @@ CONFIG_RULES = (
     ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
      and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths" + SET_MANIFESTS),
     ("data.eval_manifest", lambda v: isinstance(v, str) and v != "", "a manifest's path" + SET_MANIFESTS),
+    ("data.an4_source", lambda v: v is None or isinstance(v, str) and v.strip() != "", "null or AN4's folder"),
+    ("data.manifest_dir", lambda v: isinstance(v, str) and v.strip() != "", "a folder's path"),
+    ("data.features.kind", lambda v: v in FEATURE_KINDS, f"one of {', '.join(FEATURE_KINDS)}"),
     ("data.features.sample_rate", lambda v: _is_int(v) and MIN_SAMPLE_RATE <= v <= MAX_SAMPLE_RATE,
      f"an integer number of Hz from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"),
+    *((f"data.features.{key}", lambda v: _is_number(v) and 0 < v <= 1000, "a number of milliseconds in (0, 1000]")
+      for key in ("window_ms", "hop_ms")),
+    ("data.features.n_mels", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     *((f"data.augment.masks.{key}", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
       for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
     ("data.augment.masks.max_time_fraction", lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
@@ -503,6 +511,10 @@ def check_config(cfg: DictConfig) -> None:
     if not valid(value):
         raise ValueError(f"{key} must be {what} for optim.name={cfg.optim.name}, not {value!r} (optim=NAME "
                          "picks an optimizer with its settings)")
+    for name, (key, _, _) in OPTIMIZER_KEYS.items():  # known, since the other optimizer's file has it, but unread
+        if name != cfg.optim.name and key.split(".")[1] in cfg.optim:
+            raise ValueError(f"{key} is {name}'s setting, which optim.name={cfg.optim.name} does not read (optim=NAME "
+                             "picks an optimizer with its settings)")
 
 
 # What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
