@@ -583,9 +583,18 @@ def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one
     assert main(["--checkpoint", str(tmp_path / "nope.pt"), *extra]) == 2
     assert capsys.readouterr().err == f"error: checkpoint not found: {tmp_path / 'nope.pt'}\n"
     path = small_checkpoint(tmp_path / "small.pt")
-    assert main(["--checkpoint", str(path), "--device", "tpu9", *extra]) == 2
-    error = capsys.readouterr().err
-    assert error.startswith("error: ") and "tpu9" in error and error.count("\n") == 1, error
+    devices = [("tpu9", "argument --device: 'tpu9' is not a device: cpu, cuda or cuda:N"),
+               ("meta", "argument --device: 'meta': the model runs on cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        devices.append(("cuda", "argument --device: 'cuda': no CUDA GPU is visible here"))
+    for device, complaint in devices:
+        with pytest.raises(SystemExit) as stopped:
+            main(["--checkpoint", str(path), "--device", device, *extra])
+        assert stopped.value.code == 2 and capsys.readouterr().err.endswith(f"error: {complaint}\n")
+    # A language model's weights without one would be ignored: the greedy decoder takes no weights.
+    assert main(["--checkpoint", str(path), "--device", "cpu", "--lm-weight", "7", *extra]) == 2
+    assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
+                                       "too\n")
 
 
 # --- the training step ----------------------------------------------------------------------------------------------

@@ -189,14 +189,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam", type=int, help="CTC prefix beam search of this width (default: greedy, or 16 "
                                                  "with --lm)")
     parser.add_argument("--lm", help="an ARPA word n-gram model for the beam search (python -m trainer.lm builds one)")
-    parser.add_argument("--lm-weight", type=finite_float, default=BeamSearch.lm_weight, help="weight of ln P_lm")
-    parser.add_argument("--word-bonus", type=finite_float, default=BeamSearch.word_bonus,
-                        help="added per word, with --lm")
+    parser.add_argument("--lm-weight", type=finite_float,
+                        help=f"weight of ln P_lm, with --lm (default {BeamSearch.lm_weight})")
+    parser.add_argument("--word-bonus", type=finite_float,
+                        help=f"added per word, with --lm (default {BeamSearch.word_bonus})")
 
 
 def from_arguments(args: argparse.Namespace):
-    """greedy_decode, or the BeamSearch the options ask for; raises FileNotFoundError / ValueError for a bad LM."""
+    """greedy_decode, or the BeamSearch the options ask for; raises FileNotFoundError / ValueError for a bad LM, and
+    ValueError for a language model's weight without one (it would be ignored)."""
+    if args.lm is None and (args.lm_weight is not None or args.word_bonus is not None):
+        raise ValueError("--lm-weight and --word-bonus weigh a language model's score: give --lm too")
     if args.beam is None and args.lm is None:
         return greedy_decode
     lm = NGramLM.from_arpa(args.lm) if args.lm else None
-    return BeamSearch(BeamSearch.beam_width if args.beam is None else args.beam, lm, args.lm_weight, args.word_bonus)
+    return BeamSearch(BeamSearch.beam_width if args.beam is None else args.beam, lm,
+                      BeamSearch.lm_weight if args.lm_weight is None else args.lm_weight,
+                      BeamSearch.word_bonus if args.word_bonus is None else args.word_bonus)

@@ -7,20 +7,35 @@ import torch
 from trainer import build, decode
 
 # What loading a model may raise with a one-line message: a missing or foreign checkpoint, a bad decoder option, or
-# (RuntimeError) a device torch does not know or cannot reach (--device cuda without a driver).
+# (RuntimeError) a GPU that cannot be reached.
 MODEL_ERRORS = (FileNotFoundError, ValueError, RuntimeError)
+
+
+def device_argument(text: str) -> torch.device:
+    """--device: cpu, or a CUDA GPU this machine has; argparse names the argument where it is neither."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the model runs on cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is visible here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--checkpoint, --device and the decoder's options (trainer.decode)."""
     parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the model runs: cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     decode.add_arguments(parser)
 
 
 def load_model(args: argparse.Namespace):
     """(model, features, config, decoder, device) as add_model_arguments' options say; raises one of MODEL_ERRORS."""
-    device = torch.device(args.device)
+    device = args.device
     model, features, cfg = build.from_checkpoint(args.checkpoint, device)
     return model, features, cfg, decode.from_arguments(args), device
