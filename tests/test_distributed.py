@@ -188,7 +188,8 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
 def test_a_bad_value_the_distributed_start_takes_is_one_line_on_every_rank(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
     assert code != 0 and "Traceback" not in output, output
-    assert "distributed.timeout_s must be a positive number of seconds, not 'abc'" in output, output
+    for rank in ("error on rank 0: ", "[rank 1] error on rank 1: "):  # each rank's own line
+        assert f"{rank}distributed.timeout_s must be a positive number of seconds, not 'abc'" in output, output
 
 
 def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str) -> str:
@@ -271,6 +272,9 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
         for name in names:
             monkeypatch.delenv(name, raising=False)
     for variables, expected in [
+        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 8, 1, 4)),
+        ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}, (5, 8, 1, 4)),
         ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"},
          (3, 4, 3, 4)),
         ({"PMIX_RANK": "3", "PMIX_SIZE": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"}, (3, 4, 1, 2)),

@@ -138,11 +138,13 @@ def test_hundred_layer_residual_stack_trains():
     assert model.front_end.convs[0].weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])  # ATen's RNN, then cuDNN
 @pytest.mark.parametrize("cell, bidirectional", [("relu", True), ("tanh", False), ("gru", True), ("lstm", False)])
-def test_reference_and_cudnn_backends_agree(cell, bidirectional):
+def test_reference_and_cudnn_backends_agree(cell, bidirectional, device):
     features, lengths = ragged_batch(torch.float64)
-    reference = small_model(cell, bidirectional, backend="reference").double()
-    cudnn = small_model(cell, bidirectional, backend="cudnn").double()
+    features, lengths = features.to(device), lengths.to(device)
+    reference = small_model(cell, bidirectional, backend="reference").double().to(device)
+    cudnn = small_model(cell, bidirectional, backend="cudnn").double().to(device)
     cudnn.load_state_dict(reference.state_dict())
     for train in (False, True):
         reference.train(train)

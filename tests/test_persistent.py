@@ -395,13 +395,23 @@ def test_fp32_parameters_of_a_bf16_layer_get_unrounded_fp32_gradients(cell):
         assert not torch.equal(fp32_grad.to(torch.bfloat16).float(), fp32_grad)  # not rounded on the way
 
 
+@pytest.mark.parametrize("cell, batch_size, dtype, message", [
+    ("conv", 4, torch.float32, "is not one of"), ("relu", 33, torch.float32, "batch size 33"),
+    ("gru", 4, torch.float16, "dtype")])
+def test_the_layer_refuses_what_no_gpu_runs_before_asking_for_one(cell, batch_size, dtype, message):
+    hidden_size = 256
+    gate_rows = NUM_GATES.get(cell, 1) * hidden_size
+    input_proj = torch.randn(3, batch_size, gate_rows, dtype=dtype)
+    hx = torch.zeros(batch_size, hidden_size, dtype=dtype)
+    with pytest.raises(ValueError, match=message):
+        persistent_layer(cell, input_proj, hx, torch.zeros(gate_rows, hidden_size, dtype=dtype), None,
+                         torch.full((batch_size,), 3), False)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "cell, hidden_size, batch_size, dtype, message",
     [
-        ("conv", 256, 4, torch.float32, "is not one of"),
-        ("relu", 256, 33, torch.float32, "batch size 33"),
-        ("gru", 256, 4, torch.float16, "dtype"),
         ("relu", 8192, 4, torch.float32, "do not fit on chip"),
         ("gru", 4096, 4, torch.float32, "not even with what does not fit read again from its L2"),
         ("lstm", 1152, 16, torch.float32, "with batch 16"),
@@ -580,11 +590,15 @@ def test_refuses_lengths_out_of_range_or_not_integers():
 
 
 @pytest.mark.cuda
-def test_refuses_an_lstm_state_that_is_not_a_pair_or_directions_that_are_not_two():
+def test_refuses_an_lstm_state_that_is_not_a_pair():
     input_proj, h0, c0, weight_hh, bias_hh = random_layer("lstm", 5, 2, 64, torch.float32, True, seed=4)[0]
     with pytest.raises(ValueError, match=r"an LSTM's hx must be a tuple \(h0, c0\)"):
         persistent_layer("lstm", input_proj, h0, weight_hh, bias_hh, torch.tensor([5, 3]), False)
-    both = torch.cat([input_proj, input_proj], dim=2)
+
+
+def test_refuses_directions_that_are_not_two_before_asking_for_a_gpu():
+    both, h0, c0 = torch.randn(5, 2, 2 * 4 * 64), torch.zeros(2, 64), torch.zeros(2, 64)
+    weight_hh, bias_hh = torch.zeros(4 * 64, 64), torch.zeros(4 * 64)
     with pytest.raises(ValueError, match="hx, weight_hh and bias_hh must each be a pair"):
         persistent_bidirectional_layer("lstm", both, [(h0, c0)] * 3, [weight_hh] * 3, [bias_hh] * 3,
                                        torch.tensor([5, 3]))
@@ -677,12 +691,13 @@ def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch, check):
             persistent_layer("lstm", *arguments, lengths, False)
     persistent.raise_if_failed()  # capturing launched nothing
     graph.replay()
+    if check == "graph_replayed":
+        persistent.graph_replayed()  # copies the status word, waits for nothing: returns before the failure is seen
+        torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="timed out"):
         if check == "raise_if_failed":
             persistent.raise_if_failed()
         else:
-            persistent.graph_replayed()  # copies the status word, waits for nothing
-            torch.cuda.synchronize()
             persistent.graph_replayed()  # finds the copy landed
 
 

@@ -51,7 +51,10 @@ log = logging.getLogger(__name__)
 def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     """With `data.an4_source` set, rank 0 writes the AN4 manifests (skipped when up to date); the others wait."""
     if data_cfg.an4_source is not None and env.is_main:
-        prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
+        try:
+            prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
+        except FileNotFoundError as error:  # a corpus file or folder: data/ knows no config keys
+            raise FileNotFoundError(f"{error} (data.an4_source, AN4's folder; PRNN_AN4 sets its default)") from None
     distributed.barrier()
 
 
