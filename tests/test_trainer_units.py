@@ -254,7 +254,7 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
 
 
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
-    arguments = argparse.Namespace(beam=0, lm=None, lm_weight=0.5, word_bonus=1.0)
+    arguments = argparse.Namespace(beam=0, lm=None, lm_weight=None, word_bonus=None)
     with pytest.raises(ValueError, match="beam width must be at least 1"):
         decode.from_arguments(arguments)
 

@@ -433,7 +433,8 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
 def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_non_zero(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     result = sweep(tmp_path, manifest, "run_name=bad", "model.cell=relu,bogus,gru", "train.max_steps=1")
-    assert result.output.count("stopped at step 1") == 2, result.output[-4000:]  # job 2 ran
+    assert result.output.count("stopped at step 1 (train.max_steps), before this job's first evaluation") == 2, (
+        result.output[-4000:])  # job 2 ran
     assert result.returncode == 2, result.output[-4000:]  # a user error, as a run's would be
     assert sorted(sweep_jobs(tmp_path / "runs" / "bad")) == ["gru", "relu"], result.output[-4000:]
     bogus = "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"
