@@ -162,9 +162,10 @@ def persistent_bidirectional_layer(cell, input_proj, hx, weight_hh, bias_hh, len
         output: (T, B, 2*H) as torch.nn lays out a bidirectional layer (forward direction's h first).
         final states: the pair (forward, reverse) of what persistent_layer returns as h_n.
     """
-    if not all(len(pair) == 2 for pair in (hx, weight_hh, bias_hh)):
+    bias_hh = (None, None) if bias_hh is None else bias_hh
+    if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in (hx, weight_hh, bias_hh)):
         raise ValueError("persistent_bidirectional_layer: hx, weight_hh and bias_hh must each be a pair (forward "
-                         "direction, reverse direction)")
+                         "direction, reverse direction; bias_hh may be None)")
     output, final_states = _run_layer(cell, input_proj, list(hx), list(weight_hh), list(bias_hh), lengths, False)
     return output, tuple(final_states)
 
@@ -192,6 +193,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     if cell == "lstm" and not all(isinstance(h, tuple | list) and len(h) == 2 for h in hx):
         raise ValueError("persistent_layer: an LSTM's hx must be a tuple (h0, c0)")
     states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
+    if not all(isinstance(h, torch.Tensor) for state in states for h in state):
+        raise ValueError("persistent_layer: hx must be a tensor (B, H) (an LSTM's a tuple of two); give zeros for none")
     lengths = torch.as_tensor(lengths)
     expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size),
                 "lengths": (batch_size,)}
@@ -211,16 +214,17 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     with torch.autocast("cuda", enabled=False):
         output, h_n, c_n = _PersistentLayer.apply(
             cell, bool(reverse), num_directions, input_proj.contiguous(), hx_stacked, cx_stacked,
-            lengths.to(input_proj.device, torch.int64), *parameters,
+            lengths.to(input_proj.device, torch.int64).contiguous(), *parameters,
         )
     finals = [(h_n[d], c_n[d]) if cell == "lstm" else h_n[d] for d in range(num_directions)]
     return output, finals
 
 
 def raise_if_failed(device=None) -> None:
-    """Waits for the status of the launches so far on `device`, CUDA-graph replays included, and raises
+    """Waits for the launches so far on `device`, on every stream, CUDA-graph replays included, and raises
     RuntimeError if one of them failed."""
     status = _LaunchStatus.of(device)
+    torch.cuda.synchronize(status.word.device)  # launches on other streams than the caller's
     status.after_launch()  # a fresh copy of the word: launches replayed from a graph made none of their own
     status.check(wait=True)
 
@@ -241,8 +245,11 @@ class _LaunchStatus:
     _by_device = {}
 
     def __init__(self, device):
-        self.word = torch.zeros(1, dtype=torch.int32, device=device)
-        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        # Normal tensors even where the first launch runs under inference_mode: its tensors could not be written
+        # outside it, and every later launch would fail.
+        with torch.inference_mode(False):
+            self.word = torch.zeros(1, dtype=torch.int32, device=device)
+            self.host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.copied = torch.cuda.Event()
         self.pending = False
 
@@ -256,10 +263,11 @@ class _LaunchStatus:
         return cls._by_device[index]
 
     def after_launch(self):
-        if torch.cuda.is_current_stream_capturing():
-            return
-        self.host.copy_(self.word, non_blocking=True)
-        self.copied.record()
+        with torch.cuda.device(self.word.device):  # its stream and event, whichever GPU is current
+            if torch.cuda.is_current_stream_capturing():
+                return
+            self.host.copy_(self.word, non_blocking=True)
+            self.copied.record()
         self.pending = True
 
     def check(self, wait):

@@ -627,6 +627,66 @@ def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, bat
 
 
 @pytest.mark.cuda
+def test_a_first_launch_under_inference_mode_leaves_later_ones_outside_it_working(monkeypatch):
+    """The status word is made on a device's first launch: made under inference_mode, it could not be written outside
+    it, and every later launch failed ("Inplace update to inference tensor outside InferenceMode")."""
+    monkeypatch.setattr(persistent._LaunchStatus, "_by_device", {})
+    leaves, lengths = random_layer("gru", 9, 3, 64, torch.float32, True, seed=8)
+    arguments = [t.detach() for t in leaves]
+    with torch.inference_mode():
+        inferred, _ = persistent_layer("gru", *arguments, lengths, False)
+    with torch.no_grad():
+        output, _ = persistent_layer("gru", *arguments, lengths, False)
+    persistent.raise_if_failed()
+    assert torch.equal(output, inferred)
+
+
+@pytest.mark.cuda
+def test_raise_if_failed_waits_for_launches_on_other_streams(monkeypatch):
+    leaves, lengths = random_layer("relu", 64, 4, 2048, torch.float32, True, seed=5)
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)  # the launch fails
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(500_000_000)  # the failing launch lands long after the caller's stream is idle
+        persistent_layer("relu", *[t.detach() for t in leaves], lengths, False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        persistent.raise_if_failed()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_layer_on_another_gpu_than_the_current_one_trains_and_reports_there():
+    """The status word's copy and its event on the word's own GPU: recorded on the current one, the backward (on
+    autograd's thread for the tensors' GPU) raised "Event device 0 does not match recording stream's device 1"."""
+    leaves, lengths = random_layer("gru", 9, 3, 64, torch.float32, True, seed=8)
+    other = torch.device("cuda", 1)
+    leaves = [t.detach().to(other).requires_grad_() for t in leaves]
+    output, _ = persistent_layer("gru", *leaves, lengths, False)
+    output.sum().backward()
+    persistent.raise_if_failed(other)
+    assert all(torch.isfinite(leaf.grad).all() for leaf in leaves if leaf is not None)
+
+
+@pytest.mark.cuda
+def test_lengths_and_bias_pairs_as_callers_pass_them():
+    """Expanded CUDA lengths (one length for all) run as contiguous ones; a bidirectional layer takes bias_hh=None;
+    an hx of None is refused by name."""
+    leaves, _ = random_layer("gru", 9, 3, 64, torch.float32, False, seed=8)
+    input_proj, hx, weight_hh, _ = [t.detach() if t is not None else None for t in leaves]
+    expanded = torch.full((1,), 7, device=CUDA).expand(3)
+    assert torch.equal(persistent_layer("gru", input_proj, hx, weight_hh, None, expanded, False)[0],
+                       persistent_layer("gru", input_proj, hx, weight_hh, None, expanded.contiguous(), False)[0])
+    both = torch.cat([input_proj, input_proj], dim=2)
+    assert torch.equal(persistent_bidirectional_layer("gru", both, (hx, hx), (weight_hh, weight_hh), None, [9] * 3)[0],
+                       persistent_bidirectional_layer("gru", both, (hx, hx), (weight_hh, weight_hh), (None, None),
+                                                      [9] * 3)[0])
+    with pytest.raises(ValueError, match=r"hx must be a tensor \(B, H\)"):
+        persistent_layer("gru", input_proj, None, weight_hh, None, [9] * 3, False)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("cell, hidden_size, batch_size, directions, one_cluster", [
     ("relu", 1024, 4, 1, (True, True)),  # 16 CTAs of 64 units, forward and backward
     ("gru", 512, 4, 2, (True, False)),  # a GRU's backward publishes three values a unit: the plain engine

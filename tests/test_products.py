@@ -106,6 +106,15 @@ def test_matmul_nt_reverses_bs_steps(steps, batch, b_runs_along_k):
 
 
 @pytest.mark.cuda
+def test_matmul_nt_takes_expanded_rows():
+    """A stride of 0 between rows (one input broadcast over the batch) passes the layout test of an operand read in
+    place, but is no layout the bulk copies read: it is copied first."""
+    row, b = torch.randn(1, 64, device=CUDA), torch.randn(8, 64, device=CUDA)
+    expected = row.double() @ b.double().t()
+    assert relative_error(products.matmul_nt(row.expand(5, 64), b).double(), expected.expand(5, 8)) <= TOLERANCE
+
+
+@pytest.mark.cuda
 def test_matmul_nt_propagates_nan():
     a, b = torch.randn(64, 32, device=CUDA), torch.randn(48, 32, device=CUDA)
     a[5, 7] = float("nan")

@@ -84,7 +84,11 @@ at::Tensor k_major(const at::Tensor& operand, int64_t reverse_blocks_of, const c
   TORCH_CHECK(reverse_blocks_of == 0 || (reverse_blocks_of > 0 && columns % reverse_blocks_of == 0),
               "prnn_kernels product: ", name, "'s ", columns, " columns are not blocks of ", reverse_blocks_of);
   const bool aligned = reinterpret_cast<uintptr_t>(operand.data_ptr()) % 16 == 0;
-  if (operand.stride(1) == 1 && operand.stride(0) % 4 == 0 && aligned && reverse_blocks_of == 0) return operand;
+  // Rows of their own (not an expanded tensor's stride 0 or overlapping views), as the bulk copies' tensor map reads.
+  const bool rows_apart = operand.stride(0) >= columns || rows == 1;
+  if (operand.stride(1) == 1 && operand.stride(0) % 4 == 0 && rows_apart && aligned && reverse_blocks_of == 0) {
+    return operand;
+  }
   at::Tensor out = at::empty({rows, round_up_4(columns)}, operand.options()).narrow(1, 0, columns);
   if (operand.numel() == 0) return out;
   if (operand.stride(0) == 1 && (rows + 31) / 32 <= 65535) {
