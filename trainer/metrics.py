@@ -29,7 +29,8 @@ class ErrorCounts:
     unreadable: int = 0
 
     def add(self, reference: str, hypothesis: str) -> tuple[int, int]:
-        """Counts one utterance; returns its (word errors, char errors)."""
+        """Counts one utterance, both texts normalised as the decoders write them (upper case, single spaces); an
+        empty reference counts the hypothesis as insertions. Returns its (word errors, char errors)."""
         word_errors = edit_distance(reference.split(), hypothesis.split())
         char_errors = edit_distance(list(reference), list(hypothesis))
         self.word_errors += word_errors
