@@ -575,8 +575,8 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(an4_slice, tmp_path):
     """SIGUSR1 (which mpirun forwards to every rank, and SLURM sends ahead of a job's time limit) sent here to rank 1
-    alone: the ranks agree in the next step's all-reduce, rank 0 writes last.pt at that step, and every rank exits
-    128 + SIGUSR1, so the launcher reports the job unfinished."""
+    alone: the ranks agree in the next step's first all-reduce, which then trains nothing, rank 0 writes last.pt at the
+    step the signal came in, and every rank exits 128 + SIGUSR1, so the launcher reports the job unfinished."""
     run_dir = tmp_path / "run"
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100"))
     wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
@@ -589,7 +589,8 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"step"' in line]
     assert steps == list(range(1, stopped_at + 1)), (steps, stopped_at)
-    assert "[rank 1] SIGUSR1 received: stopping after the current training step" in output, output
+    assert "[rank 1] SIGUSR1 received: stopping when the training step or evaluation in progress ends" in output, (
+        output)
     assert f"stopped at step {stopped_at} (SIGUSR1 on 1 of 2 ranks)" in output or \
         "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name continues it" in output, output
     assert "Traceback" not in output, output

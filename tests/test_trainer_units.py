@@ -623,9 +623,12 @@ def test_train_step_updates_weights():
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert schedule.last_epoch == 1  # the schedule steps with the weights
     assert step.stop_requests == {}
-    # A stop signal still lets the step train; the result says which signal reached how many ranks.
+    # A stop signal received before the step (during the one before it) stops the run at that step's end: this one
+    # trains nothing, and the result says which signal reached how many ranks. It trained, one step past the signal.
+    before = [p.detach().clone() for p in model.parameters()]
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")), signal.SIGUSR1)
-    assert step.outcome == "ok" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 2
+    assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 1
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
 def test_stop_signals_are_taken_only_while_listening_the_first_kept_and_a_second_ctrl_c_interrupts():

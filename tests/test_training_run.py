@@ -179,7 +179,10 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
     common = ["model.hidden=32", "train.global_batch_size=4", "data.augment.enabled=true", "train.max_steps=12",
               "train.num_workers=1", "train.resume=auto"]  # 4 steps an epoch; the first start finds nothing to resume
-    train(tmp_path / "whole", utterances, *common)
+    whole_run = train(tmp_path / "whole", utterances, *common)
+    # Stopped by train.max_steps at an epoch's end: not the run's final WER either.
+    assert "stopped at step 12 (train.max_steps); the last evaluation, after epoch 3 (step 12): test WER" in (
+        whole_run.stdout), whole_run.stdout
 
     def start(run_dir, *overrides):
         return subprocess.Popen(
@@ -205,7 +208,8 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
     assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
     stopped_at = torch.load(signalled / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
     assert 1 <= stopped_at < 12, stopped_at
-    assert "SIGTERM received: stopping after the current training step" in output, output[-4000:]
+    assert "SIGTERM received: stopping when the training step or evaluation in progress ends" in output, (
+        output[-4000:])
     assert "(SIGTERM); train.resume=auto under the same run_name continues it from" in output, output[-4000:]
     assert "final test WER" not in output and "Traceback" not in output, output[-4000:]
     assert sorted(read_metrics(signalled)[0]) == list(range(1, stopped_at + 1))  # the checkpoint's step is the last

@@ -54,7 +54,8 @@ class StopSignals:
                 raise KeyboardInterrupt
             return
         self.received = signal.Signals(number)
-        log.warning("%s received: stopping after the current training step, writing checkpoints/last.pt%s",
+        log.warning("%s received: stopping when the training step or evaluation in progress ends, writing "
+                    "checkpoints/last.pt%s",
                     self.received.name, "; Ctrl-C again interrupts at once" if number == signal.SIGINT else "")
 
 

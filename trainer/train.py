@@ -126,13 +126,16 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
     )
 
 
+STOPPED = "stopped"  # train_step's outcome where a stop signal came first: nothing trained, the step not counted
+
+
 class StepResult(NamedTuple):
     """What one train_step did, the same on every rank."""
-    outcome: str  # "ok", or why the step was skipped
+    outcome: str  # "ok", STOPPED, or why the step was skipped
     loss: float  # mean loss per utterance of the global batch; nan for a skipped step
     utterances: int  # in the global batch, over all ranks
     unusable: int  # dropped from the global batch by the ranks' loaders (audio unreadable or too long)
-    stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop); every rank stops after a step with any
+    stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop), where the outcome is STOPPED
 
 
 def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv,
@@ -160,6 +163,8 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     def skipped(reason: str) -> StepResult:
         return StepResult(reason, math.nan, global_count, unusable, requests)
 
+    if requests:  # a signal during the step before (or an evaluation): the run stops at that step's end, as it said
+        return skipped(STOPPED)
     if empty_shards:
         return skipped("empty shard (all its audio unreadable)")
     forward_options = {}
@@ -710,6 +715,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
             step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
+            if step.outcome == STOPPED:  # this batch untrained: a resume starts from it
+                stopped_by = stop_for(step.stop_requests, env.world_size, result)
+                break
             state["step"] += 1
             state["epoch_step"] += 1
             progress.update()
@@ -732,9 +740,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": step.loss}) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
-            if step.stop_requests:
-                stopped_by = stop_for(step.stop_requests, env.world_size, result)
-            elif max_steps is not None and state["step"] >= max_steps and not (
+            if max_steps is not None and state["step"] >= max_steps and not (
                     epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler)):  # not the run's last step
                 stopped_by = "train.max_steps"
             if stopped_by:
@@ -796,6 +802,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
             stopped_by = stop_for(requests, env.world_size, result) if requests else None
         if stopped_by:
+            result["stopped_at_step"] = state["step"]
             log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by, continue_with,
                      run_dir / "checkpoints" / "last.pt")
             break
