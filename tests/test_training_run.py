@@ -128,6 +128,10 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     whole, _ = read_metrics(tmp_path / "whole")
     split, _ = read_metrics(tmp_path / "split")
     assert sorted(split) == [1, 2, 3, 4, 5, 6]
+    lines = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["epoch"]) for line in lines if "step" in line] == [
+        (1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (6, 2)]  # counted as the evaluation after step 4 counts epoch 1
+    assert [line["epoch"] for line in lines if "eval_wer" in line] == [1]
     jobs = [json.loads(line) for line in (tmp_path / "split" / "jobs.jsonl").read_text().splitlines()]
     assert [job["from_step"] for job in jobs] == [0, 3] and jobs[1]["device"].startswith("CPU"), jobs
     for step in (4, 5, 6):
@@ -168,6 +172,44 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [event.step for event in events.Scalars("eval/wer")] == [4]  # epoch 1 ended at step 4
+
+
+@pytest.mark.slow
+def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
+    """A batch job's log is a pipe or a file, where each redraw of a bar would land as a line of its own."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    result = train(tmp_path / "run", utterances, "train.progress_bar=true", "train.progress_line_s=0",
+                   "train.global_batch_size=4")
+    assert "\r" not in result.output and "epoch 1: step 1 of 2, loss " in result.output, result.output[-3000:]
+    assert re.search(r"epoch 1: loss [\d.]+, 8 utterances in \d+ s, evaluated in \d+ s; test WER", result.output)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_interrupts_at_once_in_one_line(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:128])
+    job = subprocess.Popen(  # steps of seconds: 64 utterances through 512 units
+        [sys.executable, "-m", "trainer", *train_arguments(tmp_path / "run", utterances, "train.epochs=1000",
+                                                          "train.global_batch_size=64", "model.hidden=512")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        wait_for_file(tmp_path / "run" / "metrics.jsonl", job, 300)
+        while '"step"' not in (tmp_path / "run" / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)  # training has begun
+        time.sleep(0.5)  # inside the second step
+        os.killpg(job.pid, signal.SIGINT)
+        log = tmp_path / "run" / "__main__.log"
+        while "SIGINT received" not in log.read_text() and job.poll() is None:
+            time.sleep(0.02)  # as a user presses again once the first is answered (two at once arrive as one)
+        os.killpg(job.pid, signal.SIGINT)
+        output = job.communicate(timeout=300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGINT, output[-4000:]
+    assert "SIGINT received: stopping when" in output, output[-4000:]
+    assert "interrupted by Ctrl-C; no checkpoint of this run was written" in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import errno
 import hashlib
 import logging
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -118,8 +119,8 @@ def continue_with(cfg: DictConfig) -> str:
 
 
 def summary_line(result: dict) -> str:
-    """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it inside an epoch,
-    the step it stopped at and the last evaluation's figures, which are not the saved model's."""
+    """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it before its end,
+    the step it stopped at and the last evaluation's figures (inside an epoch, not the saved model's)."""
     figures = f"test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%" if "wer" in result else ""
     if "stopped_at_step" not in result:
         return f"final {figures}  (epoch {result['epoch']})"
@@ -150,6 +151,9 @@ def leave_the_log_to_rank_0(rank: int) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    # Hydra's console log goes to stdout, which a pipe or a batch job's log buffers: a line would land after the
+    # progress shown on stderr since, or be lost with the job.
+    sys.stdout.reconfigure(line_buffering=True)
     leave_the_log_to_rank_0(distributed.launcher_rank())
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -158,6 +162,12 @@ def main(cfg: DictConfig) -> None:
             claim_job_folder(run_dir, hydra_cfg.job.num)
         with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
             result = train(cfg, run_dir, continue_with(cfg))
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began: out now, a sweep included
+        last = run_dir / "checkpoints" / "last.pt"
+        log.error("interrupted by Ctrl-C; %s", f"{last} holds the run as of its last checkpoint"
+                  if last.exists() else "no checkpoint of this run was written")
+        name_failed_sweep_jobs()
+        distributed.abort_job(128 + signal.SIGINT)
     except Exception as error:
         message = user_error_message(error, run_dir)
         if message is not None:

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
     try:
         with logging_redirect_tqdm():
-            counts, rows = evaluate(model, dataset, batches, device, progress_bar=True, decoder=decoder)
+            counts, rows = evaluate(model, dataset, batches, device, progress_bar=sys.stderr.isatty(), decoder=decoder)
     except ValueError as error:  # the model's output not finite (decode.check_finite)
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
         return 2

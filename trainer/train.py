@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -401,8 +402,9 @@ UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
     """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", ...}), with
-    "stop_signal" where a stop signal ended it and "stopped_at_step" where training stopped inside an epoch. continue_with: what continues the run where train.max_steps or a stop signal stops it, for
-    the log (a sweep's job: the sweep run again)."""
+    "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
+    before its last epoch's end. continue_with: what continues the run where train.max_steps or a stop signal stops
+    it, for the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
@@ -686,6 +688,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
         log.info("nothing to train: %s reached epoch %d, step %d (train.epochs=%d, train.max_steps=%s)", resume,
                  state["epoch"], state["step"], cfg.train.epochs, max_steps)
+    # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
+    show_progress_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
     stop_signals.listen()
     for epoch in range(state["epoch"], cfg.train.epochs):
@@ -706,7 +710,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         # Counted by hand: a bar that wraps the loader counts a batch only when the next one is asked for, so a stop
         # at train.max_steps left it a step behind.
         progress = tqdm(
-            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not env.is_main or not cfg.train.progress_bar,
+            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not show_progress_bar,
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
         last_progress_line = started
@@ -733,11 +737,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     now = time.perf_counter()
                     rate = utterances / (now - started)
                     progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=f"{rate:.1f}")
-                    if not cfg.train.progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
+                    if not show_progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
                         last_progress_line = now
                         log.info("epoch %d: step %d of %d, loss %.3f, %.1f utterances/s", epoch + 1,
                                  state["epoch_step"], len(sampler), step.loss, rate)
-                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": step.loss}) + "\n")
+                    # The epoch counted from 1, as the log and the evaluations' lines count it.
+                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch + 1, "loss": step.loss}) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if max_steps is not None and state["step"] >= max_steps and not (
@@ -758,9 +763,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                      run_dir / "checkpoints" / "last.pt")
             break
 
+        trained_s = time.perf_counter() - started
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
-                                 progress_bar=env.is_main and cfg.train.progress_bar)
+                                 progress_bar=show_progress_bar)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
@@ -772,9 +778,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
-                "epoch %d%s: loss %.3f, %d utterances in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
+                "epoch %d%s: loss %.3f, %d utterances in %.0f s, evaluated in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
                 epoch + 1, f" (steps {first_step + 1}-{len(sampler)}, from the resume)" if first_step else "",
-                mean_loss, utterances, time.perf_counter() - started, counts.wer, counts.cer,
+                mean_loss, utterances, trained_s, time.perf_counter() - started - trained_s, counts.wer, counts.cer,
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
                 "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
             )
