@@ -72,6 +72,12 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
     return len(targets) + num_repeats
 
 
+def count_reasons(counts: Counter) -> str:
+    """'2 utterances (too long for stride), 1 utterance (empty transcript)': the log's and tools' way of saying how
+    many were left out and why ('' for none)."""
+    return ", ".join(f"{count} utterance{'s' if count != 1 else ''} ({reason})" for reason, count in counts.items())
+
+
 class SpeechDataset(Dataset):
     """The utterances of one or more manifests, as Samples of features and target ids.
 
@@ -124,12 +130,12 @@ class SpeechDataset(Dataset):
                 self._add(utterance)
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
-                             f"{dict(self.skipped) or 'none, the manifest is empty'}")
+                             f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
         logger.info(
             "%d utterances from %s; skipped %s",
             len(self.utterances),
             ", ".join(map(str, manifest_paths)),
-            dict(self.skipped) or "none",
+            count_reasons(self.skipped) or "none",
         )
 
     def fingerprint(self) -> str:

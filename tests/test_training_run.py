@@ -389,9 +389,10 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert len(epochs) == 1 and epochs[0]["eval_unreadable"] == 3 and "3 of its 11 utterances" in result.output
     best = str(tmp_path / "run" / "checkpoints" / "best.pt")
     result = run("trainer.evaluate", ["--checkpoint", best, "--manifest", str(manifest)])
-    assert result.returncode == 0 and ("(8 utterances, " in result.output and "; left out: 1 empty transcript, 1 "
-                                       "characters outside the alphabet, 1 too long for stride, 3 unreadable)"
-                                       in result.output), result.output[-2000:]
+    assert result.returncode == 0 and ("(8 utterances, " in result.output and "; left out: 1 utterance (empty "
+                                       "transcript), 1 utterance (characters outside the alphabet), 1 utterance (too "
+                                       "long for stride), 3 utterances (unreadable))" in result.output), (
+        result.output[-2000:])
     unreadable_only = write_slice(tmp_path / "unreadable.jsonl", bad[:3])
     result = run("trainer.evaluate", ["--checkpoint", best, "--manifest", str(unreadable_only)])
     assert result.returncode == 1 and "none of the 3 utterances" in result.output, result.output[-2000:]

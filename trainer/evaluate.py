@@ -6,13 +6,14 @@
 import argparse
 import logging
 import sys
+from collections import Counter
 
 import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.dataset import SpeechDataset, collate
+from data.dataset import SpeechDataset, collate, count_reasons
 from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
@@ -90,9 +91,8 @@ def main(argv=None) -> int:
             for row in sorted(rows, key=lambda row: row["audio_filepath"]):
                 out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
     # The WER is over the utterances decoded: say which others the manifest held (each named in a warning above).
-    left_out = [f"{count} {reason}" for reason, count in dataset.skipped.items()]
-    left_out += [f"{counts.unreadable} unreadable"] if counts.unreadable else []
-    left_out = f"; left out: {', '.join(left_out)}" if left_out else ""
+    left_out = count_reasons(dataset.skipped + Counter(unreadable=counts.unreadable))
+    left_out = f"; left out: {left_out}" if left_out else ""
     print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{left_out})")
     return 0
 

@@ -687,7 +687,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     max_steps = cfg.train.max_steps
     if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
         log.info("nothing to train: %s reached epoch %d, step %d (train.epochs=%d, train.max_steps=%s)", resume,
-                 state["epoch"], state["step"], cfg.train.epochs, max_steps)
+                 state["epoch"], state["step"], cfg.train.epochs, "null" if max_steps is None else max_steps)
     # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
     show_progress_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.

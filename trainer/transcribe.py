@@ -30,7 +30,7 @@ def main(argv=None) -> int:
                 if detail := non_finite_detail(feats, waveform):
                     raise AudioError(f"{path}: {detail}")
             except (AudioError, FileNotFoundError) as error:
-                print(f"{path}\terror: {error}", file=sys.stderr)
+                print(f"{path}\terror: {str(error).removeprefix(f'{path}: ')}", file=sys.stderr, flush=True)
                 failures += 1
                 continue
             log_probs, out_lengths = model(feats.unsqueeze(0).to(device), torch.tensor([feats.shape[0]], device=device))
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             except ValueError as error:  # the model's output not finite (decode.check_finite), from finite features
                 print(f"error: {args.checkpoint}: {error} (for {path})", file=sys.stderr)
                 return 2
-            print(f"{path}\t{transcript}")
+            print(f"{path}\t{transcript}", flush=True)  # in order with the errors, which go to stderr
     return 1 if failures else 0
 
 
