@@ -950,3 +950,9 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
     name = job_folder(long)
     assert "/" not in name and len(name.encode()) == MAX_FOLDER_NAME and name.startswith("data.train_manifests=[")
     assert job_folder(long) == name and job_folder(long.replace("019", "020")) != name  # stable, and apart
+    # Long paths give way to digests before the name is cut, so the keys a sweep varies stay in it.
+    paths = "data.eval_manifest=/tmp/" + "x" * 150 + "/test.jsonl,data.train_manifests=[/tmp/" + "x" * 150 + "/a.jsonl]"
+    name = job_folder(f"{paths},model.backend=reference,model.cell=gru")
+    assert name.startswith("data.eval_manifest=#") and name.endswith(",model.backend=reference,model.cell=gru"), name
+    assert len(name.encode()) <= MAX_FOLDER_NAME and job_folder(f"{paths.replace('a.jsonl', 'b.jsonl')},model.cell=gru"
+                                                                ) != job_folder(f"{paths},model.cell=gru")

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -34,18 +35,28 @@ from trainer.train import CONTINUE_RUN, train
 log = logging.getLogger("trainer")
 
 MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
+LONG_VALUE = 32  # characters of an override's value past which a name too long gives it as a digest
+OVERRIDE_START = re.compile(r",(?=[+~]?[A-Za-z_][\w.]*=)")  # a comma that starts the next key=value, not one in a list
 
 
 def job_folder(override_dirname: str) -> str:
     """A sweep job's folder name (hydra.sweep.subdir) from its overrides, Hydra's hydra.job.override_dirname: sorted,
     so the same for the same job whatever the sweep's order, less the keys its exclude_keys names. A "/" in a value (a
-    manifest's path) becomes "_", so the name is one folder; a name past MAX_FOLDER_NAME bytes is cut, a digest of the
-    whole appended. Two jobs of one sweep that these rules give one folder are refused (main)."""
+    manifest's path) becomes "_", so the name is one folder. A name past MAX_FOLDER_NAME bytes first gives each value
+    longer than LONG_VALUE (a path, mostly) as a digest, so that the short ones a sweep varies stay readable, then is
+    cut, a digest of the whole appended. Two jobs of one sweep that these rules give one folder are refused (main)."""
     name = override_dirname.replace("/", "_")
+    if len(name.encode()) > MAX_FOLDER_NAME:
+        name = ",".join(_value_as_digest(override) for override in OVERRIDE_START.split(name))
     if len(name.encode()) > MAX_FOLDER_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:16]
         name = name.encode()[:MAX_FOLDER_NAME - 17].decode(errors="ignore") + "-" + digest
     return name
+
+
+def _value_as_digest(override: str) -> str:
+    key, _, value = override.partition("=")
+    return override if len(value) <= LONG_VALUE else f"{key}=#{hashlib.sha256(value.encode()).hexdigest()[:12]}"
 
 
 OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
