@@ -18,31 +18,34 @@ class _BatchStatisticsNorm(torch.autograd.Function):
     forward and backward in bf16, this runs 42, and the eager training step at a small batch is bound by the host's
     launches.
 
-    forward(x, mask, weight, bias, eps, channel_dim, sync) -> (y in x's dtype, and per channel the mean, the biased
-    variance and the count of valid positions); statistics and normalisation in at least float32. With sync, the
+    forward(x, mask, weight, bias, shift, eps, channel_dim, sync) -> (y in x's dtype, and per channel the mean, the
+    biased variance and the count of valid positions); statistics and normalisation in at least float32, the sums
+    taken of x - shift (the running mean: near the batch's, so that the variance, the mean square less the squared
+    mean, keeps its digits where a channel's mean is far from zero). With sync, the
     sums behind the statistics and, in the backward, the sums behind the input's gradient are all-reduced, so every
     rank computes the global batch's function. Padded positions of y and of the input's gradient are zero, and their
     values never reach a sum.
     """
 
     @staticmethod
-    def forward(ctx, x, mask, weight, bias, eps, channel_dim, sync):
+    def forward(ctx, x, mask, weight, bias, shift, eps, channel_dim, sync):
         stats_dtype = torch.promote_types(x.dtype, torch.float32)
         reduce_dims = [d for d in range(x.dim()) if d != channel_dim]
         per_channel = _per_channel_shape(x.dim(), channel_dim)
         padding = ~mask
         # masked_fill rather than a multiply, so non-finite padding cannot leak into the sums.
-        values = x.to(stats_dtype).masked_fill(padding, 0)
+        values = (x.to(stats_dtype) - shift.to(stats_dtype).view(per_channel)).masked_fill(padding, 0)
         count = torch.broadcast_to(mask, x.shape).sum(reduce_dims, dtype=stats_dtype)  # (C,), equal entries
         sums = torch.cat([values.sum(reduce_dims), values.square().sum(reduce_dims), count])  # (3C,)
         if sync:
             dist.all_reduce(sums)
         total, total_square, count = sums.chunk(3)
-        mean = total / count
-        var = (total_square / count - mean.square()).clamp_min(0)
+        shifted_mean = total / count
+        var = (total_square / count - shifted_mean.square()).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         # Finite at padding (values are zero there), where y and both gradients are masked.
-        normalised = (values - mean.view(per_channel)) * invstd.view(per_channel)
+        normalised = (values - shifted_mean.view(per_channel)) * invstd.view(per_channel)
+        mean = shifted_mean + shift.to(stats_dtype)
         y = torch.addcmul(bias.view(per_channel), normalised, weight.view(per_channel)).masked_fill(padding, 0)
         ctx.save_for_backward(normalised, invstd, weight, padding, count)
         ctx.reduce_dims, ctx.per_channel, ctx.sync, ctx.dtype = reduce_dims, per_channel, sync, x.dtype
@@ -56,7 +59,7 @@ class _BatchStatisticsNorm(torch.autograd.Function):
         normalised, invstd, weight, padding, count = ctx.saved_tensors
         dims, per_channel = ctx.reduce_dims, ctx.per_channel
         if grad_y is None:  # y did not reach the loss
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         # y is zero at padding whatever x is, so the gradient arriving there counts for nothing.
         grad = grad_y.to(normalised.dtype).masked_fill(padding, 0)
         sum_grad = grad.sum(dims)
@@ -72,7 +75,7 @@ class _BatchStatisticsNorm(torch.autograd.Function):
             value=-1,
         )
         grad_x = (grad_x * (weight * invstd).view(per_channel)).masked_fill(padding, 0)
-        return grad_x.to(ctx.dtype), None, grad_weight, grad_bias, None, None, None
+        return grad_x.to(ctx.dtype), None, grad_weight, grad_bias, None, None, None, None
 
 
 class MaskedBatchNorm(nn.Module):
@@ -108,10 +111,12 @@ class MaskedBatchNorm(nn.Module):
         channel_dim = self.channel_dim % x.dim()
         if self.training:
             sync = self.sync_stats and dist.is_available() and dist.is_initialized()
-            y, mean, var, count = _BatchStatisticsNorm.apply(x, mask, self.weight, self.bias, self.eps, channel_dim,
-                                                             sync)
+            y, mean, var, count = _BatchStatisticsNorm.apply(x, mask, self.weight, self.bias, self.running_mean,
+                                                             self.eps, channel_dim, sync)
             with torch.no_grad():
-                unbiased_var = var * count / (count - 1).clamp_min(1)
+                # One valid value has no unbiased variance (torch.nn refuses the batch; telling would take a host
+                # sync): the running variance is left as it was rather than pulled towards 0.
+                unbiased_var = torch.where(count > 1, var * count / (count - 1).clamp_min(1), self.running_var)
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
                 self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), self.momentum)
             return y

@@ -74,7 +74,9 @@ def test_padding_values_change_nothing_in_training(cell, bidirectional, batch_no
     padded = torch.arange(features.shape[1])[None, :] >= lengths[:, None]  # (B, T)
     other_padding = torch.where(padded[:, :, None], 1e3 * torch.randn_like(features), features)
     results = []
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     for values in (features, other_padding):
+        model.load_state_dict(buffers, strict=False)  # the same running means: the batch norms' sums are taken off them
         values = values.clone().requires_grad_()
         log_probs, _ = model(values, lengths)
         upstream = torch.linspace(-1, 1, log_probs.numel(), dtype=log_probs.dtype).view_as(log_probs)
@@ -241,6 +243,27 @@ def test_masked_batch_norm_is_batch_norm_over_valid_frames(channel_dim):
             assert relative_error(actual, wanted) < 1e-12, f"train={train}"
     assert relative_error(masked.running_var, plain.running_var) < 1e-12
     assert relative_error(masked.running_mean, plain.running_mean) < 1e-12
+
+
+def test_batch_statistics_in_fp32_keep_their_digits_far_from_zero():
+    """The variance is the mean square less the squared mean; taken of x less the running mean, a channel whose mean
+    is 1000 standard deviations from zero keeps fp32's digits (taken of x itself, the variance came out 3x off)."""
+    x = (1000 + torch.randn(400, 8, 16, dtype=torch.float64)).float()
+    mask = torch.ones(400, 8, 1, dtype=torch.bool)
+    norm = MaskedBatchNorm(16, channel_dim=2)
+    with torch.no_grad():
+        norm.running_mean.fill_(999.5)  # as a trained model's running mean stands near its batches' means
+    exact = x.double()
+    expected = (exact - exact.mean((0, 1))) / torch.sqrt(exact.var((0, 1), unbiased=False) + norm.eps)
+    assert relative_error(norm(x, mask).double(), expected) < 1e-5
+
+
+def test_one_valid_value_leaves_the_running_variance_as_it_was():
+    norm = MaskedBatchNorm(3, channel_dim=2)
+    x = torch.randn(2, 1, 3)
+    norm(x, torch.tensor([True, False]).view(2, 1, 1))  # one valid frame: no unbiased variance
+    assert torch.equal(norm.running_var, torch.ones(3))
+    assert torch.allclose(norm.running_mean, 0.1 * x[0, 0])
 
 
 # Synced batch norm: two gloo ranks, each with half the batch and a different number of valid frames, must
