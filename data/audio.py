@@ -15,6 +15,7 @@ class AudioError(ValueError):
 # of a megahertz; decoding or resampling that would take hundreds of GiB instead of failing on the one file.
 MAX_SECONDS = 3600
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
+MAX_CHANNELS = 16  # a microphone array's; each channel is decoded before they are averaged
 # Resampling between two rates builds a filter of one phase per step of their ratio in lowest terms: 16000 -> 16001 Hz
 # needs 16001 phases (seconds and gigabytes for a short clip). An odd rate further from the model's than this many
 # phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed);
@@ -40,6 +41,8 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
         raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
                          f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+    if not 1 <= header.channels <= MAX_CHANNELS:
+        raise AudioError(f"{path}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
     if header.frames > MAX_SECONDS * header.samplerate:
         raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
                          f"the {MAX_SECONDS} s a file may hold")

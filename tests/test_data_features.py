@@ -53,6 +53,9 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     wav = bytearray((tmp_path / "a.wav").read_bytes())
     wav[24:28] = struct.pack("<I", 1_000_003)  # the fmt chunk's sample rate
     (tmp_path / "megahertz.wav").write_bytes(bytes(wav))
+    wav[22:24] = struct.pack("<H", 1024)  # the fmt chunk's channels: each decoded before they are averaged
+    wav[24:28] = struct.pack("<I", 16000)
+    (tmp_path / "channels.wav").write_bytes(bytes(wav))
     (tmp_path / "headerless.raw").write_bytes(b"\x00\x01" * 4000)  # RAW: soundfile wants a rate and raises TypeError
     (tmp_path / "folder.wav").mkdir()
     reasons = {
@@ -64,6 +67,7 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         "huge.flac": "its header gives 4294967 s of audio, more than the 3600 s a file may hold",
         "megahertz.wav": "its header gives a sample rate of 1000003 Hz, outside 1000-384000 Hz",
         "headerless.raw": "cannot read audio",
+        "channels.wav": "its header gives 1024 channels, outside 1-16",
     }
     for name, reason in reasons.items():
         with pytest.raises(AudioError, match=f"{name}: {reason}"):

@@ -158,6 +158,9 @@ def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
     assert sampler.state_dict() == {"epoch": 2, "position": 0}
     with pytest.raises(ValueError, match="position 13"):
         sampler.load_state_dict({"epoch": 0, "position": 13})
+    for state in ({"epoch": 0, "position": 0.5}, {"epoch": 1.0, "position": 0}, {"epoch": -1, "position": 0}):
+        with pytest.raises(ValueError, match="must be integers|is negative"):  # a checkpoint edited by hand
+            sampler.load_state_dict(state)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -237,6 +237,12 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=two"))
     with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram 2=two'"):
         NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=" + "9" * 5000))  # past int()'s 4300 digits
+    with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line"):
+        NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("\\2-grams:", "\\²-grams:"))  # a digit to str.isdigit, not to int()
+    with pytest.raises(ValueError, match=rf"{bad}:\d+: not an ARPA section header"):
+        NGramLM.from_arpa(bad)
     for value in ("nan", "1e400", "-inf"):
         bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):

@@ -312,7 +312,7 @@ def sync_worker(rank, directory):
 
 def test_sync_stats_matches_whole_batch(tmp_path):
     torch.multiprocessing.spawn(sync_worker, args=(str(tmp_path),), nprocs=SYNC_WORLD_SIZE)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(SYNC_WORLD_SIZE)]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(SYNC_WORLD_SIZE)]
     expected = normalise(*sync_batch(), sync_stats=False)
     for key in ("output", "input_grad"):
         actual = torch.cat([result[key] for result in ranks], dim=1)

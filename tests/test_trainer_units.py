@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,7 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    open_metrics, record_job, recorded_run_id, restore, resumed_train_state, train_loader, train_step,
+    known_entries, open_metrics, record_job, recorded_run_id, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -455,9 +456,47 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": {"data": {"paths": ("a", "${oc.env:HOME}")}}}, tmp_path / "tuple.pt")
     with pytest.raises(ValueError, match=r"tuple.pt .*: its config.data.paths.1 holds an interpolation"):
         checkpoint.load(tmp_path / "tuple.pt")
+    # Nor a missing value, which OmegaConf raises on when it is read, nor nesting past any config's.
+    torch.save({"model": {}, "config": {"model": {"backend": "???"}}}, tmp_path / "missing.pt")
+    with pytest.raises(ValueError, match=r"missing.pt .*: its config.model.backend holds a missing value \(\?\?\?\)"):
+        checkpoint.load(tmp_path / "missing.pt")
+    deep = {}
+    for _ in range(100):
+        deep = {"a": deep}
+    torch.save({"model": {}, "config": deep}, tmp_path / "deep.pt")
+    with pytest.raises(ValueError, match=r"deep.pt .*: its config(\.a)+ nests deeper than 16 levels"):
+        checkpoint.load(tmp_path / "deep.pt")
+    # torch.save stores its zip's entries as they are; compressed ones could unpack to any size.
+    with zipfile.ZipFile(tmp_path / "weights.pt") as original, zipfile.ZipFile(
+            tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as deflated:
+        for entry in original.infolist():
+            deflated.writestr(entry.filename, original.read(entry))
+    with pytest.raises(ValueError, match="deflated.pt: it holds compressed entries, which torch.save never writes"):
+        checkpoint.load(tmp_path / "deflated.pt")
     torch.save({"model": {}, "config": 'data: {kind: "\\u0024{oc.env:HOME}"}'}, tmp_path / "yaml.pt")
     with pytest.raises(ValueError, match=r"yaml.pt is not a checkpoint .*: its config is a str, not a mapping$"):
         checkpoint.load(tmp_path / "yaml.pt")
+
+
+def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
+    """A fused optimizer step writes each parameter's size into its state whatever that state's own: a smaller one
+    corrupted memory (a segfault), an expanded one took gigabytes. A schedule copies any key onto itself."""
+    network = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(network.parameters(), fused=True)
+    network(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    checkpoint.check_optimizer_state(saved, optimizer)
+    for broken, described in ((torch.zeros(1), "shape (1,)"), (torch.zeros(1).expand(2, 3), "shape (2, 3)"),
+                              (torch.zeros(2, 3, dtype=torch.float64), "torch.float64")):
+        edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
+        with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
+            checkpoint.check_optimizer_state(edited, optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    current = schedule.state_dict()
+    assert known_entries({**current, "optimizer": 1}, current) == current
+    with pytest.raises(ValueError, match="its last_epoch is a float, not a int"):
+        known_entries({**current, "last_epoch": 0.5}, current)
 
 
 def test_a_checkpoint_of_another_training_set_is_refused():
@@ -500,6 +539,17 @@ def small_checkpoint(path, *overrides: str):
     network = build.model(cfg.model, build.features(cfg.data).num_features)
     checkpoint.save(path, {"model": network.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)})
     return path
+
+
+def test_a_stored_config_that_claims_another_model_than_its_weights_allocates_nothing(tmp_path):
+    path = small_checkpoint(tmp_path / "small.pt")
+    saved = torch.load(path, weights_only=True)
+    for key, value, complaint in (("depth", 10**8, "its config gives model.depth=100000000, its weights 1 layers"),
+                                  ("hidden", 40000, "size mismatch")):  # 19 GB of weights, were they made
+        edited = {**saved, "config": {**saved["config"], "model": {**saved["config"]["model"], key: value}}}
+        torch.save(edited, tmp_path / "edited.pt")
+        with pytest.raises(ValueError, match=complaint):
+            build.from_checkpoint(tmp_path / "edited.pt", torch.device("cpu"))
 
 
 def test_a_checkpoint_of_the_persistent_backend_evaluates_anywhere(tmp_path):

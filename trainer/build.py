@@ -82,8 +82,14 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         if cfg.model.backend == "persistent":
             cfg.model.backend = "auto"
         extractor = features(cfg.data)
-        network = model(cfg.model, extractor.num_features)
-        network.load_state_dict(saved["model"])
+        layers = {key.split(".")[1] for key in saved["model"] if key.startswith("layers.")}
+        if cfg.model.depth != len(layers):  # building a model of the config's depth alone could take hours
+            raise ValueError(f"its config gives model.depth={cfg.model.depth}, its weights {len(layers)} layers")
+        # Built on the meta device, then given the checkpoint's tensors: a config that claims a larger model than
+        # its weights allocates nothing before the shapes are compared.
+        with torch.device("meta"):
+            network = model(cfg.model, extractor.num_features)
+        network.load_state_dict(saved["model"], assign=True)
     # What a config or state dict from elsewhere raises: missing or unknown keys (omegaconf's errors subclass
     # KeyError and AttributeError), wrong types, tensors of other shapes (RuntimeError: its heading and first detail,
     # a list of 100 layers' keys cut short).

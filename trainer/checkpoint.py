@@ -9,6 +9,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -84,6 +85,10 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if zipfile.is_zipfile(path) and any(entry.compress_type != zipfile.ZIP_STORED
+                                        for entry in zipfile.ZipFile(path).infolist()):
+        # torch.save stores its entries as they are; a compressed one could unpack to any size in memory.
+        raise ValueError(f"cannot load checkpoint {path}: it holds compressed entries, which torch.save never writes")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
@@ -96,17 +101,45 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     if not isinstance(saved["config"], dict):  # a string would be parsed as YAML, where \u0024{ spells ${
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its config is a "
                          f"{type(saved['config']).__name__}, not a mapping")
-    interpolated = _interpolation(saved["config"], "config")
-    if interpolated:
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {interpolated} holds an "
-                         "interpolation (${...}), which the trainer resolves before it saves a config")
+    unresolved = _unresolved(saved["config"])
+    if unresolved:
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {unresolved}, which the "
+                         "trainer's resolved config never holds")
     return saved
 
 
-def _interpolation(value, key: str) -> str | None:
-    """The key of the first string in a stored config that OmegaConf would resolve (`${oc.env:...}` reads the
-    environment), or None."""
-    if isinstance(value, str):
-        return key if "${" in value else None
-    entries = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
-    return next(filter(None, (_interpolation(entry, f"{key}.{name}") for name, entry in entries)), None)
+MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
+
+
+def _unresolved(config: dict) -> str | None:
+    """What in a stored config OmegaConf would not take as plain data, named with its key: a string it would resolve
+    (`${oc.env:...}` reads the environment), its missing value `???`, or nesting past MAX_CONFIG_DEPTH; else None."""
+    pending = [("config", config, 0)]
+    while pending:
+        key, value, depth = pending.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            return f"{key} nests deeper than {MAX_CONFIG_DEPTH} levels"
+        if isinstance(value, str) and ("${" in value or value == "???"):
+            return f"{key} holds {'an interpolation (${...})' if '${' in value else 'a missing value (???)'}"
+        entries = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
+                   else ())
+        pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(list(entries))]
+    return None
+
+
+def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError unless each tensor of a saved optimizer's per-parameter state (Adam's moments, SGD's momentum) is a
+    whole tensor of its parameter's shape and dtype: a fused step writes its parameter's size into each, whatever
+    theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume)."""
+    saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
+    parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    for index, entries in saved["state"].items():
+        parameter = parameters.get(index)
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor) or name == "step":
+                continue
+            whole = value.untyped_storage().nbytes() >= value.numel() * value.element_size()
+            if parameter is None or value.shape != parameter.shape or value.dtype != parameter.dtype or not whole:
+                raise ValueError(f"its state {name!r} of parameter {index} is a {value.dtype} tensor of shape "
+                                 f"{tuple(value.shape)}, not its parameter's "
+                                 + (f"{parameter.dtype} {tuple(parameter.shape)}" if parameter is not None else "(none)"))

@@ -10,6 +10,7 @@ model spells them; a word never seen in training scores as <unk>.
 """
 import argparse
 import math
+import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -61,13 +62,13 @@ class NGramLM:
                 continue
             if line.startswith("ngram "):
                 size, _, count = line[len("ngram "):].partition("=")
-                if not (size.strip().isdigit() and count.strip().isdigit()):
+                if not (re.fullmatch(r"[0-9]{1,2}", size.strip()) and re.fullmatch(r"[0-9]{1,18}", count.strip())):
                     raise ValueError(f"{source}:{line_number}: not an ARPA header line: {line[:80]!r}")
                 declared[int(size)] = int(count)
                 continue
             if line.startswith("\\") and line.endswith("-grams:"):
                 order_text = line[1 : -len("-grams:")]
-                if not order_text.isdigit():
+                if not re.fullmatch(r"[0-9]{1,2}", order_text):  # str.isdigit takes "²", int() does not
                     raise ValueError(f"{source}:{line_number}: not an ARPA section header: {line[:80]!r}")
                 order = int(order_text)
                 continue

@@ -396,6 +396,18 @@ def restore(path: Path, saved: dict, loaders: dict) -> None:
             raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
 
 
+def known_entries(saved: dict, current: dict) -> dict:
+    """The entries of a saved state dict that the current one has, each refused (ValueError) unless of the same type:
+    a scheduler copies whatever keys it is given onto itself (an "optimizer" of 1 replaced its optimizer), and torch
+    versions add and drop a key or two."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"it is a {type(saved).__name__}, not a mapping")
+    odd = [key for key, value in current.items() if key in saved and type(saved[key]) is not type(value)]
+    if odd:
+        raise ValueError(f"its {odd[0]} is a {type(saved[odd[0]]).__name__}, not a {type(current[odd[0]]).__name__}")
+    return {key: value for key, value in saved.items() if key in current}
+
+
 CONTINUE_RUN = "train.resume=auto under the same run_name"
 UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts them
 
@@ -627,8 +639,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         run_id = continued_run_id(saved, resume, run_dir)
         restore(resume, saved, {
             "model": model.load_state_dict,
-            "optimizer": optimizer.load_state_dict,
-            "scheduler": scheduler.load_state_dict,
+            "optimizer": lambda saved_optimizer: (checkpoint.check_optimizer_state(saved_optimizer, optimizer),
+                                                  optimizer.load_state_dict(saved_optimizer)),
+            "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
+                known_entries(saved_scheduler, scheduler.state_dict())),
             "sampler": sampler.load_state_dict,
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
