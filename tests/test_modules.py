@@ -263,7 +263,7 @@ def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monke
     module = prnn_kernels.GRU(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch_size in (40, 37, 48, 40):
+        for batch_size in (0, 40, 37, 48, 40):  # the empty batch first, which must not use up the warning
             assert module.backend_for(batch_size, torch.float32, "cuda") == "cudnn"
         prnn_kernels.GRU(4, 16).backend_for(40, torch.float32, "cuda")  # another layer shape warns for itself
     assert [str(warning.message) for warning in caught] == [
