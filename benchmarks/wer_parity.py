@@ -8,18 +8,18 @@ train to the same word error rate as cuDNN?
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
 train.num_workers=2`. Each (backend, seed) is one `python -m trainer` run in RUNS_DIR/NAME-BACKEND-sSEED, with the
 overrides, then that backend's --backend-overrides (e.g. `--backend-overrides persistent model.batch_slice=4 --`: cuDNN
-at the whole batch against the persistent kernels at a per-GPU batch of 4, in one command; the -- is required), then model.backend, seed, its
-run directory, train.resume=auto and train.progress_bar=false, which the overrides may not set; its output goes to
-RUNS_DIR/NAME-BACKEND-sSEED.out. Up to --parallel runs go at once, spread round-robin over the visible GPUs
-(CUDA_VISIBLE_DEVICES, or every GPU), one GPU per run: runs that share a GPU share its time, which at a small per-GPU
-batch leaves most of it idle anyway. --graphs adds train.cuda_graphs=true to every backend but cuDNN (whose packed
-sequences a graph cannot hold). --ranks N makes each run a data-parallel job of N ranks (launch/single_node.sh under
-MPIRUN) on its one GPU, with distributed.share_gpus=true: the arithmetic of N GPUs at a per-GPU batch of the global
-batch / N, e.g. the recipe's global batch 32 at the per-GPU batch 4 the persistent kernels are built for, on a machine
-with fewer GPUs. Running the same command again continues each unfinished run from its last.pt (one that finished all
-its epochs ends at once), so a long comparison can span several jobs. --report trains nothing: it summarises the runs
-as they stand in RUNS_DIR (finished, stopped part way, or copied there from another machine). Every run lists the
-devices its jobs trained on, from its jobs.jsonl.
+at the whole batch against the persistent kernels at a per-GPU batch of 4, in one command; the -- is required), then
+model.backend, seed, its run directory, train.resume=auto and train.progress_bar=false, which the overrides may not set;
+its output goes to RUNS_DIR/NAME-BACKEND-sSEED.out. Up to --parallel runs go at once, spread round-robin over the
+visible GPUs (CUDA_VISIBLE_DEVICES, or every GPU), one GPU per run: runs that share a GPU share its time, which at a
+small per-GPU batch leaves most of it idle anyway. --graphs adds train.cuda_graphs=true to every backend but cuDNN
+(whose packed sequences a graph cannot hold). --ranks N makes each run a data-parallel job of N ranks
+(launch/single_node.sh under MPIRUN) on its one GPU, with distributed.share_gpus=true: the arithmetic of N GPUs at a
+per-GPU batch of the global batch / N, e.g. the recipe's global batch 32 at the per-GPU batch 4 the persistent kernels
+are built for, on a machine with fewer GPUs. Running the same command again continues each unfinished run from its
+last.pt (one that finished all its epochs ends at once), so a long comparison can span several jobs. --report trains
+nothing: it summarises the runs as they stand in RUNS_DIR (finished, stopped part way, or copied there from another
+machine). Every run lists the devices its jobs trained on, from its jobs.jsonl.
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
@@ -246,7 +246,8 @@ def main(argv=None) -> None:
     if args.parallel < 1 or args.ranks < 1:
         sys.exit("--parallel and --ranks must be at least 1")
     if args.graphs and args.ranks > 1:
-        sys.exit("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use --ranks 1")
+        sys.exit("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
+                 "--ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         sys.exit("--backends and --seeds must not repeat")
     if args.at_epoch is not None and args.at_epoch < 1:
@@ -293,7 +294,8 @@ def main(argv=None) -> None:
         print(f"{entry['backend']:<12} {entry['runs']:>4} {percent(entry['mean_wer']):>10} "
               f"{percent(entry['std_wer']):>6} {versus:>22}")
     if args.json:
-        config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]), "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
+        config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]),
+                  "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
                   "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
                   "at_epoch": args.at_epoch, "gpus": gpus,
                   "report": args.report}

@@ -78,7 +78,8 @@ def test_construction_drops_and_counts_each_unusable_transcript(manifest, caplog
 
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
-    with pytest.raises(ValueError, match=r"no usable utterance in .*blank.jsonl: skipped 1 utterance \(empty transcript\)$"):
+    with pytest.raises(ValueError,
+                       match=r"no usable utterance in .*blank.jsonl: skipped 1 utterance \(empty transcript\)$"):
         make_dataset(tmp_path / "blank.jsonl")
     write_manifest(tmp_path / "empty.jsonl", [])
     with pytest.raises(ValueError, match="the manifest is empty"):

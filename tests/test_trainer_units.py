@@ -471,8 +471,14 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
             tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as deflated:
         for entry in original.infolist():
             deflated.writestr(entry.filename, original.read(entry))
-    with pytest.raises(ValueError, match="deflated.pt: it holds compressed entries, which torch.save never writes"):
+    with pytest.raises(ValueError, match="deflated.pt: .*it holds compressed entries, which torch.save never writes"):
         checkpoint.load(tmp_path / "deflated.pt")
+    damaged = bytearray((tmp_path / "weights.pt").read_bytes())  # its central directory's last entry overwritten
+    last_entry = damaged.rindex(b"PK\x01\x02")
+    damaged[last_entry:last_entry + 4] = b"XXXX"
+    (tmp_path / "damaged.pt").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="cannot load checkpoint .*damaged.pt: not a complete checkpoint"):
+        checkpoint.load(tmp_path / "damaged.pt")
     torch.save({"model": {}, "config": 'data: {kind: "\\u0024{oc.env:HOME}"}'}, tmp_path / "yaml.pt")
     with pytest.raises(ValueError, match=r"yaml.pt is not a checkpoint .*: its config is a str, not a mapping$"):
         checkpoint.load(tmp_path / "yaml.pt")
@@ -492,6 +498,8 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
         with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
             checkpoint.check_optimizer_state(edited, optimizer)
+    with pytest.raises(ValueError, match="its state of parameter 0 is a int, not a mapping"):
+        checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     current = schedule.state_dict()
     assert known_entries({**current, "optimizer": 1}, current) == current
@@ -1006,3 +1014,13 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
     assert name.startswith("data.eval_manifest=#") and name.endswith(",model.backend=reference,model.cell=gru"), name
     assert len(name.encode()) <= MAX_FOLDER_NAME and job_folder(f"{paths.replace('a.jsonl', 'b.jsonl')},model.cell=gru"
                                                                 ) != job_folder(f"{paths},model.cell=gru")
+
+
+def test_run_names_hydra_parses_as_numbers_are_names_too():
+    from trainer.run_directory import check_run_name
+
+    for name in (1.5, 2024, "2024-06-01", "exp.v2", "a b"):
+        check_run_name(name)  # returns: runs/1.5 is one folder of runs/
+    for name in (None, True, "", "..", "a/b"):
+        with pytest.raises(SystemExit):
+            check_run_name(name)

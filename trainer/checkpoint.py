@@ -85,11 +85,12 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if zipfile.is_zipfile(path) and any(entry.compress_type != zipfile.ZIP_STORED
-                                        for entry in zipfile.ZipFile(path).infolist()):
-        # torch.save stores its entries as they are; a compressed one could unpack to any size in memory.
-        raise ValueError(f"cannot load checkpoint {path}: it holds compressed entries, which torch.save never writes")
     try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
+            if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
+                raise ValueError("it holds compressed entries, which torch.save never writes")
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
@@ -134,12 +135,14 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
     for index, entries in saved["state"].items():
+        if not isinstance(entries, dict):
+            raise ValueError(f"its state of parameter {index} is a {type(entries).__name__}, not a mapping")
         parameter = parameters.get(index)
         for name, value in entries.items():
             if not isinstance(value, torch.Tensor) or name == "step":
                 continue
             whole = value.untyped_storage().nbytes() >= value.numel() * value.element_size()
             if parameter is None or value.shape != parameter.shape or value.dtype != parameter.dtype or not whole:
+                expected = f"{parameter.dtype} {tuple(parameter.shape)}" if parameter is not None else "(none)"
                 raise ValueError(f"its state {name!r} of parameter {index} is a {value.dtype} tensor of shape "
-                                 f"{tuple(value.shape)}, not its parameter's "
-                                 + (f"{parameter.dtype} {tuple(parameter.shape)}" if parameter is not None else "(none)"))
+                                 f"{tuple(value.shape)}, not its parameter's {expected}")

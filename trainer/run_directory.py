@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 
 
 def check_run_name(run_name) -> None:
-    name = str(run_name) if isinstance(run_name, str | int) and not isinstance(run_name, bool) else ""
+    name = "" if run_name is None or isinstance(run_name, bool) else str(run_name)  # 1.5 parses as a float: a name
     if not name.strip() or set(name) <= {"."} or "/" in name or "\\" in name:
-        print(f"error: run_name={run_name!r} must name one folder of runs/: not empty, not dots alone, no / or \\",
-              file=sys.stderr)
+        print(f"error: run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, "
+              "not dots alone, no / or \\", file=sys.stderr)
         sys.exit(2)
 
 

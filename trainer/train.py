@@ -756,7 +756,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                         log.info("epoch %d: step %d of %d, loss %.3f, %.1f utterances/s", epoch + 1,
                                  state["epoch_step"], len(sampler), step.loss, rate)
                     # The epoch counted from 1, as the log and the evaluations' lines count it.
-                    metrics_file.write(json.dumps({"step": state["step"], "epoch": epoch + 1, "loss": step.loss}) + "\n")
+                    record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
+                    metrics_file.write(json.dumps(record) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
             if max_steps is not None and state["step"] >= max_steps and not (
