@@ -34,7 +34,8 @@ class _BatchStatisticsNorm(torch.autograd.Function):
         per_channel = _per_channel_shape(x.dim(), channel_dim)
         padding = ~mask
         # masked_fill rather than a multiply, so non-finite padding cannot leak into the sums.
-        values = (x.to(stats_dtype) - shift.to(stats_dtype).view(per_channel)).masked_fill(padding, 0)
+        # One kernel for the cast and the shift: a bf16 x less the fp32 running mean comes out in stats_dtype.
+        values = (x - shift.to(stats_dtype).view(per_channel)).masked_fill(padding, 0)
         count = torch.broadcast_to(mask, x.shape).sum(reduce_dims, dtype=stats_dtype)  # (C,), equal entries
         sums = torch.cat([values.sum(reduce_dims), values.square().sum(reduce_dims), count])  # (3C,)
         if sync:
