@@ -249,8 +249,11 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
             NGramLM.from_arpa(bad)
     compressed = tmp_path / "model.arpa.gz"
     compressed.write_bytes(gzip.compress(ARPA.encode()))
-    with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 is not UTF-8 \(a compressed"):
+    with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 of line 1 is not UTF-8 \(a"):
         NGramLM.from_arpa(compressed)
+    bad.write_bytes(ARPA.replace("-0.7\tno", "-0.7\tn\xf6").encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{bad} is not an ARPA text file: byte 6 of line 8 is not UTF-8"):
+        NGramLM.from_arpa(bad)
     bad.write_text("no model here\n")
     with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
         NGramLM.from_arpa(bad)

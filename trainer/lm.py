@@ -13,7 +13,9 @@ import math
 import re
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from data.manifest import read_manifest
 from data.text import invalid_characters, normalize_text
@@ -34,25 +36,26 @@ class NGramLM:
 
     @classmethod
     def from_arpa(cls, path: str | Path) -> "NGramLM":
+        """Reads the file a line at a time: a model's text is several times the size of its tables."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"language model not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8-sig")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{path} is not an ARPA text file: byte {error.start} is not UTF-8 (a compressed "
-                             "model must be decompressed first)") from None
-        return cls.from_arpa_text(text, source=str(path))
+        with path.open("rb") as file:
+            return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
 
     @classmethod
     def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
+        return cls.from_arpa_lines(text.splitlines(), source)
+
+    @classmethod
+    def from_arpa_lines(cls, lines: Iterable[str], source: str) -> "NGramLM":
         """Refuses a model whose sections hold other counts of n-grams than its header declares, or that has no
         \\end\\: a file cut short at a line's end would otherwise load as a smaller (or lower-order) model."""
         tables = {}
         declared, found = {}, Counter()  # n-grams of each order: the header's counts, the sections' lines
         order = 0
         in_data = ended = False  # ARPA files may carry any text before \data\ (KenLM's builder writes a comment there)
-        for line_number, line in enumerate(text.splitlines(), start=1):
+        for line_number, line in enumerate(lines, start=1):
             line = line.strip()
             in_data = in_data or line == "\\data\\"
             if in_data and line == "\\end\\":
@@ -112,6 +115,17 @@ class NGramLM:
                 return backoff + entry[0]
             backoff += self.tables.get(history, (0.0, 0.0))[1]
             history = history[1:]
+
+
+def _utf8_lines(file: BinaryIO, path: Path) -> Iterator[str]:
+    """The lines of a binary file as text, a byte-order mark before the first skipped; a line that is not UTF-8 is
+    refused by its number."""
+    for line_number, raw in enumerate(file, start=1):
+        try:
+            yield raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not an ARPA text file: byte {error.start} of line {line_number} is not UTF-8 "
+                             "(a compressed model must be decompressed first)") from None
 
 
 def _ngram_counts(counts: dict[int, int]) -> str:
