@@ -13,7 +13,8 @@ Importing this module needs neither a GPU nor a compiler; the extension is built
 
 Errors inside a launch: every wait for the other CTAs' steps is bounded (SPIN_TIMEOUT_S; the only other wait, for the
 step's copies within a thread-block cluster, depends on co-resident CTAs that never stop); a CTA that runs out of
-time sets a status word on the device, stops waiting, and the launch ends instead of hanging. Reading that word on
+time sets a status word on the device, stops waiting, and the launch ends instead of hanging; a sequence length
+outside [0, T] sets it too (GPU lengths are not read on the host before a launch). Reading that word on
 the host would need a synchronisation, so it is checked lazily: after each launch (outside CUDA-graph capture) the
 word is copied to pinned memory asynchronously, and the next call on that device, or `raise_if_failed()`, raises
 RuntimeError once the copy has landed and shows a failure. Under graph capture nothing is copied; after replaying
@@ -132,8 +133,8 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         weight_hh: (G*H, H) recurrent weights, cast to input_proj's dtype for the kernel; their gradient comes back in
             their own dtype, from fp32 sums (fp32 master weights of a bf16 layer get it unrounded).
         bias_hh: (G*H,) recurrent bias in weight_hh's dtype, or None.
-        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample; on the CPU they are checked to
-            lie in [0, T], on the GPU they are clamped to it.
+        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample in [0, T]: on the CPU checked
+            before the launch (ValueError), on the GPU by the kernel (RuntimeError at the next check, as for a timeout).
         reverse: run t = T-1 .. 0; a sample's pass starts from hx at its own last valid step.
 
     Returns:
@@ -282,11 +283,17 @@ class _LaunchStatus:
         if code != 0:
             self.word.zero_()
             self.host.zero_()
-            raise RuntimeError(
-                f"prnn_kernels: a persistent RNN kernel timed out waiting for another CTA (status {code}); the "
-                "results of the launches since the last check are invalid. The GPU may be shared with other work "
-                f"that starves the kernel, or SPIN_TIMEOUT_S ({SPIN_TIMEOUT_S}) is too short."
-            )
+            raise RuntimeError(f"prnn_kernels: {_FAILURES.get(code, f'unknown status {code}')}; the results of the "
+                               "launches since the last check are invalid.")
+
+
+# The kernels' status codes (kStatus* in csrc/persistent_rnn.h) and what each means to a user.
+_FAILURES = {
+    1: "a persistent RNN kernel timed out waiting for another CTA (status 1). The GPU may be shared with other work "
+       f"that starves the kernel, or SPIN_TIMEOUT_S ({SPIN_TIMEOUT_S}) is too short",
+    2: "a persistent RNN kernel was given a sequence length outside [0, T] (status 2): lengths on the GPU are not "
+       "checked before the launch, so pass lengths with 0 <= lengths[b] <= T, the input's number of steps",
+}
 
 
 def _timeout_ns() -> int:

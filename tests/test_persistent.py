@@ -627,6 +627,27 @@ def test_timed_out_wait_raises_then_recovers(monkeypatch, cell, hidden_size, bat
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cell, hidden_size, batch_size, dtype, bad_length", [
+    ("relu", 2048, 4, torch.float32, 65), ("relu", 2048, 1, torch.float32, -1), ("lstm", 1024, 4, torch.float32, 65),
+    ("gru", 512, 4, torch.bfloat16, -3)])
+def test_gpu_length_outside_the_sequence_raises_then_recovers(cell, hidden_size, batch_size, dtype, bad_length):
+    """GPU lengths are not read on the host before a launch; the kernel reports one outside [0, T] (one per engine,
+    as in the timeout test) through the status word."""
+    leaves, lengths = random_layer(cell, 64, batch_size, hidden_size, dtype, True, seed=6)
+    arguments = layer_arguments(cell, leaves)
+    bad_lengths = lengths.clone()
+    bad_lengths[-1] = bad_length
+    persistent_layer(cell, *arguments, bad_lengths, False)
+    with pytest.raises(RuntimeError, match=r"sequence length outside \[0, T\]"):
+        persistent.raise_if_failed()
+    output, _ = persistent_layer(cell, *arguments, lengths, False)
+    persistent.raise_if_failed()
+    expected, _ = reference_layer(cell, *layer_arguments(cell, [t.detach().double() for t in leaves]), lengths,
+                                  False)
+    assert relative_error(output.double(), expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.cuda
 def test_a_first_launch_under_inference_mode_leaves_later_ones_outside_it_working(monkeypatch):
     """The status word is made on a device's first launch: made under inference_mode, it could not be written outside
     it, and every later launch failed ("Inplace update to inference tensor outside InferenceMode")."""

@@ -32,6 +32,15 @@ __device__ __forceinline__ int clamp_length(int64_t length, int seq_len) {
   return length < 0 ? 0 : (length > seq_len ? seq_len : static_cast<int>(length));
 }
 
+// A sample's valid steps, clamped to [0, T]; a length outside it is recorded in the status word for Python to raise,
+// since checking GPU lengths on the host would wait for the GPU and break a graph's capture.
+template <class Element>
+__device__ __forceinline__ int sample_length(const RnnParams<Element>& p, int sample) {
+  const int64_t length = p.lengths[sample];
+  if (length < 0 || length > p.seq_len) atomicCAS(p.status, 0, kStatusLengthOutOfRange);
+  return clamp_length(length, p.seq_len);
+}
+
 // The cells' activations at their layer's precision. fp32 layers take CUDA's accurate expf, division and tanhf, which
 // their tests hold to 1e-5 of float64. bf16 layers, whose weights, inputs and published values are rounded to 2^-9
 // anyway, take the special-function unit's approximations: ex2 and rcp for the sigmoid (about 2 ulp), tanh.approx for
@@ -163,7 +172,7 @@ struct ForwardCell {
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
     inputs.init(p, unit);
-    length = clamp_length(p.lengths[sample], p.seq_len);
+    length = sample_length(p, sample);
     h = p.state[sample * p.state_stride + unit];  // hx, written before the launch
   }
 

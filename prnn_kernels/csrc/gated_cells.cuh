@@ -51,7 +51,7 @@ struct GruBackward {
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    length = clamp_length(p.lengths[sample], p.seq_len);
+    length = sample_length(p, sample);
     direct = 0.f;
     init_grad_hx(p, unit, sample, length);
   }
@@ -145,7 +145,7 @@ struct LstmBackward {
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    length = clamp_length(p.lengths[sample], p.seq_len);
+    length = sample_length(p, sample);
     grad_c = p.cell_state[sample * p.hidden + unit];
     init_grad_hx(p, unit, sample, length);
   }

@@ -23,8 +23,10 @@ namespace prnn {
 
 constexpr int kMaxBatch = 32;
 constexpr int kMaxDirections = 2;
-// Written to the status word when a spin-wait ran out of time; kernels never clear it.
+// The status word holds the first failure of a launch; kernels never clear it. A spin-wait ran out of time:
 constexpr int kStatusTimedOut = 1;
+// A sample's length lay outside [0, T]; the launch runs it clamped, and Python discards its outputs as it raises.
+constexpr int kStatusLengthOutOfRange = 2;
 // Each chain's step count sits alone in a 128-byte line (stride in unsigned words), so the other chain's traffic does
 // not queue on the line every SM polls.
 constexpr int kCountStride = 32;
@@ -113,7 +115,7 @@ struct RnnParams {
   const Element* weight;   // (G*H, H) weight_hh, row-major
   int weight_row_stride;   // element (r, k) of the matrix this pass multiplies by is weight[r * row + k * col]:
   int weight_col_stride;   //   forward U: (H, 1); backward U^T: (1, H)
-  const int64_t* lengths;  // (B,) valid steps per sample, clamped to [0, T]
+  const int64_t* lengths;  // (B,) valid steps per sample; one outside [0, T] sets the status, runs clamped
   float* state;            // published vectors; forward (T+1, B, VS): h after each processing step, [0] = hx;
                            //   backward (T+2, B, VS): g of each backward step, [0] = 0
   __nv_bfloat16* state_bf16;  // bf16 launches: the published vectors again in bf16 (same rows, row stride
@@ -138,7 +140,7 @@ struct RnnParams {
                      //   weights that registers and shared memory cannot hold; nullptr where they hold all
   unsigned* step_counts;  // (kChains * kCountStride,) zero before launch; step_counts[chain * kCountStride] = steps
                          //   published of that chain, summed over the direction's CTAs (the plain engine has one chain)
-  int* status;      // (1,) 0, or kStatusTimedOut once any wait ran out of time
+  int* status;      // (1,) 0, or the first kStatus* failure of the launch
   unsigned long long timeout_ns;  // bound on every spin-wait
 };
 

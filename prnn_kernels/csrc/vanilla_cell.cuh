@@ -44,7 +44,7 @@ struct VanillaBackward {
   int length;
 
   __device__ void init(const RnnParams<Element>& p, int unit, int sample) {
-    length = clamp_length(p.lengths[sample], p.seq_len);
+    length = sample_length(p, sample);
     init_grad_hx(p, unit, sample, length);
   }
 
