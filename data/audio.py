@@ -37,15 +37,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
         ones (a float file can; they would turn the whole batch's loss into NaN), or resampling it to `sample_rate`
         would take more than MAX_RESAMPLING_PHASES filter phases even from the nearest multiple of 100 Hz.
     """
-    header = audio_header(path)
-    if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
-        raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
-                         f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
-    if not 1 <= header.channels <= MAX_CHANNELS:
-        raise AudioError(f"{path}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
-    if header.frames > MAX_SECONDS * header.samplerate:
-        raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
-                         f"the {MAX_SECONDS} s a file may hold")
+    audio_header(path)
     try:
         samples, file_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (N, C)
     except Exception as error:
@@ -68,16 +60,29 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
 
 def audio_header(path: str | os.PathLike):
     """The file's header as libsndfile reads it (samplerate, frames, duration...); AudioError naming the file where
-    there is no such file or it is not audio."""
+    there is no such file, it is not audio, or its header claims what load_audio refuses: no samples, more than
+    MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or more than MAX_CHANNELS channels (so a
+    manifest never lists such a file with the duration it claims)."""
     # libsndfile reports a missing file as "System error"; say what it is.
     if not os.path.isfile(path):
         raise AudioError(f"{path}: {'a folder, not an audio file' if os.path.isdir(path) else 'no such audio file'}")
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
     # raises TypeError), the message names the file.
     try:
-        return soundfile.info(str(path))
+        header = soundfile.info(str(path))
     except Exception as error:
         raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
+    if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
+        raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
+                         f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+    if not 1 <= header.channels <= MAX_CHANNELS:
+        raise AudioError(f"{path}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
+    if header.frames == 0:
+        raise AudioError(f"{path}: audio holds no samples")
+    if header.frames > MAX_SECONDS * header.samplerate:  # libsndfile gives 2^63 - 1 where a FLAC leaves it unknown
+        raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
+                         f"the {MAX_SECONDS} s a file may hold (or no length at all)")
+    return header
 
 
 def _resampling_phases(from_rate: int, to_rate: int) -> int:

@@ -165,7 +165,11 @@ class SpeechDataset(Dataset):
         num_samples = round(utterance.duration * self.features.sample_rate)
         num_outputs = math.ceil(self.features.num_frames(num_samples) / self.time_stride)
         if num_outputs < min_ctc_frames(targets):
-            self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
+            if utterance.duration == 0:  # the transcript is not what is wrong
+                self._skip(utterance, "duration 0", "its manifest gives a duration of 0 s (empty audio, or a duration "
+                           "not filled in)")
+            else:
+                self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
             return
         self.utterances.append(utterance)
         self.targets.append(targets)

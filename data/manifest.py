@@ -30,7 +30,7 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"manifest {path} is a folder, not a file")
-    if not path.is_file():
+    if not path.exists():  # not is_file(): a pipe (evaluate --manifest <(...)) reads as well
         raise FileNotFoundError(f"manifest {path} does not exist")
     utterances = []
     with path.open("rb") as lines:
@@ -58,20 +58,24 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
-    speaker = record.get("speaker", "")
+    speaker = record.get("speaker")
+    if speaker is None:  # NeMo-style manifests may leave it out or null, or number their speakers
+        speaker = ""
+    elif isinstance(speaker, int) and not isinstance(speaker, bool):
+        speaker = str(speaker)
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
     # bool is an int subclass, and True is no duration.
     if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration <= MAX_DURATION:
         raise ValueError(f"{where}: 'duration' must be a number of seconds from 0 to {MAX_DURATION:g}, "
                          f"got {duration!r}")
-    if record.get("offset", 0) != 0:
+    if record.get("offset") not in (None, 0):
         raise ValueError(f"{where}: 'offset' {record['offset']!r} (a segment of a longer file) is not supported; "
                          "cut the segment into a file of its own")
     if not isinstance(text, str):
         raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
     if not isinstance(speaker, str):
-        raise ValueError(f"{where}: 'speaker' must be a string, got {speaker!r}")
+        raise ValueError(f"{where}: 'speaker' must be a string or an integer, got {speaker!r}")
     for key, value in (("audio_filepath", audio_filepath), ("text", text), ("speaker", speaker)):
         try:
             value.encode("utf-8")
@@ -88,6 +92,8 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
     leaves a truncated manifest that looks newer than its sources, and ranks preparing at once don't collide.
     """
     path = Path(path)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"{path.parent} is a file, not a folder to write the manifest {path.name} into")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:

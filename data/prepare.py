@@ -168,9 +168,12 @@ def _write(label: str, manifest: Path, utterances: list[Utterance], num_skipped:
 
 
 def _require(path: Path, folder: bool = False) -> Path:
-    if not (path.is_dir() if folder else path.is_file()):
-        raise FileNotFoundError(f"{'folder' if folder else 'file'} {path} does not exist")
-    return path
+    wanted = "folder" if folder else "file"
+    if path.is_dir() if folder else path.is_file():
+        return path
+    if path.exists():  # FileNotFoundError all the same: what the caller needs is not there
+        raise FileNotFoundError(f"{path} is not a {wanted}")
+    raise FileNotFoundError(f"{wanted} {path} does not exist")
 
 
 def _newer_than(target: Path, sources: Iterable[Path]) -> bool:

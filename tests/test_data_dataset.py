@@ -41,6 +41,7 @@ def manifest(tmp_path):
         Utterance(str(tmp_path / "blank_text.wav"), 1.0, "  ", "c"),
         Utterance(str(tmp_path / "foreign.wav"), 1.0, "CAFÉ 42", "c"),
         Utterance(str(tmp_path / "crammed.wav"), 0.1, "THIS IS FAR TOO LONG", "c"),
+        Utterance(str(tmp_path / "unfilled.wav"), 0, "NO DURATION", "c"),
         Utterance(str(tmp_path / "lecture.wav"), 30.0, "LONG", "c"),
     ]
     path = tmp_path / "m.jsonl"
@@ -67,11 +68,13 @@ def test_construction_drops_and_counts_each_unusable_transcript(manifest, caplog
             "empty transcript": 1,
             "characters outside the alphabet": 1,
             "too long for stride": 1,
+            "duration 0": 1,
             "longer than max_duration": 1,
         }
     )
     for name in ("blank_text.wav", "foreign.wav", "crammed.wav"):
         assert name in caplog.text
+    assert "unfilled.wav: its manifest gives a duration of 0 s" in caplog.text
     assert "outside the alphabet: ['2', '4', 'É']" in caplog.text
     assert dataset.durations == [1.0, 0.5, 1.0, 0.0, 3.0]
 

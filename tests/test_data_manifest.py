@@ -1,8 +1,10 @@
 """Reading and writing JSONL manifests."""
 import errno
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import REPO_ROOT
@@ -42,11 +44,28 @@ def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
     records = [
         {"audio_filepath": "wav/a.flac", "duration": 1, "text": "A", "speaker": "s"},
         {"audio_filepath": "/abs/b.flac", "duration": 2.5, "text": "B"},  # NeMo style: no speaker
+        {"audio_filepath": "/abs/c.flac", "duration": 2, "text": "C", "speaker": 12, "offset": 0},
+        {"audio_filepath": "/abs/d.flac", "duration": 2, "text": "D", "speaker": None, "offset": None},
     ]
     path.write_text("".join(json.dumps(record) + "\n" for record in records) + "\n")
-    first, second = read_manifest(path)
-    assert first == Utterance(str(tmp_path / "sub" / "wav" / "a.flac"), 1.0, "A", "s")
-    assert second == Utterance("/abs/b.flac", 2.5, "B", "")
+    assert read_manifest(path) == [
+        Utterance(str(tmp_path / "sub" / "wav" / "a.flac"), 1.0, "A", "s"),
+        Utterance("/abs/b.flac", 2.5, "B", ""),
+        Utterance("/abs/c.flac", 2.0, "C", "12"),
+        Utterance("/abs/d.flac", 2.0, "D", ""),
+    ]
+
+
+def test_a_manifest_may_be_a_pipe(tmp_path):
+    pipe = tmp_path / "fifo"
+    os.mkfifo(pipe)
+    line = json.dumps({"audio_filepath": "/abs/a.flac", "duration": 1.0, "text": "A"}) + "\n"
+    writer = threading.Thread(target=pipe.write_text, args=(line,))
+    writer.start()
+    try:
+        assert read_manifest(pipe) == [Utterance("/abs/a.flac", 1.0, "A", "")]
+    finally:
+        writer.join()
 
 
 def test_missing_manifest_names_the_file(tmp_path):
@@ -77,6 +96,8 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": -1.0, "text": "A"}', "'offset' -1.0 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": true}', "'speaker' must be a string or"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": [1]}', "'speaker' must be a string or"),
         ('{"audio_filepath": "a\\ud800.wav", "duration": 1.0, "text": "A"}', "'audio_filepath' holds '.ud800', half"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A\\udfff"}', "'text' holds '.udfff', half"),
     ],

@@ -73,6 +73,23 @@ def test_an4_audio_that_is_not_audio_is_skipped_and_named(tiny_an4, tmp_path, ca
     assert "wrote 3 utterances" in caplog.text and "skipped 1 without usable audio" in caplog.text
 
 
+def test_an4_audio_whose_header_claims_what_loading_refuses_is_skipped_and_named(tiny_an4, tmp_path, caplog):
+    """A manifest never lists a duration the manifest reader would refuse (a FLAC written to a pipe leaves its length
+    unknown, which libsndfile gives as 2^63 - 1 frames) or a file loading would skip anyway (no samples)."""
+    unknown_length = tiny_an4 / "wav" / "an4_clstk/fash/an251-fash-b.flac"
+    flac = bytearray(unknown_length.read_bytes())
+    flac[21] &= 0xF0  # STREAMINFO's 36-bit sample count: 0, unknown
+    flac[22:26] = bytes(4)
+    unknown_length.write_bytes(bytes(flac))
+    empty = tiny_an4 / "wav" / "an4_clstk/fash/an253-fash-b.wav"
+    soundfile.write(empty, np.zeros(0, np.float32), RATE)
+    with caplog.at_level(logging.INFO):
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "manifests")])
+    assert f"skipping {unknown_length}: its header gives" in caplog.text and "(or no length at all)" in caplog.text
+    assert f"skipping {empty}: audio holds no samples" in caplog.text
+    assert [u.text for u in read_manifest(tmp_path / "manifests" / "an4_train.jsonl")] == ["SIX TWO"]
+
+
 def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     manifests = prepare_an4(tiny_an4, tmp_path / "out")
     assert set(manifests) == {"train", "test"}
@@ -197,7 +214,11 @@ def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, cap
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as exit_info:
         main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "a_file")])
-    assert exit_info.value.code == 2 and str(tmp_path / "a_file") in capsys.readouterr().err
+    assert f"{tmp_path / 'a_file'} is a file, not a folder to write the manifest" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["an4", "--source", str(tmp_path / "a_file"), "--out", str(tmp_path / "out")])
+    assert f"{tmp_path / 'a_file'} is not a folder" in capsys.readouterr().err and exit_info.value.code == 2
 
 
 @pytest.mark.parametrize(

@@ -259,6 +259,8 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         NGramLM.from_arpa(bad)
     with pytest.raises(FileNotFoundError, match="absent.arpa"):
         NGramLM.from_arpa(tmp_path / "absent.arpa")
+    with pytest.raises(ValueError, match=rf"language model {tmp_path} is a folder"):
+        NGramLM.from_arpa(tmp_path)
 
 
 @pytest.mark.parametrize("option", ["--lm-weight", "--word-bonus"])

@@ -38,7 +38,9 @@ class NGramLM:
     def from_arpa(cls, path: str | Path) -> "NGramLM":
         """Reads the file a line at a time: a model's text is several times the size of its tables."""
         path = Path(path)
-        if not path.is_file():
+        if path.is_dir():
+            raise ValueError(f"language model {path} is a folder, not an ARPA file")
+        if not path.exists():  # not is_file(): a pipe (--lm <(zcat model.arpa.gz)) reads as well
             raise FileNotFoundError(f"language model not found: {path}")
         with path.open("rb") as file:
             return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
