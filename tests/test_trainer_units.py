@@ -28,7 +28,7 @@ from data.dataset import collate, Sample
 from data.manifest import Utterance, write_manifest
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
-from trainer import build, checkpoint, cli, decode, lm
+from trainer import build, checkpoint, cli, decode, lm, run_directory
 import trainer.__main__ as trainer_main
 from trainer.__main__ import MAX_FOLDER_NAME, job_folder, user_error_message
 from trainer.decode import greedy_decode
@@ -38,7 +38,8 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    known_entries, open_metrics, record_job, recorded_run_id, restore, resumed_train_state, train_loader, train_step,
+    hold_run_directory, known_entries, load_optimizer_state, open_metrics, record_job, recorded_run_id, restore,
+    resumed_train_state, train_loader, train_step,
 )
 
 
@@ -394,6 +395,70 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, m
     assert torch.equal(checkpoint.load(tmp_path / "c.pt")["model"]["w"], torch.zeros(3))
 
 
+def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
+    """Data-loading workers are forked with the lock's file open: an flock, which they shared, stayed held until they
+    noticed their parent had died, and a job restarted at once was refused, naming a dead process."""
+    script = ("import os, sys, time\n"
+              "from pathlib import Path\n"
+              "from trainer.train import hold_run_directory\n"
+              "with hold_run_directory(Path(sys.argv[1]), is_main=True):\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(120)\n"
+              "        os._exit(0)\n"
+              "    print('held', flush=True)\n"
+              "    time.sleep(120)\n")
+    job = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        assert job.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on "):
+            with hold_run_directory(tmp_path, is_main=True):
+                pass
+        job.kill()  # the job alone: its forked child holds the lock's file still
+        job.wait()
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
+    permissions do not stop, so the system's answer is played: a read-only file system gives the same."""
+    run_directory.make_or_exit(str(tmp_path))
+    monkeypatch.setattr(run_directory.os, "access", lambda path, mode: False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(str(tmp_path))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: cannot write in the run directory {tmp_path}\n"
+
+
+def test_a_ctrl_c_during_a_checkpoint_write_stays_a_ctrl_c(tmp_path, monkeypatch):
+    """torch's writer turns an exception in its write callback into a RuntimeError: a second Ctrl-C during a write
+    read as a failed disk write (exit 2, and a sweep went on to its next job)."""
+    class InterruptedFile:
+        def __init__(self, file):
+            self.file, self.writes = file, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 2:
+                raise KeyboardInterrupt
+            return self.file.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode: InterruptedFile(open(path, mode)), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path / "last.pt", {"model": {"w": torch.zeros(10**5)}, "config": {}})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_checkpoint_the_disk_cannot_hold_is_one_error_naming_it_and_leaves_no_temporary_file(tmp_path):
     """A full disk, played by a file size limit (RLIMIT_FSIZE: Python ignores SIGXFSZ, so the write fails): the
     previous checkpoint stays whole, the part-written temporary file is removed, and the error names the file."""
@@ -505,6 +570,25 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
     assert known_entries({**current, "optimizer": 1}, current) == current
     with pytest.raises(ValueError, match="its last_epoch is a float, not a int"):
         known_entries({**current, "last_epoch": 0.5}, current)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_an_optimizer_state_from_before_fused_optimizers_resumes_fused(name):
+    """Checkpoints from before 2026-11-27 hold fused=None: loaded as saved, the step took torch's unfused path, which
+    refuses the found_inf that train_step passes (AssertionError on the first step)."""
+    cfg = OmegaConf.create({"name": name, "lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0, "momentum": 0.9})
+    network = torch.nn.Linear(3, 2)
+    optimizer = build.optimizer(cfg, network.parameters())
+    network(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["param_groups"] = [{**group, "fused": None} for group in saved["param_groups"]]
+    resumed = build.optimizer(cfg, network.parameters())
+    load_optimizer_state(resumed, saved)
+    assert [group["fused"] for group in resumed.param_groups] == [True]
+    assert resumed.param_groups[0]["lr"] == 1e-3
+    resumed.found_inf = torch.zeros(())  # as train_step passes it
+    resumed.step()
 
 
 def test_a_checkpoint_of_another_training_set_is_refused():

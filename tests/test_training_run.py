@@ -173,6 +173,16 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [event.step for event in events.Scalars("eval/wer")] == [4]  # epoch 1 ended at step 4
 
+    # Resumed from another run's checkpoint where a failed attempt left records but no checkpoint: a run of its own,
+    # whose records start at the checkpoint's next step.
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    (attempt / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 1, "loss": 1.0}) + "\n")
+    (attempt / "jobs.jsonl").write_text(json.dumps({"run_id": "a failed attempt's", "from_step": 0}) + "\n")
+    train(attempt, utterances, *common, "train.max_steps=4", f"train.resume={tmp_path / 'step3.pt'}")
+    assert sorted(read_metrics(attempt)[0]) == [4]
+    assert [json.loads(line)["from_step"] for line in (attempt / "jobs.jsonl").read_text().splitlines()] == [3]
+
 
 @pytest.mark.slow
 def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):

@@ -56,6 +56,8 @@ def save(path: Path, state: dict) -> None:
             temporary.unlink(missing_ok=True)
         if not isinstance(error, Exception):
             raise
+        if _interrupted(error):  # torch's writer turns a Ctrl-C inside its write callback into a RuntimeError
+            raise KeyboardInterrupt from None
         # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left.
         free = ""
         with contextlib.suppress(OSError):
@@ -63,6 +65,15 @@ def save(path: Path, state: dict) -> None:
         raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}); "
                                    f"{path.name} there, if any, is as it was") from error
     os.replace(temporary, path)
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether a KeyboardInterrupt is in the chain of exceptions that led to `error`."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # What every checkpoint holds, and what resuming a run needs besides.

@@ -6,6 +6,7 @@ ended the job with a partial traceback and exit code 1; here it is one line nami
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
 the run wrote into runs/ itself or the working directory.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def make_or_exit(directory: str) -> None:
         print(f"error: cannot make the run directory {directory}: {error.strerror or error}"
               + (f" ({error.filename})" if error.filename and str(error.filename) != directory else ""),
               file=sys.stderr)
+        sys.exit(2)
+    if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
+        print(f"error: cannot write in the run directory {directory}", file=sys.stderr)
         sys.exit(2)
 
 

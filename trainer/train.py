@@ -59,7 +59,7 @@ def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     distributed.barrier()
 
 
-def tensorboard_writer(log_dir: Path, purge_step: int | None) -> SummaryWriter:
+def tensorboard_writer(log_dir: Path, purge_step: int) -> SummaryWriter:
     """TensorBoard's writer, whose thread's write errors (a full disk) reach the run as one line: the thread keeps its
     error for the next add_scalar to raise (__main__.user_error_message words it), and would also raise it itself,
     which Python prints as a traceback of its own before that line."""
@@ -272,9 +272,10 @@ RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a j
 def hold_run_directory(run_dir: Path, is_main: bool):
     """Rank 0 holds the run directory for the whole job: a second job there (launched twice, or requeued while the
     first still runs) is refused with ValueError before it changes anything, rather than both writing checkpoints and
-    metrics.jsonl over each other. An flock, which the kernel releases when the job ends however it ends (killed, out
-    of memory): no stale lock outlives it. A checkpoints/ that cannot be written is refused here too, before training
-    rather than at the first checkpoint."""
+    metrics.jsonl over each other. A POSIX record lock (lockf), which the kernel releases when the job's process ends
+    however it ends (killed, out of memory): no stale lock outlives it. Not an flock, which forked data-loading
+    workers share: killed alone, the trainer left its lock to them for the seconds they took to notice. A
+    checkpoints/ that cannot be written is refused here too, before training rather than at the first checkpoint."""
     if not is_main:
         yield
         return
@@ -285,8 +286,8 @@ def hold_run_directory(run_dir: Path, is_main: bool):
         raise ValueError(f"cannot write in the run directory {run_dir} ({error.strerror})") from None
     with lock:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # held: EAGAIN or EACCES, as the system reports it
             lock.seek(0)
             raise ValueError(f"{run_dir} is in use by another job ({lock.read().strip() or 'its process unknown'}): "
                              "two jobs there would overwrite each other's checkpoints and metrics; wait for it to end, "
@@ -358,6 +359,18 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
                          f"not one of its checkpoints (run {theirs} against {ours}): resuming from it "
                          "there would overwrite them; give this run another run_name")
     return None
+
+
+# How an optimizer runs, not what it computes: the optimizer as built keeps its own. Checkpoints from before both
+# optimizers were fused (2026-11-27) hold fused=None, which took torch's unfused step, and that refuses found_inf.
+IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    checkpoint.check_optimizer_state(saved, optimizer)
+    groups = [{**saved_group, **{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}}
+              for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
 
 
 def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
@@ -632,15 +645,16 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
     run_id = None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id)
+    continues_run = False  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         check_resumable(saved["config"], cfg, resume)
         check_same_training_set(saved, train_fingerprint, resume)
         run_id = continued_run_id(saved, resume, run_dir)
+        continues_run = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
         restore(resume, saved, {
             "model": model.load_state_dict,
-            "optimizer": lambda saved_optimizer: (checkpoint.check_optimizer_state(saved_optimizer, optimizer),
-                                                  optimizer.load_state_dict(saved_optimizer)),
+            "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
             "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
                 known_entries(saved_scheduler, scheduler.state_dict())),
             "sampler": sampler.load_state_dict,
@@ -655,7 +669,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=resume is not None)
+        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=continues_run)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
@@ -666,8 +680,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
     writer, metrics_file = None, None
     if env.is_main:  # a resumed run drops the events and lines its checkpoint does not cover: each step listed once
-        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if resume is not None else None)
-        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if resume is not None else None)
+        # Events of steps this job trains again are dropped from the earlier files, and all of them where it starts
+        # a run of its own (a failed attempt's, or a fresh run's over one that left no checkpoint).
+        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if continues_run else 1)
+        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if continues_run else None)
 
     # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
     run_started = time.perf_counter() - state["elapsed_s"]
