@@ -516,6 +516,37 @@ def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run,
         output
 
 
+def mpmd_command(manifests: dict, run_dir: Path, rank_1_overrides: list) -> list:
+    """Two ranks by MPI's MPMD form, rank 1 given `rank_1_overrides` on top of rank 0's command."""
+    rank_0 = trainer_command(manifests, run_dir, 1)
+    return [MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_0, *rank_1_overrides]
+
+
+@needs_mpiexec
+def test_a_rank_that_leaves_before_mpi_starts_ends_the_job(an4_slice, tmp_path):
+    """Rank 1's Hydra refuses an override (a node whose conf/ differs) before MPI starts, while rank 0 goes on into
+    MPI_Init, where MPICH's mpiexec left it waiting for ever."""
+    code, output = run_job(mpmd_command(an4_slice, tmp_path, ["train.epoch=3"]), FAILURE_TIMEOUT_S)
+    assert code == 1, output
+    assert "Could not override 'train.epoch'" in output, output
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("rank_1_override, difference", [
+    ("seed=99", "rank 1 has seed=99 where rank 0 has 1234"),
+    ("train.epochs=3", "rank 1 has train.epochs=3 where rank 0 has 2"),
+    ("data.train_manifests=[{test}]", "rank 1 has the training set=6 utterances, sha256 "),
+])
+def test_ranks_started_with_other_settings_are_refused_naming_them(an4_slice, tmp_path, rank_1_override, difference):
+    """Another seed shards batches that overlap (some utterances trained twice an epoch, some never), another step
+    limit leaves a rank waiting for a collective until the timeout: each is refused by name before training."""
+    override = rank_1_override.format(test=an4_slice["test"])
+    code, output = run_job(mpmd_command(an4_slice, tmp_path, [override]), FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert f"error on rank 0: the ranks were started with other settings ({difference}" in output, output
+    assert "Traceback" not in output, output
+
+
 @needs_mpiexec
 def test_user_error_on_rank_0_alone_ends_the_job(an4_slice, tmp_path):
     """Only rank 0 prepares the corpus: with a missing corpus folder it fails while rank 1 waits at a barrier."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,8 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, known_entries, load_optimizer_state, open_metrics, record_job, recorded_run_id, restore,
-    resumed_train_state, train_loader, train_step,
+    hold_run_directory, known_entries, load_optimizer_state, open_metrics, record_job, recorded_run_id,
+    refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -589,6 +590,20 @@ def test_an_optimizer_state_from_before_fused_optimizers_resumes_fused(name):
     assert resumed.param_groups[0]["lr"] == 1e-3
     resumed.found_inf = torch.zeros(())  # as train_step passes it
     resumed.step()
+
+
+def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
+    """Counted by the steps that trained, not the utterances: where one rank of two reads no audio, every step is
+    skipped (an empty shard) though half the utterances loaded were usable."""
+    skipped = Counter({"utterances unreadable or too long": 8, "step skipped: empty shard (all its audio unreadable)": 4})
+    with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped \(8 utterances "
+                                         r"unreadable or too long, 4 step skipped: empty shard .*every rank must be"):
+        refuse_if_nothing_trained(2, 4, 0, skipped)
+    with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(1 step skipped: "
+                                         r"non-finite loss or gradient\)$"):
+        refuse_if_nothing_trained(0, 1, 0, Counter({"step skipped: non-finite loss or gradient": 1}))
+    refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
+    refuse_if_nothing_trained(2, 0, 0, Counter())  # none run yet (resumed at the epoch's end)
 
 
 def test_a_checkpoint_of_another_training_set_is_refused():

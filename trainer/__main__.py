@@ -195,6 +195,19 @@ def main(cfg: DictConfig) -> None:
             print(summary_line(result))
 
 
+def end_job_before_mpi(leaving: SystemExit) -> None:
+    """A rank that leaves before it started MPI (Hydra refused an override, its run directory could not be made, a
+    node whose conf/ differs) while the others wait for it in MPI_Init, where MPICH's mpiexec leaves them for ever:
+    it starts MPI too and ends the job with its exit code."""
+    code = leaving.code if isinstance(leaving.code, int) or leaving.code is None else 1  # sys.exit("message"): 1
+    if code and distributed.launched_by_mpi() and "mpi4py.MPI" not in sys.modules:
+        distributed.abort_job(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as leaving:
+        end_job_before_mpi(leaving)
+        raise
     sys.exit(sweep_exit_code())

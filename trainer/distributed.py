@@ -13,6 +13,7 @@ is slow; what it is for is an N-GPU job's arithmetic (per-GPU batch, batch-norm 
 import datetime
 import gc
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -218,6 +219,34 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
+
+
+def check_same_on_every_rank(settings: dict[str, str]) -> None:
+    """ValueError on every rank where a rank holds other `settings` than rank 0 ({name: its value as text}): ranks
+    started with another seed, model or step limit do not fail by themselves, they shard batches that overlap, or wait
+    for each other's collectives until the timeout (a no-op in a world of one)."""
+    if not dist.is_initialized():
+        return
+    every = _all_gather_json(settings)
+    differ = [f"rank {rank} has {key}={theirs.get(key)} where rank 0 has {every[0].get(key)}"
+              for rank, theirs in enumerate(every[1:], start=1)
+              for key in sorted(set(theirs) | set(every[0])) if theirs.get(key) != every[0].get(key)]
+    if differ:
+        raise ValueError(f"the ranks were started with other settings ({'; '.join(differ[:4])}"
+                         f"{f'; {len(differ) - 4} more' if len(differ) > 4 else ''}): every rank must run the same "
+                         "command, with the same conf/ folder")
+
+
+def _all_gather_json(value) -> list:
+    """Every rank's `value` (JSON data), in rank order: as bytes, not pickles, which would run what they hold."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    encoded = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(encoded)], device=device))
+    longest = max(int(size) for size in sizes)
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(gathered, torch.nn.functional.pad(encoded, (0, longest - len(encoded))))
+    return [json.loads(bytes(data[:int(size)].tolist())) for data, size in zip(gathered, sizes)]
 
 
 def backend() -> str | None:

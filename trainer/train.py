@@ -315,15 +315,17 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
 
 
-def refuse_if_nothing_trained(epoch: int, steps: int, unusable: int, cfg: DictConfig) -> None:
-    """Before the epoch's steps so far are saved or evaluated: ValueError where every utterance they loaded was
-    unusable (a corpus moved, relative paths taken from another folder), each step skipped; saving would carry the
-    run on as if it had trained."""
-    loaded = steps * cfg.train.global_batch_size
-    if loaded and unusable == loaded:
-        raise ValueError(f"epoch {epoch + 1} trained nothing: none of the {loaded} utterances its {steps} "
-                         f"step{'s' if steps > 1 else ''} loaded could be used (named above); a manifest's relative "
-                         "audio paths are taken relative to its own folder (a symlink's, not its target's)")
+def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter) -> None:
+    """Before the epoch's steps so far are saved or evaluated: ValueError where each of them was skipped (audio no rank
+    could use, or one rank could not: a corpus moved, relative paths taken from another folder, a node without the
+    corpus; or losses that were not finite); saving would carry the run on as if it had trained."""
+    if steps == 0 or trained:
+        return
+    reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.items())
+    hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
+            "target's), and every rank must be able to read them" if skipped[UNUSABLE] else "")
+    raise ValueError(f"epoch {epoch + 1} trained nothing: each of its {steps} step{'s' if steps > 1 else ''} was "
+                     f"skipped ({reasons}){hint}")
 
 
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
@@ -425,6 +427,28 @@ CONTINUE_RUN = "train.resume=auto under the same run_name"
 UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts them
 
 
+# What a rank may hold apart from the others: the run's name (by default each rank's start time, which can differ by a
+# second; rank 0's names the run directory), where its node keeps the corpus (the sets' contents are compared instead,
+# check_same_on_every_rank) and how it loads and shows its work.
+RANKS_MAY_DIFFER = ("run_name", "data.an4_source", "data.manifest_dir", "data.train_manifests", "data.eval_manifest",
+                    "train.num_workers", "train.progress_bar", "train.progress_line_s")
+
+
+def rank_settings(cfg: DictConfig) -> dict[str, str]:
+    """The resolved config as {dotted key: its value as JSON}, less RANKS_MAY_DIFFER."""
+    settings = {}
+
+    def add(node, key):
+        if isinstance(node, dict) and node:
+            for name, value in node.items():
+                add(value, f"{key}.{name}" if key else str(name))
+        elif key not in RANKS_MAY_DIFFER:
+            settings[key] = json.dumps(node)
+
+    add(OmegaConf.to_container(cfg, resolve=True), "")
+    return settings
+
+
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
     """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", ...}), with
     "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
@@ -432,6 +456,7 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     it, for the log (a sweep's job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes two of its values
     env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
+    distributed.check_same_on_every_rank(rank_settings(cfg))
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
     with StopSignals() as stop_signals, hold_run_directory(run_dir, env.is_main):
@@ -610,6 +635,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     )
     train_fingerprint = train_set.fingerprint()
     eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
+    distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": eval_set.fingerprint()})
     try:
         sampler = BucketBatchSampler(
             train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
@@ -783,10 +809,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
-                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, skipped[UNUSABLE], cfg)
+                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped)
                 save("last.pt")
         progress.close()
-        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, skipped[UNUSABLE], cfg)
+        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped)
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
             result["stopped_at_step"] = state["step"]
