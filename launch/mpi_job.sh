@@ -27,6 +27,8 @@ run_mpi_job() {
         if [[ -n $open_mpi ]]; then
             trap "interrupted=1; pkill -$signal -P $launcher -f ' -m trainer ' || kill -$signal $launcher || true" \
                 "$name"
+        elif [[ $name == INT ]]; then
+            trap "interrupted=1; pass_ctrl_c_on_under_mpich $launcher" INT
         else
             trap "interrupted=1; kill -$signal $launcher || true" "$name"
         fi
@@ -38,4 +40,18 @@ run_mpi_job() {
         status=0
     done
     exit "$status"
+}
+
+# MPICH's mpiexec passes a first Ctrl-C on to the ranks, but takes a second as an order to kill the job at once, before
+# a rank can say what it holds: from the second on, this node's ranks (the children of mpiexec's proxies) get it
+# themselves, and the first to get it ends the job (trainer/__main__.py: one line naming the last checkpoint, exit 130).
+mpich_ctrl_c_passed=""
+pass_ctrl_c_on_under_mpich() {
+    local launcher=$1
+    if [[ -z $mpich_ctrl_c_passed ]]; then
+        mpich_ctrl_c_passed=1
+        kill -INT "$launcher" || true
+    else
+        pkill -INT -P "$(pgrep -d, -P "$launcher")" -f ' -m trainer ' || true
+    fi
 }

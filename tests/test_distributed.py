@@ -365,8 +365,12 @@ from pathlib import Path
 # Set by the stand-in mpirun, or by MPICH's or OpenMPI's mpiexec.
 rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"]
 
-def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (here 1.5 s), then 128 + number
-    time.sleep(1.5)
+def stop(number, frame):  # as the trainer does: the step in progress, then last.pt (STOP_S), then 128 + number
+    if Path(f"stopping{rank}").exists():  # a second Ctrl-C: out at once, in one line (the trainer aborts the job)
+        Path(f"rank{rank}").write_text("interrupted")
+        os._exit(128 + number)
+    Path(f"stopping{rank}").write_text("")
+    time.sleep(float(os.environ.get("STOP_S", "1.5")))
     Path(f"rank{rank}").write_text(signal.Signals(number).name)
     sys.exit(128 + number)
 
@@ -394,8 +398,8 @@ exit $status
 """
 
 
-def start_launch_script(tmp_path, mpirun: str | None = None,
-                        version: str = "mpirun (Open MPI) 4.1.6") -> subprocess.Popen:
+def start_launch_script(tmp_path, mpirun: str | None = None, version: str = "mpirun (Open MPI) 4.1.6",
+                        stop_s: float = 1.5) -> subprocess.Popen:
     """single_node.sh with 2 ranks under `mpirun` (default: the stand-in OpenMPI mpirun, saying `version`), whose
     ranks run a stand-in `trainer` package in the working directory; returns once both ranks have started."""
     (tmp_path / "trainer").mkdir()
@@ -407,7 +411,8 @@ def start_launch_script(tmp_path, mpirun: str | None = None,
         (tmp_path / "mpirun").chmod(0o755)
     script = subprocess.Popen(
         [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
-        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": mpirun, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": mpirun, "PYTHONPATH": str(REPO_ROOT),
+             "STOP_S": str(stop_s)},
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 60
@@ -443,6 +448,26 @@ def test_the_launch_script_passes_stop_signals_on_to_the_ranks_once(tmp_path, mp
     stopped_by = signal.SIGTERM if stop_signal == signal.SIGHUP else stop_signal
     assert script.returncode == 128 + stopped_by, output
     assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stopped_by.name] * 2
+
+
+@needs_mpiexec
+def test_under_mpich_a_second_ctrl_c_reaches_the_ranks_not_mpiexec(tmp_path):
+    """MPICH's mpiexec takes a second Ctrl-C as an order to kill the job at once (exit 255, and no rank's line naming
+    its checkpoint): the script passes the first on to it and the second to the ranks."""
+    script = start_launch_script(tmp_path, MPIEXEC, stop_s=30)
+    try:
+        os.killpg(script.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"stopping{rank}").exists() for rank in (0, 1)):
+            assert time.monotonic() < deadline and script.poll() is None, script.communicate()[0]
+            time.sleep(0.1)
+        os.killpg(script.pid, signal.SIGINT)
+        output = script.communicate(timeout=20)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == 128 + signal.SIGINT, output
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == ["interrupted"] * 2, output
 
 
 def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_path):
