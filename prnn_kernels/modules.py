@@ -43,15 +43,23 @@ class _BackendChoice:
     """
 
     def __init__(self, *args, backend="auto", batch_slice=None, **kwargs):
-        name = type(self).__name__
-        if backend not in BACKENDS:
-            raise ValueError(f"prnn_kernels.{name}: backend={backend!r} is not one of {BACKENDS}")
+        self.backend = backend  # checked before torch.nn allocates the weights
         super().__init__(*args, **kwargs)
         if self.proj_size:
-            raise ValueError(f"prnn_kernels.{name}: proj_size={self.proj_size} is not supported; use proj_size=0")
-        self.backend = backend
+            raise ValueError(f"prnn_kernels.{type(self).__name__}: proj_size={self.proj_size} is not supported; use "
+                             "proj_size=0")
         self.batch_slice = batch_slice
         self.cell = _CELL_OF_MODE[self.mode]
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value):  # checked here, so that setting it on a built model is checked too
+        if value not in BACKENDS:
+            raise ValueError(f"prnn_kernels.{type(self).__name__}: backend={value!r} is not one of {BACKENDS}")
+        self._backend = value
 
     @property
     def batch_slice(self) -> int | None:

@@ -57,7 +57,8 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         output: (T, B, H), zero at t >= lengths[b].
         h_n: (B, H) state after each sample's last valid step (hx where lengths[b] == 0); for "lstm" (h_n, c_n).
 
-    Computed in input_proj's dtype, with autograd through the loop.
+    Computed in input_proj's dtype (the state in hx's where that is wider: an fp32 hx under autocast) and returned in
+    input_proj's dtype, with autograd through the loop.
     """
     if cell not in _STEPS:
         raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
@@ -84,7 +85,9 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         # torch.where, not a multiply by the mask, so nothing computed from padding reaches the state.
         state = tuple(torch.where(valid[t], new, old) for new, old in zip(new_state, state))
         outputs[t] = torch.where(valid[t], new_state[0], 0.0)
-    output = torch.stack(outputs)
+    # As the persistent kernel returns them: the wider state would otherwise reach h_n, and an LSTM's output.
+    output = torch.stack(outputs).to(input_proj.dtype)
+    state = tuple(part.to(input_proj.dtype) for part in state)
     return output, (state if cell == "lstm" else state[0])
 
 

@@ -151,6 +151,10 @@ def test_auto_on_cpu_runs_torch_silently():
 def test_backend_errors():
     with pytest.raises(ValueError, match="backend='fast'"):
         prnn_kernels.GRU(4, 8, backend="fast")
+    gru = prnn_kernels.GRU(4, 8, backend="reference")
+    with pytest.raises(ValueError, match="backend='Reference' is not one of"):  # set on a built module: ran as auto
+        gru.backend = "Reference"
+    assert gru.backend == "reference"
     with pytest.raises(ValueError, match="proj_size=3"):
         prnn_kernels.LSTM(4, 8, proj_size=3)
     with pytest.raises(ValueError, match="3-D"):
@@ -253,6 +257,17 @@ def test_the_backend_is_chosen_for_the_dtype_the_recurrence_runs_in(monkeypatch)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), pytest.raises(ValueError, match="asked"):
             module(x)
     assert asked == [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
+def test_under_autocast_the_reference_returns_the_dtype_it_computes_in(cell):
+    """As the persistent kernel does (its output and final state in the input projection's dtype): the zero initial
+    state in the input's fp32 made the reference's h_n, and an LSTM's output, fp32 beside a bf16 output."""
+    module = getattr(prnn_kernels, cell)(4, 8, backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output, final = module(torch.randn(5, 2, 4), lengths=torch.tensor([5, 3]))
+    finals = final if cell == "LSTM" else (final,)
+    assert [output.dtype, *(part.dtype for part in finals)] == [torch.bfloat16] * (1 + len(finals))
 
 
 def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monkeypatch):
