@@ -435,6 +435,29 @@ def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_
     assert capsys.readouterr().err == f"error: cannot write in the run directory {tmp_path}\n"
 
 
+def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert cli.run_tool(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted by Ctrl-C\n"
+    assert cli.run_tool(lambda: 3) == 3
+
+
+def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path):
+    target, manifest = tmp_path / "out.tsv", tmp_path / "m.jsonl"
+    manifest.write_text("kept\n")
+    with pytest.raises(ValueError, match="is also an input of this command"):
+        cli.check_not_an_input(str(manifest), [str(tmp_path / "." / "m.jsonl")])
+    cli.check_not_an_input(None, [str(manifest)])
+    (tmp_path / "link.tsv").symlink_to(tmp_path / "nowhere" / "x.tsv")  # a dangling link: its folder does not exist
+    with pytest.raises(argparse.ArgumentTypeError, match=f"no folder {tmp_path / 'nowhere'}"):
+        cli.output_file(str(tmp_path / "link.tsv"))
+    cli.write_output(str(target), "table\n")
+    assert target.read_text() == "table\n" and sorted(path.name for path in tmp_path.iterdir()) == [
+        "link.tsv", "m.jsonl", "out.tsv"]
+
+
 def test_a_ctrl_c_during_a_checkpoint_write_stays_a_ctrl_c(tmp_path, monkeypatch):
     """torch's writer turns an exception in its write callback into a RuntimeError: a second Ctrl-C during a write
     read as a failed disk write (exit 2, and a sweep went on to its next job)."""

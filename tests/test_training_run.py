@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -104,6 +105,30 @@ def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tm
     transcripts = dict(line.split("\t") for line in result.stdout.splitlines())
     assert set(transcripts) == set(audio)
     assert all(set(text) <= set("'ABCDEFGHIJKLMNOPQRSTUVWXYZ ") for text in transcripts.values())
+
+    # A reader that stops early ends the tool quietly; an output that is one of its inputs, a folder given as the
+    # checkpoint, and a relative manifest of the run's read from another folder are one line each.
+    best = str(run_dir / "checkpoints" / "best.pt")
+    many = [read_manifest(test_manifest)[index].audio_filepath for index in range(6)]
+    transcribe = shlex.join([sys.executable, "-m", "trainer.transcribe", "--checkpoint", best, *many])
+    piped = subprocess.run(["bash", "-c", f"{transcribe} | head -1; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert piped.returncode == 1 and piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr, piped.stderr
+    manifest_text = test_manifest.read_text()
+    for tool, arguments in (("trainer.evaluate", ["--checkpoint", best, "--manifest", str(test_manifest)]),
+                            ("trainer.lm", ["--manifest", str(test_manifest)])):
+        result = run(tool, [*arguments, "--out", str(test_manifest)])
+        assert result.returncode == 2 and result.stderr == (f"error: {test_manifest} is also an input of this "
+                                                            "command: writing it would destroy it\n"), result.output
+    assert test_manifest.read_text() == manifest_text
+    result = run("trainer.evaluate", ["--checkpoint", str(run_dir / "checkpoints")])
+    assert result.returncode == 2 and "is a folder; name a .pt file in it" in result.stderr, result.output
+    saved = torch.load(best, weights_only=True)
+    saved["config"]["data"]["eval_manifest"] = "manifests/test.jsonl"
+    torch.save(saved, tmp_path / "relative.pt")
+    result = run("trainer.evaluate", ["--checkpoint", str(tmp_path / "relative.pt")], cwd=tmp_path)
+    assert result.returncode == 2 and ("the run's data.eval_manifest manifests/test.jsonl is relative to the folder "
+                                       "its training ran in") in result.stderr, result.output
 
 
 @pytest.mark.slow

@@ -94,6 +94,8 @@ def _reason(error: Exception) -> str:
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint {path} is a folder; name a .pt file in it")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:

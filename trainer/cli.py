@@ -1,8 +1,11 @@
-"""Argument types the trainer's command lines share: argparse refuses a bad value, naming its argument, before any
-work starts."""
+"""What the trainer's command-line tools share: argument types (argparse refuses a bad value, naming its argument,
+before any work starts), writing their output files, and how they end when interrupted."""
 import argparse
 import math
 import os
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,8 +24,9 @@ def finite_float(text: str) -> float:
 
 
 def output_file(text: str) -> str:
-    """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold."""
-    path = Path(text).absolute()
+    """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
+    A symbolic link is judged by its target, which is what gets written."""
+    path = Path(text).resolve()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder; name a file in it")
     if not path.parent.is_dir():
@@ -30,3 +34,38 @@ def output_file(text: str) -> str:
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{path} cannot be written (permissions)")
     return text
+
+
+def check_not_an_input(path: str | None, inputs: list[str]) -> None:
+    """ValueError where the output file `path` is one of the tool's `inputs`: asked before the work, whose result would
+    destroy it."""
+    if path is not None and any(Path(path).resolve() == Path(given).resolve() for given in inputs):
+        raise ValueError(f"{path} is also an input of this command: writing it would destroy it")
+
+
+def write_output(path: str, text: str) -> None:
+    """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
+    was); ValueError naming the file where it cannot be written."""
+    target = Path(path).resolve()
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(target)
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def run_tool(main: Callable[[], int]) -> int:
+    """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback) and a reader
+    that stops early (`| head`) quietly (exit 1)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted by Ctrl-C", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # Python flushes stdout once more as it exits, into the same closed pipe: send that to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -17,7 +18,7 @@ from data.dataset import SpeechDataset, collate, count_reasons
 from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
-from trainer.cli import output_file, positive_int
+from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
@@ -65,12 +66,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=output_file,
                         help="write a tab-separated table, a header, then one line per utterance: file, word "
                              "errors, character errors, reference, hypothesis")
-    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="utterances a batch (default: 16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         model, features, cfg, decoder, device = load_model(args)
-        dataset = SpeechDataset([args.manifest or cfg.data.eval_manifest], features, None, model.time_stride)
+        manifest = args.manifest or cfg.data.eval_manifest
+        if not args.manifest and not Path(manifest).is_absolute() and not Path(manifest).exists():
+            raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its training "
+                                    "ran in: run this there, or give --manifest")
+        check_not_an_input(args.out, [manifest, args.checkpoint])
+        dataset = SpeechDataset([manifest], features, None, model.time_stride)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -81,15 +87,19 @@ def main(argv=None) -> int:
     except ValueError as error:  # the model's output not finite (decode.check_finite)
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
         return 2
-    if not rows:  # before --out is opened: an earlier table there stays
-        print(f"error: none of the {len(dataset)} utterances of {args.manifest or cfg.data.eval_manifest} could be "
-              "decoded (the warnings above name them)", file=sys.stderr)
+    if not rows:  # before --out is written: an earlier table there stays
+        print(f"error: none of the {len(dataset)} utterances of {manifest} could be decoded (the warnings above name "
+              "them)", file=sys.stderr)
         return 1
     if args.out:
-        with open(args.out, "w") as out:
-            out.write("audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n")
-            for row in sorted(rows, key=lambda row: row["audio_filepath"]):
-                out.write("{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row))
+        lines = ["audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n"]
+        lines += ["{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row)
+                  for row in sorted(rows, key=lambda row: row["audio_filepath"])]
+        try:
+            write_output(args.out, "".join(lines))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     # The WER is over the utterances decoded: say which others the manifest held (each named in a warning above).
     left_out = count_reasons(dataset.skipped + Counter(unreadable=counts.unreadable))
     left_out = f"; left out: {left_out}" if left_out else ""
@@ -98,4 +108,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from data.manifest import read_manifest
 from data.text import invalid_characters, normalize_text
-from trainer.cli import output_file, positive_int
+from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
@@ -195,10 +195,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
-    parser.add_argument("--order", type=positive_int, default=3)
+    parser.add_argument("--order", type=positive_int, default=3, help="the longest n-gram (default: 3)")
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:
+        check_not_an_input(args.out, args.manifest)
         texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
         # Transcripts the model cannot spell are left out of training; their words would only take probability.
         spellable = [text.split() for text in texts if text and not invalid_characters(text)]
@@ -206,15 +207,14 @@ def main(argv=None) -> int:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
         print(f"counting the {args.order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
-        arpa = build_arpa(spellable, args.order)
+        write_output(args.out, build_arpa(spellable, args.order))
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    Path(args.out).write_text(arpa, encoding="utf-8")
     left_out = f"; {len(texts) - len(spellable)} empty or unspellable left out" if len(spellable) < len(texts) else ""
     print(f"wrote {args.out}: a {args.order}-gram model of {len(spellable)} transcripts{left_out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -635,7 +635,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     )
     train_fingerprint = train_set.fingerprint()
     eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
-    distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": eval_set.fingerprint()})
+    distributed.check_same_on_every_rank({"the training set": train_fingerprint,
+                                          "the test set": eval_set.fingerprint()})
     try:
         sampler = BucketBatchSampler(
             train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad

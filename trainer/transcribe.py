@@ -7,6 +7,7 @@ import torch
 
 from data.audio import AudioError, load_audio
 from data.features import non_finite_detail
+from trainer.cli import run_tool
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 
 
@@ -39,9 +40,15 @@ def main(argv=None) -> int:
             except ValueError as error:  # the model's output not finite (decode.check_finite), from finite features
                 print(f"error: {args.checkpoint}: {error} (for {path})", file=sys.stderr)
                 return 2
-            print(f"{path}\t{transcript}", flush=True)  # in order with the errors, which go to stderr
+            try:
+                print(f"{path}\t{transcript}", flush=True)  # in order with the errors, which go to stderr
+            except BrokenPipeError:
+                raise  # the reader stopped early (run_tool)
+            except OSError as error:  # a full disk under a redirection
+                print(f"error: cannot write the transcripts: {error.strerror or error}", file=sys.stderr)
+                return 2
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))
