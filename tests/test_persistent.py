@@ -321,12 +321,14 @@ def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, nu
             outputs = output.chunk(2, dim=2)
         else:
             outputs, finals = zip(*[layer(cell, *a, lengths, reverse=d == 1) for d, a in enumerate(arguments)])
-        loss = 0
+        loss, values = 0, []  # values: each direction's output, h_n (and c_n)
         for output, final, weights in zip(outputs, finals, upstream):
-            values = [output, *(final if cell == "lstm" else [final])]
-            loss = loss + sum((value * weight.to(value.dtype)).sum() for value, weight in zip(values, weights))
+            its_values = [output, *(final if cell == "lstm" else [final])]
+            loss = loss + sum((value * weight.to(value.dtype)).sum() for value, weight in zip(its_values, weights))
+            values += its_values
         leaves = [leaf for leaves in leaves_per_direction for leaf in leaves if leaf is not None]
-        return [*outputs, *torch.autograd.grad(loss, leaves)]
+        # The final states too: no gradient reads their values, so only comparing them shows a wrong h_n or c_n.
+        return [*values, *torch.autograd.grad(loss, leaves)]
 
     actual = run(directions, persistent_bidirectional_layer)
     persistent.raise_if_failed()
