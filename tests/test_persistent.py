@@ -160,9 +160,12 @@ def value_names(cell, bias):
             *(["grad bias_hh"] if bias else [])]
 
 
-def random_upstream(cell, num_steps, batch_size, hidden_size, dtype):
+def random_upstream(cell, num_steps, batch_size, hidden_size, dtype, seed):
+    """Gradients for output, h_n (and c_n), from their own seed so that a failure in the suite recurs when its test
+    runs alone: the global generator's state depends on the tests run before."""
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
     shapes = [(num_steps, batch_size, hidden_size)] + [(batch_size, hidden_size)] * (2 if cell == "lstm" else 1)
-    return [torch.randn(*shape, device=CUDA).to(dtype) for shape in shapes]
+    return [torch.randn(*shape, device=CUDA, generator=generator).to(dtype) for shape in shapes]
 
 
 CASES = [
@@ -263,7 +266,7 @@ def test_matches_float64_reference(poisoned, cell, num_steps, batch_size, hidden
     seed = num_steps * 7919 + batch_size * 104729 + hidden_size + NUM_GATES[cell]
     leaves, lengths = random_layer(cell, num_steps, batch_size, hidden_size, dtype, bias, seed,
                                    lengths_on_cpu=seed % 2 == 1)
-    upstream = random_upstream(cell, num_steps, batch_size, hidden_size, dtype)
+    upstream = random_upstream(cell, num_steps, batch_size, hidden_size, dtype, seed + 1)
 
     actual = outputs_and_gradients(persistent_layer, cell, leaves, lengths, reverse, upstream)
     persistent.raise_if_failed()
@@ -311,7 +314,7 @@ def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, nu
     seed = num_steps + batch_size + hidden_size
     directions = [random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed + d)[0] for d in range(2)]
     _, lengths = random_layer(cell, num_steps, batch_size, hidden_size, dtype, True, seed)
-    upstream = [random_upstream(cell, num_steps, batch_size, hidden_size, dtype) for _ in range(2)]
+    upstream = [random_upstream(cell, num_steps, batch_size, hidden_size, dtype, seed + 2 + d) for d in range(2)]
 
     def run(leaves_per_direction, layer):
         arguments = [layer_arguments(cell, leaves) for leaves in leaves_per_direction]  # (input_proj, hx, w, b)
@@ -370,7 +373,7 @@ def test_model_on_persistent_backend_matches_reference_backend(cell, no_tf32):
 def test_repeated_runs_are_identical(cell):
     """The kernel reduces in a fixed order: any difference between two runs would be a race."""
     leaves, lengths = random_layer(cell, 64, 4, 1024, torch.float32, True, seed=3)
-    upstream = random_upstream(cell, 64, 4, 1024, torch.float32)
+    upstream = random_upstream(cell, 64, 4, 1024, torch.float32, seed=4)
     first = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
     second = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
     persistent.raise_if_failed()
@@ -384,7 +387,7 @@ def test_fp32_parameters_of_a_bf16_layer_get_unrounded_fp32_gradients(cell):
     """fp32 master weights of a bf16 layer (as under autocast) run the same bf16 layer as their bf16 copies, and get
     that layer's fp32 weight and bias gradients before any rounding to bf16."""
     leaves, lengths = random_layer(cell, 17, 4, 300, torch.bfloat16, True, seed=5)
-    upstream = random_upstream(cell, 17, 4, 300, torch.bfloat16)
+    upstream = random_upstream(cell, 17, 4, 300, torch.bfloat16, seed=6)
     masters = [leaf.detach().float().requires_grad_() for leaf in leaves[-2:]]  # weight_hh, bias_hh
     in_bf16 = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
     in_fp32 = outputs_and_gradients(persistent_layer, cell, [*leaves[:-2], *masters], lengths, False, upstream)
@@ -739,7 +742,7 @@ def test_small_bf16_layers_run_in_one_cluster(cell, hidden_size, batch_size, dir
     ("lstm", 512, torch.float32)])
 def test_forward_and_backward_capture_in_a_cuda_graph(cell, hidden_size, dtype):
     leaves, lengths = random_layer(cell, 33, 4, hidden_size, dtype, True, seed=6)
-    upstream = random_upstream(cell, 33, 4, hidden_size, dtype)
+    upstream = random_upstream(cell, 33, 4, hidden_size, dtype, seed=7)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture: build, plan, status word
