@@ -370,8 +370,10 @@ def test_model_on_persistent_backend_matches_reference_backend(cell, no_tf32):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cell", ["relu", "gru"])
-def test_repeated_runs_are_identical(cell):
-    """The kernel reduces in a fixed order: any difference between two runs would be a race."""
+def test_repeated_runs_are_identical(poisoned, cell):
+    """The kernel reduces in a fixed order: any difference between two runs would be a race. Poisoned: the second
+    run's workspaces reuse the blocks the first one freed, so a value read before it is written would otherwise be the
+    same stale one in both runs."""
     leaves, lengths = random_layer(cell, 64, 4, 1024, torch.float32, True, seed=3)
     upstream = random_upstream(cell, 64, 4, 1024, torch.float32, seed=4)
     first = outputs_and_gradients(persistent_layer, cell, leaves, lengths, False, upstream)
