@@ -15,7 +15,8 @@ machine waiting on it forever.
 
 builds ahead of time, and on Hopper and later compiles the fp32 layers' 3xTF32 products into Triton's cache
 (prnn_kernels.products), so that the ranks of a job find both ready (run it once before an `mpirun`; the launch
-scripts do, with --if-gpu so that a CPU job starts too).
+scripts do, with --if-gpu so that a CPU job starts too, and a job where the extension cannot be built, which backend
+auto runs on cuDNN). A build that cannot be done (no CUDA toolkit, a compiler error) ends in its reason, exit code 1.
 """
 import argparse
 import contextlib
@@ -27,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -207,7 +209,8 @@ def main(argv=None):
     parser.add_argument("--arch", type=hopper_or_later_arch,
                         help="architecture as nvcc spells it, e.g. 90a (default: the current GPU's)")
     parser.add_argument("--if-gpu", action="store_true",
-                        help="with no --arch and no GPU visible that runs the kernels, build nothing")
+                        help="with no --arch and no GPU visible that runs the kernels, build nothing; a build that "
+                             "fails is reported and exits 0, so that a job on backend auto starts (on cuDNN)")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     args = parser.parse_args(argv)
     arch, reason = args.arch, None
@@ -224,7 +227,14 @@ def main(argv=None):
                 print(f"prnn_kernels.build: {reason}, nothing to build")
                 return
             parser.error(f"{reason}: name the architecture to build for with --arch (e.g. 90a)")
-    module = load_extension(arch, verbose=args.verbose)
+    try:
+        module = load_extension(arch, verbose=args.verbose)
+    except RuntimeError as error:
+        if args.if_gpu:  # the launch scripts' call: backend auto runs on cuDNN without the extension
+            print(f"{error}\nthe recurrent layers will run on cuDNN under backend auto; backend "
+                  "persistent will refuse to run", file=sys.stderr)
+            return
+        sys.exit(str(error))
     print(f"built {module.__name__} from {module.__file__}")
     from prnn_kernels.products import compile_products
 

@@ -122,3 +122,21 @@ def test_a_cuda_home_that_is_no_toolkit_is_named_when_passed_over(tmp_path, monk
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     assert build.cuda_home() != tmp_path
     assert f"CUDA_HOME={tmp_path} is no CUDA toolkit" in caplog.text
+
+
+def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_job_start(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A traceback ended `python -m prnn_kernels.build`, and with it the launch scripts (set -e), on a Hopper machine
+    without nvcc, where backend auto would have trained on cuDNN."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "cuda_home", lambda: None)
+    with pytest.raises(SystemExit) as exit_info:
+        build.main(["--arch", "90a"])
+    assert exit_info.value.code == "prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set " \
+                                   "CUDA_HOME"  # printed alone to stderr by Python, exit code 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build, "device_arch", lambda device=None: "90a")
+    build.main(["--if-gpu"])  # returns: exit code 0
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME",
+        "the recurrent layers will run on cuDNN under backend auto; backend persistent will refuse to run"]
