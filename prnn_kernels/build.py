@@ -103,14 +103,19 @@ def load_extension(arch: str | None = None, verbose: bool = False):
     arch = arch or device_arch()
     name = f"prnn_kernels_{build_hash()}_sm{arch}"
     directory = build_root() / name
-    directory.mkdir(parents=True, exist_ok=True)
     built = directory / "built"  # written once the library is complete, never before
-    if not built.exists():
-        with build_lock(directory):
-            if not built.exists():  # else another process built it while this one waited
-                module = _build(name, directory, arch, verbose)
-                built.write_text(f"{name}.so\n")
-                return module
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not built.exists():
+            with build_lock(directory):
+                if not built.exists():  # else another process built it while this one waited
+                    module = _build(name, directory, arch, verbose)
+                    built.write_text(f"{name}.so\n")
+                    return module
+    except OSError as error:  # a RuntimeError, as for any other build that cannot be done: "auto" runs cuDNN
+        raise RuntimeError(f"prnn_kernels: cannot build the CUDA extension in {directory}: "
+                           f"{error.strerror or error}; set TORCH_EXTENSIONS_DIR to a folder this process can write"
+                           ) from error
     return _import_built(name, directory)
 
 

@@ -140,3 +140,13 @@ def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_
     assert capsys.readouterr().err.splitlines()[-2:] == [
         "prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME",
         "the recurrent layers will run on cuDNN under backend auto; backend persistent will refuse to run"]
+
+
+def test_a_build_cache_that_cannot_be_written_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    """An OSError escaped the support query, so backend auto ended the run instead of falling back on cuDNN."""
+    not_a_folder = tmp_path / "extensions"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(not_a_folder))
+    with pytest.raises(RuntimeError, match=f"cannot build the CUDA extension in {not_a_folder}/prnn_kernels/.*: Not a "
+                                           "directory; set TORCH_EXTENSIONS_DIR to a folder this process can write"):
+        build.load_extension("90a")
