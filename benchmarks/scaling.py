@@ -286,6 +286,10 @@ def main(argv=None) -> None:
                          "cpu_demo for the CPU's smoke test, or --device cpu to measure it anyway")
     if args.cuda_graphs and device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs a GPU, this run is on {device}")
+    if args.json and env.is_main:  # now, not after the measures, which the write would then lose
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        if Path(args.json).is_dir():
+            raise ValueError(f"--json {args.json} is a folder; name a file in it")
     cfg = compose_config(args.model, args.backend, args.cell, args.amp)
     num_features = build.features(cfg.data).num_features
     config = {
@@ -304,7 +308,6 @@ def main(argv=None) -> None:
     if env.is_main:
         print_table(result)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")
     distributed.shutdown()
