@@ -120,7 +120,10 @@ COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "
 
 def read_baseline(path: str, config: dict) -> dict:
     """A world-of-one JSON of this script with the same COMPARABLE settings as `config`."""
-    baseline = json.loads(Path(path).read_text())
+    try:
+        baseline = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:  # missing, a folder, not JSON: named, where the error's text would not
+        raise ValueError(f"--baseline {path}: {getattr(error, 'strerror', None) or error}") from None
     if not isinstance(baseline, dict) or baseline.get("benchmark") != "scaling" or baseline.get("world_size") != 1 \
             or not isinstance(baseline.get("config"), dict):
         raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process")

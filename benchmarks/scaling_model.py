@@ -95,7 +95,10 @@ class Measurement:
 
     def __init__(self, path: str):
         self.path = path
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError as error:  # not JSON (or not UTF-8): its own text names no file
+            raise ValueError(f"{path} is not JSON: {error}") from None
         if not isinstance(data, dict) or data.get("benchmark") != "scaling":
             raise ValueError(f"{path} is not a benchmarks.scaling JSON (no \"benchmark\": \"scaling\")")
         try:

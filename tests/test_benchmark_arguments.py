@@ -57,3 +57,18 @@ def test_scaling_refuses_a_json_path_that_is_a_folder_before_measuring(tmp_path)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"error on rank 0: --json {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
     assert "measuring" not in result.stdout
+
+
+def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):
+    """A truncated JSON was refused as "Expecting ',' delimiter: line 2 column 1 (char 24)", naming no file."""
+    from benchmarks import scaling_model
+
+    truncated = tmp_path / "one_gpu.json"
+    truncated.write_text('{"benchmark": "scaling"\n')
+    assert scaling_model.main(["--measured", str(truncated), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {truncated} is not JSON: Expecting ',' delimiter" in capsys.readouterr().err
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--model", "cpu_demo", "--compute-batches", "1",
+                             "2", "--global-batch", "2", "--steps", "1", "--warmup", "0", "--frames", "50", "--baseline",
+                             str(truncated)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"error on rank 0: --baseline {truncated}: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
