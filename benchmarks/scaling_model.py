@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         if not 0 <= args.backward_share <= 1:
             raise ValueError(f"--backward-share must lie in [0, 1], got {args.backward_share}")
         check_gpu_counts(args.gpus, cluster)
-        if any(overlap < 0 or overlap > 1 for overlap in args.overlap or []):
+        if not all(0 <= overlap <= 1 for overlap in args.overlap or []):  # NaN too, as --backward-share
             raise ValueError(f"--overlap values must lie in [0, 1], got {args.overlap}")
         measurement = Measurement(args.measured)
         if measurement.world_size > cluster.gpus_per_node and measurement.world_size % cluster.gpus_per_node:

@@ -72,3 +72,13 @@ def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):
                              str(truncated)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"error on rank 0: --baseline {truncated}: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
+
+
+def test_scaling_model_refuses_an_overlap_that_is_not_a_number(tmp_path, capsys):
+    """--overlap nan was taken, and the projection written with every efficiency NaN (exit 0)."""
+    from benchmarks import scaling_model
+
+    assert scaling_model.main(["--measured", str(tmp_path / "unread.json"), "--out", str(tmp_path / "out"),
+                               "--overlap", "0.5", "nan"]) == 2
+    assert "error: --overlap values must lie in [0, 1], got [0.5, nan]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
