@@ -83,7 +83,9 @@ def allreduce_s(num_bytes: float, num_gpus: int, cluster: Cluster) -> float:
 
 def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
     for num_gpus in gpu_counts:
-        if num_gpus < 1 or (num_gpus > cluster.gpus_per_node and num_gpus % cluster.gpus_per_node):
+        if num_gpus < 1:
+            raise ValueError(f"--gpus {num_gpus} must be at least 1")
+        if num_gpus > cluster.gpus_per_node and num_gpus % cluster.gpus_per_node:
             raise ValueError(
                 f"--gpus {num_gpus} must be at most --gpus-per-node {cluster.gpus_per_node} or a multiple of it"
             )

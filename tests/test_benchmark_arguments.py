@@ -82,3 +82,11 @@ def test_scaling_model_refuses_an_overlap_that_is_not_a_number(tmp_path, capsys)
                                "--overlap", "0.5", "nan"]) == 2
     assert "error: --overlap values must lie in [0, 1], got [0.5, nan]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_scaling_model_refuses_a_gpu_count_below_one_saying_so(tmp_path, capsys):
+    """--gpus 0 was refused as "must be at most --gpus-per-node 8 or a multiple of it", which 0 is."""
+    from benchmarks import scaling_model
+
+    assert scaling_model.main(["--measured", str(tmp_path / "unread.json"), "--out", str(tmp_path), "--gpus", "0"]) == 2
+    assert capsys.readouterr().err == "error: --gpus 0 must be at least 1\n"
