@@ -13,6 +13,7 @@ minute or two.
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -57,6 +58,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=count_from_1_to(MAX_BATCH), default=16)
     parser.add_argument("--json", help="write the table, the device and the reasons here")
     args = parser.parse_args(argv)
+    if args.json:  # now, not after the queries, whose JSON the write would then lose
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        if Path(args.json).is_dir():
+            parser.error(f"argument --json: {args.json} is a folder; name a file in it")
     if not torch.cuda.is_available():
         print("error: the support query answers for a CUDA GPU, and none is visible", file=sys.stderr)
         return 2

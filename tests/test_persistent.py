@@ -823,3 +823,14 @@ def test_padding_that_is_not_finite_changes_nothing_on_the_persistent_backend():
     for zero_padded, inf_padded in zip(*results):
         assert torch.isfinite(inf_padded).all()
         torch.testing.assert_close(inf_padded, zero_padded)
+
+
+def test_the_support_table_refuses_a_json_path_that_is_a_folder_before_asking(tmp_path, monkeypatch, capsys):
+    """It printed the table, then ended in IsADirectoryError with the JSON lost; a missing folder, FileNotFoundError."""
+    with pytest.raises(SystemExit) as exit_info:
+        support_table.main(["--hiddens", "256", "--json", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"argument --json: {tmp_path} is a folder; name a file in it" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the folder is made before the GPU is asked for
+    assert support_table.main(["--hiddens", "256", "--json", str(tmp_path / "new" / "table.json")]) == 2
+    assert (tmp_path / "new").is_dir()
