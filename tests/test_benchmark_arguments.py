@@ -49,11 +49,15 @@ def test_scaling_on_a_machine_without_a_gpu_refuses_the_gpu_models_unless_asked(
     assert "no GPU here, and the an4 model's measures would take hours on a CPU" in result.stderr, result.stderr[-2000:]
 
 
+# benchmarks.scaling's smallest measures, a few seconds on a CPU.
+SMALL_CPU_SCALING = ["--model", "cpu_demo", "--compute-batches", "1", "2", "--global-batch", "2", "--steps", "1",
+                     "--warmup", "0", "--frames", "50"]
+
+
 def test_scaling_refuses_a_json_path_that_is_a_folder_before_measuring(tmp_path):
     """It measured for minutes, printed its table, then ended in IsADirectoryError with the JSON lost."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--model", "cpu_demo", "--compute-batches", "1",
-                             "2", "--global-batch", "2", "--steps", "1", "--warmup", "0", "--frames", "50", "--json",
-                             str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", str(tmp_path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"error on rank 0: --json {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
     assert "measuring" not in result.stdout
@@ -67,8 +71,7 @@ def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):
     truncated.write_text('{"benchmark": "scaling"\n')
     assert scaling_model.main(["--measured", str(truncated), "--out", str(tmp_path / "out")]) == 2
     assert f"error: {truncated} is not JSON: Expecting ',' delimiter" in capsys.readouterr().err
-    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--model", "cpu_demo", "--compute-batches", "1",
-                             "2", "--global-batch", "2", "--steps", "1", "--warmup", "0", "--frames", "50", "--baseline",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--baseline",
                              str(truncated)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"error on rank 0: --baseline {truncated}: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
