@@ -611,6 +611,15 @@ def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4
     assert "parameters;" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("size", ["model.hidden=300000", "model.conv_channels=100000"])
+def test_a_model_larger_than_the_devices_memory_is_one_clear_error_before_allocating_it(an4_train, tmp_path, size):
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
+    result = train(tmp_path / "run", utterances, size, check=False, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert size in result.output and "more than the" in result.output and " GiB cpu has for it" in result.output, (
+        result.output[-2000:])
+
+
 @pytest.mark.cuda
 def test_an_evaluation_batch_the_kernels_refuse_ends_the_job_before_training(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])

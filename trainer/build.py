@@ -1,4 +1,6 @@
 """Builds features, model, optimizer and schedule from the config: shared by training, evaluation and transcription."""
+import os
+
 from omegaconf import DictConfig, OmegaConf
 
 import torch
@@ -34,6 +36,40 @@ def model(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
     return DeepSpeech2(
         num_features=num_features, num_classes=NUM_CLASSES, **OmegaConf.to_container(model_cfg, resolve=True)
     )
+
+
+# Bytes each parameter holds whatever the batch: its fp32 weight and gradient, and the optimizer's state of it
+# (AdamW's two moments, SGD's momentum buffer).
+STATE_BYTES_PER_PARAMETER = {"adamw": 16, "sgd": 12}
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes a run can have on `device`: all of the GPU's memory, or on a CPU what Linux can give without its
+    out-of-memory killer (available memory and free swap; the physical memory where there is no /proc/meminfo)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as meminfo:
+            kib = {name: int(value.split()[0]) for name, value in (line.split(":", 1) for line in meminfo)}
+        return 1024 * (kib["MemAvailable"] + kib["SwapFree"])
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, device: torch.device) -> None:
+    """Raises ValueError naming the model's size settings where its weights, their gradients and the optimizer's state
+    alone need more than the device has for them. Counted on the meta device, so nothing is allocated: the real
+    allocation would end in a traceback, at the build or at the first step, or on a CPU in the out-of-memory killer."""
+    with torch.device("meta"):
+        num_parameters = sum(parameter.numel() for parameter in model(model_cfg, num_features).parameters())
+    needed, available = num_parameters * STATE_BYTES_PER_PARAMETER[optim_name], device_memory(device)
+    if needed > available:
+        sizes = f"model.depth={model_cfg.depth} model.hidden={model_cfg.hidden} model.cell={model_cfg.cell}"
+        sizes += f" model.conv_channels={model_cfg.conv_channels}"
+        sizes += "" if model_cfg.bidirectional else f" model.lookahead={model_cfg.lookahead}"
+        raise ValueError(f"the model ({sizes}) has {num_parameters / 1e6:,.1f}M parameters, whose weights, gradients "
+                         f"and {optim_name} state need {needed / 2**30:,.1f} GiB, more than the "
+                         f"{available / 2**30:,.1f} GiB {device} has for it")
 
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
