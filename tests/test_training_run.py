@@ -220,6 +220,19 @@ def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_tensorboard_gives_each_step_the_rate_it_trained_at(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    # 2 steps an epoch: a warm-up of 3 steps, then the rate halves with each epoch.
+    train(tmp_path / "run", utterances, "model.hidden=32", "train.global_batch_size=4", "train.epochs=2",
+          "optim.lr=1e-3", "optim.warmup_steps=3", "optim.anneal=0.5")
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    rates = [(event.step, event.value) for event in events.Scalars("train/lr")]
+    assert rates == [(1, pytest.approx(1e-3 / 3)), (2, pytest.approx(2e-3 / 3)), (3, pytest.approx(0.5e-3)),
+                     (4, pytest.approx(0.5e-3))], rates
+
+
+@pytest.mark.slow
 def test_a_second_ctrl_c_interrupts_at_once_in_one_line(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:128])
     job = subprocess.Popen(  # steps of seconds: 64 utterances through 512 units

@@ -776,6 +776,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         for batch in start_data_workers(loader):
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
+            learning_rate = scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
             step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
             if step.outcome == STOPPED:  # this batch untrained: a resume starts from it
                 stopped_by = stop_for(step.stop_requests, env.world_size, result)
@@ -803,7 +804,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
                     metrics_file.write(json.dumps(record) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
-                    writer.add_scalar("train/lr", scheduler.get_last_lr()[0], state["step"])
+                    writer.add_scalar("train/lr", learning_rate, state["step"])
             if max_steps is not None and state["step"] >= max_steps and not (
                     epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler)):  # not the run's last step
                 stopped_by = "train.max_steps"
