@@ -487,6 +487,19 @@ def test_a_run_whose_weights_diverge_stops_at_its_evaluation_saving_nothing_of_t
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", ["train.checkpoint_every_steps=2", "train.max_steps=2"])
+def test_a_model_whose_weights_diverged_is_not_saved_inside_an_epoch_either(an4_train, tmp_path, limit):
+    # Step 1 trains at an absurd rate, which leaves weights that overflow; step 2 is then skipped, and the
+    # checkpoint after it would hold a model that resumes only to skip every step and evaluates nowhere.
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    result = train(tmp_path / "run", manifest, "model.hidden=32", "train.epochs=1", "train.global_batch_size=2",
+                   "optim.lr=1e38", "optim.warmup_steps=0", limit, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert "after step 2 the model holds values that are not finite" in result.output, result.output[-2000:]
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
 def sweep(cwd, manifest, *overrides, timeout=900):
     """`python -m trainer -m` in `cwd`, whose runs/ then holds the jobs where the default config puts them: 8
     utterances in global batches of 4, two steps an epoch."""

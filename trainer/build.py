@@ -136,7 +136,7 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
     not_finite = [name for name, tensor in network.state_dict().items()
                   if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
-    if not_finite:  # the trainer saves no such model (an evaluation of it stops the run first): edited by hand
+    if not_finite:  # the trainer saves no such model (trainer.train.refuse_if_diverged): edited by hand
         raise ValueError(f"{path}: its model holds values that are not finite, in {', '.join(not_finite[:3])}"
                          + (f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""))
     return network.to(device).eval(), extractor, cfg

@@ -328,6 +328,21 @@ def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Cou
                      f"skipped ({reasons}){hint}")
 
 
+def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
+    """Before a checkpoint is written: ValueError where the model holds values that are not finite. An update that
+    overflowed (at a finite gradient) leaves weights that would resume only to skip every step, and that no tool
+    evaluates; the evaluation at an epoch's end stops such a run, but a checkpoint inside an epoch
+    (train.checkpoint_every_steps, train.max_steps, a stop signal) comes before it."""
+    floating = {key: tensor for key, tensor in model.state_dict().items() if tensor.is_floating_point()}
+    finite = torch.stack([torch.isfinite(tensor).all() for tensor in floating.values()]).tolist()  # one host sync
+    not_finite = [key for key, is_finite in zip(floating, finite) if not is_finite]
+    if not_finite:
+        more = f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""
+        raise ValueError(f"after step {step} the model holds values that are not finite (in "
+                         f"{', '.join(not_finite[:3])}{more}): its weights diverged, so {name} was not written and the "
+                         "earlier checkpoints stay (a lower optim.lr or train.grad_clip_norm may keep it finite)")
+
+
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
     """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
     gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
@@ -718,6 +733,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
 
     def save(name: str) -> None:
         """Rank 0 writes; the RNG states of all ranks travel in one list so each rank resumes its own stream."""
+        refuse_if_diverged(model, state["step"], name)
         state["elapsed_s"] = time.perf_counter() - run_started
         rng_states = [None] * env.world_size
         if env.world_size > 1:
