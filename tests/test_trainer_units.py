@@ -626,6 +626,11 @@ def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
                                          r"non-finite loss or gradient\)$"):
         refuse_if_nothing_trained(0, 1, 0, Counter({"step skipped: non-finite loss or gradient": 1}))
     refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
+    # Inside an epoch of a run that trained before, steps skipped for losses that were not finite are skipped steps
+    # like any other (one batch's overflow), not a reason to refuse the checkpoint; skipped for their audio, they are.
+    refuse_if_nothing_trained(1, 1, 0, Counter({"step skipped: non-finite loss or gradient": 1}), overflows_pass=True)
+    with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped"):
+        refuse_if_nothing_trained(2, 4, 0, skipped, overflows_pass=True)
     refuse_if_nothing_trained(2, 0, 0, Counter())  # none run yet (resumed at the epoch's end)
 
 

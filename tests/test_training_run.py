@@ -500,6 +500,47 @@ def test_a_model_whose_weights_diverged_is_not_saved_inside_an_epoch_either(an4_
     assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
 
 
+# `python -m trainer` whose CTC loss is NaN at the training steps POISONED_STEPS names (this process's count), as one
+# batch's overflow under bf16 gives: a fake for what a CPU run cannot make happen on its own.
+POISONED_TRAINER = """import os, runpy, sys
+import torch
+import torch.nn.functional as F
+poisoned = {int(step) for step in os.environ["POISONED_STEPS"].split(",")}
+ctc_loss, steps = F.ctc_loss, [0]
+def poisoned_ctc_loss(*args, **kwargs):
+    loss = ctc_loss(*args, **kwargs)
+    if torch.is_grad_enabled():  # a training step, not an evaluation
+        steps[0] += 1
+        loss = loss * float("nan") if steps[0] in poisoned else loss
+    return loss
+F.ctc_loss = poisoned_ctc_loss
+sys.argv[0] = "trainer"
+runpy.run_module("trainer", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", ["train.checkpoint_every_steps=3", "train.max_steps=3"])
+def test_a_step_whose_loss_is_not_finite_is_skipped_though_a_checkpoint_follows_it(an4_train, tmp_path, limit):
+    """One such step at an epoch's start, then a checkpoint inside the epoch (or a stop): the run goes on from it, as
+    from any skipped step, rather than refuse it as an epoch that trained nothing, which a resume would meet again."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    wrapper = tmp_path / "poisoned_trainer.py"
+    wrapper.write_text(POISONED_TRAINER)
+    # 2 steps an epoch: step 3 is epoch 2's first.
+    result = subprocess.run(
+        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, "model.hidden=32",
+                                                       "train.global_batch_size=4", "train.epochs=2", limit)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "POISONED_STEPS": "3", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "trained nothing" not in output, output[-3000:]
+    assert "step 3 skipped: non-finite loss or gradient" in output, output[-3000:]
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["train_state"]["step"] == (3 if "max_steps" in limit else 4)
+
+
 def sweep(cwd, manifest, *overrides, timeout=900):
     """`python -m trainer -m` in `cwd`, whose runs/ then holds the jobs where the default config puts them: 8
     utterances in global batches of 4, two steps an epoch."""

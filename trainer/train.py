@@ -128,6 +128,7 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
 
 
 STOPPED = "stopped"  # train_step's outcome where a stop signal came first: nothing trained, the step not counted
+NON_FINITE = "non-finite loss or gradient"  # train_step's outcome where it dropped the update
 
 
 class StepResult(NamedTuple):
@@ -212,7 +213,7 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), statistics):
                 buffer.copy_(saved)
-        return skipped("non-finite loss or gradient")
+        return skipped(NON_FINITE)
     scheduler.step()
     return StepResult("ok", loss_value, global_count, unusable, requests)
 
@@ -315,11 +316,15 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
     return path.resolve().parent.parent == run_dir.resolve()
 
 
-def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter) -> None:
+def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter, overflows_pass: bool = False
+                              ) -> None:
     """Before the epoch's steps so far are saved or evaluated: ValueError where each of them was skipped (audio no rank
     could use, or one rank could not: a corpus moved, relative paths taken from another folder, a node without the
-    corpus; or losses that were not finite); saving would carry the run on as if it had trained."""
-    if steps == 0 or trained:
+    corpus; or losses that were not finite); saving would carry the run on as if it had trained. overflows_pass: at a
+    checkpoint inside an epoch of a run that trained before it, steps skipped each for a loss that was not finite pass:
+    the run goes on past such a step (one batch's overflow) with its weights as they were, where refusing would end it
+    there on every resume; the epoch's end still refuses an epoch whose every loss was not finite."""
+    if steps == 0 or trained or overflows_pass and skipped[f"step skipped: {NON_FINITE}"] == steps:
         return
     reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.items())
     hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
@@ -778,6 +783,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         utterances = 0
         started = time.perf_counter()
         first_step = state["epoch_step"]  # past 0 where this job resumed inside the epoch
+        trained_before = epoch > 0 or first_step > 0  # each epoch end and checkpoint refused one that trained nothing
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         wrapped.train()
@@ -828,10 +834,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
-                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped)
+                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped,
+                                          overflows_pass=trained_before)
                 save("last.pt")
         progress.close()
-        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped)
+        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped,
+                                  overflows_pass=trained_before and state["epoch_step"] < len(sampler))
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
             result["stopped_at_step"] = state["step"]
