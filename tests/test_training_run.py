@@ -541,6 +541,26 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_though_a_checkpoint_follows_
     assert saved["train_state"]["step"] == (3 if "max_steps" in limit else 4)
 
 
+@pytest.mark.slow
+def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations_on_it(an4_train, tmp_path):
+    utterances = [u for u in an4_train if u.duration < 2.5]
+    manifest = write_slice(tmp_path / "slice.jsonl", utterances[:8])
+    run_dir = tmp_path / "run"
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 2 steps an epoch
+    train(run_dir, manifest, *common, "train.epochs=1")
+    # As if epoch 1 had scored 0 % on its test set: no WER on another set could beat it, nor should it have to.
+    last = run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    saved["train_state"]["best_wer"] = 0.0
+    torch.save(saved, last)
+    other_test_set = write_slice(tmp_path / "other.jsonl", utterances[8:16])
+    result = train(run_dir, manifest, *common, "train.epochs=2", "train.resume=auto",
+                   f"data.eval_manifest={other_test_set}")
+    assert "the test set is not the one" in result.output, result.output[-3000:]
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["train_state"]
+    assert best["step"] == 4 and best["best_wer"] > 0, best
+
+
 def sweep(cwd, manifest, *overrides, timeout=900):
     """`python -m trainer -m` in `cwd`, whose runs/ then holds the jobs where the default config puts them: 8
     utterances in global batches of 4, two steps an epoch."""

@@ -656,8 +656,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     )
     train_fingerprint = train_set.fingerprint()
     eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
-    distributed.check_same_on_every_rank({"the training set": train_fingerprint,
-                                          "the test set": eval_set.fingerprint()})
+    test_fingerprint = eval_set.fingerprint()
+    distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
     try:
         sampler = BucketBatchSampler(
             train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
@@ -709,7 +709,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
-        if not is_own_checkpoint(resume, run_dir):  # this directory's best.pt is chosen among its own evaluations
+        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # checkpoints before 2026-12-03
+        if other_test_set:
+            log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
+                     "the evaluations from here on, since WERs over other test sets do not compare", resume,
+                     saved["test_set"], test_fingerprint)
+        if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
         log.info("resumed from %s at step %d (%s)", resume, state["step"],
                  f"step {state['epoch_step']} of epoch {state['epoch'] + 1}" if state["epoch_step"]
@@ -757,6 +762,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "rng": rng_states,
                     "config": OmegaConf.to_container(cfg, resolve=True),
                     "train_set": train_fingerprint,
+                    "test_set": test_fingerprint,  # what best_wer was measured on
                     "run_id": run_id,
                 },
             )
