@@ -46,8 +46,15 @@ def train(run_dir, manifest, *overrides, check=True, timeout=900):
     return result
 
 
+def strict_json(text: str):
+    """JSON as the standard has it: Python's reader takes NaN and Infinity, which others (JSON.parse) refuse."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
 def read_metrics(run_dir):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {line["step"]: line["loss"] for line in lines if "step" in line}
     epochs = [line for line in lines if "eval_wer" in line]
     assert len(steps) == sum("step" in line for line in lines), "a step is listed twice"
@@ -696,6 +703,17 @@ def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4
     assert result.returncode == 2
     assert "backend='persistent' cannot run: needs a CUDA GPU" in result.output, result.output[-2000:]
     assert "parameters;" not in result.output and "Traceback" not in result.output
+
+
+def test_a_test_set_none_of_which_can_be_read_gives_no_wer_and_valid_json(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "train.jsonl", an4_train[:8])
+    missing = [an4_train[0].__class__(str(tmp_path / f"gone{i}.flac"), 1.0, "YES", "x") for i in range(3)]
+    test_set = write_slice(tmp_path / "test.jsonl", missing)
+    result = train(tmp_path / "run", utterances, f"data.eval_manifest={test_set}", "train.epochs=1")
+    _, epochs = read_metrics(tmp_path / "run")  # strict JSON: NaN would not parse
+    assert epochs[0]["eval_wer"] is None and epochs[0]["eval_cer"] is None and epochs[0]["eval_unreadable"] == 3
+    assert "none of the test set's 3 utterances could be read" in result.output, result.output[-3000:]
+    assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 
 @pytest.mark.parametrize("size", ["model.hidden=300000", "model.conv_channels=100000"])

@@ -348,6 +348,10 @@ def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
                          "earlier checkpoints stay (a lower optim.lr or train.grad_clip_norm may keep it finite)")
 
 
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
     """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
     gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
@@ -877,15 +881,20 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             # At the step, as the training scalars are: a resumed run's purge (above) goes by step.
             writer.add_scalar("eval/wer", counts.wer, state["step"])
             writer.add_scalar("eval/cer", counts.cer, state["step"])
-            record = {"epoch": epoch + 1, "eval_wer": counts.wer, "eval_cer": counts.cer,
+            # A rate over no utterances is NaN, which JSON has no word for: null, so that strict readers take the file.
+            record = {"epoch": epoch + 1, "eval_wer": finite_or_none(counts.wer), "eval_cer": finite_or_none(counts.cer),
                       "elapsed_s": round(time.perf_counter() - run_started, 1)}
             if peak_memory:
                 allocated, reserved = peak_memory
                 record["peak_gpu_allocated_gib"] = round(allocated, 2)
                 record["peak_gpu_reserved_gib"] = round(reserved, 2)
-            if counts.unreadable:
+            if counts.unreadable == len(eval_set):
+                log.warning("epoch %d: none of the test set's %d utterances could be read (named above): no test WER",
+                            epoch + 1, len(eval_set))
+            elif counts.unreadable:
                 log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
                             "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
+            if counts.unreadable:
                 record["eval_unreadable"] = counts.unreadable
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
