@@ -40,7 +40,6 @@ import contextlib
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import positive_int
+from trainer.cli import json_output, positive_int
 from trainer.environment import command_line, versions
 
 NUM_STEPS = 256
@@ -287,7 +286,7 @@ def print_table(rows):
 def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the results and the full configuration to this file")
+    parser.add_argument("--json", type=json_output, help="write the results and the full configuration to this file")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
     parser.add_argument("--batches", nargs="+", type=positive_int, help=f"default {BATCHES}")
     parser.add_argument("--hiddens", nargs="+", type=positive_int, help=f"default {HIDDENS}")
@@ -297,8 +296,6 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.rnn_kernels needs a CUDA GPU")
-    if args.json:  # before the measuring, which a missing folder would otherwise lose at its end
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)

@@ -24,7 +24,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import positive_int
+from trainer.cli import json_output, positive_int
 from trainer.environment import command_line, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -133,12 +133,10 @@ def main():
     parser.add_argument("--depths", nargs="+", type=positive_int, default=[1, 2, 4, 7])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=positive_int, default=4)
-    parser.add_argument("--json", help="write the results and the configuration to this file")
+    parser.add_argument("--json", type=json_output, help="write the results and the configuration to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.rnn_stack needs a CUDA GPU")
-    if args.json:  # before the measuring, which a missing folder would otherwise lose at its end
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if len(set(args.depths)) < 2:
         sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
     torch.manual_seed(0)

@@ -45,6 +45,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
+from trainer.cli import json_output
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -270,7 +271,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", help="rank 0 writes the results, versions and full configuration here")
+    parser.add_argument("--json", type=json_output, help="rank 0 writes the results, versions and full configuration here")
     parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
 
@@ -289,10 +290,6 @@ def main(argv=None) -> None:
                          "cpu_demo for the CPU's smoke test, or --device cpu to measure it anyway")
     if args.cuda_graphs and device.type != "cuda":
         raise ValueError(f"--cuda-graphs needs a GPU, this run is on {device}")
-    if args.json and env.is_main:  # now, not after the measures, which the write would then lose
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        if Path(args.json).is_dir():
-            raise ValueError(f"--json {args.json} is a folder; name a file in it")
     cfg = compose_config(args.model, args.backend, args.cell, args.amp)
     num_features = build.features(cfg.data).num_features
     config = {

@@ -30,6 +30,7 @@ from benchmarks.scaling import MODELS, compose_config, random_batch, summary, ti
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
+from trainer.cli import json_output
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each point")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", help="write the results, versions and configuration here")
+    parser.add_argument("--json", type=json_output, help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
     if min(args.batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
         sys.exit("--batches and --steps must be positive, --warmup at least 0, --frames at least 10")
@@ -164,7 +165,6 @@ def write_json(args, rows: list[dict], configs: dict, device) -> None:
     result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
               "versions": versions(device), "config": {**vars(args), "model_configs": configs,
                                                        "command": command_line()}, "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -45,6 +45,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from trainer.cli import json_output
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -225,7 +227,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go")
     parser.add_argument("--at-epoch", type=int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
-    parser.add_argument("--json", help="write the runs, the summary and the configuration here")
+    parser.add_argument("--json", type=json_output, help="write the runs, the summary and the configuration here")
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
                         help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
@@ -252,8 +254,6 @@ def main(argv=None) -> None:
         sys.exit("--backends and --seeds must not repeat")
     if args.at_epoch is not None and args.at_epoch < 1:
         sys.exit(f"--at-epoch must be at least 1, got {args.at_epoch}")
-    if args.json:  # now, not after hours of training
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:

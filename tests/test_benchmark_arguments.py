@@ -54,13 +54,24 @@ SMALL_CPU_SCALING = ["--model", "cpu_demo", "--compute-batches", "1", "2", "--gl
                      "--warmup", "0", "--frames", "50"]
 
 
-def test_scaling_refuses_a_json_path_that_is_a_folder_before_measuring(tmp_path):
-    """It measured for minutes, printed its table, then ended in IsADirectoryError with the JSON lost."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", str(tmp_path)],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step",
+                                    "benchmarks.scaling", "benchmarks.wer_parity"])
+def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, module):
+    """benchmarks.scaling measured for minutes, printed its table, then ended in IsADirectoryError with the JSON lost;
+    the others lost their first row or stack so, and wer_parity its hours of training."""
+    report_only = ["--report", "--runs-dir", str(tmp_path / "none")] if module == "benchmarks.wer_parity" else []
+    result = subprocess.run([sys.executable, "-m", module, *report_only, "--json", str(tmp_path)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert f"error on rank 0: --json {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
-    assert "measuring" not in result.stdout
+    assert f"argument --json: {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_json_path_in_a_missing_folder_has_it_made_before_measuring(tmp_path):
+    folder = tmp_path / "results" / "today"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.wer_parity", "--json", str(folder / "wer.json"),
+                             "--report", "--runs-dir", str(tmp_path / "no_runs")], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert folder.is_dir(), result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):

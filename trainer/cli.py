@@ -36,6 +36,16 @@ def output_file(text: str) -> str:
     return text
 
 
+def json_output(text: str) -> str:
+    """The benchmarks' --json: an output_file whose missing folders are made now, so that neither a folder named in its
+    place nor one that cannot be made is found out only after the measurements the file would hold."""
+    try:
+        Path(text).resolve().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {error.strerror or error}") from None
+    return output_file(text)
+
+
 def check_not_an_input(path: str | None, inputs: list[str]) -> None:
     """ValueError where the output file `path` is one of the tool's `inputs`: asked before the work, whose result would
     destroy it."""
