@@ -250,6 +250,13 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     # The optimizer's state would bring back the checkpoint's rate, while config.yaml said the new one was used.
     with pytest.raises(ValueError, match=r"settings \(optim.lr=0.001 there, 0.5 here\)$"):
         check_resumable(saved, compose_config(["model.hidden=64", "optim.lr=0.5"]), tmp_path / "last.pt")
+    # The lookahead convolution is the unidirectional model's alone.
+    check_resumable(saved, compose_config(["model.hidden=64", "model.lookahead=5"]), tmp_path / "last.pt")
+    unidirectional = OmegaConf.to_container(compose_config(["model.hidden=64", "model.bidirectional=false"]),
+                                            resolve=True)
+    with pytest.raises(ValueError, match=r"settings \(model.lookahead=20 there, 5 here\)$"):
+        check_resumable(unidirectional, compose_config(["model.hidden=64", "model.bidirectional=false",
+                                                        "model.lookahead=5"]), tmp_path / "last.pt")
     # Its sampler position counts global batches of its own size, order and utterances.
     with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
         check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),

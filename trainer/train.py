@@ -613,7 +613,10 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
 
 def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
     saved = OmegaConf.create(saved_config)
-    differ = [difference for key in RESUME_MUST_MATCH for difference in _differences(saved, cfg, key)]
+    # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing.
+    unused = {"model.lookahead"} if saved.model.bidirectional and cfg.model.bidirectional else set()
+    differ = [difference for key in RESUME_MUST_MATCH if key not in unused
+              for difference in _differences(saved, cfg, key)]
     if differ:
         raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
                          f"({'; '.join(differ)})")
