@@ -10,6 +10,10 @@
 # runs no rank, mpirun gets the signal. Should this script be killed outright (SIGKILL), the launcher gets SIGTERM
 # (setpriv --pdeathsig, where util-linux has it) rather than run on alone.
 run_mpi_job() {
+    if ! command -v "$1" > /dev/null; then  # else setpriv's "failed to execute", naming neither MPI nor MPIRUN
+        echo "no MPI launcher '$1' on PATH: install MPI (OpenMPI, or MPICH: pip install mpich) or set MPIRUN" >&2
+        exit 127
+    fi
     local open_mpi=""
     # OpenMPI's mpirun says "Open MPI", its mpiexec "OpenRTE".
     if "$1" --version 2>/dev/null | grep -q -E "Open MPI|OpenRTE"; then

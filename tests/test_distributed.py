@@ -344,6 +344,11 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 "), ran.stderr
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
     (tmp_path / "bare.txt").write_text("node01\n")
+    for script in ["single_node.sh", "multi_node.sh"]:
+        missing = launch_script(script, *(["2"] if script == "single_node.sh" else [str(hosts), "16"]),
+                                MPIRUN="mpirun-not-installed -v")
+        assert missing.returncode == 127, missing.stderr
+        assert "no MPI launcher 'mpirun-not-installed' on PATH" in missing.stderr and "set MPIRUN" in missing.stderr
     for script, arguments, environment, refusal in [
         ("single_node.sh", ["experiment=cpu_demo"], {},
          "NUM_GPUS must be a positive integer, not 'experiment=cpu_demo'"),
