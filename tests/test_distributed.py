@@ -491,7 +491,8 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     128 + SIGUSR1 (stopped ahead of the time limit, its checkpoint written) has the job requeued; any other exit is
     the job's own."""
     calls = tmp_path / "calls.txt"
-    srun = f'echo "srun $*" >> {calls}; [[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0'
+    srun = (f'echo "srun $* (SRUN_CPUS_PER_TASK=${{SRUN_CPUS_PER_TASK-}})" >> {calls}; '
+            f'[[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0')
     scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
     for tool, body in (("srun", srun), ("scontrol", scontrol)):
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
@@ -499,10 +500,12 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-                              "SLURM_JOB_NODELIST": "node[07-08]", "PYTHON": "python3"})
+                              "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8", "PYTHON": "python3"})
     assert ran.returncode == trainer_exit, ran.stderr
     recorded = calls.read_text().splitlines()
-    assert "srun --mpi=pmix python3 -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu" in recorded
+    # Each rank gets the allocation's cores per task (srun no longer takes them from it since Slurm 22.05).
+    assert ("srun --mpi=pmix python3 -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
+            "(SRUN_CPUS_PER_TASK=8)") in recorded, recorded
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
 
