@@ -271,7 +271,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", type=json_output, help="rank 0 writes the results, versions and full configuration here")
+    parser.add_argument("--json", type=json_output,
+                        help="rank 0 writes the results, versions and full configuration here")
     parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
 

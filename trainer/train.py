@@ -885,8 +885,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             writer.add_scalar("eval/wer", counts.wer, state["step"])
             writer.add_scalar("eval/cer", counts.cer, state["step"])
             # A rate over no utterances is NaN, which JSON has no word for: null, so that strict readers take the file.
-            record = {"epoch": epoch + 1, "eval_wer": finite_or_none(counts.wer), "eval_cer": finite_or_none(counts.cer),
-                      "elapsed_s": round(time.perf_counter() - run_started, 1)}
+            record = {"epoch": epoch + 1, "eval_wer": finite_or_none(counts.wer),
+                      "eval_cer": finite_or_none(counts.cer), "elapsed_s": round(time.perf_counter() - run_started, 1)}
             if peak_memory:
                 allocated, reserved = peak_memory
                 record["peak_gpu_allocated_gib"] = round(allocated, 2)
