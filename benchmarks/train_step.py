@@ -18,6 +18,7 @@ train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run a
 large layers; a shape they refuse is recorded with the reason, not timed.
 """
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -149,6 +150,10 @@ def main(argv=None) -> None:
             for backend, cuda_graphs in variants:
                 torch.cuda.reset_peak_memory_stats(device)
                 rows.append(measure(args, model_name, backend, cuda_graphs, batch_size, device))
+                # A graphed row's model sits in a reference cycle (torch.cuda.make_graphed_callables points the
+                # module's forward at a closure holding the module), so only the cyclic collector frees it: left to
+                # run when it will, its weights and gradients counted in the next rows' peak memory.
+                gc.collect()
                 torch.cuda.empty_cache()
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
                 add_speedups(rows)
