@@ -119,8 +119,8 @@ def summary(times_ms: list[float], **fields) -> dict:
 COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "cuda_graphs")
 
 
-def read_baseline(path: str, config: dict) -> dict:
-    """A world-of-one JSON of this script with the same COMPARABLE settings as `config`."""
+def read_baseline(path: str, config: dict, device: str) -> dict:
+    """A world-of-one JSON of this script with the same COMPARABLE settings as `config`, on `device` (device_name)."""
     try:
         baseline = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:  # missing, a folder, not JSON: named, where the error's text would not
@@ -132,6 +132,10 @@ def read_baseline(path: str, config: dict) -> dict:
     for key in COMPARABLE:
         if baseline["config"].get(key) != config[key]:
             raise ValueError(f"--baseline {path} has {key}={baseline['config'].get(key)!r}, this run {config[key]!r}")
+    # A CPU's name ends in its threads per rank, which the world size changes.
+    if str(baseline.get("device")).split(" (")[0] != device.split(" (")[0]:
+        raise ValueError(f"--baseline {path} ran on {baseline.get('device')}, this run on {device}: an efficiency "
+                         "compares one kind of device")
     return baseline
 
 
@@ -300,7 +304,7 @@ def main(argv=None) -> None:
         "model_config": OmegaConf.to_container(cfg.model),
         "trainer_config": OmegaConf.to_container(cfg, resolve=True),
     }
-    baseline = read_baseline(args.baseline, config) if args.baseline else None
+    baseline = read_baseline(args.baseline, config, device_name(device)) if args.baseline else None
     if env.is_main:
         print(f"measuring the {args.model} model on {env.world_size} x {device_name(device)}, compute batches "
               f"{args.compute_batches}, global batch {args.global_batch}", flush=True)

@@ -859,7 +859,12 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
                           ("no_config", {"benchmark": "scaling", "world_size": 1})):
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
         with pytest.raises(ValueError, match=f"--baseline .*{name}.json must be a benchmarks.scaling JSON"):
-            read_baseline(str(tmp_path / f"{name}.json"), config)
+            read_baseline(str(tmp_path / f"{name}.json"), config, "NVIDIA H200")
     (tmp_path / "old.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": {"frames": 300}}))
     with pytest.raises(ValueError, match="has model_config=None, this run {}"):
-        read_baseline(str(tmp_path / "old.json"), config)
+        read_baseline(str(tmp_path / "old.json"), config, "NVIDIA H200")
+    (tmp_path / "h100.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": config,
+                                                   "device": "NVIDIA H100 80GB HBM3"}))
+    with pytest.raises(ValueError, match="ran on NVIDIA H100 80GB HBM3, this run on NVIDIA H200: an efficiency"):
+        read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H200")
+    assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
