@@ -22,7 +22,7 @@ and is the slowest rank's time for that step:
                    bus bandwidth = 2 (N - 1) / N * bytes / time, as nccl-tests reports it
   compute          the step on each rank alone (no DDP, no sync batch norm) at several per-rank batches: the fixed
                    and per-sample cost that benchmarks.scaling_model projects from
-Strong-scaling efficiency, with --baseline (this script's JSON from one GPU, same settings): t(1) / (N * t(N)).
+Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of the same kind, same settings): t(1) / (N * t(N)).
 """
 import argparse
 import json
