@@ -227,9 +227,9 @@ def checked_lengths(name, lengths, batch_size, num_steps):
 
 def _compute_dtype(input):
     """The dtype the recurrence runs in: under autocast the input projection comes out in autocast's dtype, whatever
-    the input's."""
+    the input's, but for float64, which autocast leaves as it is."""
     device_type = input.device.type
-    if input.is_floating_point() and torch.is_autocast_enabled(device_type):
+    if input.is_floating_point() and input.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return input.dtype
 

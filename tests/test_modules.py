@@ -268,6 +268,19 @@ def test_the_backend_is_chosen_for_the_dtype_the_recurrence_runs_in(monkeypatch)
     assert asked == [torch.float32, torch.bfloat16]
 
 
+def test_a_float64_layer_under_autocast_is_chosen_for_float64(monkeypatch):
+    # Autocast leaves float64 alone, so the recurrence runs in it: asked for bf16, "auto" took the persistent kernel
+    # for a float64 layer under bf16 autocast on a GPU, which then refused float64 instead of falling back to cuDNN.
+    persistent = pytest.importorskip("prnn_kernels.persistent")
+    asked = []
+    monkeypatch.setattr(persistent, "support", lambda cell, hidden, batch, dtype, device: asked.append(dtype) or
+                        persistent.Support(False, "asked"))
+    module = prnn_kernels.GRU(4, 8, backend="persistent").double()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="asked"):
+        module(torch.randn(5, 2, 4, dtype=torch.float64))
+    assert asked == [torch.float64]
+
+
 @pytest.mark.parametrize("cell", ["RNN", "GRU", "LSTM"])
 def test_under_autocast_the_reference_returns_the_dtype_it_computes_in(cell):
     """As the persistent kernel does (its output and final state in the input projection's dtype): the zero initial
