@@ -1,8 +1,11 @@
 """persistent_layer against the float64 reference: outputs and every gradient over many shapes, the refusals, a launch
 that times out, CUDA-graph capture and the custom ops' registration (opcheck)."""
 import contextlib
+import importlib
 import json
 import math
+import pathlib
+import re
 
 import pytest
 import torch
@@ -834,3 +837,25 @@ def test_the_support_table_refuses_a_json_path_that_is_a_folder_before_asking(tm
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the folder is made before the GPU is asked for
     assert support_table.main(["--hiddens", "256", "--json", str(tmp_path / "new" / "table.json")]) == 2
     assert (tmp_path / "new").is_dir()
+
+
+def test_the_python_names_the_readme_gives_exist():
+    """It told users to call prnn_kernels.raise_if_failed(), which is prnn_kernels.persistent's: an AttributeError."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    names = sorted(set(re.findall(r"prnn_kernels(?:\.\w+)+", readme)))
+    assert "prnn_kernels.persistent.support" in names
+    missing = []
+    for name in names:
+        parts = name.split(".")
+        # The longest importable module, then attributes.
+        for split in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:split]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute, None)
+        if found is None:
+            missing.append(name)
+    assert missing == []
