@@ -24,7 +24,6 @@ import dataclasses
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from prnn_kernels import products
 from prnn_kernels.reference import NUM_GATES
@@ -329,7 +328,7 @@ class _PersistentLayer(torch.autograd.Function):
         return output, h_n, c_n
 
     @staticmethod
-    @once_differentiable
+    @products.first_order_backward
     def backward(ctx, grad_output, grad_h_n, grad_c_n):
         lengths, state, saved, *weight_hh = ctx.saved_tensors
         lstm = ctx.cell == "lstm"

@@ -19,7 +19,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +155,20 @@ def matmul_nt(a, b, bias=None, reverse_b_blocks_of=0):
     return extension.product(a, b, bias, reverse_b_blocks_of)
 
 
+def first_order_backward(backward):
+    """For an autograd Function's backward that is not itself differentiable (its kernels have no derivative): asked
+    for a graph of the gradient (create_graph=True, for a second derivative), it raises. torch's once_differentiable
+    raises only where the incoming gradient requires grad, and otherwise hands back a gradient without a graph, whose
+    own derivative then came out None (allow_unused) or "not used in the graph"."""
+    @functools.wraps(backward)
+    def backward_without_graph(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError("prnn_kernels: the persistent backend's gradients have no derivative of their own "
+                               "(create_graph=True); run the layer on backend='reference' for a second derivative")
+        return backward(ctx, *grads)
+    return backward_without_graph
+
+
 class _InputProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias):
@@ -166,7 +179,7 @@ class _InputProjection(torch.autograd.Function):
         return matmul_nt(flat, weight, bias).contiguous().view(*input.shape[:-1], -1)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, grad_output):
         flat, weight = ctx.saved_tensors
         grad = grad_output.reshape(-1, grad_output.shape[-1])

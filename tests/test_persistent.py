@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import prnn_kernels
-from prnn_kernels import build, modules, persistent, support_table
+from prnn_kernels import build, modules, persistent, products, support_table
 from prnn_kernels.persistent import (
     directions_run_together,
     launch_plans,
@@ -859,3 +859,39 @@ def test_the_python_names_the_readme_gives_exist():
         if found is None:
             missing.append(name)
     assert missing == []
+
+
+class _Square(torch.autograd.Function):
+    """x^2 with a first-order backward only, as the persistent layer's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    @products.first_order_backward
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def test_a_second_derivative_of_a_first_order_backward_is_refused_not_none():
+    """torch's once_differentiable gave the gradient no graph where the incoming one needed none (out.sum()), so the
+    second derivative came back None (allow_unused) or 'not used in the graph'."""
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(_Square.apply(x).sum(), x)
+    assert torch.equal(grad, 2 * x.detach())
+    with pytest.raises(RuntimeError, match=r"no derivative of their own \(create_graph=True\); run the layer on "
+                                           r"backend='reference'"):
+        torch.autograd.grad(_Square.apply(x).sum(), x, create_graph=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell, dtype", [("gru", torch.float32), ("relu", torch.bfloat16)])
+def test_a_second_derivative_through_the_persistent_layer_is_refused(cell, dtype):
+    layer = (modules.GRU(32, 64, backend="persistent") if cell == "gru" else
+             modules.RNN(32, 64, nonlinearity=cell, backend="persistent")).to(CUDA, dtype)
+    x = torch.randn(9, 3, 32, device=CUDA, dtype=dtype, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no derivative of their own"):
+        torch.autograd.grad(layer(x)[0].float().sum(), x, create_graph=True)
