@@ -170,6 +170,8 @@ def persistent_bidirectional_layer(cell, input_proj, hx, weight_hh, bias_hh, len
     return output, tuple(final_states)
 
 
+# Eager under torch.compile (a graph break there): its tracer cannot follow the launch status's CUDA events.
+@torch.compiler.disable
 def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     """D = len(weight_hh) directions of one layer; direction 0 runs reversed if `reverse`, direction 1 the other
     way. Returns output (T, B, D*H) and a list of D final states."""

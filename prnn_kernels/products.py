@@ -193,6 +193,7 @@ class _InputProjection(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+@torch.compiler.disable  # eager under torch.compile, as the recurrence it feeds (persistent._run_layer)
 def input_projection(input, weight, bias=None):
     """F.linear(input, weight, bias) for a recurrent layer's input projection: on 3xTF32 products where `supported`
     and outside autocast, F.linear (cuBLAS) everywhere else."""

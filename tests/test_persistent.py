@@ -895,3 +895,20 @@ def test_a_second_derivative_through_the_persistent_layer_is_refused(cell, dtype
     x = torch.randn(9, 3, 32, device=CUDA, dtype=dtype, requires_grad=True)
     with pytest.raises(RuntimeError, match="no derivative of their own"):
         torch.autograd.grad(layer(x)[0].float().sum(), x, create_graph=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_model_runs_its_persistent_layers_eagerly(dtype):
+    """torch.compile traced into the layer and failed on its launch status's CUDA events ('expected event to be a
+    torch.Event object'): the layers run eagerly inside the compiled model, with the same outputs and gradients."""
+    torch.manual_seed(11)
+    layer = modules.GRU(32, 64, bidirectional=True, backend="persistent").to(CUDA, dtype)
+    x = torch.randn(9, 3, 32, device=CUDA, dtype=dtype, requires_grad=True)
+    results = []
+    for run in (layer, torch.compile(layer)):
+        output = run(x)[0]
+        results.append([output, *torch.autograd.grad(output.float().square().sum(), [x, *layer.parameters()])])
+    persistent.raise_if_failed()
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
