@@ -134,9 +134,16 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         reason = " ".join(lines[:2]) or type(error).__name__
         reason = reason if len(reason) <= 300 else reason[:297] + "..."
         raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
-    not_finite = [name for name, tensor in network.state_dict().items()
-                  if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    not_finite = entries_not_finite(network)
     if not_finite:  # the trainer saves no such model (trainer.train.refuse_if_diverged): edited by hand
-        raise ValueError(f"{path}: its model holds values that are not finite, in {', '.join(not_finite[:3])}"
-                         + (f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""))
+        raise ValueError(f"{path}: its model holds values that are not finite, in {not_finite}")
     return network.to(device).eval(), extractor, cfg
+
+
+def entries_not_finite(model: torch.nn.Module) -> str:
+    """The model's parameters and buffers that hold a value that is not finite, named for a message (the first three
+    and a count), or "" where there are none. One host sync, whatever the count of entries."""
+    floating = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
+    finite = torch.stack([torch.isfinite(tensor).all() for tensor in floating.values()]).tolist() if floating else []
+    names = [name for name, is_finite in zip(floating, finite) if not is_finite]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -338,14 +338,11 @@ def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
     overflowed (at a finite gradient) leaves weights that would resume only to skip every step, and that no tool
     evaluates; the evaluation at an epoch's end stops such a run, but a checkpoint inside an epoch
     (train.checkpoint_every_steps, train.max_steps, a stop signal) comes before it."""
-    floating = {key: tensor for key, tensor in model.state_dict().items() if tensor.is_floating_point()}
-    finite = torch.stack([torch.isfinite(tensor).all() for tensor in floating.values()]).tolist()  # one host sync
-    not_finite = [key for key, is_finite in zip(floating, finite) if not is_finite]
+    not_finite = build.entries_not_finite(model)
     if not_finite:
-        more = f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""
-        raise ValueError(f"after step {step} the model holds values that are not finite (in "
-                         f"{', '.join(not_finite[:3])}{more}): its weights diverged, so {name} was not written and the "
-                         "earlier checkpoints stay (a lower optim.lr or train.grad_clip_norm may keep it finite)")
+        raise ValueError(f"after step {step} the model holds values that are not finite (in {not_finite}): its "
+                         f"weights diverged, so {name} was not written and the earlier checkpoints stay (a lower "
+                         "optim.lr or train.grad_clip_norm may keep it finite)")
 
 
 def finite_or_none(value: float) -> float | None:
