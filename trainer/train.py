@@ -713,7 +713,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
-        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # checkpoints before 2026-12-03
+        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # older checkpoints hold none
         if other_test_set:
             log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
                      "the evaluations from here on, since WERs over other test sets do not compare", resume,
