@@ -299,6 +299,17 @@ def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path
     assert ("YES",) in words and ("OK",) not in words and ("CAFÉ",) not in words
 
 
+def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transcripts_order(tmp_path, capsys):
+    # "<s> YES NO YES </s>" holds no n-gram longer than 5: a 6-gram section of none read as a model cut short.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no yes"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "6", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert "a 5-gram model of 1 transcripts (--order 6: none is longer than 3 words)" in capsys.readouterr().out
+    model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
+    five = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES"]], 5))
+    assert model.order == 5 and model.tables == five.tables
+    assert lm.build_arpa([["YES"]], 10**9) == lm.build_arpa([["YES"]], 3)  # at once, not a count over every order
+
+
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2

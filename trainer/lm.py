@@ -134,10 +134,17 @@ def _ngram_counts(counts: dict[int, int]) -> str:
     return ", ".join(f"{counts[order]} {order}-grams" for order in sorted(counts)) or "no n-grams"
 
 
+def longest_ngram(sentences: list[list[str]]) -> int:
+    """The longest n-gram in `sentences`: the longest sentence with <s> and </s>."""
+    return 2 + max((len(words) for words in sentences), default=0)
+
+
 def build_arpa(sentences: list[list[str]], order: int) -> str:
-    """An ARPA model of `order` from tokenised sentences, with absolute discounting and backoff."""
+    """An ARPA model of `order` from tokenised sentences, with absolute discounting and backoff; of the longest n-gram's
+    order where that is lower (an order of no n-grams would read as a model cut short)."""
     if order < 1:
         raise ValueError(f"order must be at least 1, not {order}")
+    order = min(order, longest_ngram(sentences))
     counts = [Counter() for _ in range(order + 1)]  # counts[k]: k-grams; <s> is only ever a history
     for words in sentences:
         padded = [SENTENCE_START, *words, SENTENCE_END]
@@ -195,7 +202,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
-    parser.add_argument("--order", type=positive_int, default=3, help="the longest n-gram (default: 3)")
+    parser.add_argument("--order", type=positive_int, default=3,
+                        help="the longest n-gram (default: 3; at most the longest transcript with <s> and </s>)")
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:
@@ -206,13 +214,15 @@ def main(argv=None) -> int:
         if not spellable:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
-        print(f"counting the {args.order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
-        write_output(args.out, build_arpa(spellable, args.order))
+        order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
+        print(f"counting the {order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
+        write_output(args.out, build_arpa(spellable, order))
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    lowered = f" (--order {args.order}: none is longer than {order - 2} words)" if order < args.order else ""
     left_out = f"; {len(texts) - len(spellable)} empty or unspellable left out" if len(spellable) < len(texts) else ""
-    print(f"wrote {args.out}: a {args.order}-gram model of {len(spellable)} transcripts{left_out}")
+    print(f"wrote {args.out}: a {order}-gram model of {len(spellable)} transcripts{lowered}{left_out}")
     return 0
 
 
