@@ -1001,6 +1001,21 @@ def test_evaluation_leaves_the_model_in_its_mode_and_an_earlier_table_when_nothi
     assert table.read_text() == "an earlier run's table\n"
 
 
+def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tmp_path, capsys):
+    from trainer.evaluate import main
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES", "a")])
+    model = tmp_path / "words.arpa"
+    model.write_text(lm.build_arpa([["YES"]], 2))
+    arguments = ["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                 "--manifest", str(tmp_path / "m.jsonl"), "--lm", str(model)]
+    assert main([*arguments, "--out", str(model)]) == 2
+    assert capsys.readouterr().err == f"error: {model} is also an input of this command: writing it would destroy it\n"
+    assert model.read_text() == lm.build_arpa([["YES"]], 2)
+
+
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
                                                           ("cpu", False, False)])
 def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device, cuda_graphs, pinned):

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         if not args.manifest and not Path(manifest).is_absolute() and not Path(manifest).exists():
             raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its training "
                                     "ran in: run this there, or give --manifest")
-        check_not_an_input(args.out, [manifest, args.checkpoint])
+        check_not_an_input(args.out, [manifest, args.checkpoint, *([args.lm] if args.lm else [])])
         dataset = SpeechDataset([manifest], features, None, model.time_stride)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
