@@ -272,3 +272,14 @@ def test_decoder_weights_must_be_finite(option, capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([f"{option}={value}"])
         assert f"argument {option}: must be a finite number, not {value}" in capsys.readouterr().err
+
+
+def test_a_beam_width_below_one_is_refused_as_the_arguments_are_read(capsys):
+    # Before any work: BeamSearch refused it only after the checkpoint and the whole language model had been read.
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    assert parser.parse_args(["--beam", "1"]).beam == 1
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--beam", value])
+        assert f"argument --beam: must be at least 1, not {value}" in capsys.readouterr().err
