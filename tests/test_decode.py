@@ -212,6 +212,14 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
         NGramLM.from_arpa(path)
 
 
+def test_arpa_reader_takes_an_order_its_header_declares_empty():
+    # As SRILM's change-lm-vocab can leave it, and as KenLM reads it: a model of no trigrams, not one cut short.
+    empty_trigrams = ARPA.replace("ngram 2=2", "ngram 2=2\nngram 3=0").replace("\\end\\", "\\3-grams:\n\n\\end\\")
+    assert NGramLM.from_arpa_text(empty_trigrams).tables == NGramLM.from_arpa_text(ARPA).tables
+    with pytest.raises(ValueError, match=r"declares 4 1-grams, 2 2-grams, 1 3-grams, its sections hold 4 1-grams, 2 2"):
+        NGramLM.from_arpa_text(empty_trigrams.replace("ngram 3=0", "ngram 3=1"))
+
+
 def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad = tmp_path / "bad.arpa"
     bad.write_text(ARPA.replace("-0.2\tyes no", "minus-one yes no"))

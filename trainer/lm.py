@@ -99,7 +99,7 @@ class NGramLM:
             raise ValueError(f"{source} holds no n-grams")
         if not ended:
             raise ValueError(f"{source} ends before \\end\\ (cut short?)")
-        if dict(found) != declared:
+        if found != Counter(declared):  # Counters compare a missing order as 0: one declared empty is read as such
             raise ValueError(f"{source}: its header declares {_ngram_counts(declared)}, its sections hold "
                              f"{_ngram_counts(found)} (cut short or edited?)")
         return cls(tables, source)
