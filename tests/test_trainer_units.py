@@ -2,10 +2,12 @@
 import argparse
 import copy
 import errno
+import functools
 import importlib
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -86,6 +88,33 @@ def test_corpus_error_rates_are_ratios_of_sums():
     assert other.wer == pytest.approx(200.0)
     counts.unreadable = 2
     assert ErrorCounts.from_tensor(counts.as_tensor()) == counts
+
+
+def test_error_rates_against_an_independent_edit_distance_over_random_texts():
+    """Each utterance's errors are the edit distance by the recursive definition (memoised), and the corpus rates the
+    summed errors over the summed reference words and characters, whatever the per-utterance ratios average to."""
+    def distance(reference, hypothesis):
+        @functools.cache
+        def d(i, j):
+            if not i or not j:
+                return i + j
+            return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (reference[i - 1] != hypothesis[j - 1]))
+        return d(len(reference), len(hypothesis))
+
+    rng = random.Random(0)
+    words = ["A", "AB", "BA", "B'A", "ABBA"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 6))) for _ in range(200)]
+    pairs = [*zip(texts[::2], texts[1::2]), ("A AB", ""), ("", "A AB"), ("ABBA", "ABBA")]
+    counts = ErrorCounts()
+    for reference, hypothesis in pairs:
+        expected = (distance(tuple(reference.split()), tuple(hypothesis.split())), distance(reference, hypothesis))
+        assert counts.add(reference, hypothesis) == expected, (reference, hypothesis)
+    word_errors = [distance(tuple(r.split()), tuple(h.split())) for r, h in pairs]
+    assert counts.wer == pytest.approx(100 * sum(word_errors) / sum(len(r.split()) for r, _ in pairs), rel=1e-12)
+    ratios = [errors / len(r.split()) for errors, (r, _) in zip(word_errors, pairs) if r]
+    assert counts.wer != pytest.approx(100 * sum(ratios) / len(ratios), rel=1e-3)  # the texts tell the two apart
+    char_errors = sum(distance(r, h) for r, h in pairs)
+    assert counts.cer == pytest.approx(100 * char_errors / sum(len(r) for r, _ in pairs), rel=1e-12)
 
 
 def test_no_words_have_no_error_rate_rather_than_a_perfect_one():
