@@ -100,6 +100,20 @@ def test_language_model_settles_a_word_that_a_space_completes():
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["C A"]
 
 
+def test_a_language_model_of_weight_zero_and_no_word_bonus_changes_nothing():
+    generator = torch.Generator().manual_seed(0)
+    lm = NGramLM.from_arpa_text(build_arpa([["A", "B"], ["AB", "A"], ["B"]], order=3))
+    for num_frames in [0, 1, 2, *range(3, 40, 4)]:
+        logits = torch.full((num_frames, 1, NUM_CLASSES), -8.0)
+        for char in "_AB ":
+            logits[:, 0, ALPHABET.index(char)] = 2 * torch.randn(num_frames, generator=generator)
+        log_probs, lengths = logits.log_softmax(-1), torch.tensor([num_frames])
+        without = BeamSearch(beam_width=4)(log_probs, lengths)
+        assert BeamSearch(beam_width=4, lm=lm, lm_weight=0.0, word_bonus=0.0)(log_probs, lengths) == without
+        if num_frames == 0:
+            assert without == greedy_decode(log_probs, lengths) == [""]
+
+
 def test_a_pruning_threshold_above_every_class_keeps_the_likeliest():
     frames = [{"A": 0.6, "_": 0.4}]
     search = BeamSearch(beam_width=4, prune_log_prob=math.log(0.9))
