@@ -159,13 +159,15 @@ def test_a_transcript_that_ends_in_a_space_scores_its_last_word_once():
     assert BeamSearch(lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs_over(frames), torch.tensor([2])) == ["A"]
 
 
-@pytest.mark.parametrize("order", [1, 2, 3])
+@pytest.mark.parametrize("order", [1, 2, 3, 4, 5])
 def test_built_model_is_a_distribution_after_every_history(order):
     rng = random.Random(order)
     vocabulary = ["ONE", "TWO", "THREE", "FOUR", "FIVE"]
     sentences = [[rng.choice(vocabulary[: rng.randint(2, 5)]) for _ in range(rng.randint(1, 6))] for _ in range(40)]
     lm = NGramLM.from_arpa_text(build_arpa(sentences, order))
     histories = [(), ("<s>",), ("ONE",), ("<s>", "TWO"), ("THREE", "FOUR"), ("NEVER", "SEEN"), ("FIVE", "FIVE")]
+    # and histories of the longest order the sentences hold, at their starts and ends
+    histories += [("<s>", *words)[: order - 1] for words in sentences[:10]] + [tuple(words[-4:]) for words in sentences]
     for history in histories:
         total = sum(10 ** lm.log10_prob(history, word) for word in [*vocabulary, "</s>", "<unk>"])
         assert total == pytest.approx(1.0, abs=1e-7), history  # the ARPA text keeps 9 decimals
