@@ -705,6 +705,21 @@ def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4
     assert "parameters;" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("batch_slice, refused", [(None, "(40 utterances a rank): "),
+                                                   (36, "(40 utterances a rank, in slices of model.batch_slice=36): ")])
+def test_a_batch_the_persistent_kernels_refuse_names_the_setting_that_gives_it(an4_train, tmp_path, batch_slice,
+                                                                               refused):
+    # The kernels take at most 32 utterances; their size check comes before the GPU's, so a CPU reaches it too.
+    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:40])
+    result = train(tmp_path / "run", utterances, "model.backend=persistent", "train.global_batch_size=40",
+                   f"model.batch_slice={'null' if batch_slice is None else batch_slice}", check=False, timeout=300)
+    assert result.returncode == 2
+    expected = (f"train.global_batch_size=40 {refused}prnn_kernels.GRU: backend='persistent' cannot run: batch size "
+                f"{batch_slice or 40} is out of range (1..32")
+    assert expected in result.output, result.output[-2000:]
+    assert "parameters;" not in result.output and "Traceback" not in result.output
+
+
 def test_a_test_set_none_of_which_can_be_read_gives_no_wer_and_valid_json(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "train.jsonl", an4_train[:8])
     missing = [an4_train[0].__class__(str(tmp_path / f"gone{i}.flac"), 1.0, "YES", "x") for i in range(3)]
@@ -731,7 +746,8 @@ def test_an_evaluation_batch_the_kernels_refuse_ends_the_job_before_training(an4
     result = train(tmp_path / "run", utterances, "device=cuda", "model.backend=persistent", "train.eval_batch_size=64",
                    check=False, timeout=300)
     assert result.returncode == 2
-    assert "backend='persistent' cannot run: batch size 64 is out of range" in result.output, result.output[-2000:]
+    expected = "train.eval_batch_size=64 (64 utterances a rank): prnn_kernels.GRU: backend='persistent' cannot run: "
+    assert expected + "batch size 64 is out of range" in result.output, result.output[-2000:]
     assert "epoch 1:" not in result.output and "Traceback" not in result.output
 
 

@@ -218,6 +218,20 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
     return StepResult("ok", loss_value, global_count, unusable, requests)
 
 
+def checked_recurrent_backend(model, cfg: DictConfig, key: str, batch_size: int, dtype: torch.dtype,
+                              device: torch.device) -> str:
+    """model.recurrent_backend at `batch_size` utterances a rank, the batch the config's `key` gives. Where
+    model.backend=persistent cannot run it, the error names `key`, and model.batch_slice where that slices the batch:
+    models/ knows no config keys, and its message names only a batch size."""
+    try:
+        return model.recurrent_backend(batch_size, dtype, device)
+    except ValueError as error:
+        batch_slice = cfg.model.batch_slice
+        slices = f", in slices of model.batch_slice={batch_slice}" if batch_slice and batch_slice < batch_size else ""
+        raise ValueError(f"{key}={OmegaConf.select(cfg, key)} ({batch_size} utterances a rank{slices}): "
+                         f"{error}") from None
+
+
 def recurrent_backend_name(backend: str, device: torch.device) -> str:
     """How the log names a model.recurrent_backend answer."""
     if backend == "cudnn":
@@ -673,8 +687,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # the training batch, and the evaluation's, which would otherwise fail only after the first epoch.
     per_rank_batch = cfg.train.global_batch_size // env.world_size
     recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
-    recurrent_backend = model.recurrent_backend(per_rank_batch, recurrent_dtype, env.device)
-    model.recurrent_backend(cfg.train.eval_batch_size, recurrent_dtype, env.device)
+    recurrent_backend = checked_recurrent_backend(model, cfg, "train.global_batch_size", per_rank_batch,
+                                                  recurrent_dtype, env.device)
+    checked_recurrent_backend(model, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, recurrent_dtype,
+                              env.device)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "
