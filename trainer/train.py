@@ -30,7 +30,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
-from data.dataset import Batch, SpeechDataset, collate
+from data.dataset import Batch, SpeechDataset, collate, count_reasons
 from data.features import FEATURE_KINDS, SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
@@ -907,9 +907,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             if counts.unreadable == len(eval_set):
                 log.warning("epoch %d: none of the test set's %d utterances could be read (named above): no test WER",
                             epoch + 1, len(eval_set))
-            elif counts.unreadable:
-                log.warning("epoch %d: the test WER is over part of the test set: %d of its %d utterances could not "
-                            "be read (named above)", epoch + 1, counts.unreadable, len(eval_set))
+            elif left_out := eval_set.skipped + Counter(unreadable=counts.unreadable):
+                # Those no model could transcribe (a transcript longer than its output frames) are left out as those
+                # that could not be read are: a WER over fewer utterances than the manifest holds says so.
+                log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (named "
+                            "above)", epoch + 1, len(eval_set) - counts.unreadable,
+                            len(eval_set) + eval_set.skipped.total(), count_reasons(left_out))
             if counts.unreadable:
                 record["eval_unreadable"] = counts.unreadable
             metrics_file.write(json.dumps(record) + "\n")
