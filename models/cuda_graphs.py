@@ -17,6 +17,18 @@ from prnn_kernels.persistent import graph_replayed
 _RECURRENT_MODULES = (prnn_kernels.RNN, prnn_kernels.GRU, prnn_kernels.LSTM)
 
 
+def check_capturable(model: nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ValueError, naming the layer, where a recurrent layer of `model` would run a batch of this size and
+    dtype on cuDNN, whose packed sequences need their lengths on the host, which a graph cannot capture."""
+    for name, module in model.named_modules():
+        if isinstance(module, _RECURRENT_MODULES) and module.backend_for(batch_size, dtype, device) == "cudnn":
+            raise ValueError(
+                f"CUDA graphs: recurrent layer {name} runs on cuDNN at batch {batch_size} ({dtype}), whose "
+                "packed sequences need their lengths on the host, which a graph cannot capture; use "
+                "model.backend=persistent (it says why a shape cannot run) or train.cuda_graphs=false"
+            )
+
+
 class _AutocastForward(nn.Module):
     """The model's forward under bf16 autocast without the cast-weight cache, which capture does not allow."""
 
@@ -88,16 +100,8 @@ class CudaGraphed(nn.Module):
         return log_probs[:num_out_frames], out_lengths
 
     def _capture(self, features, lengths):
-        batch_size = features.shape[0]
         dtype = torch.bfloat16 if self.amp else next(self.model.parameters()).dtype
-        for name, module in self.model.named_modules():
-            recurrent = isinstance(module, _RECURRENT_MODULES)
-            if recurrent and module.backend_for(batch_size, dtype, features.device) == "cudnn":
-                raise ValueError(
-                    f"CUDA graphs: recurrent layer {name} runs on cuDNN at batch {batch_size} ({dtype}), whose "
-                    "packed sequences need their lengths on the host, which a graph cannot capture; use "
-                    "model.backend=persistent (it says why a shape cannot run) or train.cuda_graphs=false"
-                )
+        check_capturable(self.model, features.shape[0], dtype, features.device)
         # The captured autograd graph keeps the parameters' gradient accumulators, made on the capture's side stream,
         # alive, so every backward warns that they run on another stream than the graph's; the engine synchronises
         # the two streams, so the results are right and the warning says nothing a user can act on.

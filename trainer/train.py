@@ -35,7 +35,7 @@ from data.features import FEATURE_KINDS, SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK
-from models.cuda_graphs import CudaGraphed
+from models.cuda_graphs import CudaGraphed, check_capturable
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
 from trainer.distributed import DistEnv
@@ -691,6 +691,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                                                   recurrent_dtype, env.device)
     checked_recurrent_backend(model, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, recurrent_dtype,
                               env.device)
+    if cfg.train.cuda_graphs:
+        check_capturable(model, per_rank_batch, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "
