@@ -207,7 +207,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
             raise ValueError(f"persistent_layer: {name} must have shape {expected[name]}, got {tuple(tensor.shape)}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:  # cast to int64, 2.5 would run 2 steps
         raise ValueError(f"persistent_layer: lengths must be integers, got {lengths.dtype}")
-    if lengths.device.type == "cpu" and bool(((lengths < 0) | (lengths > num_steps)).any()):
+    signed = lengths.to(torch.int64)  # torch has no comparisons for uint16/32/64 (numpy's unsigned lengths)
+    if lengths.device.type == "cpu" and bool(((signed < 0) | (signed > num_steps)).any()):
         raise ValueError(f"persistent_layer: lengths must lie in [0, T={num_steps}], got {lengths.tolist()}")
     dtype = input_proj.dtype
     hx_stacked = torch.stack([state[0] for state in states]).to(dtype)
@@ -216,7 +217,7 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     with torch.autocast("cuda", enabled=False):
         output, h_n, c_n = _PersistentLayer.apply(
             cell, bool(reverse), num_directions, input_proj.contiguous(), hx_stacked, cx_stacked,
-            lengths.to(input_proj.device, torch.int64).contiguous(), *parameters,
+            signed.to(input_proj.device).contiguous(), *parameters,
         )
     finals = [(h_n[d], c_n[d]) if cell == "lstm" else h_n[d] for d in range(num_directions)]
     return output, finals

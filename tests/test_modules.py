@@ -2,6 +2,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -193,6 +194,22 @@ def test_arguments_torch_would_misread_are_refused_naming_them(backend):
             call()
     output, _ = gru(x, lengths=[5, 3])  # a list, as pack_padded_sequence takes
     assert output.shape == (5, 2, 3) and not output[3:, 1].any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
+def test_unsigned_numpy_lengths_run_as_int64_ones(backend, dtype):
+    # torch has no comparisons for its unsigned types: these lengths raised NotImplementedError ("lt_cpu").
+    gru = prnn_kernels.GRU(4, 3, backend=backend)
+    x = torch.randn(5, 2, 4)
+    expected = flatten(*gru(x, lengths=torch.tensor([5, 3])))
+    for actual, wanted in zip(flatten(*gru(x, lengths=np.array([5, 3], dtype=dtype))), expected, strict=True):
+        assert torch.equal(actual, wanted)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[1, T=5\], got \[6, 3\]"):
+        gru(x, lengths=np.array([6, 3], dtype=dtype))
+    if dtype == np.uint64:  # above int64's range: refused, naming the value given
+        with pytest.raises(ValueError, match=r"got \[18446744073709551615, 3\]"):
+            gru(x, lengths=np.array([2**64 - 1, 3], dtype=dtype))
 
 
 def test_persistent_backend_on_cpu_says_why():

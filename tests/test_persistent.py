@@ -7,6 +7,7 @@ import math
 import pathlib
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -597,6 +598,8 @@ def test_refuses_lengths_out_of_range_or_not_integers():
         persistent_layer("relu", *leaves, torch.tensor([2.5, 5.0]), False)
     expected, _ = persistent_layer("relu", *leaves, torch.tensor([5, 3]), False)
     assert torch.equal(persistent_layer("relu", *leaves, [5, 3], False)[0], expected)  # a list, as a tensor
+    # numpy's unsigned lengths, which torch cannot compare (this raised NotImplementedError), as int64 ones
+    assert torch.equal(persistent_layer("relu", *leaves, np.array([5, 3], dtype=np.uint64), False)[0], expected)
 
 
 @pytest.mark.cuda
