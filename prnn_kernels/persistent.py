@@ -31,6 +31,10 @@ from prnn_kernels.reference import NUM_GATES
 CELLS = tuple(NUM_GATES)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_BATCH = 32
+# Steps x samples x directions of one call: after each launch one CUDA block per (step, sample, direction) gathers the
+# output, the grid counted in an int (csrc/sequence_gather.cu); half of int's range leaves the kernels' int step
+# arithmetic room. The binding checks the same limit (kMaxSequenceRows, csrc/persistent_rnn.h).
+MAX_SEQUENCE_ROWS = 2**30
 # Bound on each spin-wait inside the kernel; a step takes microseconds, so seconds mean a launch that cannot progress.
 SPIN_TIMEOUT_S = 4.0
 # Fill outputs with NaN before each launch so that elements the kernel fails to write show up (tests set this).
@@ -141,7 +145,8 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         h_n: (B, H) in input_proj's dtype, the state after each sample's last valid step (hx where lengths[b] == 0);
             for "lstm" a tuple (h_n, c_n).
 
-    Raises ValueError for shapes the kernel cannot run (see `support`), RuntimeError when a launch failed.
+    Raises ValueError for shapes the kernel cannot run (see `support`) and for more than MAX_SEQUENCE_ROWS steps x
+    samples x directions, RuntimeError when a launch failed.
     """
     output, (final_state,) = _run_layer(cell, input_proj, [hx], [weight_hh], [bias_hh], lengths, reverse)
     return output, final_state
@@ -181,6 +186,10 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     if cell not in CELLS:
         raise ValueError(f"persistent_layer: cell {cell!r} is not one of {CELLS}")
     num_steps, batch_size, width = input_proj.shape
+    if num_steps * batch_size * num_directions > MAX_SEQUENCE_ROWS:
+        raise ValueError(f"persistent_layer: T={num_steps} steps x B={batch_size} samples x {num_directions} "
+                         f"direction(s) = {num_steps * batch_size * num_directions} rows, above the kernels' "
+                         f"{MAX_SEQUENCE_ROWS}; run fewer samples at once (batch_slice) or shorter sequences")
     hidden_size = width // (num_directions * NUM_GATES[cell])
     verdict = support(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device)
     if not verdict.ok:

@@ -609,6 +609,26 @@ def test_refuses_an_lstm_state_that_is_not_a_pair():
         persistent_layer("lstm", input_proj, h0, weight_hh, bias_hh, torch.tensor([5, 3]), False)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_refuses_more_sequence_rows_than_the_output_gather_launches(device):
+    # csrc/sequence_gather.cu launches a block per (step, sample, direction), counted in an int: at 2^31 rows the
+    # grid was too large to launch, at 2^32 + 32 it wrapped to 32 blocks and left the rest of the output unwritten.
+    # Expanded tensors: the refusal comes before any is read.
+    def zeros(*shape):
+        return torch.zeros(1, device=device).expand(*shape)
+
+    hx, weight_hh, lengths = zeros(32, 1), zeros(1, 1), torch.full((32,), 2**25)
+    with pytest.raises(ValueError, match=r"T=33554432 steps x B=32 samples x 2 direction\(s\) = 2147483648 rows, "
+                                         r"above the kernels' 1073741824"):
+        persistent_bidirectional_layer("relu", zeros(2**25, 32, 2), (hx, hx), (weight_hh, weight_hh), None, lengths)
+    for num_steps, rows in ((2**25 + 1, 1073741856), (2**27 + 1, 4294967328)):
+        with pytest.raises(ValueError, match=f"= {rows} rows"):
+            persistent_layer("relu", zeros(num_steps, 32, 1), hx, weight_hh, None, lengths, False)
+    if device == "cpu":  # one direction of 2^25 steps, 2^30 rows, is within the limit: the missing GPU refuses it
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            persistent_layer("relu", zeros(2**25, 32, 1), hx, weight_hh, None, lengths, False)
+
+
 def test_refuses_directions_that_are_not_two_before_asking_for_a_gpu():
     both, h0, c0 = torch.randn(5, 2, 2 * 4 * 64), torch.zeros(2, 64), torch.zeros(2, 64)
     weight_hh, bias_hh = torch.zeros(4 * 64, 64), torch.zeros(4 * 64)

@@ -110,7 +110,10 @@ Layer describe(c10::string_view cell_name, const at::Tensor& sequence, int64_t v
   TORCH_CHECK(device.is_cuda(), "persistent RNN kernel needs CUDA tensors, got ", device);
   TORCH_CHECK(hidden >= 1 && hidden <= std::numeric_limits<int>::max() / 64,
               "persistent RNN kernel: hidden size out of range (", hidden, ")");
-  TORCH_CHECK(sequence.size(0) < std::numeric_limits<int>::max() / 2, "persistent RNN kernel: sequence too long");
+  const int64_t rows = sequence.size(0) * sequence.size(1) * directions;
+  TORCH_CHECK(rows <= prnn::kMaxSequenceRows, "persistent RNN kernel: T=", sequence.size(0), " steps x B=",
+              sequence.size(1), " samples x ", directions, " direction(s) = ", rows, " rows, above the kernels' ",
+              prnn::kMaxSequenceRows);
   TORCH_CHECK(timeout_ns >= 0, "persistent RNN kernel: timeout_ns must be >= 0");
   const at::ScalarType dtype = sequence.scalar_type();
   Layer layer{cell, precision_of(dtype), dtype, device, sequence.size(0), sequence.size(1), hidden,

@@ -22,6 +22,9 @@
 namespace prnn {
 
 constexpr int kMaxBatch = 32;
+// Steps x samples x directions of one call (persistent.py's MAX_SEQUENCE_ROWS): launch_sequence_gather runs a block
+// per row, its grid counted in an int; half of int's range leaves room for the kernels' int step arithmetic (T + 2).
+constexpr int64_t kMaxSequenceRows = int64_t{1} << 30;
 constexpr int kMaxDirections = 2;
 // The status word holds the first failure of a launch; kernels never clear it. A spin-wait ran out of time:
 constexpr int kStatusTimedOut = 1;
