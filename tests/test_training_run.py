@@ -176,7 +176,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     # Started again with the limit it already reached (a requeued job), the run trains nothing more; started with
     # another model, it stops before loading anything.
     again = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
-    assert "nothing to train" in again.output
+    # Its position as the log counts epochs, from 1: step 6 is the second epoch's (it said "reached epoch 1, step 6").
+    assert f"nothing to train: {checkpoint_path} reached step 6 (step 2 of epoch 2; train.epochs=" in again.output
     assert sorted(read_metrics(tmp_path / "split")[0]) == [1, 2, 3, 4, 5, 6]
     saved = torch.load(checkpoint_path, weights_only=True)
     assert saved["train_state"]["step"] == 6 and saved["train_set"].startswith("16 utterances, sha256 ")

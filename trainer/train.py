@@ -642,6 +642,13 @@ def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
 
 
+def position_in_epochs(state: dict) -> str:
+    """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
+    if state["epoch_step"]:
+        return f"step {state['epoch_step']} of epoch {state['epoch'] + 1}"
+    return f"the end of epoch {state['epoch']}"
+
+
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
@@ -738,9 +745,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                      saved["test_set"], test_fingerprint)
         if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
-        log.info("resumed from %s at step %d (%s)", resume, state["step"],
-                 f"step {state['epoch_step']} of epoch {state['epoch'] + 1}" if state["epoch_step"]
-                 else f"the end of epoch {state['epoch']}")
+        log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
     run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -793,8 +798,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     result = {}
     max_steps = cfg.train.max_steps
     if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
-        log.info("nothing to train: %s reached epoch %d, step %d (train.epochs=%d, train.max_steps=%s)", resume,
-                 state["epoch"], state["step"], cfg.train.epochs, "null" if max_steps is None else max_steps)
+        log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s)", resume,
+                 state["step"], position_in_epochs(state), cfg.train.epochs, "null" if max_steps is None else max_steps)
     # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
     show_progress_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
