@@ -386,6 +386,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
+        # The plot's, asked for before any work: without it the run ended in a traceback after the other two files.
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: the plot needs matplotlib, which the bench extra installs: pip install -e '.[bench]'",
+              file=sys.stderr)
+        return 2
+    try:
         cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
                           args.nics_per_node, args.network_latency_us)
         for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):

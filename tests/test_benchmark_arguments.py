@@ -104,3 +104,15 @@ def test_scaling_model_refuses_a_gpu_count_below_one_saying_so(tmp_path, capsys)
 
     assert scaling_model.main(["--measured", str(tmp_path / "unread.json"), "--out", str(tmp_path), "--gpus", "0"]) == 2
     assert capsys.readouterr().err == "error: --gpus 0 must be at least 1\n"
+
+
+def test_scaling_model_without_matplotlib_names_the_extra_before_writing(tmp_path, monkeypatch, capsys):
+    """Installed without the bench extra, it wrote the Markdown and JSON, then ended in ModuleNotFoundError."""
+    from benchmarks import scaling_model
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an import finds where matplotlib is not installed
+    measured = REPO_ROOT / "benchmarks" / "results" / "scaling_an4_cudnn_2gpu.json"
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("error: the plot needs matplotlib, which the bench extra installs: "
+                                       "pip install -e '.[bench]'\n")
+    assert not (tmp_path / "out").exists()
