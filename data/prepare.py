@@ -181,7 +181,8 @@ def _newer_than(target: Path, sources: Iterable[Path]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     corpora = parser.add_subparsers(dest="corpus", required=True)
     an4 = corpora.add_parser("an4", help="CMU AN4 (etc/ and wav/ folders)")
     librispeech = corpora.add_parser("librispeech", help="a LibriSpeech-layout tree of *.trans.txt and .flac")

@@ -238,3 +238,14 @@ def test_missing_source_exits_2_naming_the_path(tiny_an4, tmp_path, capsys, corp
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     assert str(named) in stderr and "Traceback" not in stderr
+
+
+def test_help_gives_the_layouts_read_and_the_manifests_written(capsys):
+    """--help gave the docstring's first line alone: not which folders it reads or which files it writes."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    shown = capsys.readouterr().out
+    assert "python -m data.prepare an4 --source DIR --out DIR          # writes an4_train.jsonl and an4_test.jsonl" \
+        in shown
+    assert "etc/an4_{train,test}.fileids and .transcription" in shown and "SPEAKER-CHAPTER.trans.txt" in shown
