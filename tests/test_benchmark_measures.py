@@ -1,11 +1,14 @@
 """What the GPU benchmarks record beside their timings, checked on any machine with small fakes for the GPU parts."""
 import gc
+import itertools
+import re
 import types
 import weakref
 
 import torch
 
 from benchmarks import train_step
+from conftest import REPO_ROOT
 
 
 def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch):
@@ -40,3 +43,24 @@ def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch
     finally:
         gc.enable()
     assert len(models) == 4
+
+
+def test_every_results_file_the_documents_name_is_there():
+    """The figures' sources: each JSON the READMEs and HISTORY.md quote, as written there ({a,b} for either, a leading
+    ... for the name before it), is in benchmarks/results/."""
+    results = REPO_ROOT / "benchmarks" / "results"
+    checked, missing = 0, []
+    for document in ["README.md", "benchmarks/README.md", "benchmarks/HISTORY.md"]:
+        for path in set(re.findall(r"[\w.{},*/-]+\.jsonl?\b", (REPO_ROOT / document).read_text())):
+            folder, _, name = path.rpartition("/")
+            # A run's own files, and names standing for any file (ONE_GPU.json, M.jsonl, manifests/...): no results.
+            if folder not in ("", "benchmarks/results") or name in ("metrics.jsonl", "jobs.jsonl") \
+                    or re.fullmatch(r"[A-Z_]+\.jsonl?", name):
+                continue
+            parts = re.split(r"\{([^}]*)\}", name.replace("...", "*"))
+            alternatives = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
+            for choice in itertools.product(*alternatives):
+                checked += 1
+                if not any(results.glob("**/" + "".join(choice))):
+                    missing.append(f"{document}: {''.join(choice)}")
+    assert checked > 100 and missing == []
