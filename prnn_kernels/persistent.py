@@ -35,6 +35,10 @@ MAX_BATCH = 32
 # output, the grid counted in an int (csrc/sequence_gather.cu); half of int's range leaves the kernels' int step
 # arithmetic room. The binding checks the same limit (kMaxSequenceRows, csrc/persistent_rnn.h).
 MAX_SEQUENCE_ROWS = 2**30
+# The waits compare a direction's step count, steps x CTAs, in 32 bits (csrc/sync.cuh): past that it would wrap and a
+# wait pass early. ReLU at H = 8 runs on 8 CTAs, so 2^29 steps (a 16 GiB input) reach it; no plan has 2^12 CTAs, so
+# only a sequence past 2^20 steps needs its plan asked.
+MAX_STEP_COUNT = 2**32 - 1
 # Bound on each spin-wait inside the kernel; a step takes microseconds, so seconds mean a launch that cannot progress.
 SPIN_TIMEOUT_S = 4.0
 # Fill outputs with NaN before each launch so that elements the kernel fails to write show up (tests set this).
@@ -195,6 +199,12 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
                          f"{input_proj.dtype} on {input_proj.device}: {verdict.reason}")
+    if num_steps > 2**20:
+        plans = launch_plans(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device, num_directions)
+        ctas = max(plan["ctas_per_direction"] for plan in plans)  # each direction counts its own CTAs
+        if (num_steps + 1) * ctas > MAX_STEP_COUNT:
+            raise ValueError(f"persistent_layer: T={num_steps} steps x {ctas} CTAs overflow the kernels' 32-bit step "
+                             "counts; run shorter sequences")
     gate_rows = NUM_GATES[cell] * hidden_size
     if width != num_directions * gate_rows:
         raise ValueError(f"persistent_layer: input_proj's last dimension {width} is not {num_directions} x "

@@ -171,11 +171,6 @@ void launch_directions(const Layer& layer, Pass pass, int num_steps, Fill&& fill
   const prnn::LaunchPlan& plan = pass_plan.plan;
   const bool together = pass_plan.together;
   TORCH_CHECK(plan.ok, "persistent RNN kernel cannot run this shape: ", plan.reason);
-  // The waits compare a direction's step count, which reaches steps x CTAs, in a 32-bit word (sync.cuh): past 2^32 it
-  // would wrap and a wait pass early. ReLU at H = 8 runs on 8 CTAs, so 2^29 steps (a 16 GiB input) would reach it.
-  TORCH_CHECK(static_cast<uint64_t>(num_steps + 1) * plan.tiling.num_ctas <= std::numeric_limits<uint32_t>::max(),
-              "persistent RNN kernel: ", num_steps, " steps x ", plan.tiling.num_ctas,
-              " CTAs overflow its 32-bit step counts; run shorter sequences");
   // Zeroed on the stream before each launch: no count survives from an earlier call.
   const int64_t counts_per_direction = static_cast<int64_t>(prnn::kChains) * prnn::kCountStride;
   at::Tensor step_counts = at::zeros({directions * counts_per_direction}, layer.status.options());
