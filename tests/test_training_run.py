@@ -745,23 +745,17 @@ def test_a_model_larger_than_the_devices_memory_is_one_clear_error_before_alloca
 
 
 @pytest.mark.cuda
-def test_cuda_graphs_over_layers_on_cudnn_end_the_job_before_training(an4_train, tmp_path):
+@pytest.mark.parametrize("overrides, refusal", [
+    (["model.backend=cudnn", "train.cuda_graphs=true"],
+     "CUDA graphs: recurrent layer layers.0.rnn runs on cuDNN at batch 8"),
+    (["model.backend=persistent", "train.eval_batch_size=64"], "train.eval_batch_size=64 (64 utterances a rank): "
+     "prnn_kernels.GRU: backend='persistent' cannot run: batch size 64 is out of range"),
+])
+def test_a_gpu_setting_that_cannot_run_ends_the_job_before_training(an4_train, tmp_path, overrides, refusal):
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
-    result = train(tmp_path / "run", utterances, "device=cuda", "model.backend=cudnn", "train.cuda_graphs=true",
-                   check=False, timeout=300)
-    assert result.returncode == 2
-    assert "CUDA graphs: recurrent layer layers.0.rnn runs on cuDNN at batch 8" in result.output, result.output[-2000:]
-    assert "epoch 1:" not in result.output and not (tmp_path / "run" / "config.yaml").exists(), result.output[-2000:]
-
-
-@pytest.mark.cuda
-def test_an_evaluation_batch_the_kernels_refuse_ends_the_job_before_training(an4_train, tmp_path):
-    utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
-    result = train(tmp_path / "run", utterances, "device=cuda", "model.backend=persistent", "train.eval_batch_size=64",
-                   check=False, timeout=300)
-    assert result.returncode == 2
-    expected = "train.eval_batch_size=64 (64 utterances a rank): prnn_kernels.GRU: backend='persistent' cannot run: "
-    assert expected + "batch size 64 is out of range" in result.output, result.output[-2000:]
-    assert "epoch 1:" not in result.output and "Traceback" not in result.output
+    result = train(tmp_path / "run", utterances, "device=cuda", *overrides, check=False, timeout=300)
+    assert result.returncode == 2 and refusal in result.output, result.output[-2000:]
+    assert "epoch 1:" not in result.output and "Traceback" not in result.output, result.output[-2000:]
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
