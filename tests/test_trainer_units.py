@@ -339,6 +339,14 @@ def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transc
     assert lm.build_arpa([["YES"]], 10**9) == lm.build_arpa([["YES"]], 3)  # at once, not a count over every order
 
 
+def test_a_tools_output_may_be_a_stream(tmp_path):
+    # /dev/stdout into a pipe: written beside and renamed, it ended in "cannot write /dev/stdout" after the work.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                             "/dev/stdout"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "\\data\\\nngram 1=5\n" in result.stdout, result.stdout + result.stderr
+
+
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2

@@ -55,7 +55,15 @@ def check_not_an_input(path: str | None, inputs: list[str]) -> None:
 
 def write_output(path: str, text: str) -> None:
     """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
-    was); ValueError naming the file where it cannot be written."""
+    was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
+    written."""
+    if Path(path).exists() and not Path(path).is_file():
+        try:
+            with open(path, "w", encoding="utf-8") as stream:
+                stream.write(text)
+        except OSError as error:
+            raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+        return
     target = Path(path).resolve()
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
