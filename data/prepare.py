@@ -5,7 +5,7 @@
 
 AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N of one matching line N of
 the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
-each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
+linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
 
 Utterances whose audio is missing or whose header cannot be read are skipped with a warning naming the file, and
 counted (audio that is damaged past its header is found when training reads it). An utterance with an empty
@@ -13,6 +13,7 @@ transcript is written as it is: the dataset leaves it out, names it and counts i
 """
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -61,7 +62,7 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file.
     """
     source = _require(Path(source).resolve(), folder=True)
-    transcripts = sorted(source.rglob("*.trans.txt"))
+    transcripts = _librispeech_transcripts(source)
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
     utterances, num_skipped = [], 0
@@ -82,6 +83,20 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     manifest = Path(out) / f"{name or source.name}.jsonl"
     _write(f"librispeech {source.name}", manifest, utterances, num_skipped)
     return manifest
+
+
+def _librispeech_transcripts(source: Path) -> list[Path]:
+    """Every *.trans.txt under `source`, sorted. Linked folders are followed (a subset made of links to speakers'
+    folders, which Path.rglob does not enter), each folder read once however many links lead to it."""
+    transcripts, folders_read = [], set()
+    for folder, subfolders, files in os.walk(source, followlinks=True):
+        if os.path.realpath(folder) in folders_read:  # a second link to it, or a link up the tree
+            subfolders.clear()
+            continue
+        folders_read.add(os.path.realpath(folder))
+        subfolders.sort()  # which of two links to one folder is read: the first by name
+        transcripts += (Path(folder) / name for name in files if name.endswith(".trans.txt"))
+    return sorted(transcripts)
 
 
 def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:

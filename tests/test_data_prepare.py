@@ -249,3 +249,25 @@ def test_help_gives_the_layouts_read_and_the_manifests_written(capsys):
     assert "python -m data.prepare an4 --source DIR --out DIR          # writes an4_train.jsonl and an4_test.jsonl" \
         in shown
     assert "etc/an4_{train,test}.fileids and .transcription" in shown and "SPEAKER-CHAPTER.trans.txt" in shown
+
+
+def test_librispeech_speakers_linked_into_the_source_are_read_once_each(tmp_path):
+    """A subset made of links to speakers' folders: each linked folder is read, and read once where two links (or a
+    link and the folder itself) lead to it; a link back up the tree ends the walk there rather than looping."""
+    elsewhere = tmp_path / "train-clean-100"
+    for speaker in ("19", "26"):
+        chapter = elsewhere / speaker / "198"
+        chapter.mkdir(parents=True)
+        (chapter / f"{speaker}-198.trans.txt").write_text(f"{speaker}-198-0000 NORTHANGER ABBEY\n")
+        write_audio(chapter / f"{speaker}-198-0000.flac", 0.5)
+    subset = tmp_path / "subset"
+    (subset / "real" / "27" / "124").mkdir(parents=True)
+    (subset / "real" / "27" / "124" / "27-124.trans.txt").write_text("27-124-0000 ABBEY\n")
+    write_audio(subset / "real" / "27" / "124" / "27-124-0000.flac", 0.5)
+    (subset / "19").symlink_to(elsewhere / "19", target_is_directory=True)
+    (subset / "26").symlink_to(elsewhere / "26", target_is_directory=True)
+    (subset / "26-again").symlink_to(elsewhere / "26", target_is_directory=True)
+    (subset / "real" / "up").symlink_to(subset, target_is_directory=True)
+    utterances = read_manifest(prepare_librispeech(subset, tmp_path / "out"))
+    assert sorted(Path(utterance.audio_filepath).name for utterance in utterances) == [
+        "19-198-0000.flac", "26-198-0000.flac", "27-124-0000.flac"]
