@@ -40,9 +40,11 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         if kind not in FEATURE_KINDS:
             raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
-        if not (_is_number(sample_rate) and sample_rate > 0 and _is_number(window_ms) and _is_number(hop_ms)):
-            raise ValueError(f"sample_rate={sample_rate!r}, window_ms={window_ms!r} and hop_ms={hop_ms!r} must be "
-                             "positive numbers")
+        # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
+        if not (isinstance(sample_rate, int) and not isinstance(sample_rate, bool) and sample_rate > 0
+                and _is_number(window_ms) and _is_number(hop_ms)):
+            raise ValueError(f"sample_rate={sample_rate!r} must be a positive integer, window_ms={window_ms!r} and "
+                             f"hop_ms={hop_ms!r} positive numbers")
         self.kind = kind
         self.sample_rate = sample_rate
         self.normalize = normalize

@@ -138,7 +138,9 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
     (dict(kind="mel", n_mels=300), "n_mels=300 must be an integer from 1 to 257"),  # bands with no FFT bin
     (dict(kind="mel", n_mels=2.5), "n_mels=2.5 must be an integer"),
     (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
-    (dict(sample_rate=-16000), "sample_rate=-16000, window_ms=20 and hop_ms=10 must be positive numbers"),
+    (dict(sample_rate=-16000), "sample_rate=-16000 must be a positive integer, window_ms=20 and hop_ms=10 positive "
+                               "numbers"),
+    (dict(sample_rate=16000.0), "sample_rate=16000.0 must be a positive integer"),  # resampling takes whole Hz
     (dict(window_ms="20"), "window_ms='20'"),
 ])
 def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):
