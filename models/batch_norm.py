@@ -122,9 +122,12 @@ class MaskedBatchNorm(nn.Module):
                 self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), self.momentum)
             return y
         per_channel = _per_channel_shape(x.dim(), channel_dim)
-        scale = self.weight * torch.rsqrt(self.running_var + self.eps)
-        shift = self.bias - self.running_mean * scale
+        stats_dtype = torch.promote_types(x.dtype, torch.float32)
+        scale = (self.weight * torch.rsqrt(self.running_var + self.eps)).to(stats_dtype).view(per_channel)
+        # Centred in at least float32, as in training: a bf16 x * scale less the mean's share cancelled to a few
+        # digits for a channel whose mean stands many standard deviations from zero (0.75 off at 100 of them).
+        centred = x.to(stats_dtype) - self.running_mean.to(stats_dtype).view(per_channel)
         padding = ~mask
         # Padding zeroed before the multiply too, so that a non-finite value there cannot reach the weight's gradient.
-        y = x.masked_fill(padding, 0) * scale.to(x.dtype).view(per_channel) + shift.to(x.dtype).view(per_channel)
-        return y.masked_fill(padding, 0)
+        y = centred.masked_fill(padding, 0) * scale + self.bias.to(stats_dtype).view(per_channel)
+        return y.to(x.dtype).masked_fill(padding, 0)

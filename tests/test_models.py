@@ -258,6 +258,26 @@ def test_batch_statistics_in_fp32_keep_their_digits_far_from_zero():
     assert relative_error(norm(x, mask).double(), expected) < 1e-5
 
 
+def test_evaluation_in_bf16_normalises_far_from_zero_as_training_does():
+    """In evaluation a bf16 channel whose mean stands 100 standard deviations from zero is centred in float32, as
+    training centres it: x * scale + shift taken in bf16 cancelled to 0.75 off."""
+    x = (100 + torch.randn(50, 4, 16, dtype=torch.float64)).to(torch.bfloat16)
+    mask = torch.ones(50, 4, 1, dtype=torch.bool)
+    norm = MaskedBatchNorm(16, channel_dim=2)
+    with torch.no_grad():
+        norm.running_mean.copy_(x.double().mean((0, 1)))
+        norm.running_var.copy_(x.double().var((0, 1)))
+        norm.weight.uniform_(0.5, 2)
+        norm.bias.uniform_(-1, 1)
+    norm.eval()
+    exact = x.double()
+    expected = (exact - norm.running_mean.double()) * torch.rsqrt(norm.running_var.double() + norm.eps)
+    expected = expected * norm.weight.double() + norm.bias.double()
+    output = norm(x, mask)
+    assert output.dtype == torch.bfloat16
+    assert relative_error(output.double(), expected) < 2**-8  # the output's own rounding
+
+
 def test_one_valid_value_leaves_the_running_variance_as_it_was():
     norm = MaskedBatchNorm(3, channel_dim=2)
     x = torch.randn(2, 1, 3)
