@@ -218,6 +218,27 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_with_nothing_to_train_leaves_the_runs_records_as_they_were(an4_train, tmp_path):
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 4 steps an epoch
+    run_dir = tmp_path / "run"
+    train(run_dir, utterances, *common, "train.max_steps=3")
+    shutil.copy(run_dir / "checkpoints" / "last.pt", tmp_path / "step3.pt")
+    train(run_dir, utterances, *common, "train.max_steps=6", "train.resume=auto")
+    records = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "jobs.jsonl", "config.yaml")}
+    # From the copy of its step-3 checkpoint, with the limit that checkpoint reached: last.pt, at step 6, stays, so
+    # the records of steps 4-6 and of epoch 1's evaluation must too (they were dropped, and TensorBoard's purged).
+    again = train(run_dir, utterances, *common, "train.max_steps=3", f"train.resume={tmp_path / 'step3.pt'}")
+    assert {name: (run_dir / name).read_text() for name in records} == records
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [event.step for event in events.Scalars("eval/wer")] == [4]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 6
+    assert "nothing to train: " in again.output and "the run directory is left as it was" in again.output
+
+
+@pytest.mark.slow
 def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
     """A batch job's log is a pipe or a file, where each redraw of a bar would land as a line of its own."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])

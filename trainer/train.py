@@ -651,6 +651,7 @@ def position_in_epochs(state: dict) -> str:
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
+    max_steps = cfg.train.max_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
     if cfg.train.cuda_graphs and env.world_size > 1 and distributed.backend() != "nccl":
@@ -746,6 +747,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
+        if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
+            # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would
+            # lose the steps that the directory's last.pt, left as it is, holds.
+            log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run "
+                     "directory is left as it was", resume, state["step"], position_in_epochs(state),
+                     cfg.train.epochs, "null" if max_steps is None else max_steps)
+            return {}
     run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -796,10 +804,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             metrics_file.flush()  # after a crash the metrics hold at least what the checkpoint does
 
     result = {}
-    max_steps = cfg.train.max_steps
-    if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
-        log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s)", resume,
-                 state["step"], position_in_epochs(state), cfg.train.epochs, "null" if max_steps is None else max_steps)
     # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
     show_progress_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
