@@ -309,6 +309,11 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
         check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
                         tmp_path / "last.pt")
+    # A config of another program's, without the keys the trainer's holds: one line naming them (it was
+    # omegaconf's ConfigAttributeError, "Missing key bidirectional", with a traceback).
+    del saved["model"]["bidirectional"]
+    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=None there, True here\)$"):
+        check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
 
 
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():

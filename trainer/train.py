@@ -624,8 +624,10 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
 
 def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
     saved = OmegaConf.create(saved_config)
-    # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing.
-    unused = {"model.lookahead"} if saved.model.bidirectional and cfg.model.bidirectional else set()
+    # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
+    # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
+    bidirectional = OmegaConf.select(saved, "model.bidirectional") and cfg.model.bidirectional
+    unused = {"model.lookahead"} if bidirectional else set()
     differ = [difference for key in RESUME_MUST_MATCH if key not in unused
               for difference in _differences(saved, cfg, key)]
     if differ:
