@@ -316,6 +316,20 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
 
 
+def test_a_resume_logs_the_settings_it_changes(tmp_path, caplog):
+    saved = OmegaConf.to_container(compose_config(["model.hidden=64", "train.resume=null"]), resolve=True)
+    with caplog.at_level("INFO", logger="trainer.train"):
+        check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto"]), tmp_path / "last.pt")
+        assert caplog.messages == []  # nothing changed but the resume itself
+        check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto", "train.grad_clip_norm=5",
+                                               "data.augment.enabled=false", "train.max_steps=9"]),
+                        tmp_path / "last.pt")
+    # They were taken without a word, and config.yaml, written anew, holds only this job's.
+    assert caplog.messages == [f"settings other than those {tmp_path / 'last.pt'} was written under, taken from here "
+                               "on: data.augment.enabled=True there, False here; train.grad_clip_norm=400.0 there, "
+                               "5 here; train.max_steps=None there, 9 here"]
+
+
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
     arguments = argparse.Namespace(beam=0, lm=None, lm_weight=None, word_bonus=None)
     with pytest.raises(ValueError, match="beam width must be at least 1"):

@@ -622,7 +622,14 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
                      "seed", "data.sortagrad", "data.train_manifests", "data.max_duration")
 
 
+# Keys whose values differ between the jobs of one run without changing its training (run_name: each job's start
+# time where hydra.run.dir names the directory), left out of the settings a resume logs as changed.
+RESUME_UNLOGGED = ("run_name", "train.resume")
+
+
 def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
+    """ValueError naming the settings in RESUME_MUST_MATCH that differ between a checkpoint's config and this run's;
+    logs the other settings that differ, which the run takes from here on (config.yaml says only this job's)."""
     saved = OmegaConf.create(saved_config)
     # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
     # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
@@ -633,6 +640,11 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
     if differ:
         raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
                          f"({'; '.join(differ)})")
+    unlogged = tuple(f"{key}=" for key in RESUME_UNLOGGED)
+    changed = [difference for key in sorted(set(saved) | set(cfg)) for difference in _differences(saved, cfg, key)
+               if not difference.startswith(unlogged)]
+    if changed:
+        log.info("settings other than those %s was written under, taken from here on: %s", path, "; ".join(changed))
 
 
 def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
