@@ -1206,6 +1206,16 @@ def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", commit), commit
     assert versions(torch.device("cpu"))["commit"] == commit
     assert source_commit(tmp_path) is None  # no git checkout there
+    # An installed copy inside a checkout (pip install . into its .venv) is not that checkout's code: it gave the
+    # checkout's commit.
+    checkout, installed = tmp_path / "checkout", tmp_path / "checkout" / ".venv" / "site-packages"
+    (installed / "trainer").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "trainer" / "environment.py", installed / "trainer")
+    (checkout / ".gitignore").write_text(".venv/\n")
+    for command in (["init", "-q"], ["add", ".gitignore"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                                                              "-qm", "first"]):
+        subprocess.run(["git", "-C", str(checkout), *command], check=True, capture_output=True)
+    assert source_commit(installed) is None
     code = "from trainer.environment import command_line; print(command_line())"
     printed = subprocess.run([sys.executable, "-c", code, "two words"], cwd=REPO_ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()

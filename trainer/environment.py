@@ -30,12 +30,14 @@ def versions(device: torch.device) -> dict:
 
 def source_commit(root: Path = REPO_ROOT) -> str | None:
     """The git commit the code is at, with "+changes" where its tracked files differ from it; None outside a git
-    checkout (or without git)."""
+    checkout (or without git), and where the checkout around `root` does not track this code: an installed copy in
+    a .venv inside a checkout ran other code than that checkout's commit."""
     try:
         def git(*arguments):
             return subprocess.run(["git", "-C", str(root), *arguments], capture_output=True, text=True, check=True,
                                   timeout=30).stdout.strip()
 
+        git("ls-files", "--error-unmatch", "--", "trainer/environment.py")  # this file, tracked at root
         commit = git("rev-parse", "--short=12", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
