@@ -42,8 +42,8 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, known_entries, load_optimizer_state, open_metrics, record_job, recorded_run_id,
-    refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
+    hold_run_directory, known_entries, load_optimizer_state, open_metrics, position_in_epochs, record_job,
+    recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -328,6 +328,13 @@ def test_a_resume_logs_the_settings_it_changes(tmp_path, caplog):
     assert caplog.messages == [f"settings other than those {tmp_path / 'last.pt'} was written under, taken from here "
                                "on: data.augment.enabled=True there, False here; train.grad_clip_norm=400.0 there, "
                                "5 here; train.max_steps=None there, 9 here"]
+
+
+def test_a_runs_position_is_told_in_epochs_counted_from_1():
+    assert position_in_epochs({"epoch": 1, "epoch_step": 2}) == "step 2 of epoch 2"
+    assert position_in_epochs({"epoch": 2, "epoch_step": 0}) == "the end of epoch 2"
+    # A signal between the start of training and its first step saves a checkpoint at step 0 ("the end of epoch 0").
+    assert position_in_epochs({"epoch": 0, "epoch_step": 0}) == "the start of epoch 1"
 
 
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():

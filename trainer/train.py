@@ -660,6 +660,8 @@ def position_in_epochs(state: dict) -> str:
     """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
     if state["epoch_step"]:
         return f"step {state['epoch_step']} of epoch {state['epoch'] + 1}"
+    if not state["epoch"]:  # a run stopped by a signal before its first step wrote a checkpoint at step 0
+        return "the start of epoch 1"
     return f"the end of epoch {state['epoch']}"
 
 
