@@ -627,9 +627,10 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
 RESUME_UNLOGGED = ("run_name", "train.resume")
 
 
-def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
+def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> list[str]:
     """ValueError naming the settings in RESUME_MUST_MATCH that differ between a checkpoint's config and this run's;
-    logs the other settings that differ, which the run takes from here on (config.yaml says only this job's)."""
+    else the other settings that differ, which the run takes from here on, for the log (config.yaml says only this
+    job's)."""
     saved = OmegaConf.create(saved_config)
     # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
     # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
@@ -641,10 +642,8 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> None:
         raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
                          f"({'; '.join(differ)})")
     unlogged = tuple(f"{key}=" for key in RESUME_UNLOGGED)
-    changed = [difference for key in sorted(set(saved) | set(cfg)) for difference in _differences(saved, cfg, key)
-               if not difference.startswith(unlogged)]
-    if changed:
-        log.info("settings other than those %s was written under, taken from here on: %s", path, "; ".join(changed))
+    return [difference for key in sorted(set(saved) | set(cfg)) for difference in _differences(saved, cfg, key)
+            if not difference.startswith(unlogged)]
 
 
 def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
@@ -742,7 +741,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     continues_run = False  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
-        check_resumable(saved["config"], cfg, resume)
+        changed_settings = check_resumable(saved["config"], cfg, resume)
         check_same_training_set(saved, train_fingerprint, resume)
         run_id = continued_run_id(saved, resume, run_dir)
         continues_run = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
@@ -763,6 +762,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
             state.update(best_unreadable=math.inf, best_wer=math.inf)
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
+        if changed_settings:
+            log.info("settings other than those %s was written under, taken from here on: %s", resume,
+                     "; ".join(changed_settings))
         if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
             # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would
             # lose the steps that the directory's last.pt, left as it is, holds.
