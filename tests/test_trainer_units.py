@@ -309,6 +309,15 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
         check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
                         tmp_path / "last.pt")
+    # Its utterances' paths, where it holds no digest of them (from before 2026-12-02); with one, which
+    # check_same_training_set compares, the same corpus in another folder resumes (it was refused for its paths).
+    moved = compose_config(["model.hidden=64", "data=manifest", "data.train_manifests=[/elsewhere/an4_train.jsonl]",
+                            "data.eval_manifest=manifests/an4_test.jsonl"])
+    with pytest.raises(ValueError, match=r"settings \(data.train_manifests=\['manifests/an4_train.jsonl'\] there, "
+                                         r"\['/elsewhere/an4_train.jsonl'\] here\)$"):
+        check_resumable(saved, moved, tmp_path / "last.pt")
+    assert "data.train_manifests=['manifests/an4_train.jsonl'] there, ['/elsewhere/an4_train.jsonl'] here" in (
+        check_resumable(saved, moved, tmp_path / "last.pt", holds_train_set=True))
     # A config of another program's, without the keys the trainer's holds: one line naming them (it was
     # omegaconf's ConfigAttributeError, "Missing key bidirectional", with a traceback).
     del saved["model"]["bidirectional"]

@@ -627,15 +627,18 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
 RESUME_UNLOGGED = ("run_name", "train.resume")
 
 
-def check_resumable(saved_config: dict, cfg: DictConfig, path: Path) -> list[str]:
+def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train_set: bool = False) -> list[str]:
     """ValueError naming the settings in RESUME_MUST_MATCH that differ between a checkpoint's config and this run's;
     else the other settings that differ, which the run takes from here on, for the log (config.yaml says only this
-    job's)."""
+    job's). holds_train_set: the checkpoint holds its training set's digest, which check_same_training_set compares
+    instead of the manifests' paths, so that the same corpus in another folder (another machine's) resumes."""
     saved = OmegaConf.create(saved_config)
     # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
     # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
     bidirectional = OmegaConf.select(saved, "model.bidirectional") and cfg.model.bidirectional
     unused = {"model.lookahead"} if bidirectional else set()
+    if holds_train_set:
+        unused.add("data.train_manifests")
     differ = [difference for key in RESUME_MUST_MATCH if key not in unused
               for difference in _differences(saved, cfg, key)]
     if differ:
@@ -741,7 +744,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     continues_run = False  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
-        changed_settings = check_resumable(saved["config"], cfg, resume)
+        changed_settings = check_resumable(saved["config"], cfg, resume, holds_train_set="train_set" in saved)
         check_same_training_set(saved, train_fingerprint, resume)
         run_id = continued_run_id(saved, resume, run_dir)
         continues_run = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
