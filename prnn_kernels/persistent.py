@@ -149,8 +149,8 @@ def persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse)
         h_n: (B, H) in input_proj's dtype, the state after each sample's last valid step (hx where lengths[b] == 0);
             for "lstm" a tuple (h_n, c_n).
 
-    Raises ValueError for shapes the kernel cannot run (see `support`) and for more than MAX_SEQUENCE_ROWS steps x
-    samples x directions, RuntimeError when a launch failed.
+    Raises ValueError for shapes the kernel cannot run (see `support`), for more than MAX_SEQUENCE_ROWS steps x
+    samples x directions and for steps x CTAs past MAX_STEP_COUNT; RuntimeError when a launch failed.
     """
     output, (final_state,) = _run_layer(cell, input_proj, [hx], [weight_hh], [bias_hh], lengths, reverse)
     return output, final_state
@@ -201,7 +201,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
                          f"{input_proj.dtype} on {input_proj.device}: {verdict.reason}")
     if num_steps > 2**20:
         plans = launch_plans(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device, num_directions)
-        ctas = max(plan["ctas_per_direction"] for plan in plans)  # each direction counts its own CTAs
+        # Each direction counts its own CTAs; the cluster engine hands steps off through shared memory, uncounted.
+        ctas = max((plan["ctas_per_direction"] for plan in plans if plan["ok"] and not plan["one_cluster"]), default=0)
         if (num_steps + 1) * ctas > MAX_STEP_COUNT:
             raise ValueError(f"persistent_layer: T={num_steps} steps x {ctas} CTAs overflow the kernels' 32-bit step "
                              "counts; run shorter sequences")
