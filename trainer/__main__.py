@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import math
 import re
 import shutil
 import signal
@@ -133,6 +134,8 @@ def summary_line(result: dict) -> str:
     """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it before its end,
     the step it stopped at and the last evaluation's figures (inside an epoch, not the saved model's)."""
     figures = f"test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%" if "wer" in result else ""
+    if "wer" in result and math.isnan(result["wer"]):  # a rate over no utterances
+        figures = "test WER and CER none: no test utterance could be read"
     if "stopped_at_step" not in result:
         return f"final {figures}  (epoch {result['epoch']})"
     if not figures:
