@@ -1101,8 +1101,9 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     steps = [{"step": step, "epoch": (step - 1) // 4, "loss": 1.0 / step} for step in range(1, 11)]
     evaluations = [{"epoch": 1, "eval_wer": 90.0}, {"epoch": 2, "eval_wer": 80.0}]
     lines = steps[:4] + evaluations[:1] + steps[4:8] + evaluations[1:] + steps[8:]
-    # A line added by hand and a line killed mid-write are no lines of the trainer's.
+    # Lines added or edited by hand and a line killed mid-write are no lines of the trainer's.
     written = ("".join(json.dumps(line) + "\n" for line in lines[:3]) + '{"note": "lr lowered"}\n'
+               + '{"step": "6b", "loss": 0.1}\n{"epoch": null}\n'
                + "".join(json.dumps(line) + "\n" for line in lines[3:]) + '{"step": 11, "ep')
     path.write_text(written)
     # A checkpoint from inside the second epoch, at step 6: one evaluation, six losses.

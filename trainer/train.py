@@ -84,10 +84,10 @@ def open_metrics(path: Path, resumed: dict | None):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(record, dict) or not ("step" in record or "epoch" in record):
+            key = "step" if isinstance(record, dict) and "step" in record else "epoch"
+            if not isinstance(record, dict) or type(record.get(key)) is not int:
                 continue  # not a line the trainer wrote
-            covered = record["step"] <= resumed["step"] if "step" in record else record["epoch"] <= resumed["epoch"]
-            if covered:
+            if record[key] <= resumed[key]:  # covered by the checkpoint
                 kept.append(line + "\n")
     rewritten = path.with_name(f".{path.name}.tmp")
     try:
