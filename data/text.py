@@ -8,10 +8,15 @@ NUM_CLASSES = len(ALPHABET)
 
 _CHAR_TO_ID = {char: index for index, char in enumerate(ALPHABET) if index != BLANK}
 
+# The apostrophes of typeset English ("don’t", "‘tis", the modifier letter ʼ): word processors write them for
+# "'", and left as they are they would leave the transcript out as outside the alphabet. Other marks stay outside it.
+_APOSTROPHES = str.maketrans(dict.fromkeys("\u2018\u2019\u02bc", "'"))
+
 
 def normalize_text(text: str) -> str:
-    """Upper-case `text` and collapse each run of whitespace to one space (none at the ends)."""
-    return " ".join(text.upper().split())
+    """Upper-case `text`, write typographic apostrophes (‘ ’ ʼ) as "'", and collapse each run of whitespace to one
+    space (none at the ends)."""
+    return " ".join(text.upper().translate(_APOSTROPHES).split())
 
 
 def invalid_characters(text: str) -> list[str]:

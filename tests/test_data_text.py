@@ -15,6 +15,13 @@ def test_normalize_upper_cases_and_collapses_whitespace():
     assert normalize_text(" \t\n") == ""
 
 
+def test_normalize_writes_typographic_apostrophes_as_the_alphabets_and_keeps_other_marks():
+    assert normalize_text("don\u2019t \u2018tis o\u02bcclock") == "DON'T 'TIS O'CLOCK"
+    for text in ("don`t", "caf\u00e9", "\u201cyes\u201d"):  # a backtick, an accent, double quotes: still refused
+        with pytest.raises(ValueError, match="outside the alphabet"):
+            encode(normalize_text(text))
+
+
 def test_encode_decode_round_trip_never_uses_the_blank():
     text = "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG'S BACK"
     ids = encode(text)
