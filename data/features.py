@@ -3,6 +3,7 @@
 Features are time-major, (T, F): T frames of F features.
 """
 import math
+import warnings
 
 import torch
 import torchaudio.transforms
@@ -13,6 +14,25 @@ FEATURE_KINDS = ("spectrogram", "mel")
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _has_empty_mel_band(sample_rate: int, n_fft: int, n_mels: int) -> bool:
+    """Whether one of MelSpectrogram's `n_mels` triangular filters (its defaults: 0 Hz to half the rate, HTK scale)
+    falls between two FFT bins and so weighs none."""
+    with warnings.catch_warnings():  # torchaudio's warning names neither the window nor a value that works
+        warnings.simplefilter("ignore")
+        filters = torchaudio.functional.melscale_fbanks(n_fft // 2 + 1, 0.0, float(sample_rate // 2), n_mels,
+                                                        sample_rate)  # (bins, n_mels)
+    return bool((filters.amax(dim=0) == 0).any())
+
+
+def _most_mel_bands(sample_rate: int, n_fft: int) -> int:
+    """The largest n_mels without an empty band: adding bands only narrows the lowest, so a bisection finds it."""
+    works, fails = 1, n_fft // 2 + 2  # one band spans every bin; more bands than bins leave one empty
+    while fails - works > 1:
+        middle = (works + fails) // 2
+        works, fails = (works, middle) if _has_empty_mel_band(sample_rate, n_fft, middle) else (middle, fails)
+    return works
 
 
 class FeatureExtractor(nn.Module):
@@ -56,10 +76,13 @@ class FeatureExtractor(nn.Module):
             raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
         # The mel filters take an FFT of the next power of two; the spectrogram's is the window itself.
         self.n_fft = window_length if kind == "spectrogram" else 1 << (window_length - 1).bit_length()
-        if kind == "mel" and not (isinstance(n_mels, int) and not isinstance(n_mels, bool)
-                                  and 1 <= n_mels <= self.n_fft // 2 + 1):
-            raise ValueError(f"n_mels={n_mels!r} must be an integer from 1 to {self.n_fft // 2 + 1} (the FFT's bins "
-                             f"at window_ms={window_ms}, {sample_rate} Hz)")
+        if kind == "mel":
+            if not (isinstance(n_mels, int) and not isinstance(n_mels, bool) and n_mels >= 1):
+                raise ValueError(f"n_mels={n_mels!r} must be a positive integer")
+            if n_mels > self.n_fft // 2 + 1 or _has_empty_mel_band(sample_rate, self.n_fft, n_mels):
+                raise ValueError(f"n_mels={n_mels} at {sample_rate} Hz and window_ms={window_ms} (an FFT of "
+                                 f"{self.n_fft} points) gives mel bands that hold no FFT bin, features that never "
+                                 f"change: at most {_most_mel_bands(sample_rate, self.n_fft)} bands work there")
         if kind == "spectrogram":
             self.transform = torchaudio.transforms.Spectrogram(
                 n_fft=window_length,

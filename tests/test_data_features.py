@@ -134,9 +134,16 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
 
 
 @pytest.mark.parametrize("settings, complaint", [
-    (dict(kind="mel", n_mels=0), "n_mels=0 must be an integer from 1 to 257"),
-    (dict(kind="mel", n_mels=300), "n_mels=300 must be an integer from 1 to 257"),  # bands with no FFT bin
-    (dict(kind="mel", n_mels=2.5), "n_mels=2.5 must be an integer"),
+    (dict(kind="mel", n_mels=0), "n_mels=0 must be a positive integer"),
+    (dict(kind="mel", n_mels=2.5), "n_mels=2.5 must be a positive integer"),
+    # 128 bands over a 512-point FFT leave the lowest between two bins; more bands than bins leave many.
+    (dict(kind="mel", n_mels=128), "n_mels=128 at 16000 Hz and window_ms=20 (an FFT of 512 points) gives mel bands "
+                                   "that hold no FFT bin, features that never change: at most 114 bands work there"),
+    (dict(kind="mel", n_mels=300), "n_mels=300 at 16000 Hz and window_ms=20 (an FFT of 512 points) gives mel bands "
+                                   "that hold no FFT bin, features that never change: at most 114 bands work there"),
+    (dict(kind="mel", n_mels=100, sample_rate=8000), "n_mels=100 at 8000 Hz and window_ms=20 (an FFT of 256 points) "
+                                                     "gives mel bands that hold no FFT bin, features that never "
+                                                     "change: at most 86 bands work there"),
     (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
     (dict(sample_rate=-16000), "sample_rate=-16000 must be a positive integer, window_ms=20 and hop_ms=10 positive "
                                "numbers"),
@@ -146,6 +153,13 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
 def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):
     with pytest.raises(ValueError, match=re.escape(complaint)):
         FeatureExtractor(**settings)
+
+
+@pytest.mark.parametrize("sample_rate, most", [(16000, 114), (8000, 86)])
+def test_the_most_mel_bands_named_give_features_that_all_change(sample_rate, most):
+    noise = torch.randn(sample_rate, generator=torch.Generator().manual_seed(0))
+    features = FeatureExtractor("mel", sample_rate=sample_rate, n_mels=most, normalize=False)(noise)
+    assert (features.std(dim=0) > 0).all()  # no band without a bin, whose feature sits on the floor throughout
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(sample_rate=22050), dict(kind="mel", sample_rate=22050)])
