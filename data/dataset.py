@@ -85,7 +85,9 @@ class SpeechDataset(Dataset):
     reason in `skipped`: an empty transcript, characters outside the alphabet, or a transcript with more
     characters than the model's output frames can hold (estimated from the manifest's duration). Utterances
     longer than `max_duration` seconds are dropped too, counted but not named one by one: that is a choice,
-    not a fault in the data.
+    not a fault in the data. So is a later listing of an audio file already kept (a manifest given twice, or
+    corpora that share files), which would train twice an epoch and count twice in a WER: one warning counts them
+    and names the first.
 
     Audio is read when an item is asked for; `__getitem__` returns an Unusable naming the file and why when it
     cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
@@ -125,9 +127,14 @@ class SpeechDataset(Dataset):
         self.targets: list[list[int]] = []
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
+        self._kept_files: set[str] = set()
+        self._repeats: list[str] = []
         for path in manifest_paths:
             for utterance in read_manifest(path):
                 self._add(utterance)
+        if self._repeats:
+            logger.warning("skipping %d utterance%s whose audio file is listed before (the first: %s)",
+                           len(self._repeats), "s" if len(self._repeats) != 1 else "", self._repeats[0])
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
@@ -171,6 +178,11 @@ class SpeechDataset(Dataset):
             else:
                 self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
             return
+        if utterance.audio_filepath in self._kept_files:
+            self.skipped["audio listed before"] += 1
+            self._repeats.append(utterance.audio_filepath)
+            return
+        self._kept_files.add(utterance.audio_filepath)
         self.utterances.append(utterance)
         self.targets.append(targets)
 

@@ -79,6 +79,29 @@ def test_construction_drops_and_counts_each_unusable_transcript(manifest, caplog
     assert dataset.durations == [1.0, 0.5, 1.0, 0.0, 3.0]
 
 
+def test_an_audio_file_listed_again_is_kept_once_and_the_repeats_counted_in_one_warning(manifest, tmp_path, caplog):
+    write_noise(tmp_path / "other.wav", 1.0)
+    again = [
+        Utterance(str(tmp_path / "other.wav"), 1.0, "NEW", "d"),
+        Utterance(str(tmp_path / "good1.wav"), 1.0, "HELLO", "a"),  # listed in the first manifest too
+        Utterance(str(tmp_path / "other.wav"), 1.0, "NEW AGAIN", "d"),  # listed above, under another transcript
+        Utterance(str(tmp_path / "foreign.wav"), 1.0, "CAFE", "c"),  # left out of the first for its transcript
+    ]
+    write_manifest(tmp_path / "again.jsonl", again)
+    with caplog.at_level(logging.WARNING):
+        dataset = SpeechDataset([manifest, manifest, tmp_path / "again.jsonl"], FeatureExtractor("spectrogram"),
+                                time_stride=2, max_duration=20)
+    names = [Path(utterance.audio_filepath).name for utterance in dataset.utterances]
+    assert names == ["good1.wav", "good2.flac", "corrupt.flac", "empty.wav", "short.wav", "other.wav", "foreign.wav"]
+    assert dataset.utterances[5].text == "NEW"  # the first listing is the one kept
+    assert len(dataset.targets) == len(dataset.durations) == len(dataset) == 7
+    assert dataset.skipped["audio listed before"] == 5 + 2
+    repeats = [record.getMessage() for record in caplog.records if "listed before" in record.getMessage()]
+    assert repeats == [f"skipping 7 utterances whose audio file is listed before (the first: {tmp_path / 'good1.wav'})"]
+    twice = SpeechDataset([manifest, manifest], FeatureExtractor("spectrogram"), time_stride=2, max_duration=20)
+    assert twice.fingerprint() == make_dataset(manifest).fingerprint()  # the same training set
+
+
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
     with pytest.raises(ValueError,
