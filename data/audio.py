@@ -39,7 +39,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     """
     audio_header(path)
     try:
-        samples, file_rate = soundfile.read(path, dtype="float32", always_2d=True)  # (N, C)
+        samples, file_rate = soundfile.read(os.fsencode(path), dtype="float32", always_2d=True)  # (N, C)
     except Exception as error:
         raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
     if samples.shape[0] == 0:
@@ -67,9 +67,10 @@ def audio_header(path: str | os.PathLike):
     if not os.path.isfile(path):
         raise AudioError(f"{path}: {'a folder, not an audio file' if os.path.isdir(path) else 'no such audio file'}")
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
-    # raises TypeError), the message names the file.
+    # raises TypeError), the message names the file. The name goes as bytes: soundfile encodes a str strictly, and a
+    # name that is not UTF-8 (b"\xff.wav", which Python holds as "\udcff.wav") would not open.
     try:
-        header = soundfile.info(str(path))
+        header = soundfile.info(os.fsencode(path))
     except Exception as error:
         raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:

@@ -1,5 +1,6 @@
 """Audio reading, log spectral features and SpecAugment."""
 import math
+import os
 import re
 import struct
 
@@ -9,7 +10,7 @@ import soundfile
 import torch
 import torchaudio.functional
 
-from data.audio import AudioError, load_audio
+from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment
 
 
@@ -37,6 +38,14 @@ def test_nist_sphere_is_read(tmp_path):
     samples = tone(300, 0.5, 16000)
     soundfile.write(tmp_path / "a.sph", samples, 16000, format="NIST", subtype="PCM_16")
     torch.testing.assert_close(load_audio(tmp_path / "a.sph"), torch.from_numpy(samples), atol=1e-4, rtol=0)
+
+
+def test_audio_whose_file_name_is_not_utf8_is_read(tmp_path):
+    soundfile.write(tmp_path / "a.wav", tone(300, 0.2, 16000), 16000, subtype="FLOAT")
+    name = os.fsdecode(b"\xff.wav")  # how Python gives such a name from os.listdir or the command line
+    os.rename(tmp_path / "a.wav", tmp_path / name)
+    assert audio_header(tmp_path / name).frames == 3200
+    assert torch.equal(load_audio(str(tmp_path / name)), torch.from_numpy(tone(300, 0.2, 16000)))
 
 
 def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
