@@ -7,9 +7,10 @@ AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N
 the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
 linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
 
-Utterances whose audio is missing or whose header cannot be read are skipped with a warning naming the file, and
-counted (audio that is damaged past its header is found when training reads it). An utterance with an empty
-transcript is written as it is: the dataset leaves it out, names it and counts it.
+Utterances whose audio is missing, whose header cannot be read or whose path is not UTF-8 (a manifest is UTF-8) are
+skipped with a warning naming the file, and counted (audio that is damaged past its header is found when training
+reads it). An utterance with an empty transcript is written as it is: the dataset leaves it out, names it and counts
+it.
 """
 import argparse
 import logging
@@ -39,9 +40,9 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
 
     Returns: {"train": path, "test": path}.
     Raises: FileNotFoundError naming a missing folder or file; ValueError naming the file and line of a
-    transcription that does not match its fileids.
+    transcription that does not match its fileids, or naming a source whose path is not UTF-8.
     """
-    source, out = _require(Path(source).resolve(), folder=True), Path(out)
+    source, out = _require_utf8(_require(Path(source).resolve(), folder=True)), Path(out)
     manifests = {}
     for split in AN4_SPLITS:
         fileids = _require(source / "etc" / f"an4_{split}.fileids")
@@ -59,9 +60,10 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
 def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = None) -> Path:
     """Write NAME.jsonl (NAME defaults to the source folder's name, e.g. dev-clean) from every *.trans.txt.
 
-    Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file.
+    Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file; ValueError naming
+    it when its path is not UTF-8.
     """
-    source = _require(Path(source).resolve(), folder=True)
+    source = _require_utf8(_require(Path(source).resolve(), folder=True))
     transcripts = _librispeech_transcripts(source)
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
@@ -142,6 +144,10 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
     if audio is None:
         logger.warning("skipping %s: no %s file", audio_stem, " / ".join(suffixes))
         return None
+    if not _is_utf8(audio):
+        logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)",
+                       _printable(audio))
+        return None
     try:
         duration = audio_header(audio).duration
     except AudioError as error:
@@ -189,6 +195,27 @@ def _require(path: Path, folder: bool = False) -> Path:
     if path.exists():  # FileNotFoundError all the same: what the caller needs is not there
         raise FileNotFoundError(f"{path} is not a {wanted}")
     raise FileNotFoundError(f"{wanted} {path} does not exist")
+
+
+def _require_utf8(source: Path) -> Path:
+    if not _is_utf8(source):
+        raise ValueError(f"{_printable(source)}: the path is not UTF-8, which a manifest's audio paths must be "
+                         "(rename it)")
+    return source
+
+
+def _is_utf8(path: Path) -> bool:
+    """Whether `path` can be written into a manifest: a name of other bytes reaches Python as surrogate escapes."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(path: Path) -> str:
+    """`path` with the bytes that are not UTF-8 as escapes ("\\xff"), which every console and log file can take."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _newer_than(target: Path, sources: Iterable[Path]) -> bool:

@@ -210,6 +210,29 @@ def test_librispeech_layout(tmp_path, caplog):
         prepare_librispeech(source, tmp_path / "out")
 
 
+def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, tmp_path, caplog, capsys):
+    source = tmp_path / "dev-clean"
+    for speaker in ("84", "85"):
+        chapter = source / speaker / "121123"
+        chapter.mkdir(parents=True)
+        (chapter / f"{speaker}-121123.trans.txt").write_text(f"{speaker}-121123-0000 GO\n")
+        write_audio(chapter / f"{speaker}-121123-0000.flac", 0.5)
+    (source / "85").rename(source / os.fsdecode(b"\xff"))  # a name of bytes that no manifest line can hold
+    with caplog.at_level(logging.WARNING):
+        manifest = prepare_librispeech(source, tmp_path / "out")
+    assert [u.audio_filepath for u in read_manifest(manifest)] == [str(source / "84/121123/84-121123-0000.flac")]
+    assert (f"skipping {source}/\\xff/121123/85-121123-0000.flac: its path is not UTF-8, which a manifest cannot "
+            "hold (rename it)") in caplog.text
+    latin1 = tmp_path / os.fsdecode(b"an4 \xe9t\xe9")
+    tiny_an4.rename(latin1)
+    for corpus in ("an4", "librispeech"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([corpus, "--source", str(latin1), "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (f"python -m data.prepare: error: {tmp_path}/an4 \\xe9t\\xe9: the path is "
+                                           "not UTF-8, which a manifest's audio paths must be (rename it)\n")
+
+
 def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as exit_info:
