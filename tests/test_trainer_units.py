@@ -361,6 +361,18 @@ def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path
     assert ("YES",) in words and ("OK",) not in words and ("CAFÉ",) not in words
 
 
+def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
+    # KenLM refuses a model without <s>, and any model of order 1 ("assumes at least a bigram model"): --order 1
+    # wrote one it refused on both counts.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    text = (tmp_path / "m.arpa").read_text()
+    assert text.startswith("\\data\\\nngram 1=5\nngram 2=0\n\n") and "\n-99.000000000\t<s>\n" in text, text
+    assert text.endswith("\n\\2-grams:\n\n\\end\\\n"), text
+    model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
+    assert model.order == 1 and 10 ** model.log10_prob(("YES",), "NO") == pytest.approx(0.1 / 3, abs=1e-8)  # discount 0.9
+
+
 def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transcripts_order(tmp_path, capsys):
     # "<s> YES NO YES </s>" holds no n-gram longer than 5: a 6-gram section of none read as a model cut short.
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no yes"}\n')

@@ -161,8 +161,7 @@ def build_arpa(sentences: list[list[str]], order: int) -> str:
     for ngram, c in counts[1].items():
         tables[ngram] = (math.log10((c - discount) / total), 0.0)
     tables[(UNKNOWN,)] = (math.log10(discount * len(counts[1]) / total), 0.0)
-    if order > 1:
-        tables[(SENTENCE_START,)] = (NEVER_LOG10, 0.0)
+    tables[(SENTENCE_START,)] = (NEVER_LOG10, 0.0)  # KenLM refuses a model without it, of any order
     for k in range(2, order + 1):
         lower = NGramLM(tables)  # order k - 1: it never reads the k-grams added below
         discount = _discount(counts[k])
@@ -180,7 +179,9 @@ def build_arpa(sentences: list[list[str]], order: int) -> str:
 
     lines = ["\\data\\"]
     sections = []
-    for k in range(1, order + 1):
+    # KenLM reads no model of order 1 ("assumes at least a bigram model"): a unigram model goes out with a 2-gram
+    # section of none, which KenLM and NGramLM read as the same model.
+    for k in range(1, max(order, 2) + 1):
         entries = [
             f"{log_prob:.9f}\t{' '.join(ngram)}" + (f"\t{backoff:.9f}" if backoff else "")
             for ngram, (log_prob, backoff) in sorted(tables.items()) if len(ngram) == k
