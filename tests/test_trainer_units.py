@@ -901,6 +901,26 @@ def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one
                                        "too\n")
 
 
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(tool, tmp_path, capsys):
+    # A checkpoint that cannot be read: each argument error must come before it is found (after loading the checkpoint
+    # and the language model, which a user waits for, these errors came only where both could be read).
+    main = importlib.import_module(f"trainer.{tool}").main
+    unreadable = tmp_path / "unreadable.pt"
+    unreadable.write_text("not a checkpoint\n")
+    common = ["--checkpoint", str(unreadable), "--device", "cpu"]
+    inputs = [str(tmp_path / "a.wav")] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
+    assert main([*common, "--word-bonus", "1", *inputs]) == 2
+    assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
+                                       "too\n")
+    if tool == "evaluate":
+        for output in (unreadable, tmp_path / "words.arpa", tmp_path / "m.jsonl"):
+            assert main([*common, "--lm", str(tmp_path / "words.arpa"), *inputs, "--out", str(output)]) == 2
+            assert capsys.readouterr().err == f"error: {output} is also an input of this command: writing it would " \
+                                              "destroy it\n"
+        assert unreadable.read_text() == "not a checkpoint\n"
+
+
 # --- the training step ----------------------------------------------------------------------------------------------
 
 def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):

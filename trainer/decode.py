@@ -195,11 +195,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"added per word, with --lm (default {BeamSearch.word_bonus})")
 
 
-def from_arguments(args: argparse.Namespace):
-    """greedy_decode, or the BeamSearch the options ask for; raises FileNotFoundError / ValueError for a bad LM, and
-    ValueError for a language model's weight without one (it would be ignored)."""
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError for a language model's weight without one (it would be ignored): found before anything loads."""
     if args.lm is None and (args.lm_weight is not None or args.word_bonus is not None):
         raise ValueError("--lm-weight and --word-bonus weigh a language model's score: give --lm too")
+
+
+def from_arguments(args: argparse.Namespace):
+    """greedy_decode, or the BeamSearch the options (passed by check_arguments) ask for; raises FileNotFoundError /
+    ValueError for a bad LM."""
     if args.beam is None and args.lm is None:
         return greedy_decode
     lm = NGramLM.from_arpa(args.lm) if args.lm else None

@@ -70,12 +70,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        # Before the checkpoint and the language model are read: a large model takes minutes.
+        check_not_an_input(args.out, [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)])
         model, features, cfg, decoder, device = load_model(args)
         manifest = args.manifest or cfg.data.eval_manifest
-        if not args.manifest and not Path(manifest).is_absolute() and not Path(manifest).exists():
-            raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its training "
-                                    "ran in: run this there, or give --manifest")
-        check_not_an_input(args.out, [manifest, args.checkpoint, *([args.lm] if args.lm else [])])
+        if not args.manifest:  # the run's, which only its checkpoint names
+            if not Path(manifest).is_absolute() and not Path(manifest).exists():
+                raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its "
+                                        "training ran in: run this there, or give --manifest")
+            check_not_an_input(args.out, [manifest])
         dataset = SpeechDataset([manifest], features, None, model.time_stride)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

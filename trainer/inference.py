@@ -35,7 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """(model, features, config, decoder, device) as add_model_arguments' options say; raises one of MODEL_ERRORS."""
+    """(model, features, config, decoder, device) as add_model_arguments' options say, which are checked before the
+    checkpoint is read; raises one of MODEL_ERRORS."""
+    decode.check_arguments(args)
     device = args.device
     model, features, cfg = build.from_checkpoint(args.checkpoint, device)
     return model, features, cfg, decode.from_arguments(args), device
