@@ -1119,6 +1119,17 @@ def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tm
     assert model.read_text() == lm.build_arpa([["YES"]], 2)
 
 
+def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys):
+    # A language model can take minutes to read: a mistyped --manifest was told only after it had been read.
+    from trainer.evaluate import main
+
+    unreadable = tmp_path / "words.arpa"
+    unreadable.write_text("not a language model\n")
+    assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--lm",
+                 str(unreadable), "--manifest", str(tmp_path / "typo.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: manifest {tmp_path / 'typo.jsonl'} does not exist\n"
+
+
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
                                                           ("cpu", False, False)])
 def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device, cuda_graphs, pinned):

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     try:
         # Before the checkpoint and the language model are read: a large model takes minutes.
         check_not_an_input(args.out, [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)])
-        model, features, cfg, decoder, device = load_model(args)
+        model, features, cfg, device = load_model(args)
         manifest = args.manifest or cfg.data.eval_manifest
         if not args.manifest:  # the run's, which only its checkpoint names
             if not Path(manifest).is_absolute() and not Path(manifest).exists():
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
                                         "training ran in: run this there, or give --manifest")
             check_not_an_input(args.out, [manifest])
         dataset = SpeechDataset([manifest], features, None, model.time_stride)
+        decoder = decode.from_arguments(args)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The options and loading shared by the tools that run a trained model (python -m trainer.evaluate, .transcribe):
-a checkpoint, a device and a decoder."""
+a checkpoint, a device and the decoder's options."""
 import argparse
 
 import torch
@@ -35,9 +35,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """(model, features, config, decoder, device) as add_model_arguments' options say, which are checked before the
-    checkpoint is read; raises one of MODEL_ERRORS."""
+    """(model, features, config, device) as add_model_arguments' options say, the decoder's checked before the
+    checkpoint is read; raises one of MODEL_ERRORS. The decoder (decode.from_arguments) is the tool's to make after
+    its other inputs are read: a language model can take minutes to read."""
     decode.check_arguments(args)
     device = args.device
     model, features, cfg = build.from_checkpoint(args.checkpoint, device)
-    return model, features, cfg, decode.from_arguments(args), device
+    return model, features, cfg, device

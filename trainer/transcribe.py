@@ -7,6 +7,7 @@ import torch
 
 from data.audio import AudioError, load_audio
 from data.features import non_finite_detail
+from trainer import decode
 from trainer.cli import run_tool
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 
@@ -18,7 +19,8 @@ def main(argv=None) -> int:
                         help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
     args = parser.parse_args(argv)
     try:
-        model, features, _, decoder, device = load_model(args)
+        model, features, _, device = load_model(args)
+        decoder = decode.from_arguments(args)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
