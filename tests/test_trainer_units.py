@@ -1119,6 +1119,27 @@ def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tm
     assert model.read_text() == lm.build_arpa([["YES"]], 2)
 
 
+@pytest.mark.parametrize("tool, argument", [("lm", "--manifest"), ("evaluate", "--manifest"), ("evaluate", "--lm"),
+                                            ("evaluate", "--checkpoint"), ("transcribe", "--checkpoint")])
+def test_the_tools_refuse_an_input_they_cannot_open_in_one_line(tool, argument, tmp_path, capsys):
+    # An OSError other than a missing file (no permission, which root is never refused; a name past the file system's
+    # 255 bytes) ended in a traceback.
+    main = importlib.import_module(f"trainer.{tool}").main
+    manifest, model = str(tmp_path / "m.jsonl"), str(small_checkpoint(tmp_path / "small.pt"))
+    write_manifest(manifest, [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
+    arguments = {"lm": ["--manifest", manifest, "--out", str(tmp_path / "words.arpa")],
+                 "evaluate": ["--checkpoint", model, "--device", "cpu", "--manifest", manifest],
+                 "transcribe": ["--checkpoint", model, "--device", "cpu", str(tmp_path / "a.wav")]}[tool]
+    unopenable = str(tmp_path / ("x" * 300))
+    if argument in arguments:
+        arguments[arguments.index(argument) + 1] = unopenable
+    else:
+        arguments += [argument, unopenable]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and unopenable in error and error.count("\n") == 1, error
+
+
 def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys):
     # A language model can take minutes to read: a mistyped --manifest was told only after it had been read.
     from trainer.evaluate import main

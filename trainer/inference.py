@@ -6,9 +6,10 @@ import torch
 
 from trainer import build, decode
 
-# What loading a model may raise with a one-line message: a missing or foreign checkpoint, a bad decoder option, or
-# (RuntimeError) a GPU that cannot be reached.
-MODEL_ERRORS = (FileNotFoundError, ValueError, RuntimeError)
+# What loading a model and its inputs may raise with a one-line message: a missing or foreign checkpoint, a bad decoder
+# option, an input that cannot be read (OSError: no permission, a name too long; it names the file), or (RuntimeError)
+# a GPU that cannot be reached.
+MODEL_ERRORS = (OSError, ValueError, RuntimeError)
 
 
 def device_argument(text: str) -> torch.device:

@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
         print(f"counting the {order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
         write_output(args.out, build_arpa(spellable, order))
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # OSError: a manifest that cannot be read (no permission); it names the file
         print(f"error: {error}", file=sys.stderr)
         return 2
     lowered = f" (--order {args.order}: none is longer than {order - 2} words)" if order < args.order else ""
