@@ -409,6 +409,9 @@ def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp
     assert cli.output_file(str(tmp_path / "x.arpa")) == str(tmp_path / "x.arpa")
     with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path} is a folder; name a file in it"):
         cli.output_file(str(tmp_path))
+    too_long = tmp_path / ("x" * 300)  # a traceback out of argparse, which takes only its own errors from a type
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{too_long} cannot be written: File name too long$"):
+        cli.output_file(str(too_long))
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # what a folder not the user's answers
     with pytest.raises(argparse.ArgumentTypeError, match="x.arpa cannot be written"):
         cli.output_file(str(tmp_path / "x.arpa"))

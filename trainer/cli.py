@@ -27,12 +27,15 @@ def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
     A symbolic link is judged by its target, which is what gets written."""
     path = Path(text).resolve()
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a folder; name a file in it")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"no folder {path.parent}")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{path} cannot be written (permissions)")
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a folder; name a file in it")
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"no folder {path.parent}")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"{path} cannot be written (permissions)")
+    except OSError as error:  # a name past the file system's limit: argparse would let it out as a traceback
+        raise argparse.ArgumentTypeError(f"{path} cannot be written: {error.strerror or error}") from None
     return text
 
 
