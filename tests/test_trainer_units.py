@@ -1143,6 +1143,23 @@ def test_the_tools_refuse_an_input_they_cannot_open_in_one_line(tool, argument, 
     assert error.startswith("error: ") and unopenable in error and error.count("\n") == 1, error
 
 
+@pytest.mark.parametrize("argument", ["--lm", "--manifest"])
+def test_evaluate_refuses_an_empty_path_it_would_take_as_none_given(argument, tmp_path, capsys):
+    # --lm "$LM" with LM unset decoded without a language model (its --lm-weight ignored), and --manifest "" the run's
+    # data.eval_manifest, exit code 0 both.
+    from trainer.evaluate import main
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES", "a")])
+    arguments = {"--checkpoint": str(small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={tmp_path}/m.jsonl")),
+                 "--device": "cpu", "--manifest": str(tmp_path / "m.jsonl"), "--lm-weight": "2", argument: ""}
+    with pytest.raises(SystemExit) as refused:
+        main([part for pair in arguments.items() for part in pair])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument {argument}: an empty path (an unset shell variable?)\n")
+
+
 def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys):
     # A language model can take minutes to read: a mistyped --manifest was told only after it had been read.
     from trainer.evaluate import main

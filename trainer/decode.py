@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data.text import ALPHABET, BLANK, decode
-from trainer.cli import finite_float, positive_int
+from trainer.cli import finite_float, input_path, positive_int
 from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM
 
 SPACE = ALPHABET.index(" ")
@@ -188,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The decoder options of the command-line tools."""
     parser.add_argument("--beam", type=positive_int,
                         help="CTC prefix beam search of this width (default: greedy, or 16 with --lm)")
-    parser.add_argument("--lm", help="an ARPA word n-gram model for the beam search (python -m trainer.lm builds one)")
+    parser.add_argument("--lm", type=input_path,
+                        help="an ARPA word n-gram model for the beam search (python -m trainer.lm builds one)")
     parser.add_argument("--lm-weight", type=finite_float,
                         help=f"weight of ln P_lm, with --lm (default {BeamSearch.lm_weight})")
     parser.add_argument("--word-bonus", type=finite_float,

@@ -18,7 +18,7 @@ from data.dataset import SpeechDataset, collate, count_reasons
 from data.sampler import eval_shard
 from data.text import normalize_text
 from trainer import build, decode
-from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
@@ -62,7 +62,8 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
-    parser.add_argument("--manifest", help="JSONL manifest to decode (default: the run's data.eval_manifest)")
+    parser.add_argument("--manifest", type=input_path,
+                        help="JSONL manifest to decode (default: the run's data.eval_manifest)")
     parser.add_argument("--out", type=output_file,
                         help="write a tab-separated table, a header, then one line per utterance: file, word "
                              "errors, character errors, reference, hypothesis")
