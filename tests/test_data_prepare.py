@@ -21,6 +21,14 @@ def write_audio(path: Path, seconds: float, **format_args) -> None:
     soundfile.write(path, noise, RATE, **format_args)
 
 
+def write_librispeech_chapter(speaker_folder: Path, chapter: str, text: str) -> None:
+    """SPEAKER/CHAPTER with one half-second utterance, SPEAKER-CHAPTER-0000, saying `text`."""
+    utterance = f"{speaker_folder.name}-{chapter}"
+    (speaker_folder / chapter).mkdir(parents=True)
+    (speaker_folder / chapter / f"{utterance}.trans.txt").write_text(f"{utterance}-0000 {text}\n")
+    write_audio(speaker_folder / chapter / f"{utterance}-0000.flac", 0.5)
+
+
 @pytest.fixture
 def tiny_an4(tmp_path) -> Path:
     """An AN4-shaped corpus: each audio format, two speakers, one train utterance without audio."""
@@ -213,10 +221,7 @@ def test_librispeech_layout(tmp_path, caplog):
 def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, tmp_path, caplog, capsys):
     source = tmp_path / "dev-clean"
     for speaker in ("84", "85"):
-        chapter = source / speaker / "121123"
-        chapter.mkdir(parents=True)
-        (chapter / f"{speaker}-121123.trans.txt").write_text(f"{speaker}-121123-0000 GO\n")
-        write_audio(chapter / f"{speaker}-121123-0000.flac", 0.5)
+        write_librispeech_chapter(source / speaker, "121123", "GO")
     (source / "85").rename(source / os.fsdecode(b"\xff"))  # a name of bytes that no manifest line can hold
     with caplog.at_level(logging.WARNING):
         manifest = prepare_librispeech(source, tmp_path / "out")
@@ -279,14 +284,9 @@ def test_librispeech_speakers_linked_into_the_source_are_read_once_each(tmp_path
     link and the folder itself) lead to it; a link back up the tree ends the walk there rather than looping."""
     elsewhere = tmp_path / "train-clean-100"
     for speaker in ("19", "26"):
-        chapter = elsewhere / speaker / "198"
-        chapter.mkdir(parents=True)
-        (chapter / f"{speaker}-198.trans.txt").write_text(f"{speaker}-198-0000 NORTHANGER ABBEY\n")
-        write_audio(chapter / f"{speaker}-198-0000.flac", 0.5)
+        write_librispeech_chapter(elsewhere / speaker, "198", "NORTHANGER ABBEY")
     subset = tmp_path / "subset"
-    (subset / "real" / "27" / "124").mkdir(parents=True)
-    (subset / "real" / "27" / "124" / "27-124.trans.txt").write_text("27-124-0000 ABBEY\n")
-    write_audio(subset / "real" / "27" / "124" / "27-124-0000.flac", 0.5)
+    write_librispeech_chapter(subset / "real" / "27", "124", "ABBEY")
     (subset / "19").symlink_to(elsewhere / "19", target_is_directory=True)
     (subset / "26").symlink_to(elsewhere / "26", target_is_directory=True)
     (subset / "26-again").symlink_to(elsewhere / "26", target_is_directory=True)
