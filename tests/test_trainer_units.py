@@ -861,6 +861,31 @@ def test_missing_checkpoint_names_the_path(tmp_path):
         checkpoint.load(tmp_path / "nope.pt")
 
 
+def without_root_privilege(command: list[str]) -> list[str]:
+    """`command` run so that file permissions hold for it: as root, without its power to read and enter anything."""
+    if os.geteuid() != 0:
+        return command
+    if shutil.which("setpriv") is None:
+        pytest.skip("root, and no setpriv to drop its power over file permissions")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+
+
+def test_a_checkpoint_that_cannot_be_read_is_said_so_not_called_damaged(tmp_path):
+    # One it may not read was "not a complete checkpoint that torch.save wrote (PermissionError: ...)"; a name past the
+    # file system's 255 bytes was a bare OSError, which python -m trainer's train.resume ended in a traceback.
+    too_long = tmp_path / ("x" * 300)
+    for load in (checkpoint.load, lambda path: checkpoint_to_resume(str(path), tmp_path / "run")):
+        with pytest.raises(ValueError, match=f"^cannot read checkpoint {re.escape(str(too_long))}: File name too long"):
+            load(too_long)
+    locked = small_checkpoint(tmp_path / "locked.pt")
+    locked.chmod(0)
+    script = ("import sys\nfrom trainer import checkpoint\ntry:\n    checkpoint.load(sys.argv[1])\n"
+              "except ValueError as error:\n    print(error)\n")
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", script, str(locked)]), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout == f"cannot read checkpoint {locked}: Permission denied\n", result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_model_that_is_not_finite_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main

@@ -689,10 +689,13 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
      "error on rank 0: folder NO_AN4 does not exist (data.an4_source, AN4's folder; PRNN_AN4 sets its default)"),
     # A checkpoint that is not there, named before the data are read (the manifest here is missing too).
     (["train.resume=NO_AN4/last.pt"], 2, "checkpoint not found: NO_AN4/last.pt (train.resume)"),
+    (["train.resume=TMP/" + "x" * 300], 2,  # a name past the file system's 255 bytes ended in a traceback
+     "cannot read checkpoint TMP/" + "x" * 300 + ": File name too long (train.resume)"),
     (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):
-    overrides = [override.replace("NO_AN4", str(tmp_path / "no_an4")) for override in overrides]
+    overrides = [override.replace("NO_AN4", str(tmp_path / "no_an4")).replace("TMP", str(tmp_path))
+                 for override in overrides]
     result = train(tmp_path / "run", tmp_path / "absent.jsonl", *overrides, check=False, timeout=300)
     assert result.returncode == returncode, result.output[-2000:]
     # The error's own line: the config the trainer logs first names the same paths.

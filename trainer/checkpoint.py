@@ -91,13 +91,25 @@ def _reason(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
+def check_readable(path: Path) -> None:
+    """FileNotFoundError or ValueError naming `path` where it is no file this process can open: an absent one, a folder,
+    one it may not read or a name too long, each said as such rather than as a damaged checkpoint."""
+    try:
+        is_folder, is_file = path.is_dir(), path.is_file()
+        if is_file:  # only a file: opening a pipe would wait for a writer
+            open(path, "rb").close()
+    except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
+        raise ValueError(f"cannot read checkpoint {path}: {error.strerror or error}") from None
+    if is_folder:
+        raise ValueError(f"checkpoint {path} is a folder; name a .pt file in it")
+    if not is_file:
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"checkpoint {path} is a folder; name a .pt file in it")
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+    check_readable(path)
     try:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as archive:

@@ -255,10 +255,13 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     """train.resume: null starts afresh, a path resumes from that checkpoint, and "auto" from this run directory's
     last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
     Raises ValueError rather than start afresh over checkpoints already in the run directory: it would replace them,
-    and FileNotFoundError for a path that holds no file, before the data and the model are built."""
+    and for a path that holds no file it can read (FileNotFoundError where there is none), before the data and the
+    model are built."""
     if resume is not None and resume != "auto":
-        if not Path(resume).is_file():
-            raise FileNotFoundError(f"checkpoint not found: {resume} (train.resume)")
+        try:
+            checkpoint.check_readable(Path(resume))
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(f"{error} (train.resume)") from None
         if not is_own_checkpoint(Path(resume), run_dir):
             log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its "
                      "metrics.jsonl from the checkpoint's next step on and its best.pt from its own evaluations "
