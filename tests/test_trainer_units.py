@@ -1274,6 +1274,12 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
         "model.depth must be a positive integer")
     assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r")).startswith(
         "cannot write r/config.yaml: Disk quota exceeded")
+    # A file named in the config that cannot be opened (a manifest: no permission, a name too long) got a traceback.
+    assert user_error_message(PermissionError(errno.EACCES, "Permission denied", "m.jsonl"), Path("r")) == (
+        "cannot open m.jsonl: Permission denied")
+    with pytest.raises(OSError) as too_long:
+        open("x" * 300)
+    assert user_error_message(too_long.value, Path("r")) == f"cannot open {'x' * 300}: File name too long"
     assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
     assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
 

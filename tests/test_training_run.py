@@ -691,6 +691,8 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     (["train.resume=NO_AN4/last.pt"], 2, "checkpoint not found: NO_AN4/last.pt (train.resume)"),
     (["train.resume=TMP/" + "x" * 300], 2,  # a name past the file system's 255 bytes ended in a traceback
      "cannot read checkpoint TMP/" + "x" * 300 + ": File name too long (train.resume)"),
+    (["data.train_manifests=[TMP/" + "x" * 300 + "]"], 2,  # a manifest that cannot be opened ended in a traceback
+     "error on rank 0: cannot open TMP/" + "x" * 300 + ": File name too long"),
     (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):

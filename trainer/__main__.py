@@ -1,6 +1,6 @@
 """`python -m trainer [overrides]`: the Hydra entry point (configs in conf/; see conf/train.yaml).
 
-A user error (missing corpus or manifest, a bad config value, a full disk) prints one line and exits 2. Any other
+A user error (an input missing or unreadable, a bad config value, a full disk) prints one line and exits 2. Any other
 exception on any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a
 collective. A run stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every
 rank, as a process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it
@@ -105,14 +105,21 @@ def sweep_exit_code() -> int:
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+# What keeps a file named in the config from being opened, besides its absence: no permission (to it or a folder on its
+# way), a name past the file system's limit, a folder where a file should be or the reverse, a read-only file system.
+UNUSABLE_PATH = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EROFS)
 
 
 def user_error_message(error: Exception, run_dir: Path) -> str | None:
-    """One line for what the user fixes (a missing file, a value refused, a full disk), or None for anything else,
-    which gets its traceback."""
+    """One line for what the user fixes (a missing file, one that cannot be opened, a value refused, a full disk), or
+    None for anything else, which gets its traceback."""
     if isinstance(error, FileNotFoundError | ValueError):
         return str(error)
-    if not isinstance(error, OSError) or error.errno not in FULL_DISK:
+    if not isinstance(error, OSError):
+        return None
+    if error.errno in UNUSABLE_PATH and error.filename:
+        return f"cannot open {error.filename}: {error.strerror}"
+    if error.errno not in FULL_DISK:
         return None
     free = ""
     with contextlib.suppress(OSError):
