@@ -819,6 +819,20 @@ def test_a_checkpoint_of_the_persistent_backend_evaluates_anywhere(tmp_path):
     assert torch.isfinite(log_probs).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_checkpoint_whose_weights_were_stored_in_another_precision_runs_as_trained(tmp_path, dtype):
+    # Its weights were given to the model as they were stored: float32 features then met half-precision weights in
+    # "Input type (torch.FloatTensor) and weight type (torch.HalfTensor) should be the same", a traceback.
+    path = small_checkpoint(tmp_path / "small.pt")
+    saved = torch.load(path, weights_only=True)
+    torch.save({**saved, "model": {key: value.to(dtype) if value.is_floating_point() else value
+                                   for key, value in saved["model"].items()}}, tmp_path / "cast.pt")
+    features = torch.randn(2, 30, 40)
+    outputs = [build.from_checkpoint(checkpoint_path, torch.device("cpu"))[0](features, torch.tensor([30, 20]))[0]
+               for checkpoint_path in (path, tmp_path / "cast.pt")]
+    assert outputs[1].dtype == torch.float32 and relative_error(outputs[1], outputs[0]) < 0.05
+
+
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
     good = checkpoint.load(small_checkpoint(tmp_path / "good.pt"))
     wider = checkpoint.load(small_checkpoint(tmp_path / "wider.pt", "model.hidden=32"))

@@ -134,6 +134,10 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         reason = " ".join(lines[:2]) or type(error).__name__
         reason = reason if len(reason) <= 300 else reason[:297] + "..."
         raise ValueError(f"{path}: not a checkpoint of this trainer's model ({reason})") from error
+    # assign keeps the stored dtypes, which a copy into the built model would have cast: weights kept in half precision
+    # (to halve the file) met float32 features in a traceback. Before the check below: a float64 past float32's range
+    # becomes infinite.
+    network.float()
     not_finite = entries_not_finite(network)
     if not_finite:  # the trainer saves no such model (trainer.train.refuse_if_diverged): edited by hand
         raise ValueError(f"{path}: its model holds values that are not finite, in {not_finite}")
