@@ -1294,6 +1294,10 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
     with pytest.raises(OSError) as too_long:
         open("x" * 300)
     assert user_error_message(too_long.value, Path("r")) == f"cannot open {'x' * 300}: File name too long"
+    # An interpolation that does not resolve (a typo in an override or an experiment file) was three lines.
+    with pytest.raises(ValueError) as unresolved:
+        OmegaConf.select(OmegaConf.create({"model": {"hidden": "${nope}"}}), "model.hidden")
+    assert user_error_message(unresolved.value, Path("r")) == "model.hidden: Interpolation key 'nope' not found"
     assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
     assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
 

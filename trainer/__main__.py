@@ -28,6 +28,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
@@ -114,6 +115,8 @@ def user_error_message(error: Exception, run_dir: Path) -> str | None:
     """One line for what the user fixes (a missing file, one that cannot be opened, a value refused, a full disk), or
     None for anything else, which gets its traceback."""
     if isinstance(error, FileNotFoundError | ValueError):
+        if isinstance(error, OmegaConfBaseException) and error.full_key:  # an interpolation that does not resolve
+            return f"{error.full_key}: {str(error).splitlines()[0]}"  # its next lines: the key, its type
         return str(error)
     if not isinstance(error, OSError):
         return None
