@@ -875,6 +875,14 @@ def test_missing_checkpoint_names_the_path(tmp_path):
         checkpoint.load(tmp_path / "nope.pt")
 
 
+def test_a_pipe_given_as_a_checkpoint_is_said_to_be_no_file_not_missing(tmp_path):
+    # python -m trainer.transcribe --checkpoint <(ssh host cat best.pt) said "checkpoint not found: /dev/fd/63".
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)  # no writer: opening it would wait for one
+    with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(pipe))} is not a file \\(a pipe"):
+        checkpoint.load(pipe)
+
+
 def without_root_privilege(command: list[str]) -> list[str]:
     """`command` run so that file permissions hold for it: as root, without its power to read and enter anything."""
     if os.geteuid() != 0:

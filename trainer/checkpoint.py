@@ -9,6 +9,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import zipfile
 from pathlib import Path
 
@@ -93,17 +94,19 @@ def _reason(error: Exception) -> str:
 
 def check_readable(path: Path) -> None:
     """FileNotFoundError or ValueError naming `path` where it is no file this process can open: an absent one, a folder,
-    one it may not read or a name too long, each said as such rather than as a damaged checkpoint."""
+    a pipe, one it may not read or a name too long, each said as such rather than as a damaged checkpoint."""
     try:
-        is_folder, is_file = path.is_dir(), path.is_file()
-        if is_file:  # only a file: opening a pipe would wait for a writer
+        mode = path.stat().st_mode
+        if stat.S_ISREG(mode):  # only a file: opening a pipe would wait for a writer
             open(path, "rb").close()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint not found: {path}") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
         raise ValueError(f"cannot read checkpoint {path}: {error.strerror or error}") from None
-    if is_folder:
+    if stat.S_ISDIR(mode):
         raise ValueError(f"checkpoint {path} is a folder; name a .pt file in it")
-    if not is_file:
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not stat.S_ISREG(mode):  # torch.load seeks in it
+        raise ValueError(f"checkpoint {path} is not a file (a pipe, <(...), a device); save it to one and name that")
 
 
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
