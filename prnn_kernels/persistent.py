@@ -53,6 +53,9 @@ class Support:
     reason: str
 
 
+# Eager under torch.compile (a graph break in the module's forward): traced, it took the extension's loading and the
+# answers' cache apart, warning of each to a user who compiles a model.
+@torch.compiler.disable
 def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, device) -> Support:
     """Whether `persistent_layer` (forward and backward) can run this shape; answers on machines without CUDA too.
 

@@ -6,6 +6,7 @@ import json
 import math
 import pathlib
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -936,13 +937,17 @@ def test_a_second_derivative_through_the_persistent_layer_is_refused(cell, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_model_runs_its_persistent_layers_eagerly(dtype):
     """torch.compile traced into the layer and failed on its launch status's CUDA events ('expected event to be a
-    torch.Event object'): the layers run eagerly inside the compiled model, with the same outputs and gradients."""
+    torch.Event object'): the layers run eagerly inside the compiled model, with the same outputs and gradients, and
+    without Dynamo's warnings of what it met tracing into the support query (its cache, the extension's loading)."""
     torch.manual_seed(11)
     layer = modules.GRU(32, 64, bidirectional=True, backend="persistent").to(CUDA, dtype)
     x = torch.randn(9, 3, 32, device=CUDA, dtype=dtype, requires_grad=True)
     results = []
     for run in (layer, torch.compile(layer)):
-        output = run(x)[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output = run(x)[0]
+        assert [str(w.message) for w in caught if "Dynamo" in str(w.message)] == []
         results.append([output, *torch.autograd.grad(output.float().square().sum(), [x, *layer.parameters()])])
     persistent.raise_if_failed()
     for eager, compiled in zip(*results, strict=True):
