@@ -94,7 +94,14 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
     path = Path(path)
     if path.parent.exists() and not path.parent.is_dir():
         raise ValueError(f"{path.parent} is a file, not a folder to write the manifest {path.name} into")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as error:  # a symbolic link to nothing on the way (a scratch disk not mounted)
+        link = Path(error.filename)
+        if not link.is_symlink():
+            raise
+        raise ValueError(f"{link} is a symbolic link to {os.readlink(link)}, which does not exist: cannot write the "
+                         f"manifest {path.name} there") from None
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         with partial.open("w", encoding="utf-8") as out:

@@ -38,6 +38,16 @@ def test_a_failed_write_names_the_manifest_and_leaves_no_partial_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_that_is_a_symbolic_link_to_nothing_is_named_with_its_target(tmp_path):
+    """A manifest folder on a scratch disk that is not mounted: mkdir finds the link and calls it a file that exists."""
+    (tmp_path / "scratch").symlink_to(tmp_path / "unmounted" / "disk")
+    for folder in (tmp_path / "scratch", tmp_path / "scratch" / "an4"):  # the link itself, or a folder under it
+        with pytest.raises(ValueError) as error:
+            write_manifest(folder / "m.jsonl", [])
+        assert str(error.value) == (f"{tmp_path / 'scratch'} is a symbolic link to {tmp_path / 'unmounted' / 'disk'}, "
+                                    "which does not exist: cannot write the manifest m.jsonl there")
+
+
 def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
     path = tmp_path / "sub" / "m.jsonl"
     path.parent.mkdir()
