@@ -547,6 +547,16 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
         job.communicate()
 
 
+def test_a_checkpoint_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_training(tmp_path):
+    """checkpoints/ linked to a scratch disk that is not mounted: the first checkpoint failed, after an epoch's work."""
+    (tmp_path / "checkpoints").symlink_to(tmp_path / "unmounted")
+    with pytest.raises(ValueError) as error:
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    assert str(error.value) == (f"{tmp_path / 'checkpoints'} is a symbolic link to {tmp_path / 'unmounted'}, which "
+                                "does not exist: the run writes its checkpoints there")
+
+
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
     permissions do not stop, so the system's answer is played: a read-only file system gives the same."""

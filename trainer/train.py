@@ -321,6 +321,9 @@ def hold_run_directory(run_dir: Path, is_main: bool):
 
 
 def check_checkpoint_folder(folder: Path) -> None:
+    if folder.is_symlink() and not folder.exists():  # a scratch disk not mounted: the first save's mkdir would fail
+        raise ValueError(f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: the run writes "
+                         "its checkpoints there")
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is not a folder: the run writes its checkpoints there")
     writable = folder if folder.exists() else folder.parent
