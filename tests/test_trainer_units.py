@@ -557,6 +557,19 @@ def test_a_checkpoint_folder_that_is_a_symbolic_link_to_nothing_is_refused_befor
                                 "does not exist: the run writes its checkpoints there")
 
 
+@pytest.mark.parametrize("link", ["runs", "runs/name"])
+def test_a_run_directory_under_a_symbolic_link_to_nothing_names_the_link_and_its_target(link, tmp_path, capsys):
+    """runs/ (or the run's own folder) linked to a scratch disk that is not mounted: mkdir said only 'File exists'."""
+    (tmp_path / link).parent.mkdir(exist_ok=True)
+    (tmp_path / link).symlink_to(tmp_path / "unmounted")
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(str(tmp_path / "runs" / "name"))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: cannot make the run directory {tmp_path / 'runs' / 'name'}: "
+                                       f"{tmp_path / link} is a symbolic link to {tmp_path / 'unmounted'}, which does "
+                                       "not exist\n")
+
+
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
     permissions do not stop, so the system's answer is played: a read-only file system gives the same."""

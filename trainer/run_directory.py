@@ -26,9 +26,12 @@ def make_or_exit(directory: str) -> None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        print(f"error: cannot make the run directory {directory}: {error.strerror or error}"
-              + (f" ({error.filename})" if error.filename and str(error.filename) != directory else ""),
-              file=sys.stderr)
+        if isinstance(error, FileExistsError) and os.path.islink(error.filename):  # mkdir's word for a link to nothing
+            reason = f"{error.filename} is a symbolic link to {os.readlink(error.filename)}, which does not exist"
+        else:
+            reason = f"{error.strerror or error}" + (
+                f" ({error.filename})" if error.filename and str(error.filename) != directory else "")
+        print(f"error: cannot make the run directory {directory}: {reason}", file=sys.stderr)
         sys.exit(2)
     if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
         print(f"error: cannot write in the run directory {directory}", file=sys.stderr)
