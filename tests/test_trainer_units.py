@@ -42,8 +42,8 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, known_entries, load_optimizer_state, open_metrics, position_in_epochs, record_job,
-    recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
+    hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, open_metrics, position_in_epochs,
+    record_job, recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
 )
 
 
@@ -1379,6 +1379,25 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
                                              rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
                                              r"checkpoints .* would overwrite them; give this run another run_name"):
             continued_run_id(saved, outside, run_dir)
+
+
+def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(tmp_path, caplog):
+    """checkpoints/ a link to a larger disk: its checkpoints were taken for another run's, so a resume chose best.pt
+    afresh (the first evaluation after it replaced the best one) and one from before run ids was refused."""
+    run_dir, disk = tmp_path / "run", tmp_path / "disk" / "run"
+    disk.mkdir(parents=True)
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(disk)
+    (disk / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    for path in (run_dir / "checkpoints" / "last.pt", disk / "last.pt"):
+        assert is_own_checkpoint(path, run_dir)
+        continued_run_id({}, path, run_dir)  # from before run ids: its own file, whatever it holds
+        with caplog.at_level("INFO", logger="trainer.train"):
+            checkpoint_to_resume(str(path), run_dir)
+        assert "another run directory's checkpoint" not in caplog.text
+    (tmp_path / "copy.pt").write_bytes(b"")
+    assert not is_own_checkpoint(tmp_path / "copy.pt", run_dir)
 
 
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):

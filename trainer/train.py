@@ -333,7 +333,8 @@ def check_checkpoint_folder(folder: Path) -> None:
 
 
 def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
-    return path.resolve().parent.parent == run_dir.resolve()
+    """Whether `path` is a file of the run directory's checkpoints/, which may be a link to another disk."""
+    return path.resolve().parent == (run_dir / "checkpoints").resolve()
 
 
 def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter, overflows_pass: bool = False
