@@ -547,14 +547,17 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
         job.communicate()
 
 
-def test_a_checkpoint_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_training(tmp_path):
-    """checkpoints/ linked to a scratch disk that is not mounted: the first checkpoint failed, after an epoch's work."""
-    (tmp_path / "checkpoints").symlink_to(tmp_path / "unmounted")
+@pytest.mark.parametrize("folder, written", [("checkpoints", "its checkpoints"),
+                                             ("tensorboard", "its TensorBoard events")])
+def test_a_run_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_training(folder, written, tmp_path):
+    """Linked to a scratch disk that is not mounted: the first checkpoint failed after an epoch's work, saying 'File
+    exists', and TensorBoard's writer in a traceback."""
+    (tmp_path / folder).symlink_to(tmp_path / "unmounted")
     with pytest.raises(ValueError) as error:
         with hold_run_directory(tmp_path, is_main=True):
             pass
-    assert str(error.value) == (f"{tmp_path / 'checkpoints'} is a symbolic link to {tmp_path / 'unmounted'}, which "
-                                "does not exist: the run writes its checkpoints there")
+    assert str(error.value) == (f"{tmp_path / folder} is a symbolic link to {tmp_path / 'unmounted'}, which does not "
+                                f"exist: the run writes {written} there")
 
 
 @pytest.mark.parametrize("link", ["runs", "runs/name"])

@@ -317,13 +317,20 @@ def hold_run_directory(run_dir: Path, is_main: bool):
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
         check_checkpoint_folder(run_dir / "checkpoints")
+        refuse_link_to_nothing(run_dir / "tensorboard", "its TensorBoard events")
         yield
 
 
-def check_checkpoint_folder(folder: Path) -> None:
-    if folder.is_symlink() and not folder.exists():  # a scratch disk not mounted: the first save's mkdir would fail
+def refuse_link_to_nothing(folder: Path, written: str) -> None:
+    """ValueError where `folder` is a symbolic link to nothing (a scratch disk not mounted): the run makes the folder
+    only when it first writes there, and mkdir fails on the link, saying only 'File exists'."""
+    if folder.is_symlink() and not folder.exists():
         raise ValueError(f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: the run writes "
-                         "its checkpoints there")
+                         f"{written} there")
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    refuse_link_to_nothing(folder, "its checkpoints")
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is not a folder: the run writes its checkpoints there")
     writable = folder if folder.exists() else folder.parent
