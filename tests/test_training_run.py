@@ -151,6 +151,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     assert "final test WER" not in whole_run.stdout
     first = train(tmp_path / "split", utterances, *common, "train.max_steps=3")
     assert "stopped at step 3 (train.max_steps), before this job's first evaluation" in first.stdout, first.stdout
+    assert ("stopped at step 3 (train.max_steps); train.resume=auto under the same run_name and a higher "
+            "train.max_steps (or null) continues it from") in first.output  # the same limit again trains nothing
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")
     resumed = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
@@ -618,7 +620,8 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
         # Named by its overrides, less those that do not change what it trains (run again below: a higher max_steps).
         assert folder.parent == tmp_path / "runs" / "sw" and "train.max_steps" not in folder.name, folder
         hint = ("the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) "
-                f"with run_name=sw train.resume=auto continues it from {folder / 'checkpoints' / 'last.pt'}")
+                "with run_name=sw train.resume=auto and a higher train.max_steps (or null) continues it from "
+                f"{folder / 'checkpoints' / 'last.pt'}")  # the same train.max_steps again trains nothing
         assert hint in first.output
 
     again = sweep(tmp_path, manifest, "model.cell=relu,gru", "train.max_steps=2", "train.resume=auto", "run_name=sw")

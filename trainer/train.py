@@ -373,6 +373,14 @@ def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
                          "optim.lr or train.grad_clip_norm may keep it finite)")
 
 
+def how_to_continue(continue_with: str, stopped_by: str) -> str:
+    """What continues a stopped run, for its last log line: where train.max_steps stopped it, the same limit again
+    trains nothing."""
+    if stopped_by == "train.max_steps":
+        return f"{continue_with} and a higher train.max_steps (or null)"
+    return continue_with
+
+
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -915,8 +923,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
             result["stopped_at_step"] = state["step"]
-            log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by, continue_with,
-                     run_dir / "checkpoints" / "last.pt")
+            log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by,
+                     how_to_continue(continue_with, stopped_by), run_dir / "checkpoints" / "last.pt")
             break
 
         trained_s = time.perf_counter() - started
@@ -973,8 +981,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             stopped_by = stop_for(requests, env.world_size, result) if requests else None
         if stopped_by:
             result["stopped_at_step"] = state["step"]
-            log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by, continue_with,
-                     run_dir / "checkpoints" / "last.pt")
+            log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by,
+                     how_to_continue(continue_with, stopped_by), run_dir / "checkpoints" / "last.pt")
             break
 
     if env.is_main:
