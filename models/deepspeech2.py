@@ -165,10 +165,18 @@ class DeepSpeech2(nn.Module):
         super().__init__()
         if cell not in CELLS:
             raise ValueError(f"DeepSpeech2: cell={cell!r} is not one of {CELLS}")
-        if depth < 1:
-            raise ValueError(f"DeepSpeech2: depth={depth} must be at least 1")
-        if lookahead < 0:
-            raise ValueError(f"DeepSpeech2: lookahead={lookahead} must be at least 0")
+        # Checked here, by the names a caller gave: torch.nn names a zero conv_channels or num_features input_size,
+        # and takes a float size or a string flag ("no" is true) deep inside a layer, or not at all.
+        sizes = dict(num_features=num_features, num_classes=num_classes, depth=depth, hidden=hidden,
+                     conv_channels=conv_channels, lookahead=lookahead)
+        for name, value in sizes.items():
+            least = 0 if name == "lookahead" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"DeepSpeech2: {name}={value!r} must be an integer of at least {least}")
+        flags = dict(bidirectional=bidirectional, residual=residual, batch_norm=batch_norm)
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"DeepSpeech2: {name}={value!r} must be True or False")
         self.residual = residual
         self.front_end = ConvFrontEnd(num_features, conv_channels, batch_norm)
         self.time_stride = self.front_end.time_stride

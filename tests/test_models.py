@@ -1,4 +1,6 @@
 """DeepSpeech2: shapes, output lengths, padding masked everywhere, deep residual stacks, backends, synced batch norm."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,6 +201,24 @@ def test_invalid_arguments_are_rejected():
         DeepSpeech2(NUM_FEATURES, NUM_CLASSES, depth=0)
     with pytest.raises(ValueError, match="backend='fast'"):
         DeepSpeech2(NUM_FEATURES, NUM_CLASSES, hidden=8, backend="fast")
+
+
+@pytest.mark.parametrize("argument, value, must_be", [
+    ("conv_channels", 0, "an integer of at least 1"),  # torch.nn named it input_size
+    ("num_features", 0, "an integer of at least 1"),
+    ("num_classes", 0, "an integer of at least 1"),  # built a model of empty outputs
+    ("hidden", 8.0, "an integer of at least 1"),
+    ("depth", True, "an integer of at least 1"),
+    ("lookahead", 1.5, "an integer of at least 0"),  # a TypeError from inside torch.empty
+    ("bidirectional", "no", "True or False"),  # a true string: it built both directions
+    ("residual", "no", "True or False"),
+    ("batch_norm", None, "True or False"),
+])
+def test_arguments_are_checked_by_their_own_names(argument, value, must_be):
+    arguments = dict(num_features=NUM_FEATURES, num_classes=NUM_CLASSES, hidden=8, bidirectional=False)
+    arguments[argument] = value
+    with pytest.raises(ValueError, match=re.escape(f"DeepSpeech2: {argument}={value!r} must be {must_be}")):
+        DeepSpeech2(**arguments)
 
 
 @pytest.mark.parametrize("channel_dim", [1, 2])
