@@ -868,3 +868,9 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
     with pytest.raises(ValueError, match="ran on NVIDIA H100 80GB HBM3, this run on NVIDIA H200: an efficiency"):
         read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H200")
     assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
+
+
+def test_ranks_that_share_a_gpu_are_counted_on_it():
+    assert [distributed.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
+    assert [distributed.ranks_sharing_gpu(gpu, 5, 2) for gpu in range(2)] == [3, 2]  # rank_gpu's 0, 1, 0, 1, 0
+    assert distributed.ranks_sharing_gpu(0, 8, 1) == 8

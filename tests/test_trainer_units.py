@@ -1471,3 +1471,18 @@ def test_run_names_hydra_parses_as_numbers_are_names_too():
     for name in (None, True, "", "..", "a/b"):
         with pytest.raises(SystemExit):
             check_run_name(name)
+
+
+def test_a_model_that_fits_the_device_alone_is_refused_where_ranks_share_it():
+    """Each rank holds its own weights, gradients and optimizer state: ranks on one CPU (or sharing a GPU,
+    distributed.share_gpus) each passed the check against the whole device, and together ran it out of memory."""
+    cfg = compose_config(["experiment=cpu_demo"])
+    num_features = build.features(cfg.data).num_features
+    with torch.device("meta"):
+        num_parameters = sum(p.numel() for p in build.model(cfg.model, num_features).parameters())
+    needed = num_parameters * build.STATE_BYTES_PER_PARAMETER[cfg.optim.name]
+    cpu = torch.device("cpu")
+    too_many = 2 * (build.device_memory(cpu) // needed) + 2  # twice over: the memory available moves between reads
+    build.check_model_fits(cfg.model, cfg.optim.name, num_features, cpu, ranks_on_device=too_many // 4)
+    with pytest.raises(ValueError, match=rf"GiB cpu has for it \(.* GiB shared by {too_many} ranks\)"):
+        build.check_model_fits(cfg.model, cfg.optim.name, num_features, cpu, ranks_on_device=too_many)

@@ -56,20 +56,24 @@ def device_memory(device: torch.device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, device: torch.device) -> None:
+def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, device: torch.device,
+                     ranks_on_device: int = 1) -> None:
     """Raises ValueError naming the model's size settings where its weights, their gradients and the optimizer's state
-    alone need more than the device has for them. Counted on the meta device, so nothing is allocated: the real
-    allocation would end in a traceback, at the build or at the first step, or on a CPU in the out-of-memory killer."""
+    alone need more than the device has for them, each of the `ranks_on_device` ranks that share it holding its own
+    copy. Counted on the meta device, so nothing is allocated: the real allocation would end in a traceback, at the
+    build or at the first step, or on a CPU in the out-of-memory killer."""
     with torch.device("meta"):
         num_parameters = sum(parameter.numel() for parameter in model(model_cfg, num_features).parameters())
-    needed, available = num_parameters * STATE_BYTES_PER_PARAMETER[optim_name], device_memory(device)
+    needed, memory = num_parameters * STATE_BYTES_PER_PARAMETER[optim_name], device_memory(device)
+    available = memory // ranks_on_device
     if needed > available:
+        shared = f" ({memory / 2**30:,.1f} GiB shared by {ranks_on_device} ranks)" if ranks_on_device > 1 else ""
         sizes = f"model.depth={model_cfg.depth} model.hidden={model_cfg.hidden} model.cell={model_cfg.cell}"
         sizes += f" model.conv_channels={model_cfg.conv_channels}"
         sizes += "" if model_cfg.bidirectional else f" model.lookahead={model_cfg.lookahead}"
         raise ValueError(f"the model ({sizes}) has {num_parameters / 1e6:,.1f}M parameters, whose weights, gradients "
                          f"and {optim_name} state need {needed / 2**30:,.1f} GiB, more than the "
-                         f"{available / 2**30:,.1f} GiB {device} has for it")
+                         f"{available / 2**30:,.1f} GiB {device} has for it{shared}")
 
 
 def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:

@@ -44,6 +44,7 @@ class DistEnv:
     rank: int
     world_size: int
     device: torch.device
+    ranks_on_device: int = 1  # this rank's and those that share its device's memory (a CPU's, or a shared GPU's)
 
     @property
     def is_main(self) -> bool:
@@ -124,6 +125,13 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
     return local_rank % num_gpus
 
 
+def ranks_sharing_gpu(gpu: int, ranks_on_node: int, num_gpus: int) -> int:
+    """How many of the node's `ranks_on_node` ranks rank_gpu puts on GPU `gpu`."""
+    if ranks_on_node <= num_gpus:
+        return 1
+    return len(range(gpu, ranks_on_node, num_gpus))
+
+
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     """Environment defaults, read when NCCL's process group starts, under which a collective past timeout_s ends the
     process. NCCL's watchdog sees the timeout but then stalls (2 x H100, torch 2.11: a rank whose peer had stopped
@@ -170,12 +178,13 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
     if use_cuda:
         num_gpus = torch.cuda.device_count()
         rank_device = torch.device("cuda", rank_gpu(local_rank, ranks_on_node, num_gpus, share_gpus))
+        ranks_on_device = ranks_sharing_gpu(rank_device.index, ranks_on_node, num_gpus)
         torch.cuda.set_device(rank_device)
         if ranks_on_node <= num_gpus:  # otherwise ranks share GPUs, which NCCL refuses
             backend = "nccl"
             end_nccl_timeouts_promptly(timeout_s)
     else:
-        rank_device = torch.device("cpu")
+        rank_device, ranks_on_device = torch.device("cpu"), ranks_on_node
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     dist.init_process_group(
@@ -188,7 +197,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
     )
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d", rank, world_size, local_rank,
              rank_device, dist.get_backend(), address, port)
-    return DistEnv(rank, world_size, rank_device)
+    return DistEnv(rank, world_size, rank_device, ranks_on_device)
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, graphed: bool, **options) -> DistributedDataParallel:

@@ -713,7 +713,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
 
     prepare_manifests(cfg.data, env)
     features = build.features(cfg.data)
-    build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device)
+    build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
     model = build.model(cfg.model, features.num_features).to(env.device)
     masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
     augment = SpecAugment(**masks) if cfg.data.augment.enabled else None
