@@ -697,6 +697,9 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     (["data.train_manifests=[TMP/" + "x" * 300 + "]"], 2,  # a manifest that cannot be opened ended in a traceback
      "error on rank 0: cannot open TMP/" + "x" * 300 + ": File name too long"),
     (["model.hidden=${nope}"], 2, "error on rank 0: model.hidden: Interpolation key 'nope' not found"),  # 3 lines
+    # Named under its group (it was 'hop_ms=1000 ...'), and before the corpus is read (preparing it takes minutes).
+    (["data.features.hop_ms=1000", "data.an4_source=NO_AN4"], 2,
+     "error on rank 0: data.features: hop_ms=1000 is longer than window_ms=20"),
     (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):

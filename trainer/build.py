@@ -14,7 +14,10 @@ OPTIMIZERS = ("sgd", "adamw")
 
 
 def features(data_cfg: DictConfig) -> FeatureExtractor:
-    return FeatureExtractor(**OmegaConf.to_container(data_cfg.features, resolve=True))
+    try:
+        return FeatureExtractor(**OmegaConf.to_container(data_cfg.features, resolve=True))
+    except ValueError as error:  # it names its own arguments: hop_ms, n_mels
+        raise ValueError(f"data.features: {error}") from None
 
 
 def uses_amp(amp: str, device: torch.device) -> bool:

@@ -711,8 +711,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
+    features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
     prepare_manifests(cfg.data, env)
-    features = build.features(cfg.data)
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
     model = build.model(cfg.model, features.num_features).to(env.device)
     masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
