@@ -30,6 +30,7 @@ all-gather inside the node; the in-node reduce-scatter plus all-gather cost exac
 import argparse
 import bisect
 import json
+import math
 import shlex
 import sys
 from dataclasses import asdict, dataclass
@@ -103,19 +104,22 @@ class Measurement:
             raise ValueError(f"{path} is not JSON: {error}") from None
         if not isinstance(data, dict) or data.get("benchmark") != "scaling":
             raise ValueError(f"{path} is not a benchmarks.scaling JSON (no \"benchmark\": \"scaling\")")
-        try:
-            points = sorted((entry["per_rank_batch"], entry["median_ms"]) for entry in data["compute"])
-            self.gradient_bytes = data["model"]["gradient_bytes"]
-            self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
-            self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
-            self.world_size = data["world_size"]
-            self.cuda_graphs = data["config"].get("cuda_graphs", False)
-        except KeyError as error:
-            raise ValueError(f"{path} lacks {error}, which benchmarks.scaling writes") from None
+        points = sorted((entry["per_rank_batch"], entry["median_ms"]) for entry in data["compute"])
+        self.gradient_bytes = data["model"]["gradient_bytes"]
+        self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
+        self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
+        self.world_size = data["world_size"]
+        self.cuda_graphs = data["config"].get("cuda_graphs", False)
         self.batches = [batch for batch, _ in points]
         self.compute_times_ms = [ms for _, ms in points]
         if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
             raise ValueError(f"{path}: the compute measure needs at least two distinct per-rank batches")
+        # A zero time divides the efficiency by zero, and a NaN (which json reads) would fill the projection with NaN.
+        if not all(0 < ms < math.inf for ms in self.compute_times_ms):
+            raise ValueError(f"{path}: the compute times must be positive and finite, got {self.compute_times_ms} ms")
+        if not self.bucket_bytes > 0:
+            raise ValueError(f"{path}: model.ddp_bucket_cap_mb must be positive, got "
+                             f"{data['model']['ddp_bucket_cap_mb']}")
         self.data = data
 
     def compute_ms(self, batch: float) -> float:
@@ -146,7 +150,11 @@ class Measurement:
         """The fraction of the flat allreduce's time that DDP hid in the measured step, from a run on several GPUs."""
         if self.data["world_size"] == 1:
             return None
-        hidden = 1 - self.data["exposed_communication_ms"] / self.data["allreduce"]["median_ms"]
+        exposed_ms, allreduce_ms = self.data["exposed_communication_ms"], self.data["allreduce"]["median_ms"]
+        if not (0 < allreduce_ms < math.inf and math.isfinite(exposed_ms)):
+            raise ValueError(f"{self.path}: allreduce.median_ms must be positive and exposed_communication_ms finite, "
+                             f"got {allreduce_ms} and {exposed_ms}")
+        hidden = 1 - exposed_ms / allreduce_ms
         return min(max(hidden, 0.0), 1.0)
 
 
@@ -412,10 +420,18 @@ def main(argv=None) -> int:
         if measurement.world_size > cluster.gpus_per_node and measurement.world_size % cluster.gpus_per_node:
             raise ValueError(f"the measured run's {measurement.world_size} GPUs are not whole nodes of "
                              f"--gpus-per-node {cluster.gpus_per_node}")
+        # All else the projection reads from the measurement, read now: a file without it is refused before any is
+        # written, not part way through them.
+        measured_overlap = measurement.measured_overlap()
+        assumed = {"command": shlex.join(["python", "-m", "benchmarks.scaling_model", *argv]),
+                   **assumptions(measurement, cluster, args.backward_share)}
+        check = model_check(measurement, cluster, args.backward_share)
+    except KeyError as error:
+        print(f"error: {args.measured} lacks {error}, which benchmarks.scaling writes", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    measured_overlap = measurement.measured_overlap()
     overlaps = args.overlap or ([measured_overlap, 0.0, 1.0] if measured_overlap is not None else [0.0, 0.5, 1.0])
     overlaps = list(dict.fromkeys(overlaps))  # a measured 0 or 1 would otherwise draw the same curve twice
     rows, left_out = projection(
@@ -424,9 +440,6 @@ def main(argv=None) -> int:
     if not rows:
         print("error: no --global-batch is divisible by any --gpus count", file=sys.stderr)
         return 2
-    assumed = {"command": shlex.join(["python", "-m", "benchmarks.scaling_model", *argv]),
-               **assumptions(measurement, cluster, args.backward_share)}
-    check = model_check(measurement, cluster, args.backward_share)
 
     out = Path(args.out)
     try:

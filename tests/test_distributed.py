@@ -8,6 +8,7 @@ its test, with the job killed, instead of stalling CI.
 """
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -818,6 +819,30 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
     measured.write_text(json.dumps(six_gpus))
     assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out"), *arguments]) == 2
     assert capsys.readouterr().err == f"error: {complaint}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, complaint", [
+    (lambda data: data["config"].pop("model_config"), " lacks 'model_config', which benchmarks.scaling writes"),
+    (lambda data: data.pop("device"), " lacks 'device', which benchmarks.scaling writes"),
+    (lambda data: data.update(world_size=2), " lacks 'exposed_communication_ms', which benchmarks.scaling writes"),
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 0.0}),
+     ": allreduce.median_ms must be positive and exposed_communication_ms finite, got 0.0 and 1.0"),
+    (lambda data: data["compute"][0].update(median_ms=0.0), ": the compute times must be positive and finite"),
+    (lambda data: data["compute"][0].update(median_ms=math.nan), ": the compute times must be positive and finite"),
+    (lambda data: data["model"].update(ddp_bucket_cap_mb=0), ": model.ddp_bucket_cap_mb must be positive, got 0"),
+])
+def test_scaling_model_refuses_a_measurement_it_cannot_project_before_writing(tmp_path, capsys, edit, complaint):
+    """Keys read after the first ones ended in a KeyError traceback, part of the files written; a zero time in
+    ZeroDivisionError; a NaN one (json reads it) in a projection of NaN efficiencies, written as JSON's non-standard
+    NaN."""
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[])
+    data = json.loads(measured.read_text())
+    edit(data)
+    measured.write_text(json.dumps(data))
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {measured}{complaint}")
     assert not (tmp_path / "out").exists()
 
 
