@@ -52,13 +52,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def read_jsonl(path: Path) -> list[dict]:
     """The records of one of a run's JSON-lines files; none where the run has not written it yet. A line a killed job
-    left half written is skipped, as the trainer skips it when it resumes."""
+    left half written, or one that is no JSON object, is skipped, as the trainer skips it when it resumes."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -76,7 +78,8 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     """The run's test evaluations so far, from its metrics.jsonl: epochs, last and best WER, last CER, and the
     seconds the run has spent training and evaluating, over all the jobs it took. With at_epoch, the run as it stood
     after that epoch; a run that has not evaluated it yet has its epochs so far and no WER. An evaluation that could
-    not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances."""
+    not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances; so is one
+    whose WER is no number (null, NaN)."""
     evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
     planned = planned_epochs(run_dir)
@@ -84,8 +87,8 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     unfinished = {"unfinished": planned is not None and epochs < planned} if at_epoch is None else {}
     if at_epoch is not None:
         evaluated = [line for line in evaluated if line["epoch"] <= at_epoch] if epochs >= at_epoch else []
-    partial = [line["epoch"] for line in evaluated if line.get("eval_unreadable")]
-    evaluated = [line for line in evaluated if not line.get("eval_unreadable")]
+    partial = [line["epoch"] for line in evaluated if not over_the_whole_test_set(line)]
+    evaluated = [line for line in evaluated if over_the_whole_test_set(line)]
     if not evaluated:
         return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None,
                 "partial_epochs": partial, **unfinished}
@@ -93,6 +96,13 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"],
             "partial_epochs": partial, **unfinished}
+
+
+def over_the_whole_test_set(evaluation: dict) -> bool:
+    """Whether a metrics.jsonl evaluation has a WER over the whole test set: it read every utterance, and its WER is a
+    finite number (the trainer writes null where it read none; a NaN would make every mean and difference NaN)."""
+    wer = evaluation["eval_wer"]
+    return not evaluation.get("eval_unreadable") and isinstance(wer, (int, float)) and math.isfinite(wer)
 
 
 def devices(run_dir: Path) -> list[str]:
@@ -282,7 +292,7 @@ def main(argv=None) -> None:
                   "left out of the means (--at-epoch compares runs where all of them got to)")
         if row["partial_epochs"]:
             print(f"{row['run']}: left out the evaluations after epochs {row['partial_epochs']}, which could not "
-                  "read the whole test set (eval_unreadable)")
+                  "read the whole test set (eval_unreadable) or have no WER (null, NaN)")
     print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0] + ', paired':>22}")
     for entry in summary:
         versus = ""

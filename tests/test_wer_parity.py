@@ -113,6 +113,26 @@ def test_evaluations_leave_out_those_over_part_of_the_test_set(tmp_path):
     assert evaluations(tmp_path / "run", at_epoch=1)["partial_epochs"] == []
 
 
+def test_report_leaves_out_evaluations_without_a_wer_and_lines_that_are_no_object(tmp_path):
+    """A null WER (the trainer's where it read no test utterance) ended the report in TypeError, a NaN one (which json
+    reads) in statistics' AttributeError, and a line that is JSON but no object in TypeError."""
+    runs = tmp_path / "runs"
+    write_metrics(runs / "x-cudnn-s1", [50.0, math.nan])
+    write_metrics(runs / "x-persistent-s1", [40.0, 30.0])
+    with open(runs / "x-persistent-s1" / "metrics.jsonl", "a") as metrics:
+        metrics.write('7\n{"epoch": 3, "eval_wer": null, "eval_cer": null, "elapsed_s": 15.0}\n')
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs),
+                     "--json", str(tmp_path / "wer.json")])
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not strict JSON")
+
+    result = json.loads((tmp_path / "wer.json").read_text(), parse_constant=refuse)
+    assert [(run["last_wer"], run["best_wer"], run["partial_epochs"]) for run in result["runs"]] == [
+        (50.0, 50.0, [2]), (30.0, 30.0, [3])]
+    assert result["summary"][1]["difference"] == -20.0
+
+
 def test_evaluations_at_an_epoch_give_the_run_as_it_stood_then(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 60.0])
     assert evaluations(tmp_path / "run", at_epoch=2) == {"epochs": 2, "last_wer": 70.0, "last_cer": 35.0,
