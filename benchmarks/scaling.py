@@ -26,6 +26,7 @@ Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of t
 """
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -136,6 +137,10 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
     if str(baseline.get("device")).split(" (")[0] != device.split(" (")[0]:
         raise ValueError(f"--baseline {path} ran on {baseline.get('device')}, this run on {device}: an efficiency "
                          "compares one kind of device")
+    # Read after every measure: without it the run ended in a traceback there, its results not written.
+    step_ms = baseline["step"].get("median_ms") if isinstance(baseline.get("step"), dict) else None
+    if not (isinstance(step_ms, (int, float)) and 0 < step_ms < math.inf):
+        raise ValueError(f"--baseline {path} has no positive step time (step.median_ms), the efficiency's t(1)")
     return baseline
 
 

@@ -892,6 +892,15 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
                                                    "device": "NVIDIA H100 80GB HBM3"}))
     with pytest.raises(ValueError, match="ran on NVIDIA H100 80GB HBM3, this run on NVIDIA H200: an efficiency"):
         read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H200")
+    # Its step time is read after every measure, where a baseline without one ended the run in a KeyError, unwritten.
+    with pytest.raises(ValueError, match="h100.json has no positive step time"):
+        read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
+    h100 = json.loads((tmp_path / "h100.json").read_text())
+    for step_ms in (0.0, math.nan):
+        (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": step_ms}}))
+        with pytest.raises(ValueError, match="h100.json has no positive step time"):
+            read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
+    (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": 12.5}}))
     assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
 
 
