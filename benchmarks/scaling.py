@@ -46,7 +46,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import json_output
+from trainer.cli import int_at_least, json_output, positive_int
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -270,10 +270,12 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="of the recurrent layers")
     parser.add_argument("--cell", choices=CELLS, help="recurrent cell instead of the recipe's")
     parser.add_argument("--global-batch", type=int, default=8, help="utterances per step over all ranks")
-    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per measure")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measure")
-    parser.add_argument("--compute-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+    parser.add_argument("--frames", type=int_at_least(10), default=300,
+                        help="feature frames of the longest utterance (10 ms each)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per measure")
+    parser.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps before each measure")
+    parser.add_argument("--compute-batches", type=positive_int, nargs="+",
+                        default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                         help="per-rank batches of the compute-only measure (the projection's range)")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -290,8 +292,6 @@ def main(argv=None) -> None:
         raise ValueError(
             f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
         )
-    if min(args.compute_batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
-        raise ValueError("--compute-batches and --steps must be positive, --warmup at least 0, --frames at least 10")
     if args.cuda_graphs and args.warmup < 1:
         raise ValueError("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     device = env.device

@@ -31,7 +31,7 @@ from benchmarks.scaling import MODELS, compose_config, random_batch, summary, ti
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import json_output
+from trainer.cli import int_at_least, json_output, positive_int
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
@@ -121,18 +121,17 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["an4", "deep"])
     parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference"),
                         default=["cudnn", "persistent"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    parser.add_argument("--batches", nargs="+", type=positive_int, default=[1, 4, 8, 16, 32])
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also time each backend but cuDNN with the model's passes replayed from CUDA graphs")
-    parser.add_argument("--frames", type=int, default=300, help="feature frames of the longest utterance (10 ms each)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per point")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each point")
+    parser.add_argument("--frames", type=int_at_least(10), default=300,
+                        help="feature frames of the longest utterance (10 ms each)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per point")
+    parser.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps before each point")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", type=json_output, help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
-    if min(args.batches) < 1 or args.steps < 1 or args.warmup < 0 or args.frames < 10:
-        sys.exit("--batches and --steps must be positive, --warmup at least 0, --frames at least 10")
     if args.cuda_graphs and args.warmup < 1:
         sys.exit("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     if not torch.cuda.is_available():

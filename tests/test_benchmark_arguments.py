@@ -14,6 +14,12 @@ from conftest import REPO_ROOT
     ("benchmarks.rnn_kernels", ["--batches", "4", "-1"], "argument --batches: must be at least 1, not -1"),
     ("benchmarks.rnn_stack", ["--depths", "0", "2"], "argument --depths: must be at least 1, not 0"),
     ("benchmarks.rnn_stack", ["--batch", "0"], "argument --batch: must be at least 1, not 0"),
+    # These two named no value: "--batches and --steps must be positive, --warmup at least 0, --frames at least 10".
+    ("benchmarks.train_step", ["--batches", "4", "0"], "argument --batches: must be at least 1, not 0"),
+    ("benchmarks.train_step", ["--frames", "5"], "argument --frames: must be at least 10, not 5"),
+    ("benchmarks.scaling", ["--compute-batches", "0"], "argument --compute-batches: must be at least 1, not 0"),
+    ("benchmarks.scaling", ["--warmup", "-1"], "argument --warmup: must be at least 0, not -1"),
+    ("benchmarks.scaling", ["--steps", "x"], "argument --steps: invalid integer value: 'x'"),
 ])
 def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complaint):
     result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -9,11 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argument type: an integer of at least `minimum`, a smaller one refused naming it."""
+    def integer(text: str) -> int:  # argparse names the function in "invalid integer value: 'x'"
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+    return integer
+
+
+positive_int = int_at_least(1)
 
 
 def finite_float(text: str) -> float:
