@@ -186,6 +186,23 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_in_a_sweep_every_jobs_log_is_rank_0s(an4_slice, tmp_path):
+    """Hydra sets up logging again for each job of a sweep: rank 1 adds only its warnings, errors and start line to
+    the second job's log too, not its own copy of every line."""
+    command = trainer_command(an4_slice, tmp_path, 2, "train.epochs=1", "seed=1,2", "run_name=sweep",
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    command.insert(command.index("trainer") + 1, "-m")
+    code, output = run_job(command, TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    logs = sorted((tmp_path / "sweep").glob("*/__main__.log"))
+    assert len(logs) == 2, output
+    for log in (path.read_text() for path in logs):
+        assert log.count("utterances from") == 2, log
+        rank_1 = [line for line in log.splitlines() if "[rank 1]" in line]
+        assert all("[WARNING]" in line or "[ERROR]" in line or "[rank 1] rank 1 of 2" in line for line in rank_1), log
+
+
+@needs_mpiexec
 def test_a_bad_value_the_distributed_start_takes_is_one_line_on_every_rank(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
     assert code != 0 and "Traceback" not in output, output

@@ -158,10 +158,13 @@ def leave_the_log_to_rank_0(rank: int) -> None:
     """Hydra gives every rank the console and the run's log file, where rank 0 speaks for the job (its lines count
     every rank's work). Other ranks add only their start line (trainer.distributed: their device and rendezvous) and
     their warnings and errors, tagged with their rank, rather than each line again untagged."""
-    if rank == 0 or getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: done
+    if rank == 0:
         return
+    # Again for each job of a sweep: Hydra sets the levels up anew for every job.
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger(distributed.__name__).setLevel(logging.INFO)
+    if getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: its records tagged already
+        return
     make_record = logging.getLogRecordFactory()
 
     def tagged_record(*args, **kwargs):
