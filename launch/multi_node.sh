@@ -27,6 +27,14 @@ first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "
 [[ -n $first_slots ]] || {
     echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '$first_line'" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
+# The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a
+# parse error of its own.
+read -r launcher _ <<< "${MPIRUN:-mpirun}"
+if "$launcher" --version 2> /dev/null | grep -q HYDRA; then
+    echo "MPIRUN '${MPIRUN:-mpirun}' is MPICH's launcher: launch/multi_node.sh runs OpenMPI's mpirun (its hostfile," \
+         "-x and --map-by); set MPIRUN to OpenMPI's" >&2
+    exit 2
+fi
 
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
 for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made

@@ -382,6 +382,19 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
 
 
+@needs_mpiexec
+def test_the_multi_node_script_refuses_mpichs_launcher_naming_it(tmp_path):
+    """launch/multi_node.sh passes OpenMPI's options (-x, --map-by); MPICH's mpiexec, which pip's mpich installs as
+    mpirun too, stopped on them with a parse error of its own, exit code 255."""
+    if "HYDRA" not in subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("this mpiexec is not MPICH's")
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=2\n")
+    refused = launch_script("multi_node.sh", str(hosts), "2", "experiment=cpu_demo", MPIRUN=f"{MPIEXEC} -v")
+    assert refused.returncode == 2, refused.stderr
+    assert f"MPIRUN '{MPIEXEC} -v' is MPICH's launcher: launch/multi_node.sh" in refused.stderr, refused.stderr
+
+
 RANK_STAND_IN = """
 import os, signal, sys, time
 from pathlib import Path
