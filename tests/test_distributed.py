@@ -540,6 +540,16 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
 
+def test_the_slurm_script_run_outside_a_slurm_job_says_so():
+    """Run by hand (bash launch/slurm.sbatch) it ended on bash's "SLURM_JOB_ID: unbound variable", exit code 1."""
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, env=environment)
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr == ("launch/slurm.sbatch runs as a Slurm batch job, which it is not here: "
+                          "sbatch [options] launch/slurm.sbatch [trainer overrides...]\n"), ran.stderr
+
+
 def test_the_slurm_script_asks_for_the_time_limits_signal_and_may_be_requeued():
     """sbatch reads its options from the script's #SBATCH lines, up to the first command."""
     options = []
