@@ -330,7 +330,11 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
     result = subprocess.run([sys.executable, "-c", "from trainer import distributed; distributed.init('cpu')"],
                             cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS)" in result.stderr, result.stderr
+    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS=2)" in result.stderr, result.stderr
+    # The same where no launcher started the process and the variable is left from one that started its shell (a
+    # shell of `srun -n 4 --pty bash`): the message blamed the MPI library alone.
+    assert "or SLURM_STEP_NUM_TASKS is left over from a launcher that did not start this process (unset it)" in (
+        result.stderr), result.stderr
 
 
 def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():

@@ -161,10 +161,12 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         rank, world_size, local_rank, ranks_on_node, world = _ranks_from_mpi()
         launched_size = _ranks_from_launcher()[1]
         if world_size != launched_size:  # else each process would train alone, all into one run directory
+            variable = _launcher_variables()[1]
             raise ValueError(
                 f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
-                f"({_launcher_variables()[1]}): the MPI library mpi4py loaded is not the launcher's (under srun, "
-                "match --mpi / SRUN_MPI to it)"
+                f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
+                f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start this "
+                "process (unset it)"
             )
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
         check_reachable_from_other_nodes(address, ranks_on_node, world_size)  # MPI counts the node's ranks exactly
