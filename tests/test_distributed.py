@@ -332,7 +332,7 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
     assert result.returncode != 0
     assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS=2)" in result.stderr, result.stderr
     # The same where no launcher started the process and the variable is left from one that started its shell (a
-    # shell of `srun -n 4 --pty bash`): the message blamed the MPI library alone.
+    # shell of an srun step of several tasks): the message blamed the MPI library alone.
     assert "or SLURM_STEP_NUM_TASKS is left over from a launcher that did not start this process (unset it)" in (
         result.stderr), result.stderr
 
