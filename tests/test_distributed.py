@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -673,9 +674,12 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "distributed.timeout_s=10",
                                     *overrides))
     wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)  # rank 0 opens it as training starts
-    os.kill(rank_process(1, run_dir), signal_number)
+    rank_1 = rank_process(1, run_dir)
+    os.kill(rank_1, signal_number)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code != 0, output
+    # The launcher names the dead rank's process (MPICH: "PID N", and not its rank); its start line ties it to rank 1.
+    assert re.search(rf"\[rank 1\] rank 1 of 2 \(local rank 1\) on .*, process {rank_1} on ", output), output
     if signal_number == signal.SIGSTOP and not overrides:
         assert "training failed on rank 0:" in output, output
 

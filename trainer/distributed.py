@@ -197,8 +197,9 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=rank_device if backend == "nccl" else None,
     )
-    log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d", rank, world_size, local_rank,
-             rank_device, dist.get_backend(), address, port)
+    # The process and host too: where a rank dies, MPICH's mpiexec names its PID and host, not its rank.
+    log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
+             local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
     return DistEnv(rank, world_size, rank_device, ranks_on_device)
 
 
