@@ -36,6 +36,10 @@ if "$launcher" --version 2> /dev/null | grep -q HYDRA; then
     exit 2
 fi
 
+# A sweep's -m goes before the script's overrides: Hydra's parser takes the overrides as one run of arguments.
+sweep=()
+if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
+
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
 for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made
 
@@ -44,4 +48,4 @@ for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # e
 run_mpi_job ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
     --map-by ppr:"${first_slots#slots=}":node \
     "${forwarded[@]}" \
-    "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"
+    "${PYTHON:-python3}" -m trainer "${sweep[@]}" run_name="'$run_name'" "$@"

@@ -17,10 +17,14 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank w
 [[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ && ! $run_name =~ ^\.+$ ]] || {
     echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-, not dots alone" >&2; exit 2; }
 
+# A sweep's -m goes before the script's overrides: Hydra's parser takes the overrides as one run of arguments.
+sweep=()
+if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
+
 # Build the CUDA extension once before the ranks start, instead of every rank waiting on the build lock.
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 
 # --bind-to none: each rank's data-loading workers may use any core of the node.
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
 run_mpi_job ${MPIRUN:-mpirun} -np "$num_gpus" --bind-to none \
-    "${PYTHON:-python3}" -m trainer run_name="'$run_name'" "$@"
+    "${PYTHON:-python3}" -m trainer "${sweep[@]}" run_name="'$run_name'" "$@"

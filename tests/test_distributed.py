@@ -331,7 +331,8 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
     result = subprocess.run([sys.executable, "-c", "from trainer import distributed; distributed.init('cpu')"],
                             cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS=2)" in result.stderr, result.stderr
+    assert "MPI sees 1 process(es) where the launcher started 2 (SLURM_STEP_NUM_TASKS=2)" in result.stderr, (
+        result.stderr)
     # The same where no launcher started the process and the variable is left from one that started its shell (a
     # shell of an srun step of several tasks): the message blamed the MPI library alone.
     assert "or SLURM_STEP_NUM_TASKS is left over from a launcher that did not start this process (unset it)" in (
@@ -366,6 +367,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 "), ran.stderr
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
+    sweep = launch_script("multi_node.sh", str(hosts), "16", "-m", "seed=1,2", RUN_NAME="sweep")
+    assert sweep.stdout.splitlines()[-1].endswith("-m trainer -m run_name='sweep' seed=1,2"), sweep.stderr
     (tmp_path / "bare.txt").write_text("node01\n")
     for script in ["single_node.sh", "multi_node.sh"]:
         missing = launch_script(script, *(["2"] if script == "single_node.sh" else [str(hosts), "16"]),
@@ -385,6 +388,19 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     ]:
         refused = launch_script(script, *arguments, **environment)
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
+
+
+@needs_mpiexec
+def test_a_sweep_runs_through_the_launch_script(an4_slice, tmp_path):
+    """`launch/single_node.sh 2 -m key=a,b`: the script's run_name came before -m, and Hydra's parser, which takes the
+    overrides as one run of arguments, refused the rest on every rank ("unrecognized arguments")."""
+    settings = [*TINY_RUN, "train.epochs=1", f"data.train_manifests=[{an4_slice['train']}]",
+                f"data.eval_manifest={an4_slice['test']}", f"hydra.sweep.dir={tmp_path}", "seed=1,2"]
+    ran = launch_script("single_node.sh", "2", "-m", *settings, RUN_NAME="sweep", MPIRUN=MPIEXEC,
+                        **{name: JOB_ENV[name] for name in ("OMP_NUM_THREADS", "OMPI_ALLOW_RUN_AS_ROOT",
+                                                            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")})
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.count("final test WER") == 2, ran.stdout  # each job's, from rank 0
 
 
 @needs_mpiexec
@@ -533,14 +549,15 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     for tool, body in (("srun", srun), ("scontrol", scontrol)):
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (tmp_path / tool).chmod(0o755)
-    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=tmp_path,
+    # A sweep's -m, which the script passes first.
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "-m", "experiment=an4_gpu"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
                               "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8", "PYTHON": "python3"})
     assert ran.returncode == trainer_exit, ran.stderr
     recorded = calls.read_text().splitlines()
     # Each rank gets the allocation's cores per task (srun no longer takes them from it since Slurm 22.05).
-    assert ("srun --mpi=pmix python3 -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
+    assert ("srun --mpi=pmix python3 -m trainer -m run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
             "(SRUN_CPUS_PER_TASK=8)") in recorded, recorded
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
