@@ -322,6 +322,16 @@ def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch)
     assert distributed.launched_by_mpi()
 
 
+def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
+    """`export OMPI_COMM_WORLD_SIZE=` (or a container's `-e NAME=`) clears a variable: the trainer ended in int()'s
+    traceback, "invalid literal for int() with base 10: ''"."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.setenv(name, "")
+    assert not distributed.launched_by_mpi() and distributed.launcher_rank() == 0
+    assert distributed.init("cpu").world_size == 1
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""

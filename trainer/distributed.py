@@ -54,7 +54,7 @@ class DistEnv:
 def _launcher_variables() -> tuple[str, str, str, str] | None:
     """The variable names (LAUNCHER_VARIABLES) of the launcher that started this process with size > 1."""
     for names in LAUNCHER_VARIABLES:
-        if int(os.environ.get(names[1], "1")) > 1:
+        if int(os.environ.get(names[1]) or 1) > 1:  # empty: a variable cleared (export NAME=), not a count
             return names
     return None
 
