@@ -654,6 +654,20 @@ def test_ranks_started_with_other_settings_are_refused_naming_them(an4_slice, tm
 
 
 @needs_mpiexec
+def test_ranks_that_would_resume_from_other_checkpoints_are_refused(an4_slice, two_rank_run, tmp_path):
+    """A rank whose run directory is not rank 0's (a node-local folder where every node should see one) finds no
+    checkpoint and starts afresh while rank 0 resumes: their collectives no longer paired, and gloo aborted the job
+    (signal 6) with no word of why, or, rank 0 having nothing left to train, the other waited out the timeout."""
+    rank_0 = trainer_command(an4_slice, two_rank_run, 1, "train.resume=auto", "distributed.timeout_s=20")
+    command = [MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_0, f"hydra.run.dir={tmp_path / 'elsewhere'}"]
+    code, output = run_job(command, FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert (f"error on rank 0: the ranks would resume from other checkpoints (rank 1 has the checkpoint resumed=none "
+            f"where rank 0 has {two_rank_run / 'checkpoints' / 'last.pt'} at step {NUM_STEPS}): every rank must "
+            "see the run directory's checkpoints, a folder every node sees at the same path") in output, output
+
+
+@needs_mpiexec
 def test_user_error_on_rank_0_alone_ends_the_job(an4_slice, tmp_path):
     """Only rank 0 prepares the corpus: with a missing corpus folder it fails while rank 1 waits at a barrier."""
     missing = tmp_path / "no_corpus"

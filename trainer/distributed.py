@@ -233,10 +233,12 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def check_same_on_every_rank(settings: dict[str, str]) -> None:
-    """ValueError on every rank where a rank holds other `settings` than rank 0 ({name: its value as text}): ranks
-    started with another seed, model or step limit do not fail by themselves, they shard batches that overlap, or wait
-    for each other's collectives until the timeout (a no-op in a world of one)."""
+def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks were started with other settings",
+                             remedy: str = "every rank must run the same command, with the same conf/ folder") -> None:
+    """ValueError on every rank where a rank holds other `settings` than rank 0 ({name: its value as text}), saying
+    `refusal`, the differences, then `remedy`: ranks started with another seed, model or step limit do not fail by
+    themselves, they shard batches that overlap, or wait for each other's collectives until the timeout (a no-op in a
+    world of one)."""
     if not dist.is_initialized():
         return
     every = _all_gather_json(settings)
@@ -244,9 +246,8 @@ def check_same_on_every_rank(settings: dict[str, str]) -> None:
               for rank, theirs in enumerate(every[1:], start=1)
               for key in sorted(set(theirs) | set(every[0])) if theirs.get(key) != every[0].get(key)]
     if differ:
-        raise ValueError(f"the ranks were started with other settings ({'; '.join(differ[:4])}"
-                         f"{f'; {len(differ) - 4} more' if len(differ) > 4 else ''}): every rank must run the same "
-                         "command, with the same conf/ folder")
+        raise ValueError(f"{refusal} ({'; '.join(differ[:4])}{f'; {len(differ) - 4} more' if len(differ) > 4 else ''})"
+                         f": {remedy}")
 
 
 def _all_gather_json(value) -> list:

@@ -790,13 +790,20 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if changed_settings:
             log.info("settings other than those %s was written under, taken from here on: %s", resume,
                      "; ".join(changed_settings))
-        if state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps:
-            # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would
-            # lose the steps that the directory's last.pt, left as it is, holds.
-            log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run "
-                     "directory is left as it was", resume, state["step"], position_in_epochs(state),
-                     cfg.train.epochs, "null" if max_steps is None else max_steps)
-            return {}
+    # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
+    # pair its collectives with no other rank's.
+    distributed.check_same_on_every_rank(
+        {"the checkpoint resumed": "none" if resume is None else f"{resume} at step {state['step']}"},
+        "the ranks would resume from other checkpoints",
+        "every rank must see the run directory's checkpoints, a folder every node sees at the same path")
+    trained_out = state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps
+    if resume is not None and trained_out:
+        # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
+        # the steps that the directory's last.pt, left as it is, holds.
+        log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run directory "
+                 "is left as it was", resume, state["step"], position_in_epochs(state), cfg.train.epochs,
+                 "null" if max_steps is None else max_steps)
+        return {}
     run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
