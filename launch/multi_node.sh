@@ -41,7 +41,9 @@ sweep=()
 if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 
 forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
-for name in $(compgen -e | grep '^NCCL_'); do forwarded+=(-x "$name"); done  # every NCCL_* setting the user made
+# Every NCCL_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's TORCH_NCCL_* timeouts as set), and
+# the extension's build folder, which the build below fills on this node.
+for name in $(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do forwarded+=(-x "$name"); done
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options

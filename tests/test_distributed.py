@@ -372,11 +372,14 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     assert command.endswith("-m trainer run_name='first try' experiment=cpu_demo")
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("# the allocation\n\nnode01 max_slots=8 slots=8\r\nnode02 slots=8\r\n")  # written on Windows
+    # OpenMPI passes other nodes only the variables -x names: a user's TORCH_NCCL_* timeouts (which the trainer leaves
+    # as set) and the extension's build folder, which this node builds into, reached this node's ranks alone.
     ran = launch_script("multi_node.sh", str(hosts), "16", "experiment=an4_gpu", NCCL_P2P_DISABLE="1",
-                        NCCL_IB_HCA="mlx5")
+                        NCCL_IB_HCA="mlx5", TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="900", TORCH_EXTENSIONS_DIR="/scratch/ext")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 "), ran.stderr
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
+    assert "-x TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" in command and "-x TORCH_EXTENSIONS_DIR" in command, command
     sweep = launch_script("multi_node.sh", str(hosts), "16", "-m", "seed=1,2", RUN_NAME="sweep")
     assert sweep.stdout.splitlines()[-1].endswith("-m trainer -m run_name='sweep' seed=1,2"), sweep.stderr
     (tmp_path / "bare.txt").write_text("node01\n")
