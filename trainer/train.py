@@ -791,9 +791,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             log.info("settings other than those %s was written under, taken from here on: %s", resume,
                      "; ".join(changed_settings))
     # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
-    # pair its collectives with no other rank's.
+    # pair its collectives with no other rank's. Its name and step, not its path: nodes may mount one folder apart.
     distributed.check_same_on_every_rank(
-        {"the checkpoint resumed": "none" if resume is None else f"{resume} at step {state['step']}"},
+        {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
         "the ranks would resume from other checkpoints",
         "every rank must see the run directory's checkpoints, a folder every node sees at the same path")
     trained_out = state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps
