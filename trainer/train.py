@@ -795,7 +795,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     distributed.check_same_on_every_rank(
         {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
         "the ranks would resume from other checkpoints",
-        "every rank must see the run directory's checkpoints, a folder every node sees at the same path")
+        "every rank must see the run directory's checkpoints, a folder every node sees")
     trained_out = state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps
     if resume is not None and trained_out:
         # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
