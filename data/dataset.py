@@ -178,11 +178,13 @@ class SpeechDataset(Dataset):
             else:
                 self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
             return
-        if utterance.audio_filepath in self._kept_files:
+        # Compared with `..` folded: manifests in two folders name a shared file relative to each ("../a.wav").
+        audio_file = os.path.normpath(utterance.audio_filepath)
+        if audio_file in self._kept_files:
             self.skipped["audio listed before"] += 1
             self._repeats.append(utterance.audio_filepath)
             return
-        self._kept_files.add(utterance.audio_filepath)
+        self._kept_files.add(audio_file)
         self.utterances.append(utterance)
         self.targets.append(targets)
 

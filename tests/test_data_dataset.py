@@ -102,6 +102,18 @@ def test_an_audio_file_listed_again_is_kept_once_and_the_repeats_counted_in_one_
     assert twice.fingerprint() == make_dataset(manifest).fingerprint()  # the same training set
 
 
+def test_an_audio_file_listed_again_through_another_folder_is_a_repeat(tmp_path):
+    """Manifests in two folders naming one file relative to each (corpora that share files): the second listing's
+    path goes through `..`, and would otherwise train the file twice an epoch."""
+    write_noise(tmp_path / "shared.wav", 1.0)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "top.jsonl").write_text('{"audio_filepath": "shared.wav", "duration": 1.0, "text": "A"}\n')
+    (tmp_path / "other" / "m.jsonl").write_text('{"audio_filepath": "../shared.wav", "duration": 1.0, "text": "A"}\n')
+    dataset = SpeechDataset([tmp_path / "top.jsonl", tmp_path / "other" / "m.jsonl"], FeatureExtractor("spectrogram"))
+    assert len(dataset) == 1
+    assert dataset.skipped == Counter({"audio listed before": 1})
+
+
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
     with pytest.raises(ValueError,
