@@ -480,6 +480,27 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert result.returncode == 1 and "none of the 3 utterances" in result.output, result.output[-2000:]
 
 
+def test_a_path_that_is_not_utf8_is_logged_to_the_console_and_the_log_file(tmp_path, monkeypatch):
+    """A manifest in a folder named with the byte \\xff names its audio through that folder; the warning naming a
+    missing one reaches the console and the log file, written as \\udcff, where UTF-8 output refuses the name (a
+    locale such as en_US.UTF-8, or PYTHONIOENCODING, makes its errors strict)."""
+    monkeypatch.setenv("PYTHONIOENCODING", "utf-8")
+    corpus = Path(os.fsdecode(bytes(tmp_path) + b"/corpus\xff"))
+    corpus.mkdir()
+    noise = np.random.default_rng(0).uniform(-0.1, 0.1, 16000).astype(np.float32)
+    with open(corpus / "train.jsonl", "w", encoding="utf-8") as manifest:
+        for index in range(9):  # the last one missing
+            if index < 8:
+                soundfile.write(os.fsencode(corpus / f"{index}.wav"), noise, 16000)  # soundfile encodes a str strictly
+            manifest.write(json.dumps({"audio_filepath": f"{index}.wav", "duration": 1.0, "text": "YES"}) + "\n")
+    run_dir = tmp_path / "run"
+    result = train(run_dir, f"'{corpus / 'train.jsonl'}'", "model.hidden=32", "train.max_steps=1",
+                   "train.epochs=1")
+    warning = "corpus\\udcff/8.wav: no such audio file"
+    assert "Logging error" not in result.output and warning in result.stdout, result.output[-4000:]
+    assert warning in (run_dir / "__main__.log").read_text()
+
+
 @pytest.mark.slow
 def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_path):
     """A manifest of relative audio paths, reached through a symlink in another folder: its paths are taken relative

@@ -179,8 +179,8 @@ def leave_the_log_to_rank_0(rank: int) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     # Hydra's console log goes to stdout, which a pipe or a batch job's log buffers: a line would land after the
-    # progress shown on stderr since, or be lost with the job.
-    sys.stdout.reconfigure(line_buffering=True)
+    # progress shown on stderr since, or be lost with the job. A path that is not UTF-8 is written as stderr writes it.
+    sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
     leave_the_log_to_rank_0(distributed.launcher_rank())
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
