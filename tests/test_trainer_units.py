@@ -896,6 +896,18 @@ def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(
     assert f"{huge}\terror: its features are not finite (its largest sample is " in err, err  # the path once
 
 
+def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_path):
+    # Where stdout's UTF-8 is strict (a locale such as en_US.UTF-8, or PYTHONIOENCODING), b"\xff.wav" ended
+    # python -m trainer.transcribe in a UnicodeEncodeError traceback.
+    path = small_checkpoint(tmp_path / "small.pt")
+    audio = bytes(tmp_path) + b"/\xff.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    result = subprocess.run([sys.executable, "-m", "trainer.transcribe", "--checkpoint", str(path), "--device", "cpu",
+                             audio], cwd=REPO_ROOT, capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert result.returncode == 0 and result.stdout.startswith(audio + b"\t"), result.stdout + result.stderr
+
+
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         checkpoint.load(tmp_path / "nope.pt")

@@ -53,4 +53,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # The paths printed name the files to find them by: one that is not UTF-8 (b"\xff.wav") as its own bytes, where
+    # strict UTF-8 output (a locale such as en_US.UTF-8) would end the tool in a traceback.
+    sys.stdout.reconfigure(errors="surrogateescape")
     sys.exit(run_tool(main))
