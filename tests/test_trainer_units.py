@@ -908,6 +908,21 @@ def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_pat
     assert result.returncode == 0 and result.stdout.startswith(audio + b"\t"), result.stdout + result.stderr
 
 
+def test_evaluate_writes_a_file_name_that_is_not_utf8_into_its_table_as_its_own_bytes(tmp_path, capsys):
+    # A manifest in a folder named with b"\xff" names its audio through it; --out was refused in a line of the codec's
+    # ("error: 'utf-8' codec can't encode character '\udcff' ..."), and the table not written.
+    from trainer import evaluate
+    corpus = Path(os.fsdecode(bytes(tmp_path) + b"/corpus\xff"))
+    corpus.mkdir()
+    soundfile.write(os.fsencode(corpus / "a.wav"), 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    with open(corpus / "m.jsonl", "w", encoding="utf-8") as manifest:
+        manifest.write('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}\n')
+    out = tmp_path / "table.tsv"
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(corpus / "m.jsonl"), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.read_bytes().splitlines()[1].startswith(os.fsencode(corpus / "a.wav") + b"\t")
+
+
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         checkpoint.load(tmp_path / "nope.pt")

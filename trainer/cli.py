@@ -73,10 +73,11 @@ def check_not_an_input(path: str | None, inputs: list[str]) -> None:
 def write_output(path: str, text: str) -> None:
     """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
     was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
-    written."""
+    written. A file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as
+    its own bytes."""
     if Path(path).exists() and not Path(path).is_file():
         try:
-            with open(path, "w", encoding="utf-8") as stream:
+            with open(path, "w", encoding="utf-8", errors="surrogateescape") as stream:
                 stream.write(text)
         except OSError as error:
             raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
@@ -84,7 +85,7 @@ def write_output(path: str, text: str) -> None:
     target = Path(path).resolve()
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(text, encoding="utf-8")
+        partial.write_text(text, encoding="utf-8", errors="surrogateescape")
         partial.replace(target)
     except OSError as error:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
