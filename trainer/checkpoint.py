@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import resource
 import shutil
 import stat
 import zipfile
@@ -59,10 +60,14 @@ def save(path: Path, state: dict) -> None:
             raise
         if _interrupted(error):  # torch's writer turns a Ctrl-C inside its write callback into a RuntimeError
             raise KeyboardInterrupt from None
-        # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left.
+        # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left,
+        # and the file size limit where there is one (ulimit -f), which fails the write on a disk with space.
         free = ""
         with contextlib.suppress(OSError):
             free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
+        size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if size_limit != resource.RLIM_INFINITY:
+            free += f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
         raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}); "
                                    f"{path.name} there, if any, is as it was") from error
     os.replace(temporary, path)
