@@ -22,13 +22,20 @@ def check_run_name(run_name) -> None:
         sys.exit(2)
 
 
+def link_to_nothing(path: str | os.PathLike) -> str | None:
+    """Where `path` is a symbolic link to nothing (a scratch disk not mounted), a line saying so, naming its target:
+    mkdir fails on such a link saying only 'File exists'."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    return None
+
+
 def make_or_exit(directory: str) -> None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        if isinstance(error, FileExistsError) and os.path.islink(error.filename):  # mkdir's word for a link to nothing
-            reason = f"{error.filename} is a symbolic link to {os.readlink(error.filename)}, which does not exist"
-        else:
+        reason = link_to_nothing(error.filename) if isinstance(error, FileExistsError) else None
+        if reason is None:
             reason = f"{error.strerror or error}" + (
                 f" ({error.filename})" if error.filename and str(error.filename) != directory else "")
         print(f"error: cannot make the run directory {directory}: {reason}", file=sys.stderr)

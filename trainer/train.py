@@ -37,7 +37,7 @@ from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK
 from models.cuda_graphs import CudaGraphed, check_capturable
 from models.deepspeech2 import BACKENDS, CELLS
-from trainer import build, checkpoint, distributed
+from trainer import build, checkpoint, distributed, run_directory
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate
@@ -322,11 +322,11 @@ def hold_run_directory(run_dir: Path, is_main: bool):
 
 
 def refuse_link_to_nothing(folder: Path, written: str) -> None:
-    """ValueError where `folder` is a symbolic link to nothing (a scratch disk not mounted): the run makes the folder
-    only when it first writes there, and mkdir fails on the link, saying only 'File exists'."""
-    if folder.is_symlink() and not folder.exists():
-        raise ValueError(f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: the run writes "
-                         f"{written} there")
+    """ValueError where `folder` is a symbolic link to nothing: the run makes the folder only when it first writes
+    there, past the training steps."""
+    reason = run_directory.link_to_nothing(folder)
+    if reason:
+        raise ValueError(f"{reason}: the run writes {written} there")
 
 
 def check_checkpoint_folder(folder: Path) -> None:
