@@ -72,6 +72,17 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
     return len(targets) + num_repeats
 
 
+def _file_identity(path: str) -> tuple[int, int] | str:
+    """What tells one audio file from another however a manifest names it: its device and inode, as
+    os.path.samefile compares them (the same for a symbolic or hard link to it, or a path through `..`). A file that
+    cannot be examined (missing, or named with a NUL: reading it names it) goes by its path with `..` folded."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return os.path.normpath(path)
+    return status.st_dev, status.st_ino
+
+
 def count_reasons(counts: Counter) -> str:
     """'2 utterances (too long for stride), 1 utterance (empty transcript)': the log's and tools' way of saying how
     many were left out and why ('' for none)."""
@@ -85,9 +96,9 @@ class SpeechDataset(Dataset):
     reason in `skipped`: an empty transcript, characters outside the alphabet, or a transcript with more
     characters than the model's output frames can hold (estimated from the manifest's duration). Utterances
     longer than `max_duration` seconds are dropped too, counted but not named one by one: that is a choice,
-    not a fault in the data. So is a later listing of an audio file already kept (a manifest given twice, or
-    corpora that share files), which would train twice an epoch and count twice in a WER: one warning counts them
-    and names the first.
+    not a fault in the data. So is a later listing of an audio file already kept (a manifest given twice, corpora
+    that share files, or one file under another name through a symbolic or hard link), which would train twice an
+    epoch and count twice in a WER: one warning counts them and names the first.
 
     Audio is read when an item is asked for; `__getitem__` returns an Unusable naming the file and why when it
     cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
@@ -127,7 +138,7 @@ class SpeechDataset(Dataset):
         self.targets: list[list[int]] = []
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
-        self._kept_files: set[str] = set()
+        self._kept_files: set[tuple[int, int] | str] = set()
         self._repeats: list[str] = []
         for path in manifest_paths:
             for utterance in read_manifest(path):
@@ -178,8 +189,7 @@ class SpeechDataset(Dataset):
             else:
                 self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
             return
-        # Compared with `..` folded: manifests in two folders name a shared file relative to each ("../a.wav").
-        audio_file = os.path.normpath(utterance.audio_filepath)
+        audio_file = _file_identity(utterance.audio_filepath)
         if audio_file in self._kept_files:
             self.skipped["audio listed before"] += 1
             self._repeats.append(utterance.audio_filepath)

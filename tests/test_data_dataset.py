@@ -114,6 +114,28 @@ def test_an_audio_file_listed_again_through_another_folder_is_a_repeat(tmp_path)
     assert dataset.skipped == Counter({"audio listed before": 1})
 
 
+def test_an_audio_file_listed_again_through_a_link_is_a_repeat_and_a_link_to_another_file_is_not(tmp_path):
+    """A symbolic or hard link to a listed file reads the same utterance, and would train it twice an epoch; a path
+    whose `..` leaves a linked folder names another file, however alike the names look."""
+    write_noise(tmp_path / "a.wav", 1.0)
+    (tmp_path / "symbolic.wav").symlink_to("a.wav")
+    (tmp_path / "hard.wav").hardlink_to(tmp_path / "a.wav")
+    (tmp_path / "elsewhere" / "inner").mkdir(parents=True)
+    write_noise(tmp_path / "elsewhere" / "a.wav", 0.5)
+    (tmp_path / "linked").symlink_to(tmp_path / "elsewhere" / "inner")
+    # Files that cannot be examined are compared by name, and are unusable when read.
+    listings = ["a.wav", "symbolic.wav", "hard.wav", "linked/../a.wav",
+                "missing.wav", "./missing.wav", "nul\\u0000.wav"]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "A"}}\n'
+                                              for name in listings))
+    dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
+    assert [utterance.audio_filepath for utterance in dataset.utterances] == [
+        str(tmp_path / "a.wav"), str(tmp_path / "linked/../a.wav"), str(tmp_path / "missing.wav"),
+        str(tmp_path / "nul\0.wav")]
+    assert dataset.skipped == Counter({"audio listed before": 3})
+    assert len(dataset[1].features) == 51  # elsewhere/a.wav's 0.5 s, not a.wav's 1 s
+
+
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
     with pytest.raises(ValueError,
