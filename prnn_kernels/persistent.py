@@ -22,6 +22,7 @@ a graph, call `graph_replayed()` (the same lazy check) or `raise_if_failed()` (w
 """
 import dataclasses
 import functools
+import numbers
 
 import torch
 
@@ -74,6 +75,12 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
         return Support(False, f"cell {cell!r} is not one of {CELLS}")
     if dtype not in DTYPES:
         return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
+    for name, size in (("hidden size", hidden_size), ("batch size", batch_size)):
+        # int() below would answer for 2 where 2.5 was asked, and a bool for 1.
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            return Support(False, f"{name} {size!r} is not an integer")
+    if hidden_size < 1:
+        return Support(False, f"hidden size {hidden_size} is out of range (at least 1)")
     if not 1 <= batch_size <= MAX_BATCH:
         return Support(False, f"batch size {batch_size} is out of range (1..{MAX_BATCH}; the modules' batch_slice "
                               "runs a larger batch as slices)")
@@ -198,6 +205,11 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
                          f"direction(s) = {num_steps * batch_size * num_directions} rows, above the kernels' "
                          f"{MAX_SEQUENCE_ROWS}; run fewer samples at once (batch_slice) or shorter sequences")
     hidden_size = width // (num_directions * NUM_GATES[cell])
+    gate_rows = NUM_GATES[cell] * hidden_size
+    # Before the support query, which would answer for the H this width rounds down to (without a GPU: needs one).
+    if width != num_directions * gate_rows:
+        raise ValueError(f"persistent_layer: input_proj's last dimension {width} is not {num_directions} x "
+                         f"{NUM_GATES[cell]} gates x H")
     verdict = support(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device)
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
@@ -209,10 +221,6 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         if (num_steps + 1) * ctas > MAX_STEP_COUNT:
             raise ValueError(f"persistent_layer: T={num_steps} steps x {ctas} CTAs overflow the kernels' 32-bit step "
                              "counts; run shorter sequences")
-    gate_rows = NUM_GATES[cell] * hidden_size
-    if width != num_directions * gate_rows:
-        raise ValueError(f"persistent_layer: input_proj's last dimension {width} is not {num_directions} x "
-                         f"{NUM_GATES[cell]} gates x H")
     if (bias_hh[0] is None) != (bias_hh[-1] is None):
         raise ValueError("persistent_bidirectional_layer: give both biases or neither")
     if cell == "lstm" and not all(isinstance(h, tuple | list) and len(h) == 2 for h in hx):

@@ -39,6 +39,23 @@ def test_support_without_cuda_says_why():
     assert "dtype" in support("gru", 256, 4, torch.float16, "cpu").reason
 
 
+@pytest.mark.parametrize("hidden_size, batch_size, reason", [
+    (0, 4, "hidden size 0 is out of range (at least 1)"), (-5, 4, "hidden size -5 is out of range (at least 1)"),
+    (256.0, 4, "hidden size 256.0 is not an integer"), (256, 2.5, "batch size 2.5 is not an integer"),
+    (256, True, "batch size True is not an integer")])
+def test_support_names_sizes_no_gpu_runs_before_asking_for_one(hidden_size, batch_size, reason):
+    # A machine without a GPU answered "needs a CUDA GPU" for these, and one with a GPU ran int() on them: hidden
+    # 256.0 and batch 2.5 were answered as the shapes of 256 and 2.
+    assert support("gru", hidden_size, batch_size, torch.float32, "cpu") == persistent.Support(False, reason)
+    assert support("gru", 256, np.int64(4), torch.float32, "cpu").reason.startswith("needs a CUDA GPU")
+
+
+def test_the_layer_names_an_input_projection_of_no_hidden_size_before_asking_for_a_gpu():
+    # A width of 7 is no GRU's 3 x H: it was asked about as H = 2, and without a GPU refused as needing one.
+    with pytest.raises(ValueError, match="input_proj's last dimension 7 is not 1 x 3 gates x H"):
+        persistent_layer("gru", torch.randn(3, 2, 7), torch.zeros(2, 2), torch.zeros(6, 2), None, [3, 3], False)
+
+
 def test_the_support_table_needs_a_gpu_and_says_so(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert support_table.main(["--hiddens", "256"]) == 2
