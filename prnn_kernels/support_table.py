@@ -59,7 +59,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the table, the device and the reasons here")
     args = parser.parse_args(argv)
     if args.json:  # now, not after the queries, whose JSON the write would then lose
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file where a folder of the path should be
+            parser.error(f"argument --json: cannot make the folder of {args.json}: {error}")
         if Path(args.json).is_dir():
             parser.error(f"argument --json: {args.json} is a folder; name a file in it")
     if not torch.cuda.is_available():

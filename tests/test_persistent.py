@@ -892,6 +892,18 @@ def test_the_support_table_refuses_a_json_path_that_is_a_folder_before_asking(tm
     assert (tmp_path / "new").is_dir()
 
 
+def test_the_support_table_refuses_a_json_folder_it_cannot_make_in_one_line(tmp_path, capsys):
+    # A file where a folder of the path should be ended in mkdir's FileExistsError traceback, with or without a GPU.
+    table = tmp_path / "table"
+    table.write_text("")
+    for path, why in ((table / "t.json", f"[Errno 17] File exists: '{table}'"),
+                      (table / "sub" / "t.json", f"[Errno 20] Not a directory: '{table / 'sub'}'")):
+        with pytest.raises(SystemExit) as exit_info:
+            support_table.main(["--hiddens", "256", "--json", str(path)])
+        assert exit_info.value.code == 2
+        assert f"error: argument --json: cannot make the folder of {path}: {why}\n" in capsys.readouterr().err
+
+
 def test_the_python_names_the_readme_gives_exist():
     """It told users to call prnn_kernels.raise_if_failed(), which is prnn_kernels.persistent's: an AttributeError."""
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
