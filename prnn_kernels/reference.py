@@ -50,7 +50,7 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         hx: (B, H) initial state; for "lstm" a tuple (h0, c0) of (B, H).
         weight_hh: (G*H, H) recurrent weights.
         bias_hh: (G*H,) recurrent bias, or None.
-        lengths: (B,) int64 valid steps per sample, on any device.
+        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample, on any device.
         reverse: run t = T-1 .. 0; a sample's pass then starts from hx at its own last valid step.
 
     Returns:
@@ -64,11 +64,13 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
     step = _STEPS[cell]
     num_steps, batch_size = input_proj.shape[:2]
+    lengths = torch.as_tensor(lengths)  # a list or a numpy array, as persistent_layer takes them
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or tuple(lengths.shape) != (batch_size,):
         raise ValueError(f"reference_layer: lengths must be ({batch_size},) integers, one per sample, got "
                          f"{lengths.dtype} of shape {tuple(lengths.shape)}")
     # (T, B, 1): whether sample b still has input at step t.
-    valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths.to(input_proj.device)[None, :]
+    lengths = lengths.to(input_proj.device, torch.int64)  # torch has no comparisons for uint16/32/64 (numpy's)
+    valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths[None, :]
     valid = valid.unsqueeze(2).unbind(0)
     # unbind, not input_proj[t]: its backward stacks the step gradients once, where indexing would write each
     # into a fresh zero tensor of the full input's size (quadratic in T).

@@ -1,5 +1,6 @@
 """reference_layer against torch.nn in float64: outputs, final states and every gradient, over ragged batches; and its
 recurrent parameters' gradients under bf16 autocast against float64."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,3 +142,13 @@ def test_lengths_that_are_not_one_integer_per_sample_are_refused(lengths):
     # 2.5 would run three steps here where the persistent layer, which casts to int64, runs two.
     with pytest.raises(ValueError, match=r"reference_layer: lengths must be \(2,\) integers, one per sample"):
         reference_layer("relu", torch.randn(5, 2, 4), torch.zeros(2, 4), torch.randn(4, 4), None, lengths, False)
+
+
+def test_lengths_as_persistent_layer_takes_them():
+    # A list or a numpy array, which persistent_layer takes, ended here in AttributeError ('list' object has no
+    # attribute 'dtype'), and numpy's unsigned lengths would meet torch's missing comparisons for uint64.
+    arguments = ("relu", torch.randn(5, 2, 4), torch.zeros(2, 4), torch.randn(4, 4), None)
+    expected = reference_layer(*arguments, torch.tensor([5, 3]), False)
+    for lengths in ([5, 3], np.array([5, 3]), np.array([5, 3], dtype=np.uint64)):
+        for actual, wanted in zip(reference_layer(*arguments, lengths, False), expected, strict=True):
+            assert torch.equal(actual, wanted), type(lengths)
