@@ -40,12 +40,12 @@ def counts(batches: list[int]) -> str:
 
 
 def count_from_1_to(largest: int):
-    def parse(text: str) -> int:
+    def integer(text: str) -> int:  # argparse names the function in "invalid integer value: 'x'"
         value = int(text)
         if not 1 <= value <= largest:
             raise argparse.ArgumentTypeError(f"must be 1 to {largest}, not {value}")
         return value
-    return parse
+    return integer
 
 
 def main(argv=None) -> int:

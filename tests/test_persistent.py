@@ -62,6 +62,18 @@ def test_the_support_table_needs_a_gpu_and_says_so(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
 
 
+@pytest.mark.parametrize("argument, value, message", [
+    ("--hiddens", "abc", "argument --hiddens: invalid integer value: 'abc'"),
+    ("--max-batch", "2.5", "argument --max-batch: invalid integer value: '2.5'"),
+    ("--max-batch", "33", "argument --max-batch: must be 1 to 32, not 33")])
+def test_the_support_table_refuses_a_count_naming_its_argument_and_value(argument, value, message, capsys):
+    # A count that is no integer was "invalid parse value", argparse naming the type function.
+    with pytest.raises(SystemExit) as exit_info:
+        support_table.main([argument, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: {message}\n")
+
+
 def test_the_support_table_writes_counts_as_runs_from_one_up():
     assert [support_table.counts(batches) for batches in ([], [1, 2, 3], [2, 3], [1, 3])] == ["-", "3", "2,3", "1,3"]
 
