@@ -754,6 +754,26 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
 
 
 @needs_mpiexec
+def test_a_stop_signal_before_training_began_ends_the_job_saying_so(an4_source, tmp_path):
+    """SIGTERM to MPICH's mpiexec, which passes it on, while the ranks prepare AN4's manifests: with nothing to save
+    yet, the job ends at once with 143 and a line saying why, as a run the signal ended would. The ranks had no
+    handler yet and died of the signal, which mpiexec reported as exit code 15, without a word."""
+    run_dir, manifests = tmp_path / "run", tmp_path / "manifests"
+    settings = [setting for setting in TINY_RUN if setting != "data=manifest"]
+    job = start_job(launch(2) + ["-m", "trainer", *settings, f"data.an4_source={an4_source}",
+                                 f"data.manifest_dir={manifests}", f"hydra.run.dir={run_dir}"])
+    log = run_dir / "__main__.log"
+    wait_for_file(log, job, FAILURE_TIMEOUT_S)
+    while "rank 0 of 2" not in log.read_text() and job.poll() is None:
+        time.sleep(0.01)  # the process group has started; the manifests come next
+    job.send_signal(signal.SIGTERM)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code == 128 + signal.SIGTERM, output
+    assert "SIGTERM received before training began; no checkpoint of this run was written" in output, output
+    assert "Traceback" not in output, output
+
+
+@needs_mpiexec
 def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.global_batch_size=5"), FAILURE_TIMEOUT_S)
     assert code == 2, output

@@ -39,7 +39,9 @@ from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
-from trainer.stop import STOP_SIGNALS, StopSignals, ignore_in_data_workers, start_data_workers
+from trainer.stop import (
+    STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers,
+)
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
     hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, open_metrics, position_in_epochs,
@@ -1062,10 +1064,16 @@ def test_train_step_updates_weights():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-def test_stop_signals_are_taken_only_while_listening_the_first_kept_and_a_second_ctrl_c_interrupts():
+def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts():
     handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
     with StopSignals() as stop:
-        assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers  # none taken before listen()
+        for number in (signal.SIGTERM, signal.SIGUSR1):  # before training: nothing to save, out at once
+            with pytest.raises(StoppedBeforeTraining, match=f"{number.name} received before training began"):
+                os.kill(os.getpid(), number)
+                time.sleep(1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
         stop.listen()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal

@@ -4,7 +4,8 @@ A user error (an input missing or unreadable, a bad config value, a full disk) p
 exception on any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a
 collective. A run stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every
 rank, as a process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it
-unfinished; a sweep stops there too, naming the jobs that failed before.
+unfinished; a sweep stops there too, naming the jobs that failed before. A signal before training began, with nothing to
+save, ends the run so at once.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
 again with train.resume=auto continues each job in its own folder. A job that fails there logs its error as a run
@@ -32,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
+from trainer.stop import StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")
@@ -189,12 +191,10 @@ def main(cfg: DictConfig) -> None:
             claim_job_folder(run_dir, hydra_cfg.job.num)
         with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
             result = train(cfg, run_dir, continue_with(cfg))
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began: out now, a sweep included
-        last = run_dir / "checkpoints" / "last.pt"
-        log.error("interrupted by Ctrl-C; %s", f"{last} holds the run as of its last checkpoint"
-                  if last.exists() else "no checkpoint of this run was written")
-        name_failed_sweep_jobs()
-        distributed.abort_job(128 + signal.SIGINT)
+    except StoppedBeforeTraining as stopped:
+        stop_now(str(stopped), stopped.signal, run_dir)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
+        stop_now("interrupted by Ctrl-C", signal.SIGINT, run_dir)
     except Exception as error:
         message = user_error_message(error, run_dir)
         if message is not None:
@@ -209,6 +209,16 @@ def main(cfg: DictConfig) -> None:
             sys.exit(128 + result["stop_signal"])
         if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
             print(summary_line(result))
+
+
+def stop_now(what: str, number: signal.Signals, run_dir: Path) -> None:
+    """Ends the run, a sweep included, on a signal that left it nothing to save, saying what the run directory holds,
+    with 128 + the signal's number on every rank."""
+    last = run_dir / "checkpoints" / "last.pt"
+    log.error("%s; %s", what, f"{last} holds the run as of its last checkpoint"
+              if last.exists() else "no checkpoint of this run was written")
+    name_failed_sweep_jobs()
+    distributed.abort_job(128 + number)
 
 
 def end_job_before_mpi(leaving: SystemExit) -> None:

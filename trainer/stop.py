@@ -3,7 +3,8 @@ in progress and write checkpoints/last.pt, so that train.resume=auto continues i
 before they preempt a job (SLURM also SIGUSR1 ahead of its time limit with --signal); MPICH's mpiexec passes all three
 on to every rank; under OpenMPI's mpirun, which kills the ranks a second after it passes a signal on, the launch
 scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training). Ranks agree on the step
-they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once."""
+they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
+does: there is nothing to save yet."""
 import logging
 import signal
 import threading
@@ -27,26 +28,48 @@ def stop_requests(summed_counts) -> dict:
     return {number: int(ranks) for number, ranks in zip(STOP_SIGNALS, summed_counts) if ranks}
 
 
+class StoppedBeforeTraining(KeyboardInterrupt):
+    """SIGTERM or SIGUSR1 came before training began (Ctrl-C: KeyboardInterrupt itself), when there is nothing to
+    save. A KeyboardInterrupt, which handlers of errors let through: one that took it for an error would skip an audio
+    file as unreadable while AN4's manifests are written (data.prepare), or print it and go on (tqdm's log handler)."""
+
+    def __init__(self, number: signal.Signals):
+        super().__init__(f"{number.name} received before training began")
+        self.signal = number
+
+
 class StopSignals:
-    """From `listen()` to the end of its `with` block, this process's stop signals set `received` (the first one)
-    instead of ending it. Python takes signals on the main thread only; elsewhere (a test calling train() from a
-    thread) it leaves them alone."""
+    """In its `with` block, this process's stop signals end the run at once, Ctrl-C as KeyboardInterrupt and SIGTERM
+    or SIGUSR1 as StoppedBeforeTraining, rather than kill it without a word (which MPICH's mpiexec reports as exit code
+    15 or 10); from `listen()` on, they set `received` (the first one) instead. Python takes signals on the main thread
+    only; elsewhere (a test calling train() from a thread) it leaves them alone."""
 
     def __init__(self):
         self.received: signal.Signals | None = None
         self._previous = {}
 
     def __enter__(self) -> "StopSignals":
+        self._take_signals(self._stop_now)
         return self
 
     def listen(self) -> None:
+        self._take_signals(self._handle)
+
+    def _take_signals(self, handler) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
+            previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+            self._previous = self._previous or previous  # those from before the block, for __exit__ to put back
 
     def __exit__(self, *exception) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
+
+    @staticmethod
+    def _stop_now(number: int, frame) -> None:
+        if number == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise StoppedBeforeTraining(signal.Signals(number))
 
     def _handle(self, number: int, frame) -> None:
         if self.received is not None:
