@@ -37,6 +37,9 @@ LAUNCHER_VARIABLES = [
     ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 ]
 ABORT_GRACE_S = 2.0
+GLOO_TIMEOUT = "Timed out waiting"  # gloo's words for a collective that waited its timeout for a peer
+ANSWER_TAG = 0x5052  # the MPI tag of ranks_not_answering's messages, which no other message of the trainer's has
+LONGEST_ANSWER_WAIT_S = 60.0  # a live rank times out a step or so after another; a job that hangs ends soon after
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,28 @@ def shutdown() -> None:
     mpi = sys.modules.get("mpi4py.MPI")  # imported by init() when MPI started the job
     if mpi is not None:
         mpi.COMM_WORLD.Barrier()
+
+
+def ranks_not_answering(error: Exception, timeout_s: float) -> list[int] | None:
+    """Where `error` is a gloo collective's timeout in a job MPI started, the ranks that did not say, within timeout_s
+    (at most LONGEST_ANSWER_WAIT_S), that a collective of theirs had timed out too: each rank whose collective times
+    out says so to the others here, so those that do not are the ones the collectives waited for (stopped, hung, or
+    busy elsewhere), which gloo's error does not name. None for any other error. Over MPI, not the process group,
+    whose collectives wait for every rank."""
+    if GLOO_TIMEOUT not in str(error) or backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
+        return None
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    others = [rank for rank in range(world.Get_size()) if rank != world.Get_rank()]
+    unsaid = [world.Isend([bytearray(1), MPI.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
+    unheard = {rank: world.Irecv([bytearray(1), MPI.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
+    deadline = time.monotonic() + min(timeout_s, LONGEST_ANSWER_WAIT_S)
+    while (unheard or unsaid) and time.monotonic() < deadline:
+        unsaid = [word for word in unsaid if not word.Test()]
+        unheard = {rank: answer for rank, answer in unheard.items() if not answer.Test()}
+        time.sleep(0.05)
+    return sorted(unheard)
 
 
 def abort_job(exit_code: int = 1) -> None:
