@@ -791,10 +791,16 @@ def test_a_test_set_none_of_which_can_be_read_gives_no_wer_and_valid_json(an4_tr
 
 
 @pytest.mark.parametrize("size", ["model.hidden=300000", "model.conv_channels=100000"])
-def test_a_model_larger_than_the_devices_memory_is_one_clear_error_before_allocating_it(an4_train, tmp_path, size):
+def test_a_model_larger_than_the_devices_memory_is_one_clear_error_before_allocating_it(an4_source, an4_train, tmp_path,
+                                                                                       size):
+    """Refused before any rank builds its model (whose memory another rank's check would count out), so before the
+    corpus is prepared, which ends in the ranks' barrier."""
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
-    result = train(tmp_path / "run", utterances, size, check=False, timeout=300)
+    manifests = tmp_path / "manifests"
+    result = train(tmp_path / "run", utterances, size, f"data.an4_source={an4_source}",
+                   f"data.manifest_dir={manifests}", check=False, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert not manifests.exists(), result.output[-2000:]
     assert size in result.output and "more than the" in result.output and " GiB cpu has for it" in result.output, (
         result.output[-2000:])
 

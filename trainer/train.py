@@ -713,8 +713,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
     features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
-    prepare_manifests(cfg.data, env)
+    # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
+    # take its share out of the memory another rank's check divides among all of them.
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
+    prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
     masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
     augment = SpecAugment(**masks) if cfg.data.augment.enabled else None
