@@ -282,8 +282,10 @@ def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
     assert [distributed.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
     assert [distributed.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
     assert [distributed.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
-    with pytest.raises(ValueError, match="3 ranks on this node but 2 GPU"):
-        distributed.rank_gpu(0, 3, 2, share_gpus=False)
+    # A Slurm user who asked for fewer GPUs than launch/slurm.sbatch (--gpus-per-node=4) still has its 8 tasks a node.
+    with pytest.raises(ValueError, match=r"8 ranks on this node but 4 GPU\(s\) visible, .* per node \(sbatch and srun: "
+                                         r"--ntasks-per-node=4, which launch/slurm.sbatch sets to 8\)"):
+        distributed.rank_gpu(0, 8, 4, share_gpus=False)
 
 
 def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_rank(monkeypatch):

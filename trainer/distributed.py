@@ -122,7 +122,8 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
     if not share_gpus:
         raise ValueError(
             f"{ranks_on_node} ranks on this node but {num_gpus} GPU(s) visible, and NCCL needs a GPU per rank: start "
-            f"at most {num_gpus} rank(s) per node, or set distributed.share_gpus=true to put several ranks on each GPU "
+            f"at most {num_gpus} rank(s) per node (sbatch and srun: --ntasks-per-node={num_gpus}, which "
+            "launch/slurm.sbatch sets to 8), or set distributed.share_gpus=true to put several ranks on each GPU "
             "(they take turns on it and all-reduce through gloo: slow, but the arithmetic of one GPU per rank)"
         )
     return local_rank % num_gpus
