@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -37,7 +38,7 @@ LAUNCHER_VARIABLES = [
     ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 ]
 ABORT_GRACE_S = 2.0
-GLOO_TIMEOUT = "Timed out waiting"  # gloo's words for a collective that waited its timeout for a peer
+GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's words for a collective that waited its timeout
 ANSWER_TAG = 0x5052  # the MPI tag of ranks_not_answering's messages, which no other message of the trainer's has
 LONGEST_ANSWER_WAIT_S = 60.0  # a live rank times out a step or so after another; a job that hangs ends soon after
 
@@ -291,13 +292,14 @@ def shutdown() -> None:
         mpi.COMM_WORLD.Barrier()
 
 
-def ranks_not_answering(error: Exception, timeout_s: float) -> list[int] | None:
-    """Where `error` is a gloo collective's timeout in a job MPI started, the ranks that did not say, within timeout_s
-    (at most LONGEST_ANSWER_WAIT_S), that a collective of theirs had timed out too: each rank whose collective times
-    out says so to the others here, so those that do not are the ones the collectives waited for (stopped, hung, or
-    busy elsewhere), which gloo's error does not name. None for any other error. Over MPI, not the process group,
+def ranks_not_answering(error: Exception) -> list[int] | None:
+    """Where `error` is a gloo collective's timeout in a job MPI started, the ranks that did not say, within that
+    timeout (at most LONGEST_ANSWER_WAIT_S), that a collective of theirs had timed out too: each rank whose collective
+    times out says so to the others here, so those that do not are the ones the collectives waited for (stopped, hung,
+    or busy elsewhere), which gloo's error does not name. None for any other error. Over MPI, not the process group,
     whose collectives wait for every rank."""
-    if GLOO_TIMEOUT not in str(error) or backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
+    timed_out = GLOO_TIMEOUT.search(str(error))
+    if timed_out is None or backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
         return None
     from mpi4py import MPI
 
@@ -305,7 +307,7 @@ def ranks_not_answering(error: Exception, timeout_s: float) -> list[int] | None:
     others = [rank for rank in range(world.Get_size()) if rank != world.Get_rank()]
     unsaid = [world.Isend([bytearray(1), MPI.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
     unheard = {rank: world.Irecv([bytearray(1), MPI.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
-    deadline = time.monotonic() + min(timeout_s, LONGEST_ANSWER_WAIT_S)
+    deadline = time.monotonic() + min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S)
     while (unheard or unsaid) and time.monotonic() < deadline:
         unsaid = [word for word in unsaid if not word.Test()]
         unheard = {rank: answer for rank, answer in unheard.items() if not answer.Test()}
