@@ -223,6 +223,9 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
     lm = NGramLM.from_arpa(path)
     assert lm.log10_prob(("FOO",), "YES") == pytest.approx(-0.05)  # an unknown history word is <unk> too
     assert lm.log10_prob(("FOO",), "NO") == pytest.approx(-0.7)  # <unk> has no backoff weight here
+    # "<UNK>", as some models spell it (KenLM reads it as <unk>): it was refused as a model without <unk>.
+    path.write_text(ARPA.replace("<unk>", "<UNK>"))
+    assert NGramLM.from_arpa(path).log10_prob(("YES",), "MAYBE") == pytest.approx(-0.3 - 1.0)
     path.write_text(ARPA.replace("-0.7\tno", "-0.7\tno\n-3.0\tNO"))
     with pytest.raises(ValueError, match=rf"{path}:9: 'NO' is an n-gram the model already has \(n-grams are read"):
         NGramLM.from_arpa(path)

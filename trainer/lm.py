@@ -22,6 +22,9 @@ from data.text import invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
+# How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
+# <unk>, and every other word upper case, as the acoustic model spells it.
+_MARKERS = {SENTENCE_START: SENTENCE_START, SENTENCE_END: SENTENCE_END, UNKNOWN: UNKNOWN, "<UNK>": UNKNOWN}
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
 
 
@@ -88,8 +91,7 @@ class NGramLM:
             if not (math.isfinite(log_prob) and math.isfinite(backoff)):
                 raise ValueError(f"{source}:{line_number}: a log10 probability or backoff weight that is not finite: "
                                  f"{line[:80]!r}")
-            words = tuple(word if word in (SENTENCE_START, SENTENCE_END, UNKNOWN) else word.upper()
-                          for word in fields[1 : order + 1])
+            words = tuple(_MARKERS.get(word, word.upper()) for word in fields[1 : order + 1])
             if words in tables:  # the model spells upper case: "no" and "NO" would be one n-gram with two scores
                 raise ValueError(f"{source}:{line_number}: {' '.join(fields[1:order + 1])!r} is an n-gram the model "
                                  "already has (n-grams are read upper case)")
