@@ -251,6 +251,14 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", "").replace("ngram 1=4", "ngram 1=3"))
     with pytest.raises(ValueError, match=f"{without_unknown} has no <unk> unigram"):
         NGramLM.from_arpa(without_unknown)
+    # An n-gram with a word that is no unigram was kept but never scored (its word read as <unk>): without the <s>
+    # unigram, every n-gram of a sentence's start.
+    bad.write_text(ARPA.replace("-99\t<s>\t-0.2\n", "").replace("ngram 1=4", "ngram 1=3"))
+    with pytest.raises(ValueError, match=rf"{bad}:11: '<s>' is not a 1-gram of the model, which must list every word"):
+        NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("yes no", "yes maybe"))
+    with pytest.raises(ValueError, match=rf"{bad}:13: 'maybe' is not a 1-gram of the model"):
+        NGramLM.from_arpa(bad)
     lines = ARPA.splitlines(keepends=True)
     for cut in (7, 12, 14):  # inside the unigrams, inside the bigrams, before \end\
         bad.write_text("".join(lines[:cut]))

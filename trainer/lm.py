@@ -92,6 +92,11 @@ class NGramLM:
                 raise ValueError(f"{source}:{line_number}: a log10 probability or backoff weight that is not finite: "
                                  f"{line[:80]!r}")
             words = tuple(_MARKERS.get(word, word.upper()) for word in fields[1 : order + 1])
+            # A word that is no unigram would be read as <unk> (log10_prob), so such an n-gram would never be scored:
+            # a model without the <s> unigram lost every n-gram of a sentence's start. ARPA lists every word as one.
+            if order > 1 and (unlisted := [given for given, word in zip(fields[1:], words) if (word,) not in tables]):
+                raise ValueError(f"{source}:{line_number}: {unlisted[0]!r} is not a 1-gram of the model, which must "
+                                 f"list every word of its n-grams: {line[:80]!r}")
             if words in tables:  # the model spells upper case: "no" and "NO" would be one n-gram with two scores
                 raise ValueError(f"{source}:{line_number}: {' '.join(fields[1:order + 1])!r} is an n-gram the model "
                                  "already has (n-grams are read upper case)")
