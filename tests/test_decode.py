@@ -282,6 +282,9 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):
             NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("-0.7\tno", "1.5\tno"))  # was read as P(NO) = 31.6
+    with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability above 0 \(a probability above 1\): '1.5"):
+        NGramLM.from_arpa(bad)
     compressed = tmp_path / "model.arpa.gz"
     compressed.write_bytes(gzip.compress(ARPA.encode()))
     with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 of line 1 is not UTF-8 \(a"):

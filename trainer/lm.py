@@ -91,6 +91,9 @@ class NGramLM:
             if not (math.isfinite(log_prob) and math.isfinite(backoff)):
                 raise ValueError(f"{source}:{line_number}: a log10 probability or backoff weight that is not finite: "
                                  f"{line[:80]!r}")
+            if log_prob > 0:  # KenLM refuses it too: such a word would outscore every sure one
+                raise ValueError(f"{source}:{line_number}: a log10 probability above 0 (a probability above 1): "
+                                 f"{line[:80]!r}")
             words = tuple(_MARKERS.get(word, word.upper()) for word in fields[1 : order + 1])
             # A word that is no unigram would be read as <unk> (log10_prob), so such an n-gram would never be scored:
             # a model without the <s> unigram lost every n-gram of a sentence's start. ARPA lists every word as one.
