@@ -187,7 +187,7 @@ def test_built_model_discounts_as_ney_and_backs_off_by_hand():
 
 
 ARPA = """\\data\\
-ngram 1=4
+ngram 1=5
 ngram 2=2
 
 \\1-grams:
@@ -195,7 +195,7 @@ ngram 2=2
 -0.5\tyes\t-0.3
 -0.7\tno
 -99\t<s>\t-0.2
-
+-0.9\t</s>
 \\2-grams:
 -0.1\t<s> yes
 -0.2\tyes no
@@ -235,7 +235,7 @@ def test_arpa_reader_takes_an_order_its_header_declares_empty():
     # As SRILM's change-lm-vocab can leave it, and as KenLM reads it: a model of no trigrams, not one cut short.
     empty_trigrams = ARPA.replace("ngram 2=2", "ngram 2=2\nngram 3=0").replace("\\end\\", "\\3-grams:\n\n\\end\\")
     assert NGramLM.from_arpa_text(empty_trigrams).tables == NGramLM.from_arpa_text(ARPA).tables
-    with pytest.raises(ValueError, match=r"declares 4 1-grams, 2 2-grams, 1 3-grams, its sections hold 4 1-grams, 2 2"):
+    with pytest.raises(ValueError, match=r"declares 5 1-grams, 2 2-grams, 1 3-grams, its sections hold 5 1-grams, 2 2"):
         NGramLM.from_arpa_text(empty_trigrams.replace("ngram 3=0", "ngram 3=1"))
 
 
@@ -248,12 +248,19 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header"):
         NGramLM.from_arpa(bad)
     without_unknown = tmp_path / "no_unk.arpa"
-    without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", "").replace("ngram 1=4", "ngram 1=3"))
+    without_unknown.write_text(ARPA.replace("-1.0\t<unk>\n", "").replace("ngram 1=5", "ngram 1=4"))
     with pytest.raises(ValueError, match=f"{without_unknown} has no <unk> unigram"):
         NGramLM.from_arpa(without_unknown)
+    # Without <s> or </s> each was read as <unk>: a sentence's first words scored as after an unknown word.
+    without_start = UNIGRAMS.replace("-99\t<s>\n", "").replace("ngram 1=5", "ngram 1=4")
+    with pytest.raises(ValueError, match="has no <s> unigram, so the start of a sentence cannot be scored"):
+        NGramLM.from_arpa_text(without_start)
+    without_end = ARPA.replace("-0.9\t</s>\n", "").replace("ngram 1=5", "ngram 1=4")
+    with pytest.raises(ValueError, match="has no </s> unigram, so the end of a sentence cannot be scored"):
+        NGramLM.from_arpa_text(without_end)
     # An n-gram with a word that is no unigram was kept but never scored (its word read as <unk>): without the <s>
     # unigram, every n-gram of a sentence's start.
-    bad.write_text(ARPA.replace("-99\t<s>\t-0.2\n", "").replace("ngram 1=4", "ngram 1=3"))
+    bad.write_text(ARPA.replace("-99\t<s>\t-0.2\n", "").replace("ngram 1=5", "ngram 1=4"))
     with pytest.raises(ValueError, match=rf"{bad}:11: '<s>' is not a 1-gram of the model, which must list every word"):
         NGramLM.from_arpa(bad)
     bad.write_text(ARPA.replace("yes no", "yes maybe"))
@@ -265,9 +272,9 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         with pytest.raises(ValueError, match=rf"{bad} ends before \\end\\ \(cut short\?\)$"):
             NGramLM.from_arpa(bad)
     # A unigram gone and the bigrams after an \end\: what is read no longer matches the header.
-    bad.write_text("".join(lines[:6] + lines[7:]).replace("\n\n\\2-grams", "\n\\end\\\n\\2-grams"))
-    with pytest.raises(ValueError, match=rf"{bad}: its header declares 4 1-grams, 2 2-grams, its sections hold "
-                                         r"3 1-grams \(cut short or edited\?\)"):
+    bad.write_text("".join(lines[:6] + lines[7:]).replace("\n\\2-grams", "\n\\end\\\n\\2-grams"))
+    with pytest.raises(ValueError, match=rf"{bad}: its header declares 5 1-grams, 2 2-grams, its sections hold "
+                                         r"4 1-grams \(cut short or edited\?\)"):
         NGramLM.from_arpa(bad)
     bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=two"))
     with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram 2=two'"):

@@ -34,8 +34,12 @@ class NGramLM:
     def __init__(self, tables: dict[tuple[str, ...], tuple[float, float]], source: str = "the language model"):
         self.tables = tables
         self.order = max(len(ngram) for ngram in tables)
-        if (UNKNOWN,) not in tables:
-            raise ValueError(f"{source} has no {UNKNOWN} unigram, so unseen words cannot be scored")
+        # A marker the model lacks would be read as <unk> (KenLM refuses such a model too): a sentence's first words
+        # scored as if after an unknown word, its end as an unknown word.
+        for marker, use in ((UNKNOWN, "unseen words"), (SENTENCE_START, "the start of a sentence"),
+                            (SENTENCE_END, "the end of a sentence")):
+            if (marker,) not in tables:
+                raise ValueError(f"{source} has no {marker} unigram, so {use} cannot be scored")
 
     @classmethod
     def from_arpa(cls, path: str | Path) -> "NGramLM":
