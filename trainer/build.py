@@ -121,7 +121,7 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
     Raises ValueError naming the file where it holds no model this code can build."""
     saved = checkpoint.load(path)
     try:
-        cfg = OmegaConf.create(saved["config"])
+        cfg = checkpoint.stored_config(saved["config"])
         if cfg.model.backend == "persistent":
             cfg.model.backend = "auto"
         extractor = features(cfg.data)

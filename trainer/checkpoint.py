@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 
 def rng_state(device: torch.device) -> dict:
@@ -142,19 +143,36 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     return saved
 
 
+def stored_config(config: dict) -> DictConfig:
+    """A loaded checkpoint's config, each string the text it is: a "${" in one (a corpus folder named so, given on the
+    command line as "\\${") is no interpolation to resolve, so none reads the environment (`${oc.env:...}`)."""
+    return OmegaConf.create(_escape_interpolations(config))
+
+
+def _escape_interpolations(value):
+    """`value` with OmegaConf's escape before each "${" of its strings, the backslashes already before it doubled."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda match: match[1] * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {key: _escape_interpolations(entry) for key, entry in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escape_interpolations(entry) for entry in value]
+    return value
+
+
 MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
 
 
 def _unresolved(config: dict) -> str | None:
-    """What in a stored config OmegaConf would not take as plain data, named with its key: a string it would resolve
-    (`${oc.env:...}` reads the environment), its missing value `???`, or nesting past MAX_CONFIG_DEPTH; else None."""
+    """What in a stored config OmegaConf would not take as plain data, named with its key: its missing value `???`,
+    or nesting past MAX_CONFIG_DEPTH; else None."""
     pending = [("config", config, 0)]
     while pending:
         key, value, depth = pending.pop()
         if depth > MAX_CONFIG_DEPTH:
             return f"{key} nests deeper than {MAX_CONFIG_DEPTH} levels"
-        if isinstance(value, str) and ("${" in value or value == "???"):
-            return f"{key} holds {'an interpolation (${...})' if '${' in value else 'a missing value (???)'}"
+        if isinstance(value, str) and value == "???":
+            return f"{key} holds a missing value (???)"
         entries = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
                    else ())
         pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(list(entries))]

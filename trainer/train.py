@@ -655,7 +655,7 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train
     else the other settings that differ, which the run takes from here on, for the log (config.yaml says only this
     job's). holds_train_set: the checkpoint holds its training set's digest, which check_same_training_set compares
     instead of the manifests' paths, so that the same corpus in another folder (another machine's) resumes."""
-    saved = OmegaConf.create(saved_config)
+    saved = checkpoint.stored_config(saved_config)
     # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
     # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
     bidirectional = OmegaConf.select(saved, "model.bidirectional") and cfg.model.bidirectional
