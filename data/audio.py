@@ -63,9 +63,11 @@ def audio_header(path: str | os.PathLike):
     there is no such file, it is not audio, or its header claims what load_audio refuses: no samples, more than
     MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or more than MAX_CHANNELS channels (so a
     manifest never lists such a file with the duration it claims)."""
-    # libsndfile reports a missing file as "System error"; say what it is.
+    # libsndfile reports a missing file as "System error"; say what it is. A pipe would be waited on for a writer.
     if not os.path.isfile(path):
-        raise AudioError(f"{path}: {'a folder, not an audio file' if os.path.isdir(path) else 'no such audio file'}")
+        raise AudioError(f"{path}: " + ("a folder, not an audio file" if os.path.isdir(path) else
+                                        "not a file (a pipe, <(...), a device); save the audio to one and name that"
+                                        if os.path.exists(path) else "no such audio file"))
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
     # raises TypeError), the message names the file. The name goes as bytes: soundfile encodes a str strictly, and a
     # name that is not UTF-8 (b"\xff.wav", which Python holds as "\udcff.wav") would not open.

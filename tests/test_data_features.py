@@ -67,12 +67,16 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     (tmp_path / "channels.wav").write_bytes(bytes(wav))
     (tmp_path / "headerless.raw").write_bytes(b"\x00\x01" * 4000)  # RAW: soundfile wants a rate and raises TypeError
     (tmp_path / "folder.wav").mkdir()
+    os.mkfifo(tmp_path / "pipe.wav")  # transcribe's /dev/stdin under `cat a.wav |`, or <(...): it said no such file
+    (tmp_path / "device.wav").symlink_to("/dev/zero")
     reasons = {
         "nan.wav": "audio holds NaN or infinite samples",
         "corrupt.flac": "cannot read audio",
         "empty.wav": "audio holds no samples",
         "missing.wav": "no such audio file",
         "folder.wav": "a folder, not an audio file",
+        "pipe.wav": r"not a file \(a pipe, <\(...\), a device\); save the audio to one and name that",
+        "device.wav": "not a file",
         "huge.flac": "its header gives 4294967 s of audio, more than the 3600 s a file may hold",
         "megahertz.wav": "its header gives a sample rate of 1000003 Hz, outside 1000-384000 Hz",
         "headerless.raw": "cannot read audio",
