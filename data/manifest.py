@@ -5,6 +5,7 @@ segment of a longer file) is refused rather than ignored: the whole file would b
 """
 import json
 import os
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,8 +25,9 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
-    line that is not UTF-8, or not a JSON object with a string `audio_filepath` and `text` and a `duration` from 0
-    to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first line is skipped.
+    line that is not UTF-8, or not a JSON object with a string `audio_filepath` (no control character in it) and
+    `text` and a `duration` from 0 to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first
+    line is skipped.
     """
     path = Path(path)
     if path.is_dir():
@@ -82,7 +84,17 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
         except UnicodeEncodeError as error:  # JSON's \ud800 escapes decode to lone surrogates
             raise ValueError(f"{where}: {key!r} holds {value[error.start]!r}, half of a UTF-16 surrogate pair, "
                              "which is no character") from None
+    if (control := control_character(audio_filepath)) is not None:
+        raise ValueError(f"{where}: 'audio_filepath' holds the control character {control!r}, which would break the "
+                         "lines naming the file (rename it)")
     return Utterance(str(path.parent.absolute() / audio_filepath), float(duration), text, speaker)
+
+
+def control_character(text: str) -> str | None:
+    """The first control character of `text` (a newline, a tab, a terminal's escape), or None. Logs, the console and
+    trainer.evaluate's table print audio paths as they are: one holding such a character would forge a log line, send
+    the terminal an escape sequence or split a row."""
+    return next((char for char in text if unicodedata.category(char) == "Cc"), None)
 
 
 def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:

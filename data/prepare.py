@@ -7,10 +7,10 @@ AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N
 the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
 linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
 
-Utterances whose audio is missing, whose header cannot be read or whose path is not UTF-8 (a manifest is UTF-8) are
-skipped with a warning naming the file, and counted (audio that is damaged past its header is found when training
-reads it). An utterance with an empty transcript is written as it is: the dataset leaves it out, names it and counts
-it.
+Utterances whose audio is missing, whose header cannot be read, or whose path is not UTF-8 (a manifest is UTF-8) or
+holds a control character are skipped with a warning naming the file, and counted (audio that is damaged past its
+header is found when training reads it). An utterance with an empty transcript is written as it is: the dataset leaves
+it out, names it and counts it.
 """
 import argparse
 import logging
@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.manifest import Utterance, read_manifest, write_manifest
+from data.manifest import Utterance, control_character, read_manifest, write_manifest
 from data.text import normalize_text
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,10 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
     if not _is_utf8(audio):
         logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)",
                        _printable(audio))
+        return None
+    if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
+        logger.warning("skipping %r: its path holds the control character %r, which would break the lines naming it "
+                       "(rename it)", str(audio), control)
         return None
     try:
         duration = audio_header(audio).duration

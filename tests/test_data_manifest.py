@@ -110,6 +110,13 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": [1]}', "'speaker' must be a string or"),
         ('{"audio_filepath": "a\\ud800.wav", "duration": 1.0, "text": "A"}', "'audio_filepath' holds '.ud800', half"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A\\udfff"}', "'text' holds '.udfff', half"),
+        # Printed as they are, they broke the lines naming the file: a forged log line, a terminal's escape sequence,
+        # a row of trainer.evaluate --out's table split in two or given a sixth column.
+        ('{"audio_filepath": "a\\n[trainer][ERROR] - b.wav", "duration": 1.0, "text": "A"}',
+         r"'audio_filepath' holds the control character '\\n', which would break the lines naming the file "
+         r"\(rename it\)$"),
+        ('{"audio_filepath": "\\u001b[2J.wav", "duration": 1.0, "text": "A"}', r"control character '\\x1b'"),
+        ('{"audio_filepath": "a\\tb.wav", "duration": 1.0, "text": "A"}', r"control character '\\t'"),
     ],
 )
 def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint):
