@@ -9,7 +9,12 @@ import torch
 import torchaudio.transforms
 from torch import nn
 
+from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+
 FEATURE_KINDS = ("spectrogram", "mel")
+# A window or hop longer than this is a mistake: a window of 1e9 ms would take 64 GB. Checked here, and not only in the
+# trainer's config, because a checkpoint's stored settings build an extractor too (trainer.evaluate, transcribe).
+MAX_WINDOW_MS = 1000
 
 
 def _is_number(value) -> bool:
@@ -61,10 +66,13 @@ class FeatureExtractor(nn.Module):
         if kind not in FEATURE_KINDS:
             raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
         # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
-        if not (isinstance(sample_rate, int) and not isinstance(sample_rate, bool) and sample_rate > 0
-                and _is_number(window_ms) and _is_number(hop_ms)):
-            raise ValueError(f"sample_rate={sample_rate!r} must be a positive integer, window_ms={window_ms!r} and "
-                             f"hop_ms={hop_ms!r} positive numbers")
+        if not (isinstance(sample_rate, int) and not isinstance(sample_rate, bool)
+                and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
+                and _is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
+                and _is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
+            raise ValueError(f"sample_rate={sample_rate!r} must be an integer number of Hz from {MIN_SAMPLE_RATE} to "
+                             f"{MAX_SAMPLE_RATE}, window_ms={window_ms!r} and hop_ms={hop_ms!r} numbers of "
+                             f"milliseconds in (0, {MAX_WINDOW_MS}]")
         self.kind = kind
         self.sample_rate = sample_rate
         self.normalize = normalize

@@ -158,9 +158,13 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
                                                      "gives mel bands that hold no FFT bin, features that never "
                                                      "change: at most 86 bands work there"),
     (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
-    (dict(sample_rate=-16000), "sample_rate=-16000 must be a positive integer, window_ms=20 and hop_ms=10 positive "
-                               "numbers"),
-    (dict(sample_rate=16000.0), "sample_rate=16000.0 must be a positive integer"),  # resampling takes whole Hz
+    (dict(sample_rate=-16000), "sample_rate=-16000 must be an integer number of Hz from 1000 to 384000, window_ms=20 "
+                               "and hop_ms=10 numbers of milliseconds in (0, 1000]"),
+    (dict(sample_rate=16000.0), "sample_rate=16000.0 must be an integer"),  # resampling takes whole Hz
+    # A checkpoint's stored settings are not the trainer's checked config: these windows took 64 GB and 22 GB.
+    (dict(sample_rate=10**9, window_ms=1000), "sample_rate=1000000000 must be an integer number of Hz from 1000"),
+    (dict(kind="mel", window_ms=1e7, hop_ms=10), "window_ms=10000000.0 and hop_ms=10 numbers of milliseconds in "
+                                                 "(0, 1000]"),
     (dict(window_ms="20"), "window_ms='20'"),
 ])
 def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.dataset import Batch, SpeechDataset, collate, count_reasons
-from data.features import FEATURE_KINDS, SpecAugment
+from data.features import FEATURE_KINDS, MAX_WINDOW_MS, SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK
@@ -577,8 +577,8 @@ CONFIG_RULES = (
     ("data.features.kind", lambda v: v in FEATURE_KINDS, f"one of {', '.join(FEATURE_KINDS)}"),
     ("data.features.sample_rate", lambda v: _is_int(v) and MIN_SAMPLE_RATE <= v <= MAX_SAMPLE_RATE,
      f"an integer number of Hz from {MIN_SAMPLE_RATE} to {MAX_SAMPLE_RATE}"),
-    *((f"data.features.{key}", lambda v: _is_number(v) and 0 < v <= 1000, "a number of milliseconds in (0, 1000]")
-      for key in ("window_ms", "hop_ms")),
+    *((f"data.features.{key}", lambda v: _is_number(v) and 0 < v <= MAX_WINDOW_MS,
+       f"a number of milliseconds in (0, {MAX_WINDOW_MS}]") for key in ("window_ms", "hop_ms")),
     ("data.features.n_mels", lambda v: _is_int(v) and v >= 1, "a positive integer"),
     *((f"data.augment.masks.{key}", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
       for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
