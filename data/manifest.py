@@ -6,11 +6,16 @@ segment of a longer file) is refused rather than ignored: the whole file would b
 import json
 import os
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 # Seconds; a larger duration is a mistake (a day is 86400 s), and past about 1e304 it overflows a sample count.
 MAX_DURATION = 1e6
+# Bytes; far past any line of a manifest (an hour's transcript is some 50 kB) or of a language model.
+MAX_LINE_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -25,9 +30,9 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
-    line that is not UTF-8, or not a JSON object with a string `audio_filepath` (no control character in it) and
-    `text` and a `duration` from 0 to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first
-    line is skipped.
+    line that is not UTF-8 or longer than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no
+    control character in it) and `text` and a `duration` from 0 to MAX_DURATION (and no `offset` other than 0). A
+    byte-order mark before the first line is skipped.
     """
     path = Path(path)
     if path.is_dir():
@@ -36,7 +41,7 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
         raise FileNotFoundError(f"manifest {path} does not exist")
     utterances = []
     with path.open("rb") as lines:
-        for line_number, raw in enumerate(lines, start=1):
+        for line_number, raw in numbered_lines(lines, path):
             try:
                 line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as error:
@@ -45,6 +50,16 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
             if line.strip():
                 utterances.append(_parse_line(line, path, line_number))
     return utterances
+
+
+def numbered_lines(file: BinaryIO, path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
+    """The lines of a binary file with their numbers, from 1; ValueError naming the file and line where one is longer
+    than MAX_LINE_BYTES: a file without line breaks (a disk image, /dev/zero) would be read whole, until the memory
+    ran out."""
+    for line_number, raw in enumerate(iter(partial(file.readline, MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise ValueError(f"{path}:{line_number}: a line longer than {MAX_LINE_BYTES:,} bytes: not a text file")
+        yield line_number, raw
 
 
 def _parse_line(line: str, path: Path, line_number: int) -> Utterance:

@@ -78,6 +78,14 @@ def test_a_manifest_may_be_a_pipe(tmp_path):
         writer.join()
 
 
+def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(tmp_path):
+    # A disk image, or /dev/zero given by mistake: read as one line, it took the memory until a MemoryError traceback.
+    (tmp_path / "zeros.img").write_bytes(b"\0" * (2**20 + 1))
+    for path in (tmp_path / "zeros.img", "/dev/zero"):
+        with pytest.raises(ValueError, match=rf"^{path}:1: a line longer than 1,048,576 bytes: not a text file$"):
+            read_manifest(path)
+
+
 def test_missing_manifest_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         read_manifest(tmp_path / "nope.jsonl")

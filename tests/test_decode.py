@@ -302,6 +302,12 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text("no model here\n")
     with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
         NGramLM.from_arpa(bad)
+    # A file without line breaks (a disk image, /dev/zero given by mistake) was read whole as one line, until the
+    # memory ran out.
+    bad.write_bytes(b"\0" * (2**20 + 1))
+    for path in (bad, "/dev/zero"):
+        with pytest.raises(ValueError, match=rf"{path}:1: a line longer than 1,048,576 bytes: not a text file"):
+            NGramLM.from_arpa(path)
     with pytest.raises(FileNotFoundError, match="absent.arpa"):
         NGramLM.from_arpa(tmp_path / "absent.arpa")
     with pytest.raises(ValueError, match=rf"language model {tmp_path} is a folder"):

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from data.manifest import read_manifest
+from data.manifest import numbered_lines, read_manifest
 from data.text import invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 
@@ -134,9 +134,9 @@ class NGramLM:
 
 
 def _utf8_lines(file: BinaryIO, path: Path) -> Iterator[str]:
-    """The lines of a binary file as text, a byte-order mark before the first skipped; a line that is not UTF-8 is
-    refused by its number."""
-    for line_number, raw in enumerate(file, start=1):
+    """The lines of a binary file as text, a byte-order mark before the first skipped; a line that is not UTF-8, or
+    longer than any model's (data.manifest.numbered_lines), is refused by its number."""
+    for line_number, raw in numbered_lines(file, path):
         try:
             yield raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
         except UnicodeDecodeError as error:
