@@ -230,7 +230,10 @@ PICK = " (optim=NAME picks an optimizer with its settings)"
     ("train.cuda_graphs=no", "train.cuda_graphs must be true or false, not 'no'"),
     ("data.augment.enabled=off", "data.augment.enabled must be true or false, not 'off'"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
-    ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds, not -5"),
+    ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds up to 1e+09, not -5"),
+    # "Never time out": under MPI, 1e10 s failed the rendezvous at once, 9e9 and 1e11 hung it, 1e300 was a traceback.
+    ("distributed.timeout_s=1e10", "distributed.timeout_s must be a positive number of seconds up to 1e+09, not "
+                                   "10000000000.0"),
     ("train.epochs=${model.cell}", "train.epochs must be a positive integer, not 'gru'"),  # interpolations resolved
     ("train.resume=true", "train.resume must be null, auto or a checkpoint's path, not True"),
     ("data.max_duration=abc", "data.max_duration must be a positive number of seconds or null, not 'abc'"),

@@ -137,6 +137,11 @@ def ranks_sharing_gpu(gpu: int, ranks_on_node: int, num_gpus: int) -> int:
     return len(range(gpu, ranks_on_node, num_gpus))
 
 
+# Seconds (31 years). Longer ones broke the rendezvous over gloo, 1e10 s failing it at once, 9e9 s and 1e11 s hanging
+# it (int64 nanoseconds end at 9.2e9 s), and 1e300 s overflowed timedelta in a traceback.
+MAX_TIMEOUT_S = 1e9
+
+
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     """Environment defaults, read when NCCL's process group starts, under which a collective past timeout_s ends the
     process. NCCL's watchdog sees the timeout but then stalls (2 x H100, torch 2.11: a rank whose peer had stopped

@@ -584,7 +584,8 @@ CONFIG_RULES = (
       for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
     ("data.augment.masks.max_time_fraction", lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
     ("train.resume", lambda v: v is None or isinstance(v, str) and v != "", "null, auto or a checkpoint's path"),
-    ("distributed.timeout_s", lambda v: _is_number(v) and v > 0, "a positive number of seconds"),
+    ("distributed.timeout_s", lambda v: _is_number(v) and 0 < v <= distributed.MAX_TIMEOUT_S,
+     f"a positive number of seconds up to {distributed.MAX_TIMEOUT_S:g}"),
     # On/off keys: a string such as "no" would be true, and turn on what the user turned off.
     *((key, lambda v: isinstance(v, bool), "true or false") for key in (
         "model.bidirectional", "model.residual", "data.sortagrad", "data.augment.enabled", "data.features.normalize",
