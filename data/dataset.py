@@ -75,10 +75,10 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
 def _file_identity(path: str) -> tuple[int, int] | str:
     """What tells one audio file from another however a manifest names it: its device and inode, as
     os.path.samefile compares them (the same for a symbolic or hard link to it, or a path through `..`). A file that
-    cannot be examined (missing, or named with a NUL: reading it names it) goes by its path with `..` folded."""
+    cannot be examined (missing: reading it names it) goes by its path with `..` folded."""
     try:
         status = os.stat(path)
-    except (OSError, ValueError):
+    except OSError:
         return os.path.normpath(path)
     return status.st_dev, status.st_ino
 
