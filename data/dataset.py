@@ -16,7 +16,7 @@ from data.audio import AudioError, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
 from data.manifest import Utterance, read_manifest
 from data.sampler import epoch_seed
-from data.text import encode, invalid_characters, normalize_text
+from data.text import counted, encode, invalid_characters, normalize_text
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _file_identity(path: str) -> tuple[int, int] | str:
 def count_reasons(counts: Counter) -> str:
     """'2 utterances (too long for stride), 1 utterance (empty transcript)': the log's and tools' way of saying how
     many were left out and why ('' for none)."""
-    return ", ".join(f"{count} utterance{'s' if count != 1 else ''} ({reason})" for reason, count in counts.items())
+    return ", ".join(f"{counted(count, 'utterance')} ({reason})" for reason, count in counts.items())
 
 
 class SpeechDataset(Dataset):
@@ -144,14 +144,14 @@ class SpeechDataset(Dataset):
             for utterance in read_manifest(path):
                 self._add(utterance)
         if self._repeats:
-            logger.warning("skipping %d utterance%s whose audio file is listed before (the first: %s)",
-                           len(self._repeats), "s" if len(self._repeats) != 1 else "", self._repeats[0])
+            logger.warning("skipping %s whose audio file is listed before (the first: %s)",
+                           counted(len(self._repeats), "utterance"), self._repeats[0])
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
         logger.info(
-            "%d utterances from %s; skipped %s",
-            len(self.utterances),
+            "%s from %s; skipped %s",
+            counted(len(self.utterances), "utterance"),
             ", ".join(map(str, manifest_paths)),
             count_reasons(self.skipped) or "none",
         )

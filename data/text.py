@@ -1,4 +1,5 @@
-"""The character alphabet the model predicts, and the mapping between transcripts and target ids."""
+"""The character alphabet the model predicts, the mapping between transcripts and target ids, and how messages word a
+count."""
 from collections.abc import Iterable
 
 # Index 0 is the CTC blank ("_"); it never appears in a transcript.
@@ -43,3 +44,8 @@ def decode(ids: Iterable[int]) -> str:
             raise ValueError(f"id {index} is outside the alphabet's range 0..{NUM_CLASSES - 1}")
         chars.append(ALPHABET[index])
     return "".join(chars)
+
+
+def counted(count: int, noun: str) -> str:
+    """'1 step', '2 steps', '0 steps': a count and its noun, as every log line and message words one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

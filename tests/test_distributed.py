@@ -177,7 +177,7 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
     code, output = run_job(command, TRAIN_TIMEOUT_S)
     assert code == 0, output
     assert "epoch 1: loss" in output, output
-    assert "15 utterances in" in output and "skipped: 1 utterances unreadable or too long" in output, output
+    assert "15 utterances in" in output and "skipped: 1 utterance unreadable or too long" in output, output
     # The run's log is rank 0's (the dataset's lines once, not once a rank); rank 1 adds only its warnings, tagged.
     log = (tmp_path / "run" / "__main__.log").read_text()
     assert log.count("utterances from") == 2, log  # the training set and the test set
@@ -268,7 +268,7 @@ def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path,
     monkeypatch.setitem(JOB_ENV, "CUDA_VISIBLE_DEVICES", "0")
     code, output = run_job(trainer_command(an4_slice, tmp_path / "refused", 2, "device=cuda"), FAILURE_TIMEOUT_S)
     assert code != 0, output
-    assert "error on rank 0: 2 ranks on this node but 1 GPU(s) visible" in output, output
+    assert "error on rank 0: 2 ranks on this node but 1 GPU visible" in output, output
     graphed = trainer_command(an4_slice, tmp_path / "graphed", 2, *ON_GPUS, "distributed.share_gpus=true",
                               "train.cuda_graphs=true")
     code, output = run_job(graphed, FAILURE_TIMEOUT_S)
@@ -283,9 +283,11 @@ def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
     assert [distributed.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
     assert [distributed.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
     # A Slurm user who asked for fewer GPUs than launch/slurm.sbatch (--gpus-per-node=4) still has its 8 tasks a node.
-    with pytest.raises(ValueError, match=r"8 ranks on this node but 4 GPU\(s\) visible, .* per node \(sbatch and srun: "
+    with pytest.raises(ValueError, match=r"8 ranks on this node but 4 GPUs visible, .* per node \(sbatch and srun: "
                                          r"--ntasks-per-node=4, which launch/slurm.sbatch sets to 8\)"):
         distributed.rank_gpu(0, 8, 4, share_gpus=False)
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 GPU visible, .* start at most 1 rank per node"):
+        distributed.rank_gpu(0, 2, 1, share_gpus=False)
 
 
 def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_rank(monkeypatch):

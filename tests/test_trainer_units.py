@@ -45,7 +45,8 @@ from trainer.stop import (
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
     hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, open_metrics, position_in_epochs,
-    record_job, recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, train_loader, train_step,
+    UNUSABLE, record_job, recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, skipped_step,
+    train_loader, train_step,
 )
 
 
@@ -383,7 +384,7 @@ def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transc
     # "<s> YES NO YES </s>" holds no n-gram longer than 5: a 6-gram section of none read as a model cut short.
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no yes"}\n')
     assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "6", "--out", str(tmp_path / "m.arpa")]) == 0
-    assert "a 5-gram model of 1 transcripts (--order 6: none is longer than 3 words)" in capsys.readouterr().out
+    assert "a 5-gram model of 1 transcript (--order 6: none is longer than 3 words)" in capsys.readouterr().out
     model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
     five = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES"]], 5))
     assert model.order == 5 and model.tables == five.tables
@@ -786,17 +787,21 @@ def test_an_optimizer_state_from_before_fused_optimizers_resumes_fused(name):
 def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
     """Counted by the steps that trained, not the utterances: where one rank of two reads no audio, every step is
     skipped (an empty shard) though half the utterances loaded were usable."""
-    skipped = Counter({"utterances unreadable or too long": 8, "step skipped: empty shard (all its audio unreadable)": 4})
+    skipped = Counter({UNUSABLE: 8, skipped_step("empty shard (all its audio unreadable)"): 4})
     with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped \(8 utterances "
-                                         r"unreadable or too long, 4 step skipped: empty shard .*every rank must be"):
+                                         r"unreadable or too long, 4 steps skipped: empty shard .*every rank must be"):
         refuse_if_nothing_trained(2, 4, 0, skipped)
     with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(1 step skipped: "
                                          r"non-finite loss or gradient\)$"):
-        refuse_if_nothing_trained(0, 1, 0, Counter({"step skipped: non-finite loss or gradient": 1}))
+        refuse_if_nothing_trained(0, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}))
+    # Each count words its noun for that count, one or more.
+    with pytest.raises(ValueError, match=r"^epoch 2 trained nothing: each of its 3 steps was skipped \(1 utterance "
+                                         r"unreadable or too long, 3 steps skipped: non-finite loss or gradient\)"):
+        refuse_if_nothing_trained(1, 3, 0, Counter({UNUSABLE: 1, skipped_step("non-finite loss or gradient"): 3}))
     refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
     # Inside an epoch of a run that trained before, steps skipped for losses that were not finite are skipped steps
     # like any other (one batch's overflow), not a reason to refuse the checkpoint; skipped for their audio, they are.
-    refuse_if_nothing_trained(1, 1, 0, Counter({"step skipped: non-finite loss or gradient": 1}), overflows_pass=True)
+    refuse_if_nothing_trained(1, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}), overflows_pass=True)
     with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped"):
         refuse_if_nothing_trained(2, 4, 0, skipped, overflows_pass=True)
     refuse_if_nothing_trained(2, 0, 0, Counter())  # none run yet (resumed at the epoch's end)
@@ -847,7 +852,7 @@ def small_checkpoint(path, *overrides: str):
 def test_a_stored_config_that_claims_another_model_than_its_weights_allocates_nothing(tmp_path):
     path = small_checkpoint(tmp_path / "small.pt")
     saved = torch.load(path, weights_only=True)
-    for key, value, complaint in (("depth", 10**8, "its config gives model.depth=100000000, its weights 1 layers"),
+    for key, value, complaint in (("depth", 10**8, r"its config gives model.depth=100000000, its weights 1 layer\)"),
                                   ("hidden", 40000, "size mismatch")):  # 19 GB of weights, were they made
         edited = {**saved, "config": {**saved["config"], "model": {**saved["config"]["model"], key: value}}}
         torch.save(edited, tmp_path / "edited.pt")

@@ -251,6 +251,17 @@ def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
+    """One utterance, in global batches of one: each count of the log's lines is 1, and its noun singular."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    result = train(tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")
+    for line in (f"1 utterance from {utterance}; skipped none", "1 step per epoch, leaving out 0 utterances of each",
+                 "(plain PyTorch): 1 utterance a rank, fp32"):
+        assert line in result.output, result.output[-3000:]
+    assert re.search(r"epoch 1: loss [\d.]+, 1 utterance in \d+ s", result.output), result.output[-3000:]
+
+
+@pytest.mark.slow
 def test_tensorboard_gives_each_step_the_rate_it_trained_at(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     # 2 steps an epoch: a warm-up of 3 steps, then the rate halves with each epoch.
@@ -521,7 +532,7 @@ def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_
                                 "train.global_batch_size=4", "train.epochs=2")
     arguments[2] = f"data.eval_manifest={corpus / 'train.jsonl'}"
     # Nor is anything saved where a step limit or a periodic checkpoint comes before the epoch's end.
-    for limit, skipped in (([], "its 2 steps was skipped (8 utterances unreadable or too long, 2 step skipped"),
+    for limit, skipped in (([], "its 2 steps was skipped (8 utterances unreadable or too long, 2 steps skipped"),
                            (["train.max_steps=1"], "its 1 step was skipped (4 utterances unreadable or too long, 1 step"),
                            (["train.checkpoint_every_steps=1"], "its 1 step was skipped (4 utterances unreadable")):
         result = run("trainer", [*arguments, *limit], timeout=300)

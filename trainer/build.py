@@ -6,7 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 import torch
 
 from data.features import FeatureExtractor
-from data.text import NUM_CLASSES
+from data.text import NUM_CLASSES, counted
 from models import DeepSpeech2
 from trainer import checkpoint
 
@@ -127,7 +127,8 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
         extractor = features(cfg.data)
         layers = {key.split(".")[1] for key in saved["model"] if key.startswith("layers.")}
         if cfg.model.depth != len(layers):  # building a model of the config's depth alone could take hours
-            raise ValueError(f"its config gives model.depth={cfg.model.depth}, its weights {len(layers)} layers")
+            raise ValueError(f"its config gives model.depth={cfg.model.depth}, its weights "
+                             f"{counted(len(layers), 'layer')}")
         # Built on the meta device, then given the checkpoint's tensors: a config that claims a larger model than
         # its weights allocates nothing before the shapes are compared.
         with torch.device("meta"):

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from data.text import counted
+
 log = logging.getLogger(__name__)
 
 # (rank, size, local rank, ranks on the node) variables of each launcher, checked in order.
@@ -122,10 +124,11 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
         return local_rank
     if not share_gpus:
         raise ValueError(
-            f"{ranks_on_node} ranks on this node but {num_gpus} GPU(s) visible, and NCCL needs a GPU per rank: start "
-            f"at most {num_gpus} rank(s) per node (sbatch and srun: --ntasks-per-node={num_gpus}, which "
-            "launch/slurm.sbatch sets to 8), or set distributed.share_gpus=true to put several ranks on each GPU "
-            "(they take turns on it and all-reduce through gloo: slow, but the arithmetic of one GPU per rank)"
+            f"{counted(ranks_on_node, 'rank')} on this node but {counted(num_gpus, 'GPU')} visible, and NCCL needs a "
+            f"GPU per rank: start at most {counted(num_gpus, 'rank')} per node (sbatch and srun: "
+            f"--ntasks-per-node={num_gpus}, which launch/slurm.sbatch sets to 8), or set distributed.share_gpus=true to "
+            "put several ranks on each GPU (they take turns on it and all-reduce through gloo: slow, but the arithmetic "
+            "of one GPU per rank)"
         )
     return local_rank % num_gpus
 

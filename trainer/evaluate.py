@@ -16,7 +16,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.dataset import SpeechDataset, collate, count_reasons
 from data.sampler import eval_shard
-from data.text import normalize_text
+from data.text import counted, normalize_text
 from trainer import build, decode
 from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
@@ -93,8 +93,8 @@ def main(argv=None) -> int:
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
         return 2
     if not rows:  # before --out is written: an earlier table there stays
-        print(f"error: none of the {len(dataset)} utterances of {manifest} could be decoded (the warnings above name "
-              "them)", file=sys.stderr)
+        print(f"error: none of the {counted(len(dataset), 'utterance')} of {manifest} could be decoded (the warnings "
+              "above name them)", file=sys.stderr)
         return 1
     if args.out:
         lines = ["audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n"]
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     # The WER is over the utterances decoded: say which others the manifest held (each named in a warning above).
     left_out = count_reasons(dataset.skipped + Counter(unreadable=counts.unreadable))
     left_out = f"; left out: {left_out}" if left_out else ""
-    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  ({len(rows)} utterances, {counts.words} words{left_out})")
+    print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  "
+          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{left_out})")
     return 0
 
 

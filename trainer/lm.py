@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data.manifest import numbered_lines, read_manifest
-from data.text import invalid_characters, normalize_text
+from data.text import counted, invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
@@ -230,14 +230,14 @@ def main(argv=None) -> int:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
         order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
-        print(f"counting the {order}-grams of {len(spellable)} transcripts", flush=True)  # a minute at 100k
+        print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", flush=True)  # a minute at 100k
         write_output(args.out, build_arpa(spellable, order))
     except (OSError, ValueError) as error:  # OSError: a manifest that cannot be read (no permission); it names the file
         print(f"error: {error}", file=sys.stderr)
         return 2
-    lowered = f" (--order {args.order}: none is longer than {order - 2} words)" if order < args.order else ""
+    lowered = f" (--order {args.order}: none is longer than {counted(order - 2, 'word')})" if order < args.order else ""
     left_out = f"; {len(texts) - len(spellable)} empty or unspellable left out" if len(spellable) < len(texts) else ""
-    print(f"wrote {args.out}: a {order}-gram model of {len(spellable)} transcripts{lowered}{left_out}")
+    print(f"wrote {args.out}: a {order}-gram model of {counted(len(spellable), 'transcript')}{lowered}{left_out}")
     return 0
 
 

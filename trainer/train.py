@@ -34,7 +34,7 @@ from data.dataset import Batch, SpeechDataset, collate, count_reasons
 from data.features import FEATURE_KINDS, MAX_WINDOW_MS, SpecAugment
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
-from data.text import BLANK
+from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed, run_directory
@@ -228,7 +228,7 @@ def checked_recurrent_backend(model, cfg: DictConfig, key: str, batch_size: int,
     except ValueError as error:
         batch_slice = cfg.model.batch_slice
         slices = f", in slices of model.batch_slice={batch_slice}" if batch_slice and batch_slice < batch_size else ""
-        raise ValueError(f"{key}={OmegaConf.select(cfg, key)} ({batch_size} utterances a rank{slices}): "
+        raise ValueError(f"{key}={OmegaConf.select(cfg, key)} ({counted(batch_size, 'utterance')} a rank{slices}): "
                          f"{error}") from None
 
 
@@ -352,13 +352,12 @@ def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Cou
     checkpoint inside an epoch of a run that trained before it, steps skipped each for a loss that was not finite pass:
     the run goes on past such a step (one batch's overflow) with its weights as they were, where refusing would end it
     there on every resume; the epoch's end still refuses an epoch whose every loss was not finite."""
-    if steps == 0 or trained or overflows_pass and skipped[f"step skipped: {NON_FINITE}"] == steps:
+    if steps == 0 or trained or overflows_pass and skipped[skipped_step(NON_FINITE)] == steps:
         return
-    reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.items())
     hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
             "target's), and every rank must be able to read them" if skipped[UNUSABLE] else "")
-    raise ValueError(f"epoch {epoch + 1} trained nothing: each of its {steps} step{'s' if steps > 1 else ''} was "
-                     f"skipped ({reasons}){hint}")
+    raise ValueError(f"epoch {epoch + 1} trained nothing: each of its {counted(steps, 'step')} was skipped "
+                     f"({count_skipped(skipped)}){hint}")
 
 
 def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
@@ -481,7 +480,17 @@ def known_entries(saved: dict, current: dict) -> dict:
 
 
 CONTINUE_RUN = "train.resume=auto under the same run_name"
-UNUSABLE = "utterances unreadable or too long"  # how an epoch's log line counts them
+# An epoch counts what it skipped under (noun, what): count_skipped words the count with its noun.
+UNUSABLE = ("utterance", "unreadable or too long")
+
+
+def skipped_step(outcome: str) -> tuple[str, str]:
+    return "step", f"skipped: {outcome}"
+
+
+def count_skipped(skipped: Counter) -> str:
+    """'1 utterance unreadable or too long, 2 steps skipped: non-finite loss or gradient'."""
+    return ", ".join(f"{counted(count, noun)} {what}" for (noun, what), count in skipped.items())
 
 
 # What a rank may hold apart from the others: the run's name (by default each rank's start time, which can differ by a
@@ -747,15 +756,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         check_capturable(model, per_rank_batch, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
-            "model: %.2fM parameters; %d training and %d test utterances; %d steps per epoch, leaving out %d "
-            "utterances of each (%s)",
-            sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set), len(sampler),
-            len(train_set) - len(sampler) * cfg.train.global_batch_size,
+            "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each (%s)",
+            sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set),
+            counted(len(sampler), "step"), counted(len(train_set) - len(sampler) * cfg.train.global_batch_size,
+                                                   "utterance"),
             "the longest in a SortaGrad epoch, a random choice after it" if cfg.data.sortagrad else "a random choice",
         )
         slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
-        log.info("recurrent layers on %s: %d utterances a rank%s, %s",
-                 recurrent_backend_name(recurrent_backend, env.device), per_rank_batch, slices,
+        log.info("recurrent layers on %s: %s a rank%s, %s",
+                 recurrent_backend_name(recurrent_backend, env.device), counted(per_rank_batch, "utterance"), slices,
                  "bf16" if recurrent_dtype == torch.bfloat16 else "fp32")
 
     optimizer = build.optimizer(cfg.optim, model.parameters())
@@ -900,7 +909,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             if step.unusable:
                 skipped[UNUSABLE] += step.unusable
             if step.outcome != "ok":
-                skipped[f"step skipped: {step.outcome}"] += 1
+                skipped[skipped_step(step.outcome)] += 1
                 log.warning("step %d skipped: %s", state["step"], step.outcome)
             else:
                 losses.append(step.loss)
@@ -953,11 +962,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
-                "epoch %d%s: loss %.3f, %d utterances in %.0f s, evaluated in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
+                "epoch %d%s: loss %.3f, %s in %.0f s, evaluated in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
                 epoch + 1, f" (steps {first_step + 1}-{len(sampler)}, from the resume)" if first_step else "",
-                mean_loss, utterances, trained_s, time.perf_counter() - started - trained_s, counts.wer, counts.cer,
+                mean_loss, counted(utterances, "utterance"), trained_s, time.perf_counter() - started - trained_s,
+                counts.wer, counts.cer,
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
-                "; skipped: " + ", ".join(f"{n} {reason}" for reason, n in skipped.items()) if skipped else "",
+                "; skipped: " + count_skipped(skipped) if skipped else "",
             )
             # At the step, as the training scalars are: a resumed run's purge (above) goes by step.
             writer.add_scalar("eval/wer", counts.wer, state["step"])
@@ -970,8 +980,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 record["peak_gpu_allocated_gib"] = round(allocated, 2)
                 record["peak_gpu_reserved_gib"] = round(reserved, 2)
             if counts.unreadable == len(eval_set):
-                log.warning("epoch %d: none of the test set's %d utterances could be read (named above): no test WER",
-                            epoch + 1, len(eval_set))
+                log.warning("epoch %d: none of the test set's %s could be read (named above): no test WER",
+                            epoch + 1, counted(len(eval_set), "utterance"))
             elif left_out := eval_set.skipped + Counter(unreadable=counts.unreadable):
                 # Those no model could transcribe (a transcript longer than its output frames) are left out as those
                 # that could not be read are: a WER over fewer utterances than the manifest holds says so.
