@@ -44,9 +44,9 @@ from trainer.stop import (
 )
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, open_metrics, position_in_epochs,
-    UNUSABLE, record_job, recorded_run_id, refuse_if_nothing_trained, restore, resumed_train_state, skipped_step,
-    train_loader, train_step,
+    hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, noting_what_does_nothing_here,
+    open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id, refuse_if_nothing_trained, restore,
+    resumed_train_state, skipped_step, train_loader, train_step,
 )
 
 
@@ -341,6 +341,16 @@ def test_a_resume_names_the_settings_it_changes(tmp_path):
                               tmp_path / "last.pt")
     assert changed == ["data.augment.enabled=True there, False here", "train.grad_clip_norm=400.0 there, 5 here",
                        "train.max_steps=None there, 9 here"]
+
+
+def test_a_resume_on_a_cpu_says_that_a_changed_train_amp_changes_nothing_there(tmp_path):
+    """A CPU computes in fp32 whatever train.amp says: the log said bf16 was taken, as though the run now used it."""
+    saved = OmegaConf.to_container(compose_config(["train.amp=none"]), resolve=True)
+    changed = check_resumable(saved, compose_config(["train.amp=bf16", "train.max_steps=9"]), tmp_path / "last.pt")
+    assert noting_what_does_nothing_here(changed, torch.device("cpu")) == [
+        "train.amp='none' there, 'bf16' here (nothing changes on cpu, which computes in fp32)",
+        "train.max_steps=None there, 9 here"]
+    assert noting_what_does_nothing_here(changed, torch.device("cuda", 0)) == changed  # bf16 autocast from here on
 
 
 def test_a_runs_position_is_told_in_epochs_counted_from_1():

@@ -682,6 +682,15 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train
             if not difference.startswith(unlogged)]
 
 
+def noting_what_does_nothing_here(changes: list[str], device: torch.device) -> list[str]:
+    """check_resumable's changed settings, a change of train.amp said to do nothing where this job's device runs no
+    autocast whatever it says (build.uses_amp: a CPU computes in fp32); later jobs on a GPU take it."""
+    if build.uses_amp("bf16", device):
+        return changes
+    return [f"{change} (nothing changes on {device.type}, which computes in fp32)" if change.startswith("train.amp=")
+            else change for change in changes]
+
+
 def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     """How `key` differs between a checkpoint's config and this one's, a group's entries one by one."""
     there, here = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
@@ -802,7 +811,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
         if changed_settings:
             log.info("settings other than those %s was written under, taken from here on: %s", resume,
-                     "; ".join(changed_settings))
+                     "; ".join(noting_what_does_nothing_here(changed_settings, env.device)))
     # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
     # pair its collectives with no other rank's. Its name and step, not its path: nodes may mount one folder apart.
     distributed.check_same_on_every_rank(
