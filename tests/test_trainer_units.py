@@ -913,6 +913,31 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
             assert "size mismatch for layers.0.rnn.weight_ih_l0" in message, message
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on nested tensors and on validating sparse ones
+def test_a_checkpoint_holding_a_tensor_no_model_can_use_is_one_line_naming_the_file_and_its_key(tmp_path):
+    """Tensors the safe loader takes, but which trainer.evaluate met in a page of torch's dispatcher (sparse), an
+    error naming neither the file nor the key (meta), or one naming no key (nested)."""
+    good = checkpoint.load(small_checkpoint(tmp_path / "good.pt"))
+    weight = good["model"]["layers.0.rnn.weight_ih_l0"]
+    for kind, odd in (("torch.sparse_coo (not dense)", weight.to_sparse()), ("torch.sparse_csr (not dense)",
+                      weight.to_sparse_csr()), ("meta (shape alone, no values)", weight.to("meta")),
+                      ("nested", torch.nested.nested_tensor([weight, weight]))):
+        path = tmp_path / "odd.pt"
+        torch.save({**good, "model": {**good["model"], "layers.0.rnn.weight_ih_l0": odd}}, path)
+        for read in (checkpoint.load, lambda path: build.from_checkpoint(path, torch.device("cpu"))):
+            with pytest.raises(ValueError) as error:
+                read(path)
+            assert str(error.value) == (f"{path} is not a checkpoint written by python -m trainer: its "
+                                        f"model.layers.0.rnn.weight_ih_l0 is a {kind} tensor, where the trainer "
+                                        "writes dense tensors with values")
+    # Anywhere in it: a resume hands the optimizer's state, a list's entries among them, to torch as well.
+    training = {**good, "optimizer": {"state": {0: {"exp_avg": weight.to_sparse()}}, "param_groups": []},
+                "rng": [{"torch": torch.zeros(3, dtype=torch.uint8).to("meta")}]}
+    torch.save(training, tmp_path / "training.pt")
+    with pytest.raises(ValueError, match=r"its (optimizer.state.0.exp_avg|rng.0.torch) is a"):
+        checkpoint.load(tmp_path / "training.pt")
+
+
 def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(tmp_path, monkeypatch, capsys):
     from trainer import transcribe
 

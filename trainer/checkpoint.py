@@ -140,6 +140,10 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     if unresolved:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {unresolved}, which the "
                          "trainer's resolved config never holds")
+    odd_tensor = _odd_tensor(saved)
+    if odd_tensor:
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {odd_tensor}, where the "
+                         "trainer writes dense tensors with values")
     return saved
 
 
@@ -158,6 +162,28 @@ def _escape_interpolations(value):
     if isinstance(value, list | tuple):
         return [_escape_interpolations(entry) for entry in value]
     return value
+
+
+def _odd_tensor(saved: dict) -> str | None:
+    """A tensor of a checkpoint's that the safe loader takes but no model or optimizer can use, named with its
+    key: a sparse or other non-dense layout, a nested tensor, or a meta tensor (shape alone, no values). Loading one
+    into the model ended in torch's errors, a page of its dispatcher's backends or none naming the key; else None."""
+    pending = list(saved.items())
+    seen = set()  # a pickle may hold one list many times over, or inside itself
+    while pending:
+        key, value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            kind = ("nested" if value.is_nested else f"{value.layout} (not dense)" if value.layout != torch.strided
+                    else "meta (shape alone, no values)" if value.is_meta else None)
+            if kind:
+                return f"{key} is a {kind} tensor"
+        entries = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
+                   else ())
+        pending += [(f"{key}.{name}", entry) for name, entry in entries]
+    return None
 
 
 MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
