@@ -768,6 +768,8 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
             checkpoint.check_optimizer_state(edited, optimizer)
     with pytest.raises(ValueError, match="its state of parameter 0 is a int, not a mapping"):
         checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
+    with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
+        checkpoint.check_optimizer_state({**saved, "state": list(saved["state"].values())}, optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     current = schedule.state_dict()
     assert known_entries({**current, "optimizer": 1}, current) == current

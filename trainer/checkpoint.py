@@ -211,6 +211,8 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None
     theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume)."""
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    if not isinstance(saved["state"], dict):  # torch's own loader would end in an AttributeError
+        raise ValueError(f"its state is a {type(saved['state']).__name__}, not a mapping of parameters to their state")
     for index, entries in saved["state"].items():
         if not isinstance(entries, dict):
             raise ValueError(f"its state of parameter {index} is a {type(entries).__name__}, not a mapping")
