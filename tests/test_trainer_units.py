@@ -766,14 +766,14 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
         with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
             checkpoint.check_optimizer_state(edited, optimizer)
-    with pytest.raises(ValueError, match="its state of parameter 0 is a int, not a mapping"):
+    with pytest.raises(ValueError, match="its state of parameter 0 is an int, not a mapping"):
         checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
     with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
         checkpoint.check_optimizer_state({**saved, "state": list(saved["state"].values())}, optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     current = schedule.state_dict()
     assert known_entries({**current, "optimizer": 1}, current) == current
-    with pytest.raises(ValueError, match="its last_epoch is a float, not a int"):
+    with pytest.raises(ValueError, match="its last_epoch is a float, not an int"):
         known_entries({**current, "last_epoch": 0.5}, current)
 
 

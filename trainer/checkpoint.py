@@ -83,6 +83,12 @@ def _interrupted(error: BaseException | None) -> bool:
     return False
 
 
+def a_type(value) -> str:
+    """'a list', 'an int': the type of a value found where another belongs, for a message."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
+
 # What every checkpoint holds, and what resuming a run needs besides.
 MODEL_PARTS = ("model", "config")
 TRAINING_PARTS = (*MODEL_PARTS, "optimizer", "scheduler", "sampler", "train_state", "rng")
@@ -134,8 +140,8 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     if missing:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
     if not isinstance(saved["config"], dict):  # a string would be parsed as YAML, where \u0024{ spells ${
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its config is a "
-                         f"{type(saved['config']).__name__}, not a mapping")
+        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its config is "
+                         f"{a_type(saved['config'])}, not a mapping")
     unresolved = _unresolved(saved["config"])
     if unresolved:
         raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {unresolved}, which the "
@@ -212,10 +218,10 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
     if not isinstance(saved["state"], dict):  # torch's own loader would end in an AttributeError
-        raise ValueError(f"its state is a {type(saved['state']).__name__}, not a mapping of parameters to their state")
+        raise ValueError(f"its state is {a_type(saved['state'])}, not a mapping of parameters to their state")
     for index, entries in saved["state"].items():
         if not isinstance(entries, dict):
-            raise ValueError(f"its state of parameter {index} is a {type(entries).__name__}, not a mapping")
+            raise ValueError(f"its state of parameter {index} is {a_type(entries)}, not a mapping")
         parameter = parameters.get(index)
         for name, value in entries.items():
             if not isinstance(value, torch.Tensor) or name == "step":

@@ -472,10 +472,11 @@ def known_entries(saved: dict, current: dict) -> dict:
     a scheduler copies whatever keys it is given onto itself (an "optimizer" of 1 replaced its optimizer), and torch
     versions add and drop a key or two."""
     if not isinstance(saved, dict):
-        raise ValueError(f"it is a {type(saved).__name__}, not a mapping")
+        raise ValueError(f"it is {checkpoint.a_type(saved)}, not a mapping")
     odd = [key for key, value in current.items() if key in saved and type(saved[key]) is not type(value)]
     if odd:
-        raise ValueError(f"its {odd[0]} is a {type(saved[odd[0]]).__name__}, not a {type(current[odd[0]]).__name__}")
+        key = odd[0]
+        raise ValueError(f"its {key} is {checkpoint.a_type(saved[key])}, not {checkpoint.a_type(current[key])}")
     return {key: value for key, value in saved.items() if key in current}
 
 
