@@ -46,7 +46,7 @@ from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
     hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, noting_what_does_nothing_here,
     open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id, refuse_if_nothing_trained, restore,
-    resumed_train_state, skipped_step, train_loader, train_step,
+    resumed_train_state, skipped_step, steps_from_the_resume, train_loader, train_step,
 )
 
 
@@ -351,6 +351,12 @@ def test_a_resume_on_a_cpu_says_that_a_changed_train_amp_changes_nothing_there(t
         "train.amp='none' there, 'bf16' here (nothing changes on cpu, which computes in fp32)",
         "train.max_steps=None there, 9 here"]
     assert noting_what_does_nothing_here(changed, torch.device("cuda", 0)) == changed  # bf16 autocast from here on
+
+
+def test_an_epoch_line_names_the_steps_trained_since_a_resume():
+    assert steps_from_the_resume(0, 4) == ""
+    assert steps_from_the_resume(1, 4) == " (steps 2-4, from the resume)"
+    assert steps_from_the_resume(3, 4) == " (step 4, from the resume)"  # it said "steps 4-4"
 
 
 def test_a_runs_position_is_told_in_epochs_counted_from_1():

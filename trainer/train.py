@@ -701,6 +701,14 @@ def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
 
 
+def steps_from_the_resume(first_step: int, steps: int) -> str:
+    """For an epoch's log line, the steps of an epoch of `steps` that this job trained, from `first_step` (the steps
+    done before its resume) on: "" where it trained them all."""
+    if not first_step:
+        return ""
+    return f" ({f'step {steps}' if first_step + 1 == steps else f'steps {first_step + 1}-{steps}'}, from the resume)"
+
+
 def position_in_epochs(state: dict) -> str:
     """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
     if state["epoch_step"]:
@@ -973,7 +981,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if env.is_main:
             log.info(
                 "epoch %d%s: loss %.3f, %s in %.0f s, evaluated in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
-                epoch + 1, f" (steps {first_step + 1}-{len(sampler)}, from the resume)" if first_step else "",
+                epoch + 1, steps_from_the_resume(first_step, len(sampler)),
                 mean_loss, counted(utterances, "utterance"), trained_s, time.perf_counter() - started - trained_s,
                 counts.wer, counts.cer,
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
