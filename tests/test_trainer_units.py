@@ -776,6 +776,16 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
     with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
         checkpoint.check_optimizer_state({**saved, "state": list(saved["state"].values())}, optimizer)
+    # Adam's count of updates: a negative one turned every weight to NaN at the first step, which the run then called
+    # diverged; a vector ended the first step in a traceback.
+    for step, described in ((torch.tensor(-1.0), "-1.0"), (torch.tensor(math.nan), "nan"), (-2, "-2"),
+                            (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), ("3", "a str")):
+        edited = {**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}}
+        with pytest.raises(ValueError, match=rf"^its state 'step' of parameter 1 is {described}, not a count of up"):
+            checkpoint.check_optimizer_state(edited, optimizer)
+    for step in (torch.tensor(3.0), 3, 3.0):  # as torch writes it, and as older versions did
+        checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}},
+                                         optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     current = schedule.state_dict()
     assert known_entries({**current, "optimizer": 1}, current) == current

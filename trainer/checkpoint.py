@@ -4,6 +4,7 @@ A checkpoint holds only state dicts, tensors and plain data (the resolved config
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
 import contextlib
+import math
 import os
 import pickle
 import random
@@ -214,7 +215,7 @@ def _unresolved(config: dict) -> str | None:
 def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless each tensor of a saved optimizer's per-parameter state (Adam's moments, SGD's momentum) is a
     whole tensor of its parameter's shape and dtype: a fused step writes its parameter's size into each, whatever
-    theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume)."""
+    theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume); and each "step" a count."""
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
     if not isinstance(saved["state"], dict):  # torch's own loader would end in an AttributeError
@@ -224,10 +225,28 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None
             raise ValueError(f"its state of parameter {index} is {a_type(entries)}, not a mapping")
         parameter = parameters.get(index)
         for name, value in entries.items():
-            if not isinstance(value, torch.Tensor) or name == "step":
+            if name == "step":
+                _check_update_count(value, index)
+                continue
+            if not isinstance(value, torch.Tensor):
                 continue
             whole = value.untyped_storage().nbytes() >= value.numel() * value.element_size()
             if parameter is None or value.shape != parameter.shape or value.dtype != parameter.dtype or not whole:
                 expected = f"{parameter.dtype} {tuple(parameter.shape)}" if parameter is not None else "(none)"
                 raise ValueError(f"its state {name!r} of parameter {index} is a {value.dtype} tensor of shape "
                                  f"{tuple(value.shape)}, not its parameter's {expected}")
+
+
+def _check_update_count(value, index) -> None:
+    """ValueError unless an optimizer state's "step" (Adam raises its betas to it to correct its moments) is one finite
+    number, 0 or more: a negative one turned every weight to NaN at the first step, a vector ended it in a traceback."""
+    count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    if isinstance(count, int | float) and not isinstance(count, bool) and math.isfinite(count) and count >= 0:
+        return
+    if isinstance(count, int | float) and not isinstance(count, bool):
+        found = repr(count)
+    elif isinstance(value, torch.Tensor):
+        found = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    else:
+        found = a_type(value)
+    raise ValueError(f"its state 'step' of parameter {index} is {found}, not a count of updates (0 or more)")
