@@ -156,7 +156,7 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")
     resumed = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
-    assert "epoch 1 (steps 4-4, from the resume): loss" in resumed.output  # not a whole epoch's loss and count
+    assert "epoch 1 (step 4, from the resume): loss" in resumed.output  # not a whole epoch's loss and count
     assert "another run directory's checkpoint" not in resumed.output
 
     whole, _ = read_metrics(tmp_path / "whole")
