@@ -980,10 +980,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
-                "epoch %d%s: loss %.3f, %s in %.0f s, evaluated in %.0f s; test WER %.2f%% CER %.2f%%%s%s",
+                "epoch %d%s: loss %.3f, %s in %.0f s, evaluated in %.0f s; %s%s%s",
                 epoch + 1, steps_from_the_resume(first_step, len(sampler)),
                 mean_loss, counted(utterances, "utterance"), trained_s, time.perf_counter() - started - trained_s,
-                counts.wer, counts.cer,
+                "no test WER" if math.isnan(counts.wer) else f"test WER {counts.wer:.2f}% CER {counts.cer:.2f}%",
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
                 "; skipped: " + count_skipped(skipped) if skipped else "",
             )
