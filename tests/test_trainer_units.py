@@ -415,6 +415,24 @@ def test_a_tools_output_may_be_a_stream(tmp_path):
     assert result.returncode == 0 and "\\data\\\nngram 1=5\n" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("mode", ["w", "a"])
+def test_a_tools_output_to_dev_stdout_under_a_redirection_keeps_the_files_lines(tmp_path, mode):
+    # `--out /dev/stdout >> log.txt`: written beside the file and renamed over it, the lines >> had appended to were
+    # lost, and so were the tool's own lines on stdout, before and after.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    with open(log, mode) as stdout:
+        result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"),
+                                 "--out", "/dev/stdout"], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    earlier = "an earlier line\n" if mode == "a" else ""
+    written = log.read_text()
+    assert written.startswith(f"{earlier}counting the 3-grams of 1 transcripts\n\\data\\\nngram 1=5\n"), written
+    assert written.endswith("\\end\\\nwrote /dev/stdout: a 3-gram model of 1 transcripts\n"), written
+
+
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2

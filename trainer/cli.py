@@ -75,6 +75,15 @@ def write_output(path: str, text: str) -> None:
     was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
     written. A file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as
     its own bytes."""
+    stream = _standard_stream_writing_to(path)
+    if stream is not None:
+        try:
+            stream.flush()  # the tool's own lines before, in order
+            stream.buffer.write(text.encode("utf-8", errors="surrogateescape"))
+            stream.buffer.flush()
+        except OSError as error:
+            raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+        return
     if Path(path).exists() and not Path(path).is_file():
         try:
             with open(path, "w", encoding="utf-8", errors="surrogateescape") as stream:
@@ -91,6 +100,23 @@ def write_output(path: str, text: str) -> None:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _standard_stream_writing_to(path: str):
+    """sys.stdout or sys.stderr where `path` is the file it writes to (/dev/stdout under a shell's `> file` or
+    `>> file`), else None. Such a file is written through the stream, at its position: renamed over, it lost what
+    `>>` had appended to and the tool's lines after it; opened again, the stream's own lines wrote over it."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if os.path.samestat(target, os.fstat(stream.fileno())):
+                return stream
+        except (OSError, ValueError):  # a stream without a file descriptor (io.UnsupportedOperation), or closed
+            continue
+    return None
 
 
 def run_tool(main: Callable[[], int]) -> int:
