@@ -45,7 +45,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from trainer.cli import json_output
+from trainer.cli import json_output, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
         # (each run's own devices are in its row).
         if not args.report:
             config.update(environment())
-        Path(args.json).write_text(json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
+        write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
         print(f"wrote {args.json}")
     failed = [row for row in rows if row["returncode"] not in (0, None)]
     for row in failed:

@@ -133,6 +133,21 @@ def test_report_leaves_out_evaluations_without_a_wer_and_lines_that_are_no_objec
     assert result["summary"][1]["difference"] == -20.0
 
 
+def test_a_report_to_dev_stdout_under_a_redirection_is_the_table_then_the_json(tmp_path):
+    """--json /dev/stdout > report.txt truncated the table printed before it and wrote the JSON at the file's start,
+    where the "wrote" line after it landed in the middle of the JSON."""
+    write_metrics(tmp_path / "runs" / "x-cudnn-s1", [50.0, 40.0])
+    with open(tmp_path / "report.txt", "w") as stdout:
+        result = subprocess.run([sys.executable, "-m", "benchmarks.wer_parity", "--report", "--name", "x", "--seeds",
+                                 "1", "--backends", "cudnn", "--runs-dir", str(tmp_path / "runs"), "--json",
+                                 "/dev/stdout"], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                timeout=120)
+    assert result.returncode == 0, result.stderr
+    table, _, written = (tmp_path / "report.txt").read_text().partition("\n{\n")
+    assert "x-cudnn-s1" in table and written.endswith("}\nwrote /dev/stdout\n"), table + written
+    assert json.loads("{" + written.removesuffix("wrote /dev/stdout\n"))["runs"][0]["last_wer"] == 40.0
+
+
 def test_evaluations_at_an_epoch_give_the_run_as_it_stood_then(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 60.0])
     assert evaluations(tmp_path / "run", at_epoch=2) == {"epochs": 2, "last_wer": 70.0, "last_cer": 35.0,
