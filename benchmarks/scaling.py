@@ -46,7 +46,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, positive_int
+from trainer.cli import int_at_least, json_output, positive_int, write_output
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -318,7 +318,7 @@ def main(argv=None) -> None:
     if env.is_main:
         print_table(result)
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            write_output(args.json, json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")
     distributed.shutdown()
 

@@ -1,5 +1,6 @@
 """The GPU benchmarks refuse a size or count they cannot measure before anything runs, naming the argument, on any
 machine."""
+import json
 import subprocess
 import sys
 
@@ -70,6 +71,19 @@ def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, modu
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"argument --json: {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_json_to_dev_stdout_under_a_redirection_follows_the_table(tmp_path):
+    """--json /dev/stdout > scaling.txt truncated the table printed before it and wrote the JSON from the file's start,
+    where the "wrote" line after it landed inside the JSON."""
+    with open(tmp_path / "scaling.txt", "w") as stdout:
+        result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json",
+                                 "/dev/stdout"], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table, _, written = (tmp_path / "scaling.txt").read_text().partition("\n{\n")
+    assert "compute, one rank alone" in table and written.endswith("}\nwrote /dev/stdout\n"), table + written
+    assert json.loads("{" + written.removesuffix("wrote /dev/stdout\n"))["config"]["global_batch"] == 2
 
 
 def test_a_json_path_in_a_missing_folder_has_it_made_before_measuring(tmp_path):
