@@ -429,8 +429,8 @@ def test_a_tools_output_to_dev_stdout_under_a_redirection_keeps_the_files_lines(
     assert result.returncode == 0, result.stderr
     earlier = "an earlier line\n" if mode == "a" else ""
     written = log.read_text()
-    assert written.startswith(f"{earlier}counting the 3-grams of 1 transcripts\n\\data\\\nngram 1=5\n"), written
-    assert written.endswith("\\end\\\nwrote /dev/stdout: a 3-gram model of 1 transcripts\n"), written
+    assert written.startswith(f"{earlier}counting the 3-grams of 1 transcript\n\\data\\\nngram 1=5\n"), written
+    assert written.endswith("\\end\\\nwrote /dev/stdout: a 3-gram model of 1 transcript\n"), written
 
 
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
