@@ -118,7 +118,7 @@ class _BackendChoice:
         with batch_slice, the backend each slice runs on. Raises ValueError where backend="persistent" cannot run it."""
         if self.backend in ("cudnn", "reference"):
             return self.backend
-        if self.backend == "auto" and (torch.device(device).type != "cuda" or batch_size == 0):
+        if batch_size == 0 or self.backend == "auto" and torch.device(device).type != "cuda":
             return "cudnn"  # an empty batch has nothing to run, nor a fallback worth the layer's one warning
         from prnn_kernels.persistent import support
 

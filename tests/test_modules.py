@@ -327,7 +327,7 @@ def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monke
 
 
 @pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
-@pytest.mark.parametrize("backend", ["reference", "cudnn"])
+@pytest.mark.parametrize("backend", ["reference", "cudnn", "auto", "persistent"])  # persistent: nothing to run
 def test_an_empty_batch_with_lengths_gives_empty_outputs(cell, backend):
     module = prnn_kernels.LSTM if cell == "lstm" else prnn_kernels.GRU if cell == "gru" else prnn_kernels.RNN
     layer = module(3, 5, num_layers=2, bidirectional=True, backend=backend, **({"nonlinearity": "relu"}
