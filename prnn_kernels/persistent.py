@@ -89,6 +89,8 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
         return Support(False, "needs a CUDA GPU (compute capability 9.0, Hopper, or newer)")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():  # torch's own check is an assertion without the count
+        return Support(False, f"{device} does not exist: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
     return _cuda_support(cell, int(hidden_size), int(batch_size), dtype, device.index)
 
 

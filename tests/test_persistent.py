@@ -50,6 +50,14 @@ def test_support_names_sizes_no_gpu_runs_before_asking_for_one(hidden_size, batc
     assert support("gru", 256, np.int64(4), torch.float32, "cpu").reason.startswith("needs a CUDA GPU")
 
 
+@pytest.mark.cuda
+def test_support_names_a_gpu_index_this_process_does_not_see():
+    # torch's own check was an AssertionError, "Invalid device id".
+    missing = torch.device("cuda", torch.cuda.device_count())
+    assert support("relu", 256, 4, torch.float32, missing) == persistent.Support(
+        False, f"{missing} does not exist: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+
+
 def test_the_layer_names_an_input_projection_of_no_hidden_size_before_asking_for_a_gpu():
     # A width of 7 is no GRU's 3 x H: it was asked about as H = 2, and without a GPU refused as needing one.
     with pytest.raises(ValueError, match="input_proj's last dimension 7 is not 1 x 3 gates x H"):
