@@ -53,7 +53,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import json_output, positive_int
+from trainer.cli import json_output, positive_int, write_output
 from trainer.environment import command_line, versions
 
 NUM_STEPS = 256
@@ -312,11 +312,13 @@ def main():
         rows.append(measure(*point))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-            write_json(args.json, rows, configuration)
+            write_json(args.json, rows, configuration, so_far=True)
     print_table(rows)
+    if args.json:
+        write_json(args.json, rows, configuration)
 
 
-def write_json(path, rows, configuration):
+def write_json(path, rows, configuration, so_far=False):
     properties = torch.cuda.get_device_properties(0)
     result = {
         "device": torch.cuda.get_device_name(0),
@@ -328,8 +330,7 @@ def write_json(path, rows, configuration):
         "config": configuration,
         "rows": rows,
     }
-    with open(path, "w") as file:
-        json.dump(result, file, indent=2)
+    write_output(path, json.dumps(result, indent=2) + "\n", so_far)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Shapes the persistent kernel refuses are reported with its reason and skipped.
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,7 +23,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import json_output, positive_int
+from trainer.cli import json_output, positive_int, write_output
 from trainer.environment import command_line, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -159,9 +158,14 @@ def main():
                     results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
                                     "summary": summary})
                 if args.json:  # rewritten after every stack, so a run cut short keeps what it measured
-                    Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
+                    write_json(args.json, config, results, so_far=True)
     if args.json:
+        write_json(args.json, config, results)
         print(f"\nwrote {args.json}")
+
+
+def write_json(path, config, results, so_far=False):
+    write_output(path, json.dumps({"config": config, "results": results}, indent=1) + "\n", so_far)
 
 
 if __name__ == "__main__":

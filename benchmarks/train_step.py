@@ -22,7 +22,6 @@ import gc
 import json
 import platform
 import sys
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -31,7 +30,7 @@ from benchmarks.scaling import MODELS, compose_config, random_batch, summary, ti
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, positive_int
+from trainer.cli import int_at_least, json_output, positive_int, write_output
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
@@ -157,19 +156,20 @@ def main(argv=None) -> None:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
                 add_speedups(rows)
                 if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-                    write_json(args, rows, configs, device)
+                    write_json(args, rows, configs, device, so_far=True)
     print(f"training step on {device_name(device)}, {args.frames} frames, amp {args.amp}")
     print_table(rows, configs)
     if args.json:
+        write_json(args, rows, configs, device)
         print(f"wrote {args.json}")
     distributed.shutdown()
 
 
-def write_json(args, rows: list[dict], configs: dict, device) -> None:
+def write_json(args, rows: list[dict], configs: dict, device, so_far: bool = False) -> None:
     result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
               "versions": versions(device), "config": {**vars(args), "model_configs": configs,
                                                        "command": command_line()}, "rows": rows}
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_output(args.json, json.dumps(result, indent=1) + "\n", so_far)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """What the GPU benchmarks record beside their timings, checked on any machine with small fakes for the GPU parts."""
 import gc
 import itertools
+import json
 import re
+import subprocess
+import sys
 import types
 import weakref
 
+import pytest
 import torch
 
 from benchmarks import train_step
@@ -64,3 +68,67 @@ def test_every_results_file_the_documents_name_is_there():
                 if not any(results.glob("**/" + "".join(choice))):
                     missing.append(f"{document}: {''.join(choice)}")
     assert checked > 100 and missing == []
+
+
+
+# Each benchmark's GPU parts faked, so that it runs two points on a CPU (refused shapes, steps of 1 ms) and prints its
+# table: code to run in a child process whose stdout a test redirects, with the JSON key of those points and a line of
+# the table.
+FAKE_GPU = """
+import sys, types, torch
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda device=None: "fake GPU"
+"""
+FAKED_BENCHMARKS = {
+    "rnn_kernels": (FAKE_GPU + """
+from benchmarks import rnn_kernels as benchmark
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=1)
+benchmark.versions = lambda device: {}
+benchmark.measure = lambda cell, batch, hidden, precision, bidirectional: {
+    "cell": cell, "batch": batch, "hidden": hidden, "precision": precision, "bidirectional": bidirectional,
+    "persistent_supported": False, "persistent_reason": "fake refusal"}
+sys.argv[1:] = ["--cells", "gru", "--batches", "1", "--hiddens", "128", "--precisions", "fp32", *sys.argv[1:]]
+""", "rows", "persistent kernel refused gru B=1 H=128 fp32: fake refusal"),
+    "rnn_stack": (FAKE_GPU + """
+from benchmarks import rnn_stack as benchmark
+benchmark.versions = lambda device: {}
+benchmark.support = lambda *shape: types.SimpleNamespace(ok=False, reason="fake refusal")
+sys.argv[1:] = ["--hiddens", "128", "256", "--dtypes", "float32", *sys.argv[1:]]
+""", "results", "gru H = 256 float32: persistent kernel refused: fake refusal"),
+    "train_step": (FAKE_GPU + """
+from benchmarks import train_step as benchmark
+benchmark.distributed.init = lambda device: types.SimpleNamespace(device=torch.device("cpu"))
+torch.cuda.init = torch.cuda.reset_peak_memory_stats = lambda *device: None
+benchmark.measure = lambda args, model, backend, cuda_graphs, batch, device: {
+    "model": model, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch, "median_ms": 1.0, "gpu_ms": 1.0,
+    "samples_per_s": 1.0}
+sys.argv[1:] = ["--models", "an4", "--backends", "cudnn", "--batches", "1", "2", *sys.argv[1:]]
+""", "rows", "an4     cudnn                   2       1.00"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))
+def test_a_json_to_dev_stdout_under_a_redirection_is_written_once_after_the_table(tmp_path, name):
+    """--json /dev/stdout > out.txt opened the file again after each point and wrote the JSON from its start: over the
+    lines printed before it, and with the lines printed after it landing inside it."""
+    code, points, table_line = FAKED_BENCHMARKS[name]
+    with open(tmp_path / "out.txt", "w") as stdout:
+        result = subprocess.run([sys.executable, "-c", code + "benchmark.main()", "--json", "/dev/stdout"],
+                                cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = (tmp_path / "out.txt").read_text()
+    table, _, written = printed.partition("\n{\n")  # the JSON's first line; the rows' own lines are one line each
+    document, end = json.JSONDecoder().raw_decode("{\n" + written)
+    assert table_line in table and len(document[points]) == 2, printed
+    assert ("{\n" + written)[end:].strip() in ("", "wrote /dev/stdout"), printed
+
+
+def test_a_json_file_holds_every_point_measured_before_the_run_is_cut_short(tmp_path):
+    """A real file is rewritten after each point, a run cut short keeping what it measured; with the last point's
+    JSON written, this one ends before its table."""
+    code, _, _ = FAKED_BENCHMARKS["train_step"]
+    cut_short = code + "benchmark.print_table = lambda *table: sys.exit('cut short')\nbenchmark.main()"
+    result = subprocess.run([sys.executable, "-c", cut_short, "--json", str(tmp_path / "out.json")], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "cut short" in result.stderr, result.stderr[-2000:]
+    assert [row["batch"] for row in json.loads((tmp_path / "out.json").read_text())["rows"]] == [1, 2]

@@ -70,12 +70,15 @@ def check_not_an_input(path: str | None, inputs: list[str]) -> None:
         raise ValueError(f"{path} is also an input of this command: writing it would destroy it")
 
 
-def write_output(path: str, text: str) -> None:
+def write_output(path: str, text: str, so_far: bool = False) -> None:
     """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
     was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
     written. A file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as
-    its own bytes."""
+    its own bytes. `so_far`: the results up to now of a long run, which writes them all again when it ends; a file
+    keeps them should the run be cut short, while a stream, which cannot take them back, is left for the last."""
     stream = _standard_stream_writing_to(path)
+    if so_far and (stream is not None or (Path(path).exists() and not Path(path).is_file())):
+        return
     if stream is not None:
         try:
             stream.flush()  # the tool's own lines before, in order
