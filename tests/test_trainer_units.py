@@ -1480,6 +1480,11 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
     elsewhere.write_bytes(b"")
     assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # into a run directory of no checkpoints
 
+    (run_dir / "checkpoints" / "step3.pt").write_bytes(b"")  # a copy the user saved: auto cannot take it
+    with pytest.raises(ValueError, match=r"\(step3.pt in checkpoints/\), which starting afresh would overwrite: "
+                                         r"continue it with train.resume=PATH, or give"):
+        checkpoint_to_resume("auto", run_dir)
+    (run_dir / "checkpoints" / "step3.pt").unlink()
     (run_dir / "checkpoints" / "best.pt").write_bytes(b"")  # a first last.pt whose save did not finish
     with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(best.pt in "
                                          r"checkpoints/\), which starting afresh would overwrite"):

@@ -274,10 +274,10 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
         log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, best)
         return best
     earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
-    if earlier:
+    if earlier:  # under auto: none is last.pt or best.pt, which auto would take (a checkpoint saved by another name)
+        remedy = "train.resume=PATH" if resume == "auto" else "train.resume=auto (or train.resume=PATH)"
         raise ValueError(f"{run_dir} already holds a run ({', '.join(earlier)} in checkpoints/), which starting "
-                         "afresh would overwrite: continue it with train.resume=auto (or train.resume=PATH), or give "
-                         "this run another run_name")
+                         f"afresh would overwrite: continue it with {remedy}, or give this run another run_name")
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
