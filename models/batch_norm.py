@@ -114,6 +114,10 @@ class MaskedBatchNorm(nn.Module):
             sync = self.sync_stats and dist.is_available() and dist.is_initialized()
             y, mean, var, count = _BatchStatisticsNorm.apply(x, mask, self.weight, self.bias, self.running_mean,
                                                              self.eps, channel_dim, sync)
+            if x.numel() == 0 and not sync:
+                # An empty batch has no statistics (its mean is 0 / 0, which made every later evaluation NaN): the
+                # running ones stay as they were, as torch.nn's do. Told by the shape, so without a host sync.
+                return y
             with torch.no_grad():
                 # One valid value has no unbiased variance (torch.nn refuses the batch; telling would take a host
                 # sync): the running variance is left as it was rather than pulled towards 0.

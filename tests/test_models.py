@@ -306,6 +306,15 @@ def test_one_valid_value_leaves_the_running_variance_as_it_was():
     assert torch.allclose(norm.running_mean, 0.1 * x[0, 0])
 
 
+def test_an_empty_training_batch_leaves_the_running_statistics_as_they_were():
+    model = small_model("gru", False)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    log_probs, out_lengths = model(torch.randn(0, 7, NUM_FEATURES), torch.zeros(0, dtype=torch.int64))
+    assert log_probs.shape == (4, 0, NUM_CLASSES) and out_lengths.shape == (0,)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+
+
 # Synced batch norm: two gloo ranks, each with half the batch and a different number of valid frames, must
 # normalise exactly as one process does with the whole batch.
 SYNC_WORLD_SIZE = 2
