@@ -178,6 +178,7 @@ class DeepSpeech2(nn.Module):
             if not isinstance(value, bool):
                 raise ValueError(f"DeepSpeech2: {name}={value!r} must be True or False")
         self.residual = residual
+        self.num_features = num_features
         self.front_end = ConvFrontEnd(num_features, conv_channels, batch_norm)
         self.time_stride = self.front_end.time_stride
         # The first layer's input comes out of the front end's batch norm already.
@@ -223,6 +224,11 @@ class DeepSpeech2(nn.Module):
             log_probs: (T', B, V) log-softmax over classes, in float32 (float64 for a float64 model), as CTC wants.
             out_lengths: (B,) valid output frames, on lengths' device.
         """
+        if features.dim() != 3 or features.shape[2] != self.num_features:
+            # Checked here: the front end's stride maps neighbouring widths to one (13, 14 and 15 features alike), so
+            # a wrong width could run unnoticed, and the others failed naming the first recurrent layer's input size.
+            raise ValueError(f"DeepSpeech2: features must have shape (B, T, num_features={self.num_features}), "
+                             f"got {tuple(features.shape)}")
         lengths = prnn_kernels.checked_lengths("DeepSpeech2", lengths, features.shape[0], features.shape[1])
         out_lengths = self.output_lengths(lengths)
         x = self.front_end(features, lengths.to(features.device))  # (T', B, C * F')

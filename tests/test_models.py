@@ -55,6 +55,14 @@ def test_lengths_the_features_cannot_hold_are_refused_naming_them():
         model(features, torch.tensor([11, 11, 11]))
 
 
+@pytest.mark.parametrize("shape", [(2, 11, 14), (2, 11, 15), (2, 11, 12), (11, NUM_FEATURES)])
+def test_features_of_another_width_are_refused_naming_it(shape):
+    model = small_model("gru", False)  # the front end's stride maps 14 and 15 features to the width 13 gives
+    message = f"DeepSpeech2: features must have shape (B, T, num_features={NUM_FEATURES}), got {shape}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model(torch.randn(shape), torch.tensor([11, 11]))
+
+
 @pytest.mark.parametrize("cell, bidirectional, batch_norm", ARCHITECTURES)
 def test_each_sample_decodes_as_if_alone(cell, bidirectional, batch_norm):
     model = small_model(cell, bidirectional, batch_norm).double()
