@@ -545,7 +545,8 @@ def _is_number(value) -> bool:
 OPTIMIZER_KEYS = {
     "adamw": ("optim.betas", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) == 2
               and all(_is_number(beta) and 0 <= beta < 1 for beta in v), "two numbers in [0, 1)"),
-    "sgd": ("optim.momentum", lambda v: _is_number(v) and v > 0, "a positive number (Nesterov momentum needs one)"),
+    "sgd": ("optim.momentum", lambda v: _is_number(v) and 0 < v < 1,
+            "a number in (0, 1) (Nesterov momentum needs one; at 1 or more the momentum never decays)"),
 }
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
