@@ -171,6 +171,13 @@ def _escape_interpolations(value):
     return value
 
 
+def _entries(value) -> list:
+    """(name, entry) for each entry of a mapping, list or tuple of loaded data, none for anything else."""
+    if isinstance(value, dict):
+        return list(value.items())
+    return list(enumerate(value)) if isinstance(value, list | tuple) else []
+
+
 def _odd_tensor(saved: dict) -> str | None:
     """A tensor of a checkpoint's that the safe loader takes but no model or optimizer can use, named with its
     key: a sparse or other non-dense layout, a nested tensor, or a meta tensor (shape alone, no values). Loading one
@@ -187,9 +194,7 @@ def _odd_tensor(saved: dict) -> str | None:
                     else "meta (shape alone, no values)" if value.is_meta else None)
             if kind:
                 return f"{key} is a {kind} tensor"
-        entries = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
-                   else ())
-        pending += [(f"{key}.{name}", entry) for name, entry in entries]
+        pending += [(f"{key}.{name}", entry) for name, entry in _entries(value)]
     return None
 
 
@@ -206,9 +211,7 @@ def _unresolved(config: dict) -> str | None:
             return f"{key} nests deeper than {MAX_CONFIG_DEPTH} levels"
         if isinstance(value, str) and value == "???":
             return f"{key} holds a missing value (???)"
-        entries = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
-                   else ())
-        pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(list(entries))]
+        pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(_entries(value))]
     return None
 
 
