@@ -76,31 +76,29 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
     written. A file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as
     its own bytes. `so_far`: the results up to now of a long run, which writes them all again when it ends; a file
     keeps them should the run be cut short, while a stream, which cannot take them back, is left for the last."""
-    stream = _standard_stream_writing_to(path)
-    if so_far and (stream is not None or (Path(path).exists() and not Path(path).is_file())):
+    own_stream = _standard_stream_writing_to(path)
+    into_a_stream = own_stream is not None or (Path(path).exists() and not Path(path).is_file())
+    if so_far and into_a_stream:
         return
-    if stream is not None:
-        try:
-            stream.flush()  # the tool's own lines before, in order
-            stream.buffer.write(text.encode("utf-8", errors="surrogateescape"))
-            stream.buffer.flush()
-        except OSError as error:
-            raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
-        return
-    if Path(path).exists() and not Path(path).is_file():
-        try:
+    try:
+        if own_stream is not None:
+            own_stream.flush()  # the tool's own lines before, in order
+            own_stream.buffer.write(text.encode("utf-8", errors="surrogateescape"))
+            own_stream.buffer.flush()
+        elif into_a_stream:
             with open(path, "w", encoding="utf-8", errors="surrogateescape") as stream:
                 stream.write(text)
-        except OSError as error:
-            raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
-        return
-    target = Path(path).resolve()
+        else:
+            _replace_whole(Path(path).resolve(), text)
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _replace_whole(target: Path, text: str) -> None:
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         partial.write_text(text, encoding="utf-8", errors="surrogateescape")
         partial.replace(target)
-    except OSError as error:
-        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
         partial.unlink(missing_ok=True)
 
