@@ -273,11 +273,11 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if resume == "auto" and best.is_file():  # written just before last.pt, whose first save did not finish
         log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, best)
         return best
-    earlier = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
-    if earlier:  # under auto: none is last.pt or best.pt, which auto would take (a checkpoint saved by another name)
+    held = already_holds_a_run(run_dir)
+    if held:  # under auto: none is last.pt or best.pt, which auto would take (a checkpoint saved by another name)
         remedy = "train.resume=PATH" if resume == "auto" else "train.resume=auto (or train.resume=PATH)"
-        raise ValueError(f"{run_dir} already holds a run ({', '.join(earlier)} in checkpoints/), which starting "
-                         f"afresh would overwrite: continue it with {remedy}, or give this run another run_name")
+        raise ValueError(f"{held}, which starting afresh would overwrite: continue it with {remedy}, or give this run "
+                         "another run_name")
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
@@ -337,6 +337,13 @@ def check_checkpoint_folder(folder: Path) -> None:
     if not os.access(writable, os.W_OK | os.X_OK):
         raise ValueError(f"{writable} cannot be written by this job (its permissions, or a read-only file system): "
                          f"the run writes its checkpoints in {folder}")
+
+
+def already_holds_a_run(run_dir: Path) -> str:
+    """For a refusal, "RUN_DIR already holds a run (best.pt, last.pt in checkpoints/)", or "" where the run directory
+    holds no checkpoint."""
+    held = sorted(path.name for path in (run_dir / "checkpoints").glob("*.pt"))
+    return f"{run_dir} already holds a run ({', '.join(held)} in checkpoints/)" if held else ""
 
 
 def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
@@ -411,11 +418,10 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
     ours = recorded_run_id(run_dir)
     if is_own_checkpoint(path, run_dir) or (theirs is not None and theirs == ours):
         return theirs
-    held = sorted(file.name for file in (run_dir / "checkpoints").glob("*.pt"))
+    held = already_holds_a_run(run_dir)
     if held:
-        raise ValueError(f"{run_dir} already holds a run ({', '.join(held)} in checkpoints/), and {path} is "
-                         f"not one of its checkpoints (run {theirs} against {ours}): resuming from it "
-                         "there would overwrite them; give this run another run_name")
+        raise ValueError(f"{held}, and {path} is not one of its checkpoints (run {theirs} against {ours}): resuming "
+                         "from it there would overwrite them; give this run another run_name")
     return None
 
 
