@@ -453,7 +453,7 @@ def resumed_train_state(state: dict, saved_state: dict) -> dict:
 
     def fits(key, value):
         if isinstance(state[key], int):
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            return _is_int(value) and value >= 0
         return isinstance(value, int | float)
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
