@@ -3,7 +3,7 @@
 The CUDA side (`prnn_kernels.persistent`) is imported only when a module runs on it, so this package imports on
 machines without a GPU or a compiler.
 """
-from prnn_kernels.modules import BACKENDS, GRU, LSTM, RNN, checked_lengths
-from prnn_kernels.reference import NUM_GATES, reference_layer, relative_error
+from prnn_kernels.modules import BACKENDS, GRU, LSTM, RNN
+from prnn_kernels.reference import NUM_GATES, checked_lengths, reference_layer, relative_error
 
 __all__ = ["BACKENDS", "GRU", "LSTM", "NUM_GATES", "RNN", "checked_lengths", "reference_layer", "relative_error"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from prnn_kernels.reference import reference_layer
+from prnn_kernels.reference import checked_lengths, reference_layer
 
 BACKENDS = ("auto", "persistent", "cudnn", "reference")
 _CELL_OF_MODE = {"RNN_RELU": "relu", "RNN_TANH": "tanh", "GRU": "gru", "LSTM": "lstm"}
@@ -210,23 +210,6 @@ class _BackendChoice:
             outputs.append(output)
             finals.append(final_state)
         return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], finals
-
-
-def checked_lengths(name, lengths, batch_size, num_steps):
-    """`lengths` as an int64 tensor, refused with a message naming it unless it holds one integer per sample in
-    [1, T]; the range is checked on CPU lengths only, as reading GPU ones would wait for the GPU (and break a graph's
-    capture)."""
-    lengths = torch.as_tensor(lengths)
-    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
-        raise ValueError(f"{name}: lengths must be integers, got {lengths.dtype}")
-    if tuple(lengths.shape) != (batch_size,):
-        raise ValueError(f"{name}: lengths must have shape ({batch_size},), one per sample, got {tuple(lengths.shape)}")
-    # int64 before comparing: torch has no comparisons for uint16/32/64 (numpy's unsigned lengths); a uint64 above
-    # int64's range turns negative and is refused below, showing the value given.
-    signed = lengths.to(torch.int64)
-    if lengths.device.type == "cpu" and bool(((signed < 1) | (signed > num_steps)).any()):
-        raise ValueError(f"{name}: lengths must lie in [1, T={num_steps}], got {lengths.tolist()}")
-    return signed
 
 
 def _compute_dtype(input):

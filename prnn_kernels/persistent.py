@@ -27,7 +27,7 @@ import numbers
 import torch
 
 from prnn_kernels import products
-from prnn_kernels.reference import NUM_GATES
+from prnn_kernels.reference import NUM_GATES, checked_lengths
 
 CELLS = tuple(NUM_GATES)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -230,19 +230,13 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
     if not all(isinstance(h, torch.Tensor) for state in states for h in state):
         raise ValueError("persistent_layer: hx must be a tensor (B, H) (an LSTM's a tuple of two); give zeros for none")
-    lengths = torch.as_tensor(lengths)
-    expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size),
-                "lengths": (batch_size,)}
+    expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size)}
     given = [("weight_hh", w) for w in weight_hh] + [("bias_hh", b) for b in bias_hh if b is not None]
-    given += [("hx", h) for state in states for h in state] + [("lengths", lengths)]
+    given += [("hx", h) for state in states for h in state]
     for name, tensor in given:
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"persistent_layer: {name} must have shape {expected[name]}, got {tuple(tensor.shape)}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:  # cast to int64, 2.5 would run 2 steps
-        raise ValueError(f"persistent_layer: lengths must be integers, got {lengths.dtype}")
-    signed = lengths.to(torch.int64)  # torch has no comparisons for uint16/32/64 (numpy's unsigned lengths)
-    if lengths.device.type == "cpu" and bool(((signed < 0) | (signed > num_steps)).any()):
-        raise ValueError(f"persistent_layer: lengths must lie in [0, T={num_steps}], got {lengths.tolist()}")
+    signed = checked_lengths("persistent_layer", lengths, batch_size, num_steps, shortest=0)
     dtype = input_proj.dtype
     hx_stacked = torch.stack([state[0] for state in states]).to(dtype)
     cx_stacked = torch.stack([state[1] for state in states]).to(dtype) if cell == "lstm" else None

@@ -41,6 +41,24 @@ def _lstm_step(input_gates, hidden_gates, state):
 _STEPS = {"relu": _relu_step, "tanh": _tanh_step, "gru": _gru_step, "lstm": _lstm_step}
 
 
+def checked_lengths(name, lengths, batch_size, num_steps, shortest=1):
+    """`lengths` (a tensor or a sequence) as an int64 tensor, refused with a message naming `name` unless it holds one
+    integer per sample in [shortest, T]; the range is checked on CPU lengths only, as reading GPU ones would wait for
+    the GPU (and break a graph's capture)."""
+    lengths = torch.as_tensor(lengths)
+    # A float would be cast: 2.5 would run two steps on one backend and three on another.
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise ValueError(f"{name}: lengths must be integers, got {lengths.dtype}")
+    if tuple(lengths.shape) != (batch_size,):
+        raise ValueError(f"{name}: lengths must have shape ({batch_size},), one per sample, got {tuple(lengths.shape)}")
+    # int64 before comparing: torch has no comparisons for uint16/32/64 (numpy's unsigned lengths); a uint64 above
+    # int64's range turns negative and is refused below, showing the value given.
+    signed = lengths.to(torch.int64)
+    if lengths.device.type == "cpu" and bool(((signed < shortest) | (signed > num_steps)).any()):
+        raise ValueError(f"{name}: lengths must lie in [{shortest}, T={num_steps}], got {lengths.tolist()}")
+    return signed
+
+
 def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     """Runs one recurrent layer in one direction over padded sequences, one timestep at a time.
 
@@ -50,7 +68,8 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         hx: (B, H) initial state; for "lstm" a tuple (h0, c0) of (B, H).
         weight_hh: (G*H, H) recurrent weights.
         bias_hh: (G*H,) recurrent bias, or None.
-        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample, on any device.
+        lengths: (B,) integers (a tensor or a sequence), the valid steps per sample in [0, T], on any device (on the
+            CPU checked: ValueError).
         reverse: run t = T-1 .. 0; a sample's pass then starts from hx at its own last valid step.
 
     Returns:
@@ -64,12 +83,8 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
     step = _STEPS[cell]
     num_steps, batch_size = input_proj.shape[:2]
-    lengths = torch.as_tensor(lengths)  # a list or a numpy array, as persistent_layer takes them
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool or tuple(lengths.shape) != (batch_size,):
-        raise ValueError(f"reference_layer: lengths must be ({batch_size},) integers, one per sample, got "
-                         f"{lengths.dtype} of shape {tuple(lengths.shape)}")
+    lengths = checked_lengths("reference_layer", lengths, batch_size, num_steps, shortest=0).to(input_proj.device)
     # (T, B, 1): whether sample b still has input at step t.
-    lengths = lengths.to(input_proj.device, torch.int64)  # torch has no comparisons for uint16/32/64 (numpy's)
     valid = torch.arange(num_steps, device=input_proj.device)[:, None] < lengths[None, :]
     valid = valid.unsqueeze(2).unbind(0)
     # unbind, not input_proj[t]: its backward stacks the step gradients once, where indexing would write each

@@ -137,10 +137,17 @@ def test_unknown_cell_is_rejected():
         reference_layer("elman", torch.zeros(2, 1, 3), torch.zeros(1, 3), torch.eye(3), None, torch.tensor([2]), False)
 
 
-@pytest.mark.parametrize("lengths", [torch.tensor([2.5, 5.0]), torch.tensor([True, True]), torch.tensor([3])])
-def test_lengths_that_are_not_one_integer_per_sample_are_refused(lengths):
+@pytest.mark.parametrize("lengths, refusal", [
+    (torch.tensor([2.5, 5.0]), "must be integers, got torch.float32"),
+    (torch.tensor([True, True]), "must be integers, got torch.bool"),
+    (torch.tensor([3]), r"must have shape \(2,\), one per sample, got \(1,\)"),
+    # persistent_layer refuses these; here a length past T ran T steps, a negative one none
+    (torch.tensor([6, 3]), r"must lie in \[0, T=5\], got \[6, 3\]"),
+    (torch.tensor([-1, 3]), r"must lie in \[0, T=5\], got \[-1, 3\]"),
+])
+def test_lengths_that_are_not_one_integer_in_0_to_T_per_sample_are_refused(lengths, refusal):
     # 2.5 would run three steps here where the persistent layer, which casts to int64, runs two.
-    with pytest.raises(ValueError, match=r"reference_layer: lengths must be \(2,\) integers, one per sample"):
+    with pytest.raises(ValueError, match=rf"reference_layer: lengths {refusal}"):
         reference_layer("relu", torch.randn(5, 2, 4), torch.zeros(2, 4), torch.randn(4, 4), None, lengths, False)
 
 
