@@ -137,20 +137,18 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
                          f"holding more than tensors and plain data ({type(error).__name__}: {_reason(error)})"
                          ) from error
+    not_the_trainers = f"{path} is not a checkpoint written by python -m trainer"
     missing = [part for part in parts if not isinstance(saved, dict) or part not in saved]
     if missing:
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: it has no {', '.join(missing)}")
+        raise ValueError(f"{not_the_trainers}: it has no {', '.join(missing)}")
     if not isinstance(saved["config"], dict):  # a string would be parsed as YAML, where \u0024{ spells ${
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its config is "
-                         f"{a_type(saved['config'])}, not a mapping")
+        raise ValueError(f"{not_the_trainers}: its config is {a_type(saved['config'])}, not a mapping")
     unresolved = _unresolved(saved["config"])
     if unresolved:
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {unresolved}, which the "
-                         "trainer's resolved config never holds")
+        raise ValueError(f"{not_the_trainers}: its {unresolved}, which the trainer's resolved config never holds")
     odd_tensor = _odd_tensor(saved)
     if odd_tensor:
-        raise ValueError(f"{path} is not a checkpoint written by python -m trainer: its {odd_tensor}, where the "
-                         "trainer writes dense tensors with values")
+        raise ValueError(f"{not_the_trainers}: its {odd_tensor}, where the trainer writes dense tensors with values")
     return saved
 
 
