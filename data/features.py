@@ -151,7 +151,7 @@ class SpecAugment(nn.Module):
     Each of the `num_freq_masks` masks zeros up to `freq_mask` adjacent features, each of the `num_time_masks`
     up to `time_mask` adjacent frames and at most `max_time_fraction` of them, so that short utterances can
     keep most of their speech. Zero is the mean of normalised features. Draws from torch's global generator, so
-    `torch.manual_seed` makes it repeatable (DataLoader workers are seeded apart).
+    `torch.manual_seed` makes it repeatable (the dataset seeds it for each item and epoch, whichever worker loads it).
     """
 
     def __init__(
