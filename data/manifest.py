@@ -16,6 +16,8 @@ from typing import BinaryIO
 MAX_DURATION = 1e6
 # Bytes; far past any line of a manifest (an hour's transcript is some 50 kB) or of a language model.
 MAX_LINE_BYTES = 2**20
+# Unicode's Bidi_Control characters: printed, they reorder the text after them on the line (U+202E writes it backwards).
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 @dataclass(frozen=True)
@@ -100,16 +102,18 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
             raise ValueError(f"{where}: {key!r} holds {value[error.start]!r}, half of a UTF-16 surrogate pair, "
                              "which is no character") from None
     if (control := control_character(audio_filepath)) is not None:
-        raise ValueError(f"{where}: 'audio_filepath' holds the control character {control!r}, which would break the "
-                         "lines naming the file (rename it)")
+        raise ValueError(f"{where}: 'audio_filepath' holds the control character {control!r} (U+{ord(control):04X}), "
+                         "which would break or reorder the lines naming the file (rename it)")
     return Utterance(str(path.parent.absolute() / audio_filepath), float(duration), text, speaker)
 
 
 def control_character(text: str) -> str | None:
-    """The first control character of `text` (a newline, a tab, a terminal's escape), or None. Logs, the console and
-    trainer.evaluate's table print audio paths as they are: one holding such a character would forge a log line, send
-    the terminal an escape sequence or split a row."""
-    return next((char for char in text if unicodedata.category(char) == "Cc"), None)
+    """The first control character of `text` (a newline, a tab, a terminal's escape, Unicode's line and paragraph
+    separators, a bidirectional control), or None. Logs, the console and trainer.evaluate's table print audio paths as
+    they are: one holding such a character would forge a log line, send the terminal an escape sequence, split a row
+    or show the rest of its line reordered."""
+    return next((char for char in text if unicodedata.category(char) in ("Cc", "Zl", "Zp") or char in BIDI_CONTROLS),
+                None)
 
 
 def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:

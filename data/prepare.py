@@ -149,8 +149,8 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
                        _printable(audio))
         return None
     if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
-        logger.warning("skipping %r: its path holds the control character %r, which would break the lines naming it "
-                       "(rename it)", str(audio), control)
+        logger.warning("skipping %r: its path holds the control character %r (U+%04X), which would break or reorder "
+                       "the lines naming it (rename it)", str(audio), control, ord(control))
         return None
     try:
         duration = audio_header(audio).duration

@@ -16,6 +16,8 @@ def test_write_then_read_gives_the_same_utterances(tmp_path):
     utterances = [
         Utterance(str(tmp_path / "a.flac"), 1.25, "HELLO WORLD", "spk1"),
         Utterance(str(tmp_path / "b c.wav"), 0.5, "DON'T", "spk2"),
+        # Persian's zero-width non-joiner is a format character too, but no control: such a name stays.
+        Utterance(str(tmp_path / "\u0645\u06cc\u200c\u0631\u0648\u0645 caf\u00e9.wav"), 0.5, "A", "spk3"),
     ]
     path = tmp_path / "nested" / "m.jsonl"
     write_manifest(path, utterances)
@@ -121,10 +123,18 @@ def test_missing_manifest_names_the_file(tmp_path):
         # Printed as they are, they broke the lines naming the file: a forged log line, a terminal's escape sequence,
         # a row of trainer.evaluate --out's table split in two or given a sixth column.
         ('{"audio_filepath": "a\\n[trainer][ERROR] - b.wav", "duration": 1.0, "text": "A"}',
-         r"'audio_filepath' holds the control character '\\n', which would break the lines naming the file "
-         r"\(rename it\)$"),
+         r"'audio_filepath' holds the control character '\\n' \(U\+000A\), which would break or reorder the lines "
+         r"naming the file \(rename it\)$"),
         ('{"audio_filepath": "\\u001b[2J.wav", "duration": 1.0, "text": "A"}', r"control character '\\x1b'"),
         ('{"audio_filepath": "a\\tb.wav", "duration": 1.0, "text": "A"}', r"control character '\\t'"),
+        ('{"audio_filepath": "a\\u0085b.wav", "duration": 1.0, "text": "A"}', r"control character '\\x85' \(U\+0085\)"),
+        # Unicode's line and paragraph separators end a line as a newline does for an editor or a log viewer, and a
+        # bidirectional control prints the rest of the line reordered (after U+202E, backwards).
+        ('{"audio_filepath": "a\\u2028b.wav", "duration": 1.0, "text": "A"}', r"'\\u2028' \(U\+2028\)"),
+        ('{"audio_filepath": "a\\u2029b.wav", "duration": 1.0, "text": "A"}', r"'\\u2029' \(U\+2029\)"),
+        ('{"audio_filepath": "a\\u202eb.wav", "duration": 1.0, "text": "A"}', r"'\\u202e' \(U\+202E\)"),
+        ('{"audio_filepath": "a\\u2066b.wav", "duration": 1.0, "text": "A"}', r"'\\u2066' \(U\+2066\)"),
+        ('{"audio_filepath": "a\\u200fb.wav", "duration": 1.0, "text": "A"}', r"'\\u200f' \(U\+200F\)"),
     ],
 )
 def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint):

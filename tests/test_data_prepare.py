@@ -228,15 +228,21 @@ def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, 
     assert [u.audio_filepath for u in read_manifest(manifest)] == [str(source / "84/121123/84-121123-0000.flac")]
     assert (f"skipping {source}/\\xff/121123/85-121123-0000.flac: its path is not UTF-8, which a manifest cannot "
             "hold (rename it)") in caplog.text
-    # Nor one holding a control character, which the manifest's reader refuses (it would break the lines naming it).
+    # Nor one holding a control character, which the manifest's reader refuses (it would break the lines naming it,
+    # or with a bidirectional control, U+202E, print the rest of them backwards).
     escape = source / "84" / "121123" / "84-121123-0000\x1b[2J.flac"
+    reversing = source / "84" / "121123" / "84-121123-0001\u202ecalf.flac"
     write_audio(escape, 0.5)
-    (source / "84" / "121123" / "84-121123.trans.txt").write_text("84-121123-0000\x1b[2J GO\n")
+    write_audio(reversing, 0.5)
+    (source / "84" / "121123" / "84-121123.trans.txt").write_text(
+        "84-121123-0000\x1b[2J GO\n84-121123-0001\u202ecalf GO\n")
     with caplog.at_level(logging.WARNING):
         manifest = prepare_librispeech(source, tmp_path / "out")
     assert read_manifest(manifest) == []
-    assert (f"skipping {str(escape)!r}: its path holds the control character '\\x1b', which would break the lines "
-            "naming it (rename it)") in caplog.text
+    assert (f"skipping {str(escape)!r}: its path holds the control character '\\x1b' (U+001B), which would break or "
+            "reorder the lines naming it (rename it)") in caplog.text
+    assert (f"skipping {str(reversing)!r}: its path holds the control character '\\u202e' (U+202E), which would "
+            "break or reorder the lines naming it (rename it)") in caplog.text
     latin1 = tmp_path / os.fsdecode(b"an4 \xe9t\xe9")
     tiny_an4.rename(latin1)
     for corpus in ("an4", "librispeech"):
