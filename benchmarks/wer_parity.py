@@ -45,6 +45,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from data.text import counted
 from trainer.cli import json_output, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +182,8 @@ def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
 
 def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str], args) -> list[dict]:
     """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`."""
-    print(f"{len(jobs)} runs of {args.ranks} rank(s), {min(args.parallel, len(jobs))} at once on {len(gpus)} GPU(s); "
+    print(f"{counted(len(jobs), 'run')} of {counted(args.ranks, 'rank')}, {min(args.parallel, len(jobs))} at once on "
+          f"{counted(len(gpus), 'GPU')}; "
           f"output in {runs_dir}/{args.name}-*.out", flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
         # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains

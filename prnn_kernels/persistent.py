@@ -90,7 +90,8 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.index >= torch.cuda.device_count():  # torch's own check is an assertion without the count
-        return Support(False, f"{device} does not exist: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+        return Support(False, f"{device} does not exist: the last CUDA GPU this process sees is "
+                              f"cuda:{torch.cuda.device_count() - 1}")
     return _cuda_support(cell, int(hidden_size), int(batch_size), dtype, device.index)
 
 
@@ -203,8 +204,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         raise ValueError(f"persistent_layer: cell {cell!r} is not one of {CELLS}")
     num_steps, batch_size, width = input_proj.shape
     if num_steps * batch_size * num_directions > MAX_SEQUENCE_ROWS:
-        raise ValueError(f"persistent_layer: T={num_steps} steps x B={batch_size} samples x {num_directions} "
-                         f"direction(s) = {num_steps * batch_size * num_directions} rows, above the kernels' "
+        raise ValueError(f"persistent_layer: steps T x samples B x directions = {num_steps} x {batch_size} x "
+                         f"{num_directions} = {num_steps * batch_size * num_directions} rows, above the kernels' "
                          f"{MAX_SEQUENCE_ROWS}; run fewer samples at once (batch_slice) or shorter sequences")
     hidden_size = width // (num_directions * NUM_GATES[cell])
     gate_rows = NUM_GATES[cell] * hidden_size

@@ -731,7 +731,7 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     assert re.search(rf"\[rank 1\] rank 1 of 2 \(local rank 1\) on .*, process {rank_1} on ", output), output
     if signal_number == signal.SIGSTOP and not overrides:  # gloo's timeout names no rank: the trainer asks them
         assert "training failed on rank 0:" in output, output
-        assert "error on rank 0: no answer from rank(s) 1: this rank's collective waited distributed" in output, output
+        assert "error on rank 0: no answer from rank 1: this rank's collective waited distributed" in output, output
 
 
 @needs_mpiexec

@@ -55,7 +55,15 @@ def test_support_names_a_gpu_index_this_process_does_not_see():
     # torch's own check was an AssertionError, "Invalid device id".
     missing = torch.device("cuda", torch.cuda.device_count())
     assert support("relu", 256, 4, torch.float32, missing) == persistent.Support(
-        False, f"{missing} does not exist: this process sees {torch.cuda.device_count()} CUDA GPU(s)")
+        False, f"{missing} does not exist: the last CUDA GPU this process sees is cuda:{torch.cuda.device_count() - 1}")
+
+
+def test_a_gpu_index_past_those_seen_is_refused_naming_the_last_one_seen(monkeypatch):
+    # A process that sees one GPU (faked here; the CUDA test above asks the real one) answered "1 CUDA GPU(s)".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert support("relu", 256, 4, torch.float32, "cuda:1").reason == (
+        "cuda:1 does not exist: the last CUDA GPU this process sees is cuda:0")
 
 
 def test_the_layer_names_an_input_projection_of_no_hidden_size_before_asking_for_a_gpu():
@@ -657,11 +665,11 @@ def test_refuses_more_sequence_rows_than_the_output_gather_launches(device):
         return torch.zeros(1, device=device).expand(*shape)
 
     hx, weight_hh, lengths = zeros(32, 1), zeros(1, 1), torch.full((32,), 2**25)
-    with pytest.raises(ValueError, match=r"T=33554432 steps x B=32 samples x 2 direction\(s\) = 2147483648 rows, "
+    with pytest.raises(ValueError, match=r"steps T x samples B x directions = 33554432 x 32 x 2 = 2147483648 rows, "
                                          r"above the kernels' 1073741824"):
         persistent_bidirectional_layer("relu", zeros(2**25, 32, 2), (hx, hx), (weight_hh, weight_hh), None, lengths)
     for num_steps, rows in ((2**25 + 1, 1073741856), (2**27 + 1, 4294967328)):
-        with pytest.raises(ValueError, match=f"= {rows} rows"):
+        with pytest.raises(ValueError, match=f"{num_steps} x 32 x 1 = {rows} rows"):
             persistent_layer("relu", zeros(num_steps, 32, 1), hx, weight_hh, None, lengths, False)
     if device == "cpu":  # one direction of 2^25 steps, 2^30 rows, is within the limit: the missing GPU refuses it
         with pytest.raises(ValueError, match="needs a CUDA GPU"):

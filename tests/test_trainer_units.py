@@ -32,7 +32,7 @@ from data.dataset import collate, Sample
 from data.manifest import Utterance, write_manifest
 from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
-from trainer import build, checkpoint, cli, decode, lm, run_directory
+from trainer import build, checkpoint, cli, decode, inference, lm, run_directory
 import trainer.__main__ as trainer_main
 from trainer.__main__ import MAX_FOLDER_NAME, job_folder, user_error_message
 from trainer.decode import greedy_decode
@@ -1078,6 +1078,17 @@ def test_the_model_tools_refuse_a_model_that_is_not_finite_in_one_line(tool, tmp
     assert main(["--checkpoint", str(tmp_path / "negative.pt"), "--device", "cpu", *inputs]) == 2
     error = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after evaluate's progress bar
     assert error.startswith(f"error: {tmp_path / 'negative.pt'}: log_probs hold NaN") and error.count("\n") == 1, error
+
+
+def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
+    # A machine with one GPU (faked: the tools' check asks torch how many) answered "has 1 CUDA GPU(s)".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'cuda:1': this machine has 1 CUDA GPU$"):
+        inference.device_argument("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'cuda:2': this machine has 2 CUDA GPUs$"):
+        inference.device_argument("cuda:2")
 
 
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])

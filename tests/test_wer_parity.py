@@ -239,6 +239,17 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch)
         wer_parity.main(["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"])
 
 
+def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypatch, capsys):
+    # It read "1 runs of 1 rank(s), 1 at once on 1 GPU(s)".
+    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path)])
+    assert capsys.readouterr().out.startswith(f"1 run of 1 rank, 1 at once on 1 GPU; output in {tmp_path}/wer-*.out\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    wer_parity.main(["--backends", "cudnn", "reference", "--seeds", "1", "--ranks", "2", "--runs-dir", str(tmp_path)])
+    assert capsys.readouterr().out.startswith("2 runs of 2 ranks, 2 at once on 2 GPUs;")
+
+
 def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkeypatch, capsys):
     """The runs' output goes to files: the one line that says why a run failed reaches the terminal, and the exit
     status says a run failed. --json into a folder not made yet is made first, not after the training."""

@@ -204,9 +204,9 @@ def main(cfg: DictConfig) -> None:
             log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
             summary = f"{type(error).__name__}: {error} (its traceback is above)"
             if silent := distributed.ranks_not_answering(error):
-                summary = (f"no answer from rank(s) {', '.join(map(str, silent))}: this rank's collective waited "
-                           "distributed.timeout_s for them, and they did not say since that one of theirs had timed "
-                           "out too (stopped, hung, or busy elsewhere)")
+                summary = (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective "
+                           "waited distributed.timeout_s for them, and they did not say since that one of theirs had "
+                           "timed out too (stopped, hung, or busy elsewhere)")
                 log.error("error on rank %d: %s", distributed.launcher_rank(), summary)
             end_job(1, summary)
     else:

@@ -4,6 +4,7 @@ import argparse
 
 import torch
 
+from data.text import counted
 from trainer import build, decode
 
 # What loading a model and its inputs may raise with a one-line message: a missing or foreign checkpoint, a bad decoder
@@ -23,7 +24,7 @@ def device_argument(text: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is visible here")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {counted(torch.cuda.device_count(), 'CUDA GPU')}")
     return device
 
 
