@@ -866,7 +866,7 @@ def test_a_checkpoint_of_another_training_set_is_refused():
 
 def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_path):
     path = tmp_path / "last.pt"
-    state = {"epoch": 0, "step": 0, "best_wer": math.inf}
+    state = {"epoch": 0, "step": 0, "best_wer": math.inf, "elapsed_s": 0.0}
     loaders = {"model": torch.nn.Linear(2, 3).load_state_dict,
                "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
                "rng": lambda states: checkpoint.set_rng_state(states[0], torch.device("cpu"))}
@@ -874,10 +874,18 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
             "rng": [checkpoint.rng_state(torch.device("cpu"))]}
     restore(path, good, loaders)
     assert state == {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": 0.0, "best_unreadable": 0}
+    none_evaluated = {"epoch": 0, "step": 0, "best_wer": math.inf}
+    assert resumed_train_state({**state, "best_wer": math.inf}, none_evaluated)["best_wer"] == math.inf
     cases = [
         ("model", torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
-        ("train_state", {"epoch": 2, "step": "9"}, "no number, or no count where one belongs, for step, best_wer"),
-        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1}, "no count where one belongs, for epoch, step"),
+        ("train_state", {"epoch": 2, "step": "9"},
+         "no number from 0 up, or no count where one belongs, for step='9', best_wer=None"),
+        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1}, "no count where one belongs, for epoch=2.0, step=-1"),
+        # A hand-edited NaN best_wer: no WER beats it, so best.pt stayed as it was for the rest of the run.
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": math.nan}, r"for best_wer=nan\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": -1.0}, r"for best_wer=-1.0\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.inf}, r"for elapsed_s=inf\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.nan}, r"for elapsed_s=nan\)$"),
         ("rng", [], "list index out of range"),
     ]
     for part, value, reason in cases:

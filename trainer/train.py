@@ -446,19 +446,22 @@ def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
 
 
 def resumed_train_state(state: dict, saved_state: dict) -> dict:
-    """A checkpoint's train_state, each of `state`'s entries a number, a count (a non-negative integer) where `state`
-    holds one; ValueError naming those that are not."""
+    """A checkpoint's train_state, each of `state`'s entries a number from 0 up (infinite only where `state`'s is:
+    best.pt's figures before any evaluation), a count (a non-negative integer) where `state` holds one; ValueError
+    naming those that are not and their values. No evaluation beats a NaN best_wer: best.pt would stay as it was."""
     # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
     resumed = {"elapsed_s": 0.0, "best_unreadable": 0, **saved_state}
 
     def fits(key, value):
         if isinstance(state[key], int):
             return _is_int(value) and value >= 0
-        return isinstance(value, int | float)
+        return (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+                and (math.isfinite(value) or math.isinf(state[key])))
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
     if wrong:
-        raise ValueError(f"no number, or no count where one belongs, for {', '.join(wrong)}")
+        raise ValueError(f"no number from 0 up, or no count where one belongs, for "
+                         f"{', '.join(f'{key}={resumed.get(key)!r}' for key in wrong)}")
     return resumed
 
 
