@@ -1099,6 +1099,18 @@ def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
         inference.device_argument("cuda:2")
 
 
+def test_evaluate_refuses_a_pipe_that_a_checkpoint_names_as_its_test_set(tmp_path):
+    """A checkpoint whose stored data.eval_manifest is a named pipe: opening it waited for a writer, for ever (run in
+    a process of its own here, so that the wait fails the test rather than hangs it)."""
+    pipe = tmp_path / "fifo"
+    os.mkfifo(pipe)
+    path = small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={pipe}")
+    result = subprocess.run([sys.executable, "-m", "trainer.evaluate", "--checkpoint", str(path), "--device", "cpu"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (2, f"error: the run's data.eval_manifest {pipe} is not a file (a "
+                                                     "pipe, a device, a folder): give --manifest\n")
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main

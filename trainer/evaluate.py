@@ -79,6 +79,10 @@ def main(argv=None) -> int:
             if not Path(manifest).is_absolute() and not Path(manifest).exists():
                 raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its "
                                         "training ran in: run this there, or give --manifest")
+            # A pipe given as --manifest is read; one a checkpoint names would be waited on for a writer, for ever.
+            if Path(manifest).exists() and not Path(manifest).is_file():
+                raise ValueError(f"the run's data.eval_manifest {manifest} is not a file (a pipe, a device, a folder): "
+                                 "give --manifest")
             check_not_an_input(args.out, [manifest])
         dataset = SpeechDataset([manifest], features, None, model.time_stride)
         decoder = decode.from_arguments(args)
