@@ -451,6 +451,23 @@ def test_a_full_disk_under_the_run_records_is_one_line_and_exit_2(an4_train, tmp
 
 
 @pytest.mark.slow
+def test_a_log_file_the_disk_cannot_hold_is_said_once_and_the_run_goes_on(an4_train, tmp_path):
+    """A disk that fills up refuses the log's lines first: logging printed a traceback of some 30 lines for each one,
+    the trainer's own error line among them, while the run went on to its next checkpoint."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "__main__.log").symlink_to("/dev/full")  # every write there: "No space left on device"
+    result = train(run_dir, manifest, "model.hidden=32", "train.max_steps=1", timeout=300)
+    assert "Logging error" not in result.output and "Traceback" not in result.output, result.output[-4000:]
+    warning = (f"warning: cannot write the log file {run_dir / '__main__.log'} (No space left on device): the lines "
+               "it cannot take are on the console only")
+    assert result.stderr.splitlines().count(warning) == 1, result.stderr[-4000:]
+    assert "stopped at step 1 (train.max_steps)" in result.stdout  # the console has the whole log
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.slow
 def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     good = [u for u in an4_train if u.duration < 2.5][:8]
     (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)

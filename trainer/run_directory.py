@@ -1,11 +1,12 @@
 """A Hydra callback (conf/train.yaml, hydra.callbacks) that checks run_name and makes the run's directory before Hydra
-does.
+does, and the handler of the run's log file there.
 
 Hydra makes it inside its own error handling, so one it cannot make (a file named `runs`, no permission, a full disk)
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
 the run wrote into runs/ itself or the working directory.
 """
+import logging
 import os
 import sys
 from pathlib import Path
@@ -53,3 +54,21 @@ class MakeRunDirectory(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config.run_name)
         make_or_exit(config.hydra.sweep.dir)
+
+
+class LogFile(logging.FileHandler):
+    """The run's log file (conf/train.yaml, hydra.job_logging). A line it cannot write (a full disk, a quota) is said
+    once on stderr and left out, where logging printed a traceback of some 30 lines for every one, the trainer's own
+    error line among them: the console keeps the whole log, and the next checkpoint ends the run in one line if the
+    disk has no space for it either."""
+
+    warned = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+        elif not self.warned:
+            self.warned = True
+            print(f"warning: cannot write the log file {self.baseFilename} ({error.strerror or error}): the lines it "
+                  "cannot take are on the console only", file=sys.stderr)
