@@ -373,6 +373,14 @@ def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
         decode.from_arguments(arguments)
 
 
+def test_a_language_model_refuses_an_empty_manifest_path(tmp_path, capsys):
+    # --manifest "$M" with M unset was read as the current folder: "error: manifest . is a folder, not a file".
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", "", "--out", str(tmp_path / "m.arpa")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --manifest: an empty path (an unset shell variable?)\n")
+
+
 def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path, capsys):
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
                                       '{"audio_filepath": "b.wav", "duration": 1.0, "text": "café ok"}\n')

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from data.manifest import numbered_lines, read_manifest
 from data.text import counted, invalid_characters, normalize_text
-from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
@@ -216,7 +216,8 @@ def _discount(table: Counter) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--manifest", nargs="+", required=True, help="JSONL manifests whose transcripts to count")
+    parser.add_argument("--manifest", nargs="+", required=True, type=input_path,
+                        help="JSONL manifests whose transcripts to count")
     parser.add_argument("--order", type=positive_int, default=3,
                         help="the longest n-gram (default: 3; at most the longest transcript with <s> and </s>)")
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
