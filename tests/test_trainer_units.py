@@ -5,6 +5,7 @@ import errno
 import functools
 import importlib
 import json
+import logging
 import math
 import os
 import random
@@ -1317,8 +1318,9 @@ def test_a_skipped_step_leaves_no_trace(optimizer_name):
 
 # --- evaluation -----------------------------------------------------------------------------------------------------
 
-def evaluate_manifest(utterances, tmp_path):
-    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments)."""
+def evaluate_manifest(utterances, tmp_path, **options):
+    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments), `options` to
+    evaluate."""
     from data.dataset import SpeechDataset
     from data.manifest import Utterance, write_manifest
     from data.sampler import eval_shard
@@ -1330,13 +1332,27 @@ def evaluate_manifest(utterances, tmp_path):
     features = build.features(cfg.data)
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
-    return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"))
+    return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"), **options)
 
 
 def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):
     audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
     counts, rows = evaluate_manifest([(str(audio), 2.0, "  two   six eight ", "x")], tmp_path)
     assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3 and counts.unreadable == 0
+
+
+def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source, tmp_path, caplog):
+    """A batch job's log, where a large test set ran for minutes without a word."""
+    caplog.set_level(logging.INFO)
+    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
+    five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
+    evaluate_manifest(five, tmp_path, progress_line_s=0)
+    assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
+        "evaluating: batch 1 of 2", "evaluating: batch 2 of 2"]
+    caplog.clear()
+    evaluate_manifest(five, tmp_path, progress_line_s=3600)
+    evaluate_manifest(five, tmp_path, progress_bar=True, progress_line_s=0)  # the bar says it; stderr not captured
+    assert "evaluating" not in caplog.text
 
 
 def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path, caplog):

@@ -247,6 +247,7 @@ def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
     result = train(tmp_path / "run", utterances, "train.progress_bar=true", "train.progress_line_s=0",
                    "train.global_batch_size=4")
     assert "\r" not in result.output and "epoch 1: step 1 of 2, loss " in result.output, result.output[-3000:]
+    assert "evaluating: batch 1 of " in result.output, result.output[-3000:]
     assert re.search(r"epoch 1: loss [\d.]+, 8 utterances in \d+ s, evaluated in \d+ s; test WER", result.output)
 
 

@@ -6,6 +6,7 @@
 import argparse
 import logging
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,13 +26,16 @@ from trainer.stop import ignore_in_data_workers, start_data_workers
 
 log = logging.getLogger(__name__)
 
+PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often (the trainer's train.progress_line_s)
+
 
 @torch.no_grad()
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
-             num_workers: int = 0, progress_bar: bool = False,
+             num_workers: int = 0, progress_bar: bool = False, progress_line_s: float | None = None,
              decoder=decode.greedy_decode) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
-    counts and one row per utterance. The model is left in the mode it came in."""
+    counts and one row per utterance. The model is left in the mode it came in. Without the bar, `progress_line_s`
+    logs a line on the progress this often (a batch job's log, where a large test set ran for minutes unseen)."""
     was_training = model.training
     model.eval()
     counts = ErrorCounts()
@@ -39,8 +43,13 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     # Its workers leave stop signals to the process, so that a training run stopped during its evaluation finishes it.
     loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=num_workers,
                         worker_init_fn=ignore_in_data_workers)
-    for batch in tqdm(start_data_workers(loader), desc="evaluating", total=len(loader), disable=not progress_bar,
-                      dynamic_ncols=True, leave=False):
+    line_every_s = None if progress_bar else progress_line_s
+    last_line = time.perf_counter()
+    for number, batch in enumerate(tqdm(start_data_workers(loader), desc="evaluating", total=len(loader),
+                                        disable=not progress_bar, dynamic_ncols=True, leave=False), start=1):
+        if line_every_s is not None and time.perf_counter() - last_line >= line_every_s:
+            last_line = time.perf_counter()
+            log.info("evaluating: batch %d of %d", number, len(loader))
         dataset.warn_once(batch.unusable)
         counts.unreadable += batch.num_unusable
         if len(batch.indices) == 0:
@@ -92,7 +101,8 @@ def main(argv=None) -> int:
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
     try:
         with logging_redirect_tqdm():
-            counts, rows = evaluate(model, dataset, batches, device, progress_bar=sys.stderr.isatty(), decoder=decoder)
+            counts, rows = evaluate(model, dataset, batches, device, progress_bar=sys.stderr.isatty(),
+                                    progress_line_s=PROGRESS_LINE_S, decoder=decoder)
     except ValueError as error:  # the model's output not finite (decode.check_finite)
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
         return 2

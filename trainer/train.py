@@ -978,7 +978,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         trained_s = time.perf_counter() - started
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
-                                 progress_bar=show_progress_bar)
+                                 progress_bar=show_progress_bar,
+                                 progress_line_s=cfg.train.progress_line_s if env.is_main else None)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
