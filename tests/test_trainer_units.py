@@ -1218,29 +1218,6 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 
-def caught_signals(pid: int) -> int:
-    """The signals process `pid` has a handler for: /proc's mask, bit n - 1 for signal n."""
-    return int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)[1], 16)
-
-
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="watches the process's handlers through /proc")
-@pytest.mark.parametrize("number", STOP_SIGNALS, ids=lambda number: number.name)
-def test_a_stop_signal_while_the_trainer_imports_ends_it_in_one_line(tmp_path, number):
-    """Sent as soon as python -m trainer has its first handlers, while it imports torch and Hydra (seconds): Python's
-    own handling ended it in a traceback through those imports (Ctrl-C) or without a word (SIGTERM, SIGUSR1)."""
-    job = subprocess.Popen([sys.executable, "-m", "trainer", f"hydra.run.dir={tmp_path / 'run'}",
-                            f"data.manifest_dir={tmp_path / 'manifests'}"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while (job.poll() is None and time.monotonic() < deadline
-           and not caught_signals(job.pid) & 1 << (signal.SIGUSR1 - 1)):  # SIGUSR1: the last of them taken
-        time.sleep(0.001)
-    job.send_signal(number)
-    stdout, stderr = job.communicate(timeout=300)
-    ending = "interrupted by Ctrl-C" if number == signal.SIGINT else f"{number.name} received before training began"
-    assert (job.returncode, stdout, stderr) == (128 + number, "", ending + "\n")
-
-
 def signalled_as_it_starts(worker_id: int) -> None:
     """A worker_init_fn: the job's SIGTERM reaches the worker before ignore_in_data_workers has run."""
     os.kill(os.getpid(), signal.SIGTERM)

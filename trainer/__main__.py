@@ -25,11 +25,6 @@ import sys
 import traceback
 from pathlib import Path
 
-from trainer.stop import StoppedBeforeTraining, end_at_once_on_stop_signals
-
-if __name__ == "__main__":  # before the imports below, which take seconds
-    end_at_once_on_stop_signals()
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -38,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
+from trainer.stop import StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")

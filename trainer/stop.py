@@ -6,15 +6,11 @@ scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training).
 they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
 does: there is nothing to save yet."""
 import logging
-import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch takes seconds to import, and python -m trainer takes the signals before it does
-    from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +36,6 @@ class StoppedBeforeTraining(KeyboardInterrupt):
     def __init__(self, number: signal.Signals):
         super().__init__(f"{number.name} received before training began")
         self.signal = number
-
-
-def end_at_once_on_stop_signals() -> None:
-    """From now until StopSignals takes them (and again once it gives them back), each stop signal ends this process
-    at once, in one line on stderr and with 128 + its number. For python -m trainer's start: its imports (torch,
-    Hydra) take seconds, longer on a shared file system, and Python's own handling ended it in a Ctrl-C's traceback
-    through them, or without a word (SIGTERM, SIGUSR1: MPICH's mpiexec reports exit code 15 or 10)."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, _end_at_once)
-
-
-def _end_at_once(number: int, frame) -> None:
-    ending = StoppedBeforeTraining(signal.Signals(number)) if number != signal.SIGINT else "interrupted by Ctrl-C"
-    print(ending, file=sys.stderr, flush=True)
-    # Not an exception: raised inside an import, one was caught there and left numpy half made, and the run went on
-    # without it (every audio file unreadable).
-    os._exit(128 + number)
 
 
 class StopSignals:
@@ -112,7 +91,7 @@ def ignore_in_data_workers(worker_id: int) -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
-def start_data_workers(loader: "DataLoader") -> Iterator:
+def start_data_workers(loader: DataLoader) -> Iterator:
     """iter(loader), its workers started with the stop signals blocked: they inherit the block, so a signal that
     reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
     first, ends a worker). This process takes a signal that came meanwhile as the block ends."""
