@@ -779,6 +779,44 @@ def test_a_stop_signal_before_training_began_ends_the_job_saying_so(an4_source, 
     assert "Traceback" not in output, output
 
 
+def starting_with_stop_signals_taken(pid: int) -> bool:
+    """Whether process `pid` has a handler for SIGTERM (its SigCgt mask) and has not yet loaded torch."""
+    try:
+        status, maps = Path(f"/proc/{pid}/status").read_text(), Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # it has ended
+        return False
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1) and "libtorch" not in maps
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+def test_a_stop_signal_while_the_ranks_import_ends_the_job_saying_so(an4_slice, tmp_path):
+    """SIGTERM to MPICH's mpiexec, which passes it on, while the ranks still import torch (a second, 10-20 with the
+    config on a busy machine): each rank died of it without a word, mpiexec exiting 15 (launch/slurm.sbatch requeues
+    on 138 alone, and SIGUSR1 likewise gave 10), and Ctrl-C printed a traceback from inside torch's import on each
+    rank, one of which crashed (SIGSEGV). The first signal is now kept until the trainer can end the job on it."""
+    run_dir = tmp_path / "run"
+    job = start_job(trainer_command(an4_slice, run_dir, 2))
+    deadline = time.monotonic() + FAILURE_TIMEOUT_S
+    ranks = {}
+    while len(ranks) < 2 or not all(map(starting_with_stop_signals_taken, ranks.values())):
+        if job.poll() is not None or time.monotonic() > deadline:
+            os.killpg(job.pid, signal.SIGKILL)
+            pytest.fail(f"the ranks took no SIGTERM before torch was loaded:\n{job.communicate()[0][-4000:]}")
+        for rank in set(range(2)) - set(ranks):
+            with contextlib.suppress(LookupError):
+                ranks[rank] = rank_process(rank, run_dir)
+        time.sleep(0.005)
+    job.send_signal(signal.SIGTERM)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code == 128 + signal.SIGTERM, output
+    for rank in ("", "[rank 1] "):
+        refusal = "SIGTERM received before training began; no checkpoint of this run was written"
+        assert f"{rank}{refusal}" in output, output
+    assert "Traceback" not in output, output
+
+
 @needs_mpiexec
 def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.global_batch_size=5"), FAILURE_TIMEOUT_S)

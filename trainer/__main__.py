@@ -13,6 +13,11 @@ does, and the jobs after it still run; the sweep then names each failed job's fo
 every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI job (its other ranks
 would wait on it).
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a stop signal killed each rank
+    from trainer.stop import keep_early_stop_signal
+
+    keep_early_stop_signal()
+
 import contextlib
 import errno
 import hashlib
