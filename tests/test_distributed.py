@@ -187,6 +187,23 @@ def test_the_epoch_log_counts_every_ranks_utterances(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_warnings_every_rank_would_give_alike_are_rank_0s_alone(an4_slice, tmp_path):
+    """Every rank reads the same manifests and agrees on each skipped step: each utterance left out at start and each
+    step skipped was named once a rank, 64 times over on 64 ranks. At one utterance a rank, the unreadable one leaves
+    its rank's shard empty, which skips the step on both."""
+    manifests = with_corrupt_first_file(an4_slice, tmp_path)
+    untranscribed = {**json.loads(manifests["train"].read_text().splitlines()[1]), "text": ""}
+    with manifests["train"].open("a") as manifest:
+        manifest.write(json.dumps(untranscribed) + "\n")
+    command = trainer_command(manifests, tmp_path / "run", 2, "train.epochs=1", "train.global_batch_size=2")
+    code, output = run_job(command, TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert output.count("its transcript is empty") == 1, output
+    assert len(re.findall(r"step \d+ skipped: empty shard", output)) == 1, output
+    assert "1 step skipped: empty shard (all its audio unreadable)" in output, output  # the epoch's line
+
+
+@needs_mpiexec
 def test_in_a_sweep_every_jobs_log_is_rank_0s(an4_slice, tmp_path):
     """Hydra sets up logging again for each job of a sweep: rank 1 adds only its warnings, errors and start line to
     the second job's log too, not its own copy of every line."""

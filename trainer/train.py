@@ -49,6 +49,21 @@ from trainer.stop import (
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def warnings_from_rank_0_alone(env: DistEnv, logger: logging.Logger):
+    """In the block, `logger` warns on rank 0 alone: for what every rank does alike (reading the same manifests),
+    where the others' warnings would name each thing once a rank. Their errors still come through."""
+    if env.is_main:
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     """With `data.an4_source` set, rank 0 writes the AN4 manifests (skipped when up to date); the others wait."""
     if data_cfg.an4_source is not None and env.is_main:
@@ -758,11 +773,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     model = build.model(cfg.model, features.num_features).to(env.device)
     masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
     augment = SpecAugment(**masks) if cfg.data.augment.enabled else None
-    train_set = SpeechDataset(
-        list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
-    )
+    with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
+        train_set = SpeechDataset(
+            list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
+        )
+        eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
     train_fingerprint = train_set.fingerprint()
-    eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
     test_fingerprint = eval_set.fingerprint()
     distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
     try:
@@ -938,7 +954,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 skipped[UNUSABLE] += step.unusable
             if step.outcome != "ok":
                 skipped[skipped_step(step.outcome)] += 1
-                log.warning("step %d skipped: %s", state["step"], step.outcome)
+                if env.is_main:  # every rank skips it, for the same reason
+                    log.warning("step %d skipped: %s", state["step"], step.outcome)
             else:
                 losses.append(step.loss)
                 utterances += step.utterances
