@@ -764,6 +764,16 @@ def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, re
     assert "Traceback" not in result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the experiment runs")
+def test_a_gpu_experiment_on_a_cpu_says_which_experiment_runs_there(tmp_path):
+    # It said only "device=cuda was asked for but no CUDA GPU is visible", which the user had not asked for by name.
+    result = run("trainer", ["experiment=an4_gpu", f"hydra.run.dir={tmp_path / 'run'}"], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.output, result.output[-2000:]
+    assert result.output.rstrip().endswith(
+        "error on rank 0: device=cuda (experiment=an4_gpu and deep100 set it) was asked for, but no CUDA GPU is "
+        "visible: on a CPU, train experiment=cpu_demo, or set device=cpu"), result.output[-2000:]
+
+
 GRAPHED_ON_A_GPU = ["device=cuda", "model.backend=persistent", "train.amp=bf16", "data.features.kind=spectrogram",
                     "train.cuda_graphs=true", "train.num_workers=2", "train.global_batch_size=32", "train.epochs=2"]
 

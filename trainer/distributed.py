@@ -164,7 +164,8 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda was asked for but no CUDA GPU is visible")
+        raise ValueError("device=cuda (experiment=an4_gpu and deep100 set it) was asked for, but no CUDA GPU is "
+                         "visible: on a CPU, train experiment=cpu_demo, or set device=cpu")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
     if not launched_by_mpi():
