@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from conftest import REPO_ROOT
@@ -45,9 +46,10 @@ from trainer.stop import (
 )
 from trainer.train import (
     SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, is_own_checkpoint, known_entries, load_optimizer_state, noting_what_does_nothing_here,
-    open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id, refuse_if_nothing_trained, restore,
-    resumed_train_state, skipped_step, steps_from_the_resume, train_loader, train_step,
+    hold_run_directory, is_own_checkpoint, known_config_keys, known_entries, load_optimizer_state,
+    noting_what_does_nothing_here, open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id,
+    refuse_if_nothing_trained, restore, resumed_train_state, skipped_step, steps_from_the_resume, train_loader,
+    train_step,
 )
 
 
@@ -150,6 +152,39 @@ def test_every_experiment_composes_and_builds(experiment):
     assert len(model.layers) == 2
     OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     check_config(cfg)
+
+
+def config_values(overrides: list[str]) -> dict:
+    """{key: value} of every leaf of the composed config, interpolations as written."""
+    def leaves(entries: dict, prefix: str) -> dict:
+        return {leaf: value for key, entry in entries.items() for leaf, value in
+                (leaves(entry, f"{prefix}{key}.") if isinstance(entry, dict) else {f"{prefix}{key}": entry}).items()}
+    return leaves(OmegaConf.to_container(compose_config(overrides), resolve=False), "")
+
+
+def override_value(key: str, text: str):
+    """A value as `key=text` on the command line gives it, type included (20.0 is no 20, true no 1)."""
+    value = OverridesParser.create().parse_override(f"{key}={text}").value()
+    return type(value), value
+
+
+def test_the_readme_lists_every_config_key_with_its_default_and_what_each_preset_sets():
+    """The README had no list of the keys: data.augment.masks.*, optim.betas or data.an4_source were in no document."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \|", readme, re.MULTILINE)
+    defaults = {**config_values(["optim=sgd"]), **config_values([])}  # optim.momentum is SGD's
+    assert sorted(key for key, _ in rows) == sorted(known_config_keys())
+    assert [key for key, text in rows if override_value(key, text) != (type(defaults[key]), defaults[key])] == []
+    presets = dict(re.findall(r"^\| `((?:experiment|optim|data)=\w+)` \| (.*) \|$", readme, re.MULTILINE))
+    experiments = {f"experiment={path.stem}" for path in (REPO_ROOT / "conf" / "experiment").glob("*.yaml")}
+    assert experiments <= set(presets) and "optim=sgd" in presets and "data=manifest" in presets
+    base = config_values([])
+    for choice, sets in presets.items():
+        values = config_values([choice])
+        listed = {key: override_value(key, text) for key, text in re.findall(r"`([\w.]+)=([^`]*)`", sets)}
+        changed = {key: (type(value), value) for key, value in values.items() if base.get(key, ...) != value}
+        assert listed == changed, choice
+        assert set(re.findall(r"no `([\w.]+)`", sets)) == set(base) - set(values), choice
 
 
 def test_command_line_overrides_reach_the_model():
