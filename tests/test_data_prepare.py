@@ -2,6 +2,8 @@
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -309,3 +311,21 @@ def test_librispeech_speakers_linked_into_the_source_are_read_once_each(tmp_path
     utterances = read_manifest(prepare_librispeech(subset, tmp_path / "out"))
     assert sorted(Path(utterance.audio_filepath).name for utterance in utterances) == [
         "19-198-0000.flac", "26-198-0000.flac", "27-124-0000.flac"]
+
+
+def test_the_readmes_data_commands_prepare_every_manifest_they_train_on(tmp_path, monkeypatch):
+    """The README prepared train-clean-100, then trained with manifests/dev-clean.jsonl as the test set, which none of
+    its commands wrote: followed as written, the trainer stopped on a manifest that does not exist."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"^## Data\n\n```bash\n(.*?)```", readme, re.DOTALL | re.MULTILINE).group(1)
+    commands = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        if command[:4] == ["python", "-m", "data.prepare", "librispeech"]:
+            source = Path(command[command.index("--source") + 1])
+            write_librispeech_chapter(source / "84", "121123", "GO DO YOU HEAR")
+            main(command[3:])
+    trained_on = [path for command in commands if command[:3] == ["python", "-m", "trainer"]
+                  for key, _, value in (argument.partition("=") for argument in command[3:])
+                  if key in ("data.train_manifests", "data.eval_manifest") for path in value.strip("[]").split(",")]
+    assert len(trained_on) >= 2 and [path for path in trained_on if not Path(path).is_file()] == []
