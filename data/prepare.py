@@ -43,6 +43,8 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
     transcription that does not match its fileids, or naming a source whose path is not UTF-8.
     """
     source, out = _require_utf8(_require(Path(source).resolve(), folder=True)), Path(out)
+    if not (source / "etc").is_dir():  # a folder above AN4's (the one its tarball unpacked into), most often
+        raise FileNotFoundError(f"{source} holds no etc/ folder: AN4's source is the folder holding its etc/ and wav/")
     manifests = {}
     for split in AN4_SPLITS:
         fileids = _require(source / "etc" / f"an4_{split}.fileids")

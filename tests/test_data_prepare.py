@@ -285,6 +285,15 @@ def test_missing_source_exits_2_naming_the_path(tiny_an4, tmp_path, capsys, corp
     assert str(named) in stderr and "Traceback" not in stderr
 
 
+def test_an4_source_one_folder_too_high_says_which_folder_it_wants(tiny_an4, tmp_path, capsys):
+    """It said ".../etc/an4_train.fileids does not exist", not that the folder given holds AN4's folder."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["an4", "--source", str(tiny_an4.parent), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert (f"{tiny_an4.parent} holds no etc/ folder: AN4's source is the folder holding its etc/ and wav/"
+            in capsys.readouterr().err)
+
+
 def test_help_gives_the_layouts_read_and_the_manifests_written(capsys):
     """--help gave the docstring's first line alone: not which folders it reads or which files it writes."""
     with pytest.raises(SystemExit) as exit_info:
