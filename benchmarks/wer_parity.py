@@ -2,7 +2,7 @@
 train to the same word error rate as cuDNN?
 
     python -m benchmarks.wer_parity [--backends cudnn persistent] [--seeds 1234 7] [--parallel 4] [--graphs]
-        [--ranks 1] [--name wer] [--runs-dir runs] [--at-epoch E] [--report] [--json PATH]
+        [--ranks 1] [--name wer] [--runs-dir DIR] [--at-epoch E] [--report] [--json PATH]
         [--backend-overrides BACKEND OVERRIDE ...] [-- TRAINER_OVERRIDES ...]
 
 e.g. `python -m benchmarks.wer_parity --seeds 1234 7 11 --graphs --json wer.json -- experiment=an4_gpu
@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", default="wer", help="prefix of the run names")
-    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go")
+    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go (default: runs/ of this checkout)")
     parser.add_argument("--at-epoch", type=int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", type=json_output, help="write the runs, the summary and the configuration here")

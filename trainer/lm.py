@@ -4,9 +4,10 @@ manifests' transcripts, for the beam-search decoder.
     python -m trainer.lm --manifest manifests/an4_train.jsonl --order 3 --out an4_3gram.arpa
 
 The builder uses absolute discounting with backoff: a seen n-gram keeps its count less a discount D (the
-Ney estimate n1 / (n1 + 2 n2) from each order's counts of counts), and the mass taken from a history goes to the
-words it was never followed by, in proportion to their lower-order probabilities. Words are upper case, as the
-model spells them; a word never seen in training scores as <unk>.
+Ney estimate n1 / (n1 + 2 n2) from each order's counts of counts, at most 0.9, and 0.5 where no n-gram was seen
+once), and the mass taken from a history goes to the words it was never followed by, in proportion to their
+lower-order probabilities. Words are upper case, as the model spells them; a word never seen in training scores as
+<unk>.
 """
 import argparse
 import math
