@@ -794,12 +794,16 @@ def test_graphed_training_captures_each_length_while_the_loader_works(an4_train,
     assert result.output.count("GiB reserved") == 2, result.output[-4000:]
 
 
-def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4_train, tmp_path):
+def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4_source, an4_train, tmp_path):
+    """Refused before the corpus is prepared and read: that took minutes for a large one, to no use."""
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:8])
-    result = train(tmp_path / "run", utterances, "model.backend=persistent", check=False, timeout=300)
+    manifests = tmp_path / "manifests"
+    result = train(tmp_path / "run", utterances, "model.backend=persistent", f"data.an4_source={an4_source}",
+                   f"data.manifest_dir={manifests}", check=False, timeout=300)
     assert result.returncode == 2
     assert "backend='persistent' cannot run: needs a CUDA GPU" in result.output, result.output[-2000:]
     assert "parameters;" not in result.output and "Traceback" not in result.output
+    assert not manifests.exists() and "utterances from" not in result.output, result.output[-2000:]
 
 
 @pytest.mark.parametrize("batch_slice, refused", [(None, "(40 utterances a rank): "),

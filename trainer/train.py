@@ -769,6 +769,19 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
     # take its share out of the memory another rank's check divides among all of them.
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
+    # Asked before the corpus is prepared and read (minutes, for a large one), so that a shape the persistent backend
+    # cannot run ends the job at once, saying why: the training batch, and the evaluation's, which would otherwise fail
+    # only after the first epoch. The layers share cell, size and backend: one, on the meta device, answers for all.
+    with torch.device("meta"):
+        one_layer = build.model(cfg.model, features.num_features, depth=1)
+    per_rank_batch = cfg.train.global_batch_size // env.world_size
+    recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
+    recurrent_backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch,
+                                                  recurrent_dtype, env.device)
+    checked_recurrent_backend(one_layer, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, recurrent_dtype,
+                              env.device)
+    if cfg.train.cuda_graphs:
+        check_capturable(one_layer, per_rank_batch, recurrent_dtype, env.device)
     prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
     masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
@@ -788,16 +801,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     except ValueError as error:  # data/ knows no config keys: name the one to change
         raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}") from None
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
-    # Asked before the first step, so that a shape the persistent backend cannot run ends the job here, saying why:
-    # the training batch, and the evaluation's, which would otherwise fail only after the first epoch.
-    per_rank_batch = cfg.train.global_batch_size // env.world_size
-    recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
-    recurrent_backend = checked_recurrent_backend(model, cfg, "train.global_batch_size", per_rank_batch,
-                                                  recurrent_dtype, env.device)
-    checked_recurrent_backend(model, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, recurrent_dtype,
-                              env.device)
-    if cfg.train.cuda_graphs:
-        check_capturable(model, per_rank_batch, recurrent_dtype, env.device)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each (%s)",
