@@ -750,6 +750,10 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     # Named under its group (it was 'hop_ms=1000 ...'), and before the corpus is read (preparing it takes minutes).
     (["data.features.hop_ms=1000", "data.an4_source=NO_AN4"], 2,
      "error on rank 0: data.features: hop_ms=1000 is longer than window_ms=20"),
+    # Over 13 mel bands the default mask width of 15 zeroed every feature of a quarter of the training utterances.
+    (["data.features.n_mels=13", "data.augment.enabled=true", "data.an4_source=NO_AN4"], 2,
+     "error on rank 0: data.augment.masks.freq_mask=15 must be at most the 13 features of a frame "
+     "(data.features.kind=mel): a wider mask can zero them all"),
     (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):

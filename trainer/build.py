@@ -5,7 +5,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import torch
 
-from data.features import FeatureExtractor
+from data.features import FeatureExtractor, SpecAugment
 from data.text import NUM_CLASSES, counted
 from models import DeepSpeech2
 from trainer import checkpoint
@@ -18,6 +18,20 @@ def features(data_cfg: DictConfig) -> FeatureExtractor:
         return FeatureExtractor(**OmegaConf.to_container(data_cfg.features, resolve=True))
     except ValueError as error:  # it names its own arguments: hop_ms, n_mels
         raise ValueError(f"data.features: {error}") from None
+
+
+def spec_augment(data_cfg: DictConfig, num_features: int) -> SpecAugment | None:
+    """The training set's SpecAugment, None where data.augment.enabled is false. Raises ValueError where a frequency
+    mask could be wider than the `num_features` features of a frame: such a mask zeros them all (over 13 mel bands,
+    the default width of 15 zeroed every feature of a quarter of the utterances)."""
+    if not data_cfg.augment.enabled:
+        return None
+    masks = OmegaConf.to_container(data_cfg.augment.masks, resolve=True)
+    if masks["freq_mask"] > num_features:
+        raise ValueError(f"data.augment.masks.freq_mask={masks['freq_mask']} must be at most the {num_features} "
+                         f"features of a frame (data.features.kind={data_cfg.features.kind}): a wider mask can zero "
+                         "them all")
+    return SpecAugment(**masks)
 
 
 def uses_amp(amp: str, device: torch.device) -> bool:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.dataset import Batch, SpeechDataset, collate, count_reasons
-from data.features import FEATURE_KINDS, MAX_WINDOW_MS, SpecAugment
+from data.features import FEATURE_KINDS, MAX_WINDOW_MS
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK, counted
@@ -766,6 +766,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
     features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
+    augment = build.spec_augment(cfg.data, features.num_features)
     # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
     # take its share out of the memory another rank's check divides among all of them.
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
@@ -784,8 +785,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         check_capturable(one_layer, per_rank_batch, recurrent_dtype, env.device)
     prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
-    masks = OmegaConf.to_container(cfg.data.augment.masks, resolve=True)
-    augment = SpecAugment(**masks) if cfg.data.augment.enabled else None
     with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
         train_set = SpeechDataset(
             list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
