@@ -134,6 +134,30 @@ def test_an_audio_file_listed_again_through_a_link_is_a_repeat_and_a_link_to_ano
     assert len(dataset[1].features) == 51  # elsewhere/a.wav's 0.5 s, not a.wav's 1 s
 
 
+def test_a_transcript_is_kept_while_the_output_frames_hold_it_and_no_longer(tmp_path):
+    """0.1 s at 16 kHz is 11 frames, 6 output frames at time stride 2: 6 characters fit, 7 do not, and a repeated
+    character needs a blank between (AAB..., one more). Whether the manifest's duration or the audio is read, the
+    count is the features' own, at the extractor's sample rate."""
+    fitting, too_long = ["ABCDEF", "AABCD"], ["ABCDEFG", "AABCDE"]
+    for text in fitting + too_long:
+        write_noise(tmp_path / f"{text}.wav", 0.1)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / f"{text}.wav"), 0.1, text, "a")
+                                          for text in fitting + too_long])
+    dataset = make_dataset(tmp_path / "m.jsonl")
+    assert [utterance.text for utterance in dataset.utterances] == fitting
+    assert dataset.skipped == Counter({"too long for stride": 2})
+    assert all(not isinstance(dataset[index], Unusable) for index in range(len(dataset)))
+
+
+def test_audio_up_to_a_second_past_max_duration_is_kept(tmp_path):
+    """A manifest's durations may be rounded or a little off: only audio more than a second past max_duration (20 s
+    here) is unusable once read."""
+    write_noise(tmp_path / "long.wav", 20.9)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "long.wav"), 20.0, "LONG", "a")])
+    sample = make_dataset(tmp_path / "m.jsonl")[0]
+    assert not isinstance(sample, Unusable) and len(sample.features) == 2091
+
+
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     write_manifest(tmp_path / "blank.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, " ", "c")])
     with pytest.raises(ValueError,
