@@ -45,8 +45,8 @@ from trainer.stop import (
     STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers,
 )
 from trainer.train import (
-    SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume, continued_run_id,
-    hold_run_directory, is_own_checkpoint, known_config_keys, known_entries, load_optimizer_state,
+    RESUME_MUST_MATCH, SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume,
+    continued_run_id, hold_run_directory, is_own_checkpoint, known_config_keys, known_entries, load_optimizer_state,
     noting_what_does_nothing_here, open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id,
     refuse_if_nothing_trained, restore, resumed_train_state, skipped_step, steps_from_the_resume, train_loader,
     train_step,
@@ -366,6 +366,33 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     del saved["model"]["bidirectional"]
     with pytest.raises(ValueError, match=r"settings \(model.bidirectional=None there, True here\)$"):
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
+
+
+# One change of each setting a resume must keep (RESUME_MUST_MATCH), from a unidirectional model, whose
+# model.lookahead counts: the weights would load under several of them (model.residual, data.features.normalize,
+# data.max_duration), and a run would train on without a word.
+CHANGE_OF_EACH_KEPT_SETTING = {
+    "model.depth": "model.depth=4", "model.hidden": "model.hidden=32", "model.cell": "model.cell=lstm",
+    "model.bidirectional": "model.bidirectional=true", "model.lookahead": "model.lookahead=5",
+    "model.residual": "model.residual=true", "model.conv_channels": "model.conv_channels=16",
+    "data.features": "data.features.normalize=false", "optim": "optim.weight_decay=0.5",
+    "train.global_batch_size": "train.global_batch_size=32", "seed": "seed=7", "data.sortagrad": "data.sortagrad=false",
+    "data.train_manifests": "data.train_manifests=[/elsewhere/an4_train.jsonl]",
+    "data.max_duration": "data.max_duration=10",
+}
+
+
+def test_each_setting_a_resume_must_keep_has_its_change_below():
+    assert set(RESUME_MUST_MATCH) == set(CHANGE_OF_EACH_KEPT_SETTING)
+
+
+@pytest.mark.parametrize("key", CHANGE_OF_EACH_KEPT_SETTING)
+def test_a_resume_refuses_a_change_of_each_setting_it_must_keep(key, tmp_path):
+    base = ["model.hidden=64", "model.bidirectional=false"]
+    saved = OmegaConf.to_container(compose_config(base), resolve=True)
+    override = CHANGE_OF_EACH_KEPT_SETTING[key]
+    with pytest.raises(ValueError, match=rf"other settings \({re.escape(override.split('=')[0])}=.* there, .* here\)$"):
+        check_resumable(saved, compose_config([*base, override]), tmp_path / "last.pt")
 
 
 def test_a_resume_names_the_settings_it_changes(tmp_path):
