@@ -221,6 +221,16 @@ def test_persistent_backend_on_cpu_says_why():
         module.backend_for(2, torch.float32, "cpu")
 
 
+def test_a_sliced_layer_asks_for_the_persistent_kernel_at_its_slice():
+    """batch_slice lets backend persistent run a batch above the 32 its kernels take at once: the support query is
+    asked for a slice. Without a GPU a slice of 8 is told it needs one, where the whole batch of 40 is told its size."""
+    pytest.importorskip("prnn_kernels.persistent")
+    with pytest.raises(ValueError, match="batch size 40 is out of range"):
+        prnn_kernels.GRU(4, 8, backend="persistent").backend_for(40, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="cannot run: needs a CUDA GPU"):
+        prnn_kernels.GRU(4, 8, backend="persistent", batch_slice=8).backend_for(40, torch.float32, "cpu")
+
+
 @pytest.mark.parametrize("backend, expected", [("auto", "cudnn"), ("cudnn", "cudnn"), ("reference", "reference")])
 def test_backend_for_a_cpu_input(backend, expected):
     assert prnn_kernels.LSTM(4, 8, backend=backend).backend_for(2, torch.float32, "cpu") == expected
