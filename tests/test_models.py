@@ -202,6 +202,17 @@ def test_lookahead_mixes_the_current_and_next_frames():
     assert lookahead(impulse).flatten().tolist() == [0.0, 100.0, 10.0, 1.0, 0.0, 0.0]
 
 
+def test_the_lookahead_output_is_clipped_to_0_20():
+    """DeepSpeech2's clipped ReLU after the lookahead convolution, before the classifier, as after the front end."""
+    model = small_model("gru", False)
+    with torch.no_grad():
+        model.lookahead.conv.weight.mul_(1000)
+    classifier_inputs = []
+    model.classifier.register_forward_hook(lambda module, args, output: classifier_inputs.append(args[0]))
+    model(*ragged_batch())
+    assert classifier_inputs[0].min() == 0 and classifier_inputs[0].max() == 20
+
+
 def test_invalid_arguments_are_rejected():
     with pytest.raises(ValueError, match="cell='elman'"):
         DeepSpeech2(NUM_FEATURES, NUM_CLASSES, cell="elman")
