@@ -91,6 +91,14 @@ def test_an_arch_the_toolkit_does_not_know_is_refused_before_the_build(tmp_path)
     assert not any(tmp_path.iterdir())  # refused before nvcc ran
 
 
+def test_the_build_targets_the_arch_specific_variant_from_hopper_on(monkeypatch):
+    """The kernels' register reallocation and multicast bulk copies exist only in sm_90a and later arch-specific
+    targets; plain sm_90 does not compile them. The capability is the GPU's answer, played here."""
+    for capability, arch in [((9, 0), "90a"), ((10, 0), "100a"), ((12, 0), "120a"), ((8, 9), "89"), ((8, 0), "80")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, capability=capability: capability)
+        assert build.device_arch() == arch
+
+
 def test_the_cache_key_names_the_python_the_extension_is_a_module_of(monkeypatch):
     key = build.build_hash()
     real = build.sysconfig.get_config_var
