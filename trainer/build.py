@@ -10,8 +10,6 @@ from data.text import NUM_CLASSES, counted
 from models import DeepSpeech2
 from trainer import checkpoint
 
-OPTIMIZERS = ("sgd", "adamw")
-
 
 def features(data_cfg: DictConfig) -> FeatureExtractor:
     try:
@@ -66,7 +64,7 @@ def num_parameters(model_cfg: DictConfig, num_features: int) -> int:
 
 
 # Bytes each parameter holds whatever the batch: its fp32 weight and gradient, and the optimizer's state of it
-# (AdamW's two moments, SGD's momentum buffer).
+# (AdamW's two moments, SGD's momentum buffer); its keys are the optimizers `optimizer` builds.
 STATE_BYTES_PER_PARAMETER = {"adamw": 16, "sgd": 12}
 
 
@@ -121,7 +119,7 @@ def optimizer(optim_cfg: DictConfig, parameters) -> torch.optim.Optimizer:
             parameters, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay,
             fused=True,
         )
-    raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {optim_cfg.name!r}")
+    raise ValueError(f"optim.name must be one of {tuple(STATE_BYTES_PER_PARAMETER)}, got {optim_cfg.name!r}")
 
 
 def lr_schedule(optim_cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
