@@ -27,7 +27,7 @@ import numbers
 import torch
 
 from prnn_kernels import products
-from prnn_kernels.reference import NUM_GATES, checked_lengths
+from prnn_kernels.reference import NUM_GATES, checked_layer, checked_lengths
 
 CELLS = tuple(NUM_GATES)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -198,21 +198,15 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     """D = len(weight_hh) directions of one layer; direction 0 runs reversed if `reverse`, direction 1 the other
     way. Returns output (T, B, D*H) and a list of D final states."""
     num_directions = len(weight_hh)
-    if input_proj.dim() != 3:
-        raise ValueError(f"persistent_layer: input_proj must be (T, B, G*H), got shape {tuple(input_proj.shape)}")
-    if cell not in CELLS:
-        raise ValueError(f"persistent_layer: cell {cell!r} is not one of {CELLS}")
-    num_steps, batch_size, width = input_proj.shape
+    if (bias_hh[0] is None) != (bias_hh[-1] is None):
+        raise ValueError("persistent_bidirectional_layer: give both biases or neither")
+    # Before the support query, which would answer for the H a width rounds down to (without a GPU: needs one).
+    hidden_size, states = checked_layer("persistent_layer", cell, input_proj, hx, weight_hh, bias_hh)
+    num_steps, batch_size, _ = input_proj.shape
     if num_steps * batch_size * num_directions > MAX_SEQUENCE_ROWS:
         raise ValueError(f"persistent_layer: steps T x samples B x directions = {num_steps} x {batch_size} x "
                          f"{num_directions} = {num_steps * batch_size * num_directions} rows, above the kernels' "
                          f"{MAX_SEQUENCE_ROWS}; run fewer samples at once (batch_slice) or shorter sequences")
-    hidden_size = width // (num_directions * NUM_GATES[cell])
-    gate_rows = NUM_GATES[cell] * hidden_size
-    # Before the support query, which would answer for the H this width rounds down to (without a GPU: needs one).
-    if width != num_directions * gate_rows:
-        raise ValueError(f"persistent_layer: input_proj's last dimension {width} is not {num_directions} x "
-                         f"{NUM_GATES[cell]} gates x H")
     verdict = support(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device)
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
@@ -224,19 +218,6 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         if (num_steps + 1) * ctas > MAX_STEP_COUNT:
             raise ValueError(f"persistent_layer: T={num_steps} steps x {ctas} CTAs overflow the kernels' 32-bit step "
                              "counts; run shorter sequences")
-    if (bias_hh[0] is None) != (bias_hh[-1] is None):
-        raise ValueError("persistent_bidirectional_layer: give both biases or neither")
-    if cell == "lstm" and not all(isinstance(h, tuple | list) and len(h) == 2 for h in hx):
-        raise ValueError("persistent_layer: an LSTM's hx must be a tuple (h0, c0)")
-    states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
-    if not all(isinstance(h, torch.Tensor) for state in states for h in state):
-        raise ValueError("persistent_layer: hx must be a tensor (B, H) (an LSTM's a tuple of two); give zeros for none")
-    expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size)}
-    given = [("weight_hh", w) for w in weight_hh] + [("bias_hh", b) for b in bias_hh if b is not None]
-    given += [("hx", h) for state in states for h in state]
-    for name, tensor in given:
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"persistent_layer: {name} must have shape {expected[name]}, got {tuple(tensor.shape)}")
     signed = checked_lengths("persistent_layer", lengths, batch_size, num_steps, shortest=0)
     dtype = input_proj.dtype
     hx_stacked = torch.stack([state[0] for state in states]).to(dtype)

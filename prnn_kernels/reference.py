@@ -59,6 +59,37 @@ def checked_lengths(name, lengths, batch_size, num_steps, shortest=1):
     return signed
 
 
+def checked_layer(name, cell, input_proj, hx, weight_hh, bias_hh):
+    """(H, each direction's initial state as a tuple: (h,), an LSTM's (h, c)) for a layer of D directions, where hx,
+    weight_hh and bias_hh are lists of D, one per direction; refused with a ValueError naming `name` unless
+    input_proj is (T, B, D x G x H), and each direction's hx (B, H) (an LSTM's a pair of them), weight_hh (G x H, H)
+    and bias_hh (G x H,) or None. Checked here, not left to broadcasting, which ran a (1, H) state or a (1,) bias for
+    every sample."""
+    if cell not in NUM_GATES:
+        raise ValueError(f"{name}: cell {cell!r} is not one of {tuple(NUM_GATES)}")
+    if input_proj.dim() != 3:
+        raise ValueError(f"{name}: input_proj must be (T, B, G*H), got shape {tuple(input_proj.shape)}")
+    _, batch_size, width = input_proj.shape
+    num_directions = len(weight_hh)
+    hidden_size = width // (num_directions * NUM_GATES[cell])
+    gate_rows = NUM_GATES[cell] * hidden_size
+    if hidden_size < 1 or width != num_directions * gate_rows:
+        raise ValueError(f"{name}: input_proj's last dimension {width} is not {num_directions} x {NUM_GATES[cell]} "
+                         "gates x H")
+    if cell == "lstm" and not all(isinstance(h, tuple | list) and len(h) == 2 for h in hx):
+        raise ValueError(f"{name}: an LSTM's hx must be a tuple (h0, c0)")
+    states = [tuple(h) if cell == "lstm" else (h,) for h in hx]
+    if not all(isinstance(h, torch.Tensor) for state in states for h in state):
+        raise ValueError(f"{name}: hx must be a tensor (B, H) (an LSTM's a tuple of two); give zeros for none")
+    expected = {"weight_hh": (gate_rows, hidden_size), "bias_hh": (gate_rows,), "hx": (batch_size, hidden_size)}
+    given = [("weight_hh", w) for w in weight_hh] + [("bias_hh", b) for b in bias_hh if b is not None]
+    given += [("hx", h) for state in states for h in state]
+    for argument, tensor in given:
+        if tuple(tensor.shape) != expected[argument]:
+            raise ValueError(f"{name}: {argument} must have shape {expected[argument]}, got {tuple(tensor.shape)}")
+    return hidden_size, states
+
+
 def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     """Runs one recurrent layer in one direction over padded sequences, one timestep at a time.
 
@@ -76,11 +107,12 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         output: (T, B, H), zero at t >= lengths[b].
         h_n: (B, H) state after each sample's last valid step (hx where lengths[b] == 0); for "lstm" (h_n, c_n).
 
+    Raises ValueError, naming the argument, for a cell or a shape other than these.
+
     Computed in input_proj's dtype (the state in hx's where that is wider: an fp32 hx under autocast) and returned in
     input_proj's dtype, with autograd through the loop.
     """
-    if cell not in _STEPS:
-        raise ValueError(f"reference_layer: cell {cell!r} is not one of {tuple(_STEPS)}")
+    _, (state,) = checked_layer("reference_layer", cell, input_proj, [hx], [weight_hh], [bias_hh])
     step = _STEPS[cell]
     num_steps, batch_size = input_proj.shape[:2]
     lengths = checked_lengths("reference_layer", lengths, batch_size, num_steps, shortest=0).to(input_proj.device)
@@ -90,7 +122,6 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     # unbind, not input_proj[t]: its backward stacks the step gradients once, where indexing would write each
     # into a fresh zero tensor of the full input's size (quadratic in T).
     step_inputs = input_proj.unbind(0)
-    state = tuple(hx) if cell == "lstm" else (hx,)
     outputs = [None] * num_steps
     for t in reversed(range(num_steps)) if reverse else range(num_steps):
         # A cast per step: under autocast F.linear would reuse one bf16 copy of the parameters for every step, and

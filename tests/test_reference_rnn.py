@@ -132,6 +132,28 @@ def test_autocast_sums_recurrent_gradients_in_the_parameters_dtype(cell):
         assert relative_error(got.double(), want) < 1e-2
 
 
+@pytest.mark.parametrize("cell, input_proj, hx, weight_hh, bias_hh, refusal", [
+    # One state or one bias for every sample ran, broadcast, where persistent_layer refuses them.
+    ("gru", torch.randn(5, 2, 12), torch.zeros(1, 4), torch.randn(12, 4), None,
+     r"hx must have shape \(2, 4\), got \(1, 4\)"),
+    ("gru", torch.randn(5, 2, 12), torch.zeros(2, 4), torch.randn(12, 4), torch.randn(1),
+     r"bias_hh must have shape \(12,\), got \(1,\)"),
+    # These ended in torch's messages about sizes of "tensor a" and "mat1 and mat2", naming no argument.
+    ("gru", torch.randn(5, 2, 13), torch.zeros(2, 4), torch.randn(12, 4), None,
+     "input_proj's last dimension 13 is not 1 x 3 gates x H"),
+    ("lstm", torch.randn(5, 2, 12), (torch.zeros(2, 4),) * 2, torch.randn(12, 4), None,
+     r"weight_hh must have shape \(12, 3\), got \(12, 4\)"),
+    ("gru", torch.randn(5, 2, 12), torch.zeros(2, 4), torch.randn(4, 12), None,
+     r"weight_hh must have shape \(12, 4\), got \(4, 12\)"),
+    ("lstm", torch.randn(5, 2, 16), torch.zeros(2, 4), torch.randn(16, 4), None,
+     r"an LSTM's hx must be a tuple \(h0, c0\)"),
+    ("relu", torch.randn(5, 4), torch.zeros(2, 4), torch.randn(4, 4), None, r"input_proj must be \(T, B, G\*H\)"),
+])
+def test_arguments_of_other_shapes_are_refused_naming_them(cell, input_proj, hx, weight_hh, bias_hh, refusal):
+    with pytest.raises(ValueError, match=f"reference_layer: {refusal}"):
+        reference_layer(cell, input_proj, hx, weight_hh, bias_hh, [5, 3], False)
+
+
 def test_unknown_cell_is_rejected():
     with pytest.raises(ValueError, match="'elman'"):
         reference_layer("elman", torch.zeros(2, 1, 3), torch.zeros(1, 3), torch.eye(3), None, torch.tensor([2]), False)
