@@ -141,5 +141,8 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
 
 def relative_error(actual, expected):
     """||actual - expected|| / ||expected|| over all elements, as a float: the measure that holds fast paths to the
-    reference."""
+    reference. Tensors of different shapes are refused (ValueError): broadcast, an h_n of (B, H) matched torch.nn's
+    (1, B, H), so a test held a result of the wrong shape to the reference and passed."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"relative_error: actual has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
     return (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected)).item()

@@ -181,3 +181,13 @@ def test_lengths_as_persistent_layer_takes_them():
     for lengths in ([5, 3], np.array([5, 3]), np.array([5, 3], dtype=np.uint64)):
         for actual, wanted in zip(reference_layer(*arguments, lengths, False), expected, strict=True):
             assert torch.equal(actual, wanted), type(lengths)
+
+
+def test_relative_error_refuses_tensors_of_different_shapes():
+    # Broadcast, a final state of (B, H) matched torch.nn's (num_layers * num_directions, B, H), so a layer that
+    # returned the wrong shape passed every comparison with the reference.
+    h_n = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"relative_error: actual has shape \(3, 4\), expected \(1, 3, 4\)"):
+        relative_error(h_n, h_n[None])
+    assert relative_error(h_n, h_n) == 0.0
+    assert relative_error(h_n + 1e-3 * h_n, h_n) == pytest.approx(1e-3)
