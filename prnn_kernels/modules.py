@@ -1,7 +1,8 @@
 """Drop-in torch.nn.RNN / GRU / LSTM that take sequence lengths and run on a chosen backend.
 
 The classes subclass the torch modules, so constructor arguments, parameter names and weight layout are torch's
-and state dicts load both ways. Backends:
+and state dicts load both ways; an LSTM's proj_size, which the reference and persistent recurrences lack, is
+refused. Backends:
   "cudnn"      torch.nn's own forward (cuDNN on a GPU, ATen's native recurrence on a CPU).
   "reference"  the stack composed from `reference_layer`, one call per layer and direction.
   "persistent" the same composition on the persistent kernels (`prnn_kernels.persistent`), both directions of a
