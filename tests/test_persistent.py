@@ -482,6 +482,7 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
     gate_rows = NUM_GATES.get(cell, 1) * hidden_size
     input_proj = torch.randn(3, batch_size, gate_rows, device=CUDA, dtype=dtype)
     hx = torch.zeros(batch_size, hidden_size, device=CUDA, dtype=dtype)
+    hx = (hx, hx) if cell == "lstm" else hx  # a well-formed call, so that the refusal is the shape's
     weight = torch.zeros(gate_rows, hidden_size, device=CUDA, dtype=dtype)
     lengths = torch.full((batch_size,), 3)
     with pytest.raises(ValueError, match=message):
