@@ -47,7 +47,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data.text import counted
-from trainer.cli import json_output, write_output
+from trainer.cli import json_output, positive_int, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -261,12 +261,12 @@ def main(argv=None) -> None:
     parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference", "auto"),
                         default=["cudnn", "persistent"], help="the first is the one the others are compared with")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1234, 7])
-    parser.add_argument("--parallel", type=int, default=4, help="runs at once")
+    parser.add_argument("--parallel", type=positive_int, default=4, help="runs at once")
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
-    parser.add_argument("--ranks", type=int, default=1, help="ranks per run, sharing the run's GPU")
+    parser.add_argument("--ranks", type=positive_int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", default="wer", help="prefix of the run names")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go (default: runs/ of this checkout)")
-    parser.add_argument("--at-epoch", type=int, help="compare the runs as they stood after this epoch")
+    parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", type=json_output, help="write the runs, the summary and the configuration here")
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
@@ -286,15 +286,11 @@ def main(argv=None) -> None:
     if taken:
         sys.exit(f"{', '.join(taken)}: set for each run by this script (from --backends, --seeds, --name and "
                  "--runs-dir); leave them out of the overrides")
-    if args.parallel < 1 or args.ranks < 1:
-        sys.exit("--parallel and --ranks must be at least 1")
     if args.graphs and args.ranks > 1:
         sys.exit("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
                  "--ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         sys.exit("--backends and --seeds must not repeat")
-    if args.at_epoch is not None and args.at_epoch < 1:
-        sys.exit(f"--at-epoch must be at least 1, got {args.at_epoch}")
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:

@@ -21,6 +21,11 @@ from conftest import REPO_ROOT
     ("benchmarks.scaling", ["--compute-batches", "0"], "argument --compute-batches: must be at least 1, not 0"),
     ("benchmarks.scaling", ["--warmup", "-1"], "argument --warmup: must be at least 0, not -1"),
     ("benchmarks.scaling", ["--steps", "x"], "argument --steps: invalid integer value: 'x'"),
+    # The first two said "--parallel and --ranks must be at least 1", naming neither which nor the value; the three
+    # exited 1, where every other usage error exits 2.
+    ("benchmarks.wer_parity", ["--parallel", "0"], "argument --parallel: must be at least 1, not 0"),
+    ("benchmarks.wer_parity", ["--ranks", "-2"], "argument --ranks: must be at least 1, not -2"),
+    ("benchmarks.wer_parity", ["--at-epoch", "0"], "argument --at-epoch: must be at least 1, not 0"),
 ])
 def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complaint):
     result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_ROOT, capture_output=True, text=True,
