@@ -53,7 +53,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import json_output, positive_int, write_output
+from trainer.cli import json_output, positive_int, run_tool, write_output
 from trainer.environment import command_line, versions
 
 NUM_STEPS = 256
@@ -334,4 +334,4 @@ def write_json(path, rows, configuration, so_far=False):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

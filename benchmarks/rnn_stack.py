@@ -23,7 +23,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import json_output, positive_int, write_output
+from trainer.cli import json_output, positive_int, run_tool, write_output
 from trainer.environment import command_line, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -169,4 +169,4 @@ def write_json(path, config, results, so_far=False):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -329,6 +330,9 @@ if __name__ == "__main__":
     except (FileNotFoundError, ValueError) as error:
         print(f"error on rank {distributed.launcher_rank()}: {error}", file=sys.stderr)
         distributed.abort_job(2)
+    except KeyboardInterrupt:  # its results are written once, at the end: none yet
+        print(f"interrupted by Ctrl-C on rank {distributed.launcher_rank()}", file=sys.stderr)
+        distributed.abort_job(128 + signal.SIGINT)
     except Exception:
         print(f"benchmark failed on rank {distributed.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
         distributed.abort_job(1)

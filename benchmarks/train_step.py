@@ -30,7 +30,7 @@ from benchmarks.scaling import MODELS, compose_config, random_batch, summary, ti
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, positive_int, write_output
+from trainer.cli import int_at_least, json_output, positive_int, run_tool, write_output
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
 
@@ -173,4 +173,4 @@ def write_json(args, rows: list[dict], configs: dict, device, so_far: bool = Fal
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

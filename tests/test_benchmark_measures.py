@@ -3,8 +3,10 @@ import gc
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 import weakref
 
@@ -132,3 +134,47 @@ def test_a_json_file_holds_every_point_measured_before_the_run_is_cut_short(tmp_
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "cut short" in result.stderr, result.stderr[-2000:]
     assert [row["batch"] for row in json.loads((tmp_path / "out.json").read_text())["rows"]] == [1, 2]
+
+
+@pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))
+def test_a_ctrl_c_ends_in_one_line_with_the_points_before_it_kept(tmp_path, name):
+    """A Ctrl-C ended the benchmarks in a traceback of some thirty lines through torch; now in one line, exit 130, as
+    the trainer's tools end, the JSON holding every point measured before it."""
+    code, points, _ = FAKED_BENCHMARKS[name]
+    # The second point gets a real SIGINT, as a terminal's Ctrl-C would send, from what each point calls once.
+    per_point = "support" if name == "rnn_stack" else "measure"
+    interrupted = code + f"""
+import os, signal
+calls = []
+def until_ctrl_c(*point, each_point=benchmark.{per_point}):
+    calls.append(point)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return each_point(*point)
+benchmark.{per_point} = until_ctrl_c
+"""
+    result = subprocess.run([sys.executable, "-c", interrupted + "sys.exit(benchmark.run_tool(benchmark.main))",
+                             "--json", str(tmp_path / "out.json")], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert (result.returncode, result.stderr) == (130, "interrupted by Ctrl-C\n"), result.stderr[-2000:]
+    assert len(json.loads((tmp_path / "out.json").read_text())[points]) == 1
+
+
+def test_a_ctrl_c_ends_scaling_in_one_line(tmp_path):
+    """benchmarks.scaling ended a Ctrl-C in a traceback through the training step; it writes its JSON at the end, so
+    there is nothing to keep."""
+    command = [sys.executable, "-m", "benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu", "--global-batch",
+               "2", "--frames", "50", "--steps", "100000", "--warmup", "0", "--compute-batches", "1", "--json",
+               str(tmp_path / "scaling.json")]
+    scaling = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert scaling.stdout.readline().startswith("measuring the cpu_demo model")
+        time.sleep(1)  # into the steps
+        scaling.send_signal(signal.SIGINT)
+        _, stderr = scaling.communicate(timeout=60)
+    finally:
+        if scaling.poll() is None:
+            scaling.kill()
+            scaling.communicate()
+    assert (scaling.returncode, stderr) == (130, "interrupted by Ctrl-C on rank 0\n"), stderr[-2000:]
+    assert not (tmp_path / "scaling.json").exists()
