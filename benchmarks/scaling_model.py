@@ -403,12 +403,16 @@ def main(argv=None) -> int:
     try:
         cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
                           args.nics_per_node, args.network_latency_us)
+        # An infinite one (an ideal network, say) made the times infinite, and 0 x infinity NaN, in a projection that
+        # strict JSON readers refuse: 1e9 GB/s or 0 us serves.
         for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):
-            if not getattr(cluster, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cluster, name)}")
+            if not 0 < getattr(cluster, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive and finite, got "
+                                 f"{getattr(cluster, name)}")
         for name in ("nvlink_latency_us", "network_latency_us"):
-            if not getattr(cluster, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cluster, name)}")
+            if not 0 <= getattr(cluster, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be finite and not negative, got "
+                                 f"{getattr(cluster, name)}")
         if any(batch < 1 for batch in args.global_batch):
             raise ValueError(f"--global-batch values must be at least 1, got {args.global_batch}")
         if not 0 <= args.backward_share <= 1:
