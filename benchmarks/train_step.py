@@ -99,7 +99,7 @@ def print_table(rows: list[dict], configs: dict) -> None:
         print(f"{model_name}: {model_config['depth']} x {'bi-' if model_config['bidirectional'] else ''}"
               f"{model_config['cell'].upper()} {model_config['hidden']}")
     header = (f"{'model':<7} {'backend':<19} {'batch':>5} {'median ms':>10} {'GPU ms':>7} {'samples/s':>10} "
-              f"{'speed-up':>9}")
+              f"{'peak GB':>8} {'speed-up':>9}")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -109,7 +109,7 @@ def print_table(rows: list[dict], configs: dict) -> None:
             continue
         speedup = f"{row['speedup_over_cudnn']:>8.2f}x" if "speedup_over_cudnn" in row else f"{'':>9}"
         print(f"{row['model']:<7} {backend:<19} {row['batch']:>5} {row['median_ms']:>10.2f} "
-              f"{row['gpu_ms']:>7.2f} {row['samples_per_s']:>10.1f} {speedup}")
+              f"{row['gpu_ms']:>7.2f} {row['samples_per_s']:>10.1f} {row['peak_memory_gb']:>8.2f} {speedup}")
 
 
 def main(argv=None) -> None:

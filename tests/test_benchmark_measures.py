@@ -31,7 +31,7 @@ def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch
         model.forward = lambda: model  # the cycle make_graphed_callables makes
         models.append(weakref.ref(model))
         return {"model": model_name, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch_size,
-                "median_ms": 1.0, "gpu_ms": 1.0, "samples_per_s": 1.0}
+                "median_ms": 1.0, "gpu_ms": 1.0, "samples_per_s": 1.0, "peak_memory_gb": 0.25}
 
     def reset_peak_memory_stats(device):
         alive = sum(model() is not None for model in models)
@@ -103,9 +103,9 @@ benchmark.distributed.init = lambda device: types.SimpleNamespace(device=torch.d
 torch.cuda.init = torch.cuda.reset_peak_memory_stats = lambda *device: None
 benchmark.measure = lambda args, model, backend, cuda_graphs, batch, device: {
     "model": model, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch, "median_ms": 1.0, "gpu_ms": 1.0,
-    "samples_per_s": 1.0}
+    "samples_per_s": 1.0, "peak_memory_gb": 0.25}
 sys.argv[1:] = ["--models", "an4", "--backends", "cudnn", "--batches", "1", "2", *sys.argv[1:]]
-""", "rows", "an4     cudnn                   2       1.00"),
+""", "rows", "an4     cudnn                   2       1.00    1.00        1.0     0.25"),  # with its peak memory
 }
 
 
