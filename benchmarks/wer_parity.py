@@ -265,7 +265,8 @@ def main(argv=None) -> None:
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
     parser.add_argument("--ranks", type=positive_int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", default="wer", help="prefix of the run names")
-    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs", help="where the runs' directories go (default: runs/ of this checkout)")
+    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
+                        help="where the runs' directories go (default: runs/ of this checkout)")
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", type=json_output, help="write the runs, the summary and the configuration here")
