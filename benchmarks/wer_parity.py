@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,24 +182,52 @@ def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
 
 
 def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str], args) -> list[dict]:
-    """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`."""
+    """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`. A stop signal
+    (a Ctrl-C reaches the runs as well as this script) lets the runs in progress stop at their checkpoints, starts no
+    more and exits with the signal's code."""
     print(f"{counted(len(jobs), 'run')} of {counted(args.ranks, 'rank')}, {min(args.parallel, len(jobs))} at once on "
           f"{counted(len(gpus), 'GPU')}; "
           f"output in {runs_dir}/{args.name}-*.out", flush=True)
+    stopped_by = []  # the exit codes of runs a stop signal ended: the jobs queued after them are not started
+
+    def train_unless_stopped(*job):
+        if stopped_by:  # else, the signal having reached this script too late, a Ctrl-C for every queued run
+            return None
+        row = train(*job)
+        if row["returncode"] in STOPPED_BY_SIGNAL:
+            stopped_by.append(STOPPED_BY_SIGNAL[row["returncode"]])
+        return row
+
     with ThreadPoolExecutor(args.parallel) as pool:
         # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
         # every backend equally often, so no backend gets the less crowded GPUs.
-        futures = [pool.submit(train, runs_dir, name, backend, seed,
+        futures = [pool.submit(train_unless_stopped, runs_dir, name, backend, seed,
                                [*args.overrides, *backend_overrides(args).get(backend, [])], args.graphs, args.ranks,
                                gpus[index % len(gpus)] if gpus else None, args.at_epoch)
                    for index, (name, backend, seed) in enumerate(jobs)]
         rows = []
-        for future in futures:
-            rows.append(future.result())
-            row = rows[-1]
-            print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last WER "
-                  f"{percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+        try:
+            for future in futures:
+                rows.append(future.result())
+                row = rows[-1]
+                if row is not None:
+                    print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last "
+                          f"WER {percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+        except KeyboardInterrupt:
+            stopped_by.append(128 + signal.SIGINT)
+            pool.shutdown(cancel_futures=True)  # waits for the runs in progress, which the Ctrl-C stops too
+    if stopped_by:
+        not_started = sum(future.cancelled() or future.result() is None for future in futures)
+        print(f"stopped by a signal: the runs in progress stopped at their checkpoints and "
+              f"{counted(not_started, 'run')} did not start; the same command continues them all", file=sys.stderr)
+        sys.exit(stopped_by[0])
     return rows
+
+
+# The exit status of a run that a stop signal ended -> 128 + the signal's number: the trainer's, after its checkpoint,
+# or the negative one of a launch script the signal ended before it could pass it on.
+STOPPED_BY_SIGNAL = {status: 128 + number for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+                     for status in (128 + number, -number)}
 
 
 # What train() sets for each run, after the overrides: the same key among them would be silently replaced.

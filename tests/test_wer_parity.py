@@ -3,8 +3,10 @@ command again, which continues the finished runs (they end at once) instead of t
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -271,3 +273,38 @@ def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkey
     assert json.loads(json_path.read_text())["config"]["command"].endswith("-- 'hydra.job.name=a b'")
     assert ("wer-persistent-s1 failed (exit 2): error on rank 0: backend='persistent' cannot run: needs a CUDA GPU"
             in capsys.readouterr().err)
+
+
+def test_a_ctrl_c_stops_the_runs_in_progress_and_starts_no_more(tmp_path):
+    """A Ctrl-C stopped the run in progress, which gets it too, and then the thread pool's shutdown started each
+    queued run, to train for hours: one Ctrl-C per queued run. Here each run's MPI job is a stand-in that runs until a
+    stop signal, which it answers as the trainer does."""
+    started = tmp_path / "started"
+    mpirun = tmp_path / "mpirun"
+    # Python, as the launcher is a background job of the launch script, which starts it with Ctrl-C ignored: a bash
+    # trap could not take it back. The script first asks `$MPIRUN --version` (Open MPI or not).
+    mpirun.write_text(f"#!{sys.executable}\nimport signal, sys, time\nif sys.argv[1:] != ['--version']:\n"
+                      "    for number in (signal.SIGINT, signal.SIGTERM):\n"
+                      "        signal.signal(number, lambda *_: sys.exit(130))\n"
+                      f"    with open({str(started)!r}, 'a') as started:\n        started.write('run\\n')\n"
+                      "    time.sleep(300)\n")
+    mpirun.chmod(0o755)
+    command = [sys.executable, "-m", "benchmarks.wer_parity", "--backends", "cudnn", "--seeds", "1", "2", "3",
+               "--ranks", "2", "--parallel", "1", "--runs-dir", str(tmp_path / "runs")]
+    comparison = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "MPIRUN": str(mpirun)},
+                                  start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # the first run under way
+        os.killpg(comparison.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the script and its runs
+        _, stderr = comparison.communicate(timeout=60)
+    finally:
+        if comparison.poll() is None:
+            os.killpg(comparison.pid, signal.SIGKILL)
+            comparison.communicate()
+    assert comparison.returncode == 130, stderr[-3000:]
+    assert started.read_text() == "run\n"
+    assert stderr.endswith("the runs in progress stopped at their checkpoints and 2 runs did not start; the same "
+                           "command continues them all\n"), stderr[-3000:]
