@@ -236,11 +236,17 @@ def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: 
 def checked_recurrent_backend(model, cfg: DictConfig, key: str, batch_size: int, dtype: torch.dtype,
                               device: torch.device) -> str:
     """model.recurrent_backend at `batch_size` utterances a rank, the batch the config's `key` gives. Where
-    model.backend=persistent cannot run it, the error names `key`, and model.batch_slice where that slices the batch:
-    models/ knows no config keys, and its message names only a batch size."""
+    model.backend=persistent cannot run it because of the batch, the error names `key`, and model.batch_slice where that
+    slices the batch: models/ knows no config keys, and its message names only a batch size. Where one utterance is
+    refused alike (no GPU, say), the batch is not why, and the error names model.backend instead."""
     try:
         return model.recurrent_backend(batch_size, dtype, device)
     except ValueError as error:
+        try:
+            model.recurrent_backend(1, dtype, device)
+        except ValueError as error_at_one:
+            if str(error_at_one) == str(error):
+                raise ValueError(f"model.backend={cfg.model.backend}: {error}") from None
         batch_slice = cfg.model.batch_slice
         slices = f", in slices of model.batch_slice={batch_slice}" if batch_slice and batch_slice < batch_size else ""
         raise ValueError(f"{key}={OmegaConf.select(cfg, key)} ({counted(batch_size, 'utterance')} a rank{slices}): "
