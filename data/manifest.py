@@ -28,19 +28,23 @@ class Utterance:
     speaker: str
 
 
-def read_manifest(path: str | os.PathLike) -> list[Utterance]:
+def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
+
+    `audio_needed=False` (transcripts alone are wanted) takes a pipe's relative audio paths as they come.
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
     line that is not UTF-8 or longer than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no
-    control character in it) and `text` and a `duration` from 0 to MAX_DURATION (and no `offset` other than 0). A
-    byte-order mark before the first line is skipped.
+    control character in it, and absolute where `path` is a pipe and `audio_needed`) and `text` and a `duration`
+    from 0 to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"manifest {path} is a folder, not a file")
     if not path.exists():  # not is_file(): a pipe (evaluate --manifest <(...)) reads as well
         raise FileNotFoundError(f"manifest {path} does not exist")
+    # A pipe's folder (/dev/fd for <(...)) holds no audio: relative paths would each be "no such audio file" there.
+    audio_folder = path.parent.absolute() if path.is_file() or not audio_needed else None
     utterances = []
     with path.open("rb") as lines:
         for line_number, raw in numbered_lines(lines, path):
@@ -50,7 +54,7 @@ def read_manifest(path: str | os.PathLike) -> list[Utterance]:
                 raise ValueError(f"{path}:{line_number}: not UTF-8 (byte {error.start} of the line: "
                                  f"{error.reason})") from None
             if line.strip():
-                utterances.append(_parse_line(line, path, line_number))
+                utterances.append(_parse_line(line, path, line_number, audio_folder))
     return utterances
 
 
@@ -64,7 +68,7 @@ def numbered_lines(file: BinaryIO, path: str | os.PathLike) -> Iterator[tuple[in
         yield line_number, raw
 
 
-def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
+def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | None) -> Utterance:
     where = f"{path}:{line_number}"
     try:
         record = json.loads(line)
@@ -104,7 +108,11 @@ def _parse_line(line: str, path: Path, line_number: int) -> Utterance:
     if (control := control_character(audio_filepath)) is not None:
         raise ValueError(f"{where}: 'audio_filepath' holds the control character {control!r} (U+{ord(control):04X}), "
                          "which would break or reorder the lines naming the file (rename it)")
-    return Utterance(str(path.parent.absolute() / audio_filepath), float(duration), text, speaker)
+    if audio_folder is None and not os.path.isabs(audio_filepath):
+        raise ValueError(f"{where}: 'audio_filepath' {audio_filepath!r} is relative, and a manifest read from a pipe "
+                         "has no folder to take it from: give absolute paths, or the manifest as a file")
+    audio_path = Path(audio_filepath) if audio_folder is None else audio_folder / audio_filepath
+    return Utterance(str(audio_path), float(duration), text, speaker)
 
 
 def control_character(text: str) -> str | None:

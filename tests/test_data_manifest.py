@@ -68,16 +68,34 @@ def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
     ]
 
 
-def test_a_manifest_may_be_a_pipe(tmp_path):
+def read_through_a_pipe(tmp_path, records: list[dict], **kwargs) -> list[Utterance]:
+    """read_manifest(**kwargs) of `records` written into a named pipe, as `<(...)` gives one."""
     pipe = tmp_path / "fifo"
     os.mkfifo(pipe)
-    line = json.dumps({"audio_filepath": "/abs/a.flac", "duration": 1.0, "text": "A"}) + "\n"
-    writer = threading.Thread(target=pipe.write_text, args=(line,))
+    writer = threading.Thread(target=pipe.write_text, args=("".join(json.dumps(record) + "\n" for record in records),))
     writer.start()
     try:
-        assert read_manifest(pipe) == [Utterance("/abs/a.flac", 1.0, "A", "")]
+        return read_manifest(pipe, **kwargs)
     finally:
         writer.join()
+        pipe.unlink()
+
+
+def test_a_manifest_may_be_a_pipe(tmp_path):
+    records = [{"audio_filepath": "/abs/a.flac", "duration": 1.0, "text": "A"}]
+    assert read_through_a_pipe(tmp_path, records) == [Utterance("/abs/a.flac", 1.0, "A", "")]
+
+
+def test_a_relative_audio_path_in_a_piped_manifest_is_refused_naming_the_line(tmp_path):
+    # <(...) is read from /dev/fd, which holds no audio: every utterance was skipped as "no such audio file" there.
+    records = [{"audio_filepath": "/abs/a.flac", "duration": 1.0, "text": "A"},
+               {"audio_filepath": "wav/b.flac", "duration": 1.0, "text": "B"}]
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'fifo'}:2: 'audio_filepath' 'wav/b.flac' is relative, and a "
+                       "manifest read from a pipe has no folder to take it from: give absolute paths, or the manifest "
+                       "as a file$"):
+        read_through_a_pipe(tmp_path, records)
+    # trainer.lm counts the transcripts alone
+    assert [u.text for u in read_through_a_pipe(tmp_path, records, audio_needed=False)] == ["A", "B"]
 
 
 def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(tmp_path):

@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_not_an_input(args.out, args.manifest)
-        texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path)]
+        texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path, audio_needed=False)]
         # Transcripts the model cannot spell are left out of training; their words would only take probability.
         spellable = [text.split() for text in texts if text and not invalid_characters(text)]
         if not spellable:
