@@ -16,6 +16,8 @@ class AudioError(ValueError):
 MAX_SECONDS = 3600
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
 MAX_CHANNELS = 16  # a microphone array's; each channel is decoded before they are averaged
+# libsndfile's frame count where a header gives none (a FLAC written to a pipe, which cannot go back to fill it in).
+UNKNOWN_FRAMES = 2**63 - 1
 # Resampling between two rates builds a filter of one phase per step of their ratio in lowest terms: 16000 -> 16001 Hz
 # needs 16001 phases (seconds and gigabytes for a short clip). An odd rate further from the model's than this many
 # phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed);
@@ -62,7 +64,7 @@ def audio_header(path: str | os.PathLike):
     """The file's header as libsndfile reads it (samplerate, frames, duration...); AudioError naming the file where
     there is no such file, it is not audio, or its header claims what load_audio refuses: no samples, more than
     MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or more than MAX_CHANNELS channels (so a
-    manifest never lists such a file with the duration it claims)."""
+    manifest never lists such a file with the duration it claims), or no length at all."""
     # libsndfile reports a missing file as "System error"; say what it is. A pipe would be waited on for a writer.
     if not os.path.isfile(path):
         raise AudioError(f"{path}: " + ("a folder, not an audio file" if os.path.isdir(path) else
@@ -82,9 +84,12 @@ def audio_header(path: str | os.PathLike):
         raise AudioError(f"{path}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
     if header.frames == 0:
         raise AudioError(f"{path}: audio holds no samples")
-    if header.frames > MAX_SECONDS * header.samplerate:  # libsndfile gives 2^63 - 1 where a FLAC leaves it unknown
+    if header.frames == UNKNOWN_FRAMES:  # it would be decoded into an array of that length
+        raise AudioError(f"{path}: its header gives no length, as a FLAC written to a pipe leaves it: encode it again "
+                         "into a file")
+    if header.frames > MAX_SECONDS * header.samplerate:
         raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
-                         f"the {MAX_SECONDS} s a file may hold (or no length at all)")
+                         f"the {MAX_SECONDS} s a file may hold")
     return header
 
 
