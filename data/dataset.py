@@ -72,7 +72,7 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
     return len(targets) + num_repeats
 
 
-def _file_identity(path: str) -> tuple[int, int] | str:
+def file_identity(path: str) -> tuple[int, int] | str:
     """What tells one audio file from another however a manifest names it: its device and inode, as
     os.path.samefile compares them (the same for a symbolic or hard link to it, or a path through `..`). A file that
     cannot be examined (missing: reading it names it) goes by its path with `..` folded."""
@@ -189,7 +189,7 @@ class SpeechDataset(Dataset):
             else:
                 self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
             return
-        audio_file = _file_identity(utterance.audio_filepath)
+        audio_file = file_identity(utterance.audio_filepath)
         if audio_file in self._kept_files:
             self.skipped["audio listed before"] += 1
             self._repeats.append(utterance.audio_filepath)

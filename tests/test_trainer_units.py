@@ -479,6 +479,30 @@ def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transc
     assert lm.build_arpa([["YES"]], 10**9) == lm.build_arpa([["YES"]], 3)  # at once, not a count over every order
 
 
+def test_a_language_model_counts_an_audio_files_transcript_once(tmp_path, monkeypatch, capsys):
+    # A manifest given twice (as it is, as ./m.jsonl, through a link) counted its transcripts twice: every n-gram's
+    # count doubled, and the discounts and backoff weights with them. Training keeps an audio file listed again once.
+    for name in ("a.wav", "b.wav"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+                                      '{"audio_filepath": "b.wav", "duration": 1.0, "text": "no no"}\n')
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b_link.wav").symlink_to(tmp_path / "b.wav")
+    (tmp_path / "elsewhere" / "b.jsonl").write_text('{"audio_filepath": "b_link.wav", "duration": 1.0, '
+                                                    '"text": "no no"}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "m.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert lm.main(["--manifest", "m.jsonl", "--order", "2", "--out", "once.arpa"]) == 0
+    capsys.readouterr()
+    assert lm.main(["--manifest", "m.jsonl", "./m.jsonl", "link.jsonl", "elsewhere/b.jsonl", "--order", "2",
+                    "--out", "repeated.arpa"]) == 0
+    printed = capsys.readouterr()
+    assert (tmp_path / "repeated.arpa").read_text() == (tmp_path / "once.arpa").read_text()
+    first = tmp_path / "a.wav"
+    assert printed.err == f"skipping 5 transcripts whose audio file is listed before (the first: {first})\n"
+    assert printed.out.endswith("a 2-gram model of 2 transcripts; 5 whose audio file is listed before left out\n")
+
+
 def test_a_tools_output_may_be_a_stream(tmp_path):
     # /dev/stdout into a pipe: written beside and renamed, it ended in "cannot write /dev/stdout" after the work.
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from data.dataset import file_identity
 from data.manifest import numbered_lines, read_manifest
 from data.text import counted, invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
@@ -225,9 +226,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_not_an_input(args.out, args.manifest)
-        texts = [normalize_text(u.text) for path in args.manifest for u in read_manifest(path, audio_needed=False)]
-        # Transcripts the model cannot spell are left out of training; their words would only take probability.
-        spellable = [text.split() for text in texts if text and not invalid_characters(text)]
+        spellable, unspellable, repeats, kept_files = [], 0, [], set()
+        for utterance in (u for path in args.manifest for u in read_manifest(path, audio_needed=False)):
+            text = normalize_text(utterance.text)
+            # Transcripts the model cannot spell are left out of training; their words would only take probability.
+            if not text or invalid_characters(text):
+                unspellable += 1
+            # As training keeps an audio file listed again once (a manifest given twice, or through a link): its
+            # transcript counted twice would double its n-grams' counts.
+            elif (audio_file := file_identity(utterance.audio_filepath)) in kept_files:
+                repeats.append(utterance.audio_filepath)
+            else:
+                kept_files.add(audio_file)
+                spellable.append(text.split())
+        if repeats:
+            print(f"skipping {counted(len(repeats), 'transcript')} whose audio file is listed before (the first: "
+                  f"{repeats[0]})", file=sys.stderr, flush=True)
         if not spellable:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
@@ -238,7 +252,8 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     lowered = f" (--order {args.order}: none is longer than {counted(order - 2, 'word')})" if order < args.order else ""
-    left_out = f"; {len(texts) - len(spellable)} empty or unspellable left out" if len(spellable) < len(texts) else ""
+    left_out = f"; {unspellable} empty or unspellable left out" if unspellable else ""
+    left_out += f"; {len(repeats)} whose audio file is listed before left out" if repeats else ""
     print(f"wrote {args.out}: a {order}-gram model of {counted(len(spellable), 'transcript')}{lowered}{left_out}")
     return 0
 
