@@ -357,6 +357,38 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
             assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"{run_dir.name}, step {step}"
 
 
+def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
+    """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
+    lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size
+    metrics.jsonl has at that moment."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir, fsyncs = tmp_path / "run", tmp_path / "fsyncs.txt"
+    metrics = run_dir / "metrics.jsonl"
+    recording = (
+        "import os, runpy, sys\n"
+        "real_fsync = os.fsync\n"
+        "def recorded_fsync(fd):\n"
+        "    real_fsync(fd)\n"
+        "    fd = fd if isinstance(fd, int) else fd.fileno()\n"
+        f"    size = os.path.getsize({str(metrics)!r}) if os.path.exists({str(metrics)!r}) else -1\n"
+        f"    with open({str(fsyncs)!r}, 'a') as out:\n"
+        "        out.write(f\"{os.path.basename(os.readlink(f'/proc/self/fd/{fd}'))} {size}\\n\")\n"
+        "os.fsync = recorded_fsync\n"
+        "sys.argv = ['trainer', *sys.argv[1:]]\n"
+        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+    )
+    overrides = ["model.hidden=32", "train.epochs=1", "train.global_batch_size=4", "train.checkpoint_every_steps=1"]
+    result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *overrides)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    records = [line.split() for line in fsyncs.read_text().splitlines()]
+    checkpoints = [index for index, (name, _) in enumerate(records) if name.endswith(".pt.tmp")]
+    assert len(checkpoints) >= 3, records  # after steps 1 and 2, and the epoch's last.pt and best.pt
+    for index in checkpoints:
+        metrics_syncs = [size for name, size in records[:index] if name == "metrics.jsonl"]
+        assert metrics_syncs and metrics_syncs[-1] == records[index][1], (records[index], records[:index])
+
+
 @pytest.mark.slow
 def test_a_signal_during_an_evaluation_stops_the_run_at_that_epochs_end(an4_train, tmp_path):
     short = [u for u in an4_train if u.duration < 2.5]

@@ -901,6 +901,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         else:
             rng_states = [checkpoint.rng_state(env.device)]
         if env.is_main:
+            # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
+            # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
+            metrics_file.flush()
+            os.fsync(metrics_file.fileno())
             checkpoint.save(
                 run_dir / "checkpoints" / name,
                 {
@@ -916,7 +920,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "run_id": run_id,
                 },
             )
-            metrics_file.flush()  # after a crash the metrics hold at least what the checkpoint does
 
     result = {}
     # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
