@@ -285,6 +285,14 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text(ARPA.replace("\\2-grams:", "\\²-grams:"))  # a digit to str.isdigit, not to int()
     with pytest.raises(ValueError, match=rf"{bad}:\d+: not an ARPA section header"):
         NGramLM.from_arpa(bad)
+    # A line before the first section that is no "ngram N=COUNT", and a section of 0-grams, were reported as
+    # "not an ARPA 0-gram line".
+    bad.write_text(ARPA.replace("ngram 2=2", "ngram2=2"))
+    with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram2=2'"):
+        NGramLM.from_arpa(bad)
+    bad.write_text(ARPA.replace("\\2-grams:", "\\0-grams:"))
+    with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header: '\\\\0-grams:'"):
+        NGramLM.from_arpa(bad)
     for value in ("nan", "1e400", "-inf"):
         bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):

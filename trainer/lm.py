@@ -82,13 +82,15 @@ class NGramLM:
                 continue
             if line.startswith("\\") and line.endswith("-grams:"):
                 order_text = line[1 : -len("-grams:")]
-                if not re.fullmatch(r"[0-9]{1,2}", order_text):  # str.isdigit takes "²", int() does not
+                if not re.fullmatch(r"[1-9][0-9]?", order_text):  # str.isdigit takes "²", int() does not
                     raise ValueError(f"{source}:{line_number}: not an ARPA section header: {line[:80]!r}")
                 order = int(order_text)
                 continue
+            if order == 0:  # before the first section: the header, whose lines are "ngram N=COUNT"
+                raise ValueError(f"{source}:{line_number}: not an ARPA header line: {line[:80]!r}")
             fields = line.split()
             try:
-                if order == 0 or len(fields) not in (order + 1, order + 2):
+                if len(fields) not in (order + 1, order + 2):
                     raise ValueError
                 log_prob = float(fields[0])
                 backoff = float(fields[order + 1]) if len(fields) == order + 2 else 0.0
