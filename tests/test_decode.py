@@ -297,6 +297,11 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):
             NGramLM.from_arpa(bad)
+    for value in ("-0_7", "-\u0660.\u0667"):  # read by float() as -7 and -0.7
+        for line, edited in ((7, ARPA.replace("-0.3", value)), (8, ARPA.replace("-0.7\tno", f"{value}\tno"))):
+            bad.write_text(edited)  # line 7: a backoff weight; 8: a probability
+            with pytest.raises(ValueError, match=rf"{bad}:{line}: not an ARPA 1-gram line"):
+                NGramLM.from_arpa(bad)
     bad.write_text(ARPA.replace("-0.7\tno", "1.5\tno"))  # was read as P(NO) = 31.6
     with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability above 0 \(a probability above 1\): '1.5"):
         NGramLM.from_arpa(bad)

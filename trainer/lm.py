@@ -28,6 +28,9 @@ SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # <unk>, and every other word upper case, as the acoustic model spells it.
 _MARKERS = {SENTENCE_START: SENTENCE_START, SENTENCE_END: SENTENCE_END, UNKNOWN: UNKNOWN, "<UNK>": UNKNOWN}
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
+# A number as ARPA files write it (inf and nan are taken here to be refused as not finite): float() also reads "-0_7"
+# as -7 and "-٠.٧" (digits of another script) as -0.7, which took a damaged model's numbers for others.
+_ARPA_NUMBER = re.compile(r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.I)
 
 
 class NGramLM:
@@ -90,7 +93,8 @@ class NGramLM:
                 raise ValueError(f"{source}:{line_number}: not an ARPA header line: {line[:80]!r}")
             fields = line.split()
             try:
-                if len(fields) not in (order + 1, order + 2):
+                numbers = [fields[0], *fields[order + 1 :]]
+                if len(fields) not in (order + 1, order + 2) or not all(map(_ARPA_NUMBER.fullmatch, numbers)):
                     raise ValueError
                 log_prob = float(fields[0])
                 backoff = float(fields[order + 1]) if len(fields) == order + 2 else 0.0
