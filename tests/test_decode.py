@@ -24,19 +24,20 @@ def log_probs_over(frames: list[dict[str, float]]) -> torch.Tensor:
     return (probs / probs.sum(-1, keepdim=True)).log()
 
 
-@pytest.mark.parametrize("chars", ["ABC", "AB "])
-@pytest.mark.parametrize("seed", range(6))
-def test_beam_search_finds_the_most_probable_transcript(seed, chars):
-    """With a beam wide enough to keep every prefix, the search returns argmax_W P_ctc(W), found here by scoring
-    every labelling of up to T characters with torch's CTC loss and adding up those of one transcript: labellings
-    that differ only in spaces that separate no words (" A", "A ", "A  B") spell the same one."""
+def random_log_probs(seed: int, num_frames: int, chars: str) -> torch.Tensor:
+    """(num_frames, 1, V) float64 log probabilities, random over the blank and `chars`, all but nothing elsewhere."""
     generator = torch.Generator().manual_seed(seed)
-    num_frames = 6
     logits = torch.full((num_frames, 1, NUM_CLASSES), -1e4, dtype=torch.float64)
     for char in "_" + chars:
         logits[:, 0, ALPHABET.index(char)] = torch.randn(num_frames, generator=generator, dtype=torch.float64)
-    log_probs = logits.log_softmax(-1)
+    return logits.log_softmax(-1)
 
+
+def ctc_log_prob_of_every_transcript(log_probs: torch.Tensor, chars: str) -> dict[str, float]:
+    """ln P_ctc of every transcript of up to T characters of `chars`, by brute force: every labelling scored with
+    torch's CTC loss, and those of one transcript added up (labellings that differ only in spaces that separate no
+    words, " A", "A ", "A  B", spell the same one)."""
+    num_frames = log_probs.shape[0]
     labellings = ["".join(c) for n in range(1, num_frames + 1) for c in itertools.product(chars, repeat=n)]
     targets = torch.zeros(len(labellings), num_frames, dtype=torch.long)
     for row, text in enumerate(labellings):
@@ -50,9 +51,41 @@ def test_beam_search_finds_the_most_probable_transcript(seed, chars):
         transcript = " ".join(text.split())
         by_text[transcript] = torch.logaddexp(torch.tensor(by_text.get(transcript, -math.inf)),
                                               torch.tensor(score)).item()
+    return by_text
+
+
+@pytest.mark.parametrize("chars", ["ABC", "AB "])
+@pytest.mark.parametrize("seed", range(6))
+def test_beam_search_finds_the_most_probable_transcript(seed, chars):
+    """With a beam wide enough to keep every prefix, the search returns argmax_W P_ctc(W)."""
+    num_frames = 6
+    log_probs = random_log_probs(seed, num_frames, chars)
+    by_text = ctc_log_prob_of_every_transcript(log_probs, chars)
     best = max(by_text, key=by_text.get)
     decoded = BeamSearch(beam_width=512, prune_log_prob=-math.inf)(log_probs, torch.tensor([num_frames]))
     assert decoded == [best], (decoded, best, sorted(by_text.items(), key=lambda item: -item[1])[:3])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_beam_search_with_a_language_model_finds_the_best_scoring_transcript(seed):
+    """With a beam that keeps every prefix, the search returns the argmax over every transcript of ln P_ctc(W) +
+    lm_weight * ln P_lm(W, </s>) + word_bonus * |W|, the language model's score summed here word by word."""
+    num_frames, lm_weight, word_bonus = 5, 0.8, 0.4
+    log_probs = random_log_probs(seed, num_frames, "AB ")
+    lm = NGramLM.from_arpa_text(build_arpa([["A", "B"], ["AB", "A"], ["B"], ["A", "A", "B"], ["BA"]], order=3))
+
+    def score(transcript: str, ctc: float) -> float:
+        words = transcript.split()
+        history = ("<s>", *words, "</s>")
+        lm_ln = sum(lm.log10_prob(history[:k], history[k]) for k in range(1, len(history))) * math.log(10)
+        return ctc + lm_weight * lm_ln + word_bonus * len(words)
+
+    scored = {text: score(text, ctc) for text, ctc in ctc_log_prob_of_every_transcript(log_probs, "AB ").items()}
+    best = max(scored, key=scored.get)
+    # Pruned only of the characters left out (log probabilities near -1e4), which leaves it every prefix to keep.
+    search = BeamSearch(beam_width=512, lm=lm, lm_weight=lm_weight, word_bonus=word_bonus, prune_log_prob=-100.0)
+    decoded = search(log_probs, torch.tensor([num_frames]))
+    assert decoded == [best], (decoded, best, sorted(scored.items(), key=lambda item: -item[1])[:3])
 
 
 def test_a_space_that_separates_no_words_adds_to_its_transcript():
