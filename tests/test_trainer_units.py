@@ -421,6 +421,7 @@ def test_an_epoch_line_names_the_steps_trained_since_a_resume():
     assert steps_from_the_resume(0, 4) == ""
     assert steps_from_the_resume(1, 4) == " (steps 2-4, from the resume)"
     assert steps_from_the_resume(3, 4) == " (step 4, from the resume)"  # it said "steps 4-4"
+    assert steps_from_the_resume(4, 4) == " (its steps trained before the resume)"  # stopped during its evaluation
 
 
 def test_a_runs_position_is_told_in_epochs_counted_from_1():

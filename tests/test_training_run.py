@@ -390,26 +390,36 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
 
 
 @pytest.mark.slow
-def test_a_signal_during_an_evaluation_stops_the_run_at_that_epochs_end(an4_train, tmp_path):
+def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train, tmp_path):
+    """A large test set can take longer to evaluate than a scheduler waits after its SIGTERM: the evaluation ends
+    after the batch in progress, last.pt holds the epoch's last step, and the resume evaluates that epoch first."""
     short = [u for u in an4_train if u.duration < 2.5]
     train_set = write_slice(tmp_path / "train.jsonl", short[:16])  # 4 steps an epoch
     test_set = write_slice(tmp_path / "test.jsonl", short[16:136])  # an evaluation long enough to signal it
     run_dir = tmp_path / "run"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=3",
-                                                           "train.global_batch_size=4", f"data.eval_manifest={test_set}")],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=2", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto")
+    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_file(run_dir / "metrics.jsonl", job, 300)
     while '"step": 4,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
         time.sleep(0.02)  # the epoch's last step is logged: its evaluation comes next
+    time.sleep(1)  # into the evaluation (120 batches)
     os.killpg(job.pid, signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
-    assert "stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name continues it" in output, output
+    assert ("stopped after epoch 1's training, before its evaluation ended (SIGTERM); train.resume=auto under the same "
+            "run_name continues it with that evaluation from") in output, output[-4000:]
     steps, epochs = read_metrics(run_dir)
-    assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1]
-    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 4
+    assert sorted(steps) == [1, 2, 3, 4] and epochs == [], epochs
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["train_state"]["step"] == 4 and saved["sampler"] == {"epoch": 0, "position": 4}, saved["sampler"]
+
+    resumed = run("trainer", arguments, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "epoch 1 (its steps trained before the resume): evaluated in" in resumed.output, resumed.output[-4000:]
+    steps, epochs = read_metrics(run_dir)
+    assert sorted(steps) == list(range(1, 9)) and [line["epoch"] for line in epochs] == [1, 2], epochs
 
 
 @pytest.mark.slow

@@ -737,6 +737,8 @@ def steps_from_the_resume(first_step: int, steps: int) -> str:
     done before its resume) on: "" where it trained them all."""
     if not first_step:
         return ""
+    if first_step == steps:  # stopped during its evaluation, which this job makes
+        return " (its steps trained before the resume)"
     return f" ({f'step {steps}' if first_step + 1 == steps else f'steps {first_step + 1}-{steps}'}, from the resume)"
 
 
@@ -1007,11 +1009,25 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                                  progress_bar=show_progress_bar,
-                                 progress_line_s=cfg.train.progress_line_s if env.is_main else None)
+                                 progress_line_s=cfg.train.progress_line_s if env.is_main else None,
+                                 stop=lambda: stop_signals.received is not None)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
                              ) from error
+        requests = stop_requests(distributed.all_reduce_sum(torch.tensor(
+            received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
+        if requests:
+            # A signal during the epoch's last step or its evaluation, which it cut short: a large test set can take
+            # longer than a scheduler waits after its signal. last.pt at the epoch's last step, before the
+            # evaluation, lets the resume make it.
+            stopped_by = stop_for(requests, env.world_size, result)
+            save("last.pt")
+            result["stopped_at_step"] = state["step"]
+            log.info("stopped after epoch %d's training, before its evaluation ended (%s); %s continues it with that "
+                     "evaluation from %s", epoch + 1, stopped_by, how_to_continue(continue_with, stopped_by),
+                     run_dir / "checkpoints" / "last.pt")
+            break
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
@@ -1019,9 +1035,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
             log.info(
-                "epoch %d%s: loss %.3f, %s in %.0f s, evaluated in %.0f s; %s%s%s",
+                "epoch %d%s: %sevaluated in %.0f s; %s%s%s",
                 epoch + 1, steps_from_the_resume(first_step, len(sampler)),
-                mean_loss, counted(utterances, "utterance"), trained_s, time.perf_counter() - started - trained_s,
+                f"loss {mean_loss:.3f}, {counted(utterances, 'utterance')} in {trained_s:.0f} s, " if losses else "",
+                time.perf_counter() - started - trained_s,
                 "no test WER" if math.isnan(counts.wer) else f"test WER {counts.wer:.2f}% CER {counts.cer:.2f}%",
                 "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
                 "; skipped: " + count_skipped(skipped) if skipped else "",
@@ -1053,10 +1070,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
-        if not stopped_by and epoch + 1 < cfg.train.epochs:  # a signal during the evaluation: stop here, not a step on
-            requests = stop_requests(distributed.all_reduce_sum(torch.tensor(
-                received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
-            stopped_by = stop_for(requests, env.world_size, result) if requests else None
         if stopped_by:
             result["stopped_at_step"] = state["step"]
             log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by,
