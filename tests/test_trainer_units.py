@@ -39,7 +39,7 @@ import trainer.__main__ as trainer_main
 from trainer.__main__ import MAX_FOLDER_NAME, job_folder, user_error_message
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
-from trainer.environment import command_line, source_commit, versions
+from trainer.environment import command_line, device_name, source_commit, versions
 from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import (
     STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers,
@@ -1713,6 +1713,17 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
     assert all(job["command"] == command_line() for job in jobs), jobs
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
+
+
+def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a rank of two on a 2-core machine: it read "(1 threads per rank)"
+        assert device_name(torch.device("cpu")).endswith(" (1 thread per rank)")
+        torch.set_num_threads(2)
+        assert device_name(torch.device("cpu")).endswith(" (2 threads per rank)")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch, capsys):

@@ -14,7 +14,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads per rank)"
+    threads = torch.get_num_threads()
+    return f"CPU {platform.processor() or platform.machine()} ({threads} thread{'s' if threads != 1 else ''} per rank)"
 
 
 def versions(device: torch.device) -> dict:
