@@ -1726,6 +1726,16 @@ def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
         torch.set_num_threads(threads)
 
 
+def test_evaluate_help_says_what_the_tool_does(capsys):
+    from trainer.evaluate import main
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]
+    # It read "Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint."
+    assert "decodes a manifest with a saved checkpoint and prints" in " ".join(description.split()), description
+
+
 def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch, capsys):
     monkeypatch.setattr(trainer_main, "_failed_sweep_jobs", [])
     assert trainer_main.sweep_exit_code() == 0

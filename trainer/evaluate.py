@@ -1,4 +1,4 @@
-"""Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint.
+"""WER and CER over a corpus; `python -m trainer.evaluate` decodes a manifest with a saved checkpoint and prints them.
 
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
         [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
