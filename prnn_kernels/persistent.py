@@ -207,6 +207,8 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         raise ValueError(f"persistent_layer: steps T x samples B x directions = {num_steps} x {batch_size} x "
                          f"{num_directions} = {num_steps * batch_size * num_directions} rows, above the kernels' "
                          f"{MAX_SEQUENCE_ROWS}; run fewer samples at once (batch_slice) or shorter sequences")
+    # Before the support query too, which builds the extension on first use (a minute) or, without a GPU, refuses.
+    signed = checked_lengths("persistent_layer", lengths, batch_size, num_steps, shortest=0)
     verdict = support(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device)
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
@@ -218,7 +220,6 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         if (num_steps + 1) * ctas > MAX_STEP_COUNT:
             raise ValueError(f"persistent_layer: T={num_steps} steps x {ctas} CTAs overflow the kernels' 32-bit step "
                              "counts; run shorter sequences")
-    signed = checked_lengths("persistent_layer", lengths, batch_size, num_steps, shortest=0)
     dtype = input_proj.dtype
     hx_stacked = torch.stack([state[0] for state in states]).to(dtype)
     cx_stacked = torch.stack([state[1] for state in states]).to(dtype) if cell == "lstm" else None

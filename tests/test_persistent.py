@@ -150,6 +150,15 @@ def test_an_extension_that_cannot_be_built_is_a_reason_auto_falls_back_on(hopper
     assert len(hopper_without_its_extension) == 1  # tried once: a failing build can take a minute
 
 
+def test_lengths_out_of_range_are_refused_before_the_extension_is_built(hopper_without_its_extension):
+    # They were checked after the support query, which builds the extension first: a minute's build before the
+    # refusal, and where the build failed, "its CUDA extension is unavailable" instead of the lengths.
+    input_proj, hx, weight_hh = torch.randn(5, 2, 3 * 16), torch.zeros(2, 16), torch.zeros(3 * 16, 16)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, T=5\], got \[5, 6\]"):
+        persistent_layer("gru", input_proj, hx, weight_hh, None, [5, 6], False)
+    assert not hopper_without_its_extension  # no build tried
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Outputs start as NaN, so an element the kernel never writes fails the comparison."""
