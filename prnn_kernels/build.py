@@ -169,17 +169,19 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
     except (RuntimeError, OSError) as error:
         raise RuntimeError(
             f"prnn_kernels: could not build the persistent RNN CUDA extension for sm_{arch} in {directory}: "
-            f"{first_build_error(error)}. It needs nvcc (set CUDA_HOME) and ninja; run `python -m prnn_kernels.build "
-            "--verbose` to see the compiler output."
+            f"{first_build_error(error)}. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja; run "
+            "`python -m prnn_kernels.build --verbose` to see the compiler output."
         ) from error
 
 
 def first_build_error(error: Exception) -> str:
-    """A failed build's error in one line: the first line of its output that names an error, else its first line.
-    torch puts the whole output in it (every command and compiler message), which `auto`'s one warning and the
-    persistent backend's refusal would repeat; the verbose build shows it."""
+    """A failed build's error in one line: the first line of its output that names an error or a program the shell
+    did not find (a compiler missing: "/bin/sh: 1: c++: not found"), else its first line. torch puts the whole output
+    in it (every command and compiler message), which `auto`'s one warning and the persistent backend's refusal would
+    repeat; the verbose build shows it."""
     lines = str(error).splitlines() or [repr(error)]
-    named = [line.strip() for line in lines[1:] if re.search(r"\berror\b", line, re.IGNORECASE)]
+    named = [line.strip() for line in lines[1:]
+             if re.search(r"\berror\b|^/bin/sh: .*not found$", line.strip(), re.IGNORECASE)]
     return (named[0] if named else lines[0])[:300]
 
 

@@ -132,15 +132,16 @@ def test_a_cuda_home_that_is_no_toolkit_is_named_when_passed_over(tmp_path, monk
     assert f"CUDA_HOME={tmp_path} is no CUDA toolkit" in caplog.text
 
 
-def test_a_failed_build_is_one_line_naming_its_first_error(tmp_path, monkeypatch):
-    """torch's error holds the build's whole output (33 lines here, every command and compiler message), which auto's
-    fallback warning and the persistent backend's refusal repeated."""
+@pytest.fixture
+def broken_toolkit(tmp_path, monkeypatch):
+    """CUDA_HOME names a toolkit whose nvcc knows sm_90 but fails every compile, and whose include/ lacks the cuda.h
+    that the C++ sources include; the build cache is in tmp_path."""
     from torch.utils import cpp_extension
 
     toolkit = tmp_path / "toolkit"
     (toolkit / "bin").mkdir(parents=True)
     (toolkit / "include").mkdir()
-    (toolkit / "include" / "cuda_runtime.h").touch()  # and no cuda.h, which the C++ sources include
+    (toolkit / "include" / "cuda_runtime.h").touch()
     nvcc = toolkit / "bin" / "nvcc"
     nvcc.write_text('#!/bin/sh\n[ "$1" = --list-gpu-arch ] && echo compute_90 && exit 0\n'
                     'echo "rnn.cu(7): error: identifier undefined"; exit 1\n')
@@ -148,11 +149,28 @@ def test_a_failed_build_is_one_line_naming_its_first_error(tmp_path, monkeypatch
     monkeypatch.setenv("CUDA_HOME", str(toolkit))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # the build points it at the toolkit
+
+
+def test_a_failed_build_is_one_line_naming_its_first_error(broken_toolkit):
+    """torch's error holds the build's whole output (33 lines here, every command and compiler message), which auto's
+    fallback warning and the persistent backend's refusal repeated."""
     with pytest.raises(RuntimeError) as failure:
         build.load_extension.__wrapped__("90")
     message = str(failure.value)
     assert len(message.splitlines()) == 1 and len(message) < 800, message
     assert "error" in message.split("for sm_90 in ")[1] and "build --verbose` to see the compiler output" in message
+
+
+def test_a_build_without_its_cpp_compiler_names_the_missing_compiler(broken_toolkit, tmp_path, monkeypatch):
+    """The shell's "not found" names no error, so the one line was the first compile's command, cut off before it
+    said what failed, and then named nvcc and ninja as what the build needs."""
+    missing = tmp_path / "no-such-compiler" / "c++"
+    monkeypatch.setenv("CXX", str(missing))
+    with pytest.raises(RuntimeError) as failure:
+        build.load_extension.__wrapped__("90")
+    message = str(failure.value)
+    assert len(message.splitlines()) == 1, message
+    assert f"{missing}: not found. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja" in message, message
 
 
 def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_job_start(tmp_path, monkeypatch,
