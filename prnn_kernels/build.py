@@ -166,7 +166,8 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
             build_directory=str(directory),
             verbose=verbose,
         )
-    except (RuntimeError, OSError) as error:
+    # ImportError: built, but the library does not load (a toolkit whose CUDA runtime this machine lacks).
+    except (RuntimeError, OSError, ImportError) as error:
         raise RuntimeError(
             f"prnn_kernels: could not build the persistent RNN CUDA extension for sm_{arch} in {directory}: "
             f"{first_build_error(error)}. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja; run "

@@ -173,6 +173,20 @@ def test_a_build_without_its_cpp_compiler_names_the_missing_compiler(broken_tool
     assert f"{missing}: not found. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja" in message, message
 
 
+def test_a_build_whose_library_does_not_load_is_a_reason_not_a_crash(broken_toolkit, monkeypatch):
+    """torch's loader raises ImportError where the finished library does not load (built against a toolkit whose CUDA
+    runtime this machine lacks); it escaped the support query, so backend auto ended the run instead of using cuDNN.
+    The loader is played here, as building for real takes minutes."""
+    from torch.utils import cpp_extension
+
+    def load_that_fails_to_import(**arguments):
+        raise ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(cpp_extension, "load", load_that_fails_to_import)
+    with pytest.raises(RuntimeError, match=r"could not build .*: libcudart.so.13: cannot open shared object file"):
+        build.load_extension.__wrapped__("90")
+
+
 def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_job_start(tmp_path, monkeypatch,
                                                                                              capsys):
     """A traceback ended `python -m prnn_kernels.build`, and with it the launch scripts (set -e), on a Hopper machine
