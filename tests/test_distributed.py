@@ -374,9 +374,12 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
 def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
     with pytest.raises(ValueError, match="rank 0's address localhost is a loopback address, which the ranks on other "
                                          "nodes cannot reach: set MASTER_ADDR"):
-        distributed.check_reachable_from_other_nodes("localhost", 8, 16)
-    distributed.check_reachable_from_other_nodes("127.0.0.1", 16, 16)  # one node: loopback reaches every rank
-    distributed.check_reachable_from_other_nodes("192.0.2.7", 8, 16)
+        distributed.check_reachable_from_other_nodes("localhost", on_rank_0s_node=False)
+    distributed.check_reachable_from_other_nodes("192.0.2.7", on_rank_0s_node=False)
+    # On rank 0's node loopback reaches rank 0. The launch scripts set MASTER_ADDR to that node's name, which its
+    # /etc/hosts maps to 127.0.1.1 on Ubuntu and cloud-init hosts: rank 0 refused a job whose other ranks reach it.
+    distributed.check_reachable_from_other_nodes("127.0.1.1", on_rank_0s_node=True)
+    distributed.check_reachable_from_other_nodes("localhost", on_rank_0s_node=True)
 
 
 def launch_script(script: str, *arguments: str, **environment: str) -> subprocess.CompletedProcess:

@@ -69,13 +69,14 @@ def launched_by_mpi() -> bool:
     return _launcher_variables() is not None
 
 
-def _ranks_from_mpi() -> tuple[int, int, int, int, "object"]:
-    """(rank, world size, local rank, ranks on this node, the world communicator)."""
+def _ranks_from_mpi() -> tuple[int, int, int, int, bool, "object"]:
+    """(rank, world size, local rank, ranks on this node, whether rank 0 is on this node, the world communicator)."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), world
+    on_rank_0s_node = node.allreduce(world.Get_rank() == 0, op=MPI.LOR)
+    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), on_rank_0s_node, world
 
 
 def launcher_rank() -> int:
@@ -103,10 +104,12 @@ def _main_address() -> str:
     return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
 
 
-def check_reachable_from_other_nodes(address: str, ranks_on_node: int, world_size: int) -> None:
-    """ValueError where the job spans nodes and rank 0's address is a loopback one (a host name that resolves to
-    127.0.1.1, as many do): the other nodes' ranks would connect to themselves and wait out the timeout."""
-    if ranks_on_node >= world_size:
+def check_reachable_from_other_nodes(address: str, on_rank_0s_node: bool) -> None:
+    """ValueError on a rank of another node than rank 0's where rank 0's address is a loopback one there (rank 0's
+    host name resolved to 127.0.1.1 on its node, as many do, where MASTER_ADDR is unset): this rank would connect to
+    itself and wait out the timeout. On rank 0's node any address of its own reaches rank 0, whose rendezvous listens
+    on every interface, so a MASTER_ADDR naming that node, which its /etc/hosts maps to 127.0.1.1, is taken there."""
+    if on_rank_0s_node:
         return
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
@@ -172,7 +175,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
     try:
-        rank, world_size, local_rank, ranks_on_node, world = _ranks_from_mpi()
+        rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
         launched_size = _ranks_from_launcher()[1]
         if world_size != launched_size:  # else each process would train alone, all into one run directory
             variable = _launcher_variables()[1]
@@ -183,7 +186,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
                 "process (unset it)"
             )
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
-        check_reachable_from_other_nodes(address, ranks_on_node, world_size)  # MPI counts the node's ranks exactly
+        check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows the node's ranks exactly
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
         if "MASTER_PORT" not in os.environ:
