@@ -40,10 +40,14 @@ fi
 sweep=()
 if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 
-forwarded=(-x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x MASTER_ADDR -x PRNN_AN4)
-# Every NCCL_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's TORCH_NCCL_* timeouts as set), and
-# the extension's build folder, which the build below fills on this node.
-for name in $(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do forwarded+=(-x "$name"); done
+# What the ranks need on every node, every NCCL_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's
+# TORCH_NCCL_* timeouts as set), and the extension's build folder, which the build below fills on this node: each
+# where it is set, as OpenMPI warns of every -x name it does not find ("could not find environment variable").
+forwarded=()
+for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR PRNN_AN4 \
+            $(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do
+    if printenv "$name" > /dev/null; then forwarded+=(-x "$name"); fi
+done
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options

@@ -382,11 +382,13 @@ def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
     distributed.check_reachable_from_other_nodes("localhost", on_rank_0s_node=True)
 
 
-def launch_script(script: str, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
-    """launch/SCRIPT with MPIRUN=echo: its stdout's last line is the mpirun command it would run."""
+def launch_script(script: str, *arguments: str, **environment: str | None) -> subprocess.CompletedProcess:
+    """launch/SCRIPT with MPIRUN=echo: its stdout's last line is the mpirun command it would run. A variable given as
+    None is left out of its environment."""
+    environment = {**os.environ, "PYTHON": sys.executable, "MPIRUN": "echo", **environment}
     return subprocess.run([str(REPO_ROOT / "launch" / script), *arguments], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable, "MPIRUN": "echo",
-                                                      **environment})
+                          text=True, timeout=120,
+                          env={name: value for name, value in environment.items() if value is not None})
 
 
 def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp_path):
@@ -426,6 +428,21 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     ]:
         refused = launch_script(script, *arguments, **environment)
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
+
+
+def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path):
+    """OpenMPI's mpirun warns of each -x name it does not find (`Warning: could not find environment variable
+    "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=8\n")
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None,
+                        LD_LIBRARY_PATH="/usr/local/cuda/lib64", NCCL_IB_HCA="mlx5")
+    command = ran.stdout.splitlines()[-1]
+    assert ran.returncode == 0 and "-x PATH -x LD_LIBRARY_PATH -x MASTER_ADDR " in command, ran.stderr
+    assert "-x NCCL_IB_HCA " in command, command
+    assert "PRNN_AN4" not in command and "PYTHONPATH" not in command, command
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4="/data/an4", PYTHONPATH=None)
+    assert "-x MASTER_ADDR -x PRNN_AN4 " in ran.stdout.splitlines()[-1], ran.stdout
 
 
 @needs_mpiexec
