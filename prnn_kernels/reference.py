@@ -63,8 +63,9 @@ def checked_layer(name, cell, input_proj, hx, weight_hh, bias_hh):
     """(H, each direction's initial state as a tuple: (h,), an LSTM's (h, c)) for a layer of D directions, where hx,
     weight_hh and bias_hh are lists of D, one per direction; refused with a ValueError naming `name` unless
     input_proj is (T, B, D x G x H), and each direction's hx (B, H) (an LSTM's a pair of them), weight_hh (G x H, H)
-    and bias_hh (G x H,) or None. Checked here, not left to broadcasting, which ran a (1, H) state or a (1,) bias for
-    every sample."""
+    and bias_hh (G x H,) or None, all on input_proj's device. Checked here, not left to broadcasting, which ran a (1, H)
+    state or a (1,) bias for every sample, nor to the kernels' binding, which the support query reaches only after
+    building the extension."""
     if cell not in NUM_GATES:
         raise ValueError(f"{name}: cell {cell!r} is not one of {tuple(NUM_GATES)}")
     if input_proj.dim() != 3:
@@ -87,6 +88,8 @@ def checked_layer(name, cell, input_proj, hx, weight_hh, bias_hh):
     for argument, tensor in given:
         if tuple(tensor.shape) != expected[argument]:
             raise ValueError(f"{name}: {argument} must have shape {expected[argument]}, got {tuple(tensor.shape)}")
+        if tensor.device != input_proj.device:
+            raise ValueError(f"{name}: {argument} is on {tensor.device}, input_proj on {input_proj.device}")
     return hidden_size, states
 
 

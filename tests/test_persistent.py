@@ -159,6 +159,14 @@ def test_lengths_out_of_range_are_refused_before_the_extension_is_built(hopper_w
     assert not hopper_without_its_extension  # no build tried
 
 
+def test_weights_on_another_device_are_refused_before_the_extension_is_built(hopper_without_its_extension):
+    # The binding refused them, after the support query's build.
+    input_proj, hx, weight_hh = torch.randn(5, 2, 3 * 16), torch.zeros(2, 16), torch.zeros(3 * 16, 16, device="meta")
+    with pytest.raises(ValueError, match="persistent_layer: weight_hh is on meta, input_proj on cpu"):
+        persistent_layer("gru", input_proj, hx, weight_hh, None, [5, 3], False)
+    assert not hopper_without_its_extension
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Outputs start as NaN, so an element the kernel never writes fails the comparison."""

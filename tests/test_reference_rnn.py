@@ -148,6 +148,10 @@ def test_autocast_sums_recurrent_gradients_in_the_parameters_dtype(cell):
     ("lstm", torch.randn(5, 2, 16), torch.zeros(2, 4), torch.randn(16, 4), None,
      r"an LSTM's hx must be a tuple \(h0, c0\)"),
     ("relu", torch.randn(5, 4), torch.zeros(2, 4), torch.randn(4, 4), None, r"input_proj must be \(T, B, G\*H\)"),
+    ("relu", torch.randn(5, 2, 4), torch.zeros(2, 4, device="meta"), torch.randn(4, 4), None,
+     "hx is on meta, input_proj on cpu"),
+    ("gru", torch.randn(5, 2, 12), torch.zeros(2, 4), torch.randn(12, 4), torch.randn(12, device="meta"),
+     "bias_hh is on meta, input_proj on cpu"),
 ])
 def test_arguments_of_other_shapes_are_refused_naming_them(cell, input_proj, hx, weight_hh, bias_hh, refusal):
     with pytest.raises(ValueError, match=f"reference_layer: {refusal}"):
