@@ -295,7 +295,8 @@ def main():
                         help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks.rnn_kernels needs a CUDA GPU")
+        print("error: benchmarks.rnn_kernels needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)

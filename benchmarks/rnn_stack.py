@@ -135,7 +135,8 @@ def main():
     parser.add_argument("--json", type=json_output, help="write the results and the configuration to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks.rnn_stack needs a CUDA GPU")
+        print("error: benchmarks.rnn_stack needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
     if len(set(args.depths)) < 2:
         sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
     torch.manual_seed(0)

@@ -112,7 +112,7 @@ def print_table(rows: list[dict], configs: dict) -> None:
               f"{row['gpu_ms']:>7.2f} {row['samples_per_s']:>10.1f} {row['peak_memory_gb']:>8.2f} {speedup}")
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int | None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.train_step", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -134,7 +134,8 @@ def main(argv=None) -> None:
     if args.cuda_graphs and args.warmup < 1:
         sys.exit("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     if not torch.cuda.is_available():
-        sys.exit("benchmarks.train_step needs a CUDA GPU")
+        print("error: benchmarks.train_step needs a CUDA GPU, and none is visible", file=sys.stderr)
+        return 2
     device = distributed.init("cuda").device
     torch.cuda.init()  # before the memory statistics are reset
     configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)

@@ -54,6 +54,15 @@ def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measur
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
+@pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step"])
+def test_a_gpu_benchmark_on_a_machine_without_a_gpu_is_a_usage_error(module):
+    # It exited 1, where benchmarks.scaling and prnn_kernels.support_table exit 2 for the same.
+    result = subprocess.run([sys.executable, "-m", module], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == f"error: {module} needs a CUDA GPU, and none is visible\n", result.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
 def test_scaling_on_a_machine_without_a_gpu_refuses_the_gpu_models_unless_asked():
     result = subprocess.run([sys.executable, "-m", "benchmarks.scaling"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=300)
