@@ -247,6 +247,9 @@ def test_arpa_reader_backs_off_and_upper_cases(tmp_path):
     assert lm.log10_prob(("YES",), "YES") == pytest.approx(-0.3 - 0.5)  # backoff weight of YES, then P(YES)
     assert lm.log10_prob(("NO",), "MAYBE") == pytest.approx(-1.0)  # unseen word: <unk>; NO has no backoff weight
     assert lm.log10_prob(("<s>", "NO", "YES"), "NO") == pytest.approx(-0.2)  # only the last word is history
+    # A model of typeset text: its DON’T scored as <unk>, where transcripts read it as DON'T.
+    path.write_text(ARPA.replace("yes", "don’t"))
+    assert NGramLM.from_arpa(path).log10_prob(("<s>",), "DON'T") == pytest.approx(-0.1)
 
 
 def test_arpa_reader_takes_what_other_tools_write(tmp_path):

@@ -25,7 +25,8 @@ from trainer.cli import check_not_an_input, input_path, output_file, positive_in
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
-# <unk>, and every other word upper case, as the acoustic model spells it.
+# <unk>, and every other word as training reads a transcript (normalize_text: upper case, typographic apostrophes as
+# "'"), as the acoustic model spells it.
 _MARKERS = {SENTENCE_START: SENTENCE_START, SENTENCE_END: SENTENCE_END, UNKNOWN: UNKNOWN, "<UNK>": UNKNOWN}
 NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a history
 # A number as ARPA files write it (inf and nan are taken here to be refused as not finite): float() also reads "-0_7"
@@ -106,7 +107,7 @@ class NGramLM:
             if log_prob > 0:  # KenLM refuses it too: such a word would outscore every sure one
                 raise ValueError(f"{source}:{line_number}: a log10 probability above 0 (a probability above 1): "
                                  f"{line[:80]!r}")
-            words = tuple(_MARKERS.get(word, word.upper()) for word in fields[1 : order + 1])
+            words = tuple(_MARKERS.get(word, normalize_text(word)) for word in fields[1 : order + 1])
             # A word that is no unigram would be read as <unk> (log10_prob), so such an n-gram would never be scored:
             # a model without the <s> unigram lost every n-gram of a sentence's start. ARPA lists every word as one.
             if order > 1 and (unlisted := [given for given, word in zip(fields[1:], words) if (word,) not in tables]):
