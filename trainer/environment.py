@@ -8,14 +8,15 @@ from pathlib import Path
 
 import torch
 
+from data.text import counted
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    return f"CPU {platform.processor() or platform.machine()} ({threads} thread{'s' if threads != 1 else ''} per rank)"
+    return f"CPU {platform.processor() or platform.machine()} ({counted(torch.get_num_threads(), 'thread')} per rank)"
 
 
 def versions(device: torch.device) -> dict:
