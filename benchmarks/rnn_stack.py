@@ -134,11 +134,11 @@ def main():
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--json", type=json_output, help="write the results and the configuration to this file")
     args = parser.parse_args()
+    if len(set(args.depths)) < 2:
+        parser.error("argument --depths: give at least two different depths to fit the per-layer cost")
     if not torch.cuda.is_available():
         print("error: benchmarks.rnn_stack needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
-    if len(set(args.depths)) < 2:
-        sys.exit("benchmarks.rnn_stack: give at least two different --depths to fit the per-layer cost")
     torch.manual_seed(0)
     config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
               "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),

@@ -132,7 +132,7 @@ def main(argv=None) -> int | None:
     parser.add_argument("--json", type=json_output, help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
-        sys.exit("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
+        parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     if not torch.cuda.is_available():
         print("error: benchmarks.train_step needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2

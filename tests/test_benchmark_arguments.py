@@ -37,8 +37,18 @@ def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complai
 def test_graphed_steps_are_timed_after_their_capture(module):
     result = subprocess.run([sys.executable, "-m", module, "--cuda-graphs", "--warmup", "0"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0, result.stdout[-2000:]
+    # train_step exited 1 (sys.exit), where scaling exits 2 for the same, as for every other usage error.
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "--cuda-graphs needs --warmup of at least 1" in result.stderr, result.stderr[-2000:]
+
+
+def test_rnn_stack_with_one_depth_is_a_usage_error_before_it_looks_for_a_gpu():
+    # It exited 1, and only on a machine with a GPU: without one, its "needs a CUDA GPU" came first.
+    result = subprocess.run([sys.executable, "-m", "benchmarks.rnn_stack", "--depths", "4", "4"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.endswith("error: argument --depths: give at least two different depths to fit the per-layer "
+                                  "cost\n"), result.stderr[-2000:]
 
 
 @pytest.mark.cuda
