@@ -166,8 +166,13 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
             build_directory=str(directory),
             verbose=verbose,
         )
-    # ImportError: built, but the library does not load (a toolkit whose CUDA runtime this machine lacks).
-    except (RuntimeError, OSError, ImportError) as error:
+    except ImportError as error:  # built, but its library does not load: nvcc, compiler and ninja did their part
+        raise RuntimeError(
+            f"prnn_kernels: the persistent RNN CUDA extension built for sm_{arch} in {directory} does not load: "
+            f"{first_build_error(error)}. Build it with a CUDA toolkit (CUDA_HOME) of the CUDA that torch was built "
+            f"with, {torch.version.cuda}."
+        ) from error
+    except (RuntimeError, OSError) as error:
         raise RuntimeError(
             f"prnn_kernels: could not build the persistent RNN CUDA extension for sm_{arch} in {directory}: "
             f"{first_build_error(error)}. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja; run "

@@ -183,8 +183,13 @@ def test_a_build_whose_library_does_not_load_is_a_reason_not_a_crash(broken_tool
         raise ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(cpp_extension, "load", load_that_fails_to_import)
-    with pytest.raises(RuntimeError, match=r"could not build .*: libcudart.so.13: cannot open shared object file"):
+    with pytest.raises(RuntimeError) as failure:
         build.load_extension.__wrapped__("90")
+    message = str(failure.value)
+    # Not "could not build ... It needs nvcc, a C++ compiler and ninja": all three did their part.
+    assert message.endswith(" does not load: libcudart.so.13: cannot open shared object file: No such file or "
+                            "directory. Build it with a CUDA toolkit (CUDA_HOME) of the CUDA that torch was built "
+                            f"with, {torch.version.cuda}."), message
 
 
 def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_job_start(tmp_path, monkeypatch,
