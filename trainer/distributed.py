@@ -186,7 +186,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
                 "process (unset it)"
             )
         address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
-        check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows the node's ranks exactly
+        check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
         if "MASTER_PORT" not in os.environ:
