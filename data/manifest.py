@@ -31,7 +31,8 @@ class Utterance:
 def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Utterance]:
     """Read a JSONL manifest; relative audio paths are taken relative to the manifest's folder.
 
-    `audio_needed=False` (transcripts alone are wanted) takes a pipe's relative audio paths as they come.
+    `audio_needed=False` (transcripts alone are wanted) takes a pipe's relative audio paths too, relative to its
+    folder as a file's are (/dev/fd for `<(...)`, which holds none of them).
 
     Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
     line that is not UTF-8 or longer than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no
