@@ -390,15 +390,19 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
 
 
 @pytest.mark.slow
-def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train, tmp_path):
+@pytest.mark.parametrize("max_steps", [None, 4])
+def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train, tmp_path, max_steps):
     """A large test set can take longer to evaluate than a scheduler waits after its SIGTERM: the evaluation ends
-    after the batch in progress, last.pt holds the epoch's last step, and the resume evaluates that epoch first."""
+    after the batch in progress, last.pt holds the epoch's last step, and the resume evaluates that epoch first. With
+    train.max_steps at that step, the resume (the same command, as a requeued job runs it) said "nothing to train" and
+    never made the evaluation."""
     short = [u for u in an4_train if u.duration < 2.5]
     train_set = write_slice(tmp_path / "train.jsonl", short[:16])  # 4 steps an epoch
     test_set = write_slice(tmp_path / "test.jsonl", short[16:136])  # an evaluation long enough to signal it
     run_dir = tmp_path / "run"
     arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=2", "train.global_batch_size=4",
-                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto")
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto",
+                                f"train.max_steps={'null' if max_steps is None else max_steps}")
     job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_file(run_dir / "metrics.jsonl", job, 300)
@@ -419,7 +423,11 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert "epoch 1 (its steps trained before the resume): evaluated in" in resumed.output, resumed.output[-4000:]
     steps, epochs = read_metrics(run_dir)
-    assert sorted(steps) == list(range(1, 9)) and [line["epoch"] for line in epochs] == [1, 2], epochs
+    if max_steps is None:
+        assert sorted(steps) == list(range(1, 9)) and [line["epoch"] for line in epochs] == [1, 2], epochs
+    else:
+        assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
+        assert "stopped after epoch 1 (train.max_steps)" in resumed.output, resumed.output[-4000:]
 
 
 @pytest.mark.slow

@@ -863,7 +863,11 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
         "the ranks would resume from other checkpoints",
         "every rank must see the run directory's checkpoints, a folder every node sees")
-    trained_out = state["epoch"] >= cfg.train.epochs or max_steps is not None and state["step"] >= max_steps
+    # A stop during an epoch's evaluation saved that epoch's last step with its evaluation still to make, which is no
+    # step: train.max_steps reached there leaves it to this job.
+    evaluation_due = state["epoch_step"] == len(sampler)
+    trained_out = state["epoch"] >= cfg.train.epochs or (max_steps is not None and state["step"] >= max_steps
+                                                         and not evaluation_due)
     if resume is not None and trained_out:
         # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
         # the steps that the directory's last.pt, left as it is, holds.
@@ -929,7 +933,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
     stop_signals.listen()
     for epoch in range(state["epoch"], cfg.train.epochs):
-        if max_steps is not None and state["step"] >= max_steps:
+        evaluation_due = state["epoch_step"] == len(sampler)
+        if max_steps is not None and state["step"] >= max_steps and not evaluation_due:
             break
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
@@ -952,6 +957,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
+
+        def at_max_steps() -> bool:  # and short of the run's last step
+            return max_steps is not None and state["step"] >= max_steps and not (
+                epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler))
+
+        if evaluation_due and at_max_steps():  # no step comes to see it
+            stopped_by = "train.max_steps"
         for batch in start_data_workers(loader):
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
@@ -985,8 +997,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     metrics_file.write(json.dumps(record) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", learning_rate, state["step"])
-            if max_steps is not None and state["step"] >= max_steps and not (
-                    epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler)):  # not the run's last step
+            if at_max_steps():
                 stopped_by = "train.max_steps"
             if stopped_by:
                 break
