@@ -797,6 +797,39 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
 
 
 @needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
+def test_a_stop_signal_to_one_rank_during_an_evaluation_ends_every_ranks_evaluation(an4_slice, tmp_path):
+    """SIGUSR1 to rank 1 alone while the ranks evaluate: rank 0, which did not receive it, ends its evaluation too,
+    after a batch or so, rather than evaluate its whole shard while rank 1 waits for it in the all-reduce after the
+    evaluation (past distributed.timeout_s, the job failed without its checkpoint). The resume makes that evaluation
+    on both ranks, though one has a batch fewer."""
+    test_set = tmp_path / "test.jsonl"  # 129 of AN4's test utterances, one a batch: 65 batches on rank 0, 64 on rank 1
+    lines = (an4_slice["test"].parent / "prepared" / "an4_test.jsonl").read_text().splitlines()
+    test_set.write_text("\n".join(lines[:129]) + "\n")
+    run_dir = tmp_path / "run"
+    command = trainer_command({**an4_slice, "test": test_set}, run_dir, 2, "train.eval_batch_size=1",
+                              "train.progress_line_s=0", "train.resume=auto")  # rank 0 logs each evaluation batch
+    job = start_job(command)
+    log_file = run_dir / "__main__.log"
+    wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
+    while "evaluating: batch 2 of" not in log_file.read_text() and job.poll() is None:
+        time.sleep(0.02)
+    os.kill(rank_process(1, run_dir), signal.SIGUSR1)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code == 128 + signal.SIGUSR1, output[-4000:]
+    assert "stopped after epoch 1's training, before its evaluation ended (SIGUSR1 on 1 of 2 ranks)" in output, (
+        output[-4000:])
+    assert "evaluating: batch 65 of 65" not in output, output[-4000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["sampler"] == {"epoch": 0, "position": 4}, saved["sampler"]
+
+    code, output = run_job(command, TRAIN_TIMEOUT_S)
+    assert code == 0, output[-4000:]
+    assert "epoch 1 (its steps trained before the resume): evaluated in" in output, output[-4000:]
+    assert [epoch for epoch, _, _ in evaluations(run_dir)] == [1, 2], evaluations(run_dir)
+
+
+@needs_mpiexec
 def test_a_stop_signal_before_training_began_ends_the_job_saying_so(an4_source, tmp_path):
     """SIGTERM to MPICH's mpiexec, which passes it on, while the ranks prepare AN4's manifests: with nothing to save
     yet, the job ends at once with 143 and a line saying why, as a run the signal ended would. The ranks had no

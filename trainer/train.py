@@ -420,6 +420,13 @@ def stop_for(requests: dict, world_size: int, result: dict) -> str:
                      for number, ranks in requests.items())
 
 
+def stop_requests_of_all_ranks(stop_signals: StopSignals, env: DistEnv) -> dict:
+    """{signal: how many ranks received it} over every rank, a collective: a signal that reached one rank alone stops
+    every rank alike (its evaluation too, where the others would evaluate their whole shard while it waited)."""
+    return stop_requests(distributed.all_reduce_sum(torch.tensor(
+        received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
+
+
 def recorded_run_id(run_dir: Path) -> str | None:
     """The run id in the last line of the run directory's jobs.jsonl; None without one (no job yet, or jobs from
     before run ids)."""
@@ -808,6 +815,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     except ValueError as error:  # data/ knows no config keys: name the one to change
         raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}") from None
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
+    # As many batches on every rank as on rank 0, which has the most (an empty one more where a rank is short): the
+    # evaluation asks the ranks for stop signals before each batch, a collective every rank must join.
+    eval_batches += [[]] * (len(eval_shard(eval_set.durations, 0, env.world_size, cfg.train.eval_batch_size))
+                            - len(eval_batches))
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each (%s)",
@@ -1021,13 +1032,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                                  progress_bar=show_progress_bar,
                                  progress_line_s=cfg.train.progress_line_s if env.is_main else None,
-                                 stop=lambda: stop_signals.received is not None)
+                                 stop=lambda: bool(stop_requests_of_all_ranks(stop_signals, env)))
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
                              ) from error
-        requests = stop_requests(distributed.all_reduce_sum(torch.tensor(
-            received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
+        requests = stop_requests_of_all_ranks(stop_signals, env)  # one that came after the last batch's question too
         if requests:
             # A signal during the epoch's last step or its evaluation, which it cut short: a large test set can take
             # longer than a scheduler waits after its signal. last.pt at the epoch's last step, before the
