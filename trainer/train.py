@@ -968,13 +968,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
-
-        def at_max_steps() -> bool:  # and short of the run's last step
-            return max_steps is not None and state["step"] >= max_steps and not (
-                epoch + 1 == cfg.train.epochs and state["epoch_step"] == len(sampler))
-
-        if evaluation_due and at_max_steps():  # no step comes to see it
-            stopped_by = "train.max_steps"
         for batch in start_data_workers(loader):
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
@@ -1008,8 +1001,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     metrics_file.write(json.dumps(record) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", learning_rate, state["step"])
-            if at_max_steps():
-                stopped_by = "train.max_steps"
+            if max_steps is not None and state["step"] >= max_steps and state["epoch_step"] < len(sampler):
+                stopped_by = "train.max_steps"  # at the epoch's last step, after its evaluation (below)
             if stopped_by:
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
@@ -1091,6 +1084,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt")
         save("last.pt")
+        if max_steps is not None and state["step"] >= max_steps and epoch + 1 < cfg.train.epochs:
+            stopped_by = "train.max_steps"
         if stopped_by:
             result["stopped_at_step"] = state["step"]
             log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by,
