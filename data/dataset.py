@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from data.audio import AudioError, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
-from data.manifest import Utterance, read_manifest
+from data.manifest import Utterance, file_identity, read_manifest
 from data.sampler import epoch_seed
 from data.text import counted, encode, invalid_characters, normalize_text
 
@@ -70,17 +70,6 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
     """Output frames CTC needs for `targets`: one per label, plus a blank between equal adjacent labels."""
     num_repeats = sum(first == second for first, second in zip(targets, targets[1:]))
     return len(targets) + num_repeats
-
-
-def file_identity(path: str) -> tuple[int, int] | str:
-    """What tells one audio file from another however a manifest names it: its device and inode, as
-    os.path.samefile compares them (the same for a symbolic or hard link to it, or a path through `..`). A file that
-    cannot be examined (missing: reading it names it) goes by its path with `..` folded."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return os.path.normpath(path)
-    return status.st_dev, status.st_ino
 
 
 def count_reasons(counts: Counter) -> str:

@@ -116,6 +116,17 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
     return Utterance(str(audio_path), float(duration), text, speaker)
 
 
+def file_identity(path: str) -> tuple[int, int] | str:
+    """What tells one audio file from another however a manifest names it: its device and inode, as
+    os.path.samefile compares them (the same for a symbolic or hard link to it, or a path through `..`). A file that
+    cannot be examined (missing: reading it names it) goes by its path with `..` folded."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return os.path.normpath(path)
+    return status.st_dev, status.st_ino
+
+
 def control_character(text: str) -> str | None:
     """The first control character of `text` (a newline, a tab, a terminal's escape, Unicode's line and paragraph
     separators, a bidirectional control), or None. Logs, the console and trainer.evaluate's table print audio paths as

@@ -18,8 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from data.dataset import file_identity
-from data.manifest import numbered_lines, read_manifest
+from data.manifest import file_identity, numbered_lines, read_manifest
 from data.text import counted, invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
 
