@@ -276,22 +276,22 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.backend_overrides and "--" not in argv:  # else the common overrides went to the last backend alone
-        sys.exit("--backend-overrides takes every word after it up to --: end it with --, then the overrides common "
-                 "to every backend (none: end with --)")
+        parser.error("--backend-overrides takes every word after it up to --: end it with --, then the overrides "
+                     "common to every backend (none: end with --)")
     for backend, *overrides in args.backend_overrides or []:
         if backend not in args.backends or not overrides or not all("=" in override for override in overrides):
-            sys.exit(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
-                     f"({' '.join(args.backends)}), then KEY=VALUE overrides")
+            parser.error(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
+                         f"({' '.join(args.backends)}), then KEY=VALUE overrides")
     given = [*args.overrides, *(override for _, *overrides in args.backend_overrides or [] for override in overrides)]
     taken = sorted({key for override in given if (key := override.split("=", 1)[0].lstrip("+~")) in RUN_KEYS})
     if taken:
-        sys.exit(f"{', '.join(taken)}: set for each run by this script (from --backends, --seeds, --name and "
-                 "--runs-dir); leave them out of the overrides")
+        parser.error(f"{', '.join(taken)}: set for each run by this script (from --backends, --seeds, --name and "
+                     "--runs-dir); leave them out of the overrides")
     if args.graphs and args.ranks > 1:
-        sys.exit("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
-                 "--ranks 1")
+        parser.error("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
+                     "--ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
-        sys.exit("--backends and --seeds must not repeat")
+        parser.error("--backends and --seeds must not repeat")
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:

@@ -215,7 +215,7 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == []
 
 
-def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch):
+def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch, capsys):
     commands = {}
 
     def run(command, **kwargs):
@@ -230,15 +230,21 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch)
     cudnn, persistent = commands["seed=1model.backend=cudnn"], commands["seed=1model.backend=persistent"]
     assert "train.epochs=3" in cudnn and "train.epochs=3" in persistent
     assert "model.batch_slice=4" in persistent and not any("batch_slice" in part for part in cudnn)
-    with pytest.raises(SystemExit, match="--backend-overrides reference model.batch_slice=4: give one of --backends"):
-        wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "reference",
-                         "model.batch_slice=4", "--"])
-    # Without --, the common overrides would be the last backend's alone: each backend would train another recipe.
-    with pytest.raises(SystemExit, match="^--backend-overrides takes every word after it up to --"):
-        wer_parity.main(["--backends", "cudnn", "persistent", "--backend-overrides", "persistent",
-                         "model.batch_slice=4", "experiment=an4_gpu"])
-    with pytest.raises(SystemExit, match="^seed, train.resume: set for each run by this script"):
-        wer_parity.main(["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"])
+    capsys.readouterr()
+    for arguments, refusal in [
+        (["--backends", "cudnn", "persistent", "--backend-overrides", "reference", "model.batch_slice=4", "--"],
+         "--backend-overrides reference model.batch_slice=4: give one of --backends"),
+        # Without --, the common overrides would be the last backend's alone: each backend would train another recipe.
+        (["--backends", "cudnn", "persistent", "--backend-overrides", "persistent", "model.batch_slice=4",
+          "experiment=an4_gpu"], "--backend-overrides takes every word after it up to --"),
+        (["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"],
+         "seed, train.resume: set for each run by this script"),
+        (["--seeds", "1", "1"], "--backends and --seeds must not repeat"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            wer_parity.main(arguments)
+        # A usage error, exit 2 as argparse's own: these exited 1, as a comparison whose runs failed does.
+        assert exited.value.code == 2 and f"error: {refusal}" in capsys.readouterr().err, arguments
 
 
 def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypatch, capsys):
