@@ -93,6 +93,8 @@ def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, 
     if needed > available:
         shared = f" ({memory / 2**30:,.1f} GiB shared by {ranks_on_device} ranks)" if ranks_on_device > 1 else ""
         sizes = f"model.depth={model_cfg.depth} model.hidden={model_cfg.hidden} model.cell={model_cfg.cell}"
+        # Both directions hold weights of their own: model.bidirectional=false halves the recurrent layers'.
+        sizes += f" model.bidirectional={str(model_cfg.bidirectional).lower()}"
         sizes += f" model.conv_channels={model_cfg.conv_channels}"
         sizes += "" if model_cfg.bidirectional else f" model.lookahead={model_cfg.lookahead}"
         raise ValueError(f"the model ({sizes}) has {count / 1e6:,.1f}M parameters, whose weights, gradients "
