@@ -787,7 +787,8 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     ([], 2, "error on rank 0: manifest TMP/absent.jsonl does not exist"),  # the manifest the arguments name
     (["train.checkpoint_every_steps=0"], 2, "train.checkpoint_every_steps must be a positive integer or null, not 0"),
     (["train.grad_clip_norm=-1"], 2, "train.grad_clip_norm must be a positive number, not -1"),
-    (["train.cuda_graphs=true"], 2, "train.cuda_graphs=true needs a CUDA device, this run is on cpu"),
+    (["train.cuda_graphs=true"], 2,  # experiment=deep100 device=cpu too: it named no way on
+     "train.cuda_graphs=true needs a CUDA device, this run is on cpu (train.cuda_graphs=false runs it without them)"),
     (["data.an4_source=NO_AN4"], 2,  # a corpus folder that is not there
      "error on rank 0: folder NO_AN4 does not exist (data.an4_source, AN4's folder; PRNN_AN4 sets its default)"),
     # A checkpoint that is not there, named before the data are read (the manifest here is missing too).

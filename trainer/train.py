@@ -769,7 +769,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     checkpoint_every = cfg.train.checkpoint_every_steps
     max_steps = cfg.train.max_steps
     if cfg.train.cuda_graphs and env.device.type != "cuda":
-        raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device}")
+        raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device} "
+                         "(train.cuda_graphs=false runs it without them)")
     if cfg.train.cuda_graphs and env.world_size > 1 and distributed.backend() != "nccl":
         raise ValueError(
             f"train.cuda_graphs=true in a job of {env.world_size} ranks needs NCCL, one GPU per rank: these ranks "
