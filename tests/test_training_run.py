@@ -357,6 +357,51 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
             assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"{run_dir.name}, step {step}"
 
 
+def data_loading_workers(pid: int) -> set[int]:
+    listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout
+    return {int(child) for child in listed.split()}
+
+
+@pytest.mark.parametrize("stage", ["training", "evaluation"])
+def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4_train, tmp_path, stage):
+    """A worker stuck on a file system that stopped answering, or stopped (SIGSTOP here): the run waited for its batch
+    for ever, a SIGTERM only asked it to stop after that batch, and Python's exit waited for the stopped worker too."""
+    train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
+    test_set = write_slice(tmp_path / "test.jsonl", an4_train[64:364])  # an evaluation long enough to stop its worker
+    run_dir = tmp_path / "run"
+    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.num_workers=1",
+                                "distributed.timeout_s=5")
+    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for_file(run_dir / "metrics.jsonl", job, 300)
+        while '"step": 1,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)
+        workers = data_loading_workers(job.pid)
+        if stage == "evaluation":  # the training worker gone, the evaluation's started
+            training = workers
+            while not (workers := data_loading_workers(job.pid) - training) and job.poll() is None:
+                time.sleep(0.02)
+        (worker,) = workers
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        output = job.communicate(timeout=120)[0]
+        waited = time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, output[-4000:]
+    errors = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "error on rank 0: no batch came from the data-loading workers within 5 s (distributed.timeout_s): one is stuck "
+        "(on a file system that stopped answering, or stopped) or far too slow, and they were killed; "
+        "train.resume=auto under the same run_name continues the run from its last checkpoint"), output[-4000:]
+    assert waited < 30, waited
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(worker, 0)
+
+
 def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size

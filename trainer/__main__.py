@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
-from trainer.stop import StoppedBeforeTraining
+from trainer.stop import DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")
@@ -200,6 +200,12 @@ def main(cfg: DictConfig) -> None:
         stop_now(str(stopped), stopped.signal, run_dir)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         stop_now("interrupted by Ctrl-C", signal.SIGINT, run_dir)
+    except DataWorkersTimedOut as error:  # no user error (exit 1), as a rank that stops answering is none
+        message = (f"{error} (distributed.timeout_s): one is stuck (on a file system that stopped answering, or "
+                   f"stopped) or far too slow, and they were killed; {continue_with(cfg)} continues the run from its "
+                   "last checkpoint")
+        log.error("error on rank %d: %s", distributed.launcher_rank(), message)
+        end_job(1, message)
     except Exception as error:
         message = user_error_message(error, run_dir)
         if message is not None:

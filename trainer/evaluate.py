@@ -31,12 +31,14 @@ PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often (t
 
 @torch.no_grad()
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
-             num_workers: int = 0, progress_bar: bool = False, progress_line_s: float | None = None,
-             decoder=decode.greedy_decode, stop=lambda: False) -> tuple[ErrorCounts, list[dict]]:
+             num_workers: int = 0, worker_timeout_s: float | None = None, progress_bar: bool = False,
+             progress_line_s: float | None = None, decoder=decode.greedy_decode,
+             stop=lambda: False) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
     counts and one row per utterance. The model is left in the mode it came in. Without the bar, `progress_line_s`
     logs a line on the progress this often (a batch job's log, where a large test set ran for minutes unseen). Where
-    `stop()` turns true (a training run's stop signal), it returns after the batch in progress, with what it has."""
+    `stop()` turns true (a training run's stop signal), it returns after the batch in progress, with what it has. A
+    batch its workers do not give within `worker_timeout_s`, where given, raises trainer.stop.DataWorkersTimedOut."""
     was_training = model.training
     model.eval()
     counts = ErrorCounts()
@@ -46,8 +48,9 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
                         worker_init_fn=ignore_in_data_workers)
     line_every_s = None if progress_bar else progress_line_s
     last_line = time.perf_counter()
-    for number, batch in enumerate(tqdm(start_data_workers(loader), desc="evaluating", total=len(loader),
-                                        disable=not progress_bar, dynamic_ncols=True, leave=False), start=1):
+    batches_read = start_data_workers(loader, worker_timeout_s)
+    for number, batch in enumerate(tqdm(batches_read, desc="evaluating", total=len(loader), disable=not progress_bar,
+                                        dynamic_ncols=True, leave=False), start=1):
         if stop():
             break
         if line_every_s is not None and time.perf_counter() - last_line >= line_every_s:

@@ -5,7 +5,9 @@ on to every rank; under OpenMPI's mpirun, which kills the ranks a second after i
 scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training). Ranks agree on the step
 they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
 does: there is nothing to save yet."""
+import contextlib
 import logging
+import multiprocessing
 import signal
 import threading
 from collections.abc import Iterator
@@ -115,16 +117,74 @@ def ignore_in_data_workers(worker_id: int) -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
-def start_data_workers(loader: "DataLoader") -> Iterator:
-    """iter(loader), its workers started with the stop signals blocked: they inherit the block, so a signal that
-    reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
-    first, ends a worker). This process takes a signal that came meanwhile as the block ends."""
+class DataWorkersTimedOut(TimeoutError):
+    """No batch came from a DataLoader's workers in time; the workers are gone (start_data_workers)."""
+
+
+def _time_out(number: int, frame) -> None:
+    raise DataWorkersTimedOut
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Its block raises DataWorkersTimedOut after `seconds` (SIGALRM, on the main thread only: Python's rule for
+    signals). The DataLoader's own timeout bounds only the wait for a batch's message: unpickling a prefetched batch
+    then waits, for ever, on the worker that made it to hand over its tensors' file descriptors."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _time_out)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> Iterator:
+    """The loader's batches, its workers started with the stop signals blocked: they inherit the block, so a signal
+    that reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
+    first, ends a worker). This process takes a signal that came meanwhile as the block ends.
+
+    A batch the workers do not give within `timeout_s`, where given (a worker stuck on a file system that stopped
+    answering, or stopped by SIGSTOP: torch's DataLoader waits for ever on one), raises DataWorkersTimedOut once they
+    are gone."""
     if loader.num_workers > 0:
         # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
         # workers from another process.
         loader.multiprocessing_context = "fork"
+    others = set(multiprocessing.active_children())
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        return iter(loader)
+        batches = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if loader.num_workers == 0 or timeout_s is None:
+        yield from batches
+        return
+    workers = set(multiprocessing.active_children()) - others
+    timed_out = False
+    while not timed_out:
+        try:
+            with _deadline(timeout_s):
+                batch = next(batches)
+        except StopIteration:
+            return
+        except DataWorkersTimedOut:
+            timed_out = True  # the rest outside this block, whose traceback holds the iterator
+        else:
+            yield batch
+    # Killed and reaped first: torch's shutdown of its workers (as the iterator goes) sends SIGTERM, which they ignore,
+    # and Python's exit then waited for a stopped one for ever. Until that shutdown, torch's SIGCHLD handler raises
+    # wherever this process is when one of them dies: it is left out meanwhile.
+    watching = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join()
+    finally:
+        signal.signal(signal.SIGCHLD, watching)
+    del batches
+    raise DataWorkersTimedOut(f"no batch came from the data-loading workers within {timeout_s:g} s")

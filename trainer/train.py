@@ -976,7 +976,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
-        for batch in start_data_workers(loader):
+        # A batch waited on for distributed.timeout_s ends the run, as a collective does.
+        for batch in start_data_workers(loader, cfg.distributed.timeout_s):
             if batch.unusable:
                 train_set.warn_once(batch.unusable)
             learning_rate = scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
@@ -1031,7 +1032,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         trained_s = time.perf_counter() - started
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
-                                 progress_bar=show_progress_bar,
+                                 worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
                                  progress_line_s=cfg.train.progress_line_s if env.is_main else None,
                                  stop=lambda: bool(stop_requests_of_all_ranks(stop_signals, env)))
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
