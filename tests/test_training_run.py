@@ -362,8 +362,11 @@ def data_loading_workers(pid: int) -> set[int]:
     return {int(child) for child in listed.split()}
 
 
-@pytest.mark.parametrize("stage", ["training", "evaluation"])
-def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4_train, tmp_path, stage):
+@pytest.mark.parametrize("stage, device", [
+    ("training", "cpu"), ("evaluation", "cpu"),
+    pytest.param("training", "cuda", marks=pytest.mark.cuda),  # batches pass through torch's pin-memory thread
+])
+def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4_train, tmp_path, stage, device):
     """A worker stuck on a file system that stopped answering, or stopped (SIGSTOP here): the run waited for its batch
     for ever, a SIGTERM only asked it to stop after that batch, and Python's exit waited for the stopped worker too."""
     train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
@@ -371,7 +374,7 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
     run_dir = tmp_path / "run"
     arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
                                 "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.num_workers=1",
-                                "distributed.timeout_s=5")
+                                "distributed.timeout_s=5", f"device={device}")
     job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
