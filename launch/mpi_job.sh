@@ -16,7 +16,7 @@ run_mpi_job() {
     fi
     local open_mpi=""
     # OpenMPI's mpirun says "Open MPI", its mpiexec "OpenRTE".
-    if "$1" --version 2>/dev/null | grep -q -E "Open MPI|OpenRTE"; then
+    if [[ $(launcher_version "$1") =~ Open\ MPI|OpenRTE ]]; then
         open_mpi=1
     fi
     if setpriv --pdeathsig TERM true 2> /dev/null; then  # an older setpriv lacks the option
@@ -58,4 +58,10 @@ pass_ctrl_c_on_under_mpich() {
     else
         pkill -INT -P "$(pgrep -d, -P "$launcher")" -f ' -m trainer ' || true
     fi
+}
+
+# What `LAUNCHER --version` prints, read to the end: piped into `grep -q` under pipefail, a launcher still writing
+# when grep had its match died of SIGPIPE, and at random went unrecognised.
+launcher_version() {
+    "$1" --version 2> /dev/null || true
 }

@@ -3,7 +3,8 @@
 #   launch/multi_node.sh hosts.txt 16 experiment=an4_gpu
 # hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the fast network;
-# default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses).
+# default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses), GLOO_SOCKET_IFNAME (gloo's:
+# device=cpu, distributed.share_gpus).
 # Ctrl-C, SIGTERM, SIGUSR1 or a closed terminal stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
@@ -30,7 +31,7 @@ export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 # The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a
 # parse error of its own.
 read -r launcher _ <<< "${MPIRUN:-mpirun}"
-if "$launcher" --version 2> /dev/null | grep -q HYDRA; then
+if [[ $(launcher_version "$launcher") == *HYDRA* ]]; then
     echo "MPIRUN '${MPIRUN:-mpirun}' is MPICH's launcher: launch/multi_node.sh runs OpenMPI's mpirun (its hostfile," \
          "-x and --map-by); set MPIRUN to OpenMPI's" >&2
     exit 2
@@ -40,12 +41,12 @@ fi
 sweep=()
 if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 
-# What the ranks need on every node, every NCCL_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's
+# What the ranks need on every node, every NCCL_*, GLOO_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's
 # TORCH_NCCL_* timeouts as set), and the extension's build folder, which the build below fills on this node: each
 # where it is set, as OpenMPI warns of every -x name it does not find ("could not find environment variable").
 forwarded=()
 for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR PRNN_AN4 \
-            $(compgen -e | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do
+            $(compgen -e | grep -E '^(NCCL_|GLOO_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do
     if printenv "$name" > /dev/null; then forwarded+=(-x "$name"); fi
 done
 

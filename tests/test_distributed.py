@@ -400,13 +400,16 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("# the allocation\n\nnode01 max_slots=8 slots=8\r\nnode02 slots=8\r\n")  # written on Windows
     # OpenMPI passes other nodes only the variables -x names: a user's TORCH_NCCL_* timeouts (which the trainer leaves
-    # as set) and the extension's build folder, which this node builds into, reached this node's ranks alone.
+    # as set), gloo's interface and the extension's build folder, which this node builds into, reached this node's
+    # ranks alone.
     ran = launch_script("multi_node.sh", str(hosts), "16", "experiment=an4_gpu", NCCL_P2P_DISABLE="1",
-                        NCCL_IB_HCA="mlx5", TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="900", TORCH_EXTENSIONS_DIR="/scratch/ext")
+                        NCCL_IB_HCA="mlx5", TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="900", TORCH_EXTENSIONS_DIR="/scratch/ext",
+                        GLOO_SOCKET_IFNAME="ib0")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 "), ran.stderr
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
     assert "-x TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" in command and "-x TORCH_EXTENSIONS_DIR" in command, command
+    assert "-x GLOO_SOCKET_IFNAME" in command, command
     sweep = launch_script("multi_node.sh", str(hosts), "16", "-m", "seed=1,2", RUN_NAME="sweep")
     assert sweep.stdout.splitlines()[-1].endswith("-m trainer -m run_name='sweep' seed=1,2"), sweep.stderr
     (tmp_path / "bare.txt").write_text("node01\n")
@@ -469,6 +472,20 @@ def test_the_multi_node_script_refuses_mpichs_launcher_naming_it(tmp_path):
     refused = launch_script("multi_node.sh", str(hosts), "2", "experiment=cpu_demo", MPIRUN=f"{MPIEXEC} -v")
     assert refused.returncode == 2, refused.stderr
     assert f"MPIRUN '{MPIEXEC} -v' is MPICH's launcher: launch/multi_node.sh" in refused.stderr, refused.stderr
+
+
+
+def test_the_multi_node_script_refuses_mpichs_launcher_however_it_writes_its_version(tmp_path):
+    """The check read `mpirun --version | grep -q HYDRA` under pipefail: grep stops at its first match, and a launcher
+    still writing then dies of SIGPIPE, which failed the pipe and let MPICH's launcher through at random."""
+    launcher = tmp_path / "mpiexec"  # MPICH's banner first, then more lines after grep has read it
+    launcher.write_text("#!/bin/sh\necho 'HYDRA build details:'\nsleep 0.5\nseq 100000\n")
+    launcher.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=2\n")
+    refused = launch_script("multi_node.sh", str(hosts), "2", "experiment=cpu_demo", MPIRUN=str(launcher))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"MPIRUN '{launcher}' is MPICH's launcher" in refused.stderr, refused.stderr
 
 
 RANK_STAND_IN = """
