@@ -405,6 +405,49 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
         os.kill(worker, 0)
 
 
+@pytest.mark.parametrize("stage, num_workers", [("training", 2), ("evaluation", 1)])
+def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_run_in_one_line(
+        an4_train, tmp_path, stage, num_workers):
+    """SIGKILL, which the kernel's out-of-memory killer sends: the run ended in torch's traceback, or, where the death
+    first surfaced as a batch that could not be unpickled, in two."""
+    train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
+    test_set = write_slice(tmp_path / "test.jsonl", an4_train[64:364])  # an evaluation long enough to kill its worker
+    run_dir = tmp_path / "run"
+    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}",
+                                f"train.num_workers={num_workers}", "train.checkpoint_every_steps=4")
+    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for_file(run_dir / "metrics.jsonl", job, 300)
+        while '"step": 5,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)  # past the first checkpoint, at step 4
+        workers = data_loading_workers(job.pid)
+        if stage == "evaluation":  # the training workers gone, the evaluation's started
+            training = workers
+            while not (workers := data_loading_workers(job.pid) - training) and job.poll() is None:
+                time.sleep(0.02)
+        assert len(workers) == num_workers
+        killed = min(workers)
+        os.kill(killed, signal.SIGKILL)
+        output = job.communicate(timeout=120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, output[-4000:]
+    errors = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        f"error on rank 0: data-loading worker (pid {killed}) was killed by SIGKILL, which the kernel's out-of-memory "
+        f"killer sends: fewer train.num_workers ({num_workers} here), a smaller train.global_batch_size or "
+        "train.eval_batch_size, or more memory may keep it alive; train.resume=auto under the same run_name continues "
+        "the run from its last checkpoint"), output[-4000:]
+    for worker in workers:  # the others killed too, and every one reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] >= 4
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
+
+
 def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size

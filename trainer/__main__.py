@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
-from trainer.stop import DataWorkersTimedOut, StoppedBeforeTraining
+from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")
@@ -204,6 +204,15 @@ def main(cfg: DictConfig) -> None:
         message = (f"{error} (distributed.timeout_s): one is stuck (on a file system that stopped answering, or "
                    f"stopped) or far too slow, and they were killed; {continue_with(cfg)} continues the run from its "
                    "last checkpoint")
+        log.error("error on rank %d: %s", distributed.launcher_rank(), message)
+        end_job(1, message)
+    except DataWorkerDied as error:  # no user error (exit 1), as a rank killed is none
+        advice = ""
+        if error.signal == signal.SIGKILL:
+            advice = (f", which the kernel's out-of-memory killer sends: fewer train.num_workers "
+                      f"({cfg.train.num_workers} here), a smaller train.global_batch_size or train.eval_batch_size, or "
+                      "more memory may keep it alive")
+        message = f"{error}{advice}; {continue_with(cfg)} continues the run from its last checkpoint"
         log.error("error on rank %d: %s", distributed.launcher_rank(), message)
         end_job(1, message)
     except Exception as error:

@@ -38,7 +38,8 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
     counts and one row per utterance. The model is left in the mode it came in. Without the bar, `progress_line_s`
     logs a line on the progress this often (a batch job's log, where a large test set ran for minutes unseen). Where
     `stop()` turns true (a training run's stop signal), it returns after the batch in progress, with what it has. A
-    batch its workers do not give within `worker_timeout_s`, where given, raises trainer.stop.DataWorkersTimedOut."""
+    batch its workers do not give within `worker_timeout_s`, where given, raises trainer.stop.DataWorkersTimedOut; a
+    worker that dies, trainer.stop.DataWorkerDied."""
     was_training = model.training
     model.eval()
     counts = ErrorCounts()

@@ -10,6 +10,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -121,16 +122,32 @@ class DataWorkersTimedOut(TimeoutError):
     """No batch came from a DataLoader's workers in time; the workers are gone (start_data_workers)."""
 
 
+class DataWorkerDied(Exception):
+    """A DataLoader's worker died: killed by a signal (the kernel's out-of-memory killer sends SIGKILL), or exited with
+    an error of its own. The other workers are gone too (start_data_workers)."""
+
+    def __init__(self, pid: int, exit_code: int):
+        self.pid = pid
+        self.signal = signal.Signals(-exit_code) if exit_code < 0 else None
+        how = f"was killed by {self.signal.name}" if self.signal else f"exited with code {exit_code}"
+        super().__init__(f"data-loading worker (pid {pid}) {how}")
+
+
+# How long a worker whose batch could not be read may take to be seen dead: its connections close as it exits, just
+# before the kernel lets it be reaped.
+DYING_S = 5.0
+
+
 def _time_out(number: int, frame) -> None:
     raise DataWorkersTimedOut
 
 
 @contextlib.contextmanager
-def _deadline(seconds: float):
-    """Its block raises DataWorkersTimedOut after `seconds` (SIGALRM, on the main thread only: Python's rule for
-    signals). The DataLoader's own timeout bounds only the wait for a batch's message: unpickling a prefetched batch
-    then waits, for ever, on the worker that made it to hand over its tensors' file descriptors."""
-    if threading.current_thread() is not threading.main_thread():
+def _deadline(seconds: float | None):
+    """Its block raises DataWorkersTimedOut after `seconds`, where given (SIGALRM, on the main thread only: Python's
+    rule for signals). The DataLoader's own timeout bounds only the wait for a batch's message: unpickling a prefetched
+    batch then waits, for ever, on the worker that made it to hand over its tensors' file descriptors."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGALRM, _time_out)
@@ -142,6 +159,33 @@ def _deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _death(workers: set, wait_s: float = 0.0) -> DataWorkerDied | None:
+    """The first of `workers` found dead within `wait_s` (each one that has ended is reaped), or None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for worker in workers:
+            if worker.exitcode:  # 0: torch's shutdown at the loader's end
+                return DataWorkerDied(worker.pid, worker.exitcode)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+
+
+def _end(workers: set) -> None:
+    """Kills and reaps the workers, torch's SIGCHLD handler and start_data_workers' set aside meanwhile, as their
+    deaths would call them."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    watching = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if on_main_thread else None
+    try:
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join()
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGCHLD, watching)
+
+
 def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> Iterator:
     """The loader's batches, its workers started with the stop signals blocked: they inherit the block, so a signal
     that reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
@@ -149,7 +193,12 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
 
     A batch the workers do not give within `timeout_s`, where given (a worker stuck on a file system that stopped
     answering, or stopped by SIGSTOP: torch's DataLoader waits for ever on one), raises DataWorkersTimedOut once they
-    are gone."""
+    are gone. A worker that dies (the out-of-memory killer's SIGKILL) raises DataWorkerDied once they are gone, here,
+    as the next batch is asked for: torch's SIGCHLD handler, which raised wherever this process was when one died (in
+    a training step, a checkpoint's write, the handling of the error the death had raised here first), is set aside
+    meanwhile for one that only notes the death. The death may surface first here as torch's error (it checks its
+    workers every 5 s while it waits) or as a batch whose tensors cannot be fetched from the dead worker
+    (ConnectionResetError, EOFError)."""
     if loader.num_workers > 0:
         # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
         # workers from another process.
@@ -160,31 +209,41 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         batches = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    if loader.num_workers == 0 or timeout_s is None:
+    if loader.num_workers == 0:
         yield from batches
         return
     workers = set(multiprocessing.active_children()) - others
-    timed_out = False
-    while not timed_out:
-        try:
-            with _deadline(timeout_s):
-                batch = next(batches)
-        except StopIteration:
-            return
-        except DataWorkersTimedOut:
-            timed_out = True  # the rest outside this block, whose traceback holds the iterator
-        else:
-            yield batch
-    # Killed and reaped first: torch's shutdown of its workers (as the iterator goes) sends SIGTERM, which they ignore,
-    # and Python's exit then waited for a stopped one for ever. Until that shutdown, torch's SIGCHLD handler raises
-    # wherever this process is when one of them dies: it is left out meanwhile.
-    watching = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    died = None
+
+    def note_death(number: int, frame) -> None:
+        nonlocal died
+        died = died or _death(workers)
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    watching = signal.signal(signal.SIGCHLD, note_death) if on_main_thread else None
+    failure = None
     try:
-        for worker in workers:
-            worker.kill()
-        for worker in workers:
-            worker.join()
+        while failure is None:
+            try:
+                with _deadline(timeout_s):
+                    batch = next(batches)
+            except StopIteration:
+                return
+            except DataWorkersTimedOut:
+                failure = DataWorkersTimedOut(f"no batch came from the data-loading workers within {timeout_s:g} s")
+            except Exception:
+                failure = died or _death(workers, DYING_S)
+                if failure is None:
+                    raise
+            else:
+                yield batch
+                failure = died
+        # The rest outside the except block, whose traceback holds the iterator. Killed and reaped first: torch's
+        # shutdown of its workers (as the iterator goes) sends SIGTERM, which they ignore, and Python's exit then
+        # waited for a stopped one for ever.
+        _end(workers)
+        del batches
+        raise died or failure
     finally:
-        signal.signal(signal.SIGCHLD, watching)
-    del batches
-    raise DataWorkersTimedOut(f"no batch came from the data-loading workers within {timeout_s:g} s")
+        if on_main_thread:
+            signal.signal(signal.SIGCHLD, watching)
