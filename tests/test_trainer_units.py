@@ -364,7 +364,7 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     # A config of another program's, without the keys the trainer's holds: one line naming them (it was
     # omegaconf's ConfigAttributeError, "Missing key bidirectional", with a traceback).
     del saved["model"]["bidirectional"]
-    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=None there, True here\)$"):
+    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=\(not set\) there, true here\)$"):
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
 
 
@@ -403,8 +403,19 @@ def test_a_resume_names_the_settings_it_changes(tmp_path):
     changed = check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto", "train.grad_clip_norm=5",
                                                      "data.augment.enabled=false", "train.max_steps=9"]),
                               tmp_path / "last.pt")
-    assert changed == ["data.augment.enabled=True there, False here", "train.grad_clip_norm=400.0 there, 5 here",
-                       "train.max_steps=None there, 9 here"]
+    assert changed == ["data.augment.enabled=true there, false here", "train.grad_clip_norm=400.0 there, 5 here",
+                       "train.max_steps=null there, 9 here"]
+
+
+def test_a_refused_resume_names_each_value_as_an_override_gives_it_back(tmp_path):
+    """The values a refusal names are the ones to resume with: it said None, which given back (data.max_duration=None)
+    is Hydra's string 'None', refused by the config rules, where null was meant."""
+    saved = OmegaConf.to_container(compose_config(["data.max_duration=null"]), resolve=True)
+    with pytest.raises(ValueError, match=r"settings \((data.max_duration=\S+) there, 20.0 here\)$") as error:
+        check_resumable(saved, compose_config([]), tmp_path / "last.pt")
+    given_back = compose_config([re.search(r"\((\S+) there", str(error.value))[1]])
+    check_config(given_back)
+    assert check_resumable(saved, given_back, tmp_path / "last.pt") == []
 
 
 def test_a_resume_on_a_cpu_says_that_a_changed_train_amp_changes_nothing_there(tmp_path):
@@ -413,7 +424,7 @@ def test_a_resume_on_a_cpu_says_that_a_changed_train_amp_changes_nothing_there(t
     changed = check_resumable(saved, compose_config(["train.amp=bf16", "train.max_steps=9"]), tmp_path / "last.pt")
     assert noting_what_does_nothing_here(changed, torch.device("cpu")) == [
         "train.amp='none' there, 'bf16' here (nothing changes on cpu, which computes in fp32)",
-        "train.max_steps=None there, 9 here"]
+        "train.max_steps=null there, 9 here"]
     assert noting_what_does_nothing_here(changed, torch.device("cuda", 0)) == changed  # bf16 autocast from here on
 
 

@@ -730,13 +730,26 @@ def noting_what_does_nothing_here(changes: list[str], device: torch.device) -> l
             else change for change in changes]
 
 
+_UNSET = object()  # a key one config lacks, told apart from one set to null
+
+
 def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     """How `key` differs between a checkpoint's config and this one's, a group's entries one by one."""
-    there, here = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
+    there, here = OmegaConf.select(saved, key, default=_UNSET), OmegaConf.select(cfg, key, default=_UNSET)
     if isinstance(there, DictConfig) and isinstance(here, DictConfig):
         return [difference for entry in sorted(set(there) | set(here))
                 for difference in _differences(saved, cfg, f"{key}.{entry}")]
-    return [] if there == here else [f"{key}={there!r} there, {here!r} here"]
+    return [] if there == here else [f"{key}={_as_override(there)} there, {_as_override(here)} here"]
+
+
+def _as_override(value) -> str:
+    """A setting's value as an override writes it, so that the one a message names can be given back: Python's None
+    given back is Hydra's string 'None', which the config rules refuse where null is meant."""
+    if value is _UNSET:
+        return "(not set)"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def steps_from_the_resume(first_step: int, steps: int) -> str:
