@@ -405,9 +405,12 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
         os.kill(worker, 0)
 
 
-@pytest.mark.parametrize("stage, num_workers", [("training", 2), ("evaluation", 1)])
+@pytest.mark.parametrize("stage, num_workers, device", [
+    ("training", 2, "cpu"), ("evaluation", 1, "cpu"),
+    pytest.param("training", 2, "cuda", marks=pytest.mark.cuda),  # batches pass through torch's pin-memory thread
+])
 def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_run_in_one_line(
-        an4_train, tmp_path, stage, num_workers):
+        an4_train, tmp_path, stage, num_workers, device):
     """SIGKILL, which the kernel's out-of-memory killer sends: the run ended in torch's traceback, or, where the death
     first surfaced as a batch that could not be unpickled, in two."""
     train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
@@ -415,7 +418,8 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
     run_dir = tmp_path / "run"
     arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
                                 "train.eval_batch_size=1", f"data.eval_manifest={test_set}",
-                                f"train.num_workers={num_workers}", "train.checkpoint_every_steps=4")
+                                f"train.num_workers={num_workers}", "train.checkpoint_every_steps=4",
+                                f"device={device}")
     job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
