@@ -635,6 +635,33 @@ def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
 
 
+def test_a_checkpoint_saved_as_well_under_another_name_keeps_it_when_either_is_saved_again(tmp_path):
+    # save_same links last.pt to best.pt; a crash between the link and its rename leaves .last.pt.tmp a link to
+    # best.pt, which the next save of last.pt wrote into, changing best.pt with it.
+    best, last = tmp_path / "best.pt", tmp_path / "last.pt"
+    checkpoint.save(best, {"model": {"w": torch.zeros(3)}, "config": {}})
+    checkpoint.save_same(best, last)
+    os.link(best, tmp_path / ".last.pt.tmp")
+    checkpoint.save(last, {"model": {"w": torch.ones(3)}, "config": {}})
+    assert torch.equal(torch.load(best, weights_only=True)["model"]["w"], torch.zeros(3))
+    assert torch.equal(torch.load(last, weights_only=True)["model"]["w"], torch.ones(3))
+    checkpoint.save_same(last, best)
+    checkpoint.save(last, {"model": {"w": torch.full((3,), 2.0)}, "config": {}})
+    assert torch.equal(torch.load(best, weights_only=True)["model"]["w"], torch.ones(3))
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_checkpoint_saved_as_well_is_copied_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    def no_hard_links(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_hard_links)
+    best, last = tmp_path / "best.pt", tmp_path / "last.pt"
+    checkpoint.save(best, {"model": {"w": torch.arange(3.0)}, "config": {}})
+    checkpoint.save_same(best, last)
+    assert last.read_bytes() == best.read_bytes() and not last.samefile(best)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_a_checkpoint_holds_the_random_state_of_its_own_gpu_only(monkeypatch):
     # With every visible GPU's state, a job resumed where fewer GPUs are visible failed (IndexError).
     calls = []

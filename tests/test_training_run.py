@@ -456,7 +456,7 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size
     metrics.jsonl has at that moment."""
-    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:12])
     run_dir, fsyncs = tmp_path / "run", tmp_path / "fsyncs.txt"
     metrics = run_dir / "metrics.jsonl"
     recording = (
@@ -478,10 +478,46 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     records = [line.split() for line in fsyncs.read_text().splitlines()]
     checkpoints = [index for index, (name, _) in enumerate(records) if name.endswith(".pt.tmp")]
-    assert len(checkpoints) >= 3, records  # after steps 1 and 2, and the epoch's last.pt and best.pt
+    assert len(checkpoints) >= 3, records  # after steps 1 and 2, and the epoch's best.pt (last.pt the same file)
     for index in checkpoints:
         metrics_syncs = [size for name, size in records[:index] if name == "metrics.jsonl"]
         assert metrics_syncs and metrics_syncs[-1] == records[index][1], (records[index], records[:index])
+
+
+def test_an_epoch_that_improves_the_wer_serialises_its_checkpoint_once_for_best_pt_and_last_pt(an4_train, tmp_path):
+    """best.pt and last.pt of such an epoch are the same checkpoint: serialised twice, the 100-layer model's made two
+    large writes an epoch. Each torch.save the trainer makes is recorded here; the files must still hold what they
+    should after epochs that do and do not improve and a resume, last.pt replaced while best.pt stays."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir, saves = tmp_path / "run", tmp_path / "saves.txt"
+    recording = (
+        "import runpy, sys, torch\n"
+        "real_save = torch.save\n"
+        "def recorded_save(state, file, *args, **kwargs):\n"
+        f"    with open({str(saves)!r}, 'a') as out:\n"
+        "        out.write(f\"{getattr(file, 'name', file)}\\n\")\n"
+        "    real_save(state, file, *args, **kwargs)\n"
+        "torch.save = recorded_save\n"
+        "sys.argv = ['trainer', *sys.argv[1:]]\n"
+        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+    )
+    common = ["model.hidden=32", "train.global_batch_size=4", "optim.lr=3e-3"]  # 2 steps an epoch
+    for overrides in (["train.epochs=2"], ["train.epochs=3", "train.resume=auto"]):
+        result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *common,
+                                                                                   *overrides)],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert len(saves.read_text().splitlines()) == 3, saves.read_text()  # one an epoch, best.pt or not
+
+    wers = [epoch["eval_wer"] for epoch in read_metrics(run_dir)[1]]
+    best_epoch = wers.index(min(wers)) + 1  # the first of equals: a later one must beat it
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (best["train_state"]["step"], best["train_state"]["best_wer"]) == (2 * best_epoch, min(wers)), wers
+    assert last["train_state"]["step"] == 6 and last["train_state"]["best_wer"] == min(wers)
+    if best_epoch < 3:
+        assert any(not torch.equal(tensor, last["model"][name]) for name, tensor in best["model"].items())
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))
 
 
 @pytest.mark.slow

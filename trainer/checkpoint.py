@@ -47,11 +47,35 @@ def save(path: Path, state: dict) -> None:
     """Writes to a temporary file beside the target, flushed to disk, then renames: a crash or a full disk mid-write
     never leaves half a file, and the checkpoint already at `path` stays as it was. CheckpointWriteError naming the
     file where it cannot be written, and no temporary file left behind."""
+    _write(path, lambda file: torch.save(state, file))
+
+
+def save_same(source: Path, path: Path) -> None:
+    """Makes `path` hold the checkpoint `source` holds without serialising it again (the 100-layer model's is large): a
+    hard link, put in place by a rename as save's file is, or a copy where the file system has no hard links. Both
+    names then share one file until either is saved again: every save writes a new file and renames it over the name,
+    never into the file the name had, so the other name keeps it."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+    except OSError:
+        with open(source, "rb") as original:
+            _write(path, lambda file: shutil.copyfileobj(original, file))
+        return
+    os.replace(temporary, path)
+
+
+def _write(path: Path, write_into) -> None:
+    """save's writing: `write_into(file)` fills a temporary file beside `path`, which then replaces it."""
     temporary = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # A new file, not the one a crash may have left at this name: that may be a hard link to another checkpoint
+        # (save_same), which writing into would change.
+        temporary.unlink(missing_ok=True)
         with open(temporary, "wb") as file:
-            torch.save(state, file)
+            write_into(file)
             file.flush()
             os.fsync(file.fileno())  # a full disk may refuse only the delayed write: fail here, before the rename
     except BaseException as error:

@@ -929,8 +929,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
     run_started = time.perf_counter() - state["elapsed_s"]
 
-    def save(name: str) -> None:
-        """Rank 0 writes; the RNG states of all ranks travel in one list so each rank resumes its own stream."""
+    def save(name: str, *same: str) -> None:
+        """Rank 0 writes `name`, and makes each of `same` hold the same checkpoint without writing it again; the RNG
+        states of all ranks travel in one list so each rank resumes its own stream."""
         refuse_if_diverged(model, state["step"], name)
         state["elapsed_s"] = time.perf_counter() - run_started
         rng_states = [None] * env.world_size
@@ -958,6 +959,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "run_id": run_id,
                 },
             )
+            for other in same:
+                checkpoint.save_same(run_dir / "checkpoints" / name, run_dir / "checkpoints" / other)
 
     result = {}
     # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
@@ -1104,8 +1107,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             metrics_file.flush()
         if counts.beats(state["best_unreadable"], state["best_wer"]):
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
-            save("best.pt")
-        save("last.pt")
+            save("best.pt", "last.pt")
+        else:
+            save("last.pt")
         if max_steps is not None and state["step"] >= max_steps and epoch + 1 < cfg.train.epochs:
             stopped_by = "train.max_steps"
         if stopped_by:
