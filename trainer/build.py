@@ -1,4 +1,5 @@
 """Builds features, model, optimizer and schedule from the config: shared by training, evaluation and transcription."""
+import math
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -178,7 +179,12 @@ def from_checkpoint(path, device: torch.device) -> tuple[DeepSpeech2, FeatureExt
 def entries_not_finite(model: torch.nn.Module) -> str:
     """The model's parameters and buffers that hold a value that is not finite, named for a message (the first three
     and a count), or "" where there are none. One host sync, whatever the count of entries."""
-    floating = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
-    finite = torch.stack([torch.isfinite(tensor).all() for tensor in floating.values()]).tolist() if floating else []
+    # The largest magnitude is finite exactly where every entry is (NaN propagates; unlike a sum or a 2-norm it cannot
+    # overflow), in one pass that allocates nothing: isfinite(tensor).all() took 3-9 s on a CPU for deep100's model.
+    # An empty tensor has no largest magnitude, nor anything that is not finite.
+    floating = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()
+                and tensor.numel()}
+    largest = [torch.linalg.vector_norm(tensor, ord=math.inf) for tensor in floating.values()]
+    finite = torch.isfinite(torch.stack(largest)).tolist() if largest else []
     names = [name for name, is_finite in zip(floating, finite) if not is_finite]
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
