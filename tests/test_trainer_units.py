@@ -72,6 +72,8 @@ def test_greedy_decode_collapses_repeats_and_removes_blanks():
     assert greedy_decode(log_probs, torch.tensor([3, 4])) == ["HE", "N"]
     assert greedy_decode(log_probs, torch.tensor([4, 5])) == ["HE", "N"]  # the next frames spell L and O
     assert greedy_decode(log_probs, torch.tensor([5, 6])) == ["HEL", "NO"]
+    # Spaces the best path puts at the ends or, a blank between them, twice between words: the transcript has one.
+    assert greedy_decode(one_hot_log_probs([" HI _ THERE "]), torch.tensor([13])) == ["HI THERE"]
 
 
 def test_edit_distance_hand_worked():
