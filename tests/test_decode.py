@@ -374,6 +374,19 @@ def test_decoder_weights_must_be_finite(option, capsys):
         assert f"argument {option}: must be a finite number, not {value}" in capsys.readouterr().err
 
 
+def test_the_decoder_options_reach_the_beam_search(tmp_path):
+    # An option read and then dropped would leave a user tuning --lm-weight or --word-bonus against an unchanged search.
+    (tmp_path / "lm.arpa").write_text(build_arpa([["A", "B"], ["B"]], order=2))
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    lm = ["--lm", str(tmp_path / "lm.arpa")]
+    search = decode.from_arguments(parser.parse_args([*lm, "--beam", "3", "--lm-weight", "2", "--word-bonus", "-1"]))
+    assert (search.beam_width, search.lm.order, search.lm_weight, search.word_bonus) == (3, 2, 2.0, -1.0)
+    defaults = decode.from_arguments(parser.parse_args(lm))
+    assert (defaults.beam_width, defaults.lm_weight, defaults.word_bonus) == (16, 0.5, 1.0)  # as --help gives them
+    assert decode.from_arguments(parser.parse_args([])) is greedy_decode
+
+
 def test_a_beam_width_below_one_is_refused_as_the_arguments_are_read(capsys):
     # Before any work: BeamSearch refused it only after the checkpoint and the whole language model had been read.
     parser = argparse.ArgumentParser()
