@@ -664,10 +664,11 @@ def test_a_checkpoint_saved_as_well_is_copied_where_the_file_system_has_no_hard_
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_entries_not_finite_names_each_nan_or_infinity_and_no_large_finite_value(dtype):
-    model = torch.nn.ModuleDict({name: torch.nn.Linear(300, 200).to(dtype) for name in ("a", "b", "c")})
-    model.register_buffer("empty", torch.empty(0, 5, dtype=dtype))
+def test_entries_not_finite_names_each_nan_or_infinity_and_no_large_finite_value(dtype, device):
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(300, 200).to(device, dtype) for name in ("a", "b", "c")})
+    model.register_buffer("empty", torch.empty(0, 5, dtype=dtype, device=device))
     with torch.no_grad():
         for layer in model.values():  # as large as the dtype holds, of both signs: a sum or a 2-norm overflows
             layer.weight.fill_(torch.finfo(dtype).max)
