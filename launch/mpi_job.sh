@@ -65,3 +65,14 @@ pass_ctrl_c_on_under_mpich() {
 launcher_version() {
     "$1" --version 2> /dev/null || true
 }
+
+# `help_if_asked "$usage" "$@"`: where the script's first argument is -h or --help, its usage and its header comment
+# (an example, the settings it reads from the environment) on stdout, and exit 0, before a count's check takes the
+# flag for a count.
+help_if_asked() {
+    if [[ ${2-} == -h || ${2-} == --help ]]; then
+        echo "$1"
+        sed -n '2,/^set /s/^# \{0,1\}//p' "$0"
+        exit 0
+    fi
+}

@@ -2,13 +2,14 @@
 # Several nodes with OpenMPI, one process per GPU:
 #   launch/multi_node.sh hosts.txt 16 experiment=an4_gpu
 # hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
-# Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the fast network;
-# default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses), GLOO_SOCKET_IFNAME (gloo's:
-# device=cpu, distributed.share_gpus).
+# Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the
+# fast network; default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses),
+# GLOO_SOCKET_IFNAME (gloo's: device=cpu, distributed.share_gpus).
 # Ctrl-C, SIGTERM, SIGUSR1 or a closed terminal stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]"
+help_if_asked "$usage" "$@"
 hostfile=${1-}
 num_processes=${2-}
 [[ -r $hostfile ]] || { echo "no readable hostfile '$hostfile'; $usage" >&2; exit 2; }

@@ -7,6 +7,7 @@
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
 usage="usage: launch/single_node.sh NUM_GPUS [trainer overrides...]"
+help_if_asked "$usage" "$@"
 num_gpus=${1-}
 # Else a forgotten count takes the first override's place: mpirun would start one rank without it.
 [[ $num_gpus =~ ^[1-9][0-9]*$ ]] || { echo "NUM_GPUS must be a positive integer, not '$num_gpus'; $usage" >&2; exit 2; }

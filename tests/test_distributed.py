@@ -433,6 +433,20 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
 
 
+def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
+    """`launch/single_node.sh --help` was refused as a count, "NUM_GPUS must be a positive integer, not '--help'",
+    exit code 2, and the settings the scripts read from the environment were written only in their source."""
+    for script, settings in [("single_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME"]),
+                             ("multi_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME", "MASTER_ADDR", "NCCL_SOCKET_IFNAME",
+                                                "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME"])]:
+        for flag in ("--help", "-h"):
+            ran = launch_script(script, flag)
+            assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+            assert ran.stdout.startswith(f"usage: launch/{script} "), ran.stdout
+            assert all(setting in ran.stdout for setting in settings), ran.stdout
+            assert "#" not in ran.stdout and "-np " not in ran.stdout, ran.stdout  # no comment marks, nothing launched
+
+
 def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path):
     """OpenMPI's mpirun warns of each -x name it does not find (`Warning: could not find environment variable
     "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
