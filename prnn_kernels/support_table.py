@@ -3,12 +3,12 @@ the most utterances it runs (forward and backward) and the most at which both di
 run in one launch.
 
     python -m prnn_kernels.support_table [--cells relu gru lstm] [--precisions fp32 bf16] [--hiddens H ...]
-        [--max-batch 16] [--json PATH]
+        [--max-batch 16] [--json PATH | --json -]
 
 The default sizes are the multiples of 128 up to 6272. Each shape's counts run from 1 utterance up (the query is
 asked at each count: the table says so where a larger count runs and a smaller does not). A size where nothing runs
-shows "-", and the JSON gives the query's reason at one utterance. Building the extension, the first time, takes a
-minute or two.
+shows "-", and the JSON gives the query's reason at one utterance. `--json -` writes the JSON alone on stdout and
+the table on stderr. Building the extension, the first time, takes a minute or two.
 """
 import argparse
 import json
@@ -56,9 +56,12 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--hiddens", nargs="+", type=count_from_1_to(1 << 16), default=list(HIDDENS))
     parser.add_argument("--max-batch", type=count_from_1_to(MAX_BATCH), default=16)
-    parser.add_argument("--json", help="write the table, the device and the reasons here")
+    parser.add_argument("--json", metavar="PATH", help='write the table, the device and the reasons to PATH as JSON; '
+                                                       '"-" for stdout, the table then on stderr')
     args = parser.parse_args(argv)
-    if args.json:  # now, not after the queries, whose JSON the write would then lose
+    json_to_stdout = args.json == "-"
+    table_out = sys.stderr if json_to_stdout else sys.stdout
+    if args.json and not json_to_stdout:  # now, not after the queries, whose JSON the write would then lose
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # a file where a folder of the path should be
@@ -71,8 +74,10 @@ def main(argv=None) -> int:
     columns = [(cell, precision) for cell in args.cells for precision in args.precisions]
     device = torch.cuda.get_device_properties(torch.cuda.current_device())
     print(f"{device.name} ({device.multi_processor_count} SMs, {device.L2_cache_size >> 20} MB of L2): the most "
-          f"utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one launch")
-    print(f"{'H':>5} " + " ".join(f"{cell + ' ' + precision:>13}" for cell, precision in columns), flush=True)
+          f"utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one launch",
+          file=table_out)
+    print(f"{'H':>5} " + " ".join(f"{cell + ' ' + precision:>13}" for cell, precision in columns), file=table_out,
+          flush=True)
     table = []
     for hidden in args.hiddens:
         row = {f"{cell}_{precision}": fits(cell, hidden, PRECISIONS[precision], args.max_batch)
@@ -80,11 +85,15 @@ def main(argv=None) -> int:
         table.append({"hidden": hidden, **row})
         print(f"{hidden:>5} " + " ".join(
             f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
-            flush=True)
-    if args.json:
+            file=table_out, flush=True)
+    results = {"device": device.name, "sms": device.multi_processor_count, "l2_bytes": device.L2_cache_size,
+               "torch": torch.__version__, "max_batch": args.max_batch, "rows": table}
+    if json_to_stdout:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+    elif args.json:
         with open(args.json, "w") as out:
-            json.dump({"device": device.name, "sms": device.multi_processor_count, "l2_bytes": device.L2_cache_size,
-                       "torch": torch.__version__, "max_batch": args.max_batch, "rows": table}, out, indent=1)
+            json.dump(results, out, indent=1)
     return 0
 
 

@@ -4,8 +4,11 @@ import contextlib
 import importlib
 import json
 import math
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import REPO_ROOT
 import prnn_kernels
 from prnn_kernels import build, modules, persistent, products, support_table
 from prnn_kernels.persistent import (
@@ -949,6 +953,33 @@ def test_the_support_table_refuses_a_json_folder_it_cannot_make_in_one_line(tmp_
             support_table.main(["--hiddens", "256", "--json", str(path)])
         assert exit_info.value.code == 2
         assert f"error: argument --json: cannot make the folder of {path}: {why}\n" in capsys.readouterr().err
+
+
+def test_the_support_table_takes_a_json_dash_for_stdout_not_for_a_path(tmp_path, monkeypatch, capsys):
+    # `--json -` named a file `-` in the working directory, and was refused where a folder `-` stood there.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").mkdir()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # past the arguments' checks, to the GPU's
+    assert support_table.main(["--hiddens", "256", "--json", "-"]) == 2
+    assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
+
+
+@pytest.mark.cuda
+def test_the_support_table_writes_its_json_alone_on_stdout_for_a_dash(tmp_path):
+    """`--json -` wrote a file named `-`, `--json /dev/stdout > file` truncated the file and lost the table printed
+    before the JSON, and through a pipe the table and the JSON came out mixed."""
+    command = [sys.executable, "-m", "prnn_kernels.support_table", "--cells", "relu", "--precisions", "bf16",
+               "--hiddens", "256", "8192", "--max-batch", "2", "--json"]
+    # From tmp_path, where a file `-` would show; PYTHONPATH for this checkout's modules, as its root would give.
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                           os.environ.get("PYTHONPATH")]))}
+    # The file form first: it builds the extension if need be, whose messages would land between the table's lines.
+    to_file, to_stdout = (subprocess.run([*command, path], cwd=tmp_path, env=environment, capture_output=True,
+                                         text=True, timeout=600) for path in (str(tmp_path / "table.json"), "-"))
+    assert to_file.returncode == 0 and to_stdout.returncode == 0, to_file.stderr[-2000:] + to_stdout.stderr[-2000:]
+    assert json.loads(to_stdout.stdout) == json.loads((tmp_path / "table.json").read_text())
+    assert to_file.stdout in to_stdout.stderr and "256 " in to_file.stdout, to_stdout.stderr  # the table, whole
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["table.json"]
 
 
 def test_the_python_names_the_readme_gives_exist():
