@@ -12,6 +12,7 @@ the table on stderr. Building the extension, the first time, takes a minute or t
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,14 @@ def counts(batches: list[int]) -> str:
     if not batches:
         return "-"
     return str(batches[-1]) if batches == list(range(1, len(batches) + 1)) else ",".join(map(str, batches))
+
+
+def is_stdout(path: str) -> bool:
+    """Whether `path` is the file stdout writes to: /dev/stdout, or the file or pipe stdout is redirected to."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):  # no such file yet, or a stdout with no file behind it
+        return False
 
 
 def count_from_1_to(largest: int):
@@ -68,6 +77,10 @@ def main(argv=None) -> int:
             parser.error(f"argument --json: cannot make the folder of {args.json}: {error}")
         if Path(args.json).is_dir():
             parser.error(f"argument --json: {args.json} is a folder; name a file in it")
+        # Its open would truncate a redirected stdout, the table printed before it lost, or mix the two in a pipe.
+        if is_stdout(args.json):
+            parser.error(f"argument --json: {args.json} is where the table goes (stdout); --json - writes the JSON "
+                         "alone there and the table on stderr")
     if not torch.cuda.is_available():
         print("error: the support query answers for a CUDA GPU, and none is visible", file=sys.stderr)
         return 2

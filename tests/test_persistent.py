@@ -964,6 +964,20 @@ def test_the_support_table_takes_a_json_dash_for_stdout_not_for_a_path(tmp_path,
     assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
 
 
+def test_the_support_table_refuses_a_json_path_that_is_its_own_stdout(tmp_path):
+    """`--json /dev/stdout > table.json`, or `--json table.json > table.json`: the JSON's open truncated the redirected
+    file and the table printed before it was lost (through a pipe, the two came out mixed)."""
+    redirected = tmp_path / "table.json"
+    command = [sys.executable, "-m", "prnn_kernels.support_table", "--hiddens", "256", "--json"]
+    for path in ("/dev/stdout", str(redirected)):
+        with redirected.open("w") as stdout:
+            ran = subprocess.run([*command, path], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                 timeout=120)
+        assert ran.returncode == 2, ran.stderr
+        assert ran.stderr.endswith(f"error: argument --json: {path} is where the table goes (stdout); --json - writes "
+                                   "the JSON alone there and the table on stderr\n"), ran.stderr
+
+
 @pytest.mark.cuda
 def test_the_support_table_writes_its_json_alone_on_stdout_for_a_dash(tmp_path):
     """`--json -` wrote a file named `-`, `--json /dev/stdout > file` truncated the file and lost the table printed
