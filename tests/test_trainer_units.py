@@ -1378,6 +1378,39 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 
+SIGNAL_AS_TQDM_MAKES_ITS_LOCK = """
+import logging, multiprocessing, os, signal
+from tqdm.contrib.logging import logging_redirect_tqdm
+from trainer.stop import StopSignals, StoppedBeforeTraining
+
+make_lock = multiprocessing.RLock
+
+def make_lock_as_a_signal_comes():  # tqdm makes its write lock with this, as the first log line goes through it
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # where a signal raises
+        os.kill(os.getpid(), signal.SIGTERM)
+    return make_lock()
+
+multiprocessing.RLock = make_lock_as_a_signal_comes
+logging.basicConfig()
+try:
+    with StopSignals(), logging_redirect_tqdm():
+        logging.getLogger("trainer").warning("preparing the manifests")
+        os.kill(os.getpid(), signal.SIGTERM)
+except StoppedBeforeTraining as stopped:
+    print(stopped)
+"""
+
+
+def test_a_stop_signal_as_the_first_log_line_makes_tqdms_lock_is_not_lost():
+    """A signal raising inside tqdm's first making of its write lock left tqdm without one: its cleanup failed
+    (AttributeError), which the log handler printed as "--- Logging error ---" with two tracebacks, and the signal
+    was lost. It failed a multi-rank test now and then, the SIGTERM coming as the ranks logged their first lines."""
+    ran = subprocess.run([sys.executable, "-c", SIGNAL_AS_TQDM_MAKES_ITS_LOCK], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr and "Logging error" not in ran.stderr, ran.stderr
+    assert ran.stdout.splitlines() == ["SIGTERM received before training began"], ran.stdout
+
+
 def signalled_as_it_starts(worker_id: int) -> None:
     """A worker_init_fn: the job's SIGTERM reaches the worker before ignore_in_data_workers has run."""
     os.kill(os.getpid(), signal.SIGTERM)

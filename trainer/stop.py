@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
 if TYPE_CHECKING:  # torch takes seconds to import, and keep_early_stop_signal must come first
     from torch.utils.data import DataLoader
 
@@ -73,6 +75,9 @@ class StopSignals:
         self._previous = {}
 
     def __enter__(self) -> "StopSignals":
+        # Made before a signal can raise: one raising inside tqdm's first making of its write lock (the first log line
+        # through tqdm makes it) left tqdm without a lock, the signal lost and "--- Logging error ---" printed.
+        tqdm.get_lock()
         self._take_signals(self._stop_now)
         if _early_signal:  # it came while the trainer started (keep_early_stop_signal)
             self.__exit__()
