@@ -562,6 +562,51 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
 
 
 @pytest.mark.slow
+def test_a_signal_during_an_evaluations_last_batch_lets_the_finished_evaluation_count(an4_train, tmp_path):
+    """The evaluation, its every batch made, was thrown away and made again by the resume: on a large test set,
+    minutes of a scheduler's job. Here the process sends itself SIGTERM as it scores the test set's last utterance
+    (to its main thread, whose handler runs before pthread_kill returns: no race with the evaluation's end)."""
+    short = [u for u in an4_train if u.duration < 2.5]
+    train_set = write_slice(tmp_path / "train.jsonl", short[:16])  # 4 steps an epoch
+    test_set = write_slice(tmp_path / "test.jsonl", short[16:20])  # 4 batches of 1
+    run_dir = tmp_path / "run"
+    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=2", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto")
+    signalling = (
+        "import runpy, signal, sys, threading\n"
+        "from trainer.metrics import ErrorCounts\n"
+        "add, scored = ErrorCounts.add, [0]\n"
+        "def add_and_signal_on_the_last(self, *args):\n"
+        "    scored[0] += 1\n"
+        "    if scored[0] == 4:\n"
+        "        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)\n"
+        "    return add(self, *args)\n"
+        "ErrorCounts.add = add_and_signal_on_the_last\n"
+        "sys.argv = ['trainer', *sys.argv[1:]]\n"
+        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+    )
+    stopped = subprocess.run([sys.executable, "-c", signalling, *arguments], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=300)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert re.search(r" - epoch 1: loss .* test WER", output), output[-4000:]
+    assert "stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name continues it from" in output, (
+        output[-4000:])
+    steps, epochs = read_metrics(run_dir)
+    assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["sampler"] == {"epoch": 1, "position": 0} and saved["train_state"]["best_wer"] == epochs[0][
+        "eval_wer"], saved["train_state"]
+    assert (run_dir / "checkpoints" / "best.pt").exists()
+
+    resumed = run("trainer", arguments, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "epoch 1 " not in resumed.output and "epoch 2: loss" in resumed.output, resumed.output[-4000:]
+    steps, epochs = read_metrics(run_dir)  # each epoch's evaluation listed once
+    assert sorted(steps) == list(range(1, 9)) and [line["epoch"] for line in epochs] == [1, 2], epochs
+
+
+@pytest.mark.slow
 def test_a_second_job_in_a_run_directory_in_use_is_refused_changing_nothing(an4_train, tmp_path):
     """Launched twice, or requeued while the first job still runs: two jobs in one run directory would overwrite each
     other's checkpoints and metrics.jsonl. The second is refused before it changes anything there, and once the first

@@ -1046,21 +1046,33 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             break
 
         trained_s = time.perf_counter() - started
+        # evaluate() asks before each batch and ends at the first yes; every rank gets the same answer (a collective),
+        # so all of them agree whether their evaluation was cut short.
+        evaluation_cut_short = False
+
+        def stop_evaluation() -> bool:
+            nonlocal evaluation_cut_short
+            evaluation_cut_short = bool(stop_requests_of_all_ranks(stop_signals, env))
+            return evaluation_cut_short
+
         try:
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                                  worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
                                  progress_line_s=cfg.train.progress_line_s if env.is_main else None,
-                                 stop=lambda: bool(stop_requests_of_all_ranks(stop_signals, env)))
+                                 stop=stop_evaluation)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
                              ) from error
-        requests = stop_requests_of_all_ranks(stop_signals, env)  # one that came after the last batch's question too
+        # One that came during the last batch or after it, too late to cut the evaluation short: the epoch ends as
+        # any other, its evaluation recorded, rather than have the resume make the whole evaluation again.
+        requests = stop_requests_of_all_ranks(stop_signals, env)
         if requests:
-            # A signal during the epoch's last step or its evaluation, which it cut short: a large test set can take
-            # longer than a scheduler waits after its signal. last.pt at the epoch's last step, before the
-            # evaluation, lets the resume make it.
             stopped_by = stop_for(requests, env.world_size, result)
+        if evaluation_cut_short:
+            # A signal during the epoch's last step or its evaluation: a large test set can take longer than a
+            # scheduler waits after its signal. last.pt at the epoch's last step, before the evaluation, lets the
+            # resume make it.
             save("last.pt")
             result["stopped_at_step"] = state["step"]
             log.info("stopped after epoch %d's training, before its evaluation ended (%s); %s continues it with that "
