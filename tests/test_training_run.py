@@ -362,6 +362,37 @@ def data_loading_workers(pid: int) -> set[int]:
     return {int(child) for child in listed.split()}
 
 
+def start_a_run_and_find_its_data_workers(an4_train, tmp_path, stage: str, after_step: int, *overrides):
+    """A small run in a session of its own, 16 steps an epoch and an evaluation long enough to reach, and the
+    data-loading workers of its `stage` (training or evaluation), once step `after_step` is in its metrics."""
+    train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
+    test_set = write_slice(tmp_path / "test.jsonl", an4_train[64:364])
+    run_dir = tmp_path / "run"
+    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", *overrides)
+    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for_file(run_dir / "metrics.jsonl", job, 300)
+        while f'"step": {after_step},' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)
+        workers = data_loading_workers(job.pid)
+        if stage == "evaluation":  # the training workers gone, the evaluation's started
+            training = workers
+            while not (workers := data_loading_workers(job.pid) - training) and job.poll() is None:
+                time.sleep(0.02)
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    return job, run_dir, workers
+
+
+def the_one_error_line(output: str) -> str:
+    errors = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1, output[-4000:]
+    return errors[0]
+
+
 @pytest.mark.parametrize("stage, device", [
     ("training", "cpu"), ("evaluation", "cpu"),
     pytest.param("training", "cuda", marks=pytest.mark.cuda),  # batches pass through torch's pin-memory thread
@@ -369,23 +400,9 @@ def data_loading_workers(pid: int) -> set[int]:
 def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4_train, tmp_path, stage, device):
     """A worker stuck on a file system that stopped answering, or stopped (SIGSTOP here): the run waited for its batch
     for ever, a SIGTERM only asked it to stop after that batch, and Python's exit waited for the stopped worker too."""
-    train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
-    test_set = write_slice(tmp_path / "test.jsonl", an4_train[64:364])  # an evaluation long enough to stop its worker
-    run_dir = tmp_path / "run"
-    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
-                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.num_workers=1",
-                                "distributed.timeout_s=5", f"device={device}")
-    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job, _, workers = start_a_run_and_find_its_data_workers(an4_train, tmp_path, stage, 1, "train.num_workers=1",
+                                                            "distributed.timeout_s=5", f"device={device}")
     try:
-        wait_for_file(run_dir / "metrics.jsonl", job, 300)
-        while '"step": 1,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)
-        workers = data_loading_workers(job.pid)
-        if stage == "evaluation":  # the training worker gone, the evaluation's started
-            training = workers
-            while not (workers := data_loading_workers(job.pid) - training) and job.poll() is None:
-                time.sleep(0.02)
         (worker,) = workers
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -395,8 +412,7 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 1, output[-4000:]
-    errors = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
-    assert len(errors) == 1 and errors[0].endswith(
+    assert the_one_error_line(output).endswith(
         "error on rank 0: no batch came from the data-loading workers within 5 s (distributed.timeout_s): one is stuck "
         "(on a file system that stopped answering, or stopped) or far too slow, and they were killed; "
         "train.resume=auto under the same run_name continues the run from its last checkpoint"), output[-4000:]
@@ -413,24 +429,10 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
         an4_train, tmp_path, stage, num_workers, device):
     """SIGKILL, which the kernel's out-of-memory killer sends: the run ended in torch's traceback, or, where the death
     first surfaced as a batch that could not be unpickled, in two."""
-    train_set = write_slice(tmp_path / "train.jsonl", an4_train[:64])  # 16 steps: more than the loader prefetches
-    test_set = write_slice(tmp_path / "test.jsonl", an4_train[64:364])  # an evaluation long enough to kill its worker
-    run_dir = tmp_path / "run"
-    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.global_batch_size=4",
-                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}",
-                                f"train.num_workers={num_workers}", "train.checkpoint_every_steps=4",
-                                f"device={device}")
-    job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job, run_dir, workers = start_a_run_and_find_its_data_workers(  # past the first checkpoint, at step 4
+        an4_train, tmp_path, stage, 5, f"train.num_workers={num_workers}", "train.checkpoint_every_steps=4",
+        f"device={device}")
     try:
-        wait_for_file(run_dir / "metrics.jsonl", job, 300)
-        while '"step": 5,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)  # past the first checkpoint, at step 4
-        workers = data_loading_workers(job.pid)
-        if stage == "evaluation":  # the training workers gone, the evaluation's started
-            training = workers
-            while not (workers := data_loading_workers(job.pid) - training) and job.poll() is None:
-                time.sleep(0.02)
         assert len(workers) == num_workers
         killed = min(workers)
         os.kill(killed, signal.SIGKILL)
@@ -439,8 +441,7 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 1, output[-4000:]
-    errors = [line for line in output.splitlines() if "ERROR" in line or "Traceback" in line]
-    assert len(errors) == 1 and errors[0].endswith(
+    assert the_one_error_line(output).endswith(
         f"error on rank 0: data-loading worker (pid {killed}) was killed by SIGKILL, which the kernel's out-of-memory "
         f"killer sends: fewer train.num_workers ({num_workers} here), a smaller train.global_batch_size or "
         "train.eval_batch_size, or more memory may keep it alive; train.resume=auto under the same run_name continues "
