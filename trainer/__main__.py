@@ -147,6 +147,18 @@ def continue_with(cfg: DictConfig) -> str:
             f"run_name={cfg.run_name} train.resume=auto")
 
 
+def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied, cfg: DictConfig) -> str:
+    """What befell the data-loading workers, and what may keep it from happening again."""
+    if isinstance(error, DataWorkersTimedOut):
+        return (f"{error} (distributed.timeout_s): one is stuck (on a file system that stopped answering, or stopped) "
+                "or far too slow, and they were killed")
+    if error.signal == signal.SIGKILL:
+        return (f"{error}, which the kernel's out-of-memory killer sends: fewer train.num_workers "
+                f"({cfg.train.num_workers} here), a smaller train.global_batch_size or train.eval_batch_size, or more "
+                "memory may keep it alive")
+    return str(error)
+
+
 def summary_line(result: dict) -> str:
     """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it before its end,
     the step it stopped at and the last evaluation's figures (inside an epoch, not the saved model's)."""
@@ -200,19 +212,8 @@ def main(cfg: DictConfig) -> None:
         stop_now(str(stopped), stopped.signal, run_dir)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         stop_now("interrupted by Ctrl-C", signal.SIGINT, run_dir)
-    except DataWorkersTimedOut as error:  # no user error (exit 1), as a rank that stops answering is none
-        message = (f"{error} (distributed.timeout_s): one is stuck (on a file system that stopped answering, or "
-                   f"stopped) or far too slow, and they were killed; {continue_with(cfg)} continues the run from its "
-                   "last checkpoint")
-        log.error("error on rank %d: %s", distributed.launcher_rank(), message)
-        end_job(1, message)
-    except DataWorkerDied as error:  # no user error (exit 1), as a rank killed is none
-        advice = ""
-        if error.signal == signal.SIGKILL:
-            advice = (f", which the kernel's out-of-memory killer sends: fewer train.num_workers "
-                      f"({cfg.train.num_workers} here), a smaller train.global_batch_size or train.eval_batch_size, or "
-                      "more memory may keep it alive")
-        message = f"{error}{advice}; {continue_with(cfg)} continues the run from its last checkpoint"
+    except (DataWorkersTimedOut, DataWorkerDied) as error:  # no user error (exit 1), as a rank killed is none
+        message = f"{data_workers_failure(error, cfg)}; {continue_with(cfg)} continues the run from its last checkpoint"
         log.error("error on rank %d: %s", distributed.launcher_rank(), message)
         end_job(1, message)
     except Exception as error:
