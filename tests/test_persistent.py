@@ -46,7 +46,8 @@ def test_support_without_cuda_says_why():
 @pytest.mark.parametrize("hidden_size, batch_size, reason", [
     (0, 4, "hidden size 0 is out of range (at least 1)"), (-5, 4, "hidden size -5 is out of range (at least 1)"),
     (256.0, 4, "hidden size 256.0 is not an integer"), (256, 2.5, "batch size 2.5 is not an integer"),
-    (256, True, "batch size True is not an integer")])
+    (256, True, "batch size True is not an integer"),
+    (256, 0, "batch size 0 is out of range (1..32; the modules' batch_slice runs a larger batch as slices)")])
 def test_support_names_sizes_no_gpu_runs_before_asking_for_one(hidden_size, batch_size, reason):
     # A machine without a GPU answered "needs a CUDA GPU" for these, and one with a GPU ran int() on them: hidden
     # 256.0 and batch 2.5 were answered as the shapes of 256 and 2.
@@ -152,6 +153,18 @@ def test_an_extension_that_cannot_be_built_is_a_reason_auto_falls_back_on(hopper
     with pytest.raises(ValueError, match="backend='persistent' cannot run: its CUDA extension is unavailable"):
         prnn_kernels.GRU(8, 64, backend="persistent").backend_for(4, torch.float32, "cuda")
     assert len(hopper_without_its_extension) == 1  # tried once: a failing build can take a minute
+
+
+def test_a_gpu_that_cannot_run_the_kernels_is_named_before_the_extension_is_built(hopper_without_its_extension,
+                                                                                 monkeypatch):
+    # Where a GPU is visible, a CPU device is still no place for the kernels, and a GPU before Hopper lacks the
+    # thread-block clusters' bulk copies: neither may be answered by a build (or by the kernels' tiling chooser).
+    assert support("gru", 16, 4, torch.float32, "cpu").reason == (
+        "needs a CUDA GPU (compute capability 9.0, Hopper, or newer)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert support("gru", 16, 4, torch.float32, "cuda").reason == (
+        "needs compute capability 9.0 (Hopper) or newer for its bulk copies in thread-block clusters, device 0 has 8.0")
+    assert not hopper_without_its_extension  # no build tried
 
 
 def test_lengths_out_of_range_are_refused_before_the_extension_is_built(hopper_without_its_extension):
