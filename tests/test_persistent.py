@@ -731,6 +731,14 @@ def test_refuses_directions_that_are_not_two_before_asking_for_a_gpu():
                                        torch.tensor([5, 3]))
 
 
+def test_refuses_one_direction_with_a_bias_and_the_other_without_before_asking_for_a_gpu():
+    both, hx = torch.randn(5, 2, 2 * 3 * 16), torch.zeros(2, 16)
+    weight_hh, bias_hh = torch.zeros(3 * 16, 16), torch.zeros(3 * 16)
+    for biases in ((bias_hh, None), (None, bias_hh)):
+        with pytest.raises(ValueError, match="persistent_bidirectional_layer: give both biases or neither"):
+            persistent_bidirectional_layer("gru", both, (hx, hx), (weight_hh, weight_hh), biases, torch.tensor([5, 3]))
+
+
 def assert_the_next_launch_is_right(cell, leaves, lengths, dtype):
     """After a failed launch was reported: the next one runs and matches float64."""
     output, _ = persistent_layer(cell, *layer_arguments(cell, leaves), lengths, False)
