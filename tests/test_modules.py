@@ -330,9 +330,11 @@ def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monke
         for batch_size in (0, 40, 37, 48, 40):  # the empty batch first, which must not use up the warning
             assert module.backend_for(batch_size, torch.float32, "cuda") == "cudnn"
         prnn_kernels.GRU(4, 16).backend_for(40, torch.float32, "cuda")  # another layer shape warns for itself
+        module.backend_for(40, torch.bfloat16, "cuda")  # so does another dtype: the reasons differ by precision
     assert [str(warning.message) for warning in caught] == [
         "prnn_kernels: gru H=8 torch.float32 runs on cuDNN, not the persistent kernel: batch size 40 is out of range",
         "prnn_kernels: gru H=16 torch.float32 runs on cuDNN, not the persistent kernel: batch size 40 is out of range",
+        "prnn_kernels: gru H=8 torch.bfloat16 runs on cuDNN, not the persistent kernel: batch size 40 is out of range",
     ]
 
 
