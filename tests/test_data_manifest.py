@@ -121,6 +121,8 @@ def test_missing_manifest_names_the_file(tmp_path):
         ("[1, 2]", "expected a JSON object"),
         ('{"audio_filepath": "a.wav", "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": "1.0", "text": "A"}', "'duration'"),
+        ('{"audio_filepath": "a.wav", "duration": true, "text": "A"}', "'duration' must be .*, got True"),
+        ('{"audio_filepath": "a.wav", "duration": 1000000.5, "text": "A"}', "'duration' must be .*, got 1000000.5"),
         ('{"audio_filepath": "a.wav", "duration": -1, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": NaN, "text": "A"}', "'duration'"),
         ('{"audio_filepath": "a.wav", "duration": Infinity, "text": "A"}', "'duration'"),
@@ -133,6 +135,8 @@ def test_missing_manifest_names_the_file(tmp_path):
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": -1.0, "text": "A"}', "'offset' -1.0 .* not supported"),
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
+        ('{"audio_filepath": "", "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got ''"),
+        ('{"audio_filepath": 7, "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got 7"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": true}', "'speaker' must be a string or"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": [1]}', "'speaker' must be a string or"),
@@ -161,6 +165,15 @@ def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint
     path.write_text(f"{good}\n{bad_line}\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: .*{complaint}"):
         read_manifest(path)
+
+
+def test_durations_at_the_ends_of_their_range_are_read_as_seconds(tmp_path):
+    # 0 s is taken (the dataset skips and counts such an utterance, naming why); so is MAX_DURATION itself.
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"audio_filepath": "a.wav", "duration": duration, "text": "A"}) + "\n"
+                            for duration in (0, 1000000)))
+    durations = [utterance.duration for utterance in read_manifest(path)]
+    assert durations == [0.0, 1e6] and all(type(duration) is float for duration in durations)
 
 
 def test_a_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_skipped(tmp_path):
