@@ -1,7 +1,7 @@
 """The alphabet and the transcript <-> id mapping."""
 import pytest
 
-from data.text import ALPHABET, BLANK, NUM_CLASSES, decode, encode, normalize_text
+from data.text import ALPHABET, BLANK, NUM_CLASSES, counted, decode, encode, normalize_text
 
 
 def test_alphabet_has_the_blank_first_then_apostrophe_letters_and_space():
@@ -43,3 +43,7 @@ def test_decode_shows_blanks_and_rejects_ids_outside_the_alphabet():
         decode([1, NUM_CLASSES])
     with pytest.raises(ValueError, match="id -1"):
         decode([-1])
+
+
+def test_counted_words_every_count_but_one_in_the_plural():
+    assert [counted(count, "utterance") for count in (0, 1, 2)] == ["0 utterances", "1 utterance", "2 utterances"]
