@@ -52,6 +52,8 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     (tmp_path / "corrupt.flac").write_bytes(b"this is not audio" * 100)
     soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
     soundfile.write(tmp_path / "nan.wav", np.array([0.1, np.nan, 0.2] * 100, np.float32), 16000, subtype="FLOAT")
+    soundfile.write(tmp_path / "inf.wav", np.array([0.1, -np.inf, 0.2] * 100, np.float32), 16000, subtype="FLOAT")
+    soundfile.write(tmp_path / "slow.wav", tone(100, 0.2, 999), 999)
     # Headers that lie are refused before anything is decoded: this FLAC would take 256 GiB.
     soundfile.write(tmp_path / "a.flac", tone(300, 0.2, 16000), 16000)
     flac = bytearray((tmp_path / "a.flac").read_bytes())
@@ -71,6 +73,8 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     (tmp_path / "device.wav").symlink_to("/dev/zero")
     reasons = {
         "nan.wav": "audio holds NaN or infinite samples",
+        "inf.wav": "audio holds NaN or infinite samples",
+        "slow.wav": "its header gives a sample rate of 999 Hz, outside 1000-384000 Hz",
         "corrupt.flac": "cannot read audio",
         "empty.wav": "audio holds no samples",
         "missing.wav": "no such audio file",
@@ -86,6 +90,20 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         with pytest.raises(AudioError, match=f"{name}: {reason}"):
             load_audio(tmp_path / name)
     assert issubclass(AudioError, ValueError)
+
+
+def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):
+    # The limits refuse what lies beyond them only: the slowest and fastest rates, the most channels, an hour.
+    soundfile.write(tmp_path / "slowest.wav", tone(100, 0.1, 1000), 1000)
+    soundfile.write(tmp_path / "fastest.wav", tone(1000, 0.1, 384_000), 384_000)
+    soundfile.write(tmp_path / "array.wav", np.tile(tone(300, 0.1, 16000)[:, None], (1, 16)), 16000)
+    for name in ("slowest.wav", "fastest.wav", "array.wav"):  # 0.1 s each
+        assert load_audio(tmp_path / name, sample_rate=16000).shape == (1600,)
+    soundfile.write(tmp_path / "hour.wav", np.zeros(3600 * 1000, np.int16), 1000)
+    assert audio_header(tmp_path / "hour.wav").frames == 3600 * 1000
+    soundfile.write(tmp_path / "longer.wav", np.zeros(3601 * 1000, np.int16), 1000)
+    with pytest.raises(AudioError, match="longer.wav: its header gives 3601 s of audio, more than the 3600 s"):
+        audio_header(tmp_path / "longer.wav")
 
 
 def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, monkeypatch):
