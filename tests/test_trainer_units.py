@@ -98,6 +98,14 @@ def test_corpus_error_rates_are_ratios_of_sums():
     assert ErrorCounts.from_tensor(counts.as_tensor()) == counts
 
 
+def test_counts_summed_over_ranks_stay_exact_past_float32s_integers():
+    # The evaluation sums each rank's as_tensor() in one all-reduce: a test set of 2^24 characters and more (some 300
+    # hours of speech) must come back to the character, as float32 would not (2^24 + 1 rounds to 2^24).
+    ranks = [ErrorCounts(3, 10, 2**24 + 1, 2**24 + 3, 1), ErrorCounts(4, 2**24 + 1, 5, 7, 0)]
+    summed = ErrorCounts.from_tensor(sum(counts.as_tensor() for counts in ranks))
+    assert summed == ErrorCounts(7, 2**24 + 11, 2**24 + 6, 2**24 + 10, 1)
+
+
 def test_error_rates_against_an_independent_edit_distance_over_random_texts():
     """Each utterance's errors are the edit distance by the recursive definition (memoised), and the corpus rates the
     summed errors over the summed reference words and characters, whatever the per-utterance ratios average to."""
