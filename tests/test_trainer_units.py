@@ -314,12 +314,57 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
                        "key (misspelt in an experiment file, or added by a + override?)"),
     ("+data.features.rate=8000", "unknown config key data.features.rate: conf/train.yaml and conf/{model,data,optim}/ "
                                  "define no such key (misspelt in an experiment file, or added by a + override?)"),
+    # Each rule's bound, just past it: mutating any bound (>= 1 into >= 0, < 1 into <= 1, dropping a check) passed.
+    ("seed=-1", "seed must be an integer from 0 to 2**32 - 1, not -1"),
+    ("seed=4294967296", "seed must be an integer from 0 to 2**32 - 1, not 4294967296"),
+    *((f"{key}=0", f"{key} must be a positive integer{' or null' if nullable else ''}, not 0") for key, nullable in (
+        ("train.epochs", False), ("train.global_batch_size", False), ("train.eval_batch_size", False),
+        ("train.checkpoint_every_steps", True), ("train.graph_pad_frames", False), ("model.depth", False),
+        ("model.hidden", False), ("model.conv_channels", False))),
+    *((f"{key}=-1", f"{key} must be a non-negative integer, not -1") for key in (
+        "train.num_workers", "model.lookahead", "optim.warmup_steps", "data.augment.masks.time_mask",
+        "data.augment.masks.num_freq_masks", "data.augment.masks.num_time_masks")),
+    ("train.grad_clip_norm=0", "train.grad_clip_norm must be a positive number, not 0"),
+    ("optim.lr=0", "optim.lr must be a positive number, not 0"),
+    ("optim.lr=inf", "optim.lr must be a positive number, not inf"),
+    ("optim.lr=true", "optim.lr must be a positive number, not True"),  # bool is an int subclass: 1
+    ("optim.anneal=0", "optim.anneal must be a number in (0, 1], the factor the rate is multiplied by each epoch, "
+                       "not 0"),
+    ("optim.betas=[0.9,1.0]", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not [0.9, 1.0]" + PICK),
+    ("optim=sgd optim.momentum=1", MOMENTUM + " for optim.name=sgd, not 1" + PICK),
+    ("data.max_duration=0", "data.max_duration must be a positive number of seconds or null, not 0"),
+    ("data.train_manifests=[a.jsonl,'']", "data.train_manifests must be a list of one or more manifest paths"
+                                          f"{SET_MANIFESTS}, not ['a.jsonl', '']"),
+    ("data.train_manifests=[a.jsonl,1]", "data.train_manifests must be a list of one or more manifest paths"
+                                         f"{SET_MANIFESTS}, not ['a.jsonl', 1]"),
+    ("data.eval_manifest=''", f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not ''"),
+    ("data.features.sample_rate=999", "data.features.sample_rate must be an integer number of Hz from 1000 to "
+                                      "384000, not 999"),
+    ("data.features.sample_rate=384001", "data.features.sample_rate must be an integer number of Hz from 1000 to "
+                                         "384000, not 384001"),
+    ("data.features.hop_ms=0", "data.features.hop_ms must be a number of milliseconds in (0, 1000], not 0"),
+    ("data.augment.masks.max_time_fraction=-0.5", "data.augment.masks.max_time_fraction must be a number from 0 to "
+                                                  "1, not -0.5"),
+    ("train.resume=''", "train.resume must be null, auto or a checkpoint's path, not ''"),
+    ("distributed.timeout_s=0", "distributed.timeout_s must be a positive number of seconds up to 1e+09, not 0"),
+    *((f"{key}=no", f"{key} must be true or false, not 'no'") for key in (
+        "data.sortagrad", "data.features.normalize", "train.sync_batch_norm", "train.progress_bar",
+        "distributed.share_gpus")),
 ])
 def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
     check_config(compose_config(["experiment=cpu_demo"]))  # the defaults pass
     with pytest.raises(ValueError) as error:
         check_config(compose_config(["experiment=cpu_demo", *override.split()]))
     assert str(error.value) == complaint
+
+
+@pytest.mark.parametrize("override", [
+    "seed=0", "seed=4294967295", "optim.betas=[0,0.999]", "optim.anneal=1", "data.features.sample_rate=1000",
+    "data.features.sample_rate=384000", "data.augment.masks.max_time_fraction=0",
+    "data.augment.masks.max_time_fraction=1", "distributed.timeout_s=1e9", "data.features.window_ms=1000",
+    "model.lookahead=0", "train.num_workers=0"])
+def test_a_config_value_at_the_end_of_its_range_is_taken(override):
+    check_config(compose_config(["experiment=cpu_demo", override]))
 
 
 @pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
