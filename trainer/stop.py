@@ -224,8 +224,19 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         nonlocal died
         died = died or _death(workers)
 
+    # torch's pin-memory thread (on a GPU) fetches each batch's tensors from the worker that made it, and dies with a
+    # traceback of its own where that worker died or was killed: this generator says what happened instead.
+    pin_memory_thread = getattr(batches, "_pin_memory_thread", None)
+    print_thread_error = threading.excepthook
+
+    def quiet_where_a_worker_is_gone(args) -> None:
+        if not (args.thread is pin_memory_thread and isinstance(args.exc_value, (ConnectionError, EOFError))
+                and _death(workers, DYING_S)):
+            print_thread_error(args)
+
     on_main_thread = threading.current_thread() is threading.main_thread()
     watching = signal.signal(signal.SIGCHLD, note_death) if on_main_thread else None
+    threading.excepthook = quiet_where_a_worker_is_gone
     failure = None
     try:
         while failure is None:
@@ -250,5 +261,6 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         del batches
         raise died or failure
     finally:
+        threading.excepthook = print_thread_error
         if on_main_thread:
             signal.signal(signal.SIGCHLD, watching)
