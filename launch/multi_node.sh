@@ -42,9 +42,9 @@ fi
 sweep=()
 if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 
-# What the ranks need on every node, every NCCL_*, GLOO_* and TORCH_NCCL_* setting the user made (the trainer leaves a user's
-# TORCH_NCCL_* timeouts as set), and the extension's build folder, which the build below fills on this node: each
-# where it is set, as OpenMPI warns of every -x name it does not find ("could not find environment variable").
+# What the ranks need on every node, every NCCL_*, GLOO_* and TORCH_NCCL_* setting the user made (the trainer leaves a
+# user's TORCH_NCCL_* timeouts as set), and the extension's build folder, which the build below fills on this node:
+# each where it is set, as OpenMPI warns of every -x name it does not find ("could not find environment variable").
 forwarded=()
 for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR PRNN_AN4 \
             $(compgen -e | grep -E '^(NCCL_|GLOO_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do
