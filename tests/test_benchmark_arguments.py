@@ -1,6 +1,10 @@
 """The GPU benchmarks refuse a size or count they cannot measure before anything runs, naming the argument, on any
 machine."""
+import argparse
+import importlib
 import json
+import re
+import shlex
 import subprocess
 import sys
 
@@ -160,3 +164,52 @@ def test_scaling_model_without_matplotlib_names_the_extra_before_writing(tmp_pat
     assert capsys.readouterr().err == ("error: the plot needs matplotlib, which the bench extra installs: "
                                        "pip install -e '.[bench]'\n")
     assert not (tmp_path / "out").exists()
+
+
+def quoted_commands(document: str) -> list[list[str]]:
+    """Each `python -m benchmarks.X ...` or support-query command the document quotes, in a code block or inline, as
+    its words from `python` on (after `mpirun -np N`, say); synopses, whose brackets mark what is optional, and a tool
+    named without arguments left out."""
+    text = (REPO_ROOT / document).read_text()
+    blocks = re.findall(r"^```\w*\n(.*?)^```$", text, re.S | re.M)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    prose = re.sub(r"^```\w*\n.*?^```$", "", text, flags=re.S | re.M)
+    spans = re.findall(r"`([^`]*?)`", prose)
+    tool = re.compile(r"python -m\s+(?:benchmarks\.|prnn_kernels\.support_table)")
+    commands = [(words := shlex.split(command))[words.index("python"):] for command in [*lines, *spans]
+                if tool.search(command) and "[" not in command]
+    return [words for words in commands if len(words) > 3]
+
+
+# What the documents write for a value the reader chooses.
+PLACEHOLDERS = {"M": "an4", "OVERRIDES": "optim.lr=1e-3"}
+
+
+class Parsed(Exception):
+    """Raised in place of the work a command would start once its arguments are parsed."""
+
+
+@pytest.mark.parametrize("document", ["README.md", "benchmarks/README.md"])
+def test_every_benchmark_command_the_documents_quote_parses(document, monkeypatch, capsys, tmp_path):
+    """A flag renamed or a choice dropped in the code left the commands the figures were measured with unrunnable as
+    written. Each command's own main parses it here and stops there: argparse refuses an unknown flag or a bad value."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, *arguments, **options):
+        parse(parser, *arguments, **options)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.chdir(tmp_path)  # --json makes the folders of the file it names as it is parsed
+    commands = quoted_commands(document)
+    assert len(commands) >= 5, commands
+    for words in commands:
+        module = words[2]
+        monkeypatch.setattr(sys, "argv", [module, *(PLACEHOLDERS.get(word, word) for word in words[3:])])
+        try:
+            importlib.import_module(module).main()  # each reads sys.argv, as run from a shell
+        except SystemExit as refused:
+            pytest.fail(f"{' '.join(words)}: exit code {refused.code}: {capsys.readouterr().err}")
+        except Parsed:
+            continue
+        pytest.fail(f"{' '.join(words)}: parsed no arguments")
