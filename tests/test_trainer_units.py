@@ -1,5 +1,6 @@
 """Trainer pieces on their own: decoding and error rates, config composition, checkpoints, the step that skips NaNs."""
 import argparse
+import contextlib
 import copy
 import errno
 import functools
@@ -1479,6 +1480,40 @@ def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # this process takes its signals as before
     loader.multiprocessing_context = "forkserver"  # Python 3.14's default on Linux: workers not forked from here
     assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+FEWER_BATCHES_THAN_A_STUCK_WORKER_WOULD_GIVE = """
+import itertools, sys, time
+from torch.utils.data import DataLoader
+from trainer.stop import start_data_workers
+
+class StuckAtTheThirdBatch:  # as on a file system that stopped answering
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index >= 4:
+            time.sleep(3600)
+        return index
+
+loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=sys.argv[1] == "cuda")
+for batch in itertools.islice(start_data_workers(loader), 2):  # as train.max_steps or a stop signal ends an epoch
+    print(batch.tolist())
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_batches_not_all_taken_leave_no_stuck_data_worker_to_wait_for(device):
+    """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck one
+    for ever. On a GPU the batches pass through torch's pin-memory thread (pin_memory=True), as in training."""
+    job = subprocess.Popen([sys.executable, "-c", FEWER_BATCHES_THAN_A_STUCK_WORKER_WOULD_GIVE, device], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = job.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]"], output
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

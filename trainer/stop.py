@@ -203,7 +203,8 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
     a training step, a checkpoint's write, the handling of the error the death had raised here first), is set aside
     meanwhile for one that only notes the death. The death may surface first here as torch's error (it checks its
     workers every 5 s while it waits) or as a batch whose tensors cannot be fetched from the dead worker
-    (ConnectionResetError, EOFError)."""
+    (ConnectionResetError, EOFError). However the batches end early (a second Ctrl-C, a consumer that stops at
+    train.max_steps), the workers are killed and reaped too, so that a stuck one cannot hold up Python's exit."""
     if loader.num_workers > 0:
         # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
         # workers from another process.
@@ -245,6 +246,8 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
                     batch = next(batches)
             except StopIteration:
                 return
+            except KeyboardInterrupt as interrupt:  # a second Ctrl-C, as likely as not while a worker is stuck
+                failure = interrupt.with_traceback(None)  # which held the iterator
             except DataWorkersTimedOut:
                 failure = DataWorkersTimedOut(f"no batch came from the data-loading workers within {timeout_s:g} s")
             except Exception:
@@ -260,6 +263,10 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         _end(workers)
         del batches
         raise died or failure
+    except GeneratorExit:  # the consumer wanted no more (train.max_steps, a stop signal); a worker may be stuck
+        _end(workers)
+        del batches
+        raise
     finally:
         threading.excepthook = print_thread_error
         if on_main_thread:
