@@ -1,7 +1,7 @@
 """Strong scaling of the training step at a fixed global batch, one process per GPU over MPI.
 
     mpirun -np N python -m benchmarks.scaling [--model an4|deep|deep100|cpu_demo] [--global-batch 8]
-        [--backend auto|cudnn|persistent] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
+        [--backend auto|cudnn|persistent|reference] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
         [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs]
 
 Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
@@ -22,7 +22,8 @@ and is the slowest rank's time for that step:
                    bus bandwidth = 2 (N - 1) / N * bytes / time, as nccl-tests reports it
   compute          the step on each rank alone (no DDP, no sync batch norm) at several per-rank batches: the fixed
                    and per-sample cost that benchmarks.scaling_model projects from
-Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of the same kind, same settings): t(1) / (N * t(N)).
+Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of the same kind, same settings):
+t(1) / (N * t(N)).
 """
 import argparse
 import json
