@@ -3,6 +3,7 @@ machine."""
 import argparse
 import importlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -99,6 +100,16 @@ def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, modu
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"argument --json: {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_json_path_of_a_dash_is_refused_not_written_as_a_file_so_named(tmp_path):
+    """`prnn_kernels.support_table --json -` writes its JSON on stdout; the benchmarks wrote a file named "-"."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", "-"],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and not (tmp_path / "-").exists(), result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.endswith("argument --json: '-' is no file name here: /dev/stdout writes the JSON to stdout "
+                                  "after the table\n"), result.stderr[-2000:]
 
 
 def test_a_json_to_dev_stdout_under_a_redirection_follows_the_table(tmp_path):
