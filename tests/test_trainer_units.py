@@ -1482,10 +1482,10 @@ def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working
     assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-FEWER_BATCHES_THAN_A_STUCK_WORKER_WOULD_GIVE = """
-import itertools, sys, time
+BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD = """
+import itertools, os, signal, sys, threading, time
 from torch.utils.data import DataLoader
-from trainer.stop import start_data_workers
+from trainer.stop import ignore_in_data_workers, start_data_workers
 
 class StuckAtTheThirdBatch:  # as on a file system that stopped answering
     def __len__(self):
@@ -1496,24 +1496,39 @@ class StuckAtTheThirdBatch:  # as on a file system that stopped answering
             time.sleep(3600)
         return index
 
-loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=sys.argv[1] == "cuda")
-for batch in itertools.islice(start_data_workers(loader), 2):  # as train.max_steps or a stop signal ends an epoch
+device, ending = sys.argv[1:]
+loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=device == "cuda",
+                    worker_init_fn=ignore_in_data_workers)
+batches = start_data_workers(loader)
+for batch in itertools.islice(batches, 2):
     print(batch.tolist())
+if ending == "a second Ctrl-C":  # as the third batch is waited on
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        next(batches)
+    except KeyboardInterrupt:
+        print("interrupted")
+else:  # as a training loop's break at train.max_steps or on a stop signal lets the batches go
+    batches.close()
 """
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_batches_not_all_taken_leave_no_stuck_data_worker_to_wait_for(device):
+@pytest.mark.parametrize("ending", ["a second Ctrl-C", "no more batches wanted"])
+def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, ending):
     """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck one
-    for ever. On a GPU the batches pass through torch's pin-memory thread (pin_memory=True), as in training."""
-    job = subprocess.Popen([sys.executable, "-c", FEWER_BATCHES_THAN_A_STUCK_WORKER_WOULD_GIVE, device], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for ever: after a run's "interrupted by Ctrl-C", or its stop at train.max_steps. On a GPU the batches pass through
+    torch's pin-memory thread (pin_memory=True), as in training."""
+    job = subprocess.Popen([sys.executable, "-c", BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD, device, ending],
+                           cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     try:
         output = job.communicate(timeout=60)[0]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]"], output
+    interrupted = ["interrupted"] if ending == "a second Ctrl-C" else []
+    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *interrupted], output
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

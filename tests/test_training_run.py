@@ -453,29 +453,6 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_second_ctrl_c_while_a_data_loading_worker_is_stuck_ends_the_run_at_once(an4_train, tmp_path, device):
-    """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck
-    (here stopped) one for ever, after the line saying the run was interrupted."""
-    job, run_dir, workers = start_a_run_and_find_its_data_workers(
-        an4_train, tmp_path, "training", 1, "train.num_workers=1", "distributed.timeout_s=300", f"device={device}")
-    try:
-        (worker,) = workers
-        os.kill(worker, signal.SIGSTOP)
-        os.kill(job.pid, signal.SIGINT)
-        while "SIGINT received" not in (run_dir / "__main__.log").read_text() and job.poll() is None:
-            time.sleep(0.02)
-        os.kill(job.pid, signal.SIGINT)
-        output = job.communicate(timeout=60)[0]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 128 + signal.SIGINT, output[-4000:]
-    assert "interrupted by Ctrl-C" in the_one_error_line(output), output[-4000:]
-    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
-        os.kill(worker, 0)
-
-
 def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size
