@@ -562,33 +562,44 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
         assert "stopped after epoch 1 (train.max_steps)" in resumed.output, resumed.output[-4000:]
 
 
+# `python -m trainer` that sends itself SIGTERM as it scores its first evaluation's last utterance, of a test set of 4
+# (to its main thread, whose handler runs before pthread_kill returns: no race with the evaluation's end).
+SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE = (
+    "import runpy, signal, sys, threading\n"
+    "from trainer.metrics import ErrorCounts\n"
+    "add, scored = ErrorCounts.add, [0]\n"
+    "def add_and_signal_on_the_last(self, *args):\n"
+    "    scored[0] += 1\n"
+    "    if scored[0] == 4:\n"
+    "        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)\n"
+    "    return add(self, *args)\n"
+    "ErrorCounts.add = add_and_signal_on_the_last\n"
+    "sys.argv = ['trainer', *sys.argv[1:]]\n"
+    "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, *overrides):
+    """(the run's arguments, its finished process), the run 4 steps an epoch and its test set 4 batches of 1."""
+    short = [u for u in an4_train if u.duration < 2.5]
+    train_set = write_slice(tmp_path / "train.jsonl", short[:16])
+    test_set = write_slice(tmp_path / "test.jsonl", short[16:20])
+    arguments = train_arguments(tmp_path / "run", train_set, "model.hidden=32", "train.global_batch_size=4",
+                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto",
+                                *overrides)
+    finished = subprocess.run([sys.executable, "-c", SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE, *arguments],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    finished.output = finished.stdout + finished.stderr
+    return arguments, finished
+
+
 @pytest.mark.slow
 def test_a_signal_during_an_evaluations_last_batch_lets_the_finished_evaluation_count(an4_train, tmp_path):
     """The evaluation, its every batch made, was thrown away and made again by the resume: on a large test set,
-    minutes of a scheduler's job. Here the process sends itself SIGTERM as it scores the test set's last utterance
-    (to its main thread, whose handler runs before pthread_kill returns: no race with the evaluation's end)."""
-    short = [u for u in an4_train if u.duration < 2.5]
-    train_set = write_slice(tmp_path / "train.jsonl", short[:16])  # 4 steps an epoch
-    test_set = write_slice(tmp_path / "test.jsonl", short[16:20])  # 4 batches of 1
+    minutes of a scheduler's job."""
     run_dir = tmp_path / "run"
-    arguments = train_arguments(run_dir, train_set, "model.hidden=32", "train.epochs=2", "train.global_batch_size=4",
-                                "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto")
-    signalling = (
-        "import runpy, signal, sys, threading\n"
-        "from trainer.metrics import ErrorCounts\n"
-        "add, scored = ErrorCounts.add, [0]\n"
-        "def add_and_signal_on_the_last(self, *args):\n"
-        "    scored[0] += 1\n"
-        "    if scored[0] == 4:\n"
-        "        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)\n"
-        "    return add(self, *args)\n"
-        "ErrorCounts.add = add_and_signal_on_the_last\n"
-        "sys.argv = ['trainer', *sys.argv[1:]]\n"
-        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
-    )
-    stopped = subprocess.run([sys.executable, "-c", signalling, *arguments], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=300)
-    output = stopped.stdout + stopped.stderr
+    arguments, stopped = signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, "train.epochs=2")
+    output = stopped.output
     assert stopped.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert re.search(r" - epoch 1: loss .* test WER", output), output[-4000:]
     assert "stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name continues it from" in output, (
@@ -605,6 +616,20 @@ def test_a_signal_during_an_evaluations_last_batch_lets_the_finished_evaluation_
     assert "epoch 1 " not in resumed.output and "epoch 2: loss" in resumed.output, resumed.output[-4000:]
     steps, epochs = read_metrics(run_dir)  # each epoch's evaluation listed once
     assert sorted(steps) == list(range(1, 9)) and [line["epoch"] for line in epochs] == [1, 2], epochs
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_evaluation_began_lets_the_run_finish(an4_train, tmp_path):
+    """Every epoch trained and evaluated, the run stopped on the signal all the same (exit 143, no final WER line):
+    launch/slurm.sbatch would queue it again for a job with nothing to train."""
+    _, finished = signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, "train.epochs=1")
+    assert finished.returncode == 0, finished.output[-4000:]
+    assert "SIGTERM received after this job's last evaluation, its work done: it ends as a finished run" in (
+        finished.output), finished.output[-4000:]
+    assert finished.stdout.splitlines()[-1].startswith("final test WER"), finished.output[-4000:]
+    assert "stopped" not in finished.output, finished.output[-4000:]
+    steps, epochs = read_metrics(tmp_path / "run")
+    assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
 
 
 @pytest.mark.slow

@@ -416,6 +416,11 @@ def stop_for(requests: dict, world_size: int, result: dict) -> str:
     """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
     gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
     result["stop_signal"] = max(requests, key=requests.get)
+    return signals_received(requests, world_size)
+
+
+def signals_received(requests: dict, world_size: int) -> str:
+    """"SIGTERM", or "SIGTERM on 1 of 2 ranks", from {signal: how many ranks received it}."""
     return ", ".join(number.name + (f" on {ranks} of {world_size} ranks" if world_size > 1 else "")
                      for number, ranks in requests.items())
 
@@ -1067,9 +1072,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         # One that came during the last batch or after it, too late to cut the evaluation short: the epoch ends as
         # any other, its evaluation recorded, rather than have the resume make the whole evaluation again.
         requests = stop_requests_of_all_ranks(stop_signals, env)
-        if requests:
-            stopped_by = stop_for(requests, env.world_size, result)
         if evaluation_cut_short:
+            stopped_by = stop_for(requests, env.world_size, result)
             # A signal during the epoch's last step or its evaluation: a large test set can take longer than a
             # scheduler waits after its signal. last.pt at the epoch's last step, before the evaluation, lets the
             # resume make it.
@@ -1122,7 +1126,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             save("best.pt", "last.pt")
         else:
             save("last.pt")
-        if max_steps is not None and state["step"] >= max_steps and epoch + 1 < cfg.train.epochs:
+        reached_max_steps = max_steps is not None and state["step"] >= max_steps
+        if requests and epoch + 1 == cfg.train.epochs:
+            # The run has done its work: stopping on the signal (exit 128 + its number) would have a scheduler's
+            # requeue (launch/slurm.sbatch) start a job with nothing to train, which leaves no final WER line either.
+            log.info("%s received after this job's last evaluation, its work done: it ends as a finished run",
+                     signals_received(requests, env.world_size))
+        elif requests:
+            stopped_by = stop_for(requests, env.world_size, result)
+        if reached_max_steps and epoch + 1 < cfg.train.epochs:
             stopped_by = "train.max_steps"
         if stopped_by:
             result["stopped_at_step"] = state["step"]
