@@ -619,15 +619,22 @@ def test_a_signal_during_an_evaluations_last_batch_lets_the_finished_evaluation_
 
 
 @pytest.mark.slow
-def test_a_signal_after_the_last_evaluation_began_lets_the_run_finish(an4_train, tmp_path):
+@pytest.mark.parametrize("overrides, last_line", [
+    (["train.epochs=1"], "final test WER"),
+    # Stopped by train.max_steps at the same step: it named train.max_steps, yet exited 143 with no last line, where a
+    # signal during the step train.max_steps stops at inside an epoch exits 0.
+    (["train.epochs=2", "train.max_steps=4"],
+     "stopped at step 4 (train.max_steps); the last evaluation, after epoch 1"),
+])
+def test_a_signal_after_the_last_evaluation_began_lets_the_run_finish(an4_train, tmp_path, overrides, last_line):
     """Every epoch trained and evaluated, the run stopped on the signal all the same (exit 143, no final WER line):
     launch/slurm.sbatch would queue it again for a job with nothing to train."""
-    _, finished = signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, "train.epochs=1")
+    _, finished = signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, *overrides)
     assert finished.returncode == 0, finished.output[-4000:]
     assert "SIGTERM received after this job's last evaluation, its work done: it ends as a finished run" in (
         finished.output), finished.output[-4000:]
-    assert finished.stdout.splitlines()[-1].startswith("final test WER"), finished.output[-4000:]
-    assert "stopped" not in finished.output, finished.output[-4000:]
+    assert finished.stdout.splitlines()[-1].startswith(last_line), finished.output[-4000:]
+    assert "(SIGTERM)" not in finished.output, finished.output[-4000:]
     steps, epochs = read_metrics(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
 

@@ -1127,9 +1127,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         else:
             save("last.pt")
         reached_max_steps = max_steps is not None and state["step"] >= max_steps
-        if requests and epoch + 1 == cfg.train.epochs:
-            # The run has done its work: stopping on the signal (exit 128 + its number) would have a scheduler's
-            # requeue (launch/slurm.sbatch) start a job with nothing to train, which leaves no final WER line either.
+        if requests and (epoch + 1 == cfg.train.epochs or reached_max_steps):
+            # The job has done its work (as a signal during the step train.max_steps stops at inside an epoch leaves
+            # it): stopping on the signal (exit 128 + its number) would have a scheduler's requeue
+            # (launch/slurm.sbatch) start a job with nothing to train, which leaves no last line either.
             log.info("%s received after this job's last evaluation, its work done: it ends as a finished run",
                      signals_received(requests, env.world_size))
         elif requests:
