@@ -579,7 +579,7 @@ SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE = (
 )
 
 
-def signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, *overrides):
+def signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, *overrides, multirun=False):
     """(the run's arguments, its finished process), the run 4 steps an epoch and its test set 4 batches of 1."""
     short = [u for u in an4_train if u.duration < 2.5]
     train_set = write_slice(tmp_path / "train.jsonl", short[:16])
@@ -587,7 +587,8 @@ def signalled_on_the_first_evaluations_last_score(an4_train, tmp_path, *override
     arguments = train_arguments(tmp_path / "run", train_set, "model.hidden=32", "train.global_batch_size=4",
                                 "train.eval_batch_size=1", f"data.eval_manifest={test_set}", "train.resume=auto",
                                 *overrides)
-    finished = subprocess.run([sys.executable, "-c", SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE, *arguments],
+    finished = subprocess.run([sys.executable, "-c", SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE,
+                               *(["-m"] if multirun else []), *arguments],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     finished.output = finished.stdout + finished.stderr
     return arguments, finished
@@ -637,6 +638,22 @@ def test_a_signal_after_the_last_evaluation_began_lets_the_run_finish(an4_train,
     assert "(SIGTERM)" not in finished.output, finished.output[-4000:]
     steps, epochs = read_metrics(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
+
+
+@pytest.mark.slow
+def test_a_signal_after_a_sweep_jobs_last_evaluation_began_stops_the_sweep_after_that_job(an4_train, tmp_path):
+    """The job that got it ends as a finished run, and the signal then ended no job: the sweep ran on, each job after it
+    trained whole, until the scheduler that sent it killed the sweep."""
+    sweep_dir = tmp_path / "sweep"
+    _, finished = signalled_on_the_first_evaluations_last_score(
+        an4_train, tmp_path, f"hydra.sweep.dir={sweep_dir}", "train.epochs=1", "model.cell=relu,gru", multirun=True)
+    assert finished.returncode == 128 + signal.SIGTERM, finished.output[-4000:]
+    assert "SIGTERM received after this job's last evaluation, its work done: it ends as a finished run" in (
+        finished.output), finished.output[-4000:]
+    assert "final test WER" in finished.stdout, finished.output[-4000:]
+    assert "SIGTERM received before training began" in finished.output, finished.output[-4000:]
+    jobs = sweep_jobs(sweep_dir)
+    assert list(jobs) == ["relu"] and (jobs["relu"] / "checkpoints" / "last.pt").exists(), jobs
 
 
 @pytest.mark.slow

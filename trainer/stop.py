@@ -92,10 +92,15 @@ class StopSignals:
             previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
             self._previous = self._previous or previous  # those from before the block, for __exit__ to put back
 
-    def __exit__(self, *exception) -> None:
+    def __exit__(self, exception_type=None, *exception) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
+        if self.received is not None and exception_type is None:
+            # One the run ended without stopping on, its work done (after its last evaluation): a sweep's next job
+            # ends on it before training begins, as on one that comes between jobs, rather than run as if none came.
+            _early_signal.append(self.received)
+            self.received = None
 
     @staticmethod
     def _stop_now(number: int, frame) -> None:
