@@ -359,6 +359,19 @@ def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
     assert str(error.value) == complaint
 
 
+@pytest.mark.parametrize("override, complaint", [
+    ("data.train_manifests=[a.jsonl,' ']", "data.train_manifests must be a list of one or more manifest paths"
+                                           f"{SET_MANIFESTS}, not ['a.jsonl', ' ']"),
+    ("data.eval_manifest=' '", f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not ' '"),
+    ("train.resume=' '", "train.resume must be null, auto or a checkpoint's path, not ' '"),
+])
+def test_a_path_of_only_whitespace_is_refused_naming_its_key(override, complaint):
+    """A quoted shell variable that is unset but for a space: "manifest   does not exist", the path unseen."""
+    with pytest.raises(ValueError) as error:
+        check_config(compose_config(["experiment=cpu_demo", override]))
+    assert str(error.value) == complaint
+
+
 @pytest.mark.parametrize("override", [
     "seed=0", "seed=4294967295", "optim.betas=[0,0.999]", "optim.anneal=1", "data.features.sample_rate=1000",
     "data.features.sample_rate=384000", "data.augment.masks.max_time_fraction=0",

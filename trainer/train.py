@@ -623,8 +623,9 @@ CONFIG_RULES = (
      "its settings"),
     ("data.max_duration", lambda v: v is None or _is_number(v) and v > 0, "a positive number of seconds or null"),
     ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
-     and all(isinstance(path, str) and path for path in v), "a list of one or more manifest paths" + SET_MANIFESTS),
-    ("data.eval_manifest", lambda v: isinstance(v, str) and v != "", "a manifest's path" + SET_MANIFESTS),
+     and all(isinstance(path, str) and path.strip() for path in v), "a list of one or more manifest paths"
+     + SET_MANIFESTS),
+    ("data.eval_manifest", lambda v: isinstance(v, str) and v.strip() != "", "a manifest's path" + SET_MANIFESTS),
     ("data.an4_source", lambda v: v is None or isinstance(v, str) and v.strip() != "", "null or AN4's folder"),
     ("data.manifest_dir", lambda v: isinstance(v, str) and v.strip() != "", "a folder's path"),
     ("data.features.kind", lambda v: v in FEATURE_KINDS, f"one of {', '.join(FEATURE_KINDS)}"),
@@ -636,7 +637,8 @@ CONFIG_RULES = (
     *((f"data.augment.masks.{key}", lambda v: _is_int(v) and v >= 0, "a non-negative integer")
       for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
     ("data.augment.masks.max_time_fraction", lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
-    ("train.resume", lambda v: v is None or isinstance(v, str) and v != "", "null, auto or a checkpoint's path"),
+    ("train.resume", lambda v: v is None or isinstance(v, str) and v.strip() != "",
+     "null, auto or a checkpoint's path"),
     ("distributed.timeout_s", lambda v: _is_number(v) and 0 < v <= distributed.MAX_TIMEOUT_S,
      f"a positive number of seconds up to {distributed.MAX_TIMEOUT_S:g}"),
     # On/off keys: a string such as "no" would be true, and turn on what the user turned off.
