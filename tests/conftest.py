@@ -1,5 +1,6 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
-the small trainer configuration the training runs use, and the mpiexec that multi-rank jobs start under."""
+the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, and how a test
+finds a trainer's data-loading workers."""
 import os
 import shutil
 import subprocess
@@ -72,6 +73,12 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
     if not path.exists():
         job.kill()
         pytest.fail(f"{path} did not appear within {timeout_s} s")
+
+
+def data_loading_workers(pid: int) -> set[int]:
+    """The pids of trainer process `pid`'s children: its data-loading workers."""
+    listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout
+    return {int(child) for child in listed.split()}
 
 
 @pytest.fixture(scope="session")

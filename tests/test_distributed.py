@@ -1,7 +1,7 @@
 """Data-parallel training over MPI: two ranks train exactly as one process does at the same global batch, on CPU
 (gloo) and, where two GPUs are visible, on GPUs (NCCL, persistent kernels, eager and replayed from CUDA graphs); a rank
-that raises ends the whole job with its message, and one killed ends it too; benchmarks.scaling and
-benchmarks.scaling_model run.
+that raises ends the whole job with its message, one killed ends it too, and so does one whose data-loading worker is
+stuck or killed, saying so; benchmarks.scaling and benchmarks.scaling_model run.
 
 Every job runs under mpiexec (MPICH, from the `test` extra) in its own session and under a timeout, so a hang fails
 its test, with the job killed, instead of stalling CI.
@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
-from conftest import MPIEXEC, REPO_ROOT, needs_mpiexec, wait_for_file
+from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file
 from data.prepare import prepare_an4
 from trainer import build, distributed
 
@@ -800,6 +800,53 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     if signal_number == signal.SIGSTOP and not overrides:  # gloo's timeout names no rank: the trainer asks them
         assert "training failed on rank 0:" in output, output
         assert "error on rank 0: no answer from rank 1: this rank's collective waited distributed" in output, output
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` has not ended: a zombie has, only its exit status left for its parent to read."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+@pytest.mark.parametrize("signal_number, failure", [
+    (signal.SIGSTOP, "no batch came from the data-loading workers within 10 s (distributed.timeout_s): one is stuck "
+                     "(on a file system that stopped answering, or stopped) or far too slow, and they were killed"),
+    (signal.SIGKILL, "data-loading worker (pid {worker}) was killed by SIGKILL, which the kernel's out-of-memory "
+                     "killer sends"),
+], ids=["stopped", "killed"])
+def test_a_data_loading_worker_stopped_or_killed_on_one_rank_ends_the_job_saying_so(an4_slice, tmp_path,
+                                                                                      signal_number, failure):
+    """Rank 1's worker stuck (stopped here) or killed (the out-of-memory killer's SIGKILL) while rank 0 waits for
+    rank 1 in a collective, whose timeout names no cause: rank 1 says what befell its worker in one line and ends the
+    job, and no worker of either rank is left behind, stopped or running. A stopped worker may hold a batch its rank
+    has taken from the queue but cannot unpickle without it: that rank then waits too, and ends by the same timeout."""
+    run_dir = tmp_path / "run"
+    # One utterance a rank, 8 steps an epoch: rank 1 still has batches to ask its worker for after step 2.
+    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "train.global_batch_size=2",
+                                    "train.num_workers=1", "distributed.timeout_s=10"))
+    try:
+        wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
+        while '"step": 2,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)
+        workers = {rank: data_loading_workers(rank_process(rank, run_dir)) for rank in range(2)}
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    (worker,) = workers[1]
+    os.kill(worker, signal_number)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert code == 1, output
+    assert f"[rank 1] error on rank 1: {failure.format(worker=worker)}" in output, output
+    # mpiexec ends as it kills the ranks' process groups, with their workers, which may take a moment to end.
+    deadline = time.monotonic() + FAILURE_TIMEOUT_S
+    while (left := {pid for pid in set.union(*workers.values()) if running(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"workers left running or stopped: {left}"
 
 
 @needs_mpiexec

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO_ROOT, TINY, wait_for_file, write_slice
+from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, write_slice
 from data.manifest import read_manifest
 
 def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
@@ -355,11 +355,6 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
         assert sorted(resumed) == list(range(1, 13))
         for step in range(saved_step + 1, 13):
             assert resumed[step] == pytest.approx(whole[step], rel=1e-6, abs=0), f"{run_dir.name}, step {step}"
-
-
-def data_loading_workers(pid: int) -> set[int]:
-    listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout
-    return {int(child) for child in listed.split()}
 
 
 def start_a_run_and_find_its_data_workers(an4_train, tmp_path, stage: str, after_step: int, *overrides):
