@@ -55,7 +55,7 @@ def save_same(source: Path, path: Path) -> None:
     hard link, put in place by a rename as save's file is, or a copy where the file system has no hard links. Both
     names then share one file until either is saved again: every save writes a new file and renames it over the name,
     never into the file the name had, so the other name keeps it."""
-    temporary = path.with_name(f".{path.name}.tmp")
+    temporary = _temporary(path)
     try:
         temporary.unlink(missing_ok=True)
         os.link(source, temporary)
@@ -66,9 +66,14 @@ def save_same(source: Path, path: Path) -> None:
     os.replace(temporary, path)
 
 
+def _temporary(path: Path) -> Path:
+    """The file beside `path` that is written, or linked, first and then renamed over it."""
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _write(path: Path, write_into) -> None:
     """save's writing: `write_into(file)` fills a temporary file beside `path`, which then replaces it."""
-    temporary = path.with_name(f".{path.name}.tmp")
+    temporary = _temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # A new file, not the one a crash may have left at this name: that may be a hard link to another checkpoint
