@@ -969,7 +969,8 @@ def test_a_stop_signal_while_the_ranks_import_ends_the_job_saying_so(an4_slice, 
 def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.global_batch_size=5"), FAILURE_TIMEOUT_S)
     assert code == 2, output
-    assert "train.global_batch_size=5: global_batch_size 5 must be a positive multiple of world_size 2" in output, output
+    expected = "train.global_batch_size=5: global_batch_size 5 must be a positive multiple of world_size 2"
+    assert expected in output, output
 
 
 def scaling_command(world_size: int, json_path: Path, *extra) -> list:

@@ -1116,7 +1116,8 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
         ("model", torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
         ("train_state", {"epoch": 2, "step": "9"},
          "no number from 0 up, or no count where one belongs, for step='9', best_wer=None"),
-        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1}, "no count where one belongs, for epoch=2.0, step=-1"),
+        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1},
+         "no count where one belongs, for epoch=2.0, step=-1"),
         # A hand-edited NaN best_wer: no WER beats it, so best.pt stayed as it was for the rest of the run.
         ("train_state", {"epoch": 2, "step": 9, "best_wer": math.nan}, r"for best_wer=nan\)$"),
         ("train_state", {"epoch": 2, "step": 9, "best_wer": -1.0}, r"for best_wer=-1.0\)$"),
@@ -1401,7 +1402,8 @@ def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
     features = torch.randn(2, 60, 20)
     if nan_in_features:
         features[1, 10, 3] = math.nan
-    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0), Sample(features[1], torch.tensor(encode("NO")), 1)])
+    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0),
+                     Sample(features[1], torch.tensor(encode("NO")), 1)])
     return cfg, model, optimizer, schedule, batch
 
 

@@ -129,9 +129,9 @@ def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: boo
         raise ValueError(
             f"{counted(ranks_on_node, 'rank')} on this node but {counted(num_gpus, 'GPU')} visible, and NCCL needs a "
             f"GPU per rank: start at most {counted(num_gpus, 'rank')} per node (sbatch and srun: "
-            f"--ntasks-per-node={num_gpus}, which launch/slurm.sbatch sets to 8), or set distributed.share_gpus=true to "
-            "put several ranks on each GPU (they take turns on it and all-reduce through gloo: slow, but the arithmetic "
-            "of one GPU per rank)"
+            f"--ntasks-per-node={num_gpus}, which launch/slurm.sbatch sets to 8), or set distributed.share_gpus=true "
+            "to put several ranks on each GPU (they take turns on it and all-reduce through gloo: slow, but the "
+            "arithmetic of one GPU per rank)"
         )
     return local_rank % num_gpus
 

@@ -47,8 +47,8 @@ constexpr int kMinThreads = 32 * kSubPartitions;
 // v32).
 constexpr int kMostBf16Threads = 512;
 
-// A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the fp32
-// ReLU at 512 ran 33-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter of
+// A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the
+// fp32 ReLU at 512 ran 33-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter of
 // the CTAs to hand off. Where more warps would add work per busy sub-partition (the ReLU at 768: three warps on 96 CTAs
 // rather than six on 48) the fewer CTAs were 1-10 % slower (NOTES.md, "Work per busy sub-partition").
 double work_per_busy_partition(const Tiling& t) {
