@@ -46,8 +46,9 @@ class FeatureExtractor(nn.Module):
     kind="spectrogram": log(1 + |STFT|) with a Hamming window, n_fft = window length (20 ms at 16 kHz: 320
     samples -> 161 bins), as DeepSpeech2 uses. kind="mel": log of an `n_mels`-band mel power spectrogram; its FFT
     is zero-padded to the next power of two because 80 mel bands over 161 bins would leave the narrow
-    low-frequency bands without a bin. Frames are centred, so N samples give 1 + N // hop frames; the ends are
-    padded with zeros, not reflected, so that audio shorter than half a window still gives a frame.
+    low-frequency bands without a bin. Frames are centred, so N samples give 1 + N // hop frames (one fewer where the
+    FFT's length is odd and N a multiple of hop: num_frames); the ends are padded with zeros, not reflected, so that
+    audio shorter than half a window still gives a frame.
 
     normalize: scale each feature to zero mean and unit variance over the utterance, which removes the
     recording's gain and channel colour.
