@@ -823,7 +823,8 @@ def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_
     arguments[2] = f"data.eval_manifest={corpus / 'train.jsonl'}"
     # Nor is anything saved where a step limit or a periodic checkpoint comes before the epoch's end.
     for limit, skipped in (([], "its 2 steps was skipped (8 utterances unreadable or too long, 2 steps skipped"),
-                           (["train.max_steps=1"], "its 1 step was skipped (4 utterances unreadable or too long"),
+                           (["train.max_steps=1"],
+                            "its 1 step was skipped (4 utterances unreadable or too long, 1 step"),
                            (["train.checkpoint_every_steps=1"], "its 1 step was skipped (4 utterances unreadable")):
         result = run("trainer", [*arguments, *limit], timeout=300)
         assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]

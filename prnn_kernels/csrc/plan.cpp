@@ -48,9 +48,9 @@ constexpr int kMinThreads = 32 * kSubPartitions;
 constexpr int kMostBf16Threads = 512;
 
 // A CTA of fewer than four warps leaves sub-partitions idle, so its work per CTA understates how long it takes: the
-// fp32 ReLU at 512 ran 33-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter of
-// the CTAs to hand off. Where more warps would add work per busy sub-partition (the ReLU at 768: three warps on 96 CTAs
-// rather than six on 48) the fewer CTAs were 1-10 % slower (NOTES.md, "Work per busy sub-partition").
+// fp32 ReLU at 512 ran 33-38 % faster on 32 CTAs of four warps than on 128 of one, the same work per warp on a quarter
+// of the CTAs to hand off. Where more warps would add work per busy sub-partition (the ReLU at 768: three warps on 96
+// CTAs rather than six on 48) the fewer CTAs were 1-10 % slower (NOTES.md, "Work per busy sub-partition").
 double work_per_busy_partition(const Tiling& t) {
   const int busy_partitions = std::min(t.threads / 32, kSubPartitions);
   return static_cast<double>(t.rows_per_cta) * t.padded_k / busy_partitions;
