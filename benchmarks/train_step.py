@@ -17,6 +17,11 @@ graph cannot hold), the same step with the model's forward and backward replayed
 train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 32 utterances, fewer for
 large layers; a shape they refuse is recorded with the reason, not timed.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from trainer.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import gc
 import json

@@ -870,6 +870,34 @@ def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
     assert cli.run_tool(lambda: 3) == 3
 
 
+# Runs a tool as `python -m` does, sending it a real Ctrl-C as its first import of the module named in argv[1] begins.
+CTRL_C_WHILE_IMPORTING = """
+import builtins, os, runpy, signal, sys
+tool, interrupted_at = sys.argv[1:3]
+real_import = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name == interrupted_at:
+        builtins.__import__ = real_import
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = importing
+sys.argv = [tool, "--help"]
+runpy.run_module(tool, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("tool, interrupted_at", [
+    ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
+    ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
+])
+def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool, interrupted_at):
+    """A Ctrl-C in the seconds a tool imports torch, before run_tool takes it, printed a traceback from inside them."""
+    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted by Ctrl-C\n"), result.stderr
+
+
 def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path):
     target, manifest = tmp_path / "out.tsv", tmp_path / "m.jsonl"
     manifest.write_text("kept\n")

@@ -3,6 +3,11 @@
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
         [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from trainer.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import logging
 import sys

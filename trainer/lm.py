@@ -9,6 +9,11 @@ once), and the mass taken from a history goes to the words it was never followed
 lower-order probabilities. Words are upper case, as the model spells them; a word never seen in training scores as
 <unk>.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from trainer.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import math
 import re
