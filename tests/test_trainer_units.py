@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -979,6 +980,14 @@ def test_checkpoint_with_code_is_refused(tmp_path, capsys):
         # One line, and not torch's advice to load it with weights_only=False.
         assert "\n" not in str(error.value) and "weights_only" not in str(error.value), str(error.value)
     assert "this must never run" not in capsys.readouterr().out
+
+
+def test_a_pickle_not_written_by_torch_save_is_refused_in_one_line_without_torchs_warning(tmp_path, recwarn):
+    with open(tmp_path / "pickled.pt", "wb") as file:
+        pickle.dump(Payload(), file, protocol=4)
+    with pytest.raises(ValueError, match="cannot load checkpoint .*pickled.pt: not a complete checkpoint"):
+        checkpoint.load(tmp_path / "pickled.pt")
+    assert [str(warning.message) for warning in recwarn] == []
 
 
 def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):

@@ -12,6 +12,7 @@ import re
 import resource
 import shutil
 import stat
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -161,7 +162,11 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
                 compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
             if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
                 raise ValueError("it holds compressed entries, which torch.save never writes")
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # A pickle that torch.save did not write (pickle.dump's protocol) drew torch's warning over two lines
+            # before the one line that refuses it, or that says what it lacks.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
                          f"holding more than tensors and plain data ({type(error).__name__}: {_reason(error)})"
