@@ -12,7 +12,7 @@ usage="usage: launch/multi_node.sh HOSTFILE NUM_PROCESSES [trainer overrides...]
 help_if_asked "$usage" "$@"
 hostfile=${1-}
 num_processes=${2-}
-[[ -r $hostfile ]] || { echo "no readable hostfile '$hostfile'; $usage" >&2; exit 2; }
+[[ -r $hostfile && ! -d $hostfile ]] || { echo "no readable hostfile '$hostfile'; $usage" >&2; exit 2; }
 [[ $num_processes =~ ^[1-9][0-9]*$ ]] || {
     echo "NUM_PROCESSES must be a positive integer, not '$num_processes'; $usage" >&2; exit 2; }
 shift 2

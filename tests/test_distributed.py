@@ -426,6 +426,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         ("single_node.sh", ["2"], {"RUN_NAME": ".."}, "RUN_NAME '..': use letters, digits, spaces and ._+@-, not dots"),
         ("multi_node.sh", [], {}, "no readable hostfile ''; usage: launch/multi_node.sh"),
         ("multi_node.sh", [str(tmp_path / "none.txt"), "16"], {}, f"no readable hostfile '{tmp_path / 'none.txt'}'"),
+        # A folder passed -r and ended in tr's "read error: Is a directory", exit code 1.
+        ("multi_node.sh", [str(tmp_path), "16"], {}, f"no readable hostfile '{tmp_path}'"),
         ("multi_node.sh", [str(tmp_path / "bare.txt"), "16"], {},
          "its first host line must read 'NAME slots=GPUS', got 'node01'"),
     ]:
