@@ -10,10 +10,6 @@
 # runs no rank, mpirun gets the signal. Should this script be killed outright (SIGKILL), the launcher gets SIGTERM
 # (setpriv --pdeathsig, where util-linux has it) rather than run on alone.
 run_mpi_job() {
-    if ! command -v "$1" > /dev/null; then  # else setpriv's "failed to execute", naming neither MPI nor MPIRUN
-        echo "no MPI launcher '$1' on PATH: install MPI (OpenMPI, or MPICH: pip install mpich) or set MPIRUN" >&2
-        exit 127
-    fi
     local open_mpi=""
     # OpenMPI's mpirun says "Open MPI", its mpiexec "OpenRTE".
     if [[ $(launcher_version "$1") =~ Open\ MPI|OpenRTE ]]; then
@@ -57,6 +53,18 @@ pass_ctrl_c_on_under_mpich() {
         kill -INT "$launcher" || true
     else
         pkill -INT -P "$(pgrep -d, -P "$launcher")" -f ' -m trainer ' || true
+    fi
+}
+
+# `require_launcher`: the launcher MPIRUN names (its first word; default mpirun) is on PATH, or one line naming it and
+# exit code 127, before the script builds the extension (a minute on a GPU node) only to find no MPI; and rather than
+# setpriv's "failed to execute", which names neither MPI nor MPIRUN.
+require_launcher() {
+    local launcher
+    read -r launcher _ <<< "${MPIRUN:-mpirun}"
+    if ! command -v "$launcher" > /dev/null; then
+        echo "no MPI launcher '$launcher' on PATH: install MPI (OpenMPI, or MPICH: pip install mpich) or set MPIRUN" >&2
+        exit 127
     fi
 }
 

@@ -29,6 +29,7 @@ first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "
 [[ -n $first_slots ]] || {
     echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '$first_line'" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
+require_launcher
 # The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a
 # parse error of its own.
 read -r launcher _ <<< "${MPIRUN:-mpirun}"

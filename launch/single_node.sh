@@ -17,6 +17,7 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}  # fixed here once, so every rank w
 # A name of dots alone would be runs/ itself or the working directory.
 [[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ && ! $run_name =~ ^\.+$ ]] || {
     echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-, not dots alone" >&2; exit 2; }
+require_launcher
 
 # A sweep's -m goes before the script's overrides: Hydra's parser takes the overrides as one run of arguments.
 sweep=()
