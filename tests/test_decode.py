@@ -396,3 +396,15 @@ def test_a_beam_width_below_one_is_refused_as_the_arguments_are_read(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--beam", value])
         assert f"argument --beam: must be at least 1, not {value}" in capsys.readouterr().err
+
+
+def test_a_beam_width_past_the_maximum_is_refused_as_the_arguments_are_read(capsys):
+    # --beam 100000000 kept the prefixes of every frame multiplying until the memory ran out.
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--beam", "100000000"])
+    assert f"argument --beam: must be at most {decode.MAX_BEAM_WIDTH}, not 100000000" in capsys.readouterr().err
+    assert parser.parse_args(["--beam", str(decode.MAX_BEAM_WIDTH)]).beam == decode.MAX_BEAM_WIDTH
+    with pytest.raises(ValueError, match=f"beam width must be at most {decode.MAX_BEAM_WIDTH}, not 100000000"):
+        decode.BeamSearch(beam_width=100_000_000)

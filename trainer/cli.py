@@ -9,12 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argument type: an integer of at least `minimum`, a smaller one refused naming it."""
+def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:
+    """An argument type: an integer of at least `minimum` (and at most `at_most`, where given), another refused naming
+    it."""
     def integer(text: str) -> int:  # argparse names the function in "invalid integer value: 'x'"
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most}, not {value}")
         return value
     return integer
 

@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from data.text import ALPHABET, BLANK, decode
-from trainer.cli import finite_float, input_path, positive_int
+from trainer.cli import finite_float, input_path, int_at_least
 from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM
 
 SPACE = ALPHABET.index(" ")
 LN_10 = math.log(10)
+# Each frame extends every prefix kept by every character above the pruning threshold, in Python: the time and memory
+# of a frame grow with the width, and a width of 10**8 let the prefixes kept multiply frame by frame until the memory
+# ran out. At this width a model unsure of every frame (an untrained one) takes about 8 s a second of audio on one core.
+MAX_BEAM_WIDTH = 1024
 
 
 def greedy_decode(log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
@@ -56,6 +60,8 @@ class BeamSearch:
     def __post_init__(self):
         if self.beam_width < 1:
             raise ValueError(f"beam width must be at least 1, not {self.beam_width}")
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam width must be at most {MAX_BEAM_WIDTH}, not {self.beam_width}")
 
     def __call__(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
         """log_probs: (T, B, V); lengths: (B,). The best transcript of each utterance."""
@@ -186,8 +192,9 @@ def _log_add(a: float, b: float) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The decoder options of the command-line tools."""
-    parser.add_argument("--beam", type=positive_int,
-                        help="CTC prefix beam search of this width (default: greedy, or 16 with --lm)")
+    parser.add_argument("--beam", type=int_at_least(1, at_most=MAX_BEAM_WIDTH),
+                        help=f"CTC prefix beam search of this width, at most {MAX_BEAM_WIDTH} (default: greedy, or "
+                             f"{BeamSearch.beam_width} with --lm)")
     parser.add_argument("--lm", type=input_path,
                         help="an ARPA word n-gram model for the beam search (python -m trainer.lm builds one)")
     parser.add_argument("--lm-weight", type=finite_float,
