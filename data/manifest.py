@@ -3,6 +3,7 @@
 The format is NeMo's, so manifests written elsewhere load too; there `speaker` may be absent. NeMo's `offset` (a
 segment of a longer file) is refused rather than ignored: the whole file would be read under the segment's transcript.
 """
+import codecs
 import json
 import os
 import unicodedata
@@ -134,6 +135,31 @@ def control_character(text: str) -> str | None:
     or show the rest of its line reordered."""
     return next((char for char in text if unicodedata.category(char) in ("Cc", "Zl", "Zp") or char in BIDI_CONTROLS),
                 None)
+
+
+def printable_path(path: str | os.PathLike) -> str:
+    """`path` with the bytes that are not UTF-8 as escapes ("\\xff"), which every console and log file can take."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _escape_as_printable_path(error: UnicodeError) -> tuple[str, int]:
+    """A codec error handler: the bytes of a path that are not UTF-8 (which Python holds as surrogate escapes,
+    "\\udcff") as printable_path writes them; other text it cannot encode as backslashreplace writes it."""
+    if isinstance(error, UnicodeEncodeError):
+        unencodable = error.object[error.start : error.end]
+        if all("\udc80" <= char <= "\udcff" for char in unencodable):
+            return printable_path(unencodable), error.end
+    return codecs.backslashreplace_errors(error)
+
+
+codecs.register_error("printable_path", _escape_as_printable_path)
+
+
+def print_paths_printable(*streams) -> None:
+    """Has `streams` (a tool's stdout and stderr) print a path that is not UTF-8 as printable_path writes it: stderr's
+    own "\\udcff" for b"\\xff" named no byte, and stdout's strict UTF-8 (en_US.UTF-8) ended the tool in a traceback."""
+    for stream in streams:
+        stream.reconfigure(errors="printable_path")
 
 
 def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.manifest import Utterance, control_character, read_manifest, write_manifest
+from data.manifest import Utterance, control_character, printable_path, read_manifest, write_manifest
 from data.text import normalize_text
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
         return None
     if not _is_utf8(audio):
         logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)",
-                       _printable(audio))
+                       printable_path(audio))
         return None
     if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
         logger.warning("skipping %r: its path holds the control character %r (U+%04X), which would break or reorder "
@@ -205,7 +205,7 @@ def _require(path: Path, folder: bool = False) -> Path:
 
 def _require_utf8(source: Path) -> Path:
     if not _is_utf8(source):
-        raise ValueError(f"{_printable(source)}: the path is not UTF-8, which a manifest's audio paths must be "
+        raise ValueError(f"{printable_path(source)}: the path is not UTF-8, which a manifest's audio paths must be "
                          "(rename it)")
     return source
 
@@ -217,11 +217,6 @@ def _is_utf8(path: Path) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _printable(path: Path) -> str:
-    """`path` with the bytes that are not UTF-8 as escapes ("\\xff"), which every console and log file can take."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _newer_than(target: Path, sources: Iterable[Path]) -> bool:

@@ -1286,6 +1286,28 @@ def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_pat
     assert result.returncode == 0 and result.stdout.startswith(audio + b"\t"), result.stdout + result.stderr
 
 
+def test_the_tools_print_a_path_that_is_not_utf8_with_its_bytes_escaped_as_data_prepare_does(tmp_path):
+    # trainer.lm and trainer.transcribe printed b"\xff" as stderr's "\udcff", which names no byte, where data.prepare
+    # prints "\xff"; and trainer.lm's last line, under strict UTF-8 (PYTHONIOENCODING), was a UnicodeEncodeError.
+    corpus = bytes(tmp_path) + b"/corpus\xff"
+    os.mkdir(corpus)
+    with open(corpus + b"/m.jsonl", "w", encoding="utf-8") as manifest:
+        manifest.write('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}\n' * 2)
+    shown = f"{tmp_path}/corpus\\xff".encode()
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", corpus + b"/m.jsonl", "--out",
+                             corpus + b"/lm.arpa"], cwd=REPO_ROOT, capture_output=True, timeout=120, env=strict)
+    assert result.returncode == 0, result.stderr
+    assert f"(the first: {shown.decode()}/a.wav)".encode() in result.stderr, result.stderr
+    assert result.stdout.endswith(b"wrote " + shown + b"/lm.arpa: a 3-gram model of 1 transcript; 1 whose audio "
+                                  b"file is listed before left out\n"), result.stdout
+    result = subprocess.run([sys.executable, "-m", "trainer.transcribe", "--checkpoint",
+                             str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", corpus + b"/absent.wav"],
+                            cwd=REPO_ROOT, capture_output=True, timeout=300, env=strict)
+    assert result.returncode == 1 and result.stderr.endswith(shown + b"/absent.wav\terror: no such audio file\n"), \
+        result.stderr
+
+
 def test_evaluate_writes_a_file_name_that_is_not_utf8_into_its_table_as_its_own_bytes(tmp_path, capsys):
     # A manifest in a folder named with b"\xff" names its audio through it; --out was refused in a line of the codec's
     # ("error: 'utf-8' codec can't encode character '\udcff' ..."), and the table not written.

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.dataset import SpeechDataset, collate, count_reasons
+from data.manifest import print_paths_printable
 from data.sampler import eval_shard
 from data.text import counted, normalize_text
 from trainer import build, decode
@@ -140,4 +141,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    print_paths_printable(sys.stdout, sys.stderr)
     sys.exit(run_tool(main))

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from data.manifest import file_identity, numbered_lines, read_manifest
+from data.manifest import file_identity, numbered_lines, print_paths_printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
 
@@ -270,4 +270,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    print_paths_printable(sys.stdout, sys.stderr)
     sys.exit(run_tool(main))

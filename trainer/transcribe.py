@@ -12,6 +12,7 @@ import torch
 
 from data.audio import AudioError, load_audio
 from data.features import non_finite_detail
+from data.manifest import print_paths_printable
 from trainer import decode
 from trainer.cli import run_tool
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
@@ -61,4 +62,5 @@ if __name__ == "__main__":
     # The paths printed name the files to find them by: one that is not UTF-8 (b"\xff.wav") as its own bytes, where
     # strict UTF-8 output (a locale such as en_US.UTF-8) would end the tool in a traceback.
     sys.stdout.reconfigure(errors="surrogateescape")
+    print_paths_printable(sys.stderr)  # its messages, an unreadable file's line among them, as the other tools'
     sys.exit(run_tool(main))
