@@ -1030,6 +1030,19 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
         checkpoint.load(tmp_path / "yaml.pt")
 
 
+def test_a_checkpoint_whose_bytes_changed_after_it_was_written_is_refused_naming_the_entry(tmp_path):
+    """torch.load does not check the CRC-32 that torch.save writes for each zip entry: a checkpoint with bytes of a
+    weight changed on disk loaded, and a resume trained on from the wrong weights until they diverged."""
+    torch.save({"model": {"w": torch.arange(1000.0)}, "config": {}}, tmp_path / "last.pt")
+    damaged = bytearray((tmp_path / "last.pt").read_bytes())
+    weights = damaged.index(torch.arange(1000.0).numpy().tobytes())
+    damaged[weights + 100:weights + 104] = b"\xff\xff\xff\xff"
+    (tmp_path / "last.pt").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"cannot load checkpoint .*last.pt: .*its entry last/data/0 does not match "
+                                         r"its CRC-32 checksum"):
+        checkpoint.load(tmp_path / "last.pt")
+
+
 def test_a_checkpoint_whose_config_holds_dollar_braces_is_read_as_text(tmp_path, monkeypatch):
     """A corpus in a folder named with "${" (given on the command line as "\\${") trained, but its checkpoints were
     refused by trainer.evaluate and by a resume as holding an interpolation. Stored strings are text: "${...}" in one

@@ -160,8 +160,14 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as archive:
                 compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
+                # torch.load does not check the CRC-32 torch.save writes for each entry: bytes changed on disk loaded
+                # as wrong weights, which a resume trained on.
+                changed = None if compressed else archive.testzip()
             if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
                 raise ValueError("it holds compressed entries, which torch.save never writes")
+            if changed is not None:
+                raise ValueError(f"its entry {changed} does not match its CRC-32 checksum: its bytes changed after "
+                                 "torch.save wrote them")
         with warnings.catch_warnings():
             # A pickle that torch.save did not write (pickle.dump's protocol) drew torch's warning over two lines
             # before the one line that refuses it, or that says what it lacks.
