@@ -829,7 +829,8 @@ def test_a_data_loading_worker_stopped_or_killed_on_one_rank_ends_the_job_saying
     """Rank 1's worker stuck (stopped here) or killed (the out-of-memory killer's SIGKILL) while rank 0 waits for
     rank 1 in a collective, whose timeout names no cause: rank 1 says what befell its worker in one line and ends the
     job, and no worker of either rank is left behind, stopped or running. A stopped worker may hold a batch its rank
-    has taken from the queue but cannot unpickle without it: that rank then waits too, and ends by the same timeout."""
+    has taken from the queue but cannot unpickle without it: that rank then waits too, and ends by the same timeout.
+    Rank 0's collective, which timed out with it, printed its traceback; rank 0 now names rank 1 in one line."""
     run_dir = tmp_path / "run"
     # One utterance a rank, 8 steps an epoch: rank 1 still has batches to ask its worker for after step 2.
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "train.global_batch_size=2",
@@ -847,6 +848,7 @@ def test_a_data_loading_worker_stopped_or_killed_on_one_rank_ends_the_job_saying
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code == 1, output
     assert f"[rank 1] error on rank 1: {failure.format(worker=worker)}" in output, output
+    assert "Traceback" not in output, output
     # mpiexec ends as it kills the ranks' process groups, with their workers, which may take a moment to end.
     deadline = time.monotonic() + FAILURE_TIMEOUT_S
     while (left := {pid for pid in set.union(*workers.values()) if running(pid)}) and time.monotonic() < deadline:

@@ -2,7 +2,7 @@
 
 A user error (an input missing or unreadable, a bad config value, a full disk) prints one line and exits 2. Any other
 exception on any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a
-collective. A run stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every
+collective; a rank whose collective failed as another rank ended the job on an error says so in one line instead. A run stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every
 rank, as a process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it
 unfinished; a sweep stops there too, naming the jobs that failed before. A signal before training began, with nothing to
 save, ends the run so at once.
@@ -96,6 +96,7 @@ def end_job(exit_code: int, summary: str) -> None:
         _failed_sweep_jobs.append((f"sweep job {hydra_cfg.job.num} ({hydra_cfg.runtime.output_dir}): {summary}",
                                    exit_code))
         return
+    distributed.tell_others_this_rank_failed()
     distributed.abort_job(exit_code)
 
 
@@ -222,9 +223,17 @@ def main(cfg: DictConfig) -> None:
             log.error("error on rank %d: %s", distributed.launcher_rank(), message)
             end_job(2, message)
         else:
+            answers = distributed.other_ranks_answers(error) or {}
+            if failed := [rank for rank, said in answers.items() if said == distributed.ENDED_ON_ITS_OWN_ERROR]:
+                summary = (f"{', '.join(f'rank {rank}' for rank in failed)} ended the job on an error of its own, "
+                           "which its line gives; this rank's collective failed with it")
+                log.error("error on rank %d: %s", distributed.launcher_rank(), summary)
+                end_job(1, summary)
+                return
             log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
             summary = f"{type(error).__name__}: {error} (its traceback is above)"
-            if silent := distributed.ranks_not_answering(error):
+            silent = [rank for rank, said in answers.items() if said is None]
+            if silent and distributed.GLOO_TIMEOUT.search(str(error)):  # a closed connection's silent ranks live on
                 summary = (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective "
                            "waited distributed.timeout_s for them, and they did not say since that one of theirs had "
                            "timed out too (stopped, hung, or busy elsewhere)")

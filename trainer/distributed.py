@@ -41,7 +41,9 @@ LAUNCHER_VARIABLES = [
 ]
 ABORT_GRACE_S = 2.0
 GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's words for a collective that waited its timeout
-ANSWER_TAG = 0x5052  # the MPI tag of ranks_not_answering's messages, which no other message of the trainer's has
+GLOO_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer")  # gloo's words for a peer whose process ended
+ANSWER_TAG = 0x5052  # the MPI tag of other_ranks_answers' messages, which no other message of the trainer's has
+TIMED_OUT_TOO, ENDED_ON_ITS_OWN_ERROR = 0, 1  # what a rank says to the others under ANSWER_TAG
 LONGEST_ANSWER_WAIT_S = 60.0  # a live rank times out a step or so after another; a job that hangs ends soon after
 
 
@@ -304,27 +306,50 @@ def shutdown() -> None:
         mpi.COMM_WORLD.Barrier()
 
 
-def ranks_not_answering(error: Exception) -> list[int] | None:
-    """Where `error` is a gloo collective's timeout in a job MPI started, the ranks that did not say, within that
-    timeout (at most LONGEST_ANSWER_WAIT_S), that a collective of theirs had timed out too: each rank whose collective
-    times out says so to the others here, so those that do not are the ones the collectives waited for (stopped, hung,
-    or busy elsewhere), which gloo's error does not name. None for any other error. Over MPI, not the process group,
-    whose collectives wait for every rank."""
+def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
+    """Where `error` is a gloo collective's failure in a job MPI started, {rank: what each other rank said}:
+    TIMED_OUT_TOO from each rank whose collective timed out too (said here), ENDED_ON_ITS_OWN_ERROR from one that
+    ends the job on an error of its own (tell_others_this_rank_failed), None from one that said nothing. A timeout
+    waits for them for that timeout (at most LONGEST_ANSWER_WAIT_S): those that stay silent are the ones the
+    collectives waited for (stopped, hung, or busy elsewhere), which gloo's error does not name. A connection a peer
+    closed waits ABORT_GRACE_S, the time a failing rank gives its line before it ends the job, having said so first.
+    None for any other error. Over MPI, not the process group, whose collectives wait for every rank."""
     timed_out = GLOO_TIMEOUT.search(str(error))
-    if timed_out is None or backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
+    if (timed_out is None and not GLOO_PEER_GONE.search(str(error))) or backend() != "gloo" \
+            or "mpi4py.MPI" not in sys.modules:
         return None
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     others = [rank for rank in range(world.Get_size()) if rank != world.Get_rank()]
-    unsaid = [world.Isend([bytearray(1), MPI.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
-    unheard = {rank: world.Irecv([bytearray(1), MPI.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
-    deadline = time.monotonic() + min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S)
+    unsaid = [world.Isend([bytearray([TIMED_OUT_TOO]), MPI.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
+    answers = {rank: bytearray(1) for rank in others}
+    unheard = {rank: world.Irecv([answers[rank], MPI.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
+    wait_s = min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S) if timed_out else ABORT_GRACE_S
+    deadline = time.monotonic() + wait_s
     while (unheard or unsaid) and time.monotonic() < deadline:
         unsaid = [word for word in unsaid if not word.Test()]
         unheard = {rank: answer for rank, answer in unheard.items() if not answer.Test()}
         time.sleep(0.05)
-    return sorted(unheard)
+    return {rank: None if rank in unheard else answer[0] for rank, answer in answers.items()}
+
+
+_said_failed: list = []  # tell_others_this_rank_failed's sends and their buffers, kept until the job ends
+
+
+def tell_others_this_rank_failed() -> None:
+    """Says to every other rank, over MPI, that this one ends the job on an error of its own, which its line gives:
+    a rank whose collective then fails for want of this one (timed out, or its connection closed as this one ended)
+    names it (other_ranks_answers) rather than print that collective's traceback. Over gloo, as other_ranks_answers."""
+    if backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
+        return
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    for rank in range(world.Get_size()):
+        if rank != world.Get_rank():
+            said = bytearray([ENDED_ON_ITS_OWN_ERROR])
+            _said_failed.append((said, world.Isend([said, MPI.BYTE], dest=rank, tag=ANSWER_TAG)))
 
 
 def abort_job(exit_code: int = 1) -> None:
