@@ -857,6 +857,37 @@ def test_a_data_loading_worker_stopped_or_killed_on_one_rank_ends_the_job_saying
 
 
 @needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+def test_a_stop_signal_while_a_data_loading_worker_is_stuck_stops_the_job_promptly_with_its_checkpoint(an4_slice,
+                                                                                                       tmp_path):
+    """SIGTERM to the job (MPICH's mpiexec passes it on) while rank 1 waits for a batch from its stopped worker: the
+    waiting rank stops waiting, as the step it waited for would not train anyway, and every rank stops there, rank 0
+    writing last.pt. The run waited out distributed.timeout_s for the batch, then failed without the checkpoint."""
+    run_dir = tmp_path / "run"
+    job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "train.global_batch_size=2",
+                                    "train.num_workers=1", "distributed.timeout_s=40"))
+    try:
+        wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
+        while '"step": 2,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
+            time.sleep(0.02)
+        (worker,) = data_loading_workers(rank_process(1, run_dir))
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # rank 1 uses up the batches its worker had made, then waits
+    signalled = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert time.monotonic() - signalled < 20, output
+    assert code == 128 + signal.SIGTERM, output
+    stopped_at = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
+    # Rank 0, inside the step's first all-reduce as the signal came, takes it once that ends: after that step.
+    assert re.search(rf"stopped at step {stopped_at} \(SIGTERM on [12] of 2 ranks\)", output), output
+    assert "Traceback" not in output, output
+
+
+@needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(an4_slice, tmp_path):
     """SIGUSR1 (which mpirun forwards to every rank, and SLURM sends ahead of a job's time limit) sent here to rank 1

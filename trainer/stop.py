@@ -11,7 +11,7 @@ import multiprocessing
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -169,6 +169,34 @@ def _deadline(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
+class _StopWaiting(Exception):
+    """A stop signal came while a batch was awaited (_stop_waiting_on)."""
+
+
+@contextlib.contextmanager
+def _stop_waiting_on(stopping: Callable[[], bool] | None):
+    """Its block raises _StopWaiting on a stop signal after which `stopping()` is true, the handler in place
+    (StopSignals') run first; on the main thread only, where Python runs signal handlers."""
+    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    if stopping is None or threading.current_thread() is not threading.main_thread() \
+            or not all(map(callable, previous.values())):
+        yield
+        return
+
+    def stop_waiting(number: int, frame) -> None:
+        previous[number](number, frame)
+        if stopping():
+            raise _StopWaiting
+
+    for number in STOP_SIGNALS:
+        signal.signal(number, stop_waiting)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def _death(workers: set, wait_s: float = 0.0) -> DataWorkerDied | None:
     """The first of `workers` found dead within `wait_s` (each one that has ended is reaped), or None."""
     deadline = time.monotonic() + wait_s
@@ -196,7 +224,8 @@ def _end(workers: set) -> None:
             signal.signal(signal.SIGCHLD, watching)
 
 
-def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> Iterator:
+def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
+                       stopping: Callable[[], bool] | None = None) -> Iterator:
     """The loader's batches, its workers started with the stop signals blocked: they inherit the block, so a signal
     that reaches one before its ignore_in_data_workers has run cannot kill it there (torch's own SIGTERM handler, set
     first, ends a worker). This process takes a signal that came meanwhile as the block ends.
@@ -209,7 +238,11 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
     meanwhile for one that only notes the death. The death may surface first here as torch's error (it checks its
     workers every 5 s while it waits) or as a batch whose tensors cannot be fetched from the dead worker
     (ConnectionResetError, EOFError). However the batches end early (a second Ctrl-C, a consumer that stops at
-    train.max_steps), the workers are killed and reaped too, so that a stuck one cannot hold up Python's exit."""
+    train.max_steps), the workers are killed and reaped too, so that a stuck one cannot hold up Python's exit.
+
+    Where `stopping()` (a training run's stop signal, given) is true, or turns true while a batch is awaited, the
+    workers are killed and None comes instead of the batch, which its step would not train (trainer.train.train_step):
+    a worker stuck meanwhile held the run, and every rank waiting on this one, for `timeout_s`."""
     if loader.num_workers > 0:
         # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
         # workers from another process.
@@ -244,13 +277,19 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
     watching = signal.signal(signal.SIGCHLD, note_death) if on_main_thread else None
     threading.excepthook = quiet_where_a_worker_is_gone
     failure = None
+    stopped = False
     try:
         while failure is None:
             try:
-                with _deadline(timeout_s):
+                if stopping is not None and stopping():
+                    raise _StopWaiting
+                with _deadline(timeout_s), _stop_waiting_on(stopping):
                     batch = next(batches)
             except StopIteration:
                 return
+            except _StopWaiting:
+                stopped = True
+                break
             except KeyboardInterrupt as interrupt:  # a second Ctrl-C, as likely as not while a worker is stuck
                 failure = interrupt.with_traceback(None)  # which held the iterator
             except DataWorkersTimedOut:
@@ -267,7 +306,8 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         # waited for a stopped one for ever.
         _end(workers)
         del batches
-        raise died or failure
+        if died or not stopped:
+            raise died or failure
     except GeneratorExit:  # the consumer wanted no more (train.max_steps, a stop signal); a worker may be stuck
         _end(workers)
         del batches
@@ -276,3 +316,4 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None) -> 
         threading.excepthook = print_thread_error
         if on_main_thread:
             signal.signal(signal.SIGCHLD, watching)
+    yield None  # stopped: after the workers are gone, so that the consumer's stop does not wait on them

@@ -155,19 +155,21 @@ class StepResult(NamedTuple):
     stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop), where the outcome is STOPPED
 
 
-def train_step(model, batch: Batch, optimizer, scheduler, cfg: DictConfig, env: DistEnv,
+def train_step(model, batch: Batch | None, optimizer, scheduler, cfg: DictConfig, env: DistEnv,
                stop_signal: signal.Signals | None = None) -> StepResult:
     """One optimizer step on this rank's shard of a global batch. Ranks always agree on skipping, so none waits on a
-    collective that another never joins, and on stopping: stop_signal is the one this rank received, if any."""
+    collective that another never joins, and on stopping: stop_signal is the one this rank received, if any. batch is
+    None where this rank stopped waiting for it on stop_signal (trainer.stop.start_data_workers): the step stops."""
     device = env.device
-    local_count = len(batch.indices)
-    num_frames = batch.features.shape[1]
+    local_count = len(batch.indices) if batch is not None else 0
+    num_frames = batch.features.shape[1] if batch is not None else 0
+    num_unusable = batch.num_unusable if batch is not None else 0
     inner = getattr(model, "module", model)  # DDP holds the model it wraps as .module
     graphed = isinstance(inner, CudaGraphed)
     # Host sync 1: every rank must know the global utterance count (the loss normaliser), whether a shard is empty and
     # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too.
     counts = distributed.all_reduce_sum(torch.tensor(
-        [local_count, int(local_count == 0), batch.num_unusable, *received_counts(stop_signal)], dtype=torch.float64,
+        [local_count, int(local_count == 0), num_unusable, *received_counts(stop_signal)], dtype=torch.float64,
         device=device,
     ))
     if graphed:
@@ -999,9 +1001,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
-        # A batch waited on for distributed.timeout_s ends the run, as a collective does.
-        for batch in start_data_workers(loader, cfg.distributed.timeout_s):
-            if batch.unusable:
+        # A batch waited on for distributed.timeout_s ends the run, as a collective does; a stop signal ends the wait.
+        for batch in start_data_workers(loader, cfg.distributed.timeout_s,
+                                        stopping=lambda: stop_signals.received is not None):
+            if batch is not None and batch.unusable:
                 train_set.warn_once(batch.unusable)
             learning_rate = scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
             step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
