@@ -2,10 +2,11 @@
 
 A user error (an input missing or unreadable, a bad config value, a full disk) prints one line and exits 2. Any other
 exception on any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a
-collective; a rank whose collective failed as another rank ended the job on an error says so in one line instead. A run stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every
-rank, as a process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it
-unfinished; a sweep stops there too, naming the jobs that failed before. A signal before training began, with nothing to
-save, ends the run so at once.
+collective; a rank whose collective failed as another rank ended the job on an error says so in one line instead. A run
+stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every rank, as a process
+the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it unfinished; a sweep
+stops there too, naming the jobs that failed before. A signal before training began, with nothing to save, ends the run
+so at once.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
 again with train.resume=auto continues each job in its own folder. A job that fails there logs its error as a run
