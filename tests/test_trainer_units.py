@@ -46,10 +46,12 @@ from trainer.metrics import ErrorCounts, edit_distance
 from trainer.stop import (
     STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers,
 )
+from trainer.config import (
+    RESUME_MUST_MATCH, SET_MANIFESTS, check_config, check_resumable, known_config_keys, noting_what_does_nothing_here,
+)
 from trainer.train import (
-    RESUME_MUST_MATCH, SET_MANIFESTS, check_config, check_resumable, check_same_training_set, checkpoint_to_resume,
-    continued_run_id, hold_run_directory, is_own_checkpoint, known_config_keys, known_entries, load_optimizer_state,
-    noting_what_does_nothing_here, open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id,
+    check_same_training_set, checkpoint_to_resume, continued_run_id, hold_run_directory, is_own_checkpoint,
+    known_entries, load_optimizer_state, open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id,
     refuse_if_nothing_trained, restore, resumed_train_state, skipped_step, steps_from_the_resume, train_loader,
     train_step, utterances_per_second,
 )
