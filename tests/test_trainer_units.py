@@ -49,11 +49,14 @@ from trainer.stop import (
 from trainer.config import (
     RESUME_MUST_MATCH, SET_MANIFESTS, check_config, check_resumable, known_config_keys, noting_what_does_nothing_here,
 )
+from trainer.resume import (
+    check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
+    load_optimizer_state, recorded_run_id, restore, resumed_train_state,
+)
+from trainer.run_directory import hold_run_directory
 from trainer.train import (
-    check_same_training_set, checkpoint_to_resume, continued_run_id, hold_run_directory, is_own_checkpoint,
-    known_entries, load_optimizer_state, open_metrics, position_in_epochs, UNUSABLE, record_job, recorded_run_id,
-    refuse_if_nothing_trained, restore, resumed_train_state, skipped_step, steps_from_the_resume, train_loader,
-    train_step, utterances_per_second,
+    open_metrics, position_in_epochs, UNUSABLE, record_job, refuse_if_nothing_trained, skipped_step,
+    steps_from_the_resume, train_loader, train_step, utterances_per_second,
 )
 
 
@@ -804,7 +807,7 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
     noticed their parent had died, and a job restarted at once was refused, naming a dead process."""
     script = ("import os, sys, time\n"
               "from pathlib import Path\n"
-              "from trainer.train import hold_run_directory\n"
+              "from trainer.run_directory import hold_run_directory\n"
               "with hold_run_directory(Path(sys.argv[1]), is_main=True):\n"
               "    if os.fork() == 0:\n"
               "        time.sleep(120)\n"
@@ -1910,7 +1913,7 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')  # a job that died before its checkpoint
     assert checkpoint_to_resume(None, run_dir) is None
-    with caplog.at_level("INFO", logger="trainer.train"):
+    with caplog.at_level("INFO", logger="trainer.resume"):
         assert checkpoint_to_resume("auto", run_dir) is None
     assert "no " + str(run_dir / "checkpoints" / "last.pt") + " yet, starting afresh" in caplog.text
 
@@ -1931,7 +1934,7 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
                                          r"checkpoints/\), which starting afresh would overwrite"):
         checkpoint_to_resume(None, run_dir)
     caplog.clear()
-    with caplog.at_level("INFO", logger="trainer.train"):
+    with caplog.at_level("INFO", logger="trainer.resume"):
         assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "best.pt"
     assert "no " + str(run_dir / "checkpoints" / "last.pt") + ", continuing from " in caplog.text
     (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
@@ -1970,7 +1973,7 @@ def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(t
     for path in (run_dir / "checkpoints" / "last.pt", disk / "last.pt"):
         assert is_own_checkpoint(path, run_dir)
         continued_run_id({}, path, run_dir)  # from before run ids: its own file, whatever it holds
-        with caplog.at_level("INFO", logger="trainer.train"):
+        with caplog.at_level("INFO", logger="trainer.resume"):
             checkpoint_to_resume(str(path), run_dir)
         assert "another run directory's checkpoint" not in caplog.text
     (tmp_path / "copy.pt").write_bytes(b"")

@@ -5,14 +5,21 @@ Hydra makes it inside its own error handling, so one it cannot make (a file name
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
 the run wrote into runs/ itself or the working directory.
+
+Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
 """
+import contextlib
+import fcntl
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
 
 
 def check_run_name(run_name) -> None:
@@ -72,3 +79,59 @@ class LogFile(logging.FileHandler):
             self.warned = True
             print(f"warning: cannot write the log file {self.baseFilename} ({error.strerror or error}): the lines it "
                   "cannot take are on the console only", file=sys.stderr)
+
+
+RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
+
+
+@contextlib.contextmanager
+def hold_run_directory(run_dir: Path, is_main: bool):
+    """Rank 0 holds the run directory for the whole job: a second job there (launched twice, or requeued while the
+    first still runs) is refused with ValueError before it changes anything, rather than both writing checkpoints and
+    metrics.jsonl over each other. A POSIX record lock (lockf), which the kernel releases when the job's process ends
+    however it ends (killed, out of memory): no stale lock outlives it. Not an flock, which forked data-loading
+    workers share: killed alone, the trainer left its lock to them for the seconds they took to notice. A
+    checkpoints/ that cannot be written is refused here too, before training rather than at the first checkpoint."""
+    if not is_main:
+        yield
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / RUN_LOCK, "a+")
+    except OSError as error:
+        raise ValueError(f"cannot write in the run directory {run_dir} ({error.strerror})") from None
+    with lock:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # held: EAGAIN or EACCES, as the system reports it
+            lock.seek(0)
+            raise ValueError(f"{run_dir} is in use by another job ({lock.read().strip() or 'its process unknown'}): "
+                             "two jobs there would overwrite each other's checkpoints and metrics; wait for it to end, "
+                             "or give this run another run_name") from None
+        except OSError as error:  # a file system without locks: run as before, unguarded
+            log.warning("cannot lock %s (%s): nothing stops a second job in this run directory", lock.name,
+                        error.strerror)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        check_checkpoint_folder(run_dir / "checkpoints")
+        refuse_link_to_nothing(run_dir / "tensorboard", "its TensorBoard events")
+        yield
+
+
+def refuse_link_to_nothing(folder: Path, written: str) -> None:
+    """ValueError where `folder` is a symbolic link to nothing: the run makes the folder only when it first writes
+    there, past the training steps."""
+    reason = link_to_nothing(folder)
+    if reason:
+        raise ValueError(f"{reason}: the run writes {written} there")
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    refuse_link_to_nothing(folder, "its checkpoints")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder: the run writes its checkpoints there")
+    writable = folder if folder.exists() else folder.parent
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise ValueError(f"{writable} cannot be written by this job (its permissions, or a read-only file system): "
+                         f"the run writes its checkpoints in {folder}")
