@@ -888,6 +888,42 @@ def test_a_stop_signal_while_a_data_loading_worker_is_stuck_stops_the_job_prompt
 
 
 @needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+def test_a_stop_signal_while_an_evaluations_worker_is_stuck_stops_the_job_promptly_with_its_checkpoint(an4_slice,
+                                                                                                      tmp_path):
+    """SIGTERM to the job while rank 1's evaluation waits for a batch from its stopped worker, and rank 0 waits for
+    rank 1 in the evaluation's collective: rank 1 stops waiting and tells rank 0 so in that collective, and the job
+    stops as on any signal during an evaluation. It waited out distributed.timeout_s, then failed without last.pt."""
+    test_set = tmp_path / "test.jsonl"  # 129 of AN4's test utterances, one a batch: 64 batches or more a rank
+    lines = (an4_slice["test"].parent / "prepared" / "an4_test.jsonl").read_text().splitlines()
+    test_set.write_text("\n".join(lines[:129]) + "\n")
+    run_dir = tmp_path / "run"
+    job = start_job(trainer_command({**an4_slice, "test": test_set}, run_dir, 2, "train.eval_batch_size=1",
+                                    "train.progress_line_s=0", "train.num_workers=1", "distributed.timeout_s=40"))
+    log_file = run_dir / "__main__.log"
+    try:
+        wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
+        while "evaluating: batch 2 of" not in log_file.read_text() and job.poll() is None:
+            time.sleep(0.02)
+        (worker,) = data_loading_workers(rank_process(1, run_dir))  # the training's are gone
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)  # rank 1 uses up the batches its worker had made, then waits
+    signalled = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    assert time.monotonic() - signalled < 20, output[-4000:]
+    assert code == 128 + signal.SIGTERM, output[-4000:]
+    assert re.search(r"stopped after epoch 1's training, before its evaluation ended \(SIGTERM on [12] of 2 ranks\)",
+                     output), output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["sampler"] == {"epoch": 0, "position": 4}, saved["sampler"]
+
+
+@needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's process through /proc")
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(an4_slice, tmp_path):
     """SIGUSR1 (which mpirun forwards to every rank, and SLURM sends ahead of a job's time limit) sent here to rank 1

@@ -417,6 +417,33 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
         os.kill(worker, 0)
 
 
+def test_a_stop_signal_while_an_evaluations_worker_is_stuck_stops_the_run_at_once_for_the_resume_to_evaluate(
+        an4_train, tmp_path):
+    """SIGTERM while the evaluation waits for a batch from its stopped worker: the run stops as on any signal during
+    an evaluation, last.pt at the epoch's last step. It waited out distributed.timeout_s, then failed with exit 1."""
+    job, run_dir, workers = start_a_run_and_find_its_data_workers(an4_train, tmp_path, "evaluation", 1,
+                                                                  "train.num_workers=1", "distributed.timeout_s=60")
+    try:
+        (worker,) = workers
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(3)  # the evaluation uses up the batches its worker had made, then waits
+        signalled = time.monotonic()
+        os.killpg(job.pid, signal.SIGTERM)
+        output = job.communicate(timeout=120)[0]
+        waited = time.monotonic() - signalled
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert waited < 20, waited
+    assert "stopped after epoch 1's training, before its evaluation ended (SIGTERM)" in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["sampler"] == {"epoch": 0, "position": 16}, saved["sampler"]
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(worker, 0)
+
+
 @pytest.mark.parametrize("stage, num_workers, device", [
     ("training", 2, "cpu"), ("evaluation", 1, "cpu"),
     pytest.param("training", 2, "cuda", marks=pytest.mark.cuda),  # batches pass through torch's pin-memory thread

@@ -39,13 +39,15 @@ PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often (t
 def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: torch.device, amp: str = "none",
              num_workers: int = 0, worker_timeout_s: float | None = None, progress_bar: bool = False,
              progress_line_s: float | None = None, decoder=decode.greedy_decode,
-             stop=lambda: False) -> tuple[ErrorCounts, list[dict]]:
+             stop=lambda: False, stopping=None) -> tuple[ErrorCounts, list[dict]]:
     """Decodes the given batches of `dataset` with `decoder` ((log_probs, lengths) -> texts); returns the error
     counts and one row per utterance. The model is left in the mode it came in. Without the bar, `progress_line_s`
     logs a line on the progress this often (a batch job's log, where a large test set ran for minutes unseen). Where
     `stop()` turns true (a training run's stop signal), it returns after the batch in progress, with what it has. A
     batch its workers do not give within `worker_timeout_s`, where given, raises trainer.stop.DataWorkersTimedOut; a
-    worker that dies, trainer.stop.DataWorkerDied."""
+    worker that dies, trainer.stop.DataWorkerDied. Where `stopping()` (this process's stop signal, given) turns true
+    while a batch is awaited, the wait ends there (trainer.stop.start_data_workers): a worker stuck meanwhile held the
+    evaluation, and every rank waiting in `stop()` on this one, for `worker_timeout_s`."""
     was_training = model.training
     model.eval()
     counts = ErrorCounts()
@@ -55,10 +57,11 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
                         worker_init_fn=ignore_in_data_workers)
     line_every_s = None if progress_bar else progress_line_s
     last_line = time.perf_counter()
-    batches_read = start_data_workers(loader, worker_timeout_s)
+    batches_read = start_data_workers(loader, worker_timeout_s, stopping)
     for number, batch in enumerate(tqdm(batches_read, desc="evaluating", total=len(loader), disable=not progress_bar,
                                         dynamic_ncols=True, leave=False), start=1):
-        if stop():
+        # None: the wait for this batch ended on a stop signal, which `stop()` still tells the other ranks of.
+        if stop() or batch is None:
             break
         if line_every_s is not None and time.perf_counter() - last_line >= line_every_s:
             last_line = time.perf_counter()

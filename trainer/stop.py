@@ -241,8 +241,9 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
     train.max_steps), the workers are killed and reaped too, so that a stuck one cannot hold up Python's exit.
 
     Where `stopping()` (a training run's stop signal, given) is true, or turns true while a batch is awaited, the
-    workers are killed and None comes instead of the batch, which its step would not train (trainer.train.train_step):
-    a worker stuck meanwhile held the run, and every rank waiting on this one, for `timeout_s`."""
+    workers are killed and None comes instead of the batch, which its step would not train (trainer.train.train_step)
+    nor its evaluation decode (trainer.evaluate.evaluate): a worker stuck meanwhile held the run, and every rank
+    waiting on this one, for `timeout_s`."""
     if loader.num_workers > 0:
         # Only a forked worker inherits the block; forkserver (Python 3.14's default on Linux) and spawn start
         # workers from another process.

@@ -673,7 +673,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                                  worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
                                  progress_line_s=cfg.train.progress_line_s if env.is_main else None,
-                                 stop=stop_evaluation)
+                                 stop=stop_evaluation, stopping=lambda: stop_signals.received is not None)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
