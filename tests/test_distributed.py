@@ -816,6 +816,30 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def workers_once_logged(job: subprocess.Popen, log_file: Path, text: str, run_dir: Path) -> dict[int, set[int]]:
+    """Each of a two-rank job's ranks' data-loading workers, once `log_file` holds `text`; the job killed where that
+    fails."""
+    try:
+        wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
+        while text not in log_file.read_text() and job.poll() is None:
+            time.sleep(0.02)
+        return {rank: data_loading_workers(rank_process(rank, run_dir)) for rank in range(2)}
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+
+
+def stop_the_job_while_its_worker_is_stuck(job: subprocess.Popen, worker: int) -> tuple[int, str, float]:
+    """SIGSTOP to `worker`, then SIGTERM to the job once the worker's rank has used up the batches it had made: the
+    job's exit code, its output, and how long it took to end after the SIGTERM."""
+    os.kill(worker, signal.SIGSTOP)
+    time.sleep(3)
+    signalled = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    code, output = finish_job(job, FAILURE_TIMEOUT_S)
+    return code, output, time.monotonic() - signalled
+
+
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
 @pytest.mark.parametrize("signal_number, failure", [
@@ -835,14 +859,7 @@ def test_a_data_loading_worker_stopped_or_killed_on_one_rank_ends_the_job_saying
     # One utterance a rank, 8 steps an epoch: rank 1 still has batches to ask its worker for after step 2.
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "train.global_batch_size=2",
                                     "train.num_workers=1", "distributed.timeout_s=10"))
-    try:
-        wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
-        while '"step": 2,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)
-        workers = {rank: data_loading_workers(rank_process(rank, run_dir)) for rank in range(2)}
-    except BaseException:
-        os.killpg(job.pid, signal.SIGKILL)
-        raise
+    workers = workers_once_logged(job, run_dir / "metrics.jsonl", '"step": 2,', run_dir)
     (worker,) = workers[1]
     os.kill(worker, signal_number)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
@@ -866,20 +883,9 @@ def test_a_stop_signal_while_a_data_loading_worker_is_stuck_stops_the_job_prompt
     run_dir = tmp_path / "run"
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100", "train.global_batch_size=2",
                                     "train.num_workers=1", "distributed.timeout_s=40"))
-    try:
-        wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
-        while '"step": 2,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)
-        (worker,) = data_loading_workers(rank_process(1, run_dir))
-    except BaseException:
-        os.killpg(job.pid, signal.SIGKILL)
-        raise
-    os.kill(worker, signal.SIGSTOP)
-    time.sleep(3)  # rank 1 uses up the batches its worker had made, then waits
-    signalled = time.monotonic()
-    job.send_signal(signal.SIGTERM)
-    code, output = finish_job(job, FAILURE_TIMEOUT_S)
-    assert time.monotonic() - signalled < 20, output
+    (worker,) = workers_once_logged(job, run_dir / "metrics.jsonl", '"step": 2,', run_dir)[1]
+    code, output, waited = stop_the_job_while_its_worker_is_stuck(job, worker)
+    assert waited < 20, output
     assert code == 128 + signal.SIGTERM, output
     stopped_at = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"]
     # Rank 0, inside the step's first all-reduce as the signal came, takes it once that ends: after that step.
@@ -900,21 +906,10 @@ def test_a_stop_signal_while_an_evaluations_worker_is_stuck_stops_the_job_prompt
     run_dir = tmp_path / "run"
     job = start_job(trainer_command({**an4_slice, "test": test_set}, run_dir, 2, "train.eval_batch_size=1",
                                     "train.progress_line_s=0", "train.num_workers=1", "distributed.timeout_s=40"))
-    log_file = run_dir / "__main__.log"
-    try:
-        wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
-        while "evaluating: batch 2 of" not in log_file.read_text() and job.poll() is None:
-            time.sleep(0.02)
-        (worker,) = data_loading_workers(rank_process(1, run_dir))  # the training's are gone
-    except BaseException:
-        os.killpg(job.pid, signal.SIGKILL)
-        raise
-    os.kill(worker, signal.SIGSTOP)
-    time.sleep(3)  # rank 1 uses up the batches its worker had made, then waits
-    signalled = time.monotonic()
-    job.send_signal(signal.SIGTERM)
-    code, output = finish_job(job, FAILURE_TIMEOUT_S)
-    assert time.monotonic() - signalled < 20, output[-4000:]
+    # The evaluation's worker: the training's are gone by then.
+    (worker,) = workers_once_logged(job, run_dir / "__main__.log", "evaluating: batch 2 of", run_dir)[1]
+    code, output, waited = stop_the_job_while_its_worker_is_stuck(job, worker)
+    assert waited < 20, output[-4000:]
     assert code == 128 + signal.SIGTERM, output[-4000:]
     assert re.search(r"stopped after epoch 1's training, before its evaluation ended \(SIGTERM on [12] of 2 ranks\)",
                      output), output[-4000:]
