@@ -87,6 +87,10 @@ class StopSignals:
     def listen(self) -> None:
         self._take_signals(self._handle)
 
+    def came(self) -> bool:
+        """Whether a stop signal has come (start_data_workers' `stopping`)."""
+        return self.received is not None
+
     def _take_signals(self, handler) -> None:
         if threading.current_thread() is threading.main_thread():
             previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}

@@ -606,8 +606,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         last_progress_line = started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
         # A batch waited on for distributed.timeout_s ends the run, as a collective does; a stop signal ends the wait.
-        for batch in start_data_workers(loader, cfg.distributed.timeout_s,
-                                        stopping=lambda: stop_signals.received is not None):
+        for batch in start_data_workers(loader, cfg.distributed.timeout_s, stopping=stop_signals.came):
             if batch is not None and batch.unusable:
                 train_set.warn_once(batch.unusable)
             learning_rate = scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
@@ -673,7 +672,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
                                  worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
                                  progress_line_s=cfg.train.progress_line_s if env.is_main else None,
-                                 stop=stop_evaluation, stopping=lambda: stop_signals.received is not None)
+                                 stop=stop_evaluation, stopping=stop_signals.came)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
                              "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
