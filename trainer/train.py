@@ -310,6 +310,15 @@ def how_to_continue(continue_with: str, stopped_by: str) -> str:
     return continue_with
 
 
+def note_stop(result: dict, step: int, where: str, stopped_by: str, continue_with: str, run_dir: Path,
+              what_continues: str = "it") -> None:
+    """Records in `result` the step the run stopped at, and logs where and why (stop_for, or train.max_steps) and what
+    continues `what_continues` from the last.pt just saved."""
+    result["stopped_at_step"] = step
+    log.info("stopped %s (%s); %s continues %s from %s", where, stopped_by, how_to_continue(continue_with, stopped_by),
+             what_continues, run_dir / "checkpoints" / "last.pt")
+
+
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -653,9 +662,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                                   overflows_pass=trained_before and state["epoch_step"] < len(sampler))
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
-            result["stopped_at_step"] = state["step"]
-            log.info("stopped at step %d (%s); %s continues it from %s", state["step"], stopped_by,
-                     how_to_continue(continue_with, stopped_by), run_dir / "checkpoints" / "last.pt")
+            note_stop(result, state["step"], f"at step {state['step']}", stopped_by, continue_with, run_dir)
             break
 
         trained_s = time.perf_counter() - started
@@ -686,10 +693,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             # scheduler waits after its signal. last.pt at the epoch's last step, before the evaluation, lets the
             # resume make it.
             save("last.pt")
-            result["stopped_at_step"] = state["step"]
-            log.info("stopped after epoch %d's training, before its evaluation ended (%s); %s continues it with that "
-                     "evaluation from %s", epoch + 1, stopped_by, how_to_continue(continue_with, stopped_by),
-                     run_dir / "checkpoints" / "last.pt")
+            note_stop(result, state["step"], f"after epoch {epoch + 1}'s training, before its evaluation ended",
+                      stopped_by, continue_with, run_dir, what_continues="it with that evaluation")
             break
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
@@ -746,9 +751,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if reached_max_steps and epoch + 1 < cfg.train.epochs:
             stopped_by = "train.max_steps"
         if stopped_by:
-            result["stopped_at_step"] = state["step"]
-            log.info("stopped after epoch %d (%s); %s continues it from %s", epoch + 1, stopped_by,
-                     how_to_continue(continue_with, stopped_by), run_dir / "checkpoints" / "last.pt")
+            note_stop(result, state["step"], f"after epoch {epoch + 1}", stopped_by, continue_with, run_dir)
             break
 
     if env.is_main:
