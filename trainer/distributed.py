@@ -252,6 +252,15 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather_object(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order (a list of one in a world of one)."""
+    if not dist.is_initialized():
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks were started with other settings",
                              remedy: str = "every rank must run the same command, with the same conf/ folder") -> None:
     """ValueError on every rank where a rank holds other `settings` than rank 0 ({name: its value as text}), saying

@@ -556,11 +556,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         states of all ranks travel in one list so each rank resumes its own stream."""
         refuse_if_diverged(model, state["step"], name)
         state["elapsed_s"] = time.perf_counter() - run_started
-        rng_states = [None] * env.world_size
-        if env.world_size > 1:
-            torch.distributed.all_gather_object(rng_states, checkpoint.rng_state(env.device))
-        else:
-            rng_states = [checkpoint.rng_state(env.device)]
+        rng_states = distributed.all_gather_object(checkpoint.rng_state(env.device))
         if env.is_main:
             # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
             # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
