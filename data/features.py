@@ -149,10 +149,12 @@ def non_finite_detail(features: torch.Tensor, waveform: torch.Tensor) -> str | N
 class SpecAugment(nn.Module):
     """SpecAugment (Park et al. 2019) without time warping: zero bands of features and spans of frames.
 
-    Each of the `num_freq_masks` masks zeros up to `freq_mask` adjacent features, each of the `num_time_masks`
-    up to `time_mask` adjacent frames and at most `max_time_fraction` of them, so that short utterances can
-    keep most of their speech. Zero is the mean of normalised features. Draws from torch's global generator, so
-    `torch.manual_seed` makes it repeatable (the dataset seeds it for each item and epoch, whichever worker loads it).
+    Each of the `num_freq_masks` masks zeros fewer than `freq_mask` adjacent features, each of the `num_time_masks`
+    fewer than `time_mask` adjacent frames and, where `max_time_fraction` is below 1, fewer than that share of them,
+    so that short utterances can keep most of their speech: torchaudio draws each width from 0 to one less than its
+    limit, every width as likely, so freq_mask=1 never masks. Zero is the mean of normalised features. Draws from
+    torch's global generator, so `torch.manual_seed` makes it repeatable (the dataset seeds it for each item and epoch,
+    whichever worker loads it).
     """
 
     def __init__(

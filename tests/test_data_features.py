@@ -241,3 +241,22 @@ def test_audio_shorter_than_half_a_window_gives_one_frame(kind):
     extractor = FeatureExtractor(kind)
     features = extractor(torch.from_numpy(tone(440, 0.003, 16000)))  # 48 samples
     assert features.shape == (1, extractor.num_features) and torch.isfinite(features).all()
+
+
+def test_spec_augment_masks_are_narrower_than_their_settings():
+    # torchaudio draws a mask's width from [0, freq_mask) and floors it: freq_mask=15 zeros 0 to 14 features, each
+    # width as likely, and freq_mask=1 never masks; a time mask stays under max_time_fraction of the frames too.
+    fresh_seed = torch.Generator().seed()
+    generator = torch.Generator().manual_seed(fresh_seed)
+
+    def widths(augment, frames, axis):
+        found = set()
+        for _ in range(400):
+            torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+            found.add(int((augment(torch.ones(frames, 40)) == 0).all(dim=axis).sum()))
+        return found
+
+    assert widths(SpecAugment(freq_mask=6, num_freq_masks=1, num_time_masks=0), 50, 0) == set(range(6)), fresh_seed
+    assert widths(SpecAugment(freq_mask=1, num_freq_masks=1, num_time_masks=0), 50, 0) == {0}, fresh_seed
+    fraction_limited = SpecAugment(num_freq_masks=0, time_mask=35, num_time_masks=1, max_time_fraction=0.1)
+    assert widths(fraction_limited, 80, 1) == set(range(8)), fresh_seed  # int(0.1 * 80) = 8 frames, never reached
