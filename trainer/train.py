@@ -302,6 +302,14 @@ def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
                          "optim.lr or train.grad_clip_norm may keep it finite)")
 
 
+def stops_at_max_steps(max_steps: int | None, state: dict, steps_per_epoch: int) -> bool:
+    """Whether train.max_steps stops training where `state` stands: its step reached, with no evaluation due. An epoch's
+    last step is evaluated first; a stop during that evaluation saved the step with its evaluation still to make,
+    which is no step, so train.max_steps reached there leaves the evaluation to the job that resumes it."""
+    evaluation_due = state["epoch_step"] == steps_per_epoch
+    return max_steps is not None and state["step"] >= max_steps and not evaluation_due
+
+
 def how_to_continue(continue_with: str, stopped_by: str) -> str:
     """What continues a stopped run, for its last log line: where train.max_steps stopped it, the same limit again
     trains nothing."""
@@ -517,11 +525,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
         "the ranks would resume from other checkpoints",
         "every rank must see the run directory's checkpoints, a folder every node sees")
-    # A stop during an epoch's evaluation saved that epoch's last step with its evaluation still to make, which is no
-    # step: train.max_steps reached there leaves it to this job.
-    evaluation_due = state["epoch_step"] == len(sampler)
-    trained_out = state["epoch"] >= cfg.train.epochs or (max_steps is not None and state["step"] >= max_steps
-                                                         and not evaluation_due)
+    trained_out = state["epoch"] >= cfg.train.epochs or stops_at_max_steps(max_steps, state, len(sampler))
     if resume is not None and trained_out:
         # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
         # the steps that the directory's last.pt, left as it is, holds.
@@ -586,8 +590,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
     stop_signals.listen()
     for epoch in range(state["epoch"], cfg.train.epochs):
-        evaluation_due = state["epoch_step"] == len(sampler)
-        if max_steps is not None and state["step"] >= max_steps and not evaluation_due:
+        if stops_at_max_steps(max_steps, state, len(sampler)):
             break
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
@@ -644,7 +647,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     metrics_file.write(json.dumps(record) + "\n")
                     writer.add_scalar("train/loss", step.loss, state["step"])
                     writer.add_scalar("train/lr", learning_rate, state["step"])
-            if max_steps is not None and state["step"] >= max_steps and state["epoch_step"] < len(sampler):
+            if stops_at_max_steps(max_steps, state, len(sampler)):
                 stopped_by = "train.max_steps"  # at the epoch's last step, after its evaluation (below)
             if stopped_by:
                 break
@@ -735,7 +738,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             save("best.pt", "last.pt")
         else:
             save("last.pt")
-        reached_max_steps = max_steps is not None and state["step"] >= max_steps
+        reached_max_steps = stops_at_max_steps(max_steps, state, len(sampler))  # the epoch evaluated
         if requests and (epoch + 1 == cfg.train.epochs or reached_max_steps):
             # The job has done its work (as a signal during the step train.max_steps stops at inside an epoch leaves
             # it): stopping on the signal (exit 128 + its number) would have a scheduler's requeue
