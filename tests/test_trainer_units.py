@@ -1961,6 +1961,26 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
             continued_run_id(saved, outside, run_dir)
 
 
+def test_only_a_resume_that_starts_a_new_run_says_it_is_another_runs_checkpoint(tmp_path, caplog):
+    """A copy of the run's own checkpoint continues its metrics.jsonl, and one another run's checkpoints refuse starts
+    nothing: the log said of both that this run wrote its metrics.jsonl from the checkpoint's next step on."""
+    run_dir, outside = tmp_path / "run", tmp_path / "copy" / "step3.pt"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    outside.parent.mkdir()
+    outside.write_bytes(b"")
+    new_run = "another run directory's checkpoint: this run writes to"
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        assert checkpoint_to_resume(str(outside), run_dir) == outside  # which run's, continued_run_id says once read
+        assert continued_run_id({"run_id": "a"}, outside, run_dir) == "a"
+        with pytest.raises(ValueError, match="is not one of its checkpoints"):
+            continued_run_id({"run_id": "b"}, outside, run_dir)
+        assert new_run not in caplog.text
+        assert continued_run_id({"run_id": "b"}, outside, tmp_path / "fresh") is None
+    assert caplog.text.count(new_run) == 1
+
+
 def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(tmp_path, caplog):
     """checkpoints/ a link to a larger disk: its checkpoints were taken for another run's, so a resume chose best.pt
     afresh (the first evaluation after it replaced the best one) and one from before run ids was refused."""

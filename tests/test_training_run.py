@@ -202,7 +202,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     # Resumed from an earlier checkpoint (a job that died after its last checkpoint), the run logs steps 4-6 again:
     # TensorBoard, like metrics.jsonl, holds each step once.
     again = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={tmp_path / 'step3.pt'}")
-    assert "another run directory's checkpoint: this run writes to" in again.output
+    # A copy of its own checkpoint: the run goes on in its metrics.jsonl, which the log said it started afresh.
+    assert "another run directory's checkpoint" not in again.output
     assert sorted(read_metrics(tmp_path / "split")[0]) == [1, 2, 3, 4, 5, 6]
     events = EventAccumulator(str(tmp_path / "split" / "tensorboard"))
     events.Reload()
@@ -215,7 +216,8 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     attempt.mkdir()
     (attempt / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 1, "loss": 1.0}) + "\n")
     (attempt / "jobs.jsonl").write_text(json.dumps({"run_id": "a failed attempt's", "from_step": 0}) + "\n")
-    train(attempt, utterances, *common, "train.max_steps=4", f"train.resume={tmp_path / 'step3.pt'}")
+    own = train(attempt, utterances, *common, "train.max_steps=4", f"train.resume={tmp_path / 'step3.pt'}")
+    assert "another run directory's checkpoint: this run writes to" in own.output
     assert sorted(read_metrics(attempt)[0]) == [4]
     assert [json.loads(line)["from_step"] for line in (attempt / "jobs.jsonl").read_text().splitlines()] == [3]
 

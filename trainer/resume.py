@@ -25,10 +25,6 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
             checkpoint.check_readable(Path(resume))
         except (FileNotFoundError, ValueError) as error:
             raise type(error)(f"{error} (train.resume)") from None
-        if not is_own_checkpoint(Path(resume), run_dir):
-            log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its "
-                     "metrics.jsonl from the checkpoint's next step on and its best.pt from its own evaluations "
-                     "(run_name=NAME train.resume=auto continues run NAME in its own directory)", resume, run_dir)
         return Path(resume)
     last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
     if resume == "auto" and last.is_file():
@@ -81,6 +77,11 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
     if held:
         raise ValueError(f"{held}, and {path} is not one of its checkpoints (run {theirs} against {ours}): resuming "
                          "from it there would overwrite them; give this run another run_name")
+    # Said here, once the checkpoint is known to be no copy of this run's (whose metrics.jsonl goes on) and the resume
+    # is not refused, rather than for every path outside checkpoints/.
+    log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its metrics.jsonl from "
+             "the checkpoint's next step on and its best.pt from its own evaluations (run_name=NAME "
+             "train.resume=auto continues run NAME in its own directory)", path, run_dir)
     return None
 
 
