@@ -687,6 +687,18 @@ def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_o
     assert [os.environ[name] for name in variables] == ["1", "900", "1"]
 
 
+def test_the_silent_rank_is_named_where_another_ranks_timeout_closed_its_connection():
+    """Three ranks, rank 2 stopped: rank 1's collective timed out first, which closed its connections, so rank 0's
+    failed on a peer gone, not a timeout of its own. Rank 1 said it timed out; rank 0 ended the job on a traceback
+    naming no rank, before rank 1 had waited out the answers to name rank 2."""
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:26512")
+    timed_out = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
+    assert distributed.silent_ranks_waited_for(closed, {1: distributed.TIMED_OUT_TOO, 2: None}) == [2]
+    assert distributed.silent_ranks_waited_for(timed_out, {1: distributed.TIMED_OUT_TOO, 2: None}) == [2]
+    assert distributed.silent_ranks_waited_for(timed_out, {1: None}) == [1]
+    assert distributed.silent_ranks_waited_for(closed, {1: None, 2: None}) == []  # a rank ended: the rest may be alive
+
+
 @needs_mpiexec
 def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run, tmp_path):
     """Rank 1 fails resuming (its RNG state in the checkpoint is damaged) while rank 0 goes on into DDP's first

@@ -233,8 +233,7 @@ def main(cfg: DictConfig) -> None:
                 return
             log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
             summary = f"{type(error).__name__}: {error} (its traceback is above)"
-            silent = [rank for rank, said in answers.items() if said is None]
-            if silent and distributed.GLOO_TIMEOUT.search(str(error)):  # a closed connection's silent ranks live on
+            if silent := distributed.silent_ranks_waited_for(error, answers):
                 summary = (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective "
                            "waited distributed.timeout_s for them, and they did not say since that one of theirs had "
                            "timed out too (stopped, hung, or busy elsewhere)")

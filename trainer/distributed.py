@@ -343,6 +343,17 @@ def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
     return {rank: None if rank in unheard else answer[0] for rank, answer in answers.items()}
 
 
+def silent_ranks_waited_for(error: Exception, answers: dict[int, int | None]) -> list[int]:
+    """The ranks of other_ranks_answers' `answers` that a failed gloo collective waited for: the silent ones, where
+    this rank's collective timed out or another rank's did (TIMED_OUT_TOO): gloo closes a rank's connections as its
+    collective times out, so a rank still waiting reads that as a peer gone, and ended the job on it, before the rank
+    that timed out could name the silent ones (3 ranks, one stopped). Where a connection closed otherwise, the silent
+    ranks may be alive and well: none."""
+    if not GLOO_TIMEOUT.search(str(error)) and TIMED_OUT_TOO not in answers.values():
+        return []
+    return [rank for rank, said in answers.items() if said is None]
+
+
 _said_failed: list = []  # tell_others_this_rank_failed's sends and their buffers, kept until the job ends
 
 
