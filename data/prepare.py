@@ -5,7 +5,8 @@
 
 AN4 layout (CMU Sphinx): etc/an4_{train,test}.fileids and .transcription, line N of one matching line N of
 the other, audio at wav/<fileid>.flac, .wav or .sph. LibriSpeech layout: any tree of SPEAKER/CHAPTER folders,
-linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it.
+linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.flac beside it; a folder that cannot be
+listed, or a link to nothing, is skipped with a warning naming it.
 
 Utterances whose audio is missing, whose header cannot be read, or whose path is not UTF-8 (a manifest is UTF-8) or
 holds a control character are skipped with a warning naming the file, and counted (audio that is damaged past its
@@ -91,16 +92,29 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
 
 def _librispeech_transcripts(source: Path) -> list[Path]:
     """Every *.trans.txt under `source`, sorted. Linked folders are followed (a subset made of links to speakers'
-    folders, which Path.rglob does not enter), each folder read once however many links lead to it."""
+    folders, which Path.rglob does not enter), each folder read once however many links lead to it. A folder that
+    cannot be listed and a link to nothing (a speaker's folder on a disk not mounted) are skipped with a warning
+    naming them: os.walk passed over both without a word, leaving their utterances out of the manifest."""
     transcripts, folders_read = [], set()
-    for folder, subfolders, files in os.walk(source, followlinks=True):
+    for folder, subfolders, files in os.walk(source, followlinks=True, onerror=_warn_unlistable_folder):
         if os.path.realpath(folder) in folders_read:  # a second link to it, or a link up the tree
             subfolders.clear()
             continue
         folders_read.add(os.path.realpath(folder))
         subfolders.sort()  # which of two links to one folder is read: the first by name
-        transcripts += (Path(folder) / name for name in files if name.endswith(".trans.txt"))
+        for name in files:
+            if name.endswith(".flac"):  # a missing one is named where its utterance is skipped
+                continue
+            path = Path(folder) / name
+            if not path.exists():  # os.walk lists a link to nothing among the files, whatever it once led to
+                logger.warning("skipping %s: a symbolic link to %s, which does not exist", path, os.readlink(path))
+            elif name.endswith(".trans.txt"):
+                transcripts.append(path)
     return sorted(transcripts)
+
+
+def _warn_unlistable_folder(error: OSError) -> None:
+    logger.warning("skipping %s: cannot list the folder (%s)", error.filename, error.strerror)
 
 
 def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:

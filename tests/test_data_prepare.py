@@ -1,4 +1,5 @@
 """Corpus preparation: AN4 and LibriSpeech layouts to JSONL manifests, and its errors."""
+import errno
 import json
 import logging
 import os
@@ -339,3 +340,26 @@ def test_the_readmes_data_commands_prepare_every_manifest_they_train_on(tmp_path
                   for key, _, value in (argument.partition("=") for argument in command[3:])
                   if key in ("data.train_manifests", "data.eval_manifest") for path in value.strip("[]").split(",")]
     assert len(trained_on) >= 2 and [path for path in trained_on if not Path(path).is_file()] == []
+
+
+def test_librispeech_folders_that_cannot_be_read_are_named_not_passed_over(tmp_path, monkeypatch, caplog):
+    """A link to a speaker's folder on a disk not mounted, and a folder the user may not list: os.walk passed over
+    both without a word, and the manifest lacked their utterances with 'skipped 0'."""
+    source = tmp_path / "subset"
+    for speaker in ("19", "26", "27"):
+        write_librispeech_chapter(source / speaker, "198", "ABBEY")
+    (source / "40").symlink_to(tmp_path / "unmounted" / "40", target_is_directory=True)
+    unlistable, scandir = source / "26", os.scandir
+
+    def scandir_refusing_one(path):  # root, which runs the tests here, may list any folder: refuse as for a user
+        if Path(path) == unlistable:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_refusing_one)
+    with caplog.at_level(logging.WARNING):
+        utterances = read_manifest(prepare_librispeech(source, tmp_path / "out"))
+    assert [Path(utterance.audio_filepath).name for utterance in utterances] == ["19-198-0000.flac", "27-198-0000.flac"]
+    assert f"skipping {source / '40'}: a symbolic link to {tmp_path / 'unmounted' / '40'}, which does not exist" \
+        in caplog.text
+    assert f"skipping {unlistable}: cannot list the folder (Permission denied)" in caplog.text
