@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
             prepare_librispeech(args.source, args.out, args.name)
     except (OSError, ValueError) as error:  # OSError: an --out that cannot be written (a file, no permission)
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except KeyboardInterrupt:  # minutes into a large corpus; the manifest being written is left as it was
+        parser.exit(128 + signal.SIGINT, "interrupted by Ctrl-C\n")
 
 
 if __name__ == "__main__":

@@ -363,3 +363,26 @@ def test_librispeech_folders_that_cannot_be_read_are_named_not_passed_over(tmp_p
     assert f"skipping {source / '40'}: a symbolic link to {tmp_path / 'unmounted' / '40'}, which does not exist" \
         in caplog.text
     assert f"skipping {unlistable}: cannot list the folder (Permission denied)" in caplog.text
+
+
+def test_ctrl_c_ends_prepare_in_one_line_leaving_the_manifest_as_it_was(tmp_path, monkeypatch, capsys):
+    """Minutes into a large corpus, Ctrl-C ended it in a traceback from wherever it was reading."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    manifest = prepare_librispeech(source, tmp_path / "out")
+    before = manifest.read_bytes()
+    write_librispeech_chapter(source / "85", "121123", "GO")
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("data.prepare.audio_header", interrupted)
+    try:
+        main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out")])
+    except KeyboardInterrupt:  # not let through to pytest, which would take it as its own and end the session
+        pytest.fail("Ctrl-C reached the caller, which Python ends in a traceback")
+    except SystemExit as exit:
+        assert exit.code == 130 and capsys.readouterr().err == "interrupted by Ctrl-C\n"
+    else:
+        pytest.fail("main went on after Ctrl-C")
+    assert manifest.read_bytes() == before and os.listdir(tmp_path / "out") == ["dev-clean.jsonl"]
