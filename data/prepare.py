@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 AN4_SPLITS = ("train", "test")
 AN4_AUDIO_SUFFIXES = (".flac", ".wav", ".sph")
+PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often, as trainer.evaluate logs its own
 
 # "<s> YES </s> (an251-fash-b)" in train, "RUBOUT G M E F THREE NINE (an406-fcaw-b)" in test.
 _AN4_LINE = re.compile(r"^\s*(?:<s>)?(?P<text>.*?)(?:</s>)?\s*\((?P<id>[^()]+)\)\s*$")
@@ -74,7 +76,12 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     utterances, num_skipped = [], 0
     # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
     logger.info("reading the %d chapters under %s", len(transcripts), source)
-    for transcript in tqdm(transcripts, desc=source.name, unit=" chapters", disable=None):
+    on_terminal = sys.stderr.isatty()
+    last_line = time.perf_counter()
+    for number, transcript in enumerate(tqdm(transcripts, desc=source.name, unit=" chapters", disable=not on_terminal)):
+        if not on_terminal and time.perf_counter() - last_line >= PROGRESS_LINE_S:  # a SLURM or nohup log
+            last_line = time.perf_counter()
+            logger.info("read %d of %d chapters", number, len(transcripts))
         # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
         for line in _read_utf8(transcript).split("\n"):
             if not line.strip():
@@ -86,7 +93,7 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
                 num_skipped += 1
             else:
                 utterances.append(utterance)
-    manifest = Path(out) / f"{name or source.name}.jsonl"
+    manifest = Path(out) / f"{(name or source.name).removesuffix('.jsonl')}.jsonl"
     _write(f"librispeech {source.name}", manifest, utterances, num_skipped)
     return manifest
 
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     corpora = parser.add_subparsers(dest="corpus", required=True)
     an4 = corpora.add_parser("an4", help="CMU AN4 (etc/ and wav/ folders)")
     librispeech = corpora.add_parser("librispeech", help="a LibriSpeech-layout tree of *.trans.txt and .flac")
-    librispeech.add_argument("--name", help="manifest name (default: the source folder's name)")
+    librispeech.add_argument("--name", help="manifest name, NAME.jsonl (default: the source folder's name)")
     for corpus in (an4, librispeech):
         corpus.add_argument("--source", type=Path, required=True, help="the corpus folder")
         corpus.add_argument("--out", type=Path, required=True, help="folder for the manifests")

@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -212,6 +213,8 @@ def test_librispeech_layout(tmp_path, caplog):
     assert f"reading the 2 chapters under {source}" in caplog.text  # said before the long part
     main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev"])
     assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 3
+    main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev2.jsonl"])
+    assert len(read_manifest(tmp_path / "out" / "dev2.jsonl")) == 3  # was written as dev2.jsonl.jsonl
     # A line breaks at "\n" only, and a tab after the id separates it as a space does.
     (other / "174-50561.trans.txt").write_text("174-50561-0000\tFORGOTTEN\x85 TOO\n174-50561-0001 A\u2028B\n")
     manifest = prepare_librispeech(source, tmp_path / "out")
@@ -386,3 +389,17 @@ def test_ctrl_c_ends_prepare_in_one_line_leaving_the_manifest_as_it_was(tmp_path
     else:
         pytest.fail("main went on after Ctrl-C")
     assert manifest.read_bytes() == before and os.listdir(tmp_path / "out") == ["dev-clean.jsonl"]
+
+
+def test_without_a_terminal_prepare_says_how_far_it_has_read(tmp_path, monkeypatch, caplog):
+    """LibriSpeech's 281k files take minutes to read; under SLURM or nohup, with no progress bar, the log said
+    nothing between its first line and its last."""
+    source = tmp_path / "dev-clean"
+    for speaker in ("84", "85", "86"):
+        write_librispeech_chapter(source / speaker, "121123", "GO")
+    monkeypatch.setattr("data.prepare.PROGRESS_LINE_S", 0)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with caplog.at_level(logging.INFO):
+        prepare_librispeech(source, tmp_path / "out")
+    assert [record.getMessage() for record in caplog.records if record.getMessage().startswith("read ")] == [
+        "read 0 of 3 chapters", "read 1 of 3 chapters", "read 2 of 3 chapters"]
