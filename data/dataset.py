@@ -127,14 +127,7 @@ class SpeechDataset(Dataset):
         self.targets: list[list[int]] = []
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
-        self._kept_files: set[tuple[int, int] | str] = set()
-        self._repeats: list[str] = []
-        for path in manifest_paths:
-            for utterance in read_manifest(path):
-                self._add(utterance)
-        if self._repeats:
-            logger.warning("skipping %s whose audio file is listed before (the first: %s)",
-                           counted(len(self._repeats), "utterance"), self._repeats[0])
+        self._read(manifest_paths)
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
@@ -155,19 +148,41 @@ class SpeechDataset(Dataset):
             digest.update(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
         return f"{len(self.utterances)} utterances, sha256 {digest.hexdigest()[:16]}"
 
-    def _add(self, utterance: Utterance) -> None:
+    def _read(self, manifest_paths: Sequence[str | os.PathLike]) -> None:
+        """Keeps each utterance that can train, at its audio file's first listing; counts and warns about the rest."""
+        kept_files: set[tuple[int, int] | str] = set()
+        first_repeat = None
+        for path in manifest_paths:
+            for utterance in read_manifest(path):
+                targets = self._trainable_targets(utterance)
+                if targets is None:
+                    continue
+                audio_file = file_identity(utterance.audio_filepath)
+                if audio_file in kept_files:
+                    self.skipped["audio listed before"] += 1
+                    first_repeat = first_repeat or utterance.audio_filepath
+                    continue
+                kept_files.add(audio_file)
+                self.utterances.append(utterance)
+                self.targets.append(targets)
+        if first_repeat is not None:
+            logger.warning("skipping %s whose audio file is listed before (the first: %s)",
+                           counted(self.skipped["audio listed before"], "utterance"), first_repeat)
+
+    def _trainable_targets(self, utterance: Utterance) -> list[int] | None:
+        """The utterance's target ids, or None (counted in `skipped`) where it can never train."""
         if self.max_duration is not None and utterance.duration > self.max_duration:
             self.skipped["longer than max_duration"] += 1
-            return
+            return None
         text = normalize_text(utterance.text)
         if not text:
             self._skip(utterance, "empty transcript", "its transcript is empty")
-            return
+            return None
         bad = invalid_characters(text)
         if bad:
             detail = f"its transcript has characters outside the alphabet: {bad}"
             self._skip(utterance, "characters outside the alphabet", detail)
-            return
+            return None
         targets = encode(text)
         num_samples = round(utterance.duration * self.features.sample_rate)
         num_outputs = math.ceil(self.features.num_frames(num_samples) / self.time_stride)
@@ -177,15 +192,8 @@ class SpeechDataset(Dataset):
                            "not filled in)")
             else:
                 self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
-            return
-        audio_file = file_identity(utterance.audio_filepath)
-        if audio_file in self._kept_files:
-            self.skipped["audio listed before"] += 1
-            self._repeats.append(utterance.audio_filepath)
-            return
-        self._kept_files.add(audio_file)
-        self.utterances.append(utterance)
-        self.targets.append(targets)
+            return None
+        return targets
 
     def _skip(self, utterance: Utterance, reason: str, detail: str) -> None:
         self.skipped[reason] += 1
