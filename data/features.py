@@ -21,6 +21,10 @@ def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _has_empty_mel_band(sample_rate: int, n_fft: int, n_mels: int) -> bool:
     """Whether one of MelSpectrogram's `n_mels` triangular filters (its defaults: 0 Hz to half the rate, HTK scale)
     falls between two FFT bins and so weighs none."""
@@ -38,6 +42,16 @@ def _most_mel_bands(sample_rate: int, n_fft: int) -> int:
         middle = (works + fails) // 2
         works, fails = (works, middle) if _has_empty_mel_band(sample_rate, n_fft, middle) else (middle, fails)
     return works
+
+
+def _check_n_mels(n_mels, sample_rate: int, n_fft: int, window_ms: float) -> None:
+    """ValueError where `n_mels` is not a positive integer or leaves a mel band without an FFT bin."""
+    if not (_is_integer(n_mels) and n_mels >= 1):
+        raise ValueError(f"n_mels={n_mels!r} must be a positive integer")
+    if n_mels > n_fft // 2 + 1 or _has_empty_mel_band(sample_rate, n_fft, n_mels):
+        raise ValueError(f"n_mels={n_mels} at {sample_rate} Hz and window_ms={window_ms} (an FFT of {n_fft} points) "
+                         f"gives mel bands that hold no FFT bin, features that never change: at most "
+                         f"{_most_mel_bands(sample_rate, n_fft)} bands work there")
 
 
 class FeatureExtractor(nn.Module):
@@ -67,8 +81,7 @@ class FeatureExtractor(nn.Module):
         if kind not in FEATURE_KINDS:
             raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
         # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
-        if not (isinstance(sample_rate, int) and not isinstance(sample_rate, bool)
-                and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
+        if not (_is_integer(sample_rate) and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
                 and _is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
                 and _is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
             raise ValueError(f"sample_rate={sample_rate!r} must be an integer number of Hz from {MIN_SAMPLE_RATE} to "
@@ -83,26 +96,20 @@ class FeatureExtractor(nn.Module):
             raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
         if self.hop_length > window_length:  # frames would skip the audio between them
             raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
-        # The mel filters take an FFT of the next power of two; the spectrogram's is the window itself.
-        self.n_fft = window_length if kind == "spectrogram" else 1 << (window_length - 1).bit_length()
-        if kind == "mel":
-            if not (isinstance(n_mels, int) and not isinstance(n_mels, bool) and n_mels >= 1):
-                raise ValueError(f"n_mels={n_mels!r} must be a positive integer")
-            if n_mels > self.n_fft // 2 + 1 or _has_empty_mel_band(sample_rate, self.n_fft, n_mels):
-                raise ValueError(f"n_mels={n_mels} at {sample_rate} Hz and window_ms={window_ms} (an FFT of "
-                                 f"{self.n_fft} points) gives mel bands that hold no FFT bin, features that never "
-                                 f"change: at most {_most_mel_bands(sample_rate, self.n_fft)} bands work there")
         if kind == "spectrogram":
+            self.n_fft = window_length
             self.transform = torchaudio.transforms.Spectrogram(
-                n_fft=window_length,
+                n_fft=self.n_fft,
                 win_length=window_length,
                 hop_length=self.hop_length,
                 window_fn=torch.hamming_window,
                 pad_mode="constant",
                 power=1.0,
             )
-            self._num_features = window_length // 2 + 1
+            self.num_features = self.n_fft // 2 + 1
         else:
+            self.n_fft = 1 << (window_length - 1).bit_length()
+            _check_n_mels(n_mels, sample_rate, self.n_fft, window_ms)
             self.transform = torchaudio.transforms.MelSpectrogram(
                 sample_rate=sample_rate,
                 n_fft=self.n_fft,
@@ -112,11 +119,7 @@ class FeatureExtractor(nn.Module):
                 window_fn=torch.hamming_window,
                 pad_mode="constant",
             )
-            self._num_features = n_mels
-
-    @property
-    def num_features(self) -> int:
-        return self._num_features
+            self.num_features = n_mels
 
     def num_frames(self, num_samples: int) -> int:
         """Frames produced from `num_samples` samples: centred frames, the signal padded by n_fft // 2 each side."""
