@@ -5,6 +5,8 @@ H = hidden size, V = num_classes. Padding is masked everywhere: a padded frame n
 sample's log-probs over its valid frames are the same in any batch (in eval mode, where batch norm uses running
 statistics), up to rounding: the persistent kernels' tiling, and with it their rounding, depends on the batch size.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,9 +25,10 @@ def sequence_mask(lengths, num_steps):
     return torch.arange(num_steps, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def conv_output_lengths(conv, lengths):
-    """Valid output frames of `conv` along time, its last dimension, for `lengths` valid input frames."""
-    return (lengths + 2 * conv.padding[-1] - conv.kernel_size[-1]) // conv.stride[-1] + 1
+def conv_output_lengths(conv, lengths, dim: int = -1):
+    """Valid output positions of `conv` along its kernel's dimension `dim` (time, the last, by default) for `lengths`
+    valid input positions."""
+    return (lengths + 2 * conv.padding[dim] - conv.kernel_size[dim]) // conv.stride[dim] + 1
 
 
 class ConvFrontEnd(nn.Module):
@@ -45,12 +48,10 @@ class ConvFrontEnd(nn.Module):
             # Batch norm's shift makes a conv bias redundant.
             self.convs.append(nn.Conv2d(in_channels, channels, kernel, stride, padding, bias=not batch_norm))
             in_channels = channels
-            frequencies = (frequencies + 2 * padding[0] - kernel[0]) // stride[0] + 1
+            frequencies = conv_output_lengths(self.convs[-1], frequencies, dim=0)
         self.norms = nn.ModuleList(MaskedBatchNorm(channels, channel_dim=1) for _ in self.convs) if batch_norm else None
         self.output_size = channels * frequencies
-        self.time_stride = 1
-        for conv in self.convs:
-            self.time_stride *= conv.stride[1]
+        self.time_stride = math.prod(conv.stride[1] for conv in self.convs)
 
     def output_lengths(self, lengths):
         """(B,) valid output frames for (B,) valid input frames: conv arithmetic along time."""
