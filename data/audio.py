@@ -50,14 +50,23 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     if not torch.isfinite(waveform).all():
         raise AudioError(f"{path}: audio holds NaN or infinite samples")
     if file_rate != sample_rate:
-        if _resampling_phases(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:
-            file_rate = max(100, round(file_rate / 100) * 100)
-        if _resampling_phases(file_rate, sample_rate) > MAX_RESAMPLING_PHASES:  # the model's own rate is the odd one
-            raise AudioError(f"{path}: resampling {file_rate} Hz to the model's {sample_rate} Hz would take "
-                             f"{_resampling_phases(file_rate, sample_rate)} filter phases, more than "
-                             f"{MAX_RESAMPLING_PHASES}: give the model a rate in whole hundreds of Hz")
-        waveform = torchaudio.functional.resample(waveform, file_rate, sample_rate)
+        waveform = torchaudio.functional.resample(waveform, _rate_to_resample_from(path, file_rate, sample_rate),
+                                                  sample_rate)
     return waveform
+
+
+def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate: int) -> int:
+    """`file_rate`, or the nearest multiple of 100 Hz where resampling from it would take more than
+    MAX_RESAMPLING_PHASES filter phases; AudioError where that takes too many as well."""
+    if _resampling_phases(file_rate, sample_rate) <= MAX_RESAMPLING_PHASES:
+        return file_rate
+    rounded_rate = max(100, round(file_rate / 100) * 100)
+    phases = _resampling_phases(rounded_rate, sample_rate)
+    if phases > MAX_RESAMPLING_PHASES:  # the model's own rate is the odd one
+        raise AudioError(f"{path}: resampling {rounded_rate} Hz to the model's {sample_rate} Hz would take {phases} "
+                         f"filter phases, more than {MAX_RESAMPLING_PHASES}: give the model a rate in whole hundreds "
+                         "of Hz")
+    return rounded_rate
 
 
 def audio_header(path: str | os.PathLike):
