@@ -83,11 +83,6 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
-    speaker = record.get("speaker")
-    if speaker is None:  # NeMo-style manifests may leave it out or null, or number their speakers
-        speaker = ""
-    elif isinstance(speaker, int) and not isinstance(speaker, bool):
-        speaker = str(speaker)
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
     # bool is an int subclass, and True is no duration.
@@ -99,8 +94,7 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
                          "cut the segment into a file of its own")
     if not isinstance(text, str):
         raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
-    if not isinstance(speaker, str):
-        raise ValueError(f"{where}: 'speaker' must be a string or an integer, got {speaker!r}")
+    speaker = _speaker(record, where)
     for key, value in (("audio_filepath", audio_filepath), ("text", text), ("speaker", speaker)):
         try:
             value.encode("utf-8")
@@ -115,6 +109,18 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
                          "has no folder to take it from: give absolute paths, or the manifest as a file")
     audio_path = Path(audio_filepath) if audio_folder is None else audio_folder / audio_filepath
     return Utterance(str(audio_path), float(duration), text, speaker)
+
+
+def _speaker(record: dict, where: str) -> str:
+    """The record's speaker as a string; NeMo-style manifests may leave it out or null, or number their speakers."""
+    speaker = record.get("speaker")
+    if speaker is None:
+        return ""
+    if isinstance(speaker, int) and not isinstance(speaker, bool):
+        return str(speaker)
+    if not isinstance(speaker, str):
+        raise ValueError(f"{where}: 'speaker' must be a string or an integer, got {speaker!r}")
+    return speaker
 
 
 def file_identity(path: str) -> tuple[int, int] | str:
