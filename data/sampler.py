@@ -15,6 +15,11 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+
+
 class BucketBatchSampler(Sampler[list[int]]):
     """Yields this rank's dataset indices for each global batch of an epoch.
 
@@ -43,8 +48,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         jitter: float = 0.1,
     ):
         super().__init__()
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        _check_rank(rank, world_size)
         if global_batch_size < 1 or global_batch_size % world_size != 0:
             raise ValueError(
                 f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
@@ -124,8 +128,7 @@ def eval_shard(durations: Sequence[float], rank: int, world_size: int, batch_siz
     holds similar lengths on every rank. The last batch may be smaller, and a rank may have one batch fewer
     than another: sum the results after the loop rather than synchronising per batch.
     """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    _check_rank(rank, world_size)
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     order = torch.argsort(torch.tensor(durations, dtype=torch.float64), stable=True)
