@@ -185,13 +185,13 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
             raise
         raise ValueError(f"{link} is a symbolic link to {os.readlink(link)}, which does not exist: cannot write the "
                          f"manifest {path.name} there") from None
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial_file = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        with partial.open("w", encoding="utf-8") as out:
+        with partial_file.open("w", encoding="utf-8") as out:
             for utterance in utterances:
                 out.write(json.dumps(asdict(utterance), ensure_ascii=False) + "\n")
-        partial.replace(path)
+        partial_file.replace(path)
     except OSError as error:  # a full disk or a file size limit: a failed write() names no file
         raise OSError(error.errno, error.strerror, str(path)) from error
     finally:
-        partial.unlink(missing_ok=True)
+        partial_file.unlink(missing_ok=True)
