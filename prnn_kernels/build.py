@@ -181,13 +181,15 @@ def _build(name: str, directory: Path, arch: str, verbose: bool):
 
 
 def first_build_error(error: Exception) -> str:
-    """A failed build's error in one line: the first line of its output that names an error or a program the shell
-    did not find (a compiler missing: "/bin/sh: 1: c++: not found"), else its first line. torch puts the whole output
-    in it (every command and compiler message), which `auto`'s one warning and the persistent backend's refusal would
-    repeat; the verbose build shows it."""
+    """A failed build's error in one line: the first line of its output that names an error, nvcc's fatal one, or a
+    program the shell or nvcc did not find (a compiler missing: "/bin/sh: 1: c++: not found", or a CC that nvcc runs
+    as its host compiler: "/opt/gcc-13/bin/gcc: No such file or directory"), else its first line. torch puts the whole
+    output in it (every command and compiler message), which `auto`'s one warning and the persistent backend's refusal
+    would repeat; the verbose build shows it."""
     lines = str(error).splitlines() or [repr(error)]
     named = [line.strip() for line in lines[1:]
-             if re.search(r"\berror\b|^/bin/sh: .*not found$", line.strip(), re.IGNORECASE)]
+             if re.search(r"\berror\b|^nvcc fatal\b|^/bin/sh: .*not found$|: No such file or directory$", line.strip(),
+                          re.IGNORECASE)]
     return (named[0] if named else lines[0])[:300]
 
 

@@ -173,6 +173,21 @@ def test_a_build_without_its_cpp_compiler_names_the_missing_compiler(broken_tool
     assert f"{missing}: not found. It needs nvcc (set CUDA_HOME), a C++ compiler (CXX) and ninja" in message, message
 
 
+def test_a_build_whose_host_compiler_is_missing_names_it():
+    """nvcc given a CC that does not exist (torch passes it as -ccbin) names no error and no shell: the one line was
+    the first command of torch's output, cut off before it said what failed. The output of such a build, shortened."""
+    output = RuntimeError(
+        "Error building extension 'prnn_kernels_fb72fe2309720899_sm90a': [1/7] /usr/local/cuda/bin/nvcc -MD -MF "
+        "fp32_backward.cuda.o.d -ccbin /opt/gcc-13/bin/gcc -DTORCH_EXTENSION_NAME=prnn_kernels_fb72fe2309720899_sm90a"
+        " -c fp32_backward.cu -o fp32_backward.cuda.o\nFAILED: fp32_backward.cuda.o \n/usr/local/cuda/bin/nvcc -MD -MF "
+        "fp32_backward.cuda.o.d -ccbin /opt/gcc-13/bin/gcc -c fp32_backward.cu -o fp32_backward.cuda.o\n"
+        "/opt/gcc-13/bin/gcc: No such file or directory\n"
+        "nvcc fatal   : Failed to preprocess host compiler properties.\nninja: build stopped: subcommand failed.\n")
+    assert build.first_build_error(output) == "/opt/gcc-13/bin/gcc: No such file or directory"
+    only_nvcc_says = RuntimeError(str(output).replace("/opt/gcc-13/bin/gcc: No such file or directory\n", ""))
+    assert build.first_build_error(only_nvcc_says) == "nvcc fatal   : Failed to preprocess host compiler properties."
+
+
 def test_a_build_whose_library_does_not_load_is_a_reason_not_a_crash(broken_toolkit, monkeypatch):
     """torch's loader raises ImportError where the finished library does not load (built against a toolkit whose CUDA
     runtime this machine lacks); it escaped the support query, so backend auto ended the run instead of using cuDNN.
