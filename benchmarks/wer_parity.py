@@ -300,7 +300,10 @@ def main(argv=None) -> None:
         gpus = None
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
     else:
-        runs_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            runs_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file of that name: a traceback, where a usage error belongs
+            parser.error(f"--runs-dir {runs_dir}: {error.strerror or error}")
         gpus = visible_gpus()
         rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)

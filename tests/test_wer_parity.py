@@ -314,3 +314,12 @@ def test_a_ctrl_c_stops_the_runs_in_progress_and_starts_no_more(tmp_path):
     assert started.read_text() == "run\n"
     assert stderr.endswith("the runs in progress stopped at their checkpoints and 2 runs did not start; the same "
                            "command continues them all\n"), stderr[-3000:]
+
+
+def test_a_runs_dir_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
+    # It ended in mkdir's FileExistsError traceback.
+    taken = tmp_path / "runs"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--runs-dir", str(taken)])
+    assert exited.value.code == 2 and f"error: --runs-dir {taken}: File exists" in capsys.readouterr().err
