@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -234,6 +235,14 @@ STOPPED_BY_SIGNAL = {status: 128 + number for number in (signal.SIGINT, signal.S
 RUN_KEYS = ("model.backend", "seed", "run_name", "hydra.run.dir", "train.resume", "train.progress_bar")
 
 
+def run_name_prefix(text: str) -> str:
+    """--name, in the characters the launch scripts take for RUN_NAME (--ranks) and Hydra reads unquoted in run_name=:
+    a / ended this script in a traceback (no folder for the run's .out), a comma each run in Hydra's refusal."""
+    if not re.fullmatch(r"[A-Za-z0-9._+@ -]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use letters, digits, spaces and ._+@-")
+    return text
+
+
 def backend_overrides(args) -> dict[str, list[str]]:
     """--backend-overrides as {backend: its overrides}, each given after the common ones (so it wins over them)."""
     return {backend: overrides for backend, *overrides in args.backend_overrides or []}
@@ -264,7 +273,7 @@ def main(argv=None) -> None:
     parser.add_argument("--parallel", type=positive_int, default=4, help="runs at once")
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
     parser.add_argument("--ranks", type=positive_int, default=1, help="ranks per run, sharing the run's GPU")
-    parser.add_argument("--name", default="wer", help="prefix of the run names")
+    parser.add_argument("--name", type=run_name_prefix, default="wer", help="prefix of the run names")
     parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
                         help="where the runs' directories go (default: runs/ of this checkout)")
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")

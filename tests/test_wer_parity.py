@@ -323,3 +323,12 @@ def test_a_runs_dir_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         wer_parity.main(["--runs-dir", str(taken)])
     assert exited.value.code == 2 and f"error: --runs-dir {taken}: File exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ab/c", "a,b", ""])
+def test_a_name_no_run_could_take_is_refused_before_any_run(name, tmp_path, capsys):
+    # A / ended the script in a traceback (no folder for the run's .out), a comma every run in Hydra's refusal.
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--name", name, "--runs-dir", str(tmp_path)])
+    assert exited.value.code == 2 and "argument --name" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
