@@ -137,7 +137,7 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
     returns how it ended and what it evaluated (up to at_epoch, if given)."""
     run_dir = runs_dir / name
-    settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={run_dir}",
+    settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={hydra_quoted(run_dir)}",
                 "train.resume=auto", "train.progress_bar=false"]
     if graphs and backend != "cudnn":
         settings.append("train.cuda_graphs=true")
@@ -156,6 +156,12 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     wall_s = round(time.perf_counter() - started, 1)
     return {**report(runs_dir, name, backend, seed, ranks, at_epoch), "gpu": gpu, "returncode": returncode,
             "wall_s": wall_s}
+
+
+def hydra_quoted(path: Path) -> str:
+    """`path` as a quoted string of Hydra's override grammar: unquoted, a comma in it made the override a list Hydra
+    refused, and a bracket or colon another value."""
+    return "'" + str(path).replace("'", "\\'") + "'"
 
 
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
