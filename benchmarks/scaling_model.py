@@ -36,6 +36,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainer.cli import run_tool
+
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
 # (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
 STEP_ALLREDUCE_BYTES = (24, 4)
@@ -462,4 +464,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -48,7 +48,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data.text import counted
-from trainer.cli import json_output, positive_int, write_output
+from trainer.cli import json_output, positive_int, run_tool, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -375,4 +375,4 @@ def last_line(path: Path) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

@@ -224,3 +224,17 @@ def test_every_benchmark_command_the_documents_quote_parses(document, monkeypatc
         except Parsed:
             continue
         pytest.fail(f"{' '.join(words)}: parsed no arguments")
+
+
+@pytest.mark.parametrize("module, arguments", [
+    ("benchmarks.scaling_model", ["--measured", str(REPO_ROOT / "benchmarks/results/scaling_an4_cudnn_2gpu.json"),
+                                  "--out", "{tmp_path}"]),
+    ("benchmarks.wer_parity", ["--report", "--runs-dir", "{tmp_path}", "--backends", "cudnn", "--seeds", "1"]),
+])
+def test_a_reader_that_stops_early_ends_the_tables_quietly(module, arguments, tmp_path):
+    # Both ended in a BrokenPipeError's traceback, as the trainer's tools did before run_tool.
+    (tmp_path / "wer-cudnn-s1").mkdir()
+    command = shlex.join([sys.executable, "-m", module, *(part.format(tmp_path=tmp_path) for part in arguments)])
+    piped = subprocess.run(["bash", "-c", f"{command} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 1 and "Traceback" not in piped.stderr, piped.stderr
