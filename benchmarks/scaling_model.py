@@ -36,7 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.cli import run_tool
+from trainer.cli import output_file, run_tool
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
 # (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
@@ -452,6 +452,14 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         print(f"error: --out {out}: {error.strerror}", file=sys.stderr)
+        return 2
+    try:
+        # Each asked for before any is written: one that could not be (no permission, a folder of its name) ended the
+        # run in a traceback, the files before it written.
+        for suffix in ("json", "md", "png"):
+            output_file(str(out / f"scaling_projection.{suffix}"))
+    except argparse.ArgumentTypeError as error:
+        print(f"error: --out {out}: {error}", file=sys.stderr)
         return 2
     (out / "scaling_projection.json").write_text(
         json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n"

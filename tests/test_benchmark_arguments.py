@@ -238,3 +238,15 @@ def test_a_reader_that_stops_early_ends_the_tables_quietly(module, arguments, tm
     piped = subprocess.run(["bash", "-c", f"{command} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=300)
     assert piped.returncode == 1 and "Traceback" not in piped.stderr, piped.stderr
+
+
+def test_scaling_model_refuses_an_out_it_cannot_write_whole_before_writing(tmp_path, capsys):
+    """A folder in the place of its .json ended the run in IsADirectoryError's traceback; as no permission did."""
+    from benchmarks import scaling_model
+
+    (tmp_path / "scaling_projection.json").mkdir()
+    measured = str(REPO_ROOT / "benchmarks/results/scaling_an4_cudnn_2gpu.json")
+    assert scaling_model.main(["--measured", measured, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {tmp_path}: {tmp_path}/scaling_projection.json is a folder; name "
+                                       "a file in it\n")
+    assert [path.name for path in tmp_path.iterdir()] == ["scaling_projection.json"]
