@@ -160,8 +160,9 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
 
 def hydra_quoted(path: Path) -> str:
     """`path` as a quoted string of Hydra's override grammar: unquoted, a comma in it made the override a list Hydra
-    refused, and a bracket or colon another value."""
-    return "'" + str(path).replace("'", "\\'") + "'"
+    refused, and a bracket or colon another value. Hydra takes the backslashes before a quote as escapes, so they are
+    doubled, and the quote escaped after them."""
+    return "'" + re.sub(r"(\\*)'", lambda match: match[1] * 2 + "\\'", str(path)) + "'"
 
 
 def summarize(rows: list[dict], backends: list[str]) -> list[dict]:

@@ -334,15 +334,17 @@ def test_a_name_no_run_could_take_is_refused_before_any_run(name, tmp_path, caps
     assert not any(tmp_path.iterdir())
 
 
-def test_a_runs_dir_with_a_comma_or_quote_reaches_hydra_as_that_path(tmp_path, monkeypatch):
-    # Unquoted, Hydra refused hydra.run.dir=.../a,b/wer-cudnn-s1 as an ambiguous list, and every run failed.
+@pytest.mark.parametrize("folder", ["a,b [it's]", "it\\'s"])
+def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(tmp_path, monkeypatch, folder):
+    # Unquoted, Hydra refused hydra.run.dir=.../a,b/wer-cudnn-s1 as an ambiguous list, and every run failed; the quote
+    # after a backslash was escaped as \\', which Hydra reads as a backslash, then the string's end: every run refused.
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     commands = []
     monkeypatch.setattr(wer_parity.subprocess, "run",
                         lambda command, **kwargs: commands.append(command) or subprocess.CompletedProcess(command, 0))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    runs_dir = tmp_path / "a,b [it's]"
+    runs_dir = tmp_path / folder
     wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(runs_dir)])
     override = next(part for part in commands[0] if part.startswith("hydra.run.dir="))
     assert OverridesParser.create().parse_overrides([override])[0].value() == str(runs_dir / "wer-cudnn-s1")
