@@ -316,6 +316,9 @@ def main(argv=None) -> None:
         gpus = None
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
     else:
+        if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
+            parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
+                         "that variable's value), whatever the escape, and train elsewhere; name a folder without one")
         try:
             runs_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # a file of that name: a traceback, where a usage error belongs

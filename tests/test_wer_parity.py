@@ -348,3 +348,13 @@ def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(t
     wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(runs_dir)])
     override = next(part for part in commands[0] if part.startswith("hydra.run.dir="))
     assert OverridesParser.create().parse_overrides([override])[0].value() == str(runs_dir / "wer-cudnn-s1")
+
+
+def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    # Its runs trained in .../home /root/wer-cudnn-s1, where this script, reading .../home ${oc.env:HOME}, found none.
+    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "home ${oc.env:HOME}")])
+    assert exited.value.code == 2 and "--runs-dir" in capsys.readouterr().err.splitlines()[-1]
+    assert not any(tmp_path.iterdir())
