@@ -1017,6 +1017,15 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": deep}, tmp_path / "deep.pt")
     with pytest.raises(ValueError, match=r"deep.pt .*: its config(\.a)+ nests deeper than 16 levels"):
         checkpoint.load(tmp_path / "deep.pt")
+    # Nor what OmegaConf holds no type of: a resume said it without the file, a key of None over three lines.
+    torch.save({"model": {}, "config": {"data": {"kind": torch.zeros(2)}}}, tmp_path / "tensor_config.pt")
+    with pytest.raises(ValueError, match=r"tensor_config.pt .*: its config.data.kind holds what OmegaConf refuses "
+                                         r"\(Value 'Tensor' is not a supported primitive type\), which"):
+        checkpoint.load(tmp_path / "tensor_config.pt")
+    torch.save({"model": {}, "config": {None: 1}}, tmp_path / "none_key.pt")
+    with pytest.raises(ValueError, match=r"none_key.pt .*: its config holds what OmegaConf refuses \(Incompatible key "
+                                         r"type 'NoneType'\), which [^\n]*$"):
+        checkpoint.load(tmp_path / "none_key.pt")
     # torch.save stores its zip's entries as they are; compressed ones could unpack to any size.
     with zipfile.ZipFile(tmp_path / "weights.pt") as original, zipfile.ZipFile(
             tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as deflated:

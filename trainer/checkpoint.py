@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 def rng_state(device: torch.device) -> dict:
@@ -241,7 +242,8 @@ MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
 
 def _unresolved(config: dict) -> str | None:
     """What in a stored config OmegaConf would not take as plain data, named with its key: its missing value `???`,
-    or nesting past MAX_CONFIG_DEPTH; else None."""
+    nesting past MAX_CONFIG_DEPTH, or a value or key of a type it holds none of (a tensor, a key of None), which a
+    resume said without the file, over three lines where no key was named; else None."""
     pending = [("config", config, 0)]
     while pending:
         key, value, depth = pending.pop()
@@ -250,6 +252,11 @@ def _unresolved(config: dict) -> str | None:
         if isinstance(value, str) and value == "???":
             return f"{key} holds a missing value (???)"
         pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(_entries(value))]
+    try:
+        stored_config(config)
+    except OmegaConfBaseException as error:
+        key = f"config.{error.full_key}" if error.full_key else "config"
+        return f"{key} holds what OmegaConf refuses ({str(error).splitlines()[0]})"
     return None
 
 
