@@ -308,8 +308,8 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("optim=sgd +optim.betas=[0.5,0.6]", "optim.betas is adamw's setting, which optim.name=sgd does not read" + PICK),
     ("optim.anneal=1.1", "optim.anneal must be a number in (0, 1], the factor the rate is multiplied by each epoch, "
                          "not 1.1"),  # deepspeech.pytorch's divisor: the rate would grow every epoch
-    ("data.an4_source=''", "data.an4_source must be null or AN4's folder, not ''"),
-    ("data.an4_source=123", "data.an4_source must be null or AN4's folder, not 123"),
+    ("data.an4_source=''", "data.an4_source must be null or AN4's folder (PRNN_AN4 sets its default), not ''"),
+    ("data.an4_source=123", "data.an4_source must be null or AN4's folder (PRNN_AN4 sets its default), not 123"),
     ("data.manifest_dir=null", "data.manifest_dir must be a folder's path, not None"),
     ("data.features.kind=mfcc", "data.features.kind must be one of spectrogram, mel, not 'mfcc'"),
     ("data.features.window_ms=1e9", "data.features.window_ms must be a number of milliseconds in (0, 1000], not "
@@ -376,6 +376,14 @@ def test_a_path_of_only_whitespace_is_refused_naming_its_key(override, complaint
     with pytest.raises(ValueError) as error:
         check_config(compose_config(["experiment=cpu_demo", override]))
     assert str(error.value) == complaint
+
+
+def test_an_empty_prnn_an4_is_refused_naming_it(monkeypatch):
+    """PRNN_AN4= (a script's unset variable) said only that data.an4_source, a key the user never set, was ''."""
+    monkeypatch.setenv("PRNN_AN4", "")
+    with pytest.raises(ValueError) as error:
+        check_config(compose_config(["experiment=cpu_demo"]))
+    assert str(error.value) == "data.an4_source must be null or AN4's folder (PRNN_AN4 sets its default), not ''"
 
 
 @pytest.mark.parametrize("override", [

@@ -1059,7 +1059,8 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
      "(data.features.kind=mel): a wider mask can zero them all"),
     (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
     # A quoted shell variable that is unset but for a space: taken as a relative folder named " ".
-    (["data.an4_source=' '"], 2, "error on rank 0: data.an4_source must be null or AN4's folder, not ' '"),
+    (["data.an4_source=' '"], 2, "error on rank 0: data.an4_source must be null or AN4's folder (PRNN_AN4 sets its "
+                                  "default), not ' '"),
     (["data.manifest_dir=' '"], 2, "error on rank 0: data.manifest_dir must be a folder's path, not ' '"),
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):

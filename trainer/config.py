@@ -66,7 +66,9 @@ CONFIG_RULES = (
      and all(isinstance(path, str) and path.strip() for path in v), "a list of one or more manifest paths"
      + SET_MANIFESTS),
     ("data.eval_manifest", lambda v: isinstance(v, str) and v.strip() != "", "a manifest's path" + SET_MANIFESTS),
-    ("data.an4_source", lambda v: v is None or isinstance(v, str) and v.strip() != "", "null or AN4's folder"),
+    # Its message names PRNN_AN4: an empty one (PRNN_AN4= in a script) comes here as a value the user never typed.
+    ("data.an4_source", lambda v: v is None or isinstance(v, str) and v.strip() != "",
+     "null or AN4's folder (PRNN_AN4 sets its default)"),
     ("data.manifest_dir", lambda v: isinstance(v, str) and v.strip() != "", "a folder's path"),
     ("data.features.kind", lambda v: v in FEATURE_KINDS, f"one of {', '.join(FEATURE_KINDS)}"),
     ("data.features.sample_rate", lambda v: is_int(v) and MIN_SAMPLE_RATE <= v <= MAX_SAMPLE_RATE,
