@@ -1147,11 +1147,16 @@ def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
                                          r"unreadable or too long, 4 steps skipped: empty shard .*every rank must be"):
         refuse_if_nothing_trained(2, 4, 0, skipped)
     with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(1 step skipped: "
-                                         r"non-finite loss or gradient\)$"):
+                                         r"non-finite loss or gradient\); a lower optim.lr or "
+                                         r"train.grad_clip_norm may keep the model finite, and model.residual=true a "
+                                         r"deep stack's gradients$"):
         refuse_if_nothing_trained(0, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}))
     # Each count words its noun for that count, one or more.
     with pytest.raises(ValueError, match=r"^epoch 2 trained nothing: each of its 3 steps was skipped \(1 utterance "
-                                         r"unreadable or too long, 3 steps skipped: non-finite loss or gradient\)"):
+                                         r"unreadable or too long, 3 steps skipped: non-finite loss or gradient\); "
+                                         r"a manifest's .*; a lower optim.lr or train.grad_clip_norm "
+                                         r"may keep the model finite, and model.residual=true a deep stack's "
+                                         r"gradients$"):
         refuse_if_nothing_trained(1, 3, 0, Counter({UNUSABLE: 1, skipped_step("non-finite loss or gradient"): 3}))
     refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
     # Inside an epoch of a run that trained before, steps skipped for losses that were not finite are skipped steps

@@ -144,6 +144,8 @@ def train_loader(train_set: SpeechDataset, sampler: BucketBatchSampler, cfg: Dic
 
 STOPPED = "stopped"  # train_step's outcome where a stop signal came first: nothing trained, the step not counted
 NON_FINITE = "non-finite loss or gradient"  # train_step's outcome where it dropped the update
+# What to try, in each refusal of a model whose losses or weights are not finite.
+KEEP_FINITE = "a lower optim.lr or train.grad_clip_norm may keep the model finite"
 
 
 class StepResult(NamedTuple):
@@ -286,6 +288,9 @@ def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Cou
         return
     hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
             "target's), and every rank must be able to read them" if skipped[UNUSABLE] else "")
+    # Without residual connections a deep stack's gradients can overflow at its initial weights, whatever the rate.
+    hint += (f"; {KEEP_FINITE}, and model.residual=true a deep stack's gradients"
+             if skipped[skipped_step(NON_FINITE)] else "")
     raise ValueError(f"epoch {epoch + 1} trained nothing: each of its {counted(steps, 'step')} was skipped "
                      f"({count_skipped(skipped)}){hint}")
 
@@ -298,8 +303,8 @@ def refuse_if_diverged(model: torch.nn.Module, step: int, name: str) -> None:
     not_finite = build.entries_not_finite(model)
     if not_finite:
         raise ValueError(f"after step {step} the model holds values that are not finite (in {not_finite}): its "
-                         f"weights diverged, so {name} was not written and the earlier checkpoints stay (a lower "
-                         "optim.lr or train.grad_clip_norm may keep it finite)")
+                         f"weights diverged, so {name} was not written and the earlier checkpoints stay "
+                         f"({KEEP_FINITE})")
 
 
 def stops_at_max_steps(max_steps: int | None, state: dict, steps_per_epoch: int) -> bool:
@@ -681,8 +686,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                                  stop=stop_evaluation, stopping=stop_signals.came)
         except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
             raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
-                             "model was not saved (a lower optim.lr or train.grad_clip_norm may keep it finite)"
-                             ) from error
+                             f"model was not saved ({KEEP_FINITE})") from error
         # One that came during the last batch or after it, too late to cut the evaluation short: the epoch ends as
         # any other, its evaluation recorded, rather than have the resume make the whole evaluation again.
         requests = stop_requests_of_all_ranks(stop_signals, env)
