@@ -47,6 +47,10 @@ def test_global_batch_must_split_evenly_across_ranks():
         BucketBatchSampler(DURATIONS, 8, rank=4, world_size=4)
     with pytest.raises(ValueError, match="3 utterances"):
         BucketBatchSampler([1.0, 2.0, 3.0], 4)
+    # The smallest settings each check lets through: a batch of one, and utterances that fill exactly one batch.
+    assert list(BucketBatchSampler([1.0], 1)) == [[0]]
+    assert sorted(sum(BucketBatchSampler([1.0, 2.0, 3.0, 4.0], 4, rank=1, world_size=2).global_batches(0), [])) == [
+        0, 1, 2, 3]
 
 
 def test_sortagrad_epoch_goes_shortest_first_then_epochs_shuffle():
@@ -158,6 +162,10 @@ def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
     assert sampler.state_dict() == {"epoch": 2, "position": 0}
     with pytest.raises(ValueError, match="position 13"):
         sampler.load_state_dict({"epoch": 0, "position": 13})
+    # A checkpoint from the first epoch, and one from the start of an epoch, resume as saved.
+    for state in ({"epoch": 0, "position": 3}, {"epoch": 3, "position": 0}):
+        sampler.load_state_dict(state)
+        assert sampler.state_dict() == state
     for state in ({"epoch": 0, "position": 0.5}, {"epoch": 1.0, "position": 0}, {"epoch": -1, "position": 0}):
         with pytest.raises(ValueError, match="must be integers|is negative"):  # a checkpoint edited by hand
             sampler.load_state_dict(state)
@@ -173,6 +181,7 @@ def test_eval_shard_covers_every_utterance_once_in_length_sorted_batches(world_s
         lengths = [DURATIONS[index] for batch in shard for index in batch]
         assert lengths == sorted(lengths)
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert eval_shard(DURATIONS[:2], 0, 1, batch_size=1) == [[0], [1]]
     # Batch k of every rank comes from the same stretch of the sorted order: their duration ranges overlap.
     for k in range(min(map(len, shards))):
         ranges = [(min(DURATIONS[i] for i in shard[k]), max(DURATIONS[i] for i in shard[k])) for shard in shards]
