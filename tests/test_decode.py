@@ -391,7 +391,7 @@ def test_a_beam_width_below_one_is_refused_as_the_arguments_are_read(capsys):
     # Before any work: BeamSearch refused it only after the checkpoint and the whole language model had been read.
     parser = argparse.ArgumentParser()
     decode.add_arguments(parser)
-    assert parser.parse_args(["--beam", "1"]).beam == 1
+    assert decode.from_arguments(parser.parse_args(["--beam", "1"])).beam_width == 1  # the search takes it too
     for value in ("0", "-3"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--beam", value])
@@ -405,6 +405,7 @@ def test_a_beam_width_past_the_maximum_is_refused_as_the_arguments_are_read(caps
     with pytest.raises(SystemExit):
         parser.parse_args(["--beam", "100000000"])
     assert f"argument --beam: must be at most {decode.MAX_BEAM_WIDTH}, not 100000000" in capsys.readouterr().err
-    assert parser.parse_args(["--beam", str(decode.MAX_BEAM_WIDTH)]).beam == decode.MAX_BEAM_WIDTH
+    widest = decode.from_arguments(parser.parse_args(["--beam", str(decode.MAX_BEAM_WIDTH)]))
+    assert widest.beam_width == decode.MAX_BEAM_WIDTH
     with pytest.raises(ValueError, match=f"beam width must be at most {decode.MAX_BEAM_WIDTH}, not 100000000"):
         decode.BeamSearch(beam_width=100_000_000)
