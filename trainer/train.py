@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -370,6 +371,37 @@ def count_skipped(skipped: Counter) -> str:
     return ", ".join(f"{counted(count, noun)} {what}" for (noun, what), count in skipped.items())
 
 
+@dataclass
+class EpochTally:
+    """What an epoch's steps in this job came to, for the checks before it is saved and for its log line."""
+    epoch: int  # counted from 0
+    first_step: int  # the epoch's steps trained before this job: past 0 where it resumed inside the epoch
+    started: float = field(default_factory=time.perf_counter)
+    trained_s: float = math.nan  # set when its steps end, before its evaluation
+    losses: list[float] = field(default_factory=list)  # of the steps trained
+    utterances: int = 0  # in the steps trained
+    skipped: Counter = field(default_factory=Counter)  # (noun, what) -> count: count_skipped words it
+
+    def count(self, step: StepResult) -> None:
+        """Adds a step trained or skipped (not one stopped, which the run does not count)."""
+        if step.unusable:
+            self.skipped[UNUSABLE] += step.unusable
+        if step.outcome != "ok":
+            self.skipped[skipped_step(step.outcome)] += 1
+        else:
+            self.losses.append(step.loss)
+            self.utterances += step.utterances
+
+    def refuse_if_nothing_trained(self, epoch_step: int, overflows_pass: bool) -> None:
+        """refuse_if_nothing_trained for this job's steps of the epoch, up to `epoch_step`."""
+        refuse_if_nothing_trained(self.epoch, epoch_step - self.first_step, len(self.losses), self.skipped,
+                                  overflows_pass)
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / max(len(self.losses), 1)
+
+
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
     """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", ...}), with
     "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
@@ -411,6 +443,71 @@ def position_in_epochs(state: dict) -> str:
     if not state["epoch"]:  # a run stopped by a signal before its first step wrote a checkpoint at step 0
         return "the start of epoch 1"
     return f"the end of epoch {state['epoch']}"
+
+
+def evaluate_unless_stopped(model, eval_set: SpeechDataset, eval_batches: list, cfg: DictConfig, env: DistEnv,
+                            stop_signals: StopSignals, show_progress_bar: bool, epoch: int, step: int
+                            ) -> ErrorCounts | None:
+    """The evaluation after `epoch`'s training, ending at step `step`: this rank's counts, or None where a stop signal
+    cut it short. evaluate() asks before each batch and ends at the first yes; every rank gets the same answer (a
+    collective), so all of them agree whether their evaluation was cut short."""
+    cut_short = False
+
+    def stop_evaluation() -> bool:
+        nonlocal cut_short
+        cut_short = bool(stop_requests_of_all_ranks(stop_signals, env))
+        return cut_short
+
+    try:
+        counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
+                             worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
+                             progress_line_s=cfg.train.progress_line_s if env.is_main else None,
+                             stop=stop_evaluation, stopping=stop_signals.came)
+    except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
+        raise ValueError(f"evaluating after epoch {epoch + 1} (step {step}): {error}; this epoch's model was not "
+                         f"saved ({KEEP_FINITE})") from error
+    return None if cut_short else counts
+
+
+def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[float, float] | None,
+                 eval_set: SpeechDataset, step: int, steps_per_epoch: int, run_started: float, writer: SummaryWriter,
+                 metrics_file) -> None:
+    """On rank 0, an evaluated epoch's log line, warnings for the test utterances its WER leaves out, TensorBoard's
+    scalars and metrics.jsonl's line. counts: summed over every rank; peak_memory: peak_gpu_memory_gib's."""
+    epoch = tally.epoch
+    log.info(
+        "epoch %d%s: %sevaluated in %.0f s; %s%s%s",
+        epoch + 1, steps_from_the_resume(tally.first_step, steps_per_epoch),
+        f"loss {tally.mean_loss:.3f}, {counted(tally.utterances, 'utterance')} in {tally.trained_s:.0f} s, "
+        if tally.losses else "",
+        time.perf_counter() - tally.started - tally.trained_s,
+        "no test WER" if math.isnan(counts.wer) else f"test WER {counts.wer:.2f}% CER {counts.cer:.2f}%",
+        "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
+        "; skipped: " + count_skipped(tally.skipped) if tally.skipped else "",
+    )
+    # At the step, as the training scalars are: a resumed run's purge (tensorboard_writer) goes by step.
+    writer.add_scalar("eval/wer", counts.wer, step)
+    writer.add_scalar("eval/cer", counts.cer, step)
+    # A rate over no utterances is NaN, which JSON has no word for: null, so that strict readers take the file.
+    record = {"epoch": epoch + 1, "eval_wer": finite_or_none(counts.wer),
+              "eval_cer": finite_or_none(counts.cer), "elapsed_s": round(time.perf_counter() - run_started, 1)}
+    if peak_memory:
+        allocated, reserved = peak_memory
+        record["peak_gpu_allocated_gib"] = round(allocated, 2)
+        record["peak_gpu_reserved_gib"] = round(reserved, 2)
+    if counts.unreadable == len(eval_set):
+        log.warning("epoch %d: none of the test set's %s could be read (named above): no test WER",
+                    epoch + 1, counted(len(eval_set), "utterance"))
+    elif left_out := eval_set.skipped + Counter(unreadable=counts.unreadable):
+        # Those no model could transcribe (a transcript longer than its output frames) are left out as those
+        # that could not be read are: a WER over fewer utterances than the manifest holds says so.
+        log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (named "
+                    "above)", epoch + 1, len(eval_set) - counts.unreadable,
+                    len(eval_set) + eval_set.skipped.total(), count_reasons(left_out))
+    if counts.unreadable:
+        record["eval_unreadable"] = counts.unreadable
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
@@ -601,12 +698,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
         loader = train_loader(train_set, sampler, cfg, env, epoch)
-        skipped = Counter()
-        losses = []
-        utterances = 0
-        started = time.perf_counter()
-        first_step = state["epoch_step"]  # past 0 where this job resumed inside the epoch
-        trained_before = epoch > 0 or first_step > 0  # each epoch end and checkpoint refused one that trained nothing
+        tally = EpochTally(epoch, first_step=state["epoch_step"])
+        # Each epoch end and checkpoint before this epoch refused one that trained nothing.
+        trained_before = epoch > 0 or tally.first_step > 0
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         wrapped.train()
@@ -616,7 +710,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not show_progress_bar,
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
-        last_progress_line = started
+        last_progress_line = tally.started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
         # A batch waited on for distributed.timeout_s ends the run, as a collective does; a stop signal ends the wait.
         for batch in start_data_workers(loader, cfg.distributed.timeout_s, stopping=stop_signals.came):
@@ -630,67 +724,46 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["step"] += 1
             state["epoch_step"] += 1
             progress.update()
-            if step.unusable:
-                skipped[UNUSABLE] += step.unusable
+            tally.count(step)
             if step.outcome != "ok":
-                skipped[skipped_step(step.outcome)] += 1
                 if env.is_main:  # every rank skips it, for the same reason
                     log.warning("step %d skipped: %s", state["step"], step.outcome)
-            else:
-                losses.append(step.loss)
-                utterances += step.utterances
-                if env.is_main:
-                    now = time.perf_counter()
-                    rate = utterances_per_second(utterances, now - started)
-                    progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=rate)
-                    if not show_progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
-                        last_progress_line = now
-                        log.info("epoch %d: step %d of %d, loss %.3f, %s utterances/s", epoch + 1,
-                                 state["epoch_step"], len(sampler), step.loss, rate)
-                    # The epoch counted from 1, as the log and the evaluations' lines count it.
-                    record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
-                    metrics_file.write(json.dumps(record) + "\n")
-                    writer.add_scalar("train/loss", step.loss, state["step"])
-                    writer.add_scalar("train/lr", learning_rate, state["step"])
+            elif env.is_main:
+                now = time.perf_counter()
+                rate = utterances_per_second(tally.utterances, now - tally.started)
+                progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=rate)
+                if not show_progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
+                    last_progress_line = now
+                    log.info("epoch %d: step %d of %d, loss %.3f, %s utterances/s", epoch + 1,
+                             state["epoch_step"], len(sampler), step.loss, rate)
+                # The epoch counted from 1, as the log and the evaluations' lines count it.
+                record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
+                metrics_file.write(json.dumps(record) + "\n")
+                writer.add_scalar("train/loss", step.loss, state["step"])
+                writer.add_scalar("train/lr", learning_rate, state["step"])
             if stops_at_max_steps(max_steps, state, len(sampler)):
                 stopped_by = "train.max_steps"  # at the epoch's last step, after its evaluation (below)
             if stopped_by:
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
-                refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped,
-                                          overflows_pass=trained_before)
+                tally.refuse_if_nothing_trained(state["epoch_step"], overflows_pass=trained_before)
                 save("last.pt")
         progress.close()
-        refuse_if_nothing_trained(epoch, state["epoch_step"] - first_step, len(losses), skipped,
-                                  overflows_pass=trained_before and state["epoch_step"] < len(sampler))
+        tally.refuse_if_nothing_trained(state["epoch_step"],
+                                        overflows_pass=trained_before and state["epoch_step"] < len(sampler))
         if state["epoch_step"] < len(sampler):  # stopped inside the epoch
             save("last.pt")
             note_stop(result, state["step"], f"at step {state['step']}", stopped_by, continue_with, run_dir)
             break
 
-        trained_s = time.perf_counter() - started
-        # evaluate() asks before each batch and ends at the first yes; every rank gets the same answer (a collective),
-        # so all of them agree whether their evaluation was cut short.
-        evaluation_cut_short = False
-
-        def stop_evaluation() -> bool:
-            nonlocal evaluation_cut_short
-            evaluation_cut_short = bool(stop_requests_of_all_ranks(stop_signals, env))
-            return evaluation_cut_short
-
-        try:
-            counts, _ = evaluate(model, eval_set, eval_batches, env.device, cfg.train.amp, cfg.train.num_workers,
-                                 worker_timeout_s=cfg.distributed.timeout_s, progress_bar=show_progress_bar,
-                                 progress_line_s=cfg.train.progress_line_s if env.is_main else None,
-                                 stop=stop_evaluation, stopping=stop_signals.came)
-        except ValueError as error:  # a model whose weights diverged: say where, and that nothing of it was saved
-            raise ValueError(f"evaluating after epoch {epoch + 1} (step {state['step']}): {error}; this epoch's "
-                             f"model was not saved ({KEEP_FINITE})") from error
+        tally.trained_s = time.perf_counter() - tally.started
+        local_counts = evaluate_unless_stopped(model, eval_set, eval_batches, cfg, env, stop_signals,
+                                               show_progress_bar, epoch, state["step"])
         # One that came during the last batch or after it, too late to cut the evaluation short: the epoch ends as
         # any other, its evaluation recorded, rather than have the resume make the whole evaluation again.
         requests = stop_requests_of_all_ranks(stop_signals, env)
-        if evaluation_cut_short:
+        if local_counts is None:
             stopped_by = stop_for(requests, env.world_size, result)
             # A signal during the epoch's last step or its evaluation: a large test set can take longer than a
             # scheduler waits after its signal. last.pt at the epoch's last step, before the evaluation, lets the
@@ -699,44 +772,13 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             note_stop(result, state["step"], f"after epoch {epoch + 1}'s training, before its evaluation ended",
                       stopped_by, continue_with, run_dir, what_continues="it with that evaluation")
             break
-        counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(counts.as_tensor().to(env.device)).cpu())
+        counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(local_counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
-        mean_loss = sum(losses) / max(len(losses), 1)
-        result.update(epoch=epoch + 1, step=state["step"], loss=mean_loss, wer=counts.wer, cer=counts.cer)
+        result.update(epoch=epoch + 1, step=state["step"], loss=tally.mean_loss, wer=counts.wer, cer=counts.cer)
         if env.is_main:
-            log.info(
-                "epoch %d%s: %sevaluated in %.0f s; %s%s%s",
-                epoch + 1, steps_from_the_resume(first_step, len(sampler)),
-                f"loss {mean_loss:.3f}, {counted(utterances, 'utterance')} in {trained_s:.0f} s, " if losses else "",
-                time.perf_counter() - started - trained_s,
-                "no test WER" if math.isnan(counts.wer) else f"test WER {counts.wer:.2f}% CER {counts.cer:.2f}%",
-                "; peak GPU memory %.1f GiB allocated, %.1f GiB reserved" % peak_memory if peak_memory else "",
-                "; skipped: " + count_skipped(skipped) if skipped else "",
-            )
-            # At the step, as the training scalars are: a resumed run's purge (above) goes by step.
-            writer.add_scalar("eval/wer", counts.wer, state["step"])
-            writer.add_scalar("eval/cer", counts.cer, state["step"])
-            # A rate over no utterances is NaN, which JSON has no word for: null, so that strict readers take the file.
-            record = {"epoch": epoch + 1, "eval_wer": finite_or_none(counts.wer),
-                      "eval_cer": finite_or_none(counts.cer), "elapsed_s": round(time.perf_counter() - run_started, 1)}
-            if peak_memory:
-                allocated, reserved = peak_memory
-                record["peak_gpu_allocated_gib"] = round(allocated, 2)
-                record["peak_gpu_reserved_gib"] = round(reserved, 2)
-            if counts.unreadable == len(eval_set):
-                log.warning("epoch %d: none of the test set's %s could be read (named above): no test WER",
-                            epoch + 1, counted(len(eval_set), "utterance"))
-            elif left_out := eval_set.skipped + Counter(unreadable=counts.unreadable):
-                # Those no model could transcribe (a transcript longer than its output frames) are left out as those
-                # that could not be read are: a WER over fewer utterances than the manifest holds says so.
-                log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (named "
-                            "above)", epoch + 1, len(eval_set) - counts.unreadable,
-                            len(eval_set) + eval_set.skipped.total(), count_reasons(left_out))
-            if counts.unreadable:
-                record["eval_unreadable"] = counts.unreadable
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            record_epoch(tally, counts, peak_memory, eval_set, state["step"], len(sampler), run_started, writer,
+                         metrics_file)
         if counts.beats(state["best_unreadable"], state["best_wer"]):
             state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
             save("best.pt", "last.pt")
