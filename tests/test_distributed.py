@@ -37,7 +37,8 @@ JOB_ENV = {
 LAUNCHER_IS_MPICH = MPIEXEC is not None and "HYDRA" in subprocess.run([MPIEXEC, "--version"], capture_output=True,
                                                                      text=True).stdout
 # MPICH's mpiexec passes SIGTERM on to the ranks and waits for them; OpenMPI's kills them a second later, before they
-# can save (README, Multi-GPU training: the launch/ scripts pass signals to its ranks themselves, tested with a stand-in).
+# can save (README, Multi-GPU training: the launch/ scripts pass signals to its ranks themselves, tested with a
+# stand-in).
 signals_the_launcher = pytest.mark.skipif(MPIEXEC is not None and not LAUNCHER_IS_MPICH,
                                           reason="SIGTERM to a bare mpiexec reaches the ranks as such under MPICH only")
 TRAIN_TIMEOUT_S = 120
