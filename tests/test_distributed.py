@@ -636,11 +636,9 @@ def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])
-def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stopped_the_trainer(tmp_path, trainer_exit):
-    """launch/slurm.sbatch under stand-ins for srun and scontrol that record their arguments: a trainer that exits
-    128 + SIGUSR1 (stopped ahead of the time limit, its checkpoint written) has the job requeued; any other exit is
-    the job's own."""
+def slurm_script(tmp_path: Path, *arguments: str, trainer_exit: int = 0) -> tuple[subprocess.CompletedProcess, list]:
+    """launch/slurm.sbatch run under stand-ins for srun and scontrol that record their arguments, its srun's trainer
+    exiting `trainer_exit`: what it did, and the stand-ins' calls."""
     calls = tmp_path / "calls.txt"
     srun = (f'echo "srun $* (SRUN_CPUS_PER_TASK=${{SRUN_CPUS_PER_TASK-}})" >> {calls}; '
             f'[[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0')
@@ -648,17 +646,33 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     for tool, body in (("srun", srun), ("scontrol", scontrol)):
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (tmp_path / tool).chmod(0o755)
-    # A sweep's -m, which the script passes first.
-    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "-m", "experiment=an4_gpu"], cwd=tmp_path,
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), *arguments], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-                              "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8", "PYTHON": "python3"})
+                              "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8",
+                              "PYTHON": sys.executable})
+    return ran, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("sweep", [["-m"], []])
+@pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])
+def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stopped_the_trainer(tmp_path, trainer_exit,
+                                                                                               sweep):
+    """A trainer that exits 128 + SIGUSR1 (stopped ahead of the time limit, its checkpoint written) has the job
+    requeued; any other exit is the job's own. A sweep's -m the script passes first."""
+    ran, recorded = slurm_script(tmp_path, *sweep, "experiment=an4_gpu", trainer_exit=trainer_exit)
     assert ran.returncode == trainer_exit, ran.stderr
-    recorded = calls.read_text().splitlines()
     # Each rank gets the allocation's cores per task (srun no longer takes them from it since Slurm 22.05).
-    assert ("srun --mpi=pmix python3 -m trainer -m run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
-            "(SRUN_CPUS_PER_TASK=8)") in recorded, recorded
+    assert (f"srun --mpi=pmix {sys.executable} -m trainer {' '.join(sweep + [''])}run_name='slurm-4242' "
+            "train.resume=auto experiment=an4_gpu (SRUN_CPUS_PER_TASK=8)") in recorded, recorded
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
+
+
+def test_the_slurm_script_refuses_a_misspelt_override_before_the_build(tmp_path):
+    """The job built the extension (srun, a minute on a GPU node) before the ranks' Hydra refused train.epoch."""
+    ran, recorded = slurm_script(tmp_path, "experiment=an4_gpu", "train.epoch=3")
+    assert ran.returncode == 1 and "Could not override 'train.epoch'" in ran.stderr, ran.stderr
+    assert not any(call.startswith("srun ") for call in recorded), recorded
 
 
 def test_the_slurm_script_run_outside_a_slurm_job_says_so():
