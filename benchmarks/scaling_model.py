@@ -94,6 +94,23 @@ def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
             )
 
 
+# What a field the projection reads must hold, by the words its refusal says it in. A COUNT is 1 or more: a world size
+# or a batch of 0 divided by zero, and one below it was projected from a step of no utterances.
+COUNT = "a whole number of at least 1"
+FIELD_KINDS = {
+    "a number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    COUNT: lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+    "true or false": lambda value: isinstance(value, bool),
+    "an object": lambda value: isinstance(value, dict),
+    "a list": lambda value: isinstance(value, list),
+}
+
+
+def field_name(keys: tuple) -> str:
+    """("compute", 0, "median_ms") -> compute[0].median_ms"""
+    return "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in keys).removeprefix(".")
+
+
 class Measurement:
     """What the projection takes from a benchmarks.scaling JSON: compute time per per-GPU batch, gradient bytes,
     synchronised batch norms, DDP's bucket cap, and (from a run on several GPUs) the measured overlap and efficiency."""
@@ -106,12 +123,17 @@ class Measurement:
             raise ValueError(f"{path} is not JSON: {error}") from None
         if not isinstance(data, dict) or data.get("benchmark") != "scaling":
             raise ValueError(f"{path} is not a benchmarks.scaling JSON (no \"benchmark\": \"scaling\")")
-        points = sorted((entry["per_rank_batch"], entry["median_ms"]) for entry in data["compute"])
-        self.gradient_bytes = data["model"]["gradient_bytes"]
-        self.batch_norm_channels = data["model"]["sync_batch_norm_channels"]
-        self.bucket_bytes = data["model"]["ddp_bucket_cap_mb"] * 1024 * 1024
-        self.world_size = data["world_size"]
-        self.cuda_graphs = data["config"].get("cuda_graphs", False)
+        self.data = data
+        num_points = len(self.list_field("compute", kind="an object"))
+        points = sorted((self.field("compute", index, "per_rank_batch", kind=COUNT),
+                         self.field("compute", index, "median_ms", kind="a number")) for index in range(num_points))
+        self.gradient_bytes = self.field("model", "gradient_bytes", kind=COUNT)
+        self.batch_norm_channels = self.list_field("model", "sync_batch_norm_channels", kind=COUNT)
+        self.bucket_bytes = self.field("model", "ddp_bucket_cap_mb", kind="a number") * 1024 * 1024
+        self.world_size = self.field("world_size", kind=COUNT)
+        # A measurement from before CUDA graphs were measured has no config.cuda_graphs: it ran without.
+        graphed = "cuda_graphs" in self.field("config", kind="an object")
+        self.cuda_graphs = graphed and self.field("config", "cuda_graphs", kind="true or false")
         self.batches = [batch for batch, _ in points]
         self.compute_times_ms = [ms for _, ms in points]
         if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
@@ -122,7 +144,24 @@ class Measurement:
         if not self.bucket_bytes > 0:
             raise ValueError(f"{path}: model.ddp_bucket_cap_mb must be positive, got "
                              f"{data['model']['ddp_bucket_cap_mb']}")
-        self.data = data
+
+    def field(self, *keys: str | int, kind: str):
+        """The measurement's value at `keys` (into objects and lists), which must be `kind`, one of FIELD_KINDS:
+        ValueError naming the file, the field and what it should be (a string where a number belongs ended the run in
+        a TypeError traceback), KeyError naming a key that is missing."""
+        value = self.data
+        for depth, key in enumerate(keys):
+            container = "a list" if isinstance(key, int) else "an object"
+            if not FIELD_KINDS[container](value):
+                raise ValueError(f"{self.path}: {field_name(keys[:depth])} must be {container}, got {value!r}")
+            value = value[key]
+        if not FIELD_KINDS[kind](value):
+            raise ValueError(f"{self.path}: {field_name(keys)} must be {kind}, got {value!r}")
+        return value
+
+    def list_field(self, *keys: str | int, kind: str) -> list:
+        """The list at `keys`, each of its values `kind`, as field refuses them."""
+        return [self.field(*keys, index, kind=kind) for index in range(len(self.field(*keys, kind="a list")))]
 
     def compute_ms(self, batch: float) -> float:
         """Compute-only step time at per-GPU `batch`: piecewise linear through the measured points, and beyond them
@@ -150,9 +189,10 @@ class Measurement:
 
     def measured_overlap(self) -> float | None:
         """The fraction of the flat allreduce's time that DDP hid in the measured step, from a run on several GPUs."""
-        if self.data["world_size"] == 1:
+        if self.world_size == 1:
             return None
-        exposed_ms, allreduce_ms = self.data["exposed_communication_ms"], self.data["allreduce"]["median_ms"]
+        exposed_ms = self.field("exposed_communication_ms", kind="a number")
+        allreduce_ms = self.field("allreduce", "median_ms", kind="a number")
         if not (0 < allreduce_ms < math.inf and math.isfinite(exposed_ms)):
             raise ValueError(f"{self.path}: allreduce.median_ms must be positive and exposed_communication_ms finite, "
                              f"got {allreduce_ms} and {exposed_ms}")
@@ -210,26 +250,26 @@ def projection(measurement, cluster, global_batches, gpu_counts, overlaps, backw
 
 def model_check(measurement: Measurement, cluster: Cluster, backward_share: float) -> dict | None:
     """The measured efficiency of a multi-GPU run with a baseline, beside the model's for the same run."""
-    data = measurement.data
-    if "baseline" not in data or data["world_size"] == 1:
+    if "baseline" not in measurement.data or measurement.world_size == 1:
         return None
-    global_batch, num_gpus = data["config"]["global_batch"], data["world_size"]
+    global_batch = measurement.field("config", "global_batch", kind=COUNT)
+    num_gpus = measurement.world_size
     modelled = step(measurement, cluster, global_batch, num_gpus, measurement.measured_overlap(), backward_share)
     return {
         "global_batch": global_batch,
         "gpus": num_gpus,
-        "measured_efficiency": data["baseline"]["strong_scaling_efficiency"],
+        "measured_efficiency": measurement.field("baseline", "strong_scaling_efficiency", kind="a number"),
         "modelled_efficiency": modelled["efficiency"],
-        "measured_step_ms": data["step"]["median_ms"],
+        "measured_step_ms": measurement.field("step", "median_ms", kind="a number"),
         "modelled_step_ms": modelled["step_ms"],
-        "measured_bus_GBps": data["allreduce"]["bus_GBps"],
+        "measured_bus_GBps": measurement.field("allreduce", "bus_GBps", kind="a number"),
     }
 
 
 def assumptions(measurement: Measurement, cluster: Cluster, backward_share: float) -> dict:
     data = measurement.data
-    config = data["config"]
-    model = config["model_config"]
+    config = measurement.field("config", kind="an object")
+    model = measurement.field("config", "model_config", kind="an object")  # its values only printed
     first_fixed, first_per_sample = measurement.extension(upward=False)
     last_fixed, last_per_sample = measurement.extension(upward=True)
     return {

@@ -1261,6 +1261,40 @@ def test_scaling_model_refuses_a_measurement_it_cannot_project_before_writing(tm
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("edit, complaint", [
+    (lambda data: data["compute"][0].update(median_ms="10"), ": compute[0].median_ms must be a number, got '10'"),
+    (lambda data: data["compute"][1].update(per_rank_batch=0),
+     ": compute[1].per_rank_batch must be a whole number of at least 1, got 0"),
+    (lambda data: data.update(compute=[1, 4]), ": compute[0] must be an object, got 1"),
+    (lambda data: data.update(model=[]), ": model must be an object, got []"),
+    (lambda data: data["model"].update(gradient_bytes=None),
+     ": model.gradient_bytes must be a whole number of at least 1, got None"),
+    (lambda data: data["model"].update(sync_batch_norm_channels=32),
+     ": model.sync_batch_norm_channels must be a list, got 32"),
+    (lambda data: data.update(world_size="2"), ": world_size must be a whole number of at least 1, got '2'"),
+    (lambda data: data.update(world_size=0), ": world_size must be a whole number of at least 1, got 0"),
+    (lambda data: data["config"].update(cuda_graphs="yes"), ": config.cuda_graphs must be true or false, got 'yes'"),
+    (lambda data: data["config"].update(model_config="gru"), ": config.model_config must be an object, got 'gru'"),
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce=3),
+     ": allreduce must be an object, got 3"),
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
+                              baseline={"strong_scaling_efficiency": "0.5"}, step={"median_ms": 20.0}),
+     ": baseline.strong_scaling_efficiency must be a number, got '0.5'"),
+])
+def test_scaling_model_refuses_a_field_of_the_wrong_type_naming_it(tmp_path, capsys, edit, complaint):
+    """A string where a number belongs, a list where an object does, ended the run in a TypeError traceback (one read
+    only for the Markdown after the JSON was written); a world size of 0 in ZeroDivisionError."""
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[32])
+    data = json.loads(measured.read_text())
+    data["config"]["global_batch"] = 8
+    edit(data)
+    measured.write_text(json.dumps(data))
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {measured}{complaint}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_scaling_model_refuses_a_file_it_cannot_read_or_write_in_one_line(tmp_path, capsys):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "a_file").write_text("")
