@@ -36,7 +36,7 @@ rows say whether the two directions ran in one launch. Each supported row's JSON
 it holds weights).
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

@@ -14,7 +14,7 @@ least-squares line through (depth, time), the marginal cost of one more layer, a
 Shapes the persistent kernel refuses are reported with its reason and skipped.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

@@ -25,6 +25,11 @@ and is the slowest rank's time for that step:
 Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of the same kind, same settings):
 t(1) / (N * t(N)).
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from data.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import json
 import math
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from data.cli import ctrl_c_raises_keyboard_interrupt
 from data.dataset import Batch
 from data.text import NUM_CLASSES
 from models import MaskedBatchNorm
@@ -327,6 +333,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     try:
+        ctrl_c_raises_keyboard_interrupt()
         main()
     except (FileNotFoundError, ValueError) as error:
         print(f"error on rank {distributed.launcher_rank()}: {error}", file=sys.stderr)

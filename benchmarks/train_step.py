@@ -18,7 +18,7 @@ train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run a
 large layers; a shape they refuse is recorded with the reason, not timed.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

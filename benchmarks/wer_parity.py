@@ -31,6 +31,11 @@ of a budget that ran out can be compared where all of them got to. Writes the sa
 command then exits 1), as is one that stopped short of the epochs its config.yaml sets (a run copied without it counts
 as it stands); the others still count.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (OmegaConf), in which Ctrl-C printed a traceback
+    from data.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import json
 import math

@@ -13,11 +13,15 @@ holds a control character are skipped with a warning naming the file, and counte
 header is found when training reads it). An utterance with an empty transcript is written as it is: the dataset leaves
 it out, names it and counts it.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from data.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -26,6 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.manifest import Utterance, control_character, printable_path, read_manifest, write_manifest
 from data.text import normalize_text
 
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     for corpus in (an4, librispeech):
         corpus.add_argument("--source", type=Path, required=True, help="the corpus folder")
         corpus.add_argument("--out", type=Path, required=True, help="folder for the manifests")
+    ctrl_c_raises_keyboard_interrupt()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as error:  # OSError: an --out that cannot be written (a file, no permission)
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     except KeyboardInterrupt:  # minutes into a large corpus; the manifest being written is left as it was
-        parser.exit(128 + signal.SIGINT, "interrupted by Ctrl-C\n")
+        parser.exit(INTERRUPTED_EXIT_CODE, f"{INTERRUPTED}\n")
 
 
 if __name__ == "__main__":

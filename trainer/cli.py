@@ -3,10 +3,11 @@ before any work starts), writing their output files, and how they end when inter
 import argparse
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 
 
 def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:
@@ -127,27 +128,15 @@ def _standard_stream_writing_to(path: str):
     return None
 
 
-def end_at_once_on_ctrl_c() -> None:
-    """A tool calls this before its imports (torch's take seconds), in which a Ctrl-C printed a traceback from inside
-    them: it ends the tool there in run_tool's line and exit code, until run_tool takes Ctrl-C over."""
-    signal.signal(signal.SIGINT, _interrupted_while_importing)
-
-
-def _interrupted_while_importing(number: int, frame) -> None:
-    print("interrupted by Ctrl-C", file=sys.stderr, flush=True)
-    os._exit(128 + signal.SIGINT)  # not SystemExit: code in the middle of an import could catch it and go on
-
-
 def run_tool(main: Callable[[], int]) -> int:
     """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback) and a reader
     that stops early (`| head`) quietly (exit 1)."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c_raises_keyboard_interrupt()
     try:
         return main()
     except KeyboardInterrupt:
-        print("interrupted by Ctrl-C", file=sys.stderr)
-        return 128 + signal.SIGINT
+        print(INTERRUPTED, file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     except BrokenPipeError:
         # Python flushes stdout once more as it exits, into the same closed pipe: send that to /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

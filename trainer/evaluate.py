@@ -4,7 +4,7 @@
         [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

@@ -10,7 +10,7 @@ lower-order probabilities. Words are upper case, as the model spells them; a wor
 <unk>.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

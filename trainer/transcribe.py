@@ -1,7 +1,7 @@
 """Prints the transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`
 (greedy; `--beam` and `--lm` as for python -m trainer.evaluate)."""
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from trainer.cli import end_at_once_on_ctrl_c
+    from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 

@@ -1,0 +1,27 @@
+"""What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
+project (trainer.cli holds the rest): how a Ctrl-C ends a tool, in one line, exit code 130 (128 + SIGINT), not a
+traceback."""
+import os
+import signal
+import sys
+
+INTERRUPTED = "interrupted by Ctrl-C"
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+
+
+def end_at_once_on_ctrl_c() -> None:
+    """A tool calls this before its imports (torch's take seconds), in which a Ctrl-C printed a traceback from inside
+    them: it ends the tool there in the tools' line and exit code, until ctrl_c_raises_keyboard_interrupt."""
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+
+def _interrupted_while_importing(number: int, frame) -> None:
+    print(INTERRUPTED, file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED_EXIT_CODE)  # not SystemExit: code in the middle of an import could catch it and go on
+
+
+def ctrl_c_raises_keyboard_interrupt() -> None:
+    """Once the imports are done: a Ctrl-C raises KeyboardInterrupt again, for the tool to end in its own way (the
+    manifest or the results so far kept as they were)."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
