@@ -1,12 +1,21 @@
 """What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
 project (trainer.cli holds the rest): how a Ctrl-C ends a tool, in one line, exit code 130 (128 + SIGINT), not a
-traceback."""
+traceback, and the paths it is given."""
+import argparse
 import os
 import signal
 import sys
 
 INTERRUPTED = "interrupted by Ctrl-C"
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+
+
+def input_path(text: str) -> str:
+    """A path, not the empty string that an unset shell variable gives (--lm "$LM"): the tools took it as no file
+    given and went on without one, and data.prepare as the current folder, writing its manifests there."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return text
 
 
 def end_at_once_on_ctrl_c() -> None:

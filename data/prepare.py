@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.manifest import Utterance, control_character, printable_path, read_manifest, write_manifest
 from data.text import normalize_text
 
@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     librispeech = corpora.add_parser("librispeech", help="a LibriSpeech-layout tree of *.trans.txt and .flac")
     librispeech.add_argument("--name", help="manifest name, NAME.jsonl (default: the source folder's name)")
     for corpus in (an4, librispeech):
-        corpus.add_argument("--source", type=Path, required=True, help="the corpus folder")
-        corpus.add_argument("--out", type=Path, required=True, help="folder for the manifests")
+        corpus.add_argument("--source", type=input_path, required=True, help="the corpus folder")
+        corpus.add_argument("--out", type=input_path, required=True, help="folder for the manifests")
     ctrl_c_raises_keyboard_interrupt()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")

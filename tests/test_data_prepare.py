@@ -290,6 +290,24 @@ def test_missing_source_exits_2_naming_the_path(tiny_an4, tmp_path, capsys, corp
     assert str(named) in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("corpus, empty", [("an4", "--out"), ("librispeech", "--source"), ("librispeech", "--out")])
+def test_an_empty_path_is_refused_not_taken_for_the_current_folder(tiny_an4, tmp_path, monkeypatch, capsys, corpus,
+                                                                   empty):
+    """An unset shell variable (--out "$OUT") wrote the manifests into the current folder, exit 0; --source "" read
+    every transcript under it (a home folder's, say)."""
+    monkeypatch.chdir(tmp_path)
+    librispeech = tmp_path / "19" / "198"  # a chapter in the current folder, which --source "" read
+    librispeech.mkdir(parents=True)
+    (librispeech / "19-198.trans.txt").write_text("19-198-0000 HELLO\n")
+    arguments = {"--source": str(tiny_an4), "--out": str(tmp_path / "out"), empty: ""}
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exit_info:
+        main([corpus, *(word for pair in arguments.items() for word in pair)])
+    assert exit_info.value.code == 2
+    assert f"error: argument {empty}: an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_an4_source_one_folder_too_high_says_which_folder_it_wants(tiny_an4, tmp_path, capsys):
     """It said ".../etc/an4_train.fileids does not exist", not that the folder given holds AN4's folder."""
     with pytest.raises(SystemExit) as exit_info:

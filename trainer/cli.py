@@ -33,14 +33,6 @@ def finite_float(text: str) -> float:
     return value
 
 
-def input_path(text: str) -> str:
-    """A file to read, not the empty string that an unset shell variable gives (--lm "$LM"): the tools took it as no
-    file given and went on without one."""
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
-    return text
-
-
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
     A symbolic link is judged by its target, which is what gets written."""

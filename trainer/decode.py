@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from data.cli import input_path
 from data.text import ALPHABET, BLANK, decode
-from trainer.cli import finite_float, input_path, int_at_least
+from trainer.cli import finite_float, int_at_least
 from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM
 
 SPACE = ALPHABET.index(" ")

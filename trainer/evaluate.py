@@ -20,12 +20,13 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from data.cli import input_path
 from data.dataset import SpeechDataset, collate, count_reasons
 from data.manifest import print_paths_printable
 from data.sampler import eval_shard
 from data.text import counted, normalize_text
 from trainer import build, decode
-from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers

@@ -23,9 +23,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from data.cli import input_path
 from data.manifest import file_identity, numbered_lines, print_paths_printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
-from trainer.cli import check_not_an_input, input_path, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
