@@ -36,6 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from data.cli import input_path
 from trainer.cli import output_file, run_tool
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
@@ -417,8 +418,8 @@ def main(argv=None) -> int:
         prog="python -m benchmarks.scaling_model", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--measured", required=True, help="a JSON written by benchmarks.scaling")
-    parser.add_argument("--out", required=True, help="folder for scaling_projection.{png,md,json}")
+    parser.add_argument("--measured", type=input_path, required=True, help="a JSON written by benchmarks.scaling")
+    parser.add_argument("--out", type=input_path, required=True, help="folder for scaling_projection.{png,md,json}")
     parser.add_argument("--global-batch", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--overlap", type=float, nargs="+",

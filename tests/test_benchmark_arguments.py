@@ -250,3 +250,18 @@ def test_scaling_model_refuses_an_out_it_cannot_write_whole_before_writing(tmp_p
     assert capsys.readouterr().err == (f"error: --out {tmp_path}: {tmp_path}/scaling_projection.json is a folder; name "
                                        "a file in it\n")
     assert [path.name for path in tmp_path.iterdir()] == ["scaling_projection.json"]
+
+
+@pytest.mark.parametrize("empty", ["--measured", "--out"])
+def test_scaling_model_refuses_an_empty_path(empty, tmp_path, monkeypatch, capsys):
+    """--out "$OUT" unset wrote the projection into the current folder (exit 0)."""
+    from benchmarks import scaling_model
+
+    monkeypatch.chdir(tmp_path)
+    arguments = {"--measured": str(REPO_ROOT / "benchmarks/results/scaling_an4_cudnn_2gpu.json"), "--out": "out",
+                 empty: ""}
+    with pytest.raises(SystemExit) as exit_info:
+        scaling_model.main([word for pair in arguments.items() for word in pair])
+    assert exit_info.value.code == 2
+    assert f"error: argument {empty}: an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
