@@ -266,6 +266,18 @@ def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_config_yaml_reads_back_as_the_values_the_run_used(an4_train, tmp_path, monkeypatch):
+    """A "${" the command line escaped ("\\${") is text, which the run used as it is; config.yaml wrote it as an
+    interpolation, so OmegaConf.load's readers (wer_parity) resolved it (${oc.env:...}: that variable) or failed."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    monkeypatch.setenv("PRNN_SECRET", "read")
+    train(tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.max_steps=1",
+          r"run_name=a\${oc.env:PRNN_SECRET}")
+    config = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert config.run_name == "a${oc.env:PRNN_SECRET}"
+
+
+@pytest.mark.slow
 def test_tensorboard_gives_each_step_the_rate_it_trained_at(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     # 2 steps an epoch: a warm-up of 3 steps, then the rate halves with each epoch.

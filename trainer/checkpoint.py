@@ -194,8 +194,9 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
 
 
 def stored_config(config: dict) -> DictConfig:
-    """A loaded checkpoint's config, each string the text it is: a "${" in one (a corpus folder named so, given on the
-    command line as "\\${") is no interpolation to resolve, so none reads the environment (`${oc.env:...}`)."""
+    """A resolved config (a loaded checkpoint's, or the run's for its config.yaml), each string the text it is: a "${"
+    in one (a corpus folder named so, given on the command line as "\\${") is no interpolation to resolve, so none
+    reads the environment (`${oc.env:...}`)."""
     return OmegaConf.create(_escape_interpolations(config))
 
 

@@ -637,7 +637,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         return {}
     run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        # As the checkpoints store it: a "${" the command line escaped is text, not an interpolation for its readers.
+        OmegaConf.save(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True)), run_dir / "config.yaml")
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=continues_run)
 
     if env.world_size > 1:
