@@ -29,7 +29,9 @@ hard or easy cancels. --at-epoch E compares every run as it stood at epoch E (it
 of a budget that ran out can be compared where all of them got to. Writes the same, with the command and versions, to
 --json. A failed run is reported with its exit status and the last line of its output, and left out of the means (the
 command then exits 1), as is one that stopped short of the epochs its config.yaml sets (a run copied without it counts
-as it stands); the others still count.
+as it stands); the others still count. So is a run with a file that is not as the trainer writes it (a config.yaml
+that is no YAML, an evaluation or job line missing a field or holding another type, a file that cannot be read), in
+one line naming the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (OmegaConf), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -50,7 +52,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
 
 from data.text import counted
 from trainer.cli import json_output, positive_int, run_tool, write_output
@@ -58,11 +60,24 @@ from trainer.cli import json_output, positive_int, run_tool, write_output
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+class DamagedFile(ValueError):
+    """A run's file that is not as the trainer writes it (edited by hand, cut short by a copy, unreadable): the run is
+    left out of the report, with this one line naming the file and what is wrong."""
+
+
+def read_text(path: Path) -> str:
+    """A run file's text; "" where the run has not written it yet."""
+    try:
+        return path.read_text() if path.exists() else ""
+    except (OSError, UnicodeDecodeError) as error:  # a folder of that name, no permission, bytes that are no UTF-8
+        raise DamagedFile(f"{path}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of one of a run's JSON-lines files; none where the run has not written it yet. A line a killed job
     left half written, or one that is no JSON object, is skipped, as the trainer skips it when it resumes."""
     records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in read_text(path).splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -72,14 +87,62 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def check_fields(path: Path, record: dict, fields: dict, prefix: str) -> dict:
+    """`record`, a part of the run file at `path`, if each of `fields` (key: (valid, what)) holds a valid value
+    (None where it is missing); else DamagedFile naming the key after `prefix`, its value and what the trainer
+    writes there. An epoch of "3" or a CER of true ended the report in a traceback."""
+    for key, (valid, what) in fields.items():
+        if not valid(record.get(key)):
+            found = json.dumps(record[key]) if key in record else "missing"
+            raise DamagedFile(f"{path}: {prefix}{key} is {found}, where the trainer writes {what}")
+    return record
+
+
+def is_real(value) -> bool:
+    """A number of JSON's (NaN among them, which Python's reader takes), not true or false."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return is_real(value) and math.isfinite(value)
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# What the report reads of each evaluation line of metrics.jsonl (those with an eval_wer: a WER that is no number is
+# left out, as partial), of each line of jobs.jsonl, and of config.yaml's train section.
+EVALUATION_FIELDS = {"epoch": (is_count, "a count"),
+                     "eval_cer": (lambda value: value is None or is_real(value), "a number (null: no utterance)"),
+                     "elapsed_s": (is_number, "a number")}
+JOB_FIELDS = {"device": (lambda value: isinstance(value, str), "a string"),
+              "world_size": (lambda value: value is None or is_count(value) and value > 0, "a count of ranks")}
+TRAIN_FIELDS = {"epochs": (lambda value: value is None or is_count(value), "a count"),
+                "max_steps": (lambda value: value is None or is_count(value), "a count or null")}
+
+
+def run_jobs(run_dir: Path) -> list[dict]:
+    """The run's jobs, from its jobs.jsonl."""
+    path = run_dir / "jobs.jsonl"
+    return [check_fields(path, job, JOB_FIELDS, "a job's ") for job in read_jsonl(path)]
+
+
 def planned_epochs(run_dir: Path) -> int | None:
     """The epochs the run was set to train (train.epochs in the config.yaml the trainer writes into its directory), or
-    None where that cannot tell when it ends: no config.yaml (a run copied without it) or a train.max_steps."""
+    None where that cannot tell when it ends: no config.yaml (a run copied without it) or a train.max_steps. Read as
+    plain YAML: the two counts are all it needs, and no interpolation a hand-edited file holds is resolved."""
     config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        return None
-    config = OmegaConf.load(config_path)
-    return OmegaConf.select(config, "train.epochs") if OmegaConf.select(config, "train.max_steps") is None else None
+    try:
+        config = yaml.safe_load(read_text(config_path)) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise DamagedFile(f"{config_path}: not YAML ({getattr(error, 'problem', None) or error}{where})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("train", {}), dict):
+        raise DamagedFile(f"{config_path}: not the mapping of settings, train among them, that the trainer writes")
+    train = check_fields(config_path, config.get("train", {}), TRAIN_FIELDS, "train.")
+    return train.get("epochs") if train.get("max_steps") is None else None
 
 
 def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
@@ -88,7 +151,9 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     after that epoch; a run that has not evaluated it yet has its epochs so far and no WER. An evaluation that could
     not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances; so is one
     whose WER is no number (null, NaN)."""
-    evaluated = [line for line in read_jsonl(run_dir / "metrics.jsonl") if "eval_wer" in line]
+    metrics = run_dir / "metrics.jsonl"
+    evaluated = [check_fields(metrics, line, EVALUATION_FIELDS, "an evaluation's ") for line in read_jsonl(metrics)
+                 if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
     planned = planned_epochs(run_dir)
     # Stopped short of its epochs (crashed, killed, out of time): not a finished run's WER. None: cannot tell.
@@ -109,13 +174,12 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
 def over_the_whole_test_set(evaluation: dict) -> bool:
     """Whether a metrics.jsonl evaluation has a WER over the whole test set: it read every utterance, and its WER is a
     finite number (the trainer writes null where it read none; a NaN would make every mean and difference NaN)."""
-    wer = evaluation["eval_wer"]
-    return not evaluation.get("eval_unreadable") and isinstance(wer, (int, float)) and math.isfinite(wer)
+    return not evaluation.get("eval_unreadable") and is_number(evaluation["eval_wer"])
 
 
 def devices(run_dir: Path) -> list[str]:
     """The devices the run's jobs trained on (rank 0's), each once, in order: from the run's jobs.jsonl."""
-    return list(dict.fromkeys(job["device"] for job in read_jsonl(run_dir / "jobs.jsonl")))
+    return list(dict.fromkeys(job["device"] for job in run_jobs(run_dir)))
 
 
 def visible_gpus() -> list[str]:
@@ -129,12 +193,17 @@ def visible_gpus() -> list[str]:
 
 def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_epoch: int | None) -> dict:
     """A run as it stands in runs_dir, trained by an earlier job or elsewhere: no exit status or GPU of this call.
-    Its ranks are those its last job ran with (jobs.jsonl), `ranks` where it records none."""
-    jobs = read_jsonl(runs_dir / name / "jobs.jsonl")
-    ranks = jobs[-1].get("world_size", ranks) if jobs else ranks
-    return {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
-            "wall_s": None, "output": str(runs_dir / f"{name}.out"), "devices": devices(runs_dir / name),
-            **evaluations(runs_dir / name, at_epoch)}
+    Its ranks are those its last job ran with (jobs.jsonl), `ranks` where it records none. A run with a file the report
+    cannot read (DamagedFile) has no evaluations: its row's "damaged" says which file and what is wrong."""
+    row = {"run": name, "backend": backend, "seed": seed, "ranks": ranks, "gpu": None, "returncode": None,
+           "wall_s": None, "output": str(runs_dir / f"{name}.out")}
+    try:
+        jobs = run_jobs(runs_dir / name)
+        return {**row, "ranks": jobs[-1].get("world_size") or ranks if jobs else ranks,
+                "devices": devices(runs_dir / name), **evaluations(runs_dir / name, at_epoch)}
+    except DamagedFile as error:
+        return {**row, "devices": [], "epochs": None, "last_wer": None, "last_cer": None, "best_wer": None,
+                "elapsed_s": None, "partial_epochs": [], "damaged": str(error)}
 
 
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
@@ -224,8 +293,9 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
                 rows.append(future.result())
                 row = rows[-1]
                 if row is not None:
-                    print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {row['epochs']} epochs, last "
-                          f"WER {percent(row['last_wer'])} %, {row['wall_s']:.0f} s", flush=True)
+                    outcome = row.get("damaged") or f"{row['epochs']} epochs, last WER {percent(row['last_wer'])} %"
+                    print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {outcome}, "
+                          f"{row['wall_s']:.0f} s", flush=True)
         except KeyboardInterrupt:
             stopped_by.append(128 + signal.SIGINT)
             pool.shutdown(cancel_futures=True)  # waits for the runs in progress, which the Ctrl-C stops too
@@ -320,6 +390,13 @@ def main(argv=None) -> None:
             sys.exit(f"--report: none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
         gpus = None
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
+        if all(row.get("damaged") or not (runs_dir / row["run"]).is_dir() for row in rows):
+            for row in rows:
+                if row.get("damaged"):
+                    print(f"{row['run']}: {row['damaged']}", file=sys.stderr)
+            print(f"--report: nothing to report: every run of {args.name}-BACKEND-sSEED in {runs_dir} has a file it "
+                  "cannot read", file=sys.stderr)
+            sys.exit(2)
     else:
         if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
             parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
@@ -339,9 +416,12 @@ def main(argv=None) -> None:
     for row in rows:
         elapsed = "-" if row["elapsed_s"] is None else f"{row['elapsed_s']:.0f}"
         exit_status = "-" if row["returncode"] is None else row["returncode"]
-        print(f"{row['run']:<28} {exit_status:>4} {row['epochs']:>6} {percent(row['last_wer']):>10} "
+        epochs = "-" if row["epochs"] is None else row["epochs"]
+        print(f"{row['run']:<28} {exit_status:>4} {epochs:>6} {percent(row['last_wer']):>10} "
               f"{percent(row['best_wer']):>10} {percent(row['last_cer']):>10} {elapsed:>7}")
     for row in rows:
+        if row.get("damaged"):
+            print(f"{row['run']}: left out of the report: {row['damaged']}")
         if row.get("unfinished"):
             print(f"{row['run']}: stopped after epoch {row['epochs']} of {planned_epochs(runs_dir / row['run'])}: "
                   "left out of the means (--at-epoch compares runs where all of them got to)")

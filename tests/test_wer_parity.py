@@ -358,3 +358,51 @@ def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsy
         wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "home ${oc.env:HOME}")])
     assert exited.value.code == 2 and "--runs-dir" in capsys.readouterr().err.splitlines()[-1]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("metrics.jsonl", '{"eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
+     "metrics.jsonl: an evaluation's epoch is missing, where the trainer writes a count"),
+    ("metrics.jsonl", '{"epoch": "3", "eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
+     "metrics.jsonl: an evaluation's epoch is \"3\", where the trainer writes a count"),
+    ("metrics.jsonl", '{"epoch": 3, "eval_wer": 30.0, "eval_cer": true, "elapsed_s": 15.0}\n',
+     "metrics.jsonl: an evaluation's eval_cer is true, where the trainer writes a number (null: no utterance)"),
+    ("metrics.jsonl", b"\xff\xfe\n", "metrics.jsonl: cannot read it ('utf-8' codec can't decode byte 0xff"),
+    ("jobs.jsonl", '{"from_step": 0}\n', "jobs.jsonl: a job's device is missing, where the trainer writes a string"),
+    ("jobs.jsonl", None, "jobs.jsonl: cannot read it (Is a directory)"),
+    ("config.yaml", "train: [epochs: 2\n",
+     "config.yaml: not YAML (expected ',' or ']', but got '<stream end>' at line 2)"),
+    ("config.yaml", "- train\n", "config.yaml: not the mapping of settings, train among them, that the trainer writes"),
+    ("config.yaml", "train:\n  epochs: ${oc.env:HOME}\n",
+     "config.yaml: train.epochs is \"${oc.env:HOME}\", where the trainer writes a count"),
+])
+def test_a_run_with_a_damaged_file_is_left_out_in_one_line_naming_it(tmp_path, capsys, file, text, message):
+    """A run's file edited by hand or cut short by a copy ended the report in a traceback (KeyError, TypeError, YAML's
+    error over several lines): that run is left out, in one line naming the file and what is wrong; the others count."""
+    runs = tmp_path / "runs"
+    write_metrics(runs / "x-cudnn-s1", [50.0, 40.0])
+    write_metrics(runs / "x-persistent-s1", [50.0, 30.0])
+    path = runs / "x-persistent-s1" / file
+    if text is None:
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        with open(path, "a") as damaged:
+            damaged.write(text)
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs),
+                     "--json", str(tmp_path / "wer.json")])
+    result = json.loads((tmp_path / "wer.json").read_text())
+    cudnn, persistent = result["runs"]
+    assert "damaged" not in cudnn and persistent["damaged"].startswith(f"{path.parent}/{message}"), persistent
+    assert persistent["last_wer"] is None and [entry["runs"] for entry in result["summary"]] == [1, 0]
+    assert f"x-persistent-s1: left out of the report: {persistent['damaged']}\n" in capsys.readouterr().out
+
+    # With the other run damaged too, there is nothing to report.
+    (runs / "x-cudnn-s1" / "config.yaml").write_text("train:\n  epochs: two\n")
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs)])
+    errors = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and errors[-1].startswith("--report: nothing to report"), errors
+    assert errors[0] == (f"x-cudnn-s1: {runs}/x-cudnn-s1/config.yaml: train.epochs is \"two\", where the trainer "
+                         "writes a count")
