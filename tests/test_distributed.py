@@ -148,6 +148,9 @@ def assert_trained_alike(one_dir: Path, two_dir: Path) -> None:
     assert untimed[0] == untimed[1]
     assert two["train_state"]["step"] == NUM_STEPS
     assert len(two["rng"]) == 2  # each rank's stream, for an exact resume
+    assert two["rng"][0]["python"] != two["rng"][1]["python"] and not torch.equal(two["rng"][0]["torch"],
+                                                                                    two["rng"][1]["torch"])
+    assert all(type(rank["python"]) is tuple and rank["torch"].dtype == torch.uint8 for rank in two["rng"])
     # atol: a thousandth of the distance AdamW (lr 1e-3) moves each weight in one step, for tensors such as batch
     # norm biases that start at zero and have moved little.
     assert_tensors_match(one["model"], two["model"], "model", rtol=1e-5, atol=1e-6)

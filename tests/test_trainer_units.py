@@ -720,6 +720,23 @@ def test_checkpoint_round_trip_keeps_tensors_and_plain_data(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
 
 
+def test_the_random_state_comes_back_whole_from_the_json_text_the_ranks_gather(tmp_path):
+    # The ranks gather their states as JSON text, not as pickles, which would run what they hold; the checkpoint still
+    # holds ByteTensors and Python's tuples, and resuming from it draws the same numbers.
+    random.gauss(0, 1)  # leaves the next Gaussian in Python's state: a float, which must come back to the last bit
+    state = {**checkpoint.rng_state(torch.device("cpu")), "cuda": torch.arange(16, dtype=torch.uint8)}
+    gathered = checkpoint.rng_state_from_json(json.loads(json.dumps(checkpoint.rng_state_as_json(state))))
+    checkpoint.save(tmp_path / "c.pt", {"model": {}, "config": {}, "rng": [gathered]})
+    loaded = checkpoint.load(tmp_path / "c.pt")["rng"][0]
+    assert list(loaded) == list(state)
+    assert type(loaded["python"]) is tuple and loaded["python"] == state["python"]
+    for name in ("torch", "cuda"):
+        assert loaded[name].dtype == torch.uint8 and torch.equal(loaded[name], state[name])
+    drawn = torch.rand(3).tolist(), random.random(), random.gauss(0, 1)
+    checkpoint.set_rng_state(loaded, torch.device("cpu"))
+    assert (torch.rand(3).tolist(), random.random(), random.gauss(0, 1)) == drawn
+
+
 def test_a_checkpoint_saved_as_well_under_another_name_keeps_it_when_either_is_saved_again(tmp_path):
     # save_same links last.pt to best.pt; a crash between the link and its rename leaves .last.pt.tmp a link to
     # best.pt, which the next save of last.pt wrote into, changing best.pt with it.

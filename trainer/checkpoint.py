@@ -40,6 +40,25 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda, device)
 
 
+def rng_state_as_json(state: dict) -> dict:
+    """rng_state's `state` as JSON data, for the ranks to gather as text (distributed.all_gather_json) rather than as
+    pickles, which would run what they hold: each generator's bytes as a list of numbers."""
+    return {name: value.tolist() if isinstance(value, torch.Tensor) else value for name, value in state.items()}
+
+
+def rng_state_from_json(state: dict) -> dict:
+    """rng_state_as_json's `state` as rng_state gave it, the form the checkpoint holds."""
+    return {name: _python_rng_state(value) if name == "python" else torch.tensor(value, dtype=torch.uint8)
+            for name, value in state.items()}
+
+
+def _python_rng_state(state: list | tuple) -> tuple:
+    """random.getstate()'s (version, the generator's words, the next Gaussian or None) from JSON's lists: setstate
+    takes tuples only."""
+    version, words, next_gaussian = state
+    return version, tuple(words), next_gaussian
+
+
 class CheckpointWriteError(ValueError):
     """A checkpoint that could not be written: a full disk, a quota, a folder the job may not write in. Something the
     user fixes, not a fault of the trainer, so a ValueError: the trainer says it in one line and exits 2."""

@@ -252,15 +252,6 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_gather_object(value) -> list:
-    """Every rank's `value` (any picklable object), in rank order (a list of one in a world of one)."""
-    if not dist.is_initialized():
-        return [value]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
-
-
 def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks were started with other settings",
                              remedy: str = "every rank must run the same command, with the same conf/ folder") -> None:
     """ValueError on every rank where a rank holds other `settings` than rank 0 ({name: its value as text}), saying
@@ -269,7 +260,7 @@ def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks
     world of one)."""
     if not dist.is_initialized():
         return
-    every = _all_gather_json(settings)
+    every = all_gather_json(settings)
     differ = [f"rank {rank} has {key}={theirs.get(key)} where rank 0 has {every[0].get(key)}"
               for rank, theirs in enumerate(every[1:], start=1)
               for key in sorted(set(theirs) | set(every[0])) if theirs.get(key) != every[0].get(key)]
@@ -278,8 +269,11 @@ def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks
                          f": {remedy}")
 
 
-def _all_gather_json(value) -> list:
-    """Every rank's `value` (JSON data), in rank order: as bytes, not pickles, which would run what they hold."""
+def all_gather_json(value) -> list:
+    """Every rank's `value` (JSON data), in rank order (a list of one in a world of one): as bytes, not pickles, which
+    would run what they hold."""
+    if not dist.is_initialized():
+        return [value]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     encoded = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]

@@ -663,7 +663,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         states of all ranks travel in one list so each rank resumes its own stream."""
         refuse_if_diverged(model, state["step"], name)
         state["elapsed_s"] = time.perf_counter() - run_started
-        rng_states = distributed.all_gather_object(checkpoint.rng_state(env.device))
+        rng_states = [checkpoint.rng_state_from_json(each) for each in
+                      distributed.all_gather_json(checkpoint.rng_state_as_json(checkpoint.rng_state(env.device)))]
         if env.is_main:
             # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
             # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
