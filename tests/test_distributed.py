@@ -725,6 +725,22 @@ def test_the_silent_rank_is_named_where_another_ranks_timeout_closed_its_connect
 
 
 @needs_mpiexec
+def test_the_ranks_start_without_unpickling_what_another_rank_sent():
+    """Rank 0's address and port, and which ranks share its node, reach the other ranks as bytes, not as mpi4py's
+    pickles, which would run what they hold: with mpi4py's unpickling refused, two ranks still start their group."""
+    start = ("from mpi4py import MPI\n"
+             "def refuse(*args):\n    raise AssertionError('a pickle from another rank was unpickled')\n"
+             "MPI.pickle.__init__(loads=refuse)\n"
+             "from trainer import distributed\n"
+             "env = distributed.init('cpu', timeout_s=30)\n"
+             "print('started rank', env.rank, flush=True)\n"
+             "distributed.shutdown()\n")
+    code, output = run_job([MPIEXEC, "-n", 2, sys.executable, "-c", start], FAILURE_TIMEOUT_S)
+    assert code == 0, output
+    assert sorted(re.findall(r"started rank \d", output)) == ["started rank 0", "started rank 1"], output
+
+
+@needs_mpiexec
 def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run, tmp_path):
     """Rank 1 fails resuming (its RNG state in the checkpoint is damaged) while rank 0 goes on into DDP's first
     broadcast, where it would wait for rank 1 until the collective timeout."""

@@ -10,6 +10,7 @@ allows it: then local rank r takes GPU r mod the GPU count and the group runs on
 ranks of one communicator on one GPU. The ranks take turns on a shared GPU and all-reduce through host memory, so it
 is slow; what it is for is an N-GPU job's arithmetic (per-GPU batch, batch-norm statistics, reduction) on fewer GPUs.
 """
+import array
 import datetime
 import gc
 import ipaddress
@@ -77,8 +78,22 @@ def _ranks_from_mpi() -> tuple[int, int, int, int, bool, "object"]:
 
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    on_rank_0s_node = node.allreduce(world.Get_rank() == 0, op=MPI.LOR)
-    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), on_rank_0s_node, world
+    on_rank_0s_node = array.array("i", [world.Get_rank() == 0])
+    node.Allreduce(MPI.IN_PLACE, [on_rank_0s_node, MPI.INT], op=MPI.LOR)  # a buffer: lowercase allreduce pickles
+    return world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size(), bool(on_rank_0s_node[0]), world
+
+
+def _broadcast_json(world, value):
+    """Rank 0's `value` (JSON data) on every rank of MPI communicator `world`: as bytes, not mpi4py's pickles, which
+    would run what they hold."""
+    from mpi4py import MPI
+
+    encoded = json.dumps(value).encode() if world.Get_rank() == 0 else b""
+    length = array.array("q", [len(encoded)])
+    world.Bcast([length, MPI.INT64_T], root=0)
+    received = bytearray(encoded) if world.Get_rank() == 0 else bytearray(length[0])
+    world.Bcast([received, MPI.BYTE], root=0)
+    return json.loads(received)
 
 
 def launcher_rank() -> int:
@@ -187,7 +202,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
                 f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start this "
                 "process (unset it)"
             )
-        address, port = world.bcast((_main_address(), _free_port()) if rank == 0 else None, root=0)
+        address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
         check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
