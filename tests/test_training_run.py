@@ -23,12 +23,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, write_slice
 from data.manifest import read_manifest
 
-def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
-    """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there)."""
+def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
+    """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there), with
+    `env` over the environment."""
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": python_path},
+        env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": python_path, **(env or {})},
     )
     result.output = result.stdout + result.stderr
     return result
@@ -730,6 +731,37 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, sw
     result = run("trainer", [*sweep, "experiment=cpu_demo", "run_name=r"], timeout=300, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
     assert result.stderr == "error: cannot make the run directory runs/r: Not a directory\n", result.output[-4000:]
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["model.depht=3"], "unknown config key model.depht (did you mean model.depth?)"),  # not Hydra's +model.depht=3
+    (["-m", "model.depht=1,2"], "unknown config key model.depht (did you mean model.depth?)"),
+    (["experiments=cpu_demo"], "unknown config key experiments (did you mean experiment?)"),  # a group's name
+    (["model.size=3"], "unknown config key model.size: model has depth, hidden, cell, bidirectional, lookahead, "
+                       "residual, backend, conv_channels, batch_slice"),
+    (["experiment=cpu-demo"], "In 'train': Could not find 'experiment/cpu-demo' (did you mean experiment=cpu_demo?); "
+                              "the options of experiment: an4_gpu, cpu_demo, deep100"),
+    (["+foo"], "cannot parse the override +foo: missing EQUAL at '<EOF>'; See "
+               "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+    # Hydra's line under the override put a ^ under the character it stopped at.
+    (["data.eval_manifest=/corpus ü/test.jsonl"], "cannot parse the override data.eval_manifest=/corpus ü/test.jsonl: "
+     "LexerNoViableAltException: data.eval_manifest=/corpus ü/test.jsonl (at 'ü'); See "
+     "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+])
+def test_an_override_hydra_refuses_is_one_line_naming_it_and_exit_2(tmp_path, overrides, refusal):
+    """Hydra's report was several lines (its config search path, advice to add the key with +, which the trainer then
+    refuses) and exit code 1, where every other refusal of the trainer is one line and exit code 2."""
+    result = run("trainer", overrides, timeout=300, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == f"error: {refusal}\n", result.output[-4000:]
+    if "-m" not in overrides:  # a sweep's folder Hydra makes first, its multirun.yaml in it
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_full_error_still_gives_hydras_trace_of_an_override_it_refuses(tmp_path):
+    result = run("trainer", ["model.depht=3"], timeout=300, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 1 and "Traceback" in result.stderr, result.output[-4000:]
+    assert result.stderr.rstrip().endswith("Could not override 'model.depht'.\nTo append to your config use "
+                                           "+model.depht=3"), result.output[-4000:]
 
 
 @pytest.mark.parametrize("run_name", ["..", "", "a/b", "null"])

@@ -39,6 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer import distributed
+from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
@@ -267,6 +268,7 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
 
 
 if __name__ == "__main__":
+    report_command_line_errors_in_one_line()
     try:
         main()
     except SystemExit as leaving:
