@@ -1101,7 +1101,7 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     (["data.features.n_mels=13", "data.augment.enabled=true", "data.an4_source=NO_AN4"], 2,
      "error on rank 0: data.augment.masks.freq_mask=15 must be at most the 13 features of a frame "
      "(data.features.kind=mel): a wider mask can zero them all"),
-    (["model.depht=3"], 1, "Could not override 'model.depht'"),  # refused by Hydra itself
+    (["model.depht=3"], 2, "error: unknown config key model.depht (did you mean model.depth?)"),  # Hydra refused it
     # A quoted shell variable that is unset but for a space: taken as a relative folder named " ".
     (["data.an4_source=' '"], 2, "error on rank 0: data.an4_source must be null or AN4's folder (PRNN_AN4 sets its "
                                   "default), not ' '"),
