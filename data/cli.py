@@ -20,8 +20,18 @@ def input_path(text: str) -> str:
 
 def end_at_once_on_ctrl_c() -> None:
     """A tool calls this before its imports (torch's take seconds), in which a Ctrl-C printed a traceback from inside
-    them: it ends the tool there in the tools' line and exit code, until ctrl_c_raises_keyboard_interrupt."""
-    signal.signal(signal.SIGINT, _interrupted_while_importing)
+    them: it ends the tool there in the tools' line and exit code, until ctrl_c_raises_keyboard_interrupt. A tool
+    started with Ctrl-C ignored keeps ignoring it (ctrl_c_ignored)."""
+    if not ctrl_c_ignored():
+        signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+
+def ctrl_c_ignored() -> bool:
+    """Whether Ctrl-C (SIGINT) is ignored: only as this process started (nothing here ignores it in a process that
+    takes it), as a non-interactive shell starts `tool &` (a script's background job), or as some schedulers do. A
+    Ctrl-C that the terminal sends to the whole process group, meant for the foreground job, must leave such a process
+    running, as it leaves any program that does not take SIGINT over; Python itself keeps the ignore."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def _interrupted_while_importing(number: int, frame) -> None:

@@ -933,6 +933,21 @@ def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool,
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted by Ctrl-C\n"), result.stderr
 
 
+@pytest.mark.parametrize("tool, interrupted_at", [
+    ("trainer.evaluate", "torch"), ("trainer.lm", "data.manifest"), ("benchmarks.scaling", "torch"),
+    ("benchmarks.wer_parity", "omegaconf"), ("data.prepare", "tqdm"),
+])
+def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupted_at):
+    """A non-interactive shell starts `tool &` with SIGINT ignored, so that a Ctrl-C for the foreground job (the
+    terminal's, to the whole process group) leaves it running: the tools took SIGINT over and ended on it."""
+    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.startswith("usage:"), result.stdout
+
+
 def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path):
     target, manifest = tmp_path / "out.tsv", tmp_path / "m.jsonl"
     manifest.write_text("kept\n")
