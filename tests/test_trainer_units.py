@@ -1582,6 +1582,40 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 
+# The trainer's signal handling from its start, run where SIGINT was ignored since the process started.
+STOP_SIGNALS_WITH_CTRL_C_IGNORED = """
+import os, signal, time
+from trainer.stop import StopSignals, keep_early_stop_signal
+
+def signalled(number):
+    os.kill(os.getpid(), number)
+    time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+
+keep_early_stop_signal()
+signalled(signal.SIGINT)  # as the trainer imports
+with StopSignals() as stop:
+    signalled(signal.SIGINT)  # before training
+    stop.listen()
+    signalled(signal.SIGINT)
+    print(stop.received)
+    signalled(signal.SIGTERM)
+    print(stop.received.name)
+print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+"""
+
+
+def test_a_trainer_started_with_ctrl_c_ignored_trains_on_through_one_and_stops_on_sigterm():
+    """A script's `python -m trainer ... &` starts with SIGINT ignored: a Ctrl-C for the foreground job (`tail -f` on
+    the log, to the terminal's whole process group) stopped the training in the background, where a scheduler's
+    SIGTERM must still stop it."""
+    result = subprocess.run([sys.executable, "-c", STOP_SIGNALS_WITH_CTRL_C_IGNORED], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["None", "SIGTERM", "True"]
+
+
 SIGNAL_AS_TQDM_MAKES_ITS_LOCK = """
 import logging, multiprocessing, os, signal
 from tqdm.contrib.logging import logging_redirect_tqdm

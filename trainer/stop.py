@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from data.cli import ctrl_c_ignored
+
 if TYPE_CHECKING:  # torch takes seconds to import, and keep_early_stop_signal must come first
     from torch.utils.data import DataLoader
 
@@ -25,6 +27,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 _early_signal: list[signal.Signals] = []  # the stop signal keep_early_stop_signal kept, until StopSignals takes it
 
 
+def stop_signals_taken() -> tuple[signal.Signals, ...]:
+    """The stop signals the trainer takes over: not a Ctrl-C it was started ignoring (data.cli.ctrl_c_ignored), as a
+    script's `python -m trainer ... &` is, where one meant for the foreground job (`tail -f` on the log) stopped the
+    training in the background. SIGTERM and SIGUSR1, a scheduler's, which no shell ignores for a background job, are
+    always taken: a preempted run writes its checkpoint."""
+    return tuple(number for number in STOP_SIGNALS if not (number == signal.SIGINT and ctrl_c_ignored()))
+
+
 def keep_early_stop_signal() -> None:
     """`python -m trainer` calls this before its imports: until StopSignals takes the stop signals (after the imports
     and Hydra's config, seconds on an idle machine and 10-20 on a busy one), the first one is kept, and StopSignals
@@ -32,14 +42,14 @@ def keep_early_stop_signal() -> None:
     each rank without a word (MPICH's mpiexec exited 15 or 10, not 143 or 138), and Ctrl-C printed a traceback from
     inside torch's import on each rank, one of which crashed (SIGSEGV). A second signal meanwhile does what it did
     before (the handlers from before this one put back)."""
-    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    previous = {number: signal.getsignal(number) for number in stop_signals_taken()}
 
     def keep(number: int, frame) -> None:
         _early_signal.append(signal.Signals(number))
         for other, handler in previous.items():
             signal.signal(other, handler)
 
-    for number in STOP_SIGNALS:
+    for number in previous:
         signal.signal(number, keep)
 
 
@@ -93,7 +103,7 @@ class StopSignals:
 
     def _take_signals(self, handler) -> None:
         if threading.current_thread() is threading.main_thread():
-            previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+            previous = {number: signal.signal(number, handler) for number in stop_signals_taken()}
             self._previous = self._previous or previous  # those from before the block, for __exit__ to put back
 
     def __exit__(self, exception_type=None, *exception) -> None:
@@ -181,7 +191,7 @@ class _StopWaiting(Exception):
 def _stop_waiting_on(stopping: Callable[[], bool] | None):
     """Its block raises _StopWaiting on a stop signal after which `stopping()` is true, the handler in place
     (StopSignals') run first; on the main thread only, where Python runs signal handlers."""
-    previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    previous = {number: signal.getsignal(number) for number in stop_signals_taken()}
     if stopping is None or threading.current_thread() is not threading.main_thread() \
             or not all(map(callable, previous.values())):
         yield
@@ -192,7 +202,7 @@ def _stop_waiting_on(stopping: Callable[[], bool] | None):
         if stopping():
             raise _StopWaiting
 
-    for number in STOP_SIGNALS:
+    for number in previous:
         signal.signal(number, stop_waiting)
     try:
         yield
