@@ -255,6 +255,11 @@ def model_check(measurement: Measurement, cluster: Cluster, backward_share: floa
         return None
     global_batch = measurement.field("config", "global_batch", kind=COUNT)
     num_gpus = measurement.world_size
+    # No run has one: benchmarks.scaling and the trainer's sampler refuse it. step() would model a per-GPU batch
+    # rounded down, against a measurement of something else.
+    if global_batch % num_gpus:
+        raise ValueError(f"{measurement.path}: config.global_batch {global_batch} is not a multiple of world_size "
+                         f"{num_gpus}, as every run's is")
     modelled = step(measurement, cluster, global_batch, num_gpus, measurement.measured_overlap(), backward_share)
     return {
         "global_batch": global_batch,

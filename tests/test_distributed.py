@@ -1266,11 +1266,15 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
     (lambda data: data["compute"][0].update(median_ms=0.0), ": the compute times must be positive and finite"),
     (lambda data: data["compute"][0].update(median_ms=math.nan), ": the compute times must be positive and finite"),
     (lambda data: data["model"].update(ddp_bucket_cap_mb=0), ": model.ddp_bucket_cap_mb must be positive, got 0"),
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
+                              baseline={"strong_scaling_efficiency": 0.5}, step={"median_ms": 20.0},
+                              config={**data["config"], "global_batch": 7}),
+     ": config.global_batch 7 is not a multiple of world_size 2, as every run's is"),
 ])
 def test_scaling_model_refuses_a_measurement_it_cannot_project_before_writing(tmp_path, capsys, edit, complaint):
     """Keys read after the first ones ended in a KeyError traceback, part of the files written; a zero time in
     ZeroDivisionError; a NaN one (json reads it) in a projection of NaN efficiencies, written as JSON's non-standard
-    NaN."""
+    NaN; a global batch its world size does not divide was checked at a per-GPU batch rounded down."""
     measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
                                  sync_batch_norm_channels=[])
     data = json.loads(measured.read_text())
