@@ -1039,6 +1039,15 @@ def test_a_pickle_not_written_by_torch_save_is_refused_in_one_line_without_torch
     assert [str(warning.message) for warning in recwarn] == []
 
 
+def test_an_empty_checkpoint_is_refused_saying_it_is_empty(tmp_path):
+    """A copy or transfer that wrote nothing (a full disk, a `touch`): torch's EOFError has no message, so the line
+    ended "(EOFError: )", naming no reason."""
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ValueError) as error:
+        checkpoint.load(tmp_path / "empty.pt", checkpoint.TRAINING_PARTS)
+    assert str(error.value) == f"cannot load checkpoint {tmp_path / 'empty.pt'}: it is empty (0 bytes)"
+
+
 def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save(torch.ones(3), tmp_path / "tensor.pt")
     torch.save({"model": {}, "config": {}}, tmp_path / "weights.pt")

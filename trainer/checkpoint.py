@@ -176,6 +176,8 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
     path = Path(path)
     check_readable(path)
+    if path.stat().st_size == 0:  # a copy that wrote nothing (a full disk): torch's EOFError for it has no message
+        raise ValueError(f"cannot load checkpoint {path}: it is empty (0 bytes)")
     try:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as archive:
