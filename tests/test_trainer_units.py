@@ -2055,10 +2055,14 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
     (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
     continued_run_id({"run_id": "a"}, outside, run_dir)  # a copy of one of its own
     continued_run_id({"run_id": "b"}, run_dir / "checkpoints" / "last.pt", run_dir)  # its own file: whatever it holds
+    # The command that started the run from `outside`, run again, was told only to take another run_name: a new run
+    # from `outside` again.
     for saved in ({"run_id": "b"}, {}):  # another run's, or one from before run ids: it cannot tell
         with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(last.pt in "
                                              rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
-                                             r"checkpoints .* would overwrite them; give this run another run_name"):
+                                             r"checkpoints .* would overwrite them; continue the run there with "
+                                             r"train.resume=auto \(the same command run again, a requeued job\), or "
+                                             r"give this run another run_name$"):
             continued_run_id(saved, outside, run_dir)
 
 

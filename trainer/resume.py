@@ -75,8 +75,11 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
         return theirs
     held = already_holds_a_run(run_dir)
     if held:
+        # Most often the command that started this run from `path`, run again: another run_name alone would start
+        # over from `path`, leaving this run's steps since behind.
         raise ValueError(f"{held}, and {path} is not one of its checkpoints (run {theirs} against {ours}): resuming "
-                         "from it there would overwrite them; give this run another run_name")
+                         "from it there would overwrite them; continue the run there with train.resume=auto (the same "
+                         "command run again, a requeued job), or give this run another run_name")
     # Said here, once the checkpoint is known to be no copy of this run's (whose metrics.jsonl goes on) and the resume
     # is not refused, rather than for every path outside checkpoints/.
     log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its metrics.jsonl from "
