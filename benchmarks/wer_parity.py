@@ -33,7 +33,7 @@ as it stands); the others still count. So is a run with a file that is not as th
 that is no YAML, an evaluation or job line missing a field or holding another type, a file that cannot be read), in
 one line naming the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (OmegaConf), in which Ctrl-C printed a traceback
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below printed a traceback
     from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()

@@ -922,7 +922,7 @@ runpy.run_module(tool, run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("tool, interrupted_at", [
     ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
     ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
-    ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "omegaconf"), ("data.prepare", "tqdm"),
+    ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
 ])
 def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool, interrupted_at):
     """A Ctrl-C in the seconds a tool imports torch, before run_tool takes it, printed a traceback from inside them
@@ -935,7 +935,7 @@ def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool,
 
 @pytest.mark.parametrize("tool, interrupted_at", [
     ("trainer.evaluate", "torch"), ("trainer.lm", "data.manifest"), ("benchmarks.scaling", "torch"),
-    ("benchmarks.wer_parity", "omegaconf"), ("data.prepare", "tqdm"),
+    ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
 ])
 def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupted_at):
     """A non-interactive shell starts `tool &` with SIGINT ignored, so that a Ctrl-C for the foreground job (the
