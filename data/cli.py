@@ -1,6 +1,6 @@
 """What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
 project (trainer.cli holds the rest): how a Ctrl-C ends a tool, in one line, exit code 130 (128 + SIGINT), not a
-traceback, and the paths it is given."""
+traceback, the paths it is given, and whether its progress shows as a bar or as lines."""
 import argparse
 import os
 import signal
@@ -16,6 +16,13 @@ def input_path(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     return text
+
+
+def shows_a_progress_bar(stream) -> bool:
+    """Whether a tqdm bar drawn on `stream` is seen: a terminal that has a width. One of 0 columns, a terminal no one
+    gave a size (`docker run -t` or a Kubernetes pod's tty with none attached, `script -c`), is where tqdm draws
+    nothing at all: there, as in a pipe, a tool logs a line on its progress every while instead."""
+    return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
 
 
 def end_at_once_on_ctrl_c() -> None:

@@ -30,7 +30,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
+from data.cli import (
+    INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
+)
 from data.manifest import Utterance, control_character, printable_path, read_manifest, write_manifest
 from data.text import normalize_text
 
@@ -81,7 +83,7 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     utterances, num_skipped = [], 0
     # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
     logger.info("reading the %d chapters under %s", len(transcripts), source)
-    on_terminal = sys.stderr.isatty()
+    on_terminal = shows_a_progress_bar(sys.stderr)
     last_line = time.perf_counter()
     for number, transcript in enumerate(tqdm(transcripts, desc=source.name, unit=" chapters", disable=not on_terminal)):
         if not on_terminal and time.perf_counter() - last_line >= PROGRESS_LINE_S:  # a SLURM or nohup log

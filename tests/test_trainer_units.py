@@ -3,6 +3,7 @@ import argparse
 import contextlib
 import copy
 import errno
+import fcntl
 import functools
 import importlib
 import json
@@ -14,8 +15,10 @@ import random
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 import zipfile
 from collections import Counter
@@ -32,6 +35,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from conftest import REPO_ROOT
+from data.cli import shows_a_progress_bar
 from data.dataset import collate, Sample
 from data.manifest import Utterance, write_manifest
 from data.text import ALPHABET, encode
@@ -531,6 +535,20 @@ def test_a_training_rate_below_one_utterance_a_second_keeps_its_digits():
     assert utterances_per_second(8, 10.0) == "0.8"
     assert utterances_per_second(64, 5.0) == "12.8"
     assert utterances_per_second(0, 5.0) == "0"
+
+
+def test_a_progress_bar_shows_on_a_terminal_that_has_a_width_only(tmp_path):
+    """tqdm draws nothing on a terminal of 0 columns (one no one gave a size), as it draws nothing worth reading in a
+    file: both get log lines instead."""
+    controller, terminal = os.openpty()
+    try:
+        with open(terminal, "w", closefd=False) as stream, open(tmp_path / "log", "w") as file:
+            assert not shows_a_progress_bar(stream) and not shows_a_progress_bar(file)
+            fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+            assert shows_a_progress_bar(stream)
+    finally:
+        os.close(terminal)
+        os.close(controller)
 
 
 def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():

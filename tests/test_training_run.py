@@ -256,6 +256,26 @@ def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
 
 
 @pytest.mark.slow
+def test_on_a_terminal_of_no_width_the_progress_is_log_lines(an4_train, tmp_path):
+    """A terminal no one gave a size (docker run -t or a pod's tty with none attached, script -c) is one where tqdm
+    draws nothing: the run showed no progress at all, no bar and, as though the bar showed it, no line either."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    controller, terminal = os.openpty()  # of 0 rows and 0 columns until someone sizes it
+    try:
+        job = subprocess.run(
+            [sys.executable, "-m", "trainer", *train_arguments(tmp_path / "run", utterances, "train.progress_bar=true",
+                                                               "train.progress_line_s=0", "train.global_batch_size=4",
+                                                               "train.epochs=1")],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=600,
+        )
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert job.returncode == 0, job.stdout[-3000:]
+    assert "epoch 1: step 1 of 2, loss " in job.stdout and "evaluating: batch 1 of " in job.stdout, job.stdout[-3000:]
+
+
+@pytest.mark.slow
 def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
     """One utterance, in global batches of one: each count of the log's lines is 1, and its noun singular."""
     utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import input_path
+from data.cli import input_path, shows_a_progress_bar
 from data.dataset import SpeechDataset, collate, count_reasons
 from data.manifest import print_paths_printable
 from data.sampler import eval_shard
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
     try:
         with logging_redirect_tqdm():
-            counts, rows = evaluate(model, dataset, batches, device, progress_bar=sys.stderr.isatty(),
+            counts, rows = evaluate(model, dataset, batches, device, progress_bar=shows_a_progress_bar(sys.stderr),
                                     progress_line_s=PROGRESS_LINE_S, decoder=decoder)
     except ValueError as error:  # the model's output not finite (decode.check_finite)
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from data.cli import shows_a_progress_bar
 from data.dataset import Batch, SpeechDataset, collate, count_reasons
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
@@ -689,8 +690,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 checkpoint.save_same(run_dir / "checkpoints" / name, run_dir / "checkpoints" / other)
 
     result = {}
-    # On a terminal only: in a pipe or a batch job's log each redraw would be a line of its own.
-    show_progress_bar = env.is_main and cfg.train.progress_bar and sys.stderr.isatty()
+    # On a terminal that has a width only: in a pipe or a batch job's log each redraw would be a line of its own.
+    show_progress_bar = env.is_main and cfg.train.progress_bar and shows_a_progress_bar(sys.stderr)
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
     stop_signals.listen()
     for epoch in range(state["epoch"], cfg.train.epochs):
