@@ -55,7 +55,7 @@ from trainer.config import (
 )
 from trainer.resume import (
     check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, recorded_run_id, restore, resumed_train_state,
+    load_optimizer_state, recorded_run_id, restore, resumed_train_state, run_started_from,
 )
 from trainer.run_directory import hold_run_directory
 from trainer.train import (
@@ -2082,6 +2082,35 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
                                              r"train.resume=auto \(the same command run again, a requeued job\), or "
                                              r"give this run another run_name$"):
             continued_run_id(saved, outside, run_dir)
+
+
+def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_from_any_other_is_left_to_refuse(
+        tmp_path, caplog):
+    """The command that started a run from another run's checkpoint, run again (a requeued job), was refused once the
+    run directory held the run's own checkpoints: it continues from the last of them, where they record that start."""
+    run_dir, start = tmp_path / "run", tmp_path / "parent" / "last.pt"
+    parts = {part: {} for part in checkpoint.TRAINING_PARTS}
+
+    def saved(run_id, step, started_from=None):
+        return {**parts, "train_state": {"step": step}, "run_id": run_id, "started_from": started_from}
+
+    assert run_started_from(start, saved("parent", 3), run_dir) is None  # no checkpoints there: a new run starts
+    checkpoint.save(run_dir / "checkpoints" / "best.pt", saved("ft", 4, {"run_id": "parent", "step": 3}))
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "ft", "from_step": 3}) + "\n")
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        own, own_saved = run_started_from(start, saved("parent", 3), run_dir)
+    assert own == run_dir / "checkpoints" / "best.pt" and own_saved["train_state"] == {"step": 4}  # no last.pt yet
+    assert (f"train.resume={start} is the checkpoint this run directory's run started from (run parent at step 3): "
+            f"the same command run again continues that run from {own}, as train.resume=auto would") in caplog.text
+    checkpoint.save(run_dir / "checkpoints" / "last.pt", saved("ft", 5, {"run_id": "parent", "step": 3}))
+    assert run_started_from(start, saved("parent", 3), run_dir)[0] == run_dir / "checkpoints" / "last.pt"
+    # The run it names has gone on, another run's at that step, one from before run ids, or the run's own: not its
+    # start, and continued_run_id decides as before.
+    for other in (saved("parent", 4), saved("other", 3), saved(None, 3), saved("ft", 3)):
+        assert run_started_from(start, other, run_dir) is None
+    assert run_started_from(run_dir / "checkpoints" / "best.pt", saved("parent", 3), run_dir) is None
+    checkpoint.save(run_dir / "checkpoints" / "last.pt", saved("ft", 5))  # from before runs recorded their start
+    assert run_started_from(start, saved("parent", 3), run_dir) is None
 
 
 def test_only_a_resume_that_starts_a_new_run_says_it_is_another_runs_checkpoint(tmp_path, caplog):

@@ -245,6 +245,32 @@ def test_a_resume_with_nothing_to_train_leaves_the_runs_records_as_they_were(an4
 
 
 @pytest.mark.slow
+def test_the_command_that_started_a_run_from_another_runs_checkpoint_run_again_continues_that_run(an4_train, tmp_path):
+    """A requeued fine-tuning job (launch/slurm.sbatch: train.resume=auto, then the user's train.resume=PATH) was
+    refused once its run directory held its own checkpoints, exit code 2, where it continues from them."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 4 steps an epoch
+    parent, run_dir = tmp_path / "parent", tmp_path / "ft"
+    train(parent, utterances, *common, "train.max_steps=3")
+    start = parent / "checkpoints" / "last.pt"
+    train(run_dir, utterances, *common, "train.max_steps=5", f"train.resume={start}")
+    again = train(run_dir, utterances, *common, "train.max_steps=7", "train.resume=auto", f"train.resume={start}")
+    assert (f"train.resume={start} is the checkpoint this run directory's run started from (run "
+            in again.output), again.output[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'last.pt'} at step 5 " in again.output
+    assert sorted(read_metrics(run_dir)[0]) == [4, 5, 6, 7]  # the first job's steps kept, each listed once
+    jobs = [json.loads(line) for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    assert [job["from_step"] for job in jobs] == [3, 5] and jobs[0]["run_id"] == jobs[1]["run_id"], jobs
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 7
+
+    # PATH holds another step of the run it names now (that run went on): a start this run did not come from.
+    train(parent, utterances, *common, "train.max_steps=4", "train.resume=auto")
+    moved_on = train(run_dir, utterances, *common, "train.max_steps=9", f"train.resume={start}", check=False)
+    assert moved_on.returncode == 2 and "is not one of its checkpoints" in moved_on.output, moved_on.output[-4000:]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 7
+
+
+@pytest.mark.slow
 def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
     """A batch job's log is a pipe or a file, where each redraw of a bar would land as a line of its own."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])

@@ -26,12 +26,12 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
         except (FileNotFoundError, ValueError) as error:
             raise type(error)(f"{error} (train.resume)") from None
         return Path(resume)
-    last, best = run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "best.pt"
-    if resume == "auto" and last.is_file():
-        return last
-    if resume == "auto" and best.is_file():  # written just before last.pt, whose first save did not finish
-        log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, best)
-        return best
+    last = run_dir / "checkpoints" / "last.pt"
+    own = own_last_checkpoint(run_dir) if resume == "auto" else None
+    if own is not None:
+        if own != last:
+            log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, own)
+        return own
     held = already_holds_a_run(run_dir)
     if held:  # under auto: none is last.pt or best.pt, which auto would take (a checkpoint saved by another name)
         remedy = "train.resume=PATH" if resume == "auto" else "train.resume=auto (or train.resume=PATH)"
@@ -39,6 +39,16 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
                          "another run_name")
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
+    return None
+
+
+def own_last_checkpoint(run_dir: Path) -> Path | None:
+    """The run directory's checkpoint that train.resume=auto continues from: last.pt, else best.pt (written just before
+    last.pt, whose first save did not finish); None where it holds neither."""
+    for name in ("last.pt", "best.pt"):
+        path = run_dir / "checkpoints" / name
+        if path.is_file():
+            return path
     return None
 
 
@@ -64,19 +74,53 @@ def recorded_run_id(run_dir: Path) -> str | None:
         return None
 
 
-def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
-    """The run id a job resuming from `path` carries on: the checkpoint's where it is this run's (its own file, or a
-    copy of one, whose id the directory's jobs.jsonl records), None where a new run starts from another's. ValueError
-    where that other run's checkpoint would overwrite the checkpoints the directory holds, and its metrics.jsonl keep
-    this run's lines up to the checkpoint's step."""
+def is_this_runs(saved: dict, path: Path, run_dir: Path) -> bool:
+    """Whether the checkpoint `saved`, read from `path`, is the run directory's run's: its own file, or a copy of one,
+    whose run id the directory's jobs.jsonl records."""
     theirs = saved.get("run_id")
-    ours = recorded_run_id(run_dir)
-    if is_own_checkpoint(path, run_dir) or (theirs is not None and theirs == ours):
+    return is_own_checkpoint(path, run_dir) or (theirs is not None and theirs == recorded_run_id(run_dir))
+
+
+def start_of_run(saved: dict) -> dict | None:
+    """What a run started from another run's checkpoint `saved` records of it (its checkpoints' "started_from"), to
+    know it again: that run's id and step. None for one from before run ids, which nothing tells from another run's
+    checkpoint at the same step."""
+    train_state = saved["train_state"]
+    step = train_state.get("step") if isinstance(train_state, dict) else None  # not a mapping: restore refuses it
+    return None if saved.get("run_id") is None else {"run_id": saved["run_id"], "step": step}
+
+
+def run_started_from(path: Path, saved: dict, run_dir: Path) -> tuple[Path, dict] | None:
+    """The run directory's last checkpoint (own_last_checkpoint) and what it holds, where its run was started from
+    `path` as `path` is now (the run id and step its checkpoints record): the command that started the run, run again
+    (a requeued job: launch/slurm.sbatch passes train.resume=auto before the user's PATH), continues it as
+    train.resume=auto would, where starting from `path` again would overwrite it. None otherwise."""
+    start = start_of_run(saved)
+    own = own_last_checkpoint(run_dir)
+    if start is None or own is None or is_this_runs(saved, path, run_dir):
+        return None
+    own_saved = checkpoint.load(own, checkpoint.TRAINING_PARTS)
+    if own_saved.get("started_from") != start:  # another start, or checkpoints from before runs recorded theirs
+        return None
+    log.info("train.resume=%s is the checkpoint this run directory's run started from (run %s at step %s): the same "
+             "command run again continues that run from %s, as train.resume=auto would", path, start["run_id"],
+             start["step"], own)
+    return own, own_saved
+
+
+def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
+    """The run id a job resuming from `path` carries on: the checkpoint's where it is this run's (is_this_runs), None
+    where a new run starts from another's. ValueError where that other run's checkpoint would overwrite the checkpoints
+    the directory holds, and its metrics.jsonl keep this run's lines up to the checkpoint's step."""
+    theirs = saved.get("run_id")
+    if is_this_runs(saved, path, run_dir):
         return theirs
+    ours = recorded_run_id(run_dir)
     held = already_holds_a_run(run_dir)
     if held:
-        # Most often the command that started this run from `path`, run again: another run_name alone would start
-        # over from `path`, leaving this run's steps since behind.
+        # Most often the command that started this run from `path`, run again, where `path` has moved on since or the
+        # run started before its checkpoints recorded their start (run_started_from): another run_name alone would
+        # start over from `path`, leaving this run's steps since behind.
         raise ValueError(f"{held}, and {path} is not one of its checkpoints (run {theirs} against {ours}): resuming "
                          "from it there would overwrite them; continue the run there with train.resume=auto (the same "
                          "command run again, a requeued job), or give this run another run_name")

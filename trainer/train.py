@@ -41,7 +41,7 @@ from trainer.evaluate import evaluate
 from trainer.metrics import ErrorCounts
 from trainer.resume import (
     check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, restore, resumed_train_state,
+    load_optimizer_state, restore, resumed_train_state, run_started_from, start_of_run,
 )
 from trainer.run_directory import hold_run_directory
 from trainer.stop import (
@@ -596,12 +596,15 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
              "elapsed_s": 0.0}
     run_id = None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id)
     continues_run = False  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
+    started_from = None  # the other run's checkpoint this run started from (start_of_run), which its checkpoints carry
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
+        resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
         changed_settings = check_resumable(saved["config"], cfg, resume, holds_train_set="train_set" in saved)
         check_same_training_set(saved, train_fingerprint, resume)
         run_id = continued_run_id(saved, resume, run_dir)
         continues_run = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
+        started_from = saved.get("started_from") if continues_run else start_of_run(saved)
         restore(resume, saved, {
             "model": model.load_state_dict,
             "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
@@ -684,6 +687,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "train_set": train_fingerprint,
                     "test_set": test_fingerprint,  # what best_wer was measured on
                     "run_id": run_id,
+                    "started_from": started_from,
                 },
             )
             for other in same:
