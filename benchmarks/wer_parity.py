@@ -31,7 +31,8 @@ of a budget that ran out can be compared where all of them got to. Writes the sa
 command then exits 1), as is one that stopped short of the epochs its config.yaml sets (a run copied without it counts
 as it stands); the others still count. So is a run with a file that is not as the trainer writes it (a config.yaml
 that is no YAML, an evaluation or job line missing a field or holding another type, a file that cannot be read), in
-one line naming the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2.
+one line naming the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2,
+as does one that finds none of its runs in RUNS_DIR (a misspelt --name).
 """
 if __name__ == "__main__":  # first: a Ctrl-C during the imports below printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -51,6 +52,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -330,6 +332,12 @@ def backend_overrides(args) -> dict[str, list[str]]:
     return {backend: overrides for backend, *overrides in args.backend_overrides or []}
 
 
+def nothing_to_report(why: str) -> NoReturn:
+    """Ends a --report that has no run to summarise with exit code 2, a usage error's: 1 says that a run failed."""
+    print(f"--report: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
 def environment() -> dict:
     """Where the runs trained: the GPU (the trainer's device=auto takes one when there is one) and the versions."""
     import torch  # here, so that --help and argument errors answer without loading torch
@@ -386,17 +394,16 @@ def main(argv=None) -> None:
     runs_dir = args.runs_dir.resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:
-        if not any((runs_dir / name).is_dir() for name, _, _ in jobs):
-            sys.exit(f"--report: none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
+        if not any((runs_dir / name).is_dir() for name, _, _ in jobs):  # a misspelt --name or --runs-dir
+            nothing_to_report(f"none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
         gpus = None
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
         if all(row.get("damaged") or not (runs_dir / row["run"]).is_dir() for row in rows):
             for row in rows:
                 if row.get("damaged"):
                     print(f"{row['run']}: {row['damaged']}", file=sys.stderr)
-            print(f"--report: nothing to report: every run of {args.name}-BACKEND-sSEED in {runs_dir} has a file it "
-                  "cannot read", file=sys.stderr)
-            sys.exit(2)
+            nothing_to_report(f"nothing to report: every run of {args.name}-BACKEND-sSEED in {runs_dir} has a file "
+                              "it cannot read")
     else:
         if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
             parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "

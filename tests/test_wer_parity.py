@@ -204,8 +204,11 @@ def test_report_summarises_runs_where_they_stand_without_training(tmp_path, caps
     assert result["config"]["report"] and result["config"]["at_epoch"] == 2 and "device" not in result["config"]
     assert "after epoch 2" in capsys.readouterr().out
 
-    with pytest.raises(SystemExit, match="none of the runs"):
+    # A misspelt --name finds none: a usage error's exit code 2, where it was 1, which says that a run failed.
+    with pytest.raises(SystemExit) as exited:
         wer_parity.main(["--report", "--name", "y", "--runs-dir", str(runs)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"--report: none of the runs y-BACKEND-sSEED is in {runs}\n"
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
