@@ -36,6 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.fields import COUNT, field
 from data.cli import input_path
 from trainer.cli import output_file, run_tool
 
@@ -95,23 +96,6 @@ def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
             )
 
 
-# What a field the projection reads must hold, by the words its refusal says it in. A COUNT is 1 or more: a world size
-# or a batch of 0 divided by zero, and one below it was projected from a step of no utterances.
-COUNT = "a whole number of at least 1"
-FIELD_KINDS = {
-    "a number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
-    COUNT: lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-    "true or false": lambda value: isinstance(value, bool),
-    "an object": lambda value: isinstance(value, dict),
-    "a list": lambda value: isinstance(value, list),
-}
-
-
-def field_name(keys: tuple) -> str:
-    """("compute", 0, "median_ms") -> compute[0].median_ms"""
-    return "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in keys).removeprefix(".")
-
-
 class Measurement:
     """What the projection takes from a benchmarks.scaling JSON: compute time per per-GPU batch, gradient bytes,
     synchronised batch norms, DDP's bucket cap, and (from a run on several GPUs) the measured overlap and efficiency."""
@@ -147,18 +131,9 @@ class Measurement:
                              f"{data['model']['ddp_bucket_cap_mb']}")
 
     def field(self, *keys: str | int, kind: str):
-        """The measurement's value at `keys` (into objects and lists), which must be `kind`, one of FIELD_KINDS:
-        ValueError naming the file, the field and what it should be (a string where a number belongs ended the run in
-        a TypeError traceback), KeyError naming a key that is missing."""
-        value = self.data
-        for depth, key in enumerate(keys):
-            container = "a list" if isinstance(key, int) else "an object"
-            if not FIELD_KINDS[container](value):
-                raise ValueError(f"{self.path}: {field_name(keys[:depth])} must be {container}, got {value!r}")
-            value = value[key]
-        if not FIELD_KINDS[kind](value):
-            raise ValueError(f"{self.path}: {field_name(keys)} must be {kind}, got {value!r}")
-        return value
+        """The measurement's value at `keys`, which must be `kind`, as benchmarks.fields.field refuses it (a string
+        where a number belongs ended the run in a TypeError traceback)."""
+        return field(self.path, self.data, *keys, kind=kind)
 
     def list_field(self, *keys: str | int, kind: str) -> list:
         """The list at `keys`, each of its values `kind`, as field refuses them."""

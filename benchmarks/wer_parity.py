@@ -56,15 +56,11 @@ from typing import NoReturn
 
 import yaml
 
+from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.text import counted
 from trainer.cli import json_output, positive_int, run_tool, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class DamagedFile(ValueError):
-    """A run's file that is not as the trainer writes it (edited by hand, cut short by a copy, unreadable): the run is
-    left out of the report, with this one line naming the file and what is wrong."""
 
 
 def read_text(path: Path) -> str:
@@ -89,45 +85,25 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def check_fields(path: Path, record: dict, fields: dict, prefix: str) -> dict:
-    """`record`, a part of the run file at `path`, if each of `fields` (key: (valid, what)) holds a valid value
-    (None where it is missing); else DamagedFile naming the key after `prefix`, its value and what the trainer
-    writes there. An epoch of "3" or a CER of true ended the report in a traceback."""
-    for key, (valid, what) in fields.items():
-        if not valid(record.get(key)):
-            found = json.dumps(record[key]) if key in record else "missing"
-            raise DamagedFile(f"{path}: {prefix}{key} is {found}, where the trainer writes {what}")
-    return record
-
-
-def is_real(value) -> bool:
-    """A number of JSON's (NaN among them, which Python's reader takes), not true or false."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return is_real(value) and math.isfinite(value)
-
-
-def is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 # What the report reads of each evaluation line of metrics.jsonl (those with an eval_wer: a WER that is no number is
-# left out, as partial), of each line of jobs.jsonl, and of config.yaml's train section.
-EVALUATION_FIELDS = {"epoch": (is_count, "a count"),
-                     "eval_cer": (lambda value: value is None or is_real(value), "a number (null: no utterance)"),
-                     "elapsed_s": (is_number, "a number")}
-JOB_FIELDS = {"device": (lambda value: isinstance(value, str), "a string"),
-              "world_size": (lambda value: value is None or is_count(value) and value > 0, "a count of ranks")}
-TRAIN_FIELDS = {"epochs": (lambda value: value is None or is_count(value), "a count"),
-                "max_steps": (lambda value: value is None or is_count(value), "a count or null")}
+# left out, as partial) and of each line of jobs.jsonl: key, kind (benchmarks.fields.KINDS), whether null may stand.
+EVALUATION_FIELDS = (("epoch", "a count", False), ("eval_cer", "a number", True),
+                     ("elapsed_s", "a finite number", False))
+JOB_FIELDS = (("device", "a string", False), ("world_size", COUNT, True))
+
+
+def checked(path: Path, record: dict, fields: tuple, within: str) -> dict:
+    """`record`, a line of the run file at `path`, if each of `fields` holds what the trainer writes there; else
+    DamagedFile naming it after `within`. An epoch of "3" or a CER of true ended the report in a traceback."""
+    for key, kind, or_null in fields:
+        field(path, record, key, kind=kind, or_null=or_null, within=within)
+    return record
 
 
 def run_jobs(run_dir: Path) -> list[dict]:
     """The run's jobs, from its jobs.jsonl."""
     path = run_dir / "jobs.jsonl"
-    return [check_fields(path, job, JOB_FIELDS, "a job's ") for job in read_jsonl(path)]
+    return [checked(path, job, JOB_FIELDS, "a job's ") for job in read_jsonl(path)]
 
 
 def planned_epochs(run_dir: Path) -> int | None:
@@ -141,10 +117,10 @@ def planned_epochs(run_dir: Path) -> int | None:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise DamagedFile(f"{config_path}: not YAML ({getattr(error, 'problem', None) or error}{where})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("train", {}), dict):
+    if not isinstance(config, dict):
         raise DamagedFile(f"{config_path}: not the mapping of settings, train among them, that the trainer writes")
-    train = check_fields(config_path, config.get("train", {}), TRAIN_FIELDS, "train.")
-    return train.get("epochs") if train.get("max_steps") is None else None
+    epochs = field(config_path, config, "train", "epochs", kind="a count", or_null=True)
+    return epochs if field(config_path, config, "train", "max_steps", kind="a count", or_null=True) is None else None
 
 
 def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
@@ -154,7 +130,7 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     not read the whole test set (eval_unreadable) is left out: its WER is over another set of utterances; so is one
     whose WER is no number (null, NaN)."""
     metrics = run_dir / "metrics.jsonl"
-    evaluated = [check_fields(metrics, line, EVALUATION_FIELDS, "an evaluation's ") for line in read_jsonl(metrics)
+    evaluated = [checked(metrics, line, EVALUATION_FIELDS, "an evaluation's ") for line in read_jsonl(metrics)
                  if "eval_wer" in line]
     epochs = evaluated[-1]["epoch"] if evaluated else 0
     planned = planned_epochs(run_dir)

@@ -1258,9 +1258,9 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
 
 
 @pytest.mark.parametrize("edit, complaint", [
-    (lambda data: data["config"].pop("model_config"), " lacks 'model_config', which benchmarks.scaling writes"),
+    (lambda data: data["config"].pop("model_config"), " lacks config.model_config, which must be an object"),
     (lambda data: data.pop("device"), " lacks 'device', which benchmarks.scaling writes"),
-    (lambda data: data.update(world_size=2), " lacks 'exposed_communication_ms', which benchmarks.scaling writes"),
+    (lambda data: data.update(world_size=2), " lacks exposed_communication_ms, which must be a number"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 0.0}),
      ": allreduce.median_ms must be positive and exposed_communication_ms finite, got 0.0 and 1.0"),
     (lambda data: data["compute"][0].update(median_ms=0.0), ": the compute times must be positive and finite"),

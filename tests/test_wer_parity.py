@@ -365,19 +365,22 @@ def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsy
 
 @pytest.mark.parametrize("file, text, message", [
     ("metrics.jsonl", '{"eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
-     "metrics.jsonl: an evaluation's epoch is missing, where the trainer writes a count"),
+     "metrics.jsonl lacks an evaluation's epoch, which must be a count"),
     ("metrics.jsonl", '{"epoch": "3", "eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
-     "metrics.jsonl: an evaluation's epoch is \"3\", where the trainer writes a count"),
+     "metrics.jsonl: an evaluation's epoch must be a count, got '3'"),
     ("metrics.jsonl", '{"epoch": 3, "eval_wer": 30.0, "eval_cer": true, "elapsed_s": 15.0}\n',
-     "metrics.jsonl: an evaluation's eval_cer is true, where the trainer writes a number (null: no utterance)"),
+     "metrics.jsonl: an evaluation's eval_cer must be a number or null, got True"),
     ("metrics.jsonl", b"\xff\xfe\n", "metrics.jsonl: cannot read it ('utf-8' codec can't decode byte 0xff"),
-    ("jobs.jsonl", '{"from_step": 0}\n', "jobs.jsonl: a job's device is missing, where the trainer writes a string"),
+    ("jobs.jsonl", '{"from_step": 0}\n', "jobs.jsonl lacks a job's device, which must be a string"),
     ("jobs.jsonl", None, "jobs.jsonl: cannot read it (Is a directory)"),
     ("config.yaml", "train: [epochs: 2\n",
      "config.yaml: not YAML (expected ',' or ']', but got '<stream end>' at line 2)"),
     ("config.yaml", "- train\n", "config.yaml: not the mapping of settings, train among them, that the trainer writes"),
     ("config.yaml", "train:\n  epochs: ${oc.env:HOME}\n",
-     "config.yaml: train.epochs is \"${oc.env:HOME}\", where the trainer writes a count"),
+     "config.yaml: train.epochs must be a count or null, got '${oc.env:HOME}'"),
+    # A YAML date is no JSON value: the refusal ended in json.dumps's TypeError traceback.
+    ("config.yaml", "train:\n  epochs: 2020-01-01\n",
+     "config.yaml: train.epochs must be a count or null, got datetime.date(2020, 1, 1)"),
 ])
 def test_a_run_with_a_damaged_file_is_left_out_in_one_line_naming_it(tmp_path, capsys, file, text, message):
     """A run's file edited by hand or cut short by a copy ended the report in a traceback (KeyError, TypeError, YAML's
@@ -407,5 +410,4 @@ def test_a_run_with_a_damaged_file_is_left_out_in_one_line_naming_it(tmp_path, c
         wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs)])
     errors = capsys.readouterr().err.splitlines()
     assert exited.value.code == 2 and errors[-1].startswith("--report: nothing to report"), errors
-    assert errors[0] == (f"x-cudnn-s1: {runs}/x-cudnn-s1/config.yaml: train.epochs is \"two\", where the trainer "
-                         "writes a count")
+    assert errors[0] == f"x-cudnn-s1: {runs}/x-cudnn-s1/config.yaml: train.epochs must be a count or null, got 'two'"
