@@ -511,9 +511,8 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
     metrics_file.flush()
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
-    checkpoint_every = cfg.train.checkpoint_every_steps
-    max_steps = cfg.train.max_steps
+def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
+    """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device} "
                          "(train.cuda_graphs=false runs it without them)")
@@ -523,6 +522,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             f"all-reduce over {distributed.backend()} (distributed.share_gpus), whose collectives a CUDA graph cannot "
             "capture; set train.cuda_graphs=false"
         )
+
+
+def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
+    checkpoint_every = cfg.train.checkpoint_every_steps
+    max_steps = cfg.train.max_steps
+    check_device_and_backend(cfg, env)
     if env.device.type == "cpu":
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
         # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
