@@ -524,6 +524,53 @@ def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
         )
 
 
+class RunStart(NamedTuple):
+    """Where this job takes its run up, as resume_into found it."""
+    checkpoint: Path | None  # the one resumed from (run_started_from's, where it continues that run), None afresh
+    run_id: str | None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id); None for a run of its own
+    continues: bool  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
+    started_from: dict | None  # the other run's checkpoint it started from (start_of_run): its checkpoints carry it
+
+
+def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path, env: DistEnv,
+                train_fingerprint: str, test_fingerprint: str, loaders: dict) -> RunStart:
+    """Where this job starts: afresh where `resume` (checkpoint_to_resume's) is None, otherwise from that checkpoint,
+    refused where it does not fit this run, its parts handed to `loaders`, its training state to `state` and this rank's
+    RNG states to the RNGs. Every rank must call it (a collective)."""
+    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None)
+    if resume is not None:
+        saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
+        resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
+        changed_settings = check_resumable(saved["config"], cfg, resume, holds_train_set="train_set" in saved)
+        check_same_training_set(saved, train_fingerprint, resume)
+        run_id = continued_run_id(saved, resume, run_dir)
+        continues = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
+        start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved))
+        restore(resume, saved, {
+            **loaders,
+            "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
+            "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
+        })
+        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # older checkpoints hold none
+        if other_test_set:
+            log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
+                     "the evaluations from here on, since WERs over other test sets do not compare", resume,
+                     saved["test_set"], test_fingerprint)
+        if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
+            state.update(best_unreadable=math.inf, best_wer=math.inf)
+        log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
+        if changed_settings:
+            log.info("settings other than those %s was written under, taken from here on: %s", resume,
+                     "; ".join(noting_what_does_nothing_here(changed_settings, env.device)))
+    # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
+    # pair its collectives with no other rank's. Its name and step, not its path: nodes may mount one folder apart.
+    distributed.check_same_on_every_rank(
+        {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
+        "the ranks would resume from other checkpoints",
+        "every rank must see the run directory's checkpoints, a folder every node sees")
+    return start
+
+
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     max_steps = cfg.train.max_steps
@@ -599,56 +646,27 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # evaluation (ErrorCounts.beats).
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
-    run_id = None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id)
-    continues_run = False  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
-    started_from = None  # the other run's checkpoint this run started from (start_of_run), which its checkpoints carry
-    if resume is not None:
-        saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
-        resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
-        changed_settings = check_resumable(saved["config"], cfg, resume, holds_train_set="train_set" in saved)
-        check_same_training_set(saved, train_fingerprint, resume)
-        run_id = continued_run_id(saved, resume, run_dir)
-        continues_run = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
-        started_from = saved.get("started_from") if continues_run else start_of_run(saved)
-        restore(resume, saved, {
-            "model": model.load_state_dict,
-            "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
-            "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
-                known_entries(saved_scheduler, scheduler.state_dict())),
-            "sampler": sampler.load_state_dict,
-            "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
-            "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
-        })
-        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # older checkpoints hold none
-        if other_test_set:
-            log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
-                     "the evaluations from here on, since WERs over other test sets do not compare", resume,
-                     saved["test_set"], test_fingerprint)
-        if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
-            state.update(best_unreadable=math.inf, best_wer=math.inf)
-        log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
-        if changed_settings:
-            log.info("settings other than those %s was written under, taken from here on: %s", resume,
-                     "; ".join(noting_what_does_nothing_here(changed_settings, env.device)))
-    # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
-    # pair its collectives with no other rank's. Its name and step, not its path: nodes may mount one folder apart.
-    distributed.check_same_on_every_rank(
-        {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
-        "the ranks would resume from other checkpoints",
-        "every rank must see the run directory's checkpoints, a folder every node sees")
+    # The parts a checkpoint restores besides the training state and the RNGs, as save() below writes them.
+    start = resume_into(resume, state, cfg, run_dir, env, train_fingerprint, test_fingerprint, {
+        "model": model.load_state_dict,
+        "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
+        "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
+            known_entries(saved_scheduler, scheduler.state_dict())),
+        "sampler": sampler.load_state_dict,
+    })
     trained_out = state["epoch"] >= cfg.train.epochs or stops_at_max_steps(max_steps, state, len(sampler))
-    if resume is not None and trained_out:
+    if start.checkpoint is not None and trained_out:
         # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
         # the steps that the directory's last.pt, left as it is, holds.
         log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run directory "
-                 "is left as it was", resume, state["step"], position_in_epochs(state), cfg.train.epochs,
+                 "is left as it was", start.checkpoint, state["step"], position_in_epochs(state), cfg.train.epochs,
                  "null" if max_steps is None else max_steps)
         return {}
-    run_id = run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
+    run_id = start.run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         # As the checkpoints store it: a "${" the command line escaped is text, not an interpolation for its readers.
         OmegaConf.save(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True)), run_dir / "config.yaml")
-        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=continues_run)
+        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
@@ -661,8 +679,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     if env.is_main:  # a resumed run drops the events and lines its checkpoint does not cover: each step listed once
         # Events of steps this job trains again are dropped from the earlier files, and all of them where it starts
         # a run of its own (a failed attempt's, or a fresh run's over one that left no checkpoint).
-        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if continues_run else 1)
-        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if continues_run else None)
+        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if start.continues else 1)
+        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if start.continues else None)
 
     # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
     run_started = time.perf_counter() - state["elapsed_s"]
@@ -692,7 +710,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     "train_set": train_fingerprint,
                     "test_set": test_fingerprint,  # what best_wer was measured on
                     "run_id": run_id,
-                    "started_from": started_from,
+                    "started_from": start.started_from,
                 },
             )
             for other in same:
