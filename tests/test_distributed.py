@@ -726,19 +726,22 @@ def test_the_silent_rank_is_named_where_another_ranks_timeout_closed_its_connect
 
 
 @needs_mpiexec
-def test_the_ranks_start_without_unpickling_what_another_rank_sent():
+def test_the_ranks_start_without_unpickling_what_another_rank_sent(tmp_path):
     """Rank 0's address and port, and which ranks share its node, reach the other ranks as bytes, not as mpi4py's
     pickles, which would run what they hold: with mpi4py's unpickling refused, two ranks still start their group."""
-    start = ("from mpi4py import MPI\n"
+    # Each rank marks its start in a file of its own: two ranks' prints interleave in the job's output.
+    start = ("import sys\n"
+             "from pathlib import Path\n"
+             "from mpi4py import MPI\n"
              "def refuse(*args):\n    raise AssertionError('a pickle from another rank was unpickled')\n"
              "MPI.pickle.__init__(loads=refuse)\n"
              "from trainer import distributed\n"
              "env = distributed.init('cpu', timeout_s=30)\n"
-             "print('started rank', env.rank, flush=True)\n"
+             "(Path(sys.argv[1]) / f'started rank {env.rank}').touch()\n"
              "distributed.shutdown()\n")
-    code, output = run_job([MPIEXEC, "-n", 2, sys.executable, "-c", start], FAILURE_TIMEOUT_S)
+    code, output = run_job([MPIEXEC, "-n", 2, sys.executable, "-c", start, tmp_path], FAILURE_TIMEOUT_S)
     assert code == 0, output
-    assert sorted(re.findall(r"started rank \d", output)) == ["started rank 0", "started rank 1"], output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["started rank 0", "started rank 1"], output
 
 
 @needs_mpiexec
