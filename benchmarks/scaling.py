@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import platform
-import signal
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.cli import ctrl_c_raises_keyboard_interrupt
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.dataset import Batch
 from data.text import NUM_CLASSES
 from models import MaskedBatchNorm
@@ -339,8 +338,8 @@ if __name__ == "__main__":
         print(f"error on rank {distributed.launcher_rank()}: {error}", file=sys.stderr)
         distributed.abort_job(2)
     except KeyboardInterrupt:  # its results are written once, at the end: none yet
-        print(f"interrupted by Ctrl-C on rank {distributed.launcher_rank()}", file=sys.stderr)
-        distributed.abort_job(128 + signal.SIGINT)
+        print(f"{INTERRUPTED} on rank {distributed.launcher_rank()}", file=sys.stderr)
+        distributed.abort_job(INTERRUPTED_EXIT_CODE)
     except Exception:
         print(f"benchmark failed on rank {distributed.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
         distributed.abort_job(1)
