@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -322,6 +323,27 @@ def test_config_yaml_reads_back_as_the_values_the_run_used(an4_train, tmp_path, 
           r"run_name=a\${oc.env:PRNN_SECRET}")
     config = OmegaConf.load(tmp_path / "run" / "config.yaml")
     assert config.run_name == "a${oc.env:PRNN_SECRET}"
+
+
+def test_config_yaml_a_job_cannot_write_whole_leaves_the_one_before_it_as_it_was(an4_train, tmp_path):
+    """A file size limit (ulimit -f) fails a write part way, as a job killed or a disk filling up while it writes:
+    config.yaml was written in place, so the job left it cut short, which a resume's readers (wer_parity --report)
+    took for a damaged run."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    before = "run_name: an earlier job's\n"
+    (run_dir / "config.yaml").write_text(before)
+    limit = 1000  # bytes: less than config.yaml's, more than any file the job writes before it
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", *train_arguments(run_dir, manifest, "model.hidden=32", "train.max_steps=1")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": python_path},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    assert f"cannot write {run_dir / 'config.yaml'}: File too large" in output, output[-2000:]
+    assert (run_dir / "config.yaml").read_text() == before
 
 
 @pytest.mark.slow

@@ -89,16 +89,20 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
             with open(path, "w", encoding="utf-8", errors="surrogateescape") as stream:
                 stream.write(text)
         else:
-            _replace_whole(Path(path).resolve(), text)
+            replace_whole(Path(path).resolve(), text)
     except OSError as error:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
 
 
-def _replace_whole(target: Path, text: str) -> None:
+def replace_whole(target: Path, text: str) -> None:
+    """Writes `text` beside `target`, then renames it over it: a job killed or a disk filling up meanwhile leaves the
+    file there as it was, never cut short. An OSError names `target`, where a failed write() names no file."""
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         partial.write_text(text, encoding="utf-8", errors="surrogateescape")
         partial.replace(target)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(target)) from error
     finally:
         partial.unlink(missing_ok=True)
 

@@ -34,6 +34,7 @@ from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
+from trainer.cli import replace_whole
 from trainer.config import check_config, check_resumable, noting_what_does_nothing_here, rank_settings
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
@@ -665,7 +666,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     run_id = start.run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
     if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
         # As the checkpoints store it: a "${" the command line escaped is text, not an interpolation for its readers.
-        OmegaConf.save(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True)), run_dir / "config.yaml")
+        # Whole or not at all: a job killed while writing it left the run's readers (wer_parity --report) half a file.
+        replace_whole(run_dir / "config.yaml",
+                      OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
 
     if env.world_size > 1:
