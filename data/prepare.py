@@ -33,7 +33,8 @@ from data.audio import AudioError, audio_header
 from data.cli import (
     INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
 )
-from data.manifest import Utterance, control_character, printable_path, read_manifest, write_manifest
+from data.manifest import (Utterance, control_character, print_paths_printable, printable_path, read_manifest,
+                           write_manifest)
 from data.text import normalize_text
 
 logger = logging.getLogger(__name__)
@@ -277,4 +278,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    print_paths_printable(sys.stdout, sys.stderr)  # an --out that is not UTF-8 named as its skipped audio is
     main(sys.argv[1:])

@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -223,6 +224,18 @@ def test_librispeech_layout(tmp_path, caplog):
     (other / "174-50561.trans.txt").write_bytes(b"174-50561-0000 FORGOTTEN\n174-50561-0001 CAF\xc9\n")  # Latin-1
     with pytest.raises(ValueError, match="174-50561.trans.txt:2: not UTF-8"):
         prepare_librispeech(source, tmp_path / "out")
+
+
+def test_an_out_folder_that_is_not_utf8_is_named_as_its_skipped_audio_is(tmp_path):
+    # Its "wrote" lines named b"\xff" as stderr's "\udcff", which names no byte, where the warning on audio of such a
+    # path and the other tools name it "\xff".
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    out = bytes(tmp_path) + b"/out\xff"
+    result = subprocess.run([sys.executable, "-m", "data.prepare", "librispeech", "--source", str(source), "--out",
+                             out], cwd=Path(__file__).parents[1], capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f" to {tmp_path}/out\\xff/dev-clean.jsonl; ".encode() in result.stderr, result.stderr
 
 
 def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, tmp_path, caplog, capsys):

@@ -924,8 +924,9 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
 
 def test_a_path_that_is_not_utf8_is_logged_to_the_console_and_the_log_file(tmp_path, monkeypatch):
     """A manifest in a folder named with the byte \\xff names its audio through that folder; the warning naming a
-    missing one reaches the console and the log file, written as \\udcff, where UTF-8 output refuses the name (a
-    locale such as en_US.UTF-8, or PYTHONIOENCODING, makes its errors strict)."""
+    missing one reaches the console and the log file, written as \\xff as the tools name it (it was \\udcff, which
+    names no byte), where UTF-8 output refuses the name (a locale such as en_US.UTF-8, or PYTHONIOENCODING, makes its
+    errors strict)."""
     monkeypatch.setenv("PYTHONIOENCODING", "utf-8")
     corpus = Path(os.fsdecode(bytes(tmp_path) + b"/corpus\xff"))
     corpus.mkdir()
@@ -938,7 +939,7 @@ def test_a_path_that_is_not_utf8_is_logged_to_the_console_and_the_log_file(tmp_p
     run_dir = tmp_path / "run"
     result = train(run_dir, f"'{corpus / 'train.jsonl'}'", "model.hidden=32", "train.max_steps=1",
                    "train.epochs=1")
-    warning = "corpus\\udcff/8.wav: no such audio file"
+    warning = "corpus\\xff/8.wav: no such audio file"
     assert "Logging error" not in result.output and warning in result.stdout, result.output[-4000:]
     assert warning in (run_dir / "__main__.log").read_text()
 

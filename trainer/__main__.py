@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from data.manifest import print_paths_printable
 from trainer import distributed
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -201,8 +202,9 @@ def leave_the_log_to_rank_0(rank: int) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     # Hydra's console log goes to stdout, which a pipe or a batch job's log buffers: a line would land after the
-    # progress shown on stderr since, or be lost with the job. A path that is not UTF-8 is written as stderr writes it.
-    sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
+    # progress shown on stderr since, or be lost with the job.
+    sys.stdout.reconfigure(line_buffering=True)
+    print_paths_printable(sys.stdout, sys.stderr)  # a path that is not UTF-8 as the tools and the log file name it
     leave_the_log_to_rank_0(distributed.launcher_rank())
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
