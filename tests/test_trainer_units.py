@@ -2188,6 +2188,20 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
 
 
+def test_a_job_after_one_that_left_half_a_line_in_jobs_jsonl_records_itself_and_the_run_id_whole(tmp_path):
+    # The next job's line was glued to the torn one: the run's id was then read as None, and that job was lost.
+    path = tmp_path / "jobs.jsonl"
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    record_job(path, "run-a", 0, env, resumed=False)
+    with open(path, "a") as jobs:
+        jobs.write('{"run_id": "run-a", "from_st')
+    assert recorded_run_id(tmp_path) == "run-a"
+    record_job(path, "run-a", 40, env, resumed=True)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[-1])["from_step"] == 40, lines
+    assert recorded_run_id(tmp_path) == "run-a"
+
+
 def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
     threads = torch.get_num_threads()
     try:

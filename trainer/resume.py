@@ -65,13 +65,19 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
 
 
 def recorded_run_id(run_dir: Path) -> str | None:
-    """The run id in the last line of the run directory's jobs.jsonl; None without one (no job yet, or jobs from
-    before run ids)."""
+    """The run id in the last whole line of the run directory's jobs.jsonl (a job killed while it wrote its line
+    leaves half of one); None without one (no job yet, or jobs from before run ids)."""
     try:
         lines = (run_dir / "jobs.jsonl").read_text().splitlines()
-        return json.loads(lines[-1]).get("run_id") if lines else None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return None
+    for line in reversed(lines):
+        try:
+            job = json.loads(line)
+        except ValueError:
+            continue
+        return job.get("run_id") if isinstance(job, dict) else None
+    return None
 
 
 def is_this_runs(saved: dict, path: Path, run_dir: Path) -> bool:

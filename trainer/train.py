@@ -123,8 +123,10 @@ def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: b
     software = versions(env.device)
     job = {"run_id": run_id, "from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
            **software, "command": command_line()}
+    torn = resumed and path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a" if resumed else "w") as jobs:
-        jobs.write(json.dumps(job) + "\n")
+        # A job killed or a disk filling up while it wrote its line left half of one: this one would be glued to it.
+        jobs.write("\n" * torn + json.dumps(job) + "\n")
     log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
              ", ".join(f"{name} {version}" for name, version in software.items()))
 
