@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
-from trainer.cli import output_file, run_tool
+from trainer.cli import output_file, run_tool, write_output
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
 # (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
@@ -345,7 +345,7 @@ def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check:
     if left_out:
         lines += ["Left out (global batch not divisible by the GPU count): "
                   + ", ".join(f"G={g} on {n}" for g, n in left_out), ""]
-    path.write_text("\n".join(lines))
+    write_output(str(path), "\n".join(lines))
 
 
 def plot(path: Path, rows: list, overlaps: list, assumed: dict) -> None:
@@ -482,10 +482,13 @@ def main(argv=None) -> int:
     except argparse.ArgumentTypeError as error:
         print(f"error: --out {out}: {error}", file=sys.stderr)
         return 2
-    (out / "scaling_projection.json").write_text(
-        json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n"
-    )
-    write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
+    try:  # each whole or not at all: a disk filling up left them cut short
+        write_output(str(out / "scaling_projection.json"),
+                     json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n")
+        write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     plot(out / "scaling_projection.png", rows, overlaps, assumed)
     print((out / "scaling_projection.md").read_text())
     print(f"wrote {out}/scaling_projection.png, .md and .json")

@@ -252,6 +252,24 @@ def test_scaling_model_refuses_an_out_it_cannot_write_whole_before_writing(tmp_p
     assert [path.name for path in tmp_path.iterdir()] == ["scaling_projection.json"]
 
 
+def test_scaling_model_a_write_refused_part_way_leaves_the_projection_before_it_as_it_was(tmp_path):
+    """A file size limit (ulimit -f) fails a write part way, as a disk filling up does: the .json and .md were
+    written in place, so such a run left them cut short."""
+    import resource
+
+    before = '{"rows": "an earlier projection"}\n'
+    (tmp_path / "scaling_projection.json").write_text(before)
+    measured = str(REPO_ROOT / "benchmarks/results/scaling_an4_cudnn_2gpu.json")
+    limit = 2000  # bytes: less than the projection's .json
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scaling_model", "--measured", measured, "--out", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot write {tmp_path}/scaling_projection.json: File too large" in result.stderr, result.stderr
+    assert (tmp_path / "scaling_projection.json").read_text() == before
+
+
 @pytest.mark.parametrize("empty", ["--measured", "--out"])
 def test_scaling_model_refuses_an_empty_path(empty, tmp_path, monkeypatch, capsys):
     """--out "$OUT" unset wrote the projection into the current folder (exit 0)."""
