@@ -449,6 +449,35 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["train.epoch=3"], "error: unknown config key train.epoch (did you mean train.epochs?)"),
+    (["model.depth=0"], "error: model.depth must be a positive integer, not 0"),
+    (["-m", "seed=1,2", "optim.lr=0.1,-1"],
+     "error: sweep job 1 (seed=1 optim.lr=-1): optim.lr must be a positive number, not -1"),
+    (["-m", "seed=1,2", "train.epoch=3"], "error: unknown config key train.epoch (did you mean train.epochs?)"),
+])
+def test_the_launch_scripts_refuse_a_jobs_overrides_before_the_build(tmp_path, overrides, refusal):
+    """A misspelt key, a value the trainer refuses, or either in one job of a sweep, was found out by the ranks, after
+    the extension's build (a minute on a GPU node; on CPUs its line on stdout) and every rank's start."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=8\n")
+    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "16"])]:
+        refused = launch_script(script, *counts, *overrides)
+        assert refused.returncode == 2 and refused.stderr == f"{refusal}\n", refused.stderr
+        assert refused.stdout == "", refused.stdout
+
+
+def test_the_launch_scripts_check_a_sweep_leaving_nothing_behind(tmp_path):
+    """The check composes each job without making its run directory, its sweep's multirun.yaml or .hydra/."""
+    sweep = launch_script("single_node.sh", "2", "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                          f"hydra.run.dir={tmp_path / 'run'}", RUN_NAME="sweep")
+    assert sweep.returncode == 0, sweep.stderr
+    assert sweep.stdout.splitlines()[-1].endswith(f"-m trainer -m run_name='sweep' seed=1,2 "
+                                                  f"hydra.sweep.dir={tmp_path / 'sweep'} "
+                                                  f"hydra.run.dir={tmp_path / 'run'}"), sweep.stdout
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
     """`launch/single_node.sh --help` was refused as a count, "NUM_GPUS must be a positive integer, not '--help'",
     exit code 2, and the settings the scripts read from the environment were written only in their source."""
@@ -564,6 +593,7 @@ def start_launch_script(tmp_path, mpirun: str | None = None, version: str = "mpi
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
+    (tmp_path / "trainer" / "check_overrides.py").write_text("")  # the script's check of the overrides: passed
     if mpirun is None:
         mpirun = str(tmp_path / "mpirun")
         (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN.replace("VERSION", version))
@@ -671,11 +701,18 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
 
-def test_the_slurm_script_refuses_a_misspelt_override_before_the_build(tmp_path):
-    """The job built the extension (srun, a minute on a GPU node) before the ranks' Hydra refused train.epoch."""
-    ran, recorded = slurm_script(tmp_path, "experiment=an4_gpu", "train.epoch=3")
-    assert ran.returncode == 2, ran.stderr
-    assert "unknown config key train.epoch (did you mean train.epochs?)" in ran.stderr, ran.stderr
+@pytest.mark.parametrize("overrides, refusal", [
+    (["experiment=an4_gpu", "train.epoch=3"], "unknown config key train.epoch (did you mean train.epochs?)"),
+    # Values the trainer's rules refuse, which a composition alone (--cfg job) let through, and a sweep's overrides,
+    # which Hydra composes with no --cfg: found out after the build.
+    (["model.depth=0"], "model.depth must be a positive integer, not 0"),
+    (["-m", "train.epoch=3"], "unknown config key train.epoch (did you mean train.epochs?)"),
+    (["-m", "optim.lr=0.1,-1"], "sweep job 1 (optim.lr=-1): optim.lr must be a positive number, not -1"),
+])
+def test_the_slurm_script_refuses_a_jobs_overrides_before_the_build(tmp_path, overrides, refusal):
+    """The job built the extension (srun, a minute on a GPU node) before the ranks refused the overrides."""
+    ran, recorded = slurm_script(tmp_path, *overrides)
+    assert ran.returncode == 2 and ran.stderr == f"error: {refusal}\n", ran.stderr
     assert not any(call.startswith("srun ") for call in recorded), recorded
 
 

@@ -26,12 +26,12 @@ def report_command_line_errors_in_one_line() -> None:
     report = hydra_utils.run_and_report
 
     def run_and_report(step):
-        return report(lambda: _refused_in_one_line(step))
+        return report(lambda: refused_in_one_line(step))
 
     hydra_utils.run_and_report = run_and_report
 
 
-def _refused_in_one_line(step):
+def refused_in_one_line(step):
     try:
         return step()
     except COMMAND_LINE_ERRORS as error:
