@@ -201,6 +201,8 @@ def test_built_model_is_a_distribution_after_every_history(order):
     histories = [(), ("<s>",), ("ONE",), ("<s>", "TWO"), ("THREE", "FOUR"), ("NEVER", "SEEN"), ("FIVE", "FIVE")]
     # and histories of the longest order the sentences hold, at their starts and ends
     histories += [("<s>", *words)[: order - 1] for words in sentences[:10]] + [tuple(words[-4:]) for words in sentences]
+    # and every history the model lists (an n-gram of a lower order that a word can follow)
+    histories += [ngram for ngram in lm.tables if len(ngram) < lm.order and ngram[-1] != "</s>"]
     for history in histories:
         total = sum(10 ** lm.log10_prob(history, word) for word in [*vocabulary, "</s>", "<unk>"])
         assert total == pytest.approx(1.0, abs=1e-7), history  # the ARPA text keeps 9 decimals
@@ -250,6 +252,49 @@ def test_arpa_reader_backs_off_and_upper_cases(tmp_path):
     # A model of typeset text: its DON’T scored as <unk>, where transcripts read it as DON'T.
     path.write_text(ARPA.replace("yes", "don’t"))
     assert NGramLM.from_arpa(path).log10_prob(("<s>",), "DON'T") == pytest.approx(-0.1)
+
+
+# As KenLM's lmplz writes a trigram model: <s> at -99 with a backoff weight, backoff weights of 0 left out (C, B C)
+# or written as 0 (<unk>), none in the highest order, and <unk> in an n-gram.
+KENLM_TRIGRAMS = """\\data\\
+ngram 1=6
+ngram 2=4
+ngram 3=2
+
+\\1-grams:
+-1.5\t<unk>\t0
+-99\t<s>\t-0.45
+-0.8\t</s>
+-0.6\tA\t-0.3
+-0.7\tB\t-0.2
+-0.9\tC
+
+\\2-grams:
+-0.3\t<s> A\t-0.1
+-0.4\tA B\t-0.15
+-0.2\tB C
+-0.5\t<unk> B
+
+\\3-grams:
+-0.1\t<s> A B
+-0.25\tA B C
+
+\\end\\
+"""
+
+
+@pytest.mark.parametrize("history, word, expected", [
+    (("<s>", "A"), "B", -0.1),  # listed
+    (("<s>",), "B", -0.45 - 0.7),  # <s>'s weight: -99 is its probability alone
+    (("<s>", "A"), "C", -0.1 - 0.3 - 0.9),  # two backoff weights, then the unigram
+    (("A", "B"), "</s>", -0.15 - 0.2 - 0.8),
+    (("C", "B"), "A", -0.2 - 0.6),  # C B is no bigram: no weight of its own
+    (("B", "C"), "NEVER", -1.5),  # an unknown word: <unk>, after weights of 0 left out
+    (("NEVER", "B"), "C", -0.2),  # an unknown word in the history: <unk> B, a bigram without a weight
+    (("<s>", "NEVER"), "B", -0.5),
+])
+def test_arpa_reader_backs_off_through_every_order_by_the_arpa_rule(history, word, expected):
+    assert NGramLM.from_arpa_text(KENLM_TRIGRAMS).log10_prob(history, word) == pytest.approx(expected, abs=1e-12)
 
 
 def test_arpa_reader_takes_what_other_tools_write(tmp_path):
