@@ -821,8 +821,23 @@ def test_an_override_hydra_refuses_is_one_line_naming_it_and_exit_2(tmp_path, ov
     refuses) and exit code 1, where every other refusal of the trainer is one line and exit code 2."""
     result = run("trainer", overrides, timeout=300, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr == f"error: {refusal}\n", result.output[-4000:]
-    if "-m" not in overrides:  # a sweep's folder Hydra makes first, its multirun.yaml in it
-        assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # a sweep's too: Hydra's sweeper wrote runs/NAME/multirun.yaml first
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    (["model.depth=2,0"], "sweep job 1 (model.depth=0): model.depth must be a positive integer, not 0"),
+    (["model.cell=gru", "+model.size=1,2"], "sweep job 0 (model.cell=gru +model.size=1): unknown config key "
+     "model.size: conf/train.yaml and conf/{model,data,optim}/ define no such key (misspelt in an experiment file, or "
+     "added by a + override?)"),
+])
+def test_a_sweep_with_a_job_the_trainer_refuses_is_refused_before_any_job_runs_leaving_nothing(tmp_path, overrides,
+                                                                                                refusal):
+    """Job 0 trained (and its data was prepared), then the refused job failed, as a sweep's failing job does, and the
+    sweep's multirun.yaml stayed behind: a refused single run leaves nothing."""
+    result = run("trainer", ["-m", *overrides], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.output[-4000:]
+    assert result.stderr == f"error: {refusal}; no job of the sweep ran\n", result.output[-4000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_hydra_full_error_still_gives_hydras_trace_of_an_override_it_refuses(tmp_path):
@@ -1068,10 +1083,10 @@ def sweep(cwd, manifest, *overrides, timeout=900):
                            *overrides], timeout, cwd=cwd)
 
 
-def sweep_jobs(sweep_dir) -> dict:
-    """{model.cell: job folder} of the sweep's jobs that ran (wrote config.yaml)."""
+def sweep_jobs(sweep_dir, key="model.cell") -> dict:
+    """{key's value: job folder} of the sweep's jobs that ran (wrote config.yaml)."""
     folders = [path.parent for path in sweep_dir.glob("*/config.yaml")]
-    return {OmegaConf.load(folder / "config.yaml").model.cell: folder for folder in folders}
+    return {OmegaConf.select(OmegaConf.load(folder / "config.yaml"), key): folder for folder in folders}
 
 
 @pytest.mark.slow
@@ -1102,12 +1117,13 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
 @pytest.mark.slow
 def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_non_zero(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
-    result = sweep(tmp_path, manifest, "run_name=bad", "model.cell=relu,bogus,gru", "train.max_steps=1")
+    # Job 1 keeps no utterance: a failure of its own, which checking the sweep's configs first does not catch.
+    result = sweep(tmp_path, manifest, "run_name=bad", "data.max_duration=20,0.01,10", "train.max_steps=1")
     assert result.output.count("stopped at step 1 (train.max_steps), before this job's first evaluation") == 2, (
         result.output[-4000:])  # job 2 ran
     assert result.returncode == 2, result.output[-4000:]  # a user error, as a run's would be
-    assert sorted(sweep_jobs(tmp_path / "runs" / "bad")) == ["gru", "relu"], result.output[-4000:]
-    bogus = "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"
+    assert sorted(sweep_jobs(tmp_path / "runs" / "bad", "data.max_duration")) == [10, 20], result.output[-4000:]
+    bogus = f"no usable utterance in {manifest}: skipped 8 utterances (longer than max_duration)"
     assert f"error on rank 0: {bogus}" in result.output and "Traceback" not in result.output
     assert "sweep job 1 failed; the jobs after it still run" in result.output
     # The sweep names the failed job, and where its log is, at the end; nothing about a stack trace.
@@ -1115,7 +1131,8 @@ def test_a_failing_sweep_job_leaves_the_jobs_after_it_to_run_and_the_sweep_ends_
     assert last_line.startswith(f"failed: sweep job 1 ({tmp_path / 'runs' / 'bad'}/") and last_line.endswith(
         f"): {bogus}"), result.stderr[-2000:]
     folder = Path(last_line.removeprefix("failed: sweep job 1 (").removesuffix(f"): {bogus}"))
-    assert (folder / "__main__.log").read_text().count(bogus) == 1 and folder not in sweep_jobs(folder.parent).values()
+    assert (folder / "__main__.log").read_text().count(bogus) == 1
+    assert folder not in sweep_jobs(folder.parent, "data.max_duration").values()
     assert "HYDRA_FULL_ERROR" not in result.output
 
     # A sweep over a key that job folder names leave out would put two jobs in one folder: the second is refused.
@@ -1130,7 +1147,7 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
     data = ["data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}"]
     job = subprocess.Popen(
         [sys.executable, "-m", "trainer", "-m", *data, *TINY, "model.hidden=16", "model.depth=1",
-         "train.global_batch_size=4", "train.epochs=1000", "run_name=stopped", "model.cell=bogus,gru"],
+         "train.global_batch_size=4", "train.epochs=1000", "run_name=stopped", "data.max_duration=0.01,20"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -1145,7 +1162,7 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 128 + signal.SIGUSR1, stderr[-4000:]
-    assert "failed: sweep job 0 (" in stderr and "model.cell must be one of" in stderr, stderr[-4000:]
+    assert "failed: sweep job 0 (" in stderr and "no usable utterance in" in stderr, stderr[-4000:]
 
 
 @pytest.mark.parametrize("overrides, returncode, message", [

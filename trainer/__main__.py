@@ -9,8 +9,9 @@ stops there too, naming the jobs that failed before. A signal before training be
 so at once.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
-again with train.resume=auto continues each job in its own folder. A job that fails there logs its error as a run
-does, and the jobs after it still run; the sweep then names each failed job's folder and error, and exits 2 where
+again with train.resume=auto continues each job in its own folder. A job whose config is refused refuses the whole
+sweep before any job runs (trainer.run_directory). A job that fails there logs its error as a run does, and the jobs
+after it still run; the sweep then names each failed job's folder and error, and exits 2 where
 every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI job (its other ranks
 would wait on it).
 """

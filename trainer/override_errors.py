@@ -32,6 +32,7 @@ def report_command_line_errors_in_one_line() -> None:
 
 
 def refused_in_one_line(step):
+    """step's result, or where Hydra refuses the command line in it, one line and exit code 2."""
     try:
         return step()
     except COMMAND_LINE_ERRORS as error:

@@ -1,10 +1,12 @@
-"""A Hydra callback (conf/train.yaml, hydra.callbacks) that checks run_name and makes the run's directory before Hydra
-does, and the handler of the run's log file there.
+"""A Hydra callback (conf/train.yaml, hydra.callbacks) that checks run_name (and a sweep's every job's config) and makes
+the run's directory before Hydra does, and the handler of the run's log file there.
 
 Hydra makes it inside its own error handling, so one it cannot make (a file named `runs`, no permission, a full disk)
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
-the run wrote into runs/ itself or the working directory.
+the run wrote into runs/ itself or the working directory. So is a sweep one of whose jobs the trainer or Hydra would
+refuse (model.depth=0,2; a misspelt key): as a refused run, it leaves nothing behind, where Hydra's sweeper wrote
+runs/NAME/multirun.yaml first and the jobs before the refused one ran.
 
 Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
 """
@@ -16,8 +18,14 @@ import socket
 import sys
 from pathlib import Path
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from trainer.config import check_config
+from trainer.override_errors import refused_in_one_line
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,31 @@ def make_or_exit(directory: str) -> None:
         sys.exit(2)
 
 
+def sweep_jobs(config: DictConfig) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper lists them: hydra.sweeper.params, then the command line's."""
+    params = [f"{key}={value}" for key, value in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    return BasicSweeper.split_arguments(parser.parse_overrides(params + list(config.hydra.overrides.task)), None)[0]
+
+
+def refuse_a_sweep_with_a_job_refused(config: DictConfig) -> None:
+    """Composes every job's config as the sweeper will (Hydra refuses a misspelt key there, in one line through
+    trainer.override_errors) and checks it as the job would (check_config): one line naming the first job refused, and
+    exit code 2, before any job runs or anything is written. Hydra's callbacks take an exception for a warning and go
+    on, so its refusal is reported here."""
+    loader = GlobalHydra.instance().config_loader()
+    for number, overrides in enumerate(sweep_jobs(config)):
+        job = refused_in_one_line(lambda: loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
+        with open_dict(job):
+            del job["hydra"]  # as the job's own config has it: no hydra node
+        try:
+            check_config(job)
+        except ValueError as error:
+            print(f"error: sweep job {number} ({' '.join(overrides)}): {error}; no job of the sweep ran",
+                  file=sys.stderr)
+            sys.exit(2)
+
+
 class MakeRunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config.run_name)
@@ -60,6 +93,7 @@ class MakeRunDirectory(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config.run_name)
+        refuse_a_sweep_with_a_job_refused(config)
         make_or_exit(config.hydra.sweep.dir)
 
 
