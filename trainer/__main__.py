@@ -9,11 +9,11 @@ stops there too, naming the jobs that failed before. A signal before training be
 so at once.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
-again with train.resume=auto continues each job in its own folder. A job whose config is refused refuses the whole
-sweep before any job runs (trainer.run_directory). A job that fails there logs its error as a run does, and the jobs
-after it still run; the sweep then names each failed job's folder and error, and exits 2 where
-every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI job (its other ranks
-would wait on it).
+again with train.resume=auto continues each job in its own folder. A job whose config is refused, or whose folder
+another job's name gives too, refuses the whole sweep before any job runs (trainer.run_directory). A job that fails
+there logs its error as a run does, and the jobs after it still run; the sweep then names each failed job's folder and
+error, and exits 2 where every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI
+job (its other ranks would wait on it).
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a stop signal killed each rank
     from trainer.stop import keep_early_stop_signal
@@ -57,7 +57,8 @@ def job_folder(override_dirname: str) -> str:
     so the same for the same job whatever the sweep's order, less the keys its exclude_keys names. A "/" in a value (a
     manifest's path) becomes "_", so the name is one folder. A name past MAX_FOLDER_NAME bytes first gives each value
     longer than LONG_VALUE (a path, mostly) as a digest, so that the short ones a sweep varies stay readable, then is
-    cut, a digest of the whole appended. Two jobs of one sweep that these rules give one folder are refused (main)."""
+    cut, a digest of the whole appended. Two jobs of one sweep that these rules give one folder are refused before
+    any job runs (trainer.run_directory)."""
     name = override_dirname.replace("/", "_")
     if len(name.encode()) > MAX_FOLDER_NAME:
         name = ",".join(_value_as_digest(override) for override in OVERRIDE_START.split(name))
@@ -75,19 +76,7 @@ def _value_as_digest(override: str) -> str:
 OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
 
 
-_sweep_folders: dict[Path, int] = {}  # each job folder of this sweep, and the job that took it
 _failed_sweep_jobs: list[tuple[str, int]] = []  # (what failed where, the exit code a run would have had)
-
-
-def claim_job_folder(run_dir: Path, job: int) -> None:
-    """Refuses a sweep job whose folder an earlier job of the same sweep took: one would resume or overwrite the
-    other's run. It happens where the sweep varies a key that job folder names leave out (train.max_steps...)."""
-    earlier = _sweep_folders.setdefault(run_dir, job)
-    if earlier != job:
-        excluded = ", ".join(HydraConfig.get().job.config.override_dirname.exclude_keys)
-        raise ValueError(f"{run_dir} is job {earlier}'s folder too: sweep job folders are named by "
-                         f"the overrides less {excluded}, so a sweep over one of those puts its jobs in one folder "
-                         "(sweep over it in separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})")
 
 
 def end_job(exit_code: int, summary: str) -> None:
@@ -210,8 +199,6 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            claim_job_folder(run_dir, hydra_cfg.job.num)
         with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
             result = train(cfg, run_dir, continue_with(cfg))
     except StoppedBeforeTraining as stopped:

@@ -5,8 +5,8 @@ Hydra makes it inside its own error handling, so one it cannot make (a file name
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
 the run wrote into runs/ itself or the working directory. So is a sweep one of whose jobs the trainer or Hydra would
-refuse (model.depth=0,2; a misspelt key): as a refused run, it leaves nothing behind, where Hydra's sweeper wrote
-runs/NAME/multirun.yaml first and the jobs before the refused one ran.
+refuse (model.depth=0,2; a misspelt key), or two of whose jobs would share a folder: as a refused run, it leaves
+nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml first and the jobs before the refused one ran.
 
 Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import filter_overrides
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -74,16 +75,33 @@ def refuse_a_sweep_with_a_job_refused(config: DictConfig) -> None:
     exit code 2, before any job runs or anything is written. Hydra's callbacks take an exception for a warning and go
     on, so its refusal is reported here."""
     loader = GlobalHydra.instance().config_loader()
+    folders: dict[Path, int] = {}
     for number, overrides in enumerate(sweep_jobs(config)):
         job = refused_in_one_line(lambda: loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
-        with open_dict(job):
-            del job["hydra"]  # as the job's own config has it: no hydra node
         try:
+            claim_job_folder(job, number, folders)
+            with open_dict(job):
+                del job["hydra"]  # as the job's own config has it: no hydra node
             check_config(job)
         except ValueError as error:
-            print(f"error: sweep job {number} ({' '.join(overrides)}): {error}; no job of the sweep ran",
-                  file=sys.stderr)
+            print(f"error: sweep job {number} ({' '.join(filter_overrides(overrides))}): {error}; no job of the sweep "
+                  "ran", file=sys.stderr)
             sys.exit(2)
+
+
+def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
+    """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
+    took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
+    names leave out (train.max_steps...)."""
+    with open_dict(job):
+        job.hydra.job.num = number  # as Hydra's launcher sets it, which hydra.sweep.subdir may name
+    folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
+    earlier = folders.setdefault(folder, number)
+    if earlier != number:
+        excluded = ", ".join(job.hydra.job.config.override_dirname.exclude_keys)
+        raise ValueError(f"{folder} is job {earlier}'s folder too: sweep job folders are named by the overrides less "
+                         f"{excluded}, so a sweep over one of those puts its jobs in one folder (sweep over it in "
+                         "separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})")
 
 
 class MakeRunDirectory(Callback):
