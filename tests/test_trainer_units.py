@@ -42,7 +42,7 @@ from data.text import ALPHABET, encode
 from prnn_kernels import relative_error
 from trainer import build, checkpoint, cli, decode, inference, lm, run_directory
 import trainer.__main__ as trainer_main
-from trainer.__main__ import MAX_FOLDER_NAME, job_folder, user_error_message
+from trainer.__main__ import user_error_message
 from trainer.decode import greedy_decode
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, source_commit, versions
@@ -57,7 +57,7 @@ from trainer.resume import (
     check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
     load_optimizer_state, recorded_run_id, restore, resumed_train_state, run_started_from,
 )
-from trainer.run_directory import hold_run_directory
+from trainer.run_directory import MAX_FOLDER_NAME, hold_run_directory, job_folder
 from trainer.train import (
     open_metrics, position_in_epochs, UNUSABLE, record_job, refuse_if_nothing_trained, skipped_step,
     steps_from_the_resume, train_loader, train_step, utterances_per_second,

@@ -826,11 +826,11 @@ def test_an_override_hydra_refuses_is_one_line_naming_it_and_exit_2(tmp_path, ov
 
 @pytest.mark.parametrize("overrides, refusal", [
     (["model.depth=2,0"], "sweep job 1 (model.depth=0): model.depth must be a positive integer, not 0"),
-    (["model.cell=gru", "+model.size=1,2"], "sweep job 0 (model.cell=gru +model.size=1): unknown config key "
+    (["model.cell=gru", "+model.size=1,2"], "sweep job 0 (+model.size=1): unknown config key "
      "model.size: conf/train.yaml and conf/{model,data,optim}/ define no such key (misspelt in an experiment file, or "
      "added by a + override?)"),
-    (["run_name=same", "model.cell=gru", "train.max_steps=1,2"], "sweep job 1 (run_name=same model.cell=gru "
-     "train.max_steps=2): runs/same/model.cell=gru is job 0's folder too: sweep job folders are named by the overrides "
+    (["run_name=same", "model.cell=gru", "train.max_steps=1,2"], "sweep job 1 (train.max_steps=2): "
+     "runs/same/model.cell=gru is job 0's folder too: sweep job folders are named by the overrides "
      "less run_name, train.resume, train.max_steps, train.epochs, train.checkpoint_every_steps, train.num_workers, "
      "train.progress_bar, train.progress_line_s, distributed.timeout_s, so a sweep over one of those puts its jobs in "
      "one folder (sweep over it in separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})"),

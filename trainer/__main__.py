@@ -22,10 +22,8 @@ if __name__ == "__main__":  # first: the imports below take seconds (torch), in 
 
 import contextlib
 import errno
-import hashlib
 import logging
 import math
-import re
 import shutil
 import signal
 import sys
@@ -35,46 +33,17 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.manifest import print_paths_printable
 from trainer import distributed
+from trainer.config import config_error_line
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
 log = logging.getLogger("trainer")
-
-MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
-LONG_VALUE = 32  # characters of an override's value past which a name too long gives it as a digest
-OVERRIDE_START = re.compile(r",(?=[+~]?[A-Za-z_][\w.]*=)")  # a comma that starts the next key=value, not one in a list
-
-
-def job_folder(override_dirname: str) -> str:
-    """A sweep job's folder name (hydra.sweep.subdir) from its overrides, Hydra's hydra.job.override_dirname: sorted,
-    so the same for the same job whatever the sweep's order, less the keys its exclude_keys names. A "/" in a value (a
-    manifest's path) becomes "_", so the name is one folder. A name past MAX_FOLDER_NAME bytes first gives each value
-    longer than LONG_VALUE (a path, mostly) as a digest, so that the short ones a sweep varies stay readable, then is
-    cut, a digest of the whole appended. Two jobs of one sweep that these rules give one folder are refused before
-    any job runs (trainer.run_directory)."""
-    name = override_dirname.replace("/", "_")
-    if len(name.encode()) > MAX_FOLDER_NAME:
-        name = ",".join(_value_as_digest(override) for override in OVERRIDE_START.split(name))
-    if len(name.encode()) > MAX_FOLDER_NAME:
-        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-        name = name.encode()[:MAX_FOLDER_NAME - 17].decode(errors="ignore") + "-" + digest
-    return name
-
-
-def _value_as_digest(override: str) -> str:
-    key, _, value = override.partition("=")
-    return override if len(value) <= LONG_VALUE else f"{key}=#{hashlib.sha256(value.encode()).hexdigest()[:12]}"
-
-
-OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
-
 
 _failed_sweep_jobs: list[tuple[str, int]] = []  # (what failed where, the exit code a run would have had)
 
@@ -116,9 +85,7 @@ def user_error_message(error: Exception, run_dir: Path) -> str | None:
     """One line for what the user fixes (a missing file, one that cannot be opened, a value refused, a full disk), or
     None for anything else, which gets its traceback."""
     if isinstance(error, FileNotFoundError | ValueError):
-        if isinstance(error, OmegaConfBaseException) and error.full_key:  # an interpolation that does not resolve
-            return f"{error.full_key}: {str(error).splitlines()[0]}"  # its next lines: the key, its type
-        return str(error)
+        return config_error_line(error)
     if not isinstance(error, OSError):
         return None
     if error.errno in UNUSABLE_PATH and error.filename:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.features import FEATURE_KINDS, MAX_WINDOW_MS
@@ -109,6 +110,14 @@ def known_config_keys() -> set[str]:
 def _leaf_keys(entries: dict, prefix: str = "") -> set[str]:
     return {leaf for key, value in entries.items()
             for leaf in (_leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])}
+
+
+def config_error_line(error: Exception) -> str:
+    """One line for a config refused: check_config's own message, or an interpolation that does not resolve named by
+    its key (OmegaConf's next lines give the key and its type again)."""
+    if isinstance(error, OmegaConfBaseException) and error.full_key:
+        return f"{error.full_key}: {str(error).splitlines()[0]}"
+    return str(error)
 
 
 def check_config(cfg: DictConfig) -> None:

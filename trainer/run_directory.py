@@ -9,23 +9,26 @@ refuse (model.depth=0,2; a misspelt key), or two of whose jobs would share a fol
 nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml first and the jobs before the refused one ran.
 
 Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
+A sweep job's folder is named by its overrides (job_folder, the resolver conf/train.yaml's hydra.sweep.subdir calls).
 """
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import filter_overrides
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import check_config
+from trainer.config import check_config, config_error_line
 from trainer.override_errors import refused_in_one_line
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,35 @@ def make_or_exit(directory: str) -> None:
         sys.exit(2)
 
 
+MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
+LONG_VALUE = 32  # characters of an override's value past which a name too long gives it as a digest
+OVERRIDE_START = re.compile(r",(?=[+~]?[A-Za-z_][\w.]*=)")  # a comma that starts the next key=value, not one in a list
+
+
+def job_folder(override_dirname: str) -> str:
+    """A sweep job's folder name (hydra.sweep.subdir) from its overrides, Hydra's hydra.job.override_dirname: sorted,
+    so the same for the same job whatever the sweep's order, less the keys its exclude_keys names. A "/" in a value (a
+    manifest's path) becomes "_", so the name is one folder. A name past MAX_FOLDER_NAME bytes first gives each value
+    longer than LONG_VALUE (a path, mostly) as a digest, so that the short ones a sweep varies stay readable, then is
+    cut, a digest of the whole appended. Two jobs of one sweep that these rules give one folder are refused before
+    any job runs (sweep_refusal)."""
+    name = override_dirname.replace("/", "_")
+    if len(name.encode()) > MAX_FOLDER_NAME:
+        name = ",".join(_value_as_digest(override) for override in OVERRIDE_START.split(name))
+    if len(name.encode()) > MAX_FOLDER_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        name = name.encode()[:MAX_FOLDER_NAME - 17].decode(errors="ignore") + "-" + digest
+    return name
+
+
+def _value_as_digest(override: str) -> str:
+    key, _, value = override.partition("=")
+    return override if len(value) <= LONG_VALUE else f"{key}=#{hashlib.sha256(value.encode()).hexdigest()[:12]}"
+
+
+OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
+
+
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
     """Each job's overrides, as Hydra's basic sweeper lists them: hydra.sweeper.params, then the command line's."""
     params = [f"{key}={value}" for key, value in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
@@ -69,24 +101,32 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return BasicSweeper.split_arguments(parser.parse_overrides(params + list(config.hydra.overrides.task)), None)[0]
 
 
-def refuse_a_sweep_with_a_job_refused(config: DictConfig) -> None:
-    """Composes every job's config as the sweeper will (Hydra refuses a misspelt key there, in one line through
-    trainer.override_errors) and checks it as the job would (check_config): one line naming the first job refused, and
-    exit code 2, before any job runs or anything is written. Hydra's callbacks take an exception for a warning and go
-    on, so its refusal is reported here."""
+def sweep_refusal(config: DictConfig) -> str | None:
+    """The first of a sweep's jobs that the trainer would refuse, in one line naming it, or None: each job's config
+    composed as the sweeper will (Hydra's refusal of a job's overrides, a misspelt key, ends here in one line and exit
+    code 2, through trainer.override_errors), its folder taken by no earlier job, its values checked as the job checks
+    them."""
     loader = GlobalHydra.instance().config_loader()
     folders: dict[Path, int] = {}
-    for number, overrides in enumerate(sweep_jobs(config)):
+    jobs = sweep_jobs(config)
+    for number, overrides in enumerate(jobs):
         job = refused_in_one_line(lambda: loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
         try:
             claim_job_folder(job, number, folders)
-            with open_dict(job):
-                del job["hydra"]  # as the job's own config has it: no hydra node
-            check_config(job)
+            check_job_config(job)
         except ValueError as error:
-            print(f"error: sweep job {number} ({' '.join(filter_overrides(overrides))}): {error}; no job of the sweep "
-                  "ran", file=sys.stderr)
-            sys.exit(2)
+            own = " ".join(override for override in overrides if not all(override in other for other in jobs))
+            return f"sweep job {number}{f' ({own})' if own else ''}: {config_error_line(error)}"
+    return None
+
+
+def check_job_config(job: DictConfig) -> None:
+    """check_config on the config a job's task gets: its hydra node taken out, and readable through ${hydra:...} as in
+    the job."""
+    HydraConfig.instance().set_config(job)
+    with open_dict(job):
+        del job["hydra"]
+    check_config(job)
 
 
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
@@ -111,7 +151,10 @@ class MakeRunDirectory(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config.run_name)
-        refuse_a_sweep_with_a_job_refused(config)
+        # Hydra's callbacks take an exception for a warning and go on: the sweep would start, so it ends here.
+        if refused := sweep_refusal(config):
+            print(f"error: {refused}; no job of the sweep ran", file=sys.stderr)
+            sys.exit(2)
         make_or_exit(config.hydra.sweep.dir)
 
 
