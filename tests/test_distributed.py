@@ -467,6 +467,14 @@ def test_the_launch_scripts_refuse_a_jobs_overrides_before_the_build(tmp_path, o
         assert refused.stdout == "", refused.stdout
 
 
+def test_the_launch_scripts_refuse_a_sweep_two_of_whose_jobs_get_one_folder_before_the_build():
+    """As the trainer refuses it before its first job: here it was found out after the build and every rank's start."""
+    refused = launch_script("single_node.sh", "2", "-m", "train.max_steps=1,2", RUN_NAME="one")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.startswith("error: sweep job 1 (train.max_steps=2): runs/one is job 0's folder too: "), (
+        refused.stderr)
+
+
 def test_the_launch_scripts_check_a_sweep_leaving_nothing_behind(tmp_path):
     """The check composes each job without making its run directory, its sweep's multirun.yaml or .hydra/."""
     sweep = launch_script("single_node.sh", "2", "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
