@@ -58,6 +58,7 @@ import yaml
 
 from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.text import counted
+from trainer import check_overrides
 from trainer.cli import json_output, positive_int, run_tool, write_output
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -189,10 +190,7 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
     returns how it ended and what it evaluated (up to at_epoch, if given)."""
     run_dir = runs_dir / name
-    settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={hydra_quoted(run_dir)}",
-                "train.resume=auto", "train.progress_bar=false"]
-    if graphs and backend != "cudnn":
-        settings.append("train.cuda_graphs=true")
+    settings = run_settings(run_dir, backend, seed, overrides, graphs)
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     if ranks == 1:
         command = [sys.executable, "-m", "trainer", f"run_name={name}", *settings]
@@ -208,6 +206,13 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     wall_s = round(time.perf_counter() - started, 1)
     return {**report(runs_dir, name, backend, seed, ranks, at_epoch), "gpu": gpu, "returncode": returncode,
             "wall_s": wall_s}
+
+
+def run_settings(run_dir: Path, backend: str, seed: int, overrides: list[str], graphs: bool) -> list[str]:
+    """The trainer's overrides for one run: the user's, then what this script sets (RUN_KEYS)."""
+    settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={hydra_quoted(run_dir)}",
+                "train.resume=auto", "train.progress_bar=false"]
+    return settings + ["train.cuda_graphs=true"] if graphs and backend != "cudnn" else settings
 
 
 def hydra_quoted(path: Path) -> str:
@@ -388,6 +393,12 @@ def main(argv=None) -> None:
             runs_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # a file of that name: a traceback, where a usage error belongs
             parser.error(f"--runs-dir {runs_dir}: {error.strerror or error}")
+        for name, backend, seed in jobs[::len(args.seeds)]:  # each backend's overrides, as its first run gets them
+            # Else a misspelt key or a sweep's value (model.cell=gru,lstm) failed every run, each after its start.
+            overrides = [*args.overrides, *backend_overrides(args).get(backend, [])]
+            if check_overrides.main([f"run_name={name}", *run_settings(runs_dir / name, backend, seed, overrides,
+                                                                         args.graphs)]):
+                sys.exit(2)
         gpus = visible_gpus()
         rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)

@@ -337,6 +337,22 @@ def test_a_name_no_run_could_take_is_refused_before_any_run(name, tmp_path, caps
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["--", "model.cell=gru,lstm"], "error: Ambiguous value for argument 'model.cell=gru,lstm'"),
+    (["--backend-overrides", "persistent", "model.batch_slize=4", "--"],
+     "error: unknown config key model.batch_slize (did you mean model.batch_slice?)\n"),
+    (["--", "model.depth=0"], "error: model.depth must be a positive integer, not 0\n"),
+])
+def test_overrides_the_trainer_refuses_are_refused_before_any_run_starts(overrides, refusal, tmp_path, capsys):
+    # Every run started, each failed on its overrides in its own .out, and the script ended as if runs had failed.
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "2", "--runs-dir", str(tmp_path),
+                         *overrides])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith(refusal), err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("folder", ["a,b [it's]", "it\\'s"])
 def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(tmp_path, monkeypatch, folder):
     # Unquoted, Hydra refused hydra.run.dir=.../a,b/wer-cudnn-s1 as an ambiguous list, and every run failed; the quote
