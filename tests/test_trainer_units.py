@@ -587,8 +587,17 @@ def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
     assert text.startswith("\\data\\\nngram 1=5\nngram 2=0\n\n") and "\n-99.000000000\t<s>\n" in text, text
     assert text.endswith("\n\\2-grams:\n\n\\end\\\n"), text
     model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
-    # YES, NO and </s> each seen once of 3: Ney's discount 0.9 (its cap), whatever the history
-    assert model.order == 1 and 10 ** model.log10_prob(("YES",), "NO") == pytest.approx(0.1 / 3, abs=1e-8)
+    # YES, NO and </s> each seen once of 3: Ney's discount 0.9 (its cap), whatever the history, and the 3 x 0.9 / 3
+    # taken spread over the three and <unk>
+    assert model.order == 1 and 10 ** model.log10_prob(("YES",), "NO") == pytest.approx(0.1 / 3 + 0.9 / 4, abs=1e-8)
+
+
+def test_a_word_never_seen_in_training_is_less_likely_than_every_word_seen():
+    # All the mass the unigrams' discount took went to <unk>: 0.54 here against NO's 0.02, and on AN4's transcripts
+    # <unk> outscored 62 of its 99 words, so the beam search took a string it could not spell for most words.
+    model = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES", "YES"]], 1))
+    unknown = model.log10_prob((), "NEVER")
+    assert all(model.log10_prob((), word) > unknown for word in ("YES", "NO", "</s>")), model.tables
 
 
 def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transcripts_order(tmp_path, capsys):

@@ -6,8 +6,8 @@ manifests' transcripts, for the beam-search decoder.
 The builder uses absolute discounting with backoff: a seen n-gram keeps its count less a discount D (the
 Ney estimate n1 / (n1 + 2 n2) from each order's counts of counts, at most 0.9, and 0.5 where no n-gram was seen
 once), and the mass taken from a history goes to the words it was never followed by, in proportion to their
-lower-order probabilities. Words are upper case, as the model spells them; a word never seen in training scores as
-<unk>.
+lower-order probabilities; the unigrams' is spread evenly over the vocabulary and <unk>, as KenLM's lmplz does. Words
+are upper case, as the model spells them; a word never seen in training scores as <unk>.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -186,9 +186,12 @@ def build_arpa(sentences: list[list[str]], order: int) -> str:
     tables = {}
     total = sum(counts[1].values())
     discount = _discount(counts[1])
+    # The mass taken from the seen words spread evenly over them and <unk>, as KenLM's lmplz does: all of it on <unk>
+    # made any string the model cannot spell likelier than most words it can.
+    spread = discount * len(counts[1]) / total / (len(counts[1]) + 1)
     for ngram, c in counts[1].items():
-        tables[ngram] = (math.log10((c - discount) / total), 0.0)
-    tables[(UNKNOWN,)] = (math.log10(discount * len(counts[1]) / total), 0.0)
+        tables[ngram] = (math.log10((c - discount) / total + spread), 0.0)
+    tables[(UNKNOWN,)] = (math.log10(spread), 0.0)
     tables[(SENTENCE_START,)] = (NEVER_LOG10, 0.0)  # KenLM refuses a model without it, of any order
     for k in range(2, order + 1):
         lower = NGramLM(tables)  # order k - 1: it never reads the k-grams added below
