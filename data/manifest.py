@@ -13,6 +13,8 @@ from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
+from data.files import write_whole
+
 # Seconds; a larger duration is a mistake (a day is 86400 s), and past about 1e304 it overflows a sample count.
 MAX_DURATION = 1e6
 # Bytes; far past any line of a manifest (an hour's transcript is some 50 kB) or of a language model.
@@ -171,8 +173,8 @@ def print_paths_printable(*streams) -> None:
 def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:
     """Write `utterances` as JSONL, creating the folder.
 
-    The file appears complete or not at all (written beside it, then renamed), so an interrupted run never
-    leaves a truncated manifest that looks newer than its sources, and ranks preparing at once don't collide.
+    The file appears complete or not at all (data.files.write_whole), so an interrupted run never leaves a
+    truncated manifest that looks newer than its sources, and ranks preparing at once don't collide.
     """
     path = Path(path)
     if path.parent.exists() and not path.parent.is_dir():
@@ -185,13 +187,5 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
             raise
         raise ValueError(f"{link} is a symbolic link to {os.readlink(link)}, which does not exist: cannot write the "
                          f"manifest {path.name} there") from None
-    partial_file = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with partial_file.open("w", encoding="utf-8") as out:
-            for utterance in utterances:
-                out.write(json.dumps(asdict(utterance), ensure_ascii=False) + "\n")
-        partial_file.replace(path)
-    except OSError as error:  # a full disk or a file size limit: a failed write() names no file
-        raise OSError(error.errno, error.strerror, str(path)) from error
-    finally:
-        partial_file.unlink(missing_ok=True)
+    write_whole(path, lambda out: out.writelines(
+        (json.dumps(asdict(utterance), ensure_ascii=False) + "\n").encode("utf-8") for utterance in utterances))

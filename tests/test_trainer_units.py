@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO_ROOT
 from data.cli import shows_a_progress_bar
+from data import files
 from data.dataset import collate, Sample
 from data.manifest import Utterance, write_manifest
 from data.text import ALPHABET, encode
@@ -765,12 +766,12 @@ def test_the_random_state_comes_back_whole_from_the_json_text_the_ranks_gather(t
 
 
 def test_a_checkpoint_saved_as_well_under_another_name_keeps_it_when_either_is_saved_again(tmp_path):
-    # save_same links last.pt to best.pt; a crash between the link and its rename leaves .last.pt.tmp a link to
-    # best.pt, which the next save of last.pt wrote into, changing best.pt with it.
+    # save_same links last.pt to best.pt; a crash between the link and its rename leaves a temporary beside last.pt
+    # linked to best.pt, which the next save of last.pt must not write into, changing best.pt with it.
     best, last = tmp_path / "best.pt", tmp_path / "last.pt"
     checkpoint.save(best, {"model": {"w": torch.zeros(3)}, "config": {}})
     checkpoint.save_same(best, last)
-    os.link(best, tmp_path / ".last.pt.tmp")
+    os.link(best, files.temporary_beside(last))
     checkpoint.save(last, {"model": {"w": torch.ones(3)}, "config": {}})
     assert torch.equal(torch.load(best, weights_only=True)["model"]["w"], torch.zeros(3))
     assert torch.equal(torch.load(last, weights_only=True)["model"]["w"], torch.ones(3))
@@ -851,9 +852,10 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, m
         raise OSError("the job was killed mid-write")
 
     monkeypatch.setattr(checkpoint.os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointWriteError, match="the job was killed mid-write"):
         checkpoint.save(tmp_path / "c.pt", {"model": {"w": torch.ones(3)}, "config": {}})
     assert torch.equal(checkpoint.load(tmp_path / "c.pt")["model"]["w"], torch.zeros(3))
+    assert [path.name for path in tmp_path.iterdir()] == ["c.pt"]  # the full-size temporary file removed
 
 
 def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
@@ -1008,7 +1010,7 @@ def test_a_ctrl_c_during_a_checkpoint_write_stays_a_ctrl_c(tmp_path, monkeypatch
         def __exit__(self, *exc):
             self.file.close()
 
-    monkeypatch.setattr(checkpoint, "open", lambda path, mode: InterruptedFile(open(path, mode)), raising=False)
+    monkeypatch.setattr(files, "open", lambda path, mode: InterruptedFile(open(path, mode)), raising=False)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path / "last.pt", {"model": {"w": torch.zeros(10**5)}, "config": {}})
     assert list(tmp_path.iterdir()) == []
@@ -1977,9 +1979,33 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
     assert path.read_text() == ""
 
 
+WHOLE_FILE_WRITERS = {
+    "manifest": lambda path: write_manifest(path, [Utterance("/a.flac", 1.0, "NEW", "spk1")]),
+    "tool output": lambda path: cli.write_output(str(path), "new\n"),
+    "metrics.jsonl": lambda path: open_metrics(path, {"epoch": 0, "step": 0}).close(),
+    "checkpoint": lambda path: checkpoint.save(path, {"model": {}, "config": {}}),
+}
+
+
+@pytest.mark.parametrize("writer", WHOLE_FILE_WRITERS)
+def test_each_writer_puts_its_file_on_disk_before_the_rename_and_leaves_nothing_when_interrupted(tmp_path, monkeypatch,
+                                                                                                 writer):
+    """A Ctrl-C at the flush to disk (data.files.write_whole) leaves the earlier file and nothing beside it; a writer
+    that renamed without flushing left, after a power loss, an empty file where the earlier one was."""
+    path = tmp_path / "file"
+    path.write_text("earlier\n")
+
+    def ctrl_c(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "fsync", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        WHOLE_FILE_WRITERS[writer](path)
+    assert path.read_text() == "earlier\n" and [file.name for file in tmp_path.iterdir()] == ["file"]
+
+
 def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_line(tmp_path):
     """A resumed run rewrites metrics.jsonl with the lines its checkpoint covers; a full disk, played by a file size
-    limit (the write fails with EFBIG), leaves the file as it was and no temporary file."""
+    limit (the write fails with EFBIG), leaves the file as it was and no temporary file, and the error names it."""
     path = tmp_path / "metrics.jsonl"
     written = "".join(json.dumps({"step": step, "epoch": 0, "loss": 1.0}) + "\n" for step in range(1, 41))
     path.write_text(written)
@@ -1995,7 +2021,7 @@ def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_lin
         f"    print(user_error_message(error, Path({str(tmp_path)!r})))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.startswith("cannot write: File too large; "), result.stderr
+    assert result.returncode == 0 and result.stdout.startswith(f"cannot write {path}: File too large; "), result.stderr
     assert f" MiB free in {tmp_path}; checkpoints are written whole or not at all" in result.stdout
     assert path.read_text() == written and [file.name for file in tmp_path.iterdir()] == ["metrics.jsonl"]
 

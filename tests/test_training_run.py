@@ -584,7 +584,7 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     records = [line.split() for line in fsyncs.read_text().splitlines()]
-    checkpoints = [index for index, (name, _) in enumerate(records) if name.endswith(".pt.tmp")]
+    checkpoints = [index for index, (name, _) in enumerate(records) if re.fullmatch(r"\.\w+\.pt\..+\.tmp", name)]
     assert len(checkpoints) >= 3, records  # after steps 1 and 2, and the epoch's best.pt (last.pt the same file)
     for index in checkpoints:
         metrics_syncs = [size for name, size in records[:index] if name == "metrics.jsonl"]

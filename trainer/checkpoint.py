@@ -20,6 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.files import remove_leftover_temporaries, temporary_beside, write_whole
+
 
 def rng_state(device: torch.device) -> dict:
     """This process's random-number state: the CPU's, Python's and, on a GPU, that of its own GPU only (a job may
@@ -76,9 +78,8 @@ def save_same(source: Path, path: Path) -> None:
     hard link, put in place by a rename as save's file is, or a copy where the file system has no hard links. Both
     names then share one file until either is saved again: every save writes a new file and renames it over the name,
     never into the file the name had, so the other name keeps it."""
-    temporary = _temporary(path)
+    temporary = temporary_beside(path)
     try:
-        temporary.unlink(missing_ok=True)
         os.link(source, temporary)
     except OSError:
         with open(source, "rb") as original:
@@ -87,29 +88,15 @@ def save_same(source: Path, path: Path) -> None:
     os.replace(temporary, path)
 
 
-def _temporary(path: Path) -> Path:
-    """The file beside `path` that is written, or linked, first and then renamed over it."""
-    return path.with_name(f".{path.name}.tmp")
-
-
 def _write(path: Path, write_into) -> None:
-    """save's writing: `write_into(file)` fills a temporary file beside `path`, which then replaces it."""
-    temporary = _temporary(path)
+    """save's writing: `write_into(file)` fills a file beside `path`, which then replaces it (data.files)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A new file, not the one a crash may have left at this name: that may be a hard link to another checkpoint
-        # (save_same), which writing into would change.
-        temporary.unlink(missing_ok=True)
-        with open(temporary, "wb") as file:
-            write_into(file)
-            file.flush()
-            os.fsync(file.fileno())  # a full disk may refuse only the delayed write: fail here, before the rename
-    except BaseException as error:
-        # Removed even on Ctrl-C: a part-written file would keep the space a full disk lacks, and be left there.
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        if not isinstance(error, Exception):
-            raise
+        # The job holds the run directory (trainer.run_directory): one left beside `path` is a killed job's, as large as
+        # a checkpoint, and each preemption would leave another.
+        remove_leftover_temporaries(path)
+        write_whole(path, write_into)
+    except Exception as error:
         if _interrupted(error):  # torch's writer turns a Ctrl-C inside its write callback into a RuntimeError
             raise KeyboardInterrupt from None
         # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left,
@@ -122,7 +109,6 @@ def _write(path: Path, write_into) -> None:
             free += f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
         raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}); "
                                    f"{path.name} there, if any, is as it was") from error
-    os.replace(temporary, path)
 
 
 def _interrupted(error: BaseException | None) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
+from data.files import replace_whole
 
 
 def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:
@@ -92,19 +93,6 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
             replace_whole(Path(path).resolve(), text)
     except OSError as error:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def replace_whole(target: Path, text: str) -> None:
-    """Writes `text` beside `target`, then renames it over it: a job killed or a disk filling up meanwhile leaves the
-    file there as it was, never cut short. An OSError names `target`, where a failed write() names no file."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        partial.write_text(text, encoding="utf-8", errors="surrogateescape")
-        partial.replace(target)
-    except OSError as error:
-        raise OSError(error.errno, error.strerror, str(target)) from error
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _standard_stream_writing_to(path: str):

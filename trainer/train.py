@@ -29,12 +29,12 @@ from tqdm import tqdm
 
 from data.cli import shows_a_progress_bar
 from data.dataset import Batch, SpeechDataset, collate, count_reasons
+from data.files import replace_whole
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
-from trainer.cli import replace_whole
 from trainer.config import check_config, check_resumable, noting_what_does_nothing_here, rank_settings
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
@@ -107,13 +107,7 @@ def open_metrics(path: Path, resumed: dict | None):
                 continue  # not a line the trainer wrote
             if record[key] <= resumed[key]:  # covered by the checkpoint
                 kept.append(line + "\n")
-    rewritten = path.with_name(f".{path.name}.tmp")
-    try:
-        rewritten.write_text("".join(kept))
-    except OSError:
-        rewritten.unlink(missing_ok=True)
-        raise
-    os.replace(rewritten, path)
+    replace_whole(path, "".join(kept))
     return open(path, "a", buffering=1)  # line by line, so that `tail -f` and a killed job see every step
 
 

@@ -1,0 +1,51 @@
+"""Writing a file whole or not at all, the one way every writer of the project does it (manifests, checkpoints, a run's
+config.yaml and metrics.jsonl, the tools' and benchmarks' outputs): here in data, which imports no other part of the
+project, so that data.manifest can use it too."""
+import contextlib
+import glob
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def write_whole(target: Path, write_into: Callable[[BinaryIO], object]) -> None:
+    """`write_into(file)` fills a new file beside `target`, which is put on disk and then renamed over it: a job killed,
+    a disk filling up or the machine losing power meanwhile leaves `target` as it was, never cut short or empty. The
+    new file is removed on any failure, a Ctrl-C included. An OSError names `target`, where a failed write() names no
+    file."""
+    temporary = temporary_beside(target)
+    try:
+        with open(temporary, "xb") as file:  # "x": a file of its own, never one of that name a crash left (or linked)
+            write_into(file)
+            file.flush()
+            # Before the rename: file systems that delay writing (ext4, XFS) may put the rename on disk first, which a
+            # power loss turns into an empty file at `target`; and a full disk may refuse only the delayed write.
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # a part-written file would keep the space a full disk lacks
+            temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno is not None:  # a system call's, not one a program words itself
+            raise OSError(error.errno, error.strerror, str(target)) from error
+        raise
+
+
+def replace_whole(target: Path, text: str) -> None:
+    """write_whole for text; a file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav")
+    is written as its own bytes."""
+    write_whole(target, lambda file: file.write(text.encode("utf-8", errors="surrogateescape")))
+
+
+def temporary_beside(target: Path) -> Path:
+    """A name beside `target` that no other writer of it takes at the same time: the process id alone is shared by
+    processes on two hosts writing to one shared file system (ranks in containers often have the same one)."""
+    return target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def remove_leftover_temporaries(target: Path) -> None:
+    """Removes the files that writers of `target` killed mid-write (SIGKILL, out of memory) left beside it. Only for a
+    caller that knows no other process writes `target` now: the job holding a run directory, for its checkpoints."""
+    for leftover in target.parent.glob(f".{glob.escape(target.name)}.*-*.tmp"):
+        leftover.unlink(missing_ok=True)
