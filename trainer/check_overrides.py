@@ -1,9 +1,9 @@
 """`python -m trainer.check_overrides [-m] [overrides...]`: checks the overrides of `python -m trainer [-m]
 [overrides...]` without training, in seconds, so that the launch scripts refuse a job before its kernel build and its
 ranks' start. The config the command would train is composed as Hydra composes it and checked as the trainer checks it
-(trainer.config.check_config: every key known, every value CONFIG_RULES takes); a sweep's every job, as the trainer
-checks them before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as
-the trainer's, and exit code 2; nothing is written.
+(its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes); a sweep's every
+job, as the trainer checks them before its first job (trainer.run_directory.sweep_refusal). The first refusal is one
+line on stderr, as the trainer's, and exit code 2; nothing is written.
 """
 import sys
 
@@ -13,7 +13,7 @@ from hydra.types import RunMode
 
 from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import refused_in_one_line
-from trainer.run_directory import check_job_config, sweep_refusal
+from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
 
 SWEEP_FLAGS = ("-m", "--multirun")
 
@@ -23,6 +23,7 @@ def refusal(overrides: list[str], sweep: bool) -> str | None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="trainer"):
         cfg = GlobalHydra.instance().hydra.compose_config("train", overrides,
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
+        check_run_name(cfg.run_name)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
             return sweep_refusal(cfg)
         try:
