@@ -11,9 +11,9 @@ so at once.
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
 again with train.resume=auto continues each job in its own folder. A job whose config is refused, or whose folder
 another job's name gives too, refuses the whole sweep before any job runs (trainer.run_directory). A job that fails
-there logs its error as a run does, and the jobs after it still run; the sweep then names each failed job's folder and
-error, and exits 2 where every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole MPI
-job (its other ranks would wait on it).
+as it runs logs its error as a run does, and the jobs after it still run; the sweep then names each failed job's folder
+and error, and exits 2 where every failure was a user error, 1 otherwise. Under MPI a failing job still ends the whole
+MPI job (its other ranks would wait on it).
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a stop signal killed each rank
     from trainer.stop import keep_early_stop_signal

@@ -7,6 +7,8 @@ trainer's other user errors are. A run_name that is no folder of runs/ (empty, `
 the run wrote into runs/ itself or the working directory. So is a sweep one of whose jobs the trainer or Hydra would
 refuse (model.depth=0,2; a misspelt key), or two of whose jobs would share a folder: as a refused run, it leaves
 nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml first and the jobs before the refused one ran.
+trainer.check_overrides runs these checks (check_run_name, sweep_refusal, check_job_config) before the launch scripts'
+build.
 
 Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
 A sweep job's folder is named by its overrides (job_folder, the resolver conf/train.yaml's hydra.sweep.subdir calls).
