@@ -267,7 +267,7 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
         # Job i on GPU i mod n: with backends outermost and as many seeds as GPUs (or a multiple), each GPU trains
         # every backend equally often, so no backend gets the less crowded GPUs.
         futures = [pool.submit(train_unless_stopped, runs_dir, name, backend, seed,
-                               [*args.overrides, *backend_overrides(args).get(backend, [])], args.graphs, args.ranks,
+                               overrides_of(args, backend), args.graphs, args.ranks,
                                gpus[index % len(gpus)] if gpus else None, args.at_epoch)
                    for index, (name, backend, seed) in enumerate(jobs)]
         rows = []
@@ -311,6 +311,11 @@ def run_name_prefix(text: str) -> str:
 def backend_overrides(args) -> dict[str, list[str]]:
     """--backend-overrides as {backend: its overrides}, each given after the common ones (so it wins over them)."""
     return {backend: overrides for backend, *overrides in args.backend_overrides or []}
+
+
+def overrides_of(args, backend: str) -> list[str]:
+    """The user's overrides of one backend's runs: the common ones, then its own, which win over them."""
+    return [*args.overrides, *backend_overrides(args).get(backend, [])]
 
 
 def nothing_to_report(why: str) -> NoReturn:
@@ -395,9 +400,8 @@ def main(argv=None) -> None:
             parser.error(f"--runs-dir {runs_dir}: {error.strerror or error}")
         for name, backend, seed in jobs[::len(args.seeds)]:  # each backend's overrides, as its first run gets them
             # Else a misspelt key or a sweep's value (model.cell=gru,lstm) failed every run, each after its start.
-            overrides = [*args.overrides, *backend_overrides(args).get(backend, [])]
-            if check_overrides.main([f"run_name={name}", *run_settings(runs_dir / name, backend, seed, overrides,
-                                                                         args.graphs)]):
+            settings = run_settings(runs_dir / name, backend, seed, overrides_of(args, backend), args.graphs)
+            if check_overrides.main([f"run_name={name}", *settings]):
                 sys.exit(2)
         gpus = visible_gpus()
         rows = train_all(jobs, runs_dir, gpus, args)
