@@ -478,6 +478,16 @@ def test_the_launch_scripts_refuse_a_sweep_two_of_whose_jobs_get_one_folder_befo
         refused.stderr)
 
 
+def test_the_launch_scripts_pass_a_sweep_whose_m_follows_its_overrides_as_the_trainer_takes_it():
+    """python -m trainer seed=1,2 -m is a sweep: the check took the -m for an override it could not parse, exit 2."""
+    sweep = launch_script("single_node.sh", "2", "seed=1,2", "-m", RUN_NAME="sweep")
+    assert sweep.returncode == 0 and sweep.stderr == "", sweep.stderr
+    assert sweep.stdout.splitlines()[-1].endswith("-m trainer run_name='sweep' seed=1,2 -m"), sweep.stdout
+    refused = launch_script("single_node.sh", "2", "model.depth=0,2", "--multirun", RUN_NAME="sweep")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr == "error: sweep job 0 (model.depth=0): model.depth must be a positive integer, not 0\n"
+
+
 def test_the_launch_scripts_check_a_sweep_leaving_nothing_behind(tmp_path):
     """The check composes each job without making its run directory, its sweep's multirun.yaml or .hydra/."""
     sweep = launch_script("single_node.sh", "2", "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}",

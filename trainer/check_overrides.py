@@ -8,15 +8,13 @@ line on stderr, as the trainer's, and exit code 2; nothing is written.
 import sys
 
 from hydra import initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
 from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import refused_in_one_line
 from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
-
-SWEEP_FLAGS = ("-m", "--multirun")
-
 
 def refusal(overrides: list[str], sweep: bool) -> str | None:
     """What the trainer would refuse first, in its words, or None."""
@@ -34,8 +32,9 @@ def refusal(overrides: list[str], sweep: bool) -> str | None:
 
 
 def main(arguments: list[str]) -> int:
-    sweep = bool(arguments) and arguments[0] in SWEEP_FLAGS
-    refused = refused_in_one_line(lambda: refusal(arguments[sweep:], sweep))  # Hydra's refusals end here, exit 2
+    # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
+    command_line = get_args_parser().parse_args(arguments)
+    refused = refused_in_one_line(lambda: refusal(command_line.overrides, command_line.multirun))  # Hydra's: exit 2
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
