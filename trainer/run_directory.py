@@ -113,6 +113,8 @@ def sweep_refusal(config: DictConfig) -> str | None:
     jobs = sweep_jobs(config)
     for number, overrides in enumerate(jobs):
         job = refused_in_one_line(lambda: loader.load_sweep_config(master_config=config, sweep_overrides=overrides))
+        with open_dict(job):
+            job.hydra.job.num = number  # as Hydra's launcher sets it: hydra.sweep.subdir and ${hydra:job.num} name it
         try:
             claim_job_folder(job, number, folders)
             check_job_config(job)
@@ -135,8 +137,6 @@ def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> 
     """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
     took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
     names leave out (train.max_steps...)."""
-    with open_dict(job):
-        job.hydra.job.num = number  # as Hydra's launcher sets it, which hydra.sweep.subdir may name
     folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
     earlier = folders.setdefault(folder, number)
     if earlier != number:
