@@ -455,6 +455,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     (["-m", "seed=1,2", "optim.lr=0.1,-1"],
      "error: sweep job 1 (seed=1 optim.lr=-1): optim.lr must be a positive number, not -1"),
     (["-m", "seed=1,2", "train.epoch=3"], "error: unknown config key train.epoch (did you mean train.epochs?)"),
+    (["-m", "seed=${hydra:job.num}", "model.depth=2,0"],  # the check resolved it: a traceback, exit 1
+     "error: sweep job 1 (model.depth=0): model.depth must be a positive integer, not 0"),
     # A run_name the trainer refuses, given after the script's own: it passed the check, and every rank refused it.
     *[(sweep + ["run_name=a/b"], "error: run_name='a/b' must name one folder of runs/: a name, not empty, null or "
        "true/false, not dots alone, no / or \\") for sweep in ([], ["-m", "seed=1,2"])],

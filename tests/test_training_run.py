@@ -826,6 +826,10 @@ def test_an_override_hydra_refuses_is_one_line_naming_it_and_exit_2(tmp_path, ov
 
 @pytest.mark.parametrize("overrides, refusal", [
     (["model.depth=2,0"], "sweep job 1 (model.depth=0): model.depth must be a positive integer, not 0"),
+    # An override the job resolves (its number): the check resolved it as it split the sweep, and failed; Hydra took
+    # that for a warning, and every job ran.
+    (["seed=${hydra:job.num}", "model.depth=0,-1"],
+     "sweep job 0 (model.depth=0): model.depth must be a positive integer, not 0"),
     (["model.cell=gru", "+model.size=1,2"], "sweep job 0 (+model.size=1): unknown config key "
      "model.size: conf/train.yaml and conf/{model,data,optim}/ define no such key (misspelt in an experiment file, or "
      "added by a + override?)"),

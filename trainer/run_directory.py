@@ -97,10 +97,12 @@ OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper lists them: hydra.sweeper.params, then the command line's."""
-    params = [f"{key}={value}" for key, value in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
+    """Each job's overrides, as Hydra's basic sweeper lists them: hydra.sweeper.params, then the command line's. Read
+    as written: an interpolation in one (seed=${hydra:job.num}) is the job's to resolve, and resolved here it failed."""
+    hydra = OmegaConf.to_container(config.hydra, resolve=False)
+    overrides = [f"{key}={value}" for key, value in (hydra["sweeper"].get("params") or {}).items()]
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    return BasicSweeper.split_arguments(parser.parse_overrides(params + list(config.hydra.overrides.task)), None)[0]
+    return BasicSweeper.split_arguments(parser.parse_overrides(overrides + hydra["overrides"]["task"]), None)[0]
 
 
 def sweep_refusal(config: DictConfig) -> str | None:
