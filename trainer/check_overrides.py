@@ -16,6 +16,7 @@ from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import refused_in_one_line
 from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
 
+
 def refusal(overrides: list[str], sweep: bool) -> str | None:
     """What the trainer would refuse first, in its words, or None."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="trainer"):
