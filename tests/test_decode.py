@@ -210,15 +210,16 @@ def test_built_model_is_a_distribution_after_every_history(order):
 
 def test_built_model_discounts_as_ney_and_backs_off_by_hand():
     # Unigrams of "A", "A B" (the end counted as a word): A 2, B 1, </s> 2 of 5, Ney's discount 1 / (1 + 2 * 2)
-    # = 0.2, given to <unk> as 0.2 * 3 / 5.  Bigrams: <s> A 2, A </s> 1, A B 1, B </s> 1, discount 3 / (3 + 2) = 0.6;
-    # after <s>: A (2 - 0.6) / 2, backoff 0.6 / 2 / (1 - 0.36); after A: B (1 - 0.6) / 2, backoff 0.6 / (1 - 0.52).
+    # = 0.2, the 0.2 * 3 / 5 taken spread over A, B, </s> and <unk>: 0.03 each.  Bigrams: <s> A 2, A </s> 1, A B 1,
+    # B </s> 1, discount 3 / (3 + 2) = 0.6; after <s>: A (2 - 0.6) / 2, backoff 0.6 / 2 / (1 - 0.39); after A: B
+    # (1 - 0.6) / 2, backoff 0.6 / (1 - 0.58).
     unigrams = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=1))
     assert [10 ** unigrams.log10_prob((), word) for word in ("A", "B", "</s>", "NEVER")] == pytest.approx(
-        [0.36, 0.16, 0.36, 0.12], abs=1e-8)
+        [0.39, 0.19, 0.39, 0.03], abs=1e-8)
     bigrams = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=2))
     assert [10 ** bigrams.log10_prob(history, word) for history, word in [
         (("<s>",), "A"), (("<s>",), "B"), (("A",), "B"), (("A",), "A"), (("A",), "NEVER")]] == pytest.approx(
-        [0.7, 0.46875 * 0.16, 0.2, 1.25 * 0.36, 1.25 * 0.12], abs=1e-8)
+        [0.7, 0.3 / 0.61 * 0.19, 0.2, 0.6 / 0.42 * 0.39, 0.6 / 0.42 * 0.03], abs=1e-8)
 
 
 ARPA = """\\data\\
