@@ -9,6 +9,7 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -137,9 +138,21 @@ def ignore_in_data_workers(worker_id: int) -> None:
     """A DataLoader's worker_init_fn: its workers leave stop signals to the training process (one Ctrl-C or scheduler
     signal reaches every process of the job). torch's workers die on SIGTERM, and the training process then fails on
     the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself. A
-    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and goes here."""
+    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and goes here.
+
+    A stop signal while the training process awaits a batch breaks off the handover of its tensors (start_data_workers
+    kills the workers then): the worker's handover thread, multiprocessing's resource sharer, printed the broken
+    connection's traceback through sys.excepthook before its end, a stray "Traceback" in the job's log."""
     for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+    sys.excepthook = _quiet_where_a_handover_broke(sys.excepthook)
+
+
+def _quiet_where_a_handover_broke(print_error: Callable) -> Callable:
+    def excepthook(kind, value, trace):
+        if not issubclass(kind, (ConnectionError, EOFError)):
+            print_error(kind, value, trace)
+    return excepthook
 
 
 class DataWorkersTimedOut(TimeoutError):
