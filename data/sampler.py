@@ -20,6 +20,15 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
 
 
+def shard_size(global_batch_size: int, world_size: int) -> int:
+    """Each rank's share of a global batch; ValueError where the ranks cannot split it evenly."""
+    if global_batch_size < 1 or global_batch_size % world_size != 0:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
+        )
+    return global_batch_size // world_size
+
+
 class BucketBatchSampler(Sampler[list[int]]):
     """Yields this rank's dataset indices for each global batch of an epoch.
 
@@ -49,10 +58,7 @@ class BucketBatchSampler(Sampler[list[int]]):
     ):
         super().__init__()
         _check_rank(rank, world_size)
-        if global_batch_size < 1 or global_batch_size % world_size != 0:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} must be a positive multiple of world_size {world_size}"
-            )
+        self.shard_size = shard_size(global_batch_size, world_size)
         if len(durations) < global_batch_size:
             raise ValueError(
                 f"{len(durations)} utterances do not fill one global batch of global_batch_size {global_batch_size}"
@@ -88,13 +94,12 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.global_batches(self.epoch)
-        shard_size = self.global_batch_size // self.world_size
-        first = self.rank * shard_size
+        first = self.rank * self.shard_size
         while self.position < len(batches):
             batch = batches[self.position]
             # Counted before it is handed out: a state saved after training on it resumes with the next one.
             self.position += 1
-            yield batch[first : first + shard_size]
+            yield batch[first : first + self.shard_size]
         self.set_epoch(self.epoch + 1)
 
     def set_epoch(self, epoch: int) -> None:

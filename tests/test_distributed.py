@@ -1161,6 +1161,8 @@ def test_global_batch_not_divisible_by_world_size(an4_slice, tmp_path):
     assert code == 2, output
     expected = "train.global_batch_size=5: global_batch_size 5 must be a positive multiple of world_size 2"
     assert expected in output, output
+    # Before the corpus is prepared and read (minutes, for a large one), as a batch the backend cannot run is.
+    assert "utterances from" not in output, output
 
 
 def scaling_command(world_size: int, json_path: Path, *extra) -> list:

@@ -31,7 +31,7 @@ from data.cli import shows_a_progress_bar
 from data.dataset import Batch, SpeechDataset, collate, count_reasons
 from data.files import replace_whole
 from data.prepare import prepare_an4
-from data.sampler import BucketBatchSampler, epoch_seed, eval_shard
+from data.sampler import BucketBatchSampler, epoch_seed, eval_shard, shard_size
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
@@ -508,6 +508,11 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
     metrics_file.flush()
 
 
+def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
+    """data.sampler's refusal of the global batch, naming the key to change: data/ knows no config keys."""
+    return ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}")
+
+
 def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
@@ -593,7 +598,12 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # only after the first epoch. The layers share cell, size and backend: one, on the meta device, answers for all.
     with torch.device("meta"):
         one_layer = build.model(cfg.model, features.num_features, depth=1)
-    per_rank_batch = cfg.train.global_batch_size // env.world_size
+    # An uneven split too, which the sampler, built from the corpus, would refuse only after it (a resume on another
+    # number of GPUs), and whose rounded-down share the backend's check would judge.
+    try:
+        per_rank_batch = shard_size(cfg.train.global_batch_size, env.world_size)
+    except ValueError as error:
+        raise global_batch_refusal(cfg, error) from None
     recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
     recurrent_backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch,
                                                   recurrent_dtype, env.device)
@@ -615,8 +625,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         sampler = BucketBatchSampler(
             train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
         )
-    except ValueError as error:  # data/ knows no config keys: name the one to change
-        raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}") from None
+    except ValueError as error:
+        raise global_batch_refusal(cfg, error) from None
     eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
     # As many batches on every rank as on rank 0, which has the most (an empty one more where a rank is short): the
     # evaluation asks the ranks for stop signals before each batch, a collective every rank must join.
