@@ -804,6 +804,31 @@ def test_the_ranks_start_without_unpickling_what_another_rank_sent(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["started rank 0", "started rank 1"], output
 
 
+def step_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "step" in row}
+
+
+@needs_mpiexec
+def test_a_run_of_two_ranks_resumed_on_one_with_other_workers_trains_on_as_it_would_have(an4_slice, two_rank_run,
+                                                                                           tmp_path):
+    """A node lost mid-epoch: the sampler's position counts global batches, the same utterances at any world size,
+    so each later step trains on what the two ranks would have, the schedule going on from the step."""
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "train.max_steps=3"), TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    code, output = run_job(trainer_command(an4_slice, tmp_path, 1, "train.resume=auto", "train.num_workers=1"),
+                           TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    assert "resumed from" in output and "at step 3 (step 3 of epoch 1)" in output, output
+    whole, resumed = step_losses(two_rank_run), step_losses(tmp_path)
+    assert sorted(resumed) == list(range(1, NUM_STEPS + 1))
+    assert [resumed[step] for step in whole] == pytest.approx(list(whole.values()), rel=1e-5, abs=0)
+    assert evaluations(tmp_path) == evaluations(two_rank_run)
+    one = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    two = torch.load(two_rank_run / "checkpoints" / "last.pt", weights_only=True)
+    assert_tensors_match(two["model"], one["model"], "model", rtol=1e-5, atol=1e-6)
+
+
 @needs_mpiexec
 def test_rank_that_raises_ends_the_job_with_its_message(an4_slice, two_rank_run, tmp_path):
     """Rank 1 fails resuming (its RNG state in the checkpoint is damaged) while rank 0 goes on into DDP's first
