@@ -2303,6 +2303,15 @@ def test_run_names_hydra_parses_as_numbers_are_names_too():
             check_run_name(name)
 
 
+def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():
+    """The check deleted the hydra node from the config it was given, which its caller may read after it."""
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=cpu_demo"], return_hydra_config=True)
+    before = OmegaConf.to_yaml(cfg)
+    run_directory.check_job_config(cfg)
+    assert OmegaConf.to_yaml(cfg) == before
+
+
 def test_a_model_that_fits_the_device_alone_is_refused_where_ranks_share_it():
     """Each rank holds its own weights, gradients and optimizer state: ranks on one CPU (or sharing a GPU,
     distributed.share_gpus) each passed the check against the whole device, and together ran it out of memory."""

@@ -127,12 +127,13 @@ def sweep_refusal(config: DictConfig) -> str | None:
 
 
 def check_job_config(job: DictConfig) -> None:
-    """check_config on the config a job's task gets: its hydra node taken out, and readable through ${hydra:...} as in
-    the job."""
+    """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
+    ${hydra:...} as in the job; `job` itself keeps it."""
     HydraConfig.instance().set_config(job)
-    with open_dict(job):
-        del job["hydra"]
-    check_config(job)
+    task = job.copy()
+    with open_dict(task):
+        del task["hydra"]
+    check_config(task)
 
 
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
