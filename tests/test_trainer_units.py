@@ -2297,10 +2297,10 @@ def test_run_names_hydra_parses_as_numbers_are_names_too():
     from trainer.run_directory import check_run_name
 
     for name in (1.5, 2024, "2024-06-01", "exp.v2", "a b"):
-        check_run_name(name)  # returns: runs/1.5 is one folder of runs/
+        check_run_name(OmegaConf.create({"run_name": name}))  # returns: runs/1.5 is one folder of runs/
     for name in (None, True, "", "..", "a/b"):
         with pytest.raises(SystemExit):
-            check_run_name(name)
+            check_run_name(OmegaConf.create({"run_name": name}))
 
 
 def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():

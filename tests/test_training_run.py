@@ -866,6 +866,16 @@ def test_a_run_name_that_is_no_folder_of_runs_is_refused(tmp_path, run_name):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("module", ["trainer", "trainer.check_overrides"])
+@pytest.mark.parametrize("sweep", [[], ["-m"]])
+def test_a_run_name_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, module, sweep):
+    """Hydra resolved it for the run's folder after the check, and ended in a traceback, exit 1."""
+    result = run(module, [*sweep, "experiment=cpu_demo", "run_name=${nope}"], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.output[-4000:]
+    assert result.stderr == "error: run_name: Interpolation key 'nope' not found\n", result.output[-4000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(an4_train, tmp_path):
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])

@@ -22,7 +22,7 @@ def refusal(overrides: list[str], sweep: bool) -> str | None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="trainer"):
         cfg = GlobalHydra.instance().hydra.compose_config("train", overrides,
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
-        check_run_name(cfg.run_name)  # exits 2 in its own line, as the trainer's callback does before the run starts
+        check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
             return sweep_refusal(cfg)
         try:

@@ -29,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import check_config, config_error_line
 from trainer.override_errors import refused_in_one_line
@@ -36,7 +37,14 @@ from trainer.override_errors import refused_in_one_line
 log = logging.getLogger(__name__)
 
 
-def check_run_name(run_name) -> None:
+def check_run_name(config: DictConfig) -> None:
+    """Exits 2 in one line where config.run_name names no folder of runs/, or is an interpolation that does not
+    resolve (run_name=${nope}): Hydra resolved it next for the run's folder, in a traceback."""
+    try:
+        run_name = config.run_name
+    except OmegaConfBaseException as error:
+        print(f"error: {config_error_line(error)}", file=sys.stderr)
+        sys.exit(2)
     name = "" if run_name is None or isinstance(run_name, bool) else str(run_name)  # 1.5 parses as a float: a name
     if not name.strip() or set(name) <= {"."} or "/" in name or "\\" in name:
         print(f"error: run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, "
@@ -151,11 +159,11 @@ def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> 
 
 class MakeRunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        check_run_name(config.run_name)
+        check_run_name(config)
         make_or_exit(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        check_run_name(config.run_name)
+        check_run_name(config)
         # Hydra's callbacks take an exception for a warning and go on: the sweep would start, so it ends here.
         if refused := sweep_refusal(config):
             print(f"error: {refused}; no job of the sweep ran", file=sys.stderr)
