@@ -23,10 +23,17 @@ def check_capturable(model: nn.Module, batch_size: int, dtype: torch.dtype, devi
     for name, module in model.named_modules():
         if isinstance(module, _RECURRENT_MODULES) and module.backend_for(batch_size, dtype, device) == "cudnn":
             raise ValueError(
-                f"CUDA graphs: recurrent layer {name} runs on cuDNN at batch {batch_size} ({dtype}), whose "
-                "packed sequences need their lengths on the host, which a graph cannot capture; use "
+                f"CUDA graphs: recurrent layer {name} runs on cuDNN at {_batch_run_at(module, batch_size)} ({dtype}), "
+                "whose packed sequences need their lengths on the host, which a graph cannot capture; use "
                 "model.backend=persistent (it says why a shape cannot run) or train.cuda_graphs=false"
             )
+
+
+def _batch_run_at(module: nn.Module, batch_size: int) -> str:
+    """The batch a recurrent layer runs, the one its backend was chosen for: with batch_slice, its slices."""
+    if module.batch_slice is None or batch_size <= module.batch_slice:
+        return f"batch {batch_size}"
+    return f"batch {module.batch_slice} (a batch of {batch_size} runs as slices of at most {module.batch_slice})"
 
 
 class _AutocastForward(nn.Module):

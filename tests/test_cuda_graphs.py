@@ -8,8 +8,8 @@ import torch
 
 from data.dataset import Sample, collate
 from data.text import NUM_CLASSES
-from models.cuda_graphs import CudaGraphed
-from prnn_kernels import relative_error
+from models.cuda_graphs import CudaGraphed, check_capturable
+from prnn_kernels import GRU, relative_error
 from test_trainer_units import compose_config
 from trainer import build
 from trainer.distributed import DistEnv
@@ -142,6 +142,15 @@ def test_graphs_refuse_a_cudnn_layer_with_the_reason():
     batch = random_batch(torch.Generator().manual_seed(0), 2, 60)
     with pytest.raises(ValueError, match="runs on cuDNN"):
         train_step(CudaGraphed(model, PAD_FRAMES, False), batch, optimizer, schedule, cfg, DistEnv(0, 1, device))
+
+
+def test_the_refusal_of_a_cudnn_layer_names_the_batch_it_runs_at_its_slices():
+    """batch_slice runs the layer (and asks its backend) at the slice's size: the refusal named the whole batch."""
+    layer = torch.nn.Sequential(GRU(4, 8, batch_slice=4))  # on the CPU, "auto" runs cuDNN's path
+    with pytest.raises(ValueError, match=r"runs on cuDNN at batch 4 \(a batch of 32 runs as slices of at most 4\)"):
+        check_capturable(layer, 32, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"runs on cuDNN at batch 3 \(torch.float32\)"):
+        check_capturable(layer, 3, torch.float32, torch.device("cpu"))
 
 
 def test_pad_frames_must_be_a_positive_integer():
