@@ -231,6 +231,18 @@ def test_a_sliced_layer_asks_for_the_persistent_kernel_at_its_slice():
         prnn_kernels.GRU(4, 8, backend="persistent", batch_slice=8).backend_for(40, torch.float32, "cpu")
 
 
+def test_a_sliced_layer_asks_for_the_persistent_kernel_at_its_shorter_last_slice_too(monkeypatch):
+    """A batch of 7 in slices of 4 runs a slice of 3, which the support query was never asked about: a plan refused
+    there failed in the forward, or in a later step, where "auto" would have run cuDNN."""
+    persistent = pytest.importorskip("prnn_kernels.persistent")
+    monkeypatch.setattr(persistent, "support", lambda cell, hidden_size, batch_size, dtype, device: persistent.Support(
+        batch_size != 3, f"no plan at batch {batch_size}"))
+    gru = prnn_kernels.GRU(4, 8, backend="persistent", batch_slice=4)
+    assert gru.backend_for(8, torch.float32, "cuda") == gru.backend_for(6, torch.float32, "cuda") == "persistent"
+    with pytest.raises(ValueError, match="cannot run: no plan at batch 3"):
+        gru.backend_for(7, torch.float32, "cuda")
+
+
 @pytest.mark.parametrize("backend, expected", [("auto", "cudnn"), ("cudnn", "cudnn"), ("reference", "reference")])
 def test_backend_for_a_cpu_input(backend, expected):
     assert prnn_kernels.LSTM(4, 8, backend=backend).backend_for(2, torch.float32, "cpu") == expected
