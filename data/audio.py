@@ -1,6 +1,7 @@
 """Reading speech audio as a mono float waveform at the model's sample rate."""
 import math
 import os
+import stat
 
 import soundfile
 import torch
@@ -71,14 +72,23 @@ def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate:
 
 def audio_header(path: str | os.PathLike):
     """The file's header as libsndfile reads it (samplerate, frames, duration...); AudioError naming the file where
-    there is no such file, it is not audio, or its header claims what load_audio refuses: no samples, more than
-    MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or more than MAX_CHANNELS channels (so a
-    manifest never lists such a file with the duration it claims), or no length at all."""
-    # libsndfile reports a missing file as "System error"; say what it is. A pipe would be waited on for a writer.
-    if not os.path.isfile(path):
-        raise AudioError(f"{path}: " + ("a folder, not an audio file" if os.path.isdir(path) else
-                                        "not a file (a pipe, <(...), a device); save the audio to one and name that"
-                                        if os.path.exists(path) else "no such audio file"))
+    there is no such file, it cannot be opened (the reason given), it is not audio, or its header claims what
+    load_audio refuses: no samples, more than MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or
+    more than MAX_CHANNELS channels (so a manifest never lists such a file with the duration it claims), or no length
+    at all."""
+    # libsndfile reports a missing file, or one it may not open, as "System error"; say what it is. A pipe would be
+    # waited on for a writer.
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            open(path, "rb").close()
+    except (FileNotFoundError, NotADirectoryError):
+        raise AudioError(f"{path}: no such audio file") from None
+    except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
+        raise AudioError(f"{path}: cannot read audio ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        raise AudioError(f"{path}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
+                                        "not a file (a pipe, <(...), a device); save the audio to one and name that"))
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
     # raises TypeError), the message names the file. The name goes as bytes: soundfile encodes a str strictly, and a
     # name that is not UTF-8 (b"\xff.wav", which Python holds as "\udcff.wav") would not open.

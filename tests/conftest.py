@@ -1,6 +1,6 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
-the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, and how a test
-finds a trainer's data-loading workers."""
+the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
+finds a trainer's data-loading workers, and how it runs a command that file permissions hold for, as root too."""
 import os
 import shutil
 import subprocess
@@ -73,6 +73,15 @@ def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:
     if not path.exists():
         job.kill()
         pytest.fail(f"{path} did not appear within {timeout_s} s")
+
+
+def without_root_privilege(command: list[str]) -> list[str]:
+    """`command` run so that file permissions hold for it: as root, without its power to read and enter anything."""
+    if os.geteuid() != 0:
+        return command
+    if shutil.which("setpriv") is None:
+        pytest.skip("root, and no setpriv to drop its power over file permissions")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
 
 
 def data_loading_workers(pid: int) -> set[int]:

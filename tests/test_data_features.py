@@ -3,6 +3,8 @@ import math
 import os
 import re
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import soundfile
 import torch
 import torchaudio.functional
 
+from conftest import REPO_ROOT, without_root_privilege
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment
 
@@ -90,6 +93,22 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         with pytest.raises(AudioError, match=f"{name}: {reason}"):
             load_audio(tmp_path / name)
     assert issubclass(AudioError, ValueError)
+
+
+def test_audio_that_cannot_be_opened_is_said_so_with_the_reason(tmp_path):
+    # libsndfile says "System error" for a file it may not open, and a name past the file system's 255 bytes was
+    # "no such audio file".
+    too_long = tmp_path / ("x" * 300 + ".wav")
+    with pytest.raises(AudioError, match=f"^{re.escape(str(too_long))}: cannot read audio \\(File name too long\\)$"):
+        load_audio(too_long)
+    locked = tmp_path / "locked.wav"
+    soundfile.write(locked, tone(300, 0.1, 16000), 16000)
+    locked.chmod(0)
+    script = ("import sys\nfrom data.audio import AudioError, load_audio\ntry:\n    load_audio(sys.argv[1])\n"
+              "except AudioError as error:\n    print(error)\n")
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", script, str(locked)]), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout == f"{locked}: cannot read audio (Permission denied)\n", result.stdout + result.stderr
 
 
 def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):

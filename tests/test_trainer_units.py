@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, without_root_privilege
 from data.cli import shows_a_progress_bar
 from data import files
 from data.dataset import collate, Sample
@@ -1448,15 +1448,6 @@ def test_a_pipe_given_as_a_checkpoint_is_said_to_be_no_file_not_missing(tmp_path
     os.mkfifo(pipe)  # no writer: opening it would wait for one
     with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(pipe))} is not a file \\(a pipe"):
         checkpoint.load(pipe)
-
-
-def without_root_privilege(command: list[str]) -> list[str]:
-    """`command` run so that file permissions hold for it: as root, without its power to read and enter anything."""
-    if os.geteuid() != 0:
-        return command
-    if shutil.which("setpriv") is None:
-        pytest.skip("root, and no setpriv to drop its power over file permissions")
-    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
 
 
 def test_a_checkpoint_that_cannot_be_read_is_said_so_not_called_damaged(tmp_path):
