@@ -1,5 +1,6 @@
 """Prints the transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`
-(greedy; `--beam` and `--lm` as for python -m trainer.evaluate)."""
+(greedy; `--beam` and `--lm` as for python -m trainer.evaluate). A file it cannot use is named on stderr with why, the
+others transcribed, and the exit code is then 1; a checkpoint or decoder option it refuses, 2."""
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
 
