@@ -12,10 +12,10 @@ At global batch G on N GPUs each GPU trains b = G / N utterances per step, and a
                       measured batches and, beyond them, extended at the per-sample cost of the nearest measured
                       interval: a fixed per-step part plus b times a per-sample part, the latter never negative
                       (a dip between two measured batches is timing noise, not a batch that computes faster)
-  small collectives   latency-bound allreduces on the critical path: the trainer's utterance counts before the
-                      step and its loss after the backward (and under CUDA graphs the shards' shape), and for each
-                      synchronised batch norm one allreduce of its statistics forward (3 fp32 numbers per channel)
-                      and one of their gradients backward (2 per channel)
+  small collectives   latency-bound allreduces on the critical path: the trainer's utterance and stop-signal counts
+                      before the step and its loss after the backward (and under CUDA graphs the shards' shape), and
+                      for each synchronised batch norm one allreduce of its statistics forward (3 fp32 numbers per
+                      channel) and one of their gradients backward (2 per channel)
   gradient allreduce  DDP's gradient buckets (fp32 gradients in buckets of the recorded cap, 25 MB), each allreduced
   exposed             gradient allreduce - min(overlap * gradient allreduce, backward share * compute(b)): DDP hides
                       the `overlap` fraction of it behind backward, but never more than backward lasts
@@ -39,10 +39,12 @@ from pathlib import Path
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
 from trainer.cli import output_file, run_tool, write_output
+from trainer.stop import STOP_SIGNALS
 
-# The allreduces of trainer.train.train_step, in bytes: the utterance counts (three float64 numbers) and the loss
-# (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
-STEP_ALLREDUCE_BYTES = (24, 4)
+# The allreduces of trainer.train.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
+# received it (float64 numbers: the shard's utterances, whether it is empty, its unusable ones, then one a signal) and
+# the loss (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
+STEP_ALLREDUCE_BYTES = (8 * (3 + len(STOP_SIGNALS)), 4)
 GRAPHED_STEP_ALLREDUCE_BYTES = (*STEP_ALLREDUCE_BYTES, 24)
 # Synchronised batch norm, per channel in float32: forward its sum, sum of squares and count; backward the sums of
 # the gradient and of the gradient times the normalised input.
@@ -297,7 +299,7 @@ def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check:
         f"- Gradients: {assumed['gradient_bytes'] / 1e6:.1f} MB of fp32, allreduced in DDP buckets of "
         f"{assumed['ddp_bucket_bytes'] / 2**20:.0f} MiB; backward is {assumed['backward_share_of_compute']:.2f} of "
         "compute and can hide at most that much allreduce.",
-        "- Small collectives per step: the trainer's utterance counts and loss"
+        "- Small collectives per step: the trainer's utterance and stop-signal counts and loss"
         + (" and, under CUDA graphs, the shards' shape" if assumed["cuda_graphs"] else "")
         + f"; 2 per synchronised batch norm (channels {assumed['sync_batch_norm_channels']}), latency-bound, not "
         "overlapped (NCCL would pick a tree for these tiny messages at large N; the ring latency here is pessimistic).",

@@ -1266,6 +1266,31 @@ def write_measurement(path: Path, compute_ms: dict = {1: 10.0, 4: 16.0}, **model
     return path
 
 
+def test_scaling_model_counts_the_allreduces_a_training_step_makes(monkeypatch):
+    """STEP_ALLREDUCE_BYTES against trainer.train.train_step's own all-reduces on one CPU rank: the step's counts grew
+    by the stop signals' (ff9eb78), and the model counted three float64 numbers where the step sends six."""
+    from benchmarks.scaling import compose_config, random_batch
+    from trainer.train import train_step
+
+    reduced = []
+
+    def recorded(tensor):
+        reduced.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    monkeypatch.setattr(distributed, "all_reduce_sum", recorded)
+    monkeypatch.setattr(distributed, "all_reduce_max", recorded)
+    cfg = compose_config("cpu_demo", "cudnn", None, "none")
+    cpu = torch.device("cpu")
+    num_features = build.features(cfg.data).num_features
+    model = build.model(cfg.model, num_features)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+    batch = random_batch(2, 40, num_features, seed=0, device=cpu)
+    assert train_step(model, batch, optimizer, schedule, cfg, distributed.DistEnv(0, 1, cpu)).outcome == "ok"
+    assert tuple(reduced) == scaling_model.STEP_ALLREDUCE_BYTES
+
+
 def test_scaling_model_arithmetic(tmp_path):
     # Nodes of 8 GPUs on 100 GB/s NVLink with 1 us hops; one 800 Gb/s NIC (100 GB/s) per node, 10 us hops.
     cluster = scaling_model.Cluster(gpus_per_node=8, nvlink_GBps=100, nvlink_latency_us=1, nic_Gbps=800,
@@ -1285,8 +1310,9 @@ def test_scaling_model_arithmetic(tmp_path):
     assert measurement.compute_ms(2) == pytest.approx(12.0)
     assert measurement.compute_ms(16) == pytest.approx(40.0)  # extrapolated along the same line
     row = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=2, overlap=0.5, backward_share=2 / 3)
-    # The step's counts (24 bytes) and loss (4), one ring hop each way.
-    count_ms = (24 / 100e9 + 2e-6) * 1e3 + (4 / 100e9 + 2e-6) * 1e3
+    # The step's counts (48 bytes: utterances, empty shards, unusable ones, three stop signals) and loss (4), one ring
+    # hop each way.
+    count_ms = (48 / 100e9 + 2e-6) * 1e3 + (4 / 100e9 + 2e-6) * 1e3
     bucket_ms = (25 * mebibyte / 100e9 + 2e-6) * 1e3
     assert row["compute_ms"] == pytest.approx(24.0)  # 8 utterances per GPU
     assert row["small_collectives_ms"] == pytest.approx(count_ms)
@@ -1305,7 +1331,7 @@ def test_scaling_model_arithmetic(tmp_path):
     path.write_text(json.dumps(measured))
     graphed = scaling_model.step(scaling_model.Measurement(str(path)), cluster, global_batch=16, num_gpus=2,
                                  overlap=0.5, backward_share=2 / 3)
-    expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (24, 4, 24, 120, 80)]
+    expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (48, 4, 24, 120, 80)]
     assert graphed["small_collectives_ms"] == pytest.approx(sum(expected))
 
 
