@@ -32,7 +32,6 @@ if __name__ == "__main__":  # first: the imports below take seconds (torch), in 
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from benchmarks.fields import is_number
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.dataset import Batch
 from data.text import NUM_CLASSES
@@ -146,7 +146,7 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
                          "compares one kind of device")
     # Read after every measure: without it the run ended in a traceback there, its results not written.
     step_ms = baseline["step"].get("median_ms") if isinstance(baseline.get("step"), dict) else None
-    if not (isinstance(step_ms, (int, float)) and 0 < step_ms < math.inf):
+    if not (is_number(step_ms) and step_ms > 0):
         raise ValueError(f"--baseline {path} has no positive step time (step.median_ms), the efficiency's t(1)")
     return baseline
 

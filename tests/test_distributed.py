@@ -1485,7 +1485,7 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
     with pytest.raises(ValueError, match="h100.json has no positive step time"):
         read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
     h100 = json.loads((tmp_path / "h100.json").read_text())
-    for step_ms in (0.0, math.nan):
+    for step_ms in (0.0, math.nan, True):  # true was taken for 1 ms
         (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": step_ms}}))
         with pytest.raises(ValueError, match="h100.json has no positive step time"):
             read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
