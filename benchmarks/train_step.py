@@ -1,21 +1,21 @@
 """Training-step time of the same DeepSpeech2 model on each recurrent backend, in one process on one GPU.
 
     python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent]
-        [--batches 1 4 8 16 32] [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none] [--seed 1234]
-        [--json PATH]
+        [--batches 1 4 8 16 32] [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none]
+        [--seed 1234] [--json PATH]
 
-The step is the trainer's own (trainer.train.train_step: forward under bf16 autocast, CTC, backward, gradient
+The step is the trainer's own (trainer.train.train_step: forward under --amp's autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
 experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152, deep100 is
-experiment=deep100 (100 residual bidirectional GRU layers of 512). Inputs are random
-utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend starts from the same initial weights.
-Times are medians over --steps after --warmup, each step bracketed by device synchronisation. Beside each, the GPU
-time of a step: the summed durations of the kernels and copies that torch.profiler records over --steps further
-steps. A step whose wall time is well above its GPU time is bound by the host (Python and ATen dispatching its
-hundreds of kernels), not by the GPU. --cuda-graphs adds, for every backend but cuDNN (whose packed sequences a
-graph cannot hold), the same step with the model's forward and backward replayed from CUDA graphs, as
-train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 32 utterances, fewer for
-large layers; a shape they refuse is recorded with the reason, not timed.
+experiment=deep100 (100 residual bidirectional GRU layers of 512), cpu_demo experiment=cpu_demo's small model (on the
+GPU still). Inputs are random utterances of AN4's shape (benchmarks.scaling.random_batch). Every backend starts from the
+same initial weights. Times are medians over --steps after --warmup, each step bracketed by device synchronisation.
+Beside each, the GPU time of a step: the summed durations of the kernels and copies that torch.profiler records over
+--steps further steps. A step whose wall time is well above its GPU time is bound by the host (Python and ATen
+dispatching its hundreds of kernels), not by the GPU. --cuda-graphs adds, for every backend but cuDNN (whose packed
+sequences a graph cannot hold), the same step with the model's forward and backward replayed from CUDA graphs, as
+train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 32 utterances, fewer for large
+layers; a shape they refuse is recorded with the reason, not timed.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
