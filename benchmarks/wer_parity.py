@@ -407,8 +407,21 @@ def main(argv=None) -> None:
         rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)
 
-    if args.at_epoch is not None:
-        print(f"\nas the runs stood after epoch {args.at_epoch} (a run short of it has no WER):")
+    print_runs(rows, runs_dir, args.at_epoch)
+    print_summary(summary, args.backends[0])
+    if args.json:
+        write_json(args, argv, rows, summary, gpus)
+    failed = [row for row in rows if row["returncode"] not in (0, None)]
+    for row in failed:
+        print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
+
+
+def print_runs(rows: list[dict], runs_dir: Path, at_epoch: int | None) -> None:
+    """The table of runs, then a line for each run left out of the means or with evaluations left out, and why."""
+    if at_epoch is not None:
+        print(f"\nas the runs stood after epoch {at_epoch} (a run short of it has no WER):")
     print(f"\n{'run':<28} {'exit':>4} {'epochs':>6} {'last WER %':>10} {'best WER %':>10} {'last CER %':>10} "
           f"{'run s':>7}")
     for row in rows:
@@ -426,7 +439,12 @@ def main(argv=None) -> None:
         if row["partial_epochs"]:
             print(f"{row['run']}: left out the evaluations after epochs {row['partial_epochs']}, which could not "
                   "read the whole test set (eval_unreadable) or have no WER (null, NaN)")
-    print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + args.backends[0] + ', paired':>22}")
+
+
+def print_summary(summary: list[dict], first_backend: str) -> None:
+    """The table of backends: runs, mean and standard deviation of the last WER, the paired difference from the first
+    backend."""
+    print(f"\n{'backend':<12} {'runs':>4} {'mean WER %':>10} {'std':>6} {'vs ' + first_backend + ', paired':>22}")
     for entry in summary:
         versus = ""
         if entry.get("difference") is not None:
@@ -436,23 +454,21 @@ def main(argv=None) -> None:
             versus += f" ({entry['paired_seeds']} seeds)"
         print(f"{entry['backend']:<12} {entry['runs']:>4} {percent(entry['mean_wer']):>10} "
               f"{percent(entry['std_wer']):>6} {versus:>22}")
-    if args.json:
-        config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]),
-                  "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
-                  "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
-                  "at_epoch": args.at_epoch, "gpus": gpus,
-                  "report": args.report}
-        # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen
-        # (each run's own devices are in its row).
-        if not args.report:
-            config.update(environment())
-        write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    failed = [row for row in rows if row["returncode"] not in (0, None)]
-    for row in failed:
-        print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
-    if failed:
-        sys.exit(1)
+
+
+def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpus: list[str] | None) -> None:
+    """--json: the runs, the summary and the configuration, with the command as typed."""
+    config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]),
+              "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
+              "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
+              "at_epoch": args.at_epoch, "gpus": gpus,
+              "report": args.report}
+    # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen
+    # (each run's own devices are in its row).
+    if not args.report:
+        config.update(environment())
+    write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
+    print(f"wrote {args.json}")
 
 
 def last_line(path: Path) -> str:
