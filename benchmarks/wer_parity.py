@@ -246,12 +246,17 @@ def summarize(rows: list[dict], backends: list[str]) -> list[dict]:
     return summary
 
 
+def gpu_named(gpu: str | None) -> str:
+    """A run's GPU as its line names it; None where none is visible, and the trainer's device=auto takes the CPU."""
+    return "no GPU" if gpu is None else f"GPU {gpu}"
+
+
 def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str], args) -> list[dict]:
     """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`. A stop signal
     (a Ctrl-C reaches the runs as well as this script) lets the runs in progress stop at their checkpoints, starts no
     more and exits with the signal's code."""
     print(f"{counted(len(jobs), 'run')} of {counted(args.ranks, 'rank')}, {min(args.parallel, len(jobs))} at once on "
-          f"{counted(len(gpus), 'GPU')}; "
+          f"{counted(len(gpus), 'GPU') if gpus else 'no GPU'}; "
           f"output in {runs_dir}/{args.name}-*.out", flush=True)
     stopped_by = []  # the exit codes of runs a stop signal ended: the jobs queued after them are not started
 
@@ -277,7 +282,7 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
                 row = rows[-1]
                 if row is not None:
                     outcome = row.get("damaged") or f"{row['epochs']} epochs, last WER {percent(row['last_wer'])} %"
-                    print(f"{row['run']} (GPU {row['gpu']}): exit {row['returncode']}, {outcome}, "
+                    print(f"{row['run']} ({gpu_named(row['gpu'])}): exit {row['returncode']}, {outcome}, "
                           f"{row['wall_s']:.0f} s", flush=True)
         except KeyboardInterrupt:
             stopped_by.append(128 + signal.SIGINT)

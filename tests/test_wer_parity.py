@@ -261,6 +261,16 @@ def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypat
     assert capsys.readouterr().out.startswith("2 runs of 2 ranks, 2 at once on 2 GPUs;")
 
 
+def test_on_a_machine_without_a_gpu_the_plan_and_each_run_say_so(tmp_path, monkeypatch, capsys):
+    # They read "1 at once on 0 GPUs" and "wer-reference-s1 (GPU None): exit 0, ...".
+    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    wer_parity.main(["--backends", "reference", "--seeds", "1", "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith("1 run of 1 rank, 1 at once on no GPU;") and "wer-reference-s1 (no GPU): exit 0" in out
+    assert "None" not in out
+
+
 def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkeypatch, capsys):
     """The runs' output goes to files: the one line that says why a run failed reaches the terminal, and the exit
     status says a run failed. --json into a folder not made yet is made first, not after the training."""
