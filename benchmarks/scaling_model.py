@@ -279,6 +279,13 @@ def assumptions(measurement: Measurement, cluster: Cluster, backward_share: floa
     }
 
 
+def compute_lines(assumed: dict) -> list[dict]:
+    """The compute lines the Markdown names: the smallest batches' and the largest's, one line where two batches were
+    measured and both are the same."""
+    smallest, largest = assumed["compute_line_smallest_batches"], assumed["compute_line_largest_batches"]
+    return [smallest] if largest == smallest else [smallest, largest]
+
+
 def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check: dict | None, overlaps: list) -> None:
     cluster = assumed["cluster"]
     lines = [
@@ -293,8 +300,7 @@ def write_markdown(path: Path, assumed: dict, rows: list, left_out: list, check:
         f"- Compute: the measured compute-only step at per-GPU batches {assumed['compute_measured_batches']}, "
         "linear in between and extended beyond along the nearest interval (its per-utterance cost floored at 0): "
         + "; ".join(f"{line['fixed_ms']:.2f} ms + {line['per_sample_ms']:.3f} ms per utterance through batches "
-                    f"{line['batches']}" for line in (assumed["compute_line_smallest_batches"],
-                                                      assumed["compute_line_largest_batches"]))
+                    f"{line['batches']}" for line in compute_lines(assumed))
         + ". Per-GPU batches marked * are extrapolated.",
         f"- Gradients: {assumed['gradient_bytes'] / 1e6:.1f} MB of fp32, allreduced in DDP buckets of "
         f"{assumed['ddp_bucket_bytes'] / 2**20:.0f} MiB; backward is {assumed['backward_share_of_compute']:.2f} of "

@@ -1291,6 +1291,15 @@ def test_scaling_model_counts_the_allreduces_a_training_step_makes(monkeypatch):
     assert tuple(reduced) == scaling_model.STEP_ALLREDUCE_BYTES
 
 
+def test_scaling_model_names_the_compute_line_of_two_measured_batches_once(tmp_path):
+    # With two batches measured the smallest and the largest batches' line are one: it was written twice over.
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=2**20, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[])
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path)]) == 0
+    markdown = (tmp_path / "scaling_projection.md").read_text()
+    assert markdown.count("8.00 ms + 2.000 ms per utterance through batches [1, 4]") == 1
+
+
 def test_scaling_model_arithmetic(tmp_path):
     # Nodes of 8 GPUs on 100 GB/s NVLink with 1 us hops; one 800 Gb/s NIC (100 GB/s) per node, 10 us hops.
     cluster = scaling_model.Cluster(gpus_per_node=8, nvlink_GBps=100, nvlink_latency_us=1, nic_Gbps=800,
