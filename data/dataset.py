@@ -28,11 +28,19 @@ class Sample:
     index: int  # position in the dataset
 
 
+# Reasons an utterance is left out, as `skipped`, Unusable.counted_as and count_reasons word them.
+UNREADABLE = "unreadable"
+TOO_LONG_FOR_STRIDE = "too long for stride"
+LONGER_THAN_MAX_DURATION = "longer than max_duration"
+
+
 @dataclass(frozen=True)
 class Unusable:
-    """What the dataset gives for an item whose audio cannot train: its position, and the warning naming why."""
+    """What the dataset gives for an item whose audio cannot train: its position, the warning naming why, and the
+    reason it is counted under: the one `skipped` counts where the manifest's duration already shows it."""
     index: int
     reason: str
+    counted_as: str = UNREADABLE
 
 
 @dataclass
@@ -47,6 +55,10 @@ class Batch:
     @property
     def num_unusable(self) -> int:
         return len(self.unusable)
+
+    def num_unusable_as(self, reason: str) -> int:
+        """How many of `unusable` are counted under `reason` (Unusable.counted_as)."""
+        return sum(item.counted_as == reason for item in self.unusable)
 
     def pin_memory(self) -> "Batch":
         """Called by DataLoader(pin_memory=True), so that `to(..., non_blocking=True)` really overlaps."""
@@ -172,7 +184,7 @@ class SpeechDataset(Dataset):
     def _trainable_targets(self, utterance: Utterance) -> list[int] | None:
         """The utterance's target ids, or None (counted in `skipped`) where it can never train."""
         if self.max_duration is not None and utterance.duration > self.max_duration:
-            self.skipped["longer than max_duration"] += 1
+            self.skipped[LONGER_THAN_MAX_DURATION] += 1
             return None
         text = normalize_text(utterance.text)
         if not text:
@@ -191,7 +203,7 @@ class SpeechDataset(Dataset):
                 self._skip(utterance, "duration 0", "its manifest gives a duration of 0 s (empty audio, or a duration "
                            "not filled in)")
             else:
-                self._skip(utterance, "too long for stride", self._too_long_detail(num_outputs, targets))
+                self._skip(utterance, TOO_LONG_FOR_STRIDE, self._too_long_detail(num_outputs, targets))
             return None
         return targets
 
@@ -225,13 +237,14 @@ class SpeechDataset(Dataset):
         seconds = len(waveform) / self.features.sample_rate
         if self.max_duration is not None and seconds > self.max_duration + 1:
             return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
-                                         f"({self.max_duration} s); the manifest says {utterance.duration} s")
+                                         f"({self.max_duration} s); the manifest says {utterance.duration} s",
+                                  LONGER_THAN_MAX_DURATION)
         features = self.features(waveform)  # (T, F)
         if detail := non_finite_detail(features, waveform):
             return self._unusable(index, detail)
         num_outputs = math.ceil(len(features) / self.time_stride)
         if num_outputs < min_ctc_frames(targets):
-            return self._unusable(index, self._too_long_detail(num_outputs, targets))
+            return self._unusable(index, self._too_long_detail(num_outputs, targets), TOO_LONG_FOR_STRIDE)
         if self.augment is not None:
             # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
             # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
@@ -241,8 +254,8 @@ class SpeechDataset(Dataset):
                 features = self.augment(features)
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
 
-    def _unusable(self, index: int, detail: str) -> Unusable:
-        return Unusable(index, f"skipping {self.utterances[index].audio_filepath}: {detail}")
+    def _unusable(self, index: int, detail: str, counted_as: str = UNREADABLE) -> Unusable:
+        return Unusable(index, f"skipping {self.utterances[index].audio_filepath}: {detail}", counted_as)
 
     def warn_once(self, unusable: Sequence[Unusable]) -> None:
         """Logs the warning of each item not warned about before."""

@@ -1437,6 +1437,22 @@ def test_evaluate_writes_a_file_name_that_is_not_utf8_into_its_table_as_its_own_
     assert out.read_bytes().splitlines()[1].startswith(os.fsencode(corpus / "a.wav") + b"\t")
 
 
+def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_not_as_unreadable(tmp_path, capsys):
+    """A readable file whose manifest duration hides that its audio is too short for its transcript is found out when
+    loaded: the summary called it unreadable, while the warning above it said why."""
+    from trainer import evaluate
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
+    soundfile.write(tmp_path / "a.wav", noise, 16000)
+    soundfile.write(tmp_path / "short.wav", noise[:1], 16000)  # one sample: one output frame
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    utterances = [("a.wav", "A"), ("short.wav", "NO"), ("corrupt.flac", "GO")]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in utterances))
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(tmp_path / "m.jsonl")]) == 0
+    assert "; left out: 1 utterance (unreadable), 1 utterance (too long for stride))" in capsys.readouterr().out
+
+
 def test_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         checkpoint.load(tmp_path / "nope.pt")
@@ -1830,6 +1846,15 @@ def evaluate_manifest(utterances, tmp_path, **options):
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
     return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"), **options)
+
+
+def test_evaluation_counts_audio_too_short_for_its_transcript_apart_from_unreadable_audio(tmp_path):
+    soundfile.write(tmp_path / "short.wav", np.full(1, 0.1, np.float32), 16000)  # its manifest says 2 s
+    counts, rows = evaluate_manifest([(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
+                                      (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")], tmp_path)
+    assert (len(rows), counts.unreadable, counts.too_long_for_stride, counts.not_decoded) == (0, 1, 1, 2)
+    # best.pt's choice goes by both, as before they were told apart: a checkpoint's best_unreadable counted both
+    assert not counts.beats(1, math.inf) and ErrorCounts(words=1, too_long_for_stride=1).beats(2, math.inf)
 
 
 def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):

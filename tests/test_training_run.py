@@ -956,6 +956,25 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert result.returncode == 1 and "none of the 3 utterances" in result.output, result.output[-2000:]
 
 
+def test_test_audio_too_short_for_its_transcript_is_counted_under_that_reason(an4_train, tmp_path):
+    """Audio whose manifest duration hides that it is too short for its transcript is found out when loaded: the
+    epoch's warning counted it as unreadable, under the warning naming why. metrics.jsonl's eval_unreadable counts
+    every test utterance left out when loaded, as it did."""
+    good = write_slice(tmp_path / "good.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    soundfile.write(tmp_path / "short.wav", np.full(1, 0.1, np.float32), 16000)
+    template = an4_train[0]
+    test_set = write_slice(tmp_path / "test.jsonl", an4_train[:2] + [
+        template.__class__(str(tmp_path / "corrupt.flac"), 1.0, "YES", "x"),
+        template.__class__(str(tmp_path / "short.wav"), 1.0, "NO", "x"),
+    ])
+    result = train(tmp_path / "run", good, f"data.eval_manifest={test_set}", "model.hidden=32", "train.epochs=1")
+    assert ("the test WER is over 2 of the test set's 4 utterances: left out 1 utterance (unreadable), 1 utterance "
+            "(too long for stride)" in result.output), result.output[-3000:]
+    _, epochs = read_metrics(tmp_path / "run")
+    assert epochs[0]["eval_unreadable"] == 2
+
+
 def test_a_path_that_is_not_utf8_is_logged_to_the_console_and_the_log_file(tmp_path, monkeypatch):
     """A manifest in a folder named with the byte \\xff names its audio through that folder; the warning naming a
     missing one reaches the console and the log file, written as \\xff as the tools name it (it was \\udcff, which

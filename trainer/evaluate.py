@@ -21,7 +21,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import input_path, shows_a_progress_bar
-from data.dataset import SpeechDataset, collate, count_reasons
+from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, collate, count_reasons
 from data.manifest import print_paths_printable
 from data.sampler import eval_shard
 from data.text import counted, normalize_text
@@ -68,7 +68,9 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
             last_line = time.perf_counter()
             log.info("evaluating: batch %d of %d", number, len(loader))
         dataset.warn_once(batch.unusable)
-        counts.unreadable += batch.num_unusable
+        too_short = batch.num_unusable_as(TOO_LONG_FOR_STRIDE)
+        counts.too_long_for_stride += too_short
+        counts.unreadable += batch.num_unusable - too_short  # the rest: a test set has no max_duration
         if len(batch.indices) == 0:
             continue
         with build.autocast(amp, device):
@@ -83,6 +85,13 @@ def evaluate(model, dataset: SpeechDataset, batches: list[list[int]], device: to
             })
     model.train(was_training)
     return counts, rows
+
+
+def left_out(dataset: SpeechDataset, counts: ErrorCounts) -> Counter:
+    """The utterances of `dataset`'s manifests that an evaluation's WER leaves out, by reason (count_reasons words it):
+    those the dataset left out at the start, and those `counts` found it could not decode. A transcript too long for
+    its frames counts as one reason, whether the manifest's duration showed it or the audio did."""
+    return dataset.skipped + Counter({UNREADABLE: counts.unreadable, TOO_LONG_FOR_STRIDE: counts.too_long_for_stride})
 
 
 def main(argv=None) -> int:
@@ -137,10 +146,10 @@ def main(argv=None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     # The WER is over the utterances decoded: say which others the manifest held (each named in a warning above).
-    left_out = count_reasons(dataset.skipped + Counter(unreadable=counts.unreadable))
-    left_out = f"; left out: {left_out}" if left_out else ""
+    reasons = count_reasons(left_out(dataset, counts))
+    reasons = f"; left out: {reasons}" if reasons else ""
     print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  "
-          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{left_out})")
+          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{reasons})")
     return 0
 
 

@@ -19,14 +19,16 @@ def edit_distance(reference: list, hypothesis: list) -> int:
 @dataclass
 class ErrorCounts:
     """Error and reference counts summed over a corpus; rates are ratios of the sums, not means of ratios.
-    `unreadable` counts the corpus's utterances that could not be decoded (their audio unreadable or too short): a
-    rate over the rest is a rate over part of the corpus."""
+    `unreadable` and `too_long_for_stride` count the corpus's utterances that could not be decoded, their audio
+    unreadable or too short for their transcript's CTC labels (`not_decoded`, both): a rate over the rest is a rate
+    over part of the corpus."""
 
     word_errors: int = 0
     words: int = 0
     char_errors: int = 0
     chars: int = 0
     unreadable: int = 0
+    too_long_for_stride: int = 0
 
     def add(self, reference: str, hypothesis: str) -> tuple[int, int]:
         """Counts one utterance, both texts normalised as the decoders write them (upper case, single spaces); an
@@ -46,6 +48,10 @@ class ErrorCounts:
     def from_tensor(cls, counts: torch.Tensor) -> "ErrorCounts":
         return cls(*(int(round(value)) for value in counts.tolist()))
 
+    @property
+    def not_decoded(self) -> int:
+        return self.unreadable + self.too_long_for_stride
+
     # NaN, not 0, over no words: a test set that could not be read must not score as perfect.
     @property
     def wer(self) -> float:
@@ -55,7 +61,7 @@ class ErrorCounts:
     def cer(self) -> float:
         return 100.0 * self.char_errors / self.chars if self.chars else math.nan
 
-    def beats(self, best_unreadable: float, best_wer: float) -> bool:
-        """Whether this evaluation makes a better best checkpoint than one with the given counts: it read more of the
-        test set, or as much at a lower WER (WERs over different parts of a test set do not compare). NaN never."""
-        return not math.isnan(self.wer) and (self.unreadable, self.wer) < (best_unreadable, best_wer)
+    def beats(self, best_not_decoded: float, best_wer: float) -> bool:
+        """Whether this evaluation makes a better best checkpoint than one with the given counts: it decoded more of
+        the test set, or as much at a lower WER (WERs over different parts of a test set do not compare). NaN never."""
+        return not math.isnan(self.wer) and (self.not_decoded, self.wer) < (best_not_decoded, best_wer)

@@ -38,7 +38,7 @@ from trainer import build, checkpoint, distributed
 from trainer.config import check_config, check_resumable, noting_what_does_nothing_here, rank_settings
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
-from trainer.evaluate import evaluate
+from trainer.evaluate import evaluate, left_out
 from trainer.metrics import ErrorCounts
 from trainer.resume import (
     check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
@@ -496,14 +496,14 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
     if counts.unreadable == len(eval_set):
         log.warning("epoch %d: none of the test set's %s could be read (named above): no test WER",
                     epoch + 1, counted(len(eval_set), "utterance"))
-    elif left_out := eval_set.skipped + Counter(unreadable=counts.unreadable):
+    elif reasons := left_out(eval_set, counts):
         # Those no model could transcribe (a transcript longer than its output frames) are left out as those
         # that could not be read are: a WER over fewer utterances than the manifest holds says so.
         log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (named "
-                    "above)", epoch + 1, len(eval_set) - counts.unreadable,
-                    len(eval_set) + eval_set.skipped.total(), count_reasons(left_out))
-    if counts.unreadable:
-        record["eval_unreadable"] = counts.unreadable
+                    "above)", epoch + 1, len(eval_set) - counts.not_decoded,
+                    len(eval_set) + eval_set.skipped.total(), count_reasons(reasons))
+    if counts.not_decoded:  # the key's meaning since it was written: every test utterance the evaluation left out
+        record["eval_unreadable"] = counts.not_decoded
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
 
@@ -650,7 +650,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
     # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
     # elapsed_s: seconds of training and evaluation over all of the run's jobs. best_unreadable and best_wer: best.pt's
-    # evaluation (ErrorCounts.beats).
+    # evaluation (ErrorCounts.beats); best_unreadable is its not_decoded, the test utterances it could not decode.
     state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
              "elapsed_s": 0.0}
     # The parts a checkpoint restores besides the training state and the RNGs, as save() below writes them.
@@ -819,7 +819,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             record_epoch(tally, counts, peak_memory, eval_set, state["step"], len(sampler), run_started, writer,
                          metrics_file)
         if counts.beats(state["best_unreadable"], state["best_wer"]):
-            state["best_unreadable"], state["best_wer"] = counts.unreadable, counts.wer
+            state["best_unreadable"], state["best_wer"] = counts.not_decoded, counts.wer
             save("best.pt", "last.pt")
         else:
             save("last.pt")
