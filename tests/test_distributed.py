@@ -24,8 +24,11 @@ from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
 from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file
+from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
+from data.text import encode
 from trainer import build, distributed
+from trainer.train import train_step
 
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
 # NVIDIA_TF32_OVERRIDE=0 keeps cuDNN's convolutions in fp32 on GPUs: TF32 rounds differently at each batch size.
@@ -168,6 +171,63 @@ def test_two_ranks_train_exactly_as_one_process(an4_slice, two_rank_run, tmp_pat
     code, output = run_job(trainer_command(an4_slice, tmp_path, 1), TRAIN_TIMEOUT_S)
     assert code == 0, output
     assert_trained_alike(tmp_path, two_rank_run)
+
+
+# A clip far under the tiny model's gradient norm (about 40) and one far over it, each with a rate that moves the
+# weights well past float rounding without diverging.
+CLIPPED_OR_NOT = {"clipped": (1.0, 1e-2), "not clipped": (1e3, 1e-3)}
+
+
+def tiny_sgd_steps(out_dir: str) -> None:
+    """Three train_steps of SGD on a tiny model, each a global batch of 4 utterances, the second's last unusable (in
+    rank 1's shard on 2 ranks), under each of CLIPPED_OR_NOT; rank 0 saves how far they moved each weight and buffer
+    to out_dir/WORLD_SIZE.pt. Run by 2 ranks under mpiexec, and by one process for the reference."""
+    env = distributed.init("cpu")
+    with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["optim=sgd", "model.depth=1", "model.hidden=16", "model.conv_channels=2",
+                                          "model.backend=reference", "data.features.kind=mel",
+                                          "data.features.n_mels=20", "train.amp=none"])
+    generator = torch.Generator().manual_seed(0)
+    words = ["YES", "NO", "TWO", "SIX"]
+    batches = [[Sample(torch.randn(40 + 10 * index, 20, generator=generator), torch.tensor(encode(word)), index)
+                for index, word in enumerate(words[step:] + words[:step])] for step in range(3)]
+    batches[1][3] = Unusable(3, "unreadable")
+    shard = 4 // env.world_size
+    moved = {}
+    for name, (clip, lr) in CLIPPED_OR_NOT.items():
+        cfg.train.grad_clip_norm, cfg.optim.lr = clip, lr
+        torch.manual_seed(0)
+        model = build.model(cfg.model, 20)
+        start = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+        wrapped = model
+        if env.world_size > 1:
+            model.sync_batch_norm(True)
+            wrapped = distributed.data_parallel(model, env.device, graphed=False)
+        optimizer = build.optimizer(cfg.optim, model.parameters())
+        schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+        for batch in batches:
+            step = train_step(wrapped, collate(batch[env.rank * shard:(env.rank + 1) * shard]), optimizer, schedule,
+                              cfg, env)
+            assert step.outcome == "ok", step
+        moved[name] = {key: tensor - start[key] for key, tensor in model.state_dict().items()}
+    if env.is_main:
+        torch.save(moved, Path(out_dir) / f"{env.world_size}.pt")
+    distributed.shutdown()
+
+
+@needs_mpiexec
+def test_two_ranks_step_as_one_process_with_the_gradient_clipped_or_not_and_an_utterance_unusable(tmp_path):
+    """Clipping takes the norm of the global batch's gradient (DDP's all-reduced one), not a rank's own, and the loss
+    normaliser counts the utterances that trained on all ranks: a step where rank 1 has one utterance to rank 0's two
+    takes the mean over the three on both. Each weight's move over 3 steps, 2 ranks against 1 process."""
+    code, output = run_job(launch(2) + ["-c", "import sys; sys.path.insert(0, 'tests'); import test_distributed; "
+                                              f"test_distributed.tiny_sgd_steps({str(tmp_path)!r})"],
+                           TRAIN_TIMEOUT_S)
+    assert code == 0, output
+    tiny_sgd_steps(str(tmp_path))
+    one, two = (torch.load(tmp_path / f"{world_size}.pt", weights_only=True) for world_size in (1, 2))
+    for name in CLIPPED_OR_NOT:
+        assert_tensors_match(one[name], two[name], f"{name}: moved", rtol=1e-4)
 
 
 def with_corrupt_first_file(an4_slice: dict, folder: Path) -> dict:
