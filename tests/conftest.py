@@ -1,6 +1,7 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
-finds a trainer's data-loading workers, and how it runs a command that file permissions hold for, as root too."""
+finds a trainer's data-loading workers, how it runs a command that file permissions hold for, as root too, the
+trainer's config composed as Hydra composes it, and a small checkpoint of an untrained model."""
 import os
 import shutil
 import subprocess
@@ -10,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from data.manifest import read_manifest, write_manifest
 from data.prepare import prepare_an4
+from trainer import build, checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The test extra's MPICH installs mpiexec beside the interpreter, which need not be on PATH.
@@ -104,4 +108,18 @@ def an4_train(an4_source, tmp_path_factory):
 def write_slice(path: Path, utterances) -> Path:
     """Writes `utterances` as a manifest at `path` and returns it."""
     write_manifest(path, utterances)
+    return path
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def small_checkpoint(path, *overrides: str):
+    """A checkpoint of a small untrained model (what from_checkpoint reads), under `overrides`."""
+    cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "data.features.kind=mel",
+                          "data.features.n_mels=40", *overrides])
+    network = build.model(cfg.model, build.features(cfg.data).num_features)
+    checkpoint.save(path, {"model": network.state_dict(), "config": OmegaConf.to_container(cfg, resolve=True)})
     return path

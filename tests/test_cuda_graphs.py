@@ -10,7 +10,7 @@ from data.dataset import Sample, collate
 from data.text import NUM_CLASSES
 from models.cuda_graphs import CudaGraphed, check_capturable
 from prnn_kernels import GRU, relative_error
-from test_trainer_units import compose_config
+from conftest import compose_config
 from trainer import build
 from trainer.distributed import DistEnv
 from trainer.train import train_step

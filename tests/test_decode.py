@@ -1,4 +1,5 @@
-"""The beam-search decoder against brute force over every labelling, and the n-gram language model it uses."""
+"""The greedy decoder, the beam-search decoder against brute force over every labelling, and the n-gram language
+model it uses, as trainer.lm builds it."""
 import argparse
 import gzip
 import itertools
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from data.text import ALPHABET, NUM_CLASSES, encode
-from trainer import decode
+from trainer import decode, lm
 from trainer.decode import BeamSearch, Paths, Prefix, greedy_decode
 from trainer.lm import NGramLM, build_arpa
 
@@ -52,6 +53,27 @@ def ctc_log_prob_of_every_transcript(log_probs: torch.Tensor, chars: str) -> dic
         by_text[transcript] = torch.logaddexp(torch.tensor(by_text.get(transcript, -math.inf)),
                                               torch.tensor(score)).item()
     return by_text
+
+
+def one_hot_log_probs(paths: list[str]) -> torch.Tensor:
+    """(T, B, V) log-probs whose best path spells each string, '_' being the blank."""
+    num_steps = max(len(path) for path in paths)
+    log_probs = torch.full((num_steps, len(paths), len(ALPHABET)), -10.0)
+    for b, path in enumerate(paths):
+        for t, char in enumerate(path):
+            log_probs[t, b, ALPHABET.index(char)] = 0.0
+    return log_probs
+
+
+def test_greedy_decode_collapses_repeats_and_removes_blanks():
+    log_probs = one_hot_log_probs(["HHE_LL_LLO", "__NN_O___"])
+    assert greedy_decode(log_probs, torch.tensor([10, 9])) == ["HELLO", "NO"]
+    # Frames past a length are ignored even when they spell something.
+    assert greedy_decode(log_probs, torch.tensor([3, 4])) == ["HE", "N"]
+    assert greedy_decode(log_probs, torch.tensor([4, 5])) == ["HE", "N"]  # the next frames spell L and O
+    assert greedy_decode(log_probs, torch.tensor([5, 6])) == ["HEL", "NO"]
+    # Spaces the best path puts at the ends or, a blank between them, twice between words: the transcript has one.
+    assert greedy_decode(one_hot_log_probs([" HI _ THERE "]), torch.tensor([13])) == ["HI THERE"]
 
 
 @pytest.mark.parametrize("chars", ["ABC", "AB "])
@@ -409,6 +431,96 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         NGramLM.from_arpa(tmp_path)
 
 
+def test_a_language_model_refuses_an_empty_manifest_path(tmp_path, capsys):
+    # --manifest "$M" with M unset was read as the current folder: "error: manifest . is a folder, not a file".
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", "", "--out", str(tmp_path / "m.arpa")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith("error: argument --manifest: an empty path (an unset shell variable?)\n")
+
+
+def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path, capsys):
+    # None of the audio is here, as where a model is built from transcripts alone: each missing file is its own.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+                                      '{"audio_filepath": "b.wav", "duration": 1.0, "text": "café ok"}\n'
+                                      '{"audio_filepath": "c.wav", "duration": 1.0, "text": "maybe"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    out = capsys.readouterr().out
+    assert "counting the 1-grams of 2 transcripts" in out  # before the work, which takes a minute at 100k
+    assert "a 1-gram model of 2 transcripts; 1 empty or unspellable left out" in out
+    words = lm.NGramLM.from_arpa_text((tmp_path / "m.arpa").read_text()).tables
+    assert ("YES",) in words and ("MAYBE",) in words and ("OK",) not in words and ("CAFÉ",) not in words
+
+
+def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
+    # KenLM refuses a model without <s>, and any model of order 1 ("assumes at least a bigram model"): --order 1
+    # wrote one it refused on both counts.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    text = (tmp_path / "m.arpa").read_text()
+    assert text.startswith("\\data\\\nngram 1=5\nngram 2=0\n\n") and "\n-99.000000000\t<s>\n" in text, text
+    assert text.endswith("\n\\2-grams:\n\n\\end\\\n"), text
+    model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
+    # YES, NO and </s> each seen once of 3: Ney's discount 0.9 (its cap), whatever the history, and the 3 x 0.9 / 3
+    # taken spread over the three and <unk>
+    assert model.order == 1 and 10 ** model.log10_prob(("YES",), "NO") == pytest.approx(0.1 / 3 + 0.9 / 4, abs=1e-8)
+
+
+def test_a_word_never_seen_in_training_is_less_likely_than_every_word_seen():
+    # All the mass the unigrams' discount took went to <unk>: 0.54 here against NO's 0.02, and on AN4's transcripts
+    # <unk> outscored 62 of its 99 words, so the beam search took a string it could not spell for most words.
+    model = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES", "YES"]], 1))
+    unknown = model.log10_prob((), "NEVER")
+    assert all(model.log10_prob((), word) > unknown for word in ("YES", "NO", "</s>")), model.tables
+
+
+def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transcripts_order(tmp_path, capsys):
+    # "<s> YES NO YES </s>" holds no n-gram longer than 5: a 6-gram section of none read as a model cut short.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no yes"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "6", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert "a 5-gram model of 1 transcript (--order 6: none is longer than 3 words)" in capsys.readouterr().out
+    model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
+    five = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES"]], 5))
+    assert model.order == 5 and model.tables == five.tables
+    assert lm.build_arpa([["YES"]], 10**9) == lm.build_arpa([["YES"]], 3)  # at once, not a count over every order
+
+
+def test_a_language_model_counts_an_audio_files_transcript_once(tmp_path, monkeypatch, capsys):
+    # A manifest given twice (as it is, as ./m.jsonl, through a link) counted its transcripts twice: every n-gram's
+    # count doubled, and the discounts and backoff weights with them. Training keeps an audio file listed again once.
+    for name in ("a.wav", "b.wav"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+                                      '{"audio_filepath": "b.wav", "duration": 1.0, "text": "no no"}\n')
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b_link.wav").symlink_to(tmp_path / "b.wav")
+    (tmp_path / "elsewhere" / "b.jsonl").write_text('{"audio_filepath": "b_link.wav", "duration": 1.0, '
+                                                    '"text": "no no"}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "m.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert lm.main(["--manifest", "m.jsonl", "--order", "2", "--out", "once.arpa"]) == 0
+    capsys.readouterr()
+    assert lm.main(["--manifest", "m.jsonl", "./m.jsonl", "link.jsonl", "elsewhere/b.jsonl", "--order", "2",
+                    "--out", "repeated.arpa"]) == 0
+    printed = capsys.readouterr()
+    assert (tmp_path / "repeated.arpa").read_text() == (tmp_path / "once.arpa").read_text()
+    first = tmp_path / "a.wav"
+    assert printed.err == f"skipping 5 transcripts whose audio file is listed before (the first: {first})\n"
+    assert printed.out.endswith("a 2-gram model of 2 transcripts; 5 whose audio file is listed before left out\n")
+
+
+def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
+    assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
+    assert "no words to count: the transcripts of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "no" / "x.arpa")])
+    assert refused.value.code == 2 and f"argument --out: no folder {tmp_path / 'no'}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--order", "0", "--out", str(tmp_path / "x.arpa")])
+    assert refused.value.code == 2 and "argument --order: must be at least 1, not 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option", ["--lm-weight", "--word-bonus"])
 def test_decoder_weights_must_be_finite(option, capsys):
     parser = argparse.ArgumentParser()
@@ -442,6 +554,12 @@ def test_a_beam_width_below_one_is_refused_as_the_arguments_are_read(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--beam", value])
         assert f"argument --beam: must be at least 1, not {value}" in capsys.readouterr().err
+
+
+def test_beam_width_zero_is_refused_rather_than_taken_as_the_default():
+    arguments = argparse.Namespace(beam=0, lm=None, lm_weight=None, word_bonus=None)
+    with pytest.raises(ValueError, match="beam width must be at least 1"):
+        decode.from_arguments(arguments)
 
 
 def test_a_beam_width_past_the_maximum_is_refused_as_the_arguments_are_read(capsys):

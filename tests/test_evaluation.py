@@ -1,0 +1,371 @@
+"""Evaluation: corpus error rates, evaluate over a manifest, and the model tools trainer.evaluate and
+trainer.transcribe."""
+import argparse
+import functools
+import importlib
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from conftest import REPO_ROOT, compose_config, small_checkpoint
+from data.manifest import Utterance, write_manifest
+from trainer import build, checkpoint, inference, lm
+from trainer.metrics import ErrorCounts, edit_distance
+
+
+def test_edit_distance_hand_worked():
+    assert edit_distance("KITTEN", "SITTING") == 3
+    assert edit_distance([], list("ABC")) == 3
+    assert edit_distance(list("ABC"), []) == 3
+    assert edit_distance("SAME", "SAME") == 0
+
+
+def test_corpus_error_rates_are_ratios_of_sums():
+    counts = ErrorCounts()
+    # "TWO SIX EIGHT" -> "TWO SIX": one deletion of 3 words; "YES" -> "YES": none.
+    assert counts.add("TWO SIX EIGHT", "TWO SIX") == (1, 6)
+    assert counts.add("YES", "YES") == (0, 0)
+    assert counts.wer == pytest.approx(100 * 1 / 4)
+    assert counts.cer == pytest.approx(100 * 6 / (13 + 3))
+    # Substitution plus insertion: "GO" -> "NO NO" is 1 substitution + 1 insertion over 1 word.
+    other = ErrorCounts()
+    other.add("GO", "NO NO")
+    assert other.wer == pytest.approx(200.0)
+    counts.unreadable = 2
+    assert ErrorCounts.from_tensor(counts.as_tensor()) == counts
+
+
+def test_counts_summed_over_ranks_stay_exact_past_float32s_integers():
+    # The evaluation sums each rank's as_tensor() in one all-reduce: a test set of 2^24 characters and more (some 300
+    # hours of speech) must come back to the character, as float32 would not (2^24 + 1 rounds to 2^24).
+    ranks = [ErrorCounts(3, 10, 2**24 + 1, 2**24 + 3, 1), ErrorCounts(4, 2**24 + 1, 5, 7, 0)]
+    summed = ErrorCounts.from_tensor(sum(counts.as_tensor() for counts in ranks))
+    assert summed == ErrorCounts(7, 2**24 + 11, 2**24 + 6, 2**24 + 10, 1)
+
+
+def test_error_rates_against_an_independent_edit_distance_over_random_texts():
+    """Each utterance's errors are the edit distance by the recursive definition (memoised), and the corpus rates the
+    summed errors over the summed reference words and characters, whatever the per-utterance ratios average to."""
+    def distance(reference, hypothesis):
+        @functools.cache
+        def d(i, j):
+            if not i or not j:
+                return i + j
+            return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (reference[i - 1] != hypothesis[j - 1]))
+        return d(len(reference), len(hypothesis))
+
+    rng = random.Random(0)
+    words = ["A", "AB", "BA", "B'A", "ABBA"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 6))) for _ in range(200)]
+    pairs = [*zip(texts[::2], texts[1::2]), ("A AB", ""), ("", "A AB"), ("ABBA", "ABBA")]
+    counts = ErrorCounts()
+    for reference, hypothesis in pairs:
+        expected = (distance(tuple(reference.split()), tuple(hypothesis.split())), distance(reference, hypothesis))
+        assert counts.add(reference, hypothesis) == expected, (reference, hypothesis)
+    word_errors = [distance(tuple(r.split()), tuple(h.split())) for r, h in pairs]
+    assert counts.wer == pytest.approx(100 * sum(word_errors) / sum(len(r.split()) for r, _ in pairs), rel=1e-12)
+    ratios = [errors / len(r.split()) for errors, (r, _) in zip(word_errors, pairs) if r]
+    assert counts.wer != pytest.approx(100 * sum(ratios) / len(ratios), rel=1e-3)  # the texts tell the two apart
+    char_errors = sum(distance(r, h) for r, h in pairs)
+    assert counts.cer == pytest.approx(100 * char_errors / sum(len(r) for r, _ in pairs), rel=1e-12)
+
+
+def test_no_words_have_no_error_rate_rather_than_a_perfect_one():
+    # A test set none of whose audio could be read once scored 0.00 % and was kept as the best checkpoint.
+    assert math.isnan(ErrorCounts(unreadable=130).wer) and math.isnan(ErrorCounts().cer)
+    assert not ErrorCounts(unreadable=130).beats(math.inf, math.inf)
+
+
+def test_the_best_checkpoint_is_chosen_among_evaluations_that_read_the_most():
+    # (word errors, words, char errors, chars, unreadable): WER 10 % over the whole set, 5 % over part of it.
+    whole, part = ErrorCounts(2, 20, 3, 60, 0), ErrorCounts(1, 20, 1, 60, 4)
+    assert whole.beats(math.inf, math.inf) and part.beats(math.inf, math.inf)
+    assert whole.beats(part.unreadable, part.wer) and not part.beats(whole.unreadable, whole.wer)
+    assert not whole.beats(0, 10.0) and whole.beats(0, 10.5)
+
+
+def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(tmp_path, monkeypatch, capsys):
+    from trainer import transcribe
+
+    path = small_checkpoint(tmp_path / "8k.pt", "data.features.sample_rate=8000")
+    good, huge = tmp_path / "good.wav", tmp_path / "huge.wav"
+    soundfile.write(good, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    soundfile.write(huge, np.full(16000, 3e38), 16000, subtype="FLOAT")  # float32, whose squares overflow
+    rates = []
+    load_audio = transcribe.load_audio
+    monkeypatch.setattr(transcribe, "load_audio", lambda file, rate: rates.append(rate) or load_audio(file, rate))
+    assert transcribe.main(["--checkpoint", str(path), "--device", "cpu", str(good), str(huge)]) == 1
+    assert rates == [8000, 8000]
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}\t"), out
+    assert f"{huge}\terror: its features are not finite (its largest sample is " in err, err  # the path once
+
+
+def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_path):
+    # Where stdout's UTF-8 is strict (a locale such as en_US.UTF-8, or PYTHONIOENCODING), b"\xff.wav" ended
+    # python -m trainer.transcribe in a UnicodeEncodeError traceback.
+    path = small_checkpoint(tmp_path / "small.pt")
+    audio = bytes(tmp_path) + b"/\xff.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    result = subprocess.run([sys.executable, "-m", "trainer.transcribe", "--checkpoint", str(path), "--device", "cpu",
+                             audio], cwd=REPO_ROOT, capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert result.returncode == 0 and result.stdout.startswith(audio + b"\t"), result.stdout + result.stderr
+
+
+def test_evaluate_writes_a_file_name_that_is_not_utf8_into_its_table_as_its_own_bytes(tmp_path, capsys):
+    # A manifest in a folder named with b"\xff" names its audio through it; --out was refused in a line of the codec's
+    # ("error: 'utf-8' codec can't encode character '\udcff' ..."), and the table not written.
+    from trainer import evaluate
+    corpus = Path(os.fsdecode(bytes(tmp_path) + b"/corpus\xff"))
+    corpus.mkdir()
+    soundfile.write(os.fsencode(corpus / "a.wav"), 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    with open(corpus / "m.jsonl", "w", encoding="utf-8") as manifest:
+        manifest.write('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}\n')
+    out = tmp_path / "table.tsv"
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(corpus / "m.jsonl"), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.read_bytes().splitlines()[1].startswith(os.fsencode(corpus / "a.wav") + b"\t")
+
+
+def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_not_as_unreadable(tmp_path, capsys):
+    """A readable file whose manifest duration hides that its audio is too short for its transcript is found out when
+    loaded: the summary called it unreadable, while the warning above it said why."""
+    from trainer import evaluate
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
+    soundfile.write(tmp_path / "a.wav", noise, 16000)
+    soundfile.write(tmp_path / "short.wav", noise[:1], 16000)  # one sample: one output frame
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    utterances = [("a.wav", "A"), ("short.wav", "NO"), ("corrupt.flac", "GO")]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in utterances))
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(tmp_path / "m.jsonl")]) == 0
+    assert "; left out: 1 utterance (unreadable), 1 utterance (too long for stride))" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_a_model_that_is_not_finite_in_one_line(tool, tmp_path, capsys):
+    main = importlib.import_module(f"trainer.{tool}").main
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "A", "a")])
+    inputs = [str(audio)] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
+    saved = checkpoint.load(small_checkpoint(tmp_path / "small.pt"))
+    saved["model"]["classifier.weight"][0, 0] = math.nan
+    checkpoint.save(tmp_path / "nan.pt", saved)
+    assert main(["--checkpoint", str(tmp_path / "nan.pt"), "--device", "cpu", *inputs]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nan.pt'}: its model holds values that are not finite, "
+                                       "in classifier.weight\n")
+    # Finite weights whose output is not (the batch norm's running variance negative: the square root of it NaN).
+    saved = checkpoint.load(small_checkpoint(tmp_path / "small.pt"))
+    variance = next(name for name in saved["model"] if name.endswith("running_var"))
+    saved["model"][variance].fill_(-1.0)
+    checkpoint.save(tmp_path / "negative.pt", saved)
+    assert main(["--checkpoint", str(tmp_path / "negative.pt"), "--device", "cpu", *inputs]) == 2
+    error = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after evaluate's progress bar
+    assert error.startswith(f"error: {tmp_path / 'negative.pt'}: log_probs hold NaN") and error.count("\n") == 1, error
+
+
+def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
+    # A machine with one GPU (faked: the tools' check asks torch how many) answered "has 1 CUDA GPU(s)".
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'cuda:1': this machine has 1 CUDA GPU$"):
+        inference.device_argument("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'cuda:2': this machine has 2 CUDA GPUs$"):
+        inference.device_argument("cuda:2")
+
+
+def test_evaluate_refuses_a_pipe_that_a_checkpoint_names_as_its_test_set(tmp_path):
+    """A checkpoint whose stored data.eval_manifest is a named pipe: opening it waited for a writer, for ever (run in
+    a process of its own here, so that the wait fails the test rather than hangs it)."""
+    pipe = tmp_path / "fifo"
+    os.mkfifo(pipe)
+    path = small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={pipe}")
+    result = subprocess.run([sys.executable, "-m", "trainer.evaluate", "--checkpoint", str(path), "--device", "cpu"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (2, f"error: the run's data.eval_manifest {pipe} is not a file (a "
+                                                     "pipe, a device, a folder): give --manifest\n")
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
+    main = importlib.import_module(f"trainer.{tool}").main
+    extra = ["a.flac"] if tool == "transcribe" else []
+    assert main(["--checkpoint", str(tmp_path / "nope.pt"), *extra]) == 2
+    assert capsys.readouterr().err == f"error: checkpoint not found: {tmp_path / 'nope.pt'}\n"
+    path = small_checkpoint(tmp_path / "small.pt")
+    devices = [("tpu9", "argument --device: 'tpu9' is not a device: cpu, cuda or cuda:N"),
+               ("meta", "argument --device: 'meta': the model runs on cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        devices.append(("cuda", "argument --device: 'cuda': no CUDA GPU is visible here"))
+    for device, complaint in devices:
+        with pytest.raises(SystemExit) as stopped:
+            main(["--checkpoint", str(path), "--device", device, *extra])
+        assert stopped.value.code == 2 and capsys.readouterr().err.endswith(f"error: {complaint}\n")
+    # A language model's weights without one would be ignored: the greedy decoder takes no weights.
+    assert main(["--checkpoint", str(path), "--device", "cpu", "--lm-weight", "7", *extra]) == 2
+    assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
+                                       "too\n")
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(tool, tmp_path, capsys):
+    # A checkpoint that cannot be read: each argument error must come before it is found (after loading the checkpoint
+    # and the language model, which a user waits for, these errors came only where both could be read).
+    main = importlib.import_module(f"trainer.{tool}").main
+    unreadable = tmp_path / "unreadable.pt"
+    unreadable.write_text("not a checkpoint\n")
+    common = ["--checkpoint", str(unreadable), "--device", "cpu"]
+    inputs = [str(tmp_path / "a.wav")] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
+    assert main([*common, "--word-bonus", "1", *inputs]) == 2
+    assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
+                                       "too\n")
+    if tool == "evaluate":
+        for output in (unreadable, tmp_path / "words.arpa", tmp_path / "m.jsonl"):
+            assert main([*common, "--lm", str(tmp_path / "words.arpa"), *inputs, "--out", str(output)]) == 2
+            assert capsys.readouterr().err == f"error: {output} is also an input of this command: writing it would " \
+                                              "destroy it\n"
+        assert unreadable.read_text() == "not a checkpoint\n"
+
+
+def evaluate_manifest(utterances, tmp_path, **options):
+    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments), `options` to
+    evaluate."""
+    from data.dataset import SpeechDataset
+    from data.manifest import Utterance, write_manifest
+    from data.sampler import eval_shard
+    from trainer.evaluate import evaluate
+
+    write_manifest(tmp_path / "m.jsonl", [Utterance(*arguments) for arguments in utterances])
+    cfg = compose_config(["model.depth=1", "model.hidden=8", "model.conv_channels=2", "data.features.kind=mel",
+                          "data.features.n_mels=40"])
+    features = build.features(cfg.data)
+    model = build.model(cfg.model, features.num_features)
+    dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
+    return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"), **options)
+
+
+def test_evaluation_counts_audio_too_short_for_its_transcript_apart_from_unreadable_audio(tmp_path):
+    soundfile.write(tmp_path / "short.wav", np.full(1, 0.1, np.float32), 16000)  # its manifest says 2 s
+    counts, rows = evaluate_manifest([(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
+                                      (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")], tmp_path)
+    assert (len(rows), counts.unreadable, counts.too_long_for_stride, counts.not_decoded) == (0, 1, 1, 2)
+    # best.pt's choice goes by both, as before they were told apart: a checkpoint's best_unreadable counted both
+    assert not counts.beats(1, math.inf) and ErrorCounts(words=1, too_long_for_stride=1).beats(2, math.inf)
+
+
+def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_path):
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    counts, rows = evaluate_manifest([(str(audio), 2.0, "  two   six eight ", "x")], tmp_path)
+    assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3 and counts.unreadable == 0
+
+
+def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source, tmp_path, caplog):
+    """A batch job's log, where a large test set ran for minutes without a word."""
+    caplog.set_level(logging.INFO)
+    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
+    five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
+    evaluate_manifest(five, tmp_path, progress_line_s=0)
+    assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
+        "evaluating: batch 1 of 2", "evaluating: batch 2 of 2"]
+    caplog.clear()
+    evaluate_manifest(five, tmp_path, progress_line_s=3600)
+    evaluate_manifest(five, tmp_path, progress_bar=True, progress_line_s=0)  # the bar says it; stderr not captured
+    assert "evaluating" not in caplog.text
+
+
+def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path, caplog):
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    counts, rows = evaluate_manifest([(str(audio), 2.0, "TWO", "x"), (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")],
+                                     tmp_path)
+    assert (len(rows), counts.words, counts.unreadable) == (1, 1, 1)
+    assert "gone.flac: no such audio file" in caplog.text
+
+
+def test_evaluation_leaves_the_model_in_its_mode_and_an_earlier_table_when_nothing_decodes(an4_source, tmp_path,
+                                                                                           capsys):
+    from data.dataset import SpeechDataset
+    from data.manifest import Utterance, write_manifest
+    from trainer.evaluate import evaluate, main
+
+    path = small_checkpoint(tmp_path / "small.pt")
+    model, features, _ = build.from_checkpoint(path, torch.device("cpu"))
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    write_manifest(tmp_path / "one.jsonl", [Utterance(str(audio), 2.0, "TWO", "x")])
+    dataset = SpeechDataset([tmp_path / "one.jsonl"], features, None, model.time_stride)
+    for training in (False, True):
+        model.train(training)
+        evaluate(model, dataset, [[0]], torch.device("cpu"))
+        assert model.training is training
+
+    write_manifest(tmp_path / "gone.jsonl", [Utterance(str(tmp_path / "gone.flac"), 1.0, "TWO", "x")])
+    table = tmp_path / "errors.tsv"
+    table.write_text("an earlier run's table\n")
+    assert main(["--checkpoint", str(path), "--manifest", str(tmp_path / "gone.jsonl"), "--out", str(table)]) == 1
+    assert "none of the 1 utterance of" in capsys.readouterr().err
+    assert table.read_text() == "an earlier run's table\n"
+
+
+def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tmp_path, capsys):
+    from trainer.evaluate import main
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES", "a")])
+    model = tmp_path / "words.arpa"
+    model.write_text(lm.build_arpa([["YES"]], 2))
+    arguments = ["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                 "--manifest", str(tmp_path / "m.jsonl"), "--lm", str(model)]
+    assert main([*arguments, "--out", str(model)]) == 2
+    assert capsys.readouterr().err == f"error: {model} is also an input of this command: writing it would destroy it\n"
+    assert model.read_text() == lm.build_arpa([["YES"]], 2)
+
+
+@pytest.mark.parametrize("argument", ["--lm", "--manifest"])
+def test_evaluate_refuses_an_empty_path_it_would_take_as_none_given(argument, tmp_path, capsys):
+    # --lm "$LM" with LM unset decoded without a language model (its --lm-weight ignored), and --manifest "" the run's
+    # data.eval_manifest, exit code 0 both.
+    from trainer.evaluate import main
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES", "a")])
+    arguments = {"--checkpoint": str(small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={tmp_path}/m.jsonl")),
+                 "--device": "cpu", "--manifest": str(tmp_path / "m.jsonl"), "--lm-weight": "2", argument: ""}
+    with pytest.raises(SystemExit) as refused:
+        main([part for pair in arguments.items() for part in pair])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument {argument}: an empty path (an unset shell variable?)\n")
+
+
+def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys):
+    # A language model can take minutes to read: a mistyped --manifest was told only after it had been read.
+    from trainer.evaluate import main
+
+    unreadable = tmp_path / "words.arpa"
+    unreadable.write_text("not a language model\n")
+    assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--lm",
+                 str(unreadable), "--manifest", str(tmp_path / "typo.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: manifest {tmp_path / 'typo.jsonl'} does not exist\n"
+
+
+def test_evaluate_help_says_what_the_tool_does(capsys):
+    from trainer.evaluate import main
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]
+    # It read "Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint."
+    assert "decodes a manifest with a saved checkpoint and prints" in " ".join(description.split()), description

@@ -1,0 +1,369 @@
+"""Resuming: the settings a resume must keep or may change, the checkpoint it continues and whose run that is, the
+parts it restores, and the metrics it keeps."""
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import compose_config
+from trainer import build, checkpoint
+from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
+from trainer.resume import (
+    check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
+    load_optimizer_state, restore, resumed_train_state, run_started_from,
+)
+from trainer.train import open_metrics, steps_from_the_resume
+
+
+def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_backend(tmp_path):
+    saved = OmegaConf.to_container(compose_config(["model.hidden=64", "optim=adamw"]), resolve=True)
+    check_resumable(saved, compose_config(["model.hidden=64", "model.backend=reference", "model.batch_slice=4"]),
+                    tmp_path / "last.pt")
+    with pytest.raises(ValueError) as error:
+        check_resumable(saved, compose_config(["model.hidden=32", "optim=sgd"]), tmp_path / "last.pt")
+    assert str(error.value).startswith(f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with "
+                                       "other settings (model.hidden=64 there, 32 here; ")
+    assert "; optim.name='adamw' there, 'sgd' here;" in str(error.value)
+    # The optimizer's state would bring back the checkpoint's rate, while config.yaml said the new one was used.
+    with pytest.raises(ValueError, match=r"settings \(optim.lr=0.001 there, 0.5 here\)$"):
+        check_resumable(saved, compose_config(["model.hidden=64", "optim.lr=0.5"]), tmp_path / "last.pt")
+    # The lookahead convolution is the unidirectional model's alone.
+    check_resumable(saved, compose_config(["model.hidden=64", "model.lookahead=5"]), tmp_path / "last.pt")
+    unidirectional = OmegaConf.to_container(compose_config(["model.hidden=64", "model.bidirectional=false"]),
+                                            resolve=True)
+    with pytest.raises(ValueError, match=r"settings \(model.lookahead=20 there, 5 here\)$"):
+        check_resumable(unidirectional, compose_config(["model.hidden=64", "model.bidirectional=false",
+                                                        "model.lookahead=5"]), tmp_path / "last.pt")
+    # Its sampler position counts global batches of its own size, order and utterances.
+    with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
+        check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
+                        tmp_path / "last.pt")
+    # Its utterances' paths, where it holds no digest of them (from before 2026-12-02); with one, which
+    # check_same_training_set compares, the same corpus in another folder resumes (it was refused for its paths).
+    moved = compose_config(["model.hidden=64", "data=manifest", "data.train_manifests=[/elsewhere/an4_train.jsonl]",
+                            "data.eval_manifest=manifests/an4_test.jsonl"])
+    with pytest.raises(ValueError, match=r"settings \(data.train_manifests=\['manifests/an4_train.jsonl'\] there, "
+                                         r"\['/elsewhere/an4_train.jsonl'\] here\)$"):
+        check_resumable(saved, moved, tmp_path / "last.pt")
+    assert "data.train_manifests=['manifests/an4_train.jsonl'] there, ['/elsewhere/an4_train.jsonl'] here" in (
+        check_resumable(saved, moved, tmp_path / "last.pt", holds_train_set=True))
+    # A config of another program's, without the keys the trainer's holds: one line naming them (it was
+    # omegaconf's ConfigAttributeError, "Missing key bidirectional", with a traceback).
+    del saved["model"]["bidirectional"]
+    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=\(not set\) there, true here\)$"):
+        check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
+
+
+# One change of each setting a resume must keep (RESUME_MUST_MATCH), from a unidirectional model, whose
+# model.lookahead counts: the weights would load under several of them (model.residual, data.features.normalize,
+# data.max_duration), and a run would train on without a word.
+CHANGE_OF_EACH_KEPT_SETTING = {
+    "model.depth": "model.depth=4", "model.hidden": "model.hidden=32", "model.cell": "model.cell=lstm",
+    "model.bidirectional": "model.bidirectional=true", "model.lookahead": "model.lookahead=5",
+    "model.residual": "model.residual=true", "model.conv_channels": "model.conv_channels=16",
+    "data.features": "data.features.normalize=false", "optim": "optim.weight_decay=0.5",
+    "train.global_batch_size": "train.global_batch_size=32", "seed": "seed=7", "data.sortagrad": "data.sortagrad=false",
+    "data.train_manifests": "data.train_manifests=[/elsewhere/an4_train.jsonl]",
+    "data.max_duration": "data.max_duration=10",
+}
+
+
+def test_each_setting_a_resume_must_keep_has_its_change_below():
+    assert set(RESUME_MUST_MATCH) == set(CHANGE_OF_EACH_KEPT_SETTING)
+
+
+@pytest.mark.parametrize("key", CHANGE_OF_EACH_KEPT_SETTING)
+def test_a_resume_refuses_a_change_of_each_setting_it_must_keep(key, tmp_path):
+    base = ["model.hidden=64", "model.bidirectional=false"]
+    saved = OmegaConf.to_container(compose_config(base), resolve=True)
+    override = CHANGE_OF_EACH_KEPT_SETTING[key]
+    with pytest.raises(ValueError, match=rf"other settings \({re.escape(override.split('=')[0])}=.* there, .* here\)$"):
+        check_resumable(saved, compose_config([*base, override]), tmp_path / "last.pt")
+
+
+def test_a_resume_names_the_settings_it_changes(tmp_path):
+    saved = OmegaConf.to_container(compose_config(["model.hidden=64", "train.resume=null"]), resolve=True)
+    # Nothing changed but the resume itself.
+    assert check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto"]), tmp_path / "last.pt") == []
+    # They were taken without a word (trainer.train logs these), and config.yaml, written anew, holds only this job's.
+    changed = check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto", "train.grad_clip_norm=5",
+                                                     "data.augment.enabled=false", "train.max_steps=9"]),
+                              tmp_path / "last.pt")
+    assert changed == ["data.augment.enabled=true there, false here", "train.grad_clip_norm=400.0 there, 5 here",
+                       "train.max_steps=null there, 9 here"]
+
+
+def test_a_refused_resume_names_each_value_as_an_override_gives_it_back(tmp_path):
+    """The values a refusal names are the ones to resume with: it said None, which given back (data.max_duration=None)
+    is Hydra's string 'None', refused by the config rules, where null was meant."""
+    saved = OmegaConf.to_container(compose_config(["data.max_duration=null"]), resolve=True)
+    with pytest.raises(ValueError, match=r"settings \((data.max_duration=\S+) there, 20.0 here\)$") as error:
+        check_resumable(saved, compose_config([]), tmp_path / "last.pt")
+    given_back = compose_config([re.search(r"\((\S+) there", str(error.value))[1]])
+    check_config(given_back)
+    assert check_resumable(saved, given_back, tmp_path / "last.pt") == []
+
+
+def test_a_resume_on_a_cpu_says_that_a_changed_train_amp_changes_nothing_there(tmp_path):
+    """A CPU computes in fp32 whatever train.amp says: the log said bf16 was taken, as though the run now used it."""
+    saved = OmegaConf.to_container(compose_config(["train.amp=none"]), resolve=True)
+    changed = check_resumable(saved, compose_config(["train.amp=bf16", "train.max_steps=9"]), tmp_path / "last.pt")
+    assert noting_what_does_nothing_here(changed, torch.device("cpu")) == [
+        "train.amp='none' there, 'bf16' here (nothing changes on cpu, which computes in fp32)",
+        "train.max_steps=null there, 9 here"]
+    assert noting_what_does_nothing_here(changed, torch.device("cuda", 0)) == changed  # bf16 autocast from here on
+
+
+def test_an_epoch_line_names_the_steps_trained_since_a_resume():
+    assert steps_from_the_resume(0, 4) == ""
+    assert steps_from_the_resume(1, 4) == " (steps 2-4, from the resume)"
+    assert steps_from_the_resume(3, 4) == " (step 4, from the resume)"  # it said "steps 4-4"
+    assert steps_from_the_resume(4, 4) == " (its steps trained before the resume)"  # stopped during its evaluation
+
+
+def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
+    """A fused optimizer step writes each parameter's size into its state whatever that state's own: a smaller one
+    corrupted memory (a segfault), an expanded one took gigabytes. A schedule copies any key onto itself."""
+    network = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(network.parameters(), fused=True)
+    network(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    checkpoint.check_optimizer_state(saved, optimizer)
+    for broken, described in ((torch.zeros(1), "shape (1,)"), (torch.zeros(1).expand(2, 3), "shape (2, 3)"),
+                              (torch.zeros(2, 3, dtype=torch.float64), "torch.float64")):
+        edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
+        with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
+            checkpoint.check_optimizer_state(edited, optimizer)
+    with pytest.raises(ValueError, match="its state of parameter 0 is an int, not a mapping"):
+        checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
+    with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
+        checkpoint.check_optimizer_state({**saved, "state": list(saved["state"].values())}, optimizer)
+    # Adam's count of updates: a negative one turned every weight to NaN at the first step, which the run then called
+    # diverged; a vector ended the first step in a traceback.
+    for step, described in ((torch.tensor(-1.0), "-1.0"), (torch.tensor(math.nan), "nan"), (-2, "-2"),
+                            (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), ("3", "a str")):
+        edited = {**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}}
+        with pytest.raises(ValueError, match=rf"^its state 'step' of parameter 1 is {described}, not a count of up"):
+            checkpoint.check_optimizer_state(edited, optimizer)
+    for step in (torch.tensor(3.0), 3, 3.0):  # as torch writes it, and as older versions did
+        checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}},
+                                         optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    current = schedule.state_dict()
+    assert known_entries({**current, "optimizer": 1}, current) == current
+    with pytest.raises(ValueError, match="its last_epoch is a float, not an int"):
+        known_entries({**current, "last_epoch": 0.5}, current)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_an_optimizer_state_from_before_fused_optimizers_resumes_fused(name):
+    """Checkpoints from before 2026-11-27 hold fused=None: loaded as saved, the step took torch's unfused path, which
+    refuses the found_inf that train_step passes (AssertionError on the first step)."""
+    cfg = OmegaConf.create({"name": name, "lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0, "momentum": 0.9})
+    network = torch.nn.Linear(3, 2)
+    optimizer = build.optimizer(cfg, network.parameters())
+    network(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["param_groups"] = [{**group, "fused": None} for group in saved["param_groups"]]
+    resumed = build.optimizer(cfg, network.parameters())
+    load_optimizer_state(resumed, saved)
+    assert [group["fused"] for group in resumed.param_groups] == [True]
+    assert resumed.param_groups[0]["lr"] == 1e-3
+    resumed.found_inf = torch.zeros(())  # as train_step passes it
+    resumed.step()
+
+
+def test_a_checkpoint_of_another_training_set_is_refused():
+    here = "948 utterances, sha256 0123456789abcdef"
+    check_same_training_set({"train_set": here}, here, Path("last.pt"))
+    check_same_training_set({}, here, Path("last.pt"))  # written before checkpoints held one
+    with pytest.raises(ValueError, match=r"cannot resume from last.pt: it was written for another training set "
+                                         r"\(947 utterances, sha256 fedcba9876543210; 948 utterances, sha256 "
+                                         r"0123456789abcdef here\): a manifest changed since"):
+        check_same_training_set({"train_set": "947 utterances, sha256 fedcba9876543210"}, here, Path("last.pt"))
+
+
+def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_path):
+    path = tmp_path / "last.pt"
+    state = {"epoch": 0, "step": 0, "best_wer": math.inf, "elapsed_s": 0.0}
+    loaders = {"model": torch.nn.Linear(2, 3).load_state_dict,
+               "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
+               "rng": lambda states: checkpoint.set_rng_state(states[0], torch.device("cpu"))}
+    good = {"model": torch.nn.Linear(2, 3).state_dict(), "train_state": {"epoch": 2, "step": 9, "best_wer": 50.0},
+            "rng": [checkpoint.rng_state(torch.device("cpu"))]}
+    restore(path, good, loaders)
+    assert state == {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": 0.0, "best_unreadable": 0}
+    none_evaluated = {"epoch": 0, "step": 0, "best_wer": math.inf}
+    assert resumed_train_state({**state, "best_wer": math.inf}, none_evaluated)["best_wer"] == math.inf
+    cases = [
+        ("model", torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
+        ("train_state", {"epoch": 2, "step": "9"},
+         "no number from 0 up, or no count where one belongs, for step='9', best_wer=None"),
+        ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1},
+         "no count where one belongs, for epoch=2.0, step=-1"),
+        # A hand-edited NaN best_wer: no WER beats it, so best.pt stayed as it was for the rest of the run.
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": math.nan}, r"for best_wer=nan\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": -1.0}, r"for best_wer=-1.0\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.inf}, r"for elapsed_s=inf\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.nan}, r"for elapsed_s=nan\)$"),
+        ("rng", [], "list index out of range"),
+    ]
+    for part, value, reason in cases:
+        with pytest.raises(ValueError, match=rf"cannot resume from {re.escape(str(path))}: its {part} does not fit "
+                                             rf"this run \(.*{reason}") as error:
+            restore(path, {**good, part: value}, loaders)
+        assert "\n" not in str(error.value)
+
+
+def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    steps = [{"step": step, "epoch": (step - 1) // 4, "loss": 1.0 / step} for step in range(1, 11)]
+    evaluations = [{"epoch": 1, "eval_wer": 90.0}, {"epoch": 2, "eval_wer": 80.0}]
+    lines = steps[:4] + evaluations[:1] + steps[4:8] + evaluations[1:] + steps[8:]
+    # Lines added or edited by hand and a line killed mid-write are no lines of the trainer's.
+    written = ("".join(json.dumps(line) + "\n" for line in lines[:3]) + '{"note": "lr lowered"}\n'
+               + '{"step": "6b", "loss": 0.1}\n{"epoch": null}\n'
+               + "".join(json.dumps(line) + "\n" for line in lines[3:]) + '{"step": 11, "ep')
+    path.write_text(written)
+    # A checkpoint from inside the second epoch, at step 6: one evaluation, six losses.
+    with open_metrics(path, {"epoch": 1, "step": 6}) as metrics:
+        metrics.write(json.dumps({"step": 7, "epoch": 1, "loss": 0.5}) + "\n")
+        assert path.read_text().endswith('"loss": 0.5}\n')  # on disk at once, for tail -f and a job killed next
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == steps[:4] + evaluations[:1] + steps[4:6] + [{"step": 7, "epoch": 1, "loss": 0.5}]
+
+    path.write_text(written)
+    with open_metrics(path, None):  # a fresh run
+        pass
+    assert path.read_text() == ""
+
+
+def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints_is_refused(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')  # a job that died before its checkpoint
+    assert checkpoint_to_resume(None, run_dir) is None
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        assert checkpoint_to_resume("auto", run_dir) is None
+    assert "no " + str(run_dir / "checkpoints" / "last.pt") + " yet, starting afresh" in caplog.text
+
+    elsewhere = tmp_path / "other" / "checkpoints" / "last.pt"
+    with pytest.raises(FileNotFoundError, match=f"checkpoint not found: {re.escape(str(elsewhere))}"):
+        checkpoint_to_resume(str(elsewhere), run_dir)
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_bytes(b"")
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # into a run directory of no checkpoints
+
+    (run_dir / "checkpoints" / "step3.pt").write_bytes(b"")  # a copy the user saved: auto cannot take it
+    with pytest.raises(ValueError, match=r"\(step3.pt in checkpoints/\), which starting afresh would overwrite: "
+                                         r"continue it with train.resume=PATH, or give"):
+        checkpoint_to_resume("auto", run_dir)
+    (run_dir / "checkpoints" / "step3.pt").unlink()
+    (run_dir / "checkpoints" / "best.pt").write_bytes(b"")  # a first last.pt whose save did not finish
+    with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(best.pt in "
+                                         r"checkpoints/\), which starting afresh would overwrite"):
+        checkpoint_to_resume(None, run_dir)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "best.pt"
+    assert "no " + str(run_dir / "checkpoints" / "last.pt") + ", continuing from " in caplog.text
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    assert checkpoint_to_resume("auto", run_dir) == run_dir / "checkpoints" / "last.pt"
+    best = run_dir / "checkpoints" / "best.pt"
+    assert checkpoint_to_resume(str(best), run_dir) == best
+    with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
+        checkpoint_to_resume(None, run_dir)
+    assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # continued_run_id decides, once it is read
+
+
+def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_of_that_runs(tmp_path):
+    run_dir, outside = tmp_path / "run", tmp_path / "copy" / "step3.pt"
+    continued_run_id({"run_id": "b"}, outside, run_dir)  # no checkpoints there: a new run starts from it
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    continued_run_id({"run_id": "a"}, outside, run_dir)  # a copy of one of its own
+    continued_run_id({"run_id": "b"}, run_dir / "checkpoints" / "last.pt", run_dir)  # its own file: whatever it holds
+    # The command that started the run from `outside`, run again, was told only to take another run_name: a new run
+    # from `outside` again.
+    for saved in ({"run_id": "b"}, {}):  # another run's, or one from before run ids: it cannot tell
+        with pytest.raises(ValueError, match=rf"{re.escape(str(run_dir))} already holds a run \(last.pt in "
+                                             rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
+                                             r"checkpoints .* would overwrite them; continue the run there with "
+                                             r"train.resume=auto \(the same command run again, a requeued job\), or "
+                                             r"give this run another run_name$"):
+            continued_run_id(saved, outside, run_dir)
+
+
+def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_from_any_other_is_left_to_refuse(
+        tmp_path, caplog):
+    """The command that started a run from another run's checkpoint, run again (a requeued job), was refused once the
+    run directory held the run's own checkpoints: it continues from the last of them, where they record that start."""
+    run_dir, start = tmp_path / "run", tmp_path / "parent" / "last.pt"
+    parts = {part: {} for part in checkpoint.TRAINING_PARTS}
+
+    def saved(run_id, step, started_from=None):
+        return {**parts, "train_state": {"step": step}, "run_id": run_id, "started_from": started_from}
+
+    assert run_started_from(start, saved("parent", 3), run_dir) is None  # no checkpoints there: a new run starts
+    checkpoint.save(run_dir / "checkpoints" / "best.pt", saved("ft", 4, {"run_id": "parent", "step": 3}))
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "ft", "from_step": 3}) + "\n")
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        own, own_saved = run_started_from(start, saved("parent", 3), run_dir)
+    assert own == run_dir / "checkpoints" / "best.pt" and own_saved["train_state"] == {"step": 4}  # no last.pt yet
+    assert (f"train.resume={start} is the checkpoint this run directory's run started from (run parent at step 3): "
+            f"the same command run again continues that run from {own}, as train.resume=auto would") in caplog.text
+    checkpoint.save(run_dir / "checkpoints" / "last.pt", saved("ft", 5, {"run_id": "parent", "step": 3}))
+    assert run_started_from(start, saved("parent", 3), run_dir)[0] == run_dir / "checkpoints" / "last.pt"
+    # The run it names has gone on, another run's at that step, one from before run ids, or the run's own: not its
+    # start, and continued_run_id decides as before.
+    for other in (saved("parent", 4), saved("other", 3), saved(None, 3), saved("ft", 3)):
+        assert run_started_from(start, other, run_dir) is None
+    assert run_started_from(run_dir / "checkpoints" / "best.pt", saved("parent", 3), run_dir) is None
+    checkpoint.save(run_dir / "checkpoints" / "last.pt", saved("ft", 5))  # from before runs recorded their start
+    assert run_started_from(start, saved("parent", 3), run_dir) is None
+
+
+def test_only_a_resume_that_starts_a_new_run_says_it_is_another_runs_checkpoint(tmp_path, caplog):
+    """A copy of the run's own checkpoint continues its metrics.jsonl, and one another run's checkpoints refuse starts
+    nothing: the log said of both that this run wrote its metrics.jsonl from the checkpoint's next step on."""
+    run_dir, outside = tmp_path / "run", tmp_path / "copy" / "step3.pt"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    outside.parent.mkdir()
+    outside.write_bytes(b"")
+    new_run = "another run directory's checkpoint: this run writes to"
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        assert checkpoint_to_resume(str(outside), run_dir) == outside  # which run's, continued_run_id says once read
+        assert continued_run_id({"run_id": "a"}, outside, run_dir) == "a"
+        with pytest.raises(ValueError, match="is not one of its checkpoints"):
+            continued_run_id({"run_id": "b"}, outside, run_dir)
+        assert new_run not in caplog.text
+        assert continued_run_id({"run_id": "b"}, outside, tmp_path / "fresh") is None
+    assert caplog.text.count(new_run) == 1
+
+
+def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(tmp_path, caplog):
+    """checkpoints/ a link to a larger disk: its checkpoints were taken for another run's, so a resume chose best.pt
+    afresh (the first evaluation after it replaced the best one) and one from before run ids was refused."""
+    run_dir, disk = tmp_path / "run", tmp_path / "disk" / "run"
+    disk.mkdir(parents=True)
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(disk)
+    (disk / "last.pt").write_bytes(b"")
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n")
+    for path in (run_dir / "checkpoints" / "last.pt", disk / "last.pt"):
+        assert is_own_checkpoint(path, run_dir)
+        continued_run_id({}, path, run_dir)  # from before run ids: its own file, whatever it holds
+        with caplog.at_level("INFO", logger="trainer.resume"):
+            checkpoint_to_resume(str(path), run_dir)
+        assert "another run directory's checkpoint" not in caplog.text
+    (tmp_path / "copy.pt").write_bytes(b"")
+    assert not is_own_checkpoint(tmp_path / "copy.pt", run_dir)

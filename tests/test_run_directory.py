@@ -1,0 +1,254 @@
+"""A run's directory and what a run records there: its lock, links to nothing, run names and sweep job folders,
+jobs.jsonl, metrics.jsonl and TensorBoard events on a full disk, and which errors are one line."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO_ROOT
+from trainer import run_directory
+import trainer.__main__ as trainer_main
+from trainer.__main__ import user_error_message
+from trainer.distributed import DistEnv
+from trainer.environment import command_line, device_name, source_commit, versions
+from trainer.resume import recorded_run_id
+from trainer.run_directory import MAX_FOLDER_NAME, hold_run_directory, job_folder
+from trainer.train import record_job
+
+
+def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
+    """Data-loading workers are forked with the lock's file open: an flock, which they shared, stayed held until they
+    noticed their parent had died, and a job restarted at once was refused, naming a dead process."""
+    script = ("import os, sys, time\n"
+              "from pathlib import Path\n"
+              "from trainer.run_directory import hold_run_directory\n"
+              "with hold_run_directory(Path(sys.argv[1]), is_main=True):\n"
+              "    if os.fork() == 0:\n"
+              "        time.sleep(120)\n"
+              "        os._exit(0)\n"
+              "    print('held', flush=True)\n"
+              "    time.sleep(120)\n")
+    job = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        assert job.stdout.readline() == "held\n"
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on "):
+            with hold_run_directory(tmp_path, is_main=True):
+                pass
+        job.kill()  # the job alone: its forked child holds the lock's file still
+        job.wait()
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+
+
+@pytest.mark.parametrize("folder, written", [("checkpoints", "its checkpoints"),
+                                             ("tensorboard", "its TensorBoard events")])
+def test_a_run_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_training(folder, written, tmp_path):
+    """Linked to a scratch disk that is not mounted: the first checkpoint failed after an epoch's work, saying 'File
+    exists', and TensorBoard's writer in a traceback."""
+    (tmp_path / folder).symlink_to(tmp_path / "unmounted")
+    with pytest.raises(ValueError) as error:
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    assert str(error.value) == (f"{tmp_path / folder} is a symbolic link to {tmp_path / 'unmounted'}, which does not "
+                                f"exist: the run writes {written} there")
+
+
+@pytest.mark.parametrize("link", ["runs", "runs/name"])
+def test_a_run_directory_under_a_symbolic_link_to_nothing_names_the_link_and_its_target(link, tmp_path, capsys):
+    """runs/ (or the run's own folder) linked to a scratch disk that is not mounted: mkdir said only 'File exists'."""
+    (tmp_path / link).parent.mkdir(exist_ok=True)
+    (tmp_path / link).symlink_to(tmp_path / "unmounted")
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(str(tmp_path / "runs" / "name"))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: cannot make the run directory {tmp_path / 'runs' / 'name'}: "
+                                       f"{tmp_path / link} is a symbolic link to {tmp_path / 'unmounted'}, which does "
+                                       "not exist\n")
+
+
+def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
+    permissions do not stop, so the system's answer is played: a read-only file system gives the same."""
+    run_directory.make_or_exit(str(tmp_path))
+    monkeypatch.setattr(run_directory.os, "access", lambda path, mode: False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(str(tmp_path))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: cannot write in the run directory {tmp_path}\n"
+
+
+def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_line(tmp_path):
+    """A resumed run rewrites metrics.jsonl with the lines its checkpoint covers; a full disk, played by a file size
+    limit (the write fails with EFBIG), leaves the file as it was and no temporary file, and the error names it."""
+    path = tmp_path / "metrics.jsonl"
+    written = "".join(json.dumps({"step": step, "epoch": 0, "loss": 1.0}) + "\n" for step in range(1, 41))
+    path.write_text(written)
+    script = (
+        "import resource\n"
+        "from pathlib import Path\n"
+        "from trainer.__main__ import user_error_message\n"
+        "from trainer.train import open_metrics\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        f"    open_metrics(Path({str(path)!r}), {{'epoch': 0, 'step': 30}})\n"
+        "except OSError as error:\n"
+        f"    print(user_error_message(error, Path({str(tmp_path)!r})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith(f"cannot write {path}: File too large; "), result.stderr
+    assert f" MiB free in {tmp_path}; checkpoints are written whole or not at all" in result.stdout
+    assert path.read_text() == written and [file.name for file in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_tensorboard_events_the_disk_cannot_hold_are_one_error_in_the_main_thread_and_no_thread_traceback(tmp_path):
+    script = (
+        "import resource\n"
+        "from trainer.train import tensorboard_writer\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        f"writer = tensorboard_writer({str(tmp_path)!r}, None)\n"
+        "try:\n"
+        "    for step in range(1000):\n"
+        "        writer.add_scalar('loss', 1.0, step)\n"
+        "        writer.flush()\n"
+        "except OSError as error:\n"
+        "    print(error.errno)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == f"{errno.EFBIG}\n" and result.stderr == "", result.stderr
+
+
+def test_only_what_the_user_fixes_is_a_one_line_error():
+    assert user_error_message(ValueError("model.depth must be a positive integer"), Path("r")) == (
+        "model.depth must be a positive integer")
+    assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r")).startswith(
+        "cannot write r/config.yaml: Disk quota exceeded")
+    # A file named in the config that cannot be opened (a manifest: no permission, a name too long) got a traceback.
+    assert user_error_message(PermissionError(errno.EACCES, "Permission denied", "m.jsonl"), Path("r")) == (
+        "cannot open m.jsonl: Permission denied")
+    with pytest.raises(OSError) as too_long:
+        open("x" * 300)
+    assert user_error_message(too_long.value, Path("r")) == f"cannot open {'x' * 300}: File name too long"
+    # An interpolation that does not resolve (a typo in an override or an experiment file) was three lines.
+    with pytest.raises(ValueError) as unresolved:
+        OmegaConf.select(OmegaConf.create({"model": {"hidden": "${nope}"}}), "model.hidden")
+    assert user_error_message(unresolved.value, Path("r")) == "model.hidden: Interpolation key 'nope' not found"
+    assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
+    assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
+
+
+def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
+    commit = source_commit()
+    assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", commit), commit
+    assert versions(torch.device("cpu"))["commit"] == commit
+    assert source_commit(tmp_path) is None  # no git checkout there
+    # An installed copy inside a checkout (pip install . into its .venv) is not that checkout's code: it gave the
+    # checkout's commit.
+    checkout, installed = tmp_path / "checkout", tmp_path / "checkout" / ".venv" / "site-packages"
+    (installed / "trainer").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "trainer" / "environment.py", installed / "trainer")
+    (checkout / ".gitignore").write_text(".venv/\n")
+    for command in (["init", "-q"], ["add", ".gitignore"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit",
+                                                              "-qm", "first"]):
+        subprocess.run(["git", "-C", str(checkout), *command], check=True, capture_output=True)
+    assert source_commit(installed) is None
+    code = "from trainer.environment import command_line; print(command_line())"
+    printed = subprocess.run([sys.executable, "-c", code, "two words"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+    assert printed == f"python -c '{code}' 'two words'"
+
+
+def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_path, caplog):
+    path = tmp_path / "jobs.jsonl"
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    path.write_text('{"from_step": 0, "device": "an earlier run"}\n')
+    with caplog.at_level("INFO", logger="trainer.train"):
+        record_job(path, "run-a", 0, env, resumed=False)
+        record_job(path, "run-a", 40, env, resumed=True)
+    jobs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(job["run_id"], job["from_step"], job["world_size"]) for job in jobs] == [("run-a", 0, 1), ("run-a", 40, 1)]
+    assert recorded_run_id(tmp_path) == "run-a" and recorded_run_id(tmp_path / "elsewhere") is None
+    assert all(job["device"].startswith("CPU") and job["torch"] == torch.__version__ for job in jobs), jobs
+    assert all(job["command"] == command_line() for job in jobs), jobs
+    assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
+
+
+def test_a_job_after_one_that_left_half_a_line_in_jobs_jsonl_records_itself_and_the_run_id_whole(tmp_path):
+    # The next job's line was glued to the torn one: the run's id was then read as None, and that job was lost.
+    path = tmp_path / "jobs.jsonl"
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    record_job(path, "run-a", 0, env, resumed=False)
+    with open(path, "a") as jobs:
+        jobs.write('{"run_id": "run-a", "from_st')
+    assert recorded_run_id(tmp_path) == "run-a"
+    record_job(path, "run-a", 40, env, resumed=True)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[-1])["from_step"] == 40, lines
+    assert recorded_run_id(tmp_path) == "run-a"
+
+
+def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a rank of two on a 2-core machine: it read "(1 threads per rank)"
+        assert device_name(torch.device("cpu")).endswith(" (1 thread per rank)")
+        torch.set_num_threads(2)
+        assert device_name(torch.device("cpu")).endswith(" (2 threads per rank)")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch, capsys):
+    monkeypatch.setattr(trainer_main, "_failed_sweep_jobs", [])
+    assert trainer_main.sweep_exit_code() == 0
+    trainer_main._failed_sweep_jobs.append(("sweep job 0 (runs/a): bad value", 2))
+    assert trainer_main.sweep_exit_code() == 2
+    trainer_main._failed_sweep_jobs.append(("sweep job 3 (runs/b): RuntimeError: x (its traceback is above)", 1))
+    assert trainer_main.sweep_exit_code() == 1
+    assert "failed: sweep job 3 (runs/b): RuntimeError" in capsys.readouterr().err
+
+
+def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrides():
+    assert job_folder("data.eval_manifest=m/a.jsonl,model.cell=gru") == "data.eval_manifest=m_a.jsonl,model.cell=gru"
+    long = ",".join(f"data.train_manifests=[/corpus/{index:03d}.jsonl]" for index in range(20))
+    name = job_folder(long)
+    assert "/" not in name and len(name.encode()) == MAX_FOLDER_NAME and name.startswith("data.train_manifests=[")
+    assert job_folder(long) == name and job_folder(long.replace("019", "020")) != name  # stable, and apart
+    # Long paths give way to digests before the name is cut, so the keys a sweep varies stay in it.
+    paths = "data.eval_manifest=/tmp/" + "x" * 150 + "/test.jsonl,data.train_manifests=[/tmp/" + "x" * 150 + "/a.jsonl]"
+    name = job_folder(f"{paths},model.backend=reference,model.cell=gru")
+    assert name.startswith("data.eval_manifest=#") and name.endswith(",model.backend=reference,model.cell=gru"), name
+    assert len(name.encode()) <= MAX_FOLDER_NAME and job_folder(f"{paths.replace('a.jsonl', 'b.jsonl')},model.cell=gru"
+                                                                ) != job_folder(f"{paths},model.cell=gru")
+
+
+def test_run_names_hydra_parses_as_numbers_are_names_too():
+    from trainer.run_directory import check_run_name
+
+    for name in (1.5, 2024, "2024-06-01", "exp.v2", "a b"):
+        check_run_name(OmegaConf.create({"run_name": name}))  # returns: runs/1.5 is one folder of runs/
+    for name in (None, True, "", "..", "a/b"):
+        with pytest.raises(SystemExit):
+            check_run_name(OmegaConf.create({"run_name": name}))
+
+
+def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():
+    """The check deleted the hydra node from the config it was given, which its caller may read after it."""
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=cpu_demo"], return_hydra_config=True)
+    before = OmegaConf.to_yaml(cfg)
+    run_directory.check_job_config(cfg)
+    assert OmegaConf.to_yaml(cfg) == before

@@ -1,0 +1,206 @@
+"""The command-line tools' shared behaviour: Ctrl-C, output files written whole and never over an input, paths that
+are not UTF-8, inputs they cannot open, progress bars."""
+import argparse
+import fcntl
+import importlib
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+from conftest import REPO_ROOT, small_checkpoint
+from data.cli import shows_a_progress_bar
+from data.manifest import Utterance, write_manifest
+from trainer import checkpoint, cli
+from trainer.train import open_metrics
+
+
+def test_a_progress_bar_shows_on_a_terminal_that_has_a_width_only(tmp_path):
+    """tqdm draws nothing on a terminal of 0 columns (one no one gave a size), as it draws nothing worth reading in a
+    file: both get log lines instead."""
+    controller, terminal = os.openpty()
+    try:
+        with open(terminal, "w", closefd=False) as stream, open(tmp_path / "log", "w") as file:
+            assert not shows_a_progress_bar(stream) and not shows_a_progress_bar(file)
+            fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+            assert shows_a_progress_bar(stream)
+    finally:
+        os.close(terminal)
+        os.close(controller)
+
+
+def test_a_tools_output_may_be_a_stream(tmp_path):
+    # /dev/stdout into a pipe: written beside and renamed, it ended in "cannot write /dev/stdout" after the work.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                             "/dev/stdout"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "\\data\\\nngram 1=5\n" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("mode", ["w", "a"])
+def test_a_tools_output_to_dev_stdout_under_a_redirection_keeps_the_files_lines(tmp_path, mode):
+    # `--out /dev/stdout >> log.txt`: written beside the file and renamed over it, the lines >> had appended to were
+    # lost, and so were the tool's own lines on stdout, before and after.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    with open(log, mode) as stdout:
+        result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"),
+                                 "--out", "/dev/stdout"], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    earlier = "an earlier line\n" if mode == "a" else ""
+    written = log.read_text()
+    assert written.startswith(f"{earlier}counting the 3-grams of 1 transcript\n\\data\\\nngram 1=5\n"), written
+    assert written.endswith("\\end\\\nwrote /dev/stdout: a 3-gram model of 1 transcript\n"), written
+
+
+def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp_path, monkeypatch):
+    assert cli.output_file(str(tmp_path / "x.arpa")) == str(tmp_path / "x.arpa")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path} is a folder; name a file in it"):
+        cli.output_file(str(tmp_path))
+    too_long = tmp_path / ("x" * 300)  # a traceback out of argparse, which takes only its own errors from a type
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{too_long} cannot be written: File name too long$"):
+        cli.output_file(str(too_long))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # what a folder not the user's answers
+    with pytest.raises(argparse.ArgumentTypeError, match="x.arpa cannot be written"):
+        cli.output_file(str(tmp_path / "x.arpa"))
+
+
+def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert cli.run_tool(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted by Ctrl-C\n"
+    assert cli.run_tool(lambda: 3) == 3
+
+
+# Runs a tool as `python -m` does, sending it a real Ctrl-C as its first import of the module named in argv[1] begins.
+CTRL_C_WHILE_IMPORTING = """
+import builtins, os, runpy, signal, sys
+tool, interrupted_at = sys.argv[1:3]
+real_import = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name == interrupted_at:
+        builtins.__import__ = real_import
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = importing
+sys.argv = [tool, "--help"]
+runpy.run_module(tool, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("tool, interrupted_at", [
+    ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
+    ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
+    ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
+])
+def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool, interrupted_at):
+    """A Ctrl-C in the seconds a tool imports torch, before run_tool takes it, printed a traceback from inside them
+    (benchmarks.scaling, benchmarks.wer_parity and data.prepare still did, until they shared data.cli)."""
+    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted by Ctrl-C\n"), result.stderr
+
+
+@pytest.mark.parametrize("tool, interrupted_at", [
+    ("trainer.evaluate", "torch"), ("trainer.lm", "data.manifest"), ("benchmarks.scaling", "torch"),
+    ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
+])
+def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupted_at):
+    """A non-interactive shell starts `tool &` with SIGINT ignored, so that a Ctrl-C for the foreground job (the
+    terminal's, to the whole process group) leaves it running: the tools took SIGINT over and ended on it."""
+    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.startswith("usage:"), result.stdout
+
+
+def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path):
+    target, manifest = tmp_path / "out.tsv", tmp_path / "m.jsonl"
+    manifest.write_text("kept\n")
+    with pytest.raises(ValueError, match="is also an input of this command"):
+        cli.check_not_an_input(str(manifest), [str(tmp_path / "." / "m.jsonl")])
+    cli.check_not_an_input(None, [str(manifest)])
+    (tmp_path / "link.tsv").symlink_to(tmp_path / "nowhere" / "x.tsv")  # a dangling link: its folder does not exist
+    with pytest.raises(argparse.ArgumentTypeError, match=f"no folder {tmp_path / 'nowhere'}"):
+        cli.output_file(str(tmp_path / "link.tsv"))
+    cli.write_output(str(target), "table\n")
+    assert target.read_text() == "table\n" and sorted(path.name for path in tmp_path.iterdir()) == [
+        "link.tsv", "m.jsonl", "out.tsv"]
+
+
+def test_the_tools_print_a_path_that_is_not_utf8_with_its_bytes_escaped_as_data_prepare_does(tmp_path):
+    # trainer.lm and trainer.transcribe printed b"\xff" as stderr's "\udcff", which names no byte, where data.prepare
+    # prints "\xff"; and trainer.lm's last line, under strict UTF-8 (PYTHONIOENCODING), was a UnicodeEncodeError.
+    corpus = bytes(tmp_path) + b"/corpus\xff"
+    os.mkdir(corpus)
+    with open(corpus + b"/m.jsonl", "w", encoding="utf-8") as manifest:
+        manifest.write('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}\n' * 2)
+    shown = f"{tmp_path}/corpus\\xff".encode()
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", corpus + b"/m.jsonl", "--out",
+                             corpus + b"/lm.arpa"], cwd=REPO_ROOT, capture_output=True, timeout=120, env=strict)
+    assert result.returncode == 0, result.stderr
+    assert f"(the first: {shown.decode()}/a.wav)".encode() in result.stderr, result.stderr
+    assert result.stdout.endswith(b"wrote " + shown + b"/lm.arpa: a 3-gram model of 1 transcript; 1 whose audio "
+                                  b"file is listed before left out\n"), result.stdout
+    result = subprocess.run([sys.executable, "-m", "trainer.transcribe", "--checkpoint",
+                             str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", corpus + b"/absent.wav"],
+                            cwd=REPO_ROOT, capture_output=True, timeout=300, env=strict)
+    assert result.returncode == 1 and result.stderr.endswith(shown + b"/absent.wav\terror: no such audio file\n"), \
+        result.stderr
+
+
+@pytest.mark.parametrize("tool, argument", [("lm", "--manifest"), ("evaluate", "--manifest"), ("evaluate", "--lm"),
+                                            ("evaluate", "--checkpoint"), ("transcribe", "--checkpoint")])
+def test_the_tools_refuse_an_input_they_cannot_open_in_one_line(tool, argument, tmp_path, capsys):
+    # An OSError other than a missing file (no permission, which root is never refused; a name past the file system's
+    # 255 bytes) ended in a traceback.
+    main = importlib.import_module(f"trainer.{tool}").main
+    manifest, model = str(tmp_path / "m.jsonl"), str(small_checkpoint(tmp_path / "small.pt"))
+    write_manifest(manifest, [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
+    arguments = {"lm": ["--manifest", manifest, "--out", str(tmp_path / "words.arpa")],
+                 "evaluate": ["--checkpoint", model, "--device", "cpu", "--manifest", manifest],
+                 "transcribe": ["--checkpoint", model, "--device", "cpu", str(tmp_path / "a.wav")]}[tool]
+    unopenable = str(tmp_path / ("x" * 300))
+    if argument in arguments:
+        arguments[arguments.index(argument) + 1] = unopenable
+    else:
+        arguments += [argument, unopenable]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and unopenable in error and error.count("\n") == 1, error
+
+
+WHOLE_FILE_WRITERS = {
+    "manifest": lambda path: write_manifest(path, [Utterance("/a.flac", 1.0, "NEW", "spk1")]),
+    "tool output": lambda path: cli.write_output(str(path), "new\n"),
+    "metrics.jsonl": lambda path: open_metrics(path, {"epoch": 0, "step": 0}).close(),
+    "checkpoint": lambda path: checkpoint.save(path, {"model": {}, "config": {}}),
+}
+
+
+@pytest.mark.parametrize("writer", WHOLE_FILE_WRITERS)
+def test_each_writer_puts_its_file_on_disk_before_the_rename_and_leaves_nothing_when_interrupted(tmp_path, monkeypatch,
+                                                                                                 writer):
+    """A Ctrl-C at the flush to disk (data.files.write_whole) leaves the earlier file and nothing beside it; a writer
+    that renamed without flushing left, after a power loss, an empty file where the earlier one was."""
+    path = tmp_path / "file"
+    path.write_text("earlier\n")
+
+    def ctrl_c(fd):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "fsync", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        WHOLE_FILE_WRITERS[writer](path)
+    assert path.read_text() == "earlier\n" and [file.name for file in tmp_path.iterdir()] == ["file"]

@@ -1,0 +1,339 @@
+"""The training step on its own (the mean CTC loss, its clipping, the step that skips NaNs), its batches, the run's
+progress lines, and stop signals in the trainer and its data-loading workers."""
+import contextlib
+import copy
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from conftest import REPO_ROOT, compose_config
+from data.dataset import collate, Sample
+from data.text import encode
+from prnn_kernels import relative_error
+from trainer import build
+from trainer.distributed import DistEnv
+from trainer.stop import STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers
+from trainer.train import (
+    position_in_epochs, UNUSABLE, refuse_if_nothing_trained, skipped_step, train_loader, train_step,
+    utterances_per_second,
+)
+
+
+def test_a_runs_position_is_told_in_epochs_counted_from_1():
+    assert position_in_epochs({"epoch": 1, "epoch_step": 2}) == "step 2 of epoch 2"
+    assert position_in_epochs({"epoch": 2, "epoch_step": 0}) == "the end of epoch 2"
+    # A signal between the start of training and its first step saves a checkpoint at step 0 ("the end of epoch 0").
+    assert position_in_epochs({"epoch": 0, "epoch_step": 0}) == "the start of epoch 1"
+
+
+def test_a_training_rate_below_one_utterance_a_second_keeps_its_digits():
+    """The 100-layer preset on a CPU trains 2 utterances in 84 s a step: its progress line said 0.0 utterances/s."""
+    assert utterances_per_second(2, 84.0) == "0.024"
+    assert utterances_per_second(8, 10.0) == "0.8"
+    assert utterances_per_second(64, 5.0) == "12.8"
+    assert utterances_per_second(0, 5.0) == "0"
+
+
+def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
+    """Counted by the steps that trained, not the utterances: where one rank of two reads no audio, every step is
+    skipped (an empty shard) though half the utterances loaded were usable."""
+    skipped = Counter({UNUSABLE: 8, skipped_step("empty shard (all its audio unreadable)"): 4})
+    with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped \(8 utterances "
+                                         r"unreadable or too long, 4 steps skipped: empty shard .*every rank must be"):
+        refuse_if_nothing_trained(2, 4, 0, skipped)
+    with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(1 step skipped: "
+                                         r"non-finite loss or gradient\); a lower optim.lr or "
+                                         r"train.grad_clip_norm may keep the model finite, and model.residual=true a "
+                                         r"deep stack's gradients$"):
+        refuse_if_nothing_trained(0, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}))
+    # Each count words its noun for that count, one or more.
+    with pytest.raises(ValueError, match=r"^epoch 2 trained nothing: each of its 3 steps was skipped \(1 utterance "
+                                         r"unreadable or too long, 3 steps skipped: non-finite loss or gradient\); "
+                                         r"a manifest's .*; a lower optim.lr or train.grad_clip_norm "
+                                         r"may keep the model finite, and model.residual=true a deep stack's "
+                                         r"gradients$"):
+        refuse_if_nothing_trained(1, 3, 0, Counter({UNUSABLE: 1, skipped_step("non-finite loss or gradient"): 3}))
+    refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
+    # Inside an epoch of a run that trained before, steps skipped for losses that were not finite are skipped steps
+    # like any other (one batch's overflow), not a reason to refuse the checkpoint; skipped for their audio, they are.
+    refuse_if_nothing_trained(1, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}), overflows_pass=True)
+    with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped"):
+        refuse_if_nothing_trained(2, 4, 0, skipped, overflows_pass=True)
+    refuse_if_nothing_trained(2, 0, 0, Counter())  # none run yet (resumed at the epoch's end)
+
+
+def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
+    torch.manual_seed(0)
+    cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "model.backend=reference",
+                          "data.features.kind=mel", "data.features.n_mels=20", "train.amp=none",
+                          f"optim={optimizer_name}"])
+    model = build.model(cfg.model, 20)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+    features = torch.randn(2, 60, 20)
+    if nan_in_features:
+        features[1, 10, 3] = math.nan
+    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0),
+                     Sample(features[1], torch.tensor(encode("NO")), 1)])
+    return cfg, model, optimizer, schedule, batch
+
+
+def test_train_step_updates_weights():
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
+    assert (step.utterances, step.unusable) == (2, 0)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert schedule.last_epoch == 1  # the schedule steps with the weights
+    assert step.stop_requests == {}
+    # A stop signal received before the step (during the one before it) stops the run at that step's end: this one
+    # trains nothing, and the result says which signal reached how many ranks. It trained, one step past the signal.
+    before = [p.detach().clone() for p in model.parameters()]
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")), signal.SIGUSR1)
+    assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 1
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts():
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    with StopSignals() as stop:
+        for number in (signal.SIGTERM, signal.SIGUSR1):  # before training: nothing to save, out at once
+            with pytest.raises(StoppedBeforeTraining, match=f"{number.name} received before training began"):
+                os.kill(os.getpid(), number)
+                time.sleep(1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.listen()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+        assert stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert stop.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
+
+
+# The trainer's signal handling from its start, run where SIGINT was ignored since the process started.
+STOP_SIGNALS_WITH_CTRL_C_IGNORED = """
+import os, signal, time
+from trainer.stop import StopSignals, keep_early_stop_signal
+
+def signalled(number):
+    os.kill(os.getpid(), number)
+    time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+
+keep_early_stop_signal()
+signalled(signal.SIGINT)  # as the trainer imports
+with StopSignals() as stop:
+    signalled(signal.SIGINT)  # before training
+    stop.listen()
+    signalled(signal.SIGINT)
+    print(stop.received)
+    signalled(signal.SIGTERM)
+    print(stop.received.name)
+print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+"""
+
+
+def test_a_trainer_started_with_ctrl_c_ignored_trains_on_through_one_and_stops_on_sigterm():
+    """A script's `python -m trainer ... &` starts with SIGINT ignored: a Ctrl-C for the foreground job (`tail -f` on
+    the log, to the terminal's whole process group) stopped the training in the background, where a scheduler's
+    SIGTERM must still stop it."""
+    result = subprocess.run([sys.executable, "-c", STOP_SIGNALS_WITH_CTRL_C_IGNORED], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["None", "SIGTERM", "True"]
+
+
+SIGNAL_AS_TQDM_MAKES_ITS_LOCK = """
+import logging, multiprocessing, os, signal
+from tqdm.contrib.logging import logging_redirect_tqdm
+from trainer.stop import StopSignals, StoppedBeforeTraining
+
+make_lock = multiprocessing.RLock
+
+def make_lock_as_a_signal_comes():  # tqdm makes its write lock with this, as the first log line goes through it
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # where a signal raises
+        os.kill(os.getpid(), signal.SIGTERM)
+    return make_lock()
+
+multiprocessing.RLock = make_lock_as_a_signal_comes
+logging.basicConfig()
+try:
+    with StopSignals(), logging_redirect_tqdm():
+        logging.getLogger("trainer").warning("preparing the manifests")
+        os.kill(os.getpid(), signal.SIGTERM)
+except StoppedBeforeTraining as stopped:
+    print(stopped)
+"""
+
+
+def test_a_stop_signal_as_the_first_log_line_makes_tqdms_lock_is_not_lost():
+    """A signal raising inside tqdm's first making of its write lock left tqdm without one: its cleanup failed
+    (AttributeError), which the log handler printed as "--- Logging error ---" with two tracebacks, and the signal
+    was lost. It failed a multi-rank test now and then, the SIGTERM coming as the ranks logged their first lines."""
+    ran = subprocess.run([sys.executable, "-c", SIGNAL_AS_TQDM_MAKES_ITS_LOCK], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr and "Logging error" not in ran.stderr, ran.stderr
+    assert ran.stdout.splitlines() == ["SIGTERM received before training began"], ran.stdout
+
+
+def signalled_as_it_starts(worker_id: int) -> None:
+    """A worker_init_fn: the job's SIGTERM reaches the worker before ignore_in_data_workers has run."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    ignore_in_data_workers(worker_id)
+
+
+def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working():
+    loader = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=signalled_as_it_starts)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):  # a plain start: torch's handler ends it
+        list(loader)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # this process takes its signals as before
+    loader.multiprocessing_context = "forkserver"  # Python 3.14's default on Linux: workers not forked from here
+    assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_data_worker_says_nothing_of_a_handover_the_training_process_broke_off():
+    """A stop signal while a batch is awaited breaks off the fetch of its tensors' file descriptors from the worker,
+    whose handover thread (multiprocessing's resource sharer) printed the broken connection's traceback through
+    sys.excepthook before the worker was killed: seen once in CI as a stray "Traceback" in a SIGTERM'd run's log."""
+    code = ("import sys\nfrom trainer.stop import ignore_in_data_workers\nignore_in_data_workers(0)\n"
+            "for error in (EOFError(), ConnectionResetError(104, 'reset'), ValueError('a real error')):\n"
+            "    sys.excepthook(type(error), error, None)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "ValueError: a real error\n", result.stderr
+
+
+BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD = """
+import itertools, os, signal, sys, threading, time
+from torch.utils.data import DataLoader
+from trainer.stop import ignore_in_data_workers, start_data_workers
+
+class StuckAtTheThirdBatch:  # as on a file system that stopped answering
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index >= 4:
+            time.sleep(3600)
+        return index
+
+device, ending = sys.argv[1:]
+loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=device == "cuda",
+                    worker_init_fn=ignore_in_data_workers)
+batches = start_data_workers(loader)
+for batch in itertools.islice(batches, 2):
+    print(batch.tolist())
+if ending == "a second Ctrl-C":  # as the third batch is waited on
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        next(batches)
+    except KeyboardInterrupt:
+        print("interrupted")
+else:  # as a training loop's break at train.max_steps or on a stop signal lets the batches go
+    batches.close()
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("ending", ["a second Ctrl-C", "no more batches wanted"])
+def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, ending):
+    """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck one
+    for ever: after a run's "interrupted by Ctrl-C", or its stop at train.max_steps. On a GPU the batches pass through
+    torch's pin-memory thread (pin_memory=True), as in training."""
+    job = subprocess.Popen([sys.executable, "-c", BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD, device, ending],
+                           cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output = job.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    interrupted = ["interrupted"] if ending == "a second Ctrl-C" else []
+    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *interrupted], output
+
+
+def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():
+    cfg, model, optimizer, schedule, _ = tiny_setup(nan_in_features=False, optimizer_name="sgd")
+    features = torch.randn(2, 60, 20)
+    # 60 frames give 30 outputs, too few for 40 characters: that utterance's CTC loss is infinite.
+    batch = collate([Sample(features[0], torch.tensor(encode("YES")), 0),
+                     Sample(features[1], torch.tensor(encode("A" * 40)), 1)])
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_train_step_takes_the_mean_ctc_loss_and_clips_its_gradient(clip):
+    """The step against one computed here from torch alone: the loss per utterance, its gradient clipped by norm (a
+    bound well under the gradient's, or far over it, where the gradient's scale shows), then Nesterov SGD, whose
+    update scales with the gradient."""
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False, optimizer_name="sgd")
+    cfg.train.grad_clip_norm = clip
+    twin = copy.deepcopy(model)
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+
+    log_probs, out_lengths = twin(batch.features, batch.feature_lengths)
+    loss = F.ctc_loss(log_probs, batch.targets, out_lengths, batch.target_lengths, reduction="sum") / 2
+    assert step.outcome == "ok" and step.loss == pytest.approx(loss.item(), rel=1e-6)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip)
+    assert 1e-3 < norm < 1e6
+    torch.optim.SGD(twin.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=True,
+                    weight_decay=cfg.optim.weight_decay).step()
+    for name, expected in twin.state_dict().items():
+        assert relative_error(model.state_dict()[name].double(), expected.double()) <= 1e-5, name
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_a_skipped_step_leaves_no_trace(optimizer_name):
+    """A NaN batch is skipped inside the queued optimizer step (found_inf): weights, batch-norm statistics, optimizer
+    state and schedule after [bad batch, good batch] are exactly those after the good batch alone."""
+    cpu = DistEnv(0, 1, torch.device("cpu"))
+    cfg, model, optimizer, schedule, good = tiny_setup(nan_in_features=False, optimizer_name=optimizer_name)
+    assert train_step(model, good, optimizer, schedule, cfg, cpu)[0] == "ok"
+
+    cfg, skipping_model, skipping_optimizer, skipping_schedule, bad = tiny_setup(True, optimizer_name)
+    before = [t.detach().clone() for t in skipping_model.state_dict().values()]
+    outcome, loss, *_ = train_step(skipping_model, bad, skipping_optimizer, skipping_schedule, cfg, cpu)
+    assert outcome == "non-finite loss or gradient" and math.isnan(loss)
+    assert all(torch.equal(b, t) for b, t in zip(before, skipping_model.state_dict().values()))
+    assert all(p.grad is None for p in skipping_model.parameters())
+    assert train_step(skipping_model, good, skipping_optimizer, skipping_schedule, cfg, cpu)[0] == "ok"
+
+    for expected, got in zip(model.state_dict().values(), skipping_model.state_dict().values()):
+        assert torch.equal(expected, got)
+    assert skipping_schedule.state_dict() == schedule.state_dict()
+    expected_state, got_state = optimizer.state_dict()["state"], skipping_optimizer.state_dict()["state"]
+    assert expected_state.keys() == got_state.keys()
+    for index, moments in expected_state.items():
+        assert moments.keys() == got_state[index].keys()
+        assert all(torch.equal(value, got_state[index][name]) for name, value in moments.items())
+
+
+@pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
+                                                          ("cpu", False, False)])
+def test_training_batches_are_pinned_on_a_gpu_unless_graphs_are_captured(device, cuda_graphs, pinned):
+    # A pinned allocation on the loader's thread while the main thread captures a graph invalidates the capture
+    # (seen at batch 32 on AN4).
+    cfg = compose_config([f"train.cuda_graphs={str(cuda_graphs).lower()}"])
+    env = DistEnv(rank=0, world_size=1, device=torch.device(device))
+    assert train_loader([], [[0]], cfg, env, epoch=0).pin_memory is pinned
