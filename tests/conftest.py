@@ -88,6 +88,18 @@ def without_root_privilege(command: list[str]) -> list[str]:
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
 
 
+def error_without_root_privilege(function: str, error: str, path: Path) -> str:
+    """The message of `error` ("module.Name", or a built-in's name) that `function` ("module.name") raises given
+    `path`, in a process for which file permissions hold (without_root_privilege); nothing where it raises none."""
+    modules = {name.rpartition(".")[0] for name in (function, error)} - {""}
+    script = (f"import sys, {', '.join(sorted(modules))}\ntry:\n    {function}(sys.argv[1])\n"
+              f"except {error} as error:\n    print(error, end='')\n")
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", script, str(path)]), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def data_loading_workers(pid: int) -> set[int]:
     """The pids of trainer process `pid`'s children: its data-loading workers."""
     listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout

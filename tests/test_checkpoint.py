@@ -14,7 +14,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import REPO_ROOT, compose_config, small_checkpoint, without_root_privilege
+from conftest import REPO_ROOT, compose_config, error_without_root_privilege, small_checkpoint
 from data import files
 from prnn_kernels import relative_error
 from trainer import build, checkpoint
@@ -413,8 +413,5 @@ def test_a_checkpoint_that_cannot_be_read_is_said_so_not_called_damaged(tmp_path
             load(too_long)
     locked = small_checkpoint(tmp_path / "locked.pt")
     locked.chmod(0)
-    script = ("import sys\nfrom trainer import checkpoint\ntry:\n    checkpoint.load(sys.argv[1])\n"
-              "except ValueError as error:\n    print(error)\n")
-    result = subprocess.run(without_root_privilege([sys.executable, "-c", script, str(locked)]), cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.stdout == f"cannot read checkpoint {locked}: Permission denied\n", result.stdout + result.stderr
+    assert (error_without_root_privilege("trainer.checkpoint.load", "ValueError", locked)
+            == f"cannot read checkpoint {locked}: Permission denied")

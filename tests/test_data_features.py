@@ -3,8 +3,6 @@ import math
 import os
 import re
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ import soundfile
 import torch
 import torchaudio.functional
 
-from conftest import REPO_ROOT, without_root_privilege
+from conftest import error_without_root_privilege
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment
 
@@ -104,11 +102,8 @@ def test_audio_that_cannot_be_opened_is_said_so_with_the_reason(tmp_path):
     locked = tmp_path / "locked.wav"
     soundfile.write(locked, tone(300, 0.1, 16000), 16000)
     locked.chmod(0)
-    script = ("import sys\nfrom data.audio import AudioError, load_audio\ntry:\n    load_audio(sys.argv[1])\n"
-              "except AudioError as error:\n    print(error)\n")
-    result = subprocess.run(without_root_privilege([sys.executable, "-c", script, str(locked)]), cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.stdout == f"{locked}: cannot read audio (Permission denied)\n", result.stdout + result.stderr
+    assert (error_without_root_privilege("data.audio.load_audio", "data.audio.AudioError", locked)
+            == f"{locked}: cannot read audio (Permission denied)")
 
 
 def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):
