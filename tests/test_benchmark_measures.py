@@ -73,6 +73,33 @@ def test_every_results_file_the_documents_name_is_there():
 
 
 
+
+def headings(document) -> list:
+    """A Markdown file's headings as (level, title), past its code blocks (a shell's # comments)."""
+    text = re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return re.findall(r"^(#+) (.*)", text, re.MULTILINE)
+
+
+def heading_anchors(document) -> list:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but - and _ dropped, spaces -."""
+    return [re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for _, title in headings(document)]
+
+
+def test_every_section_link_the_documents_give_leads_to_a_heading():
+    """The README's sections were rewritten apart: a link, or a heading two sections share, must still lead to one
+    heading, and the README's headings stay two levels below the title (## a topic, ### a task)."""
+    documents = [REPO_ROOT / "README.md", *(REPO_ROOT / "benchmarks").glob("*.md"), *(REPO_ROOT / "launch").iterdir(),
+                 *(REPO_ROOT / "tests").glob("*.py")]
+    broken = []
+    for document in documents:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", document.read_text()):
+            anchors = heading_anchors(document.parent / target if target else document)
+            if anchors.count(anchor) != 1:
+                broken.append(f"{document.relative_to(REPO_ROOT)}: {target}#{anchor}")
+    assert broken == []
+    assert {level for level, _ in headings(REPO_ROOT / "README.md")} == {"#", "##", "###"}
+
+
 # Each benchmark's GPU parts faked, so that it runs two points on a CPU (refused shapes, steps of 1 ms) and prints its
 # table: code to run in a child process whose stdout a test redirects, with the JSON key of those points and a line of
 # the table.
