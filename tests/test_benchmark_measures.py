@@ -72,8 +72,6 @@ def test_every_results_file_the_documents_name_is_there():
     assert checked > 100 and missing == []
 
 
-
-
 def headings(document) -> list:
     """A Markdown file's headings as (level, title), past its code blocks (a shell's # comments)."""
     text = re.sub(r"^```.*?^```", "", document.read_text(), flags=re.MULTILINE | re.DOTALL)
