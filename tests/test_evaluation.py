@@ -369,3 +369,23 @@ def test_evaluate_help_says_what_the_tool_does(capsys):
     description = capsys.readouterr().out.split("\n\n")[1]
     # It read "Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint."
     assert "decodes a manifest with a saved checkpoint and prints" in " ".join(description.split()), description
+
+
+@pytest.mark.parametrize("short", [2, 1])
+def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_out(tmp_path, short, caplog):
+    """Audio found too short for its transcript when loaded is told apart from unreadable audio: a test set of such
+    audio (alone or with unreadable files) got 'the test WER is over 0 of the test set's 2 utterances'."""
+    import io
+    import types
+
+    from data.dataset import SpeechDataset
+    from trainer.train import EpochTally, record_epoch
+
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
+                                          Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX", "x")])
+    eval_set = SpeechDataset([tmp_path / "m.jsonl"], build.features(compose_config([]).data), None, 2)
+    counts = ErrorCounts(too_long_for_stride=short, unreadable=2 - short)
+    record_epoch(EpochTally(0, 0), counts, None, eval_set, 1, 1, 0.0, types.SimpleNamespace(add_scalar=print),
+                 io.StringIO())
+    assert "epoch 1: none of the test set's 2 utterances could be decoded (named above): no test WER" in caplog.text
+    assert "WER is over" not in caplog.text

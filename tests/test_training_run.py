@@ -1311,9 +1311,9 @@ def test_a_test_set_none_of_which_can_be_read_gives_no_wer_and_valid_json(an4_tr
     result = train(tmp_path / "run", utterances, f"data.eval_manifest={test_set}", "train.epochs=1")
     _, epochs = read_metrics(tmp_path / "run")  # strict JSON: NaN would not parse
     assert epochs[0]["eval_wer"] is None and epochs[0]["eval_cer"] is None and epochs[0]["eval_unreadable"] == 3
-    assert "none of the test set's 3 utterances could be read" in result.output, result.output[-3000:]
+    assert "none of the test set's 3 utterances could be decoded" in result.output, result.output[-3000:]
     assert "; no test WER" in result.output and "nan%" not in result.output, result.output[-3000:]
-    assert "final test WER and CER none: no test utterance could be read  (epoch 1)" in result.stdout, result.stdout
+    assert "final test WER and CER none: no test utterance could be decoded  (epoch 1)" in result.stdout, result.stdout
     assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 

@@ -125,7 +125,7 @@ def summary_line(result: dict) -> str:
     the step it stopped at and the last evaluation's figures (inside an epoch, not the saved model's)."""
     figures = f"test WER {result['wer']:.2f}%  CER {result['cer']:.2f}%" if "wer" in result else ""
     if "wer" in result and math.isnan(result["wer"]):  # a rate over no utterances
-        figures = "test WER and CER none: no test utterance could be read"
+        figures = "test WER and CER none: no test utterance could be decoded"
     if "stopped_at_step" not in result:
         return f"final {figures}  (epoch {result['epoch']})"
     if not figures:

@@ -493,8 +493,8 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
         allocated, reserved = peak_memory
         record["peak_gpu_allocated_gib"] = round(allocated, 2)
         record["peak_gpu_reserved_gib"] = round(reserved, 2)
-    if counts.unreadable == len(eval_set):
-        log.warning("epoch %d: none of the test set's %s could be read (named above): no test WER",
+    if counts.not_decoded == len(eval_set):
+        log.warning("epoch %d: none of the test set's %s could be decoded (named above): no test WER",
                     epoch + 1, counted(len(eval_set), "utterance"))
     elif reasons := left_out(eval_set, counts):
         # Those no model could transcribe (a transcript longer than its output frames) are left out as those
