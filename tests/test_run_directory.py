@@ -238,11 +238,27 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
 def test_run_names_hydra_parses_as_numbers_are_names_too():
     from trainer.run_directory import check_run_name
 
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", return_hydra_config=True)
     for name in (1.5, 2024, "2024-06-01", "exp.v2", "a b"):
-        check_run_name(OmegaConf.create({"run_name": name}))  # returns: runs/1.5 is one folder of runs/
+        cfg.run_name = name
+        check_run_name(cfg)  # returns: runs/1.5 is one folder of runs/
     for name in (None, True, "", "..", "a/b"):
+        cfg.run_name = name
         with pytest.raises(SystemExit):
-            check_run_name(OmegaConf.create({"run_name": name}))
+            check_run_name(cfg)
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_run_name_that_reads_hydras_node_passes_the_check(sweep, monkeypatch):
+    """run_name=${hydra:runtime.choices.experiment} names the run after its experiment, as Hydra resolves it for the
+    run's folder: the check resolved it before Hydra's node was readable and refused it, exit 2."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainer.check_overrides import refusal
+
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as in a new process: an earlier test's stays set
+    assert refusal(["experiment=cpu_demo", "run_name=${hydra:runtime.choices.experiment}"], sweep) is None
 
 
 def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 def check_run_name(config: DictConfig) -> None:
     """Exits 2 in one line where config.run_name names no folder of runs/, or is an interpolation that does not
-    resolve (run_name=${nope}): Hydra resolved it next for the run's folder, in a traceback."""
+    resolve (run_name=${nope}): Hydra resolved it next for the run's folder, in a traceback. It resolves as the run's
+    folder does, Hydra's node readable (run_name=${hydra:runtime.choices.experiment})."""
+    HydraConfig.instance().set_config(config)
     try:
         run_name = config.run_name
     except OmegaConfBaseException as error:
