@@ -21,9 +21,10 @@ from data.text import encode
 from prnn_kernels import relative_error
 from trainer import build
 from trainer.distributed import DistEnv
+from trainer.resume import position_in_epochs
 from trainer.stop import STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers
 from trainer.train import (
-    position_in_epochs, UNUSABLE, refuse_if_nothing_trained, skipped_step, train_loader, train_step,
+    UNUSABLE, refuse_if_nothing_trained, skipped_step, train_loader, train_step,
     utterances_per_second,
 )
 

@@ -1,15 +1,18 @@
 """Resuming a run: which checkpoint train.resume names (checkpoint_to_resume), whether it is this run's own, and each
 of its parts handed back to the model, optimizer, schedule and training state it came from, refused in one line
-naming the file and the part that does not fit (restore)."""
+naming the file and the part that does not fit (restore); resume_into takes a job's run up from it on every rank."""
 import json
 import logging
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from omegaconf import DictConfig
 
-from trainer import checkpoint
-from trainer.config import is_int
+from trainer import checkpoint, distributed
+from trainer.config import check_resumable, is_int, noting_what_does_nothing_here
+from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -200,3 +203,59 @@ def known_entries(saved: dict, current: dict) -> dict:
         key = odd[0]
         raise ValueError(f"its {key} is {checkpoint.a_type(saved[key])}, not {checkpoint.a_type(current[key])}")
     return {key: value for key, value in saved.items() if key in current}
+
+
+def position_in_epochs(state: dict) -> str:
+    """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
+    if state["epoch_step"]:
+        return f"step {state['epoch_step']} of epoch {state['epoch'] + 1}"
+    if not state["epoch"]:  # a run stopped by a signal before its first step wrote a checkpoint at step 0
+        return "the start of epoch 1"
+    return f"the end of epoch {state['epoch']}"
+
+
+class RunStart(NamedTuple):
+    """Where this job takes its run up, as resume_into found it."""
+    checkpoint: Path | None  # the one resumed from (run_started_from's, where it continues that run), None afresh
+    run_id: str | None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id); None for a run of its own
+    continues: bool  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
+    started_from: dict | None  # the other run's checkpoint it started from (start_of_run): its checkpoints carry it
+
+
+def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path, env: DistEnv,
+                train_fingerprint: str, test_fingerprint: str, loaders: dict) -> RunStart:
+    """Where this job starts: afresh where `resume` (checkpoint_to_resume's) is None, otherwise from that checkpoint,
+    refused where it does not fit this run, its parts handed to `loaders`, its training state to `state` and this rank's
+    RNG states to the RNGs. Every rank must call it (a collective)."""
+    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None)
+    if resume is not None:
+        saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
+        resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
+        changed_settings = check_resumable(saved["config"], cfg, resume, holds_train_set="train_set" in saved)
+        check_same_training_set(saved, train_fingerprint, resume)
+        run_id = continued_run_id(saved, resume, run_dir)
+        continues = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
+        start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved))
+        restore(resume, saved, {
+            **loaders,
+            "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
+            "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
+        })
+        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # older checkpoints hold none
+        if other_test_set:
+            log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
+                     "the evaluations from here on, since WERs over other test sets do not compare", resume,
+                     saved["test_set"], test_fingerprint)
+        if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
+            state.update(best_unreadable=math.inf, best_wer=math.inf)
+        log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
+        if changed_settings:
+            log.info("settings other than those %s was written under, taken from here on: %s", resume,
+                     "; ".join(noting_what_does_nothing_here(changed_settings, env.device)))
+    # A rank that found another checkpoint, or none (its run directory not rank 0's: a folder on its node only), would
+    # pair its collectives with no other rank's. Its name and step, not its path: nodes may mount one folder apart.
+    distributed.check_same_on_every_rank(
+        {"the checkpoint resumed": "none" if resume is None else f"{resume.name} at step {state['step']}"},
+        "the ranks would resume from other checkpoints",
+        "every rank must see the run directory's checkpoints, a folder every node sees")
+    return start
