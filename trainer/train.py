@@ -496,6 +496,14 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
     metrics_file.flush()
 
 
+def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -> list[list[int]]:
+    """This rank's shard of the test set in batches, as many as rank 0's, which has the most (an empty one more where
+    this rank is short): the evaluation asks the ranks for stop signals before each batch, a collective every rank
+    must join."""
+    batches = eval_shard(eval_set.durations, env.rank, env.world_size, batch_size)
+    return batches + [[]] * (len(eval_shard(eval_set.durations, 0, env.world_size, batch_size)) - len(batches))
+
+
 def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
     """data.sampler's refusal of the global batch, naming the key to change: data/ knows no config keys."""
     return ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}")
@@ -568,11 +576,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         )
     except ValueError as error:
         raise global_batch_refusal(cfg, error) from None
-    eval_batches = eval_shard(eval_set.durations, env.rank, env.world_size, cfg.train.eval_batch_size)
-    # As many batches on every rank as on rank 0, which has the most (an empty one more where a rank is short): the
-    # evaluation asks the ranks for stop signals before each batch, a collective every rank must join.
-    eval_batches += [[]] * (len(eval_shard(eval_set.durations, 0, env.world_size, cfg.train.eval_batch_size))
-                            - len(eval_batches))
+    eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
     if env.is_main:
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each (%s)",
