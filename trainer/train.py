@@ -253,6 +253,27 @@ def checked_recurrent_backend(model, cfg: DictConfig, key: str, batch_size: int,
                          f"{error}") from None
 
 
+def checked_batches(cfg: DictConfig, env: DistEnv, num_features: int) -> tuple[int, torch.dtype, str]:
+    """This rank's share of the global batch, and the recurrent layers' dtype and backend (checked_recurrent_backend's)
+    for it. Asked before the corpus is prepared and read (minutes, for a large one), so that a shape the persistent
+    backend cannot run ends the job at once, saying why: the training batch, and the evaluation's, which would otherwise
+    fail only after the first epoch. An uneven split too, which the sampler, built from the corpus, would refuse only
+    after it (a resume on another number of GPUs), and whose rounded-down share the backend's check would judge."""
+    # The layers share cell, size and backend: one, on the meta device, answers for all.
+    with torch.device("meta"):
+        one_layer = build.model(cfg.model, num_features, depth=1)
+    try:
+        per_rank_batch = shard_size(cfg.train.global_batch_size, env.world_size)
+    except ValueError as error:
+        raise global_batch_refusal(cfg, error) from None
+    dtype = build.compute_dtype(cfg.train.amp, env.device)
+    backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch, dtype, env.device)
+    checked_recurrent_backend(one_layer, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, dtype, env.device)
+    if cfg.train.cuda_graphs:
+        check_capturable(one_layer, per_rank_batch, dtype, env.device)
+    return per_rank_batch, dtype, backend
+
+
 def recurrent_backend_name(backend: str, device: torch.device) -> str:
     """How the log names a model.recurrent_backend answer."""
     if backend == "cudnn":
@@ -542,24 +563,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
     # take its share out of the memory another rank's check divides among all of them.
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
-    # Asked before the corpus is prepared and read (minutes, for a large one), so that a shape the persistent backend
-    # cannot run ends the job at once, saying why: the training batch, and the evaluation's, which would otherwise fail
-    # only after the first epoch. The layers share cell, size and backend: one, on the meta device, answers for all.
-    with torch.device("meta"):
-        one_layer = build.model(cfg.model, features.num_features, depth=1)
-    # An uneven split too, which the sampler, built from the corpus, would refuse only after it (a resume on another
-    # number of GPUs), and whose rounded-down share the backend's check would judge.
-    try:
-        per_rank_batch = shard_size(cfg.train.global_batch_size, env.world_size)
-    except ValueError as error:
-        raise global_batch_refusal(cfg, error) from None
-    recurrent_dtype = build.compute_dtype(cfg.train.amp, env.device)
-    recurrent_backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch,
-                                                  recurrent_dtype, env.device)
-    checked_recurrent_backend(one_layer, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, recurrent_dtype,
-                              env.device)
-    if cfg.train.cuda_graphs:
-        check_capturable(one_layer, per_rank_batch, recurrent_dtype, env.device)
+    per_rank_batch, recurrent_dtype, recurrent_backend = checked_batches(cfg, env, features.num_features)
     prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
     with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
