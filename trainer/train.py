@@ -634,9 +634,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     if env.world_size > 1:
         wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
     writer, metrics_file = None, None
-    if env.is_main:  # a resumed run drops the events and lines its checkpoint does not cover: each step listed once
-        # Events of steps this job trains again are dropped from the earlier files, and all of them where it starts
-        # a run of its own (a failed attempt's, or a fresh run's over one that left no checkpoint).
+    if env.is_main:
+        # So that each step is listed once: the events and lines of the steps this job trains again are dropped from
+        # the earlier files, and all of them where it starts a run of its own (a failed attempt's, or a fresh run's
+        # over one that left no checkpoint).
         writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if start.continues else 1)
         metrics_file = open_metrics(run_dir / "metrics.jsonl", state if start.continues else None)
 
