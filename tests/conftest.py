@@ -1,9 +1,11 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
 finds a trainer's data-loading workers, how it runs a command that file permissions hold for, as root too, the
-trainer's config composed as Hydra composes it, and a small checkpoint of an untrained model."""
+trainer's config composed as Hydra composes it, a small checkpoint of an untrained model, and Ctrl-C taken however
+pytest was started."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,12 @@ TINY = [
 # As the trainer does on a CPU: oneDNN's convolution weight gradient corrupts memory on the model's small
 # frequency maps (torch 2.14), so CPU tests use ATen's own convolution.
 torch.backends.mkldnn.enabled = False
+
+# The Ctrl-C tests press it as a terminal does for its foreground job. Started in the background (`make test &`, nohup,
+# a CI runner), pytest inherits Ctrl-C ignored and hands that on to every trainer it starts, which then keeps
+# ignoring it (data.cli.ctrl_c_ignored), so those tests waited for an answer that never came.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

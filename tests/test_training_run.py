@@ -359,6 +359,19 @@ def test_tensorboard_gives_each_step_the_rate_it_trained_at(an4_train, tmp_path)
                      (4, pytest.approx(0.5e-3))], rates
 
 
+def test_the_suite_started_with_ctrl_c_ignored_starts_its_trainers_taking_it():
+    """pytest started in the background (`make test &`, nohup, a CI runner) inherits Ctrl-C ignored, and so did each
+    trainer a test started, which then ignores SIGINT (data.cli.ctrl_c_ignored): the Ctrl-C tests waited for an
+    answer that never came, training on until killed."""
+    result = subprocess.run([sys.executable, "-c", "import signal, conftest\n"
+                             "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"],
+                            cwd=REPO_ROOT / "tests", capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "False\n"
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_interrupts_at_once_in_one_line(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:128])
