@@ -108,6 +108,18 @@ def error_without_root_privilege(function: str, error: str, path: Path) -> str:
     return result.stdout
 
 
+def wait_for_text(path: Path, text: str, job: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Returns once `path` holds `text`, or `job` has ended (the test's assertions then say why); ends the job and
+    fails the test where neither happens within `timeout_s`, rather than waiting for ever on a trainer that stopped
+    writing."""
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text() and job.poll() is None:
+        if time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"{path} did not hold {text!r} within {timeout_s} s")
+        time.sleep(0.02)
+
+
 def data_loading_workers(pid: int) -> set[int]:
     """The pids of trainer process `pid`'s children: its data-loading workers."""
     listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout

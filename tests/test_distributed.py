@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling_model
-from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file
+from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file, wait_for_text
 from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
 from data.text import encode
@@ -1023,8 +1023,7 @@ def workers_once_logged(job: subprocess.Popen, log_file: Path, text: str, run_di
     fails."""
     try:
         wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
-        while text not in log_file.read_text() and job.poll() is None:
-            time.sleep(0.02)
+        wait_for_text(log_file, text, job)
         return {rank: data_loading_workers(rank_process(rank, run_dir)) for rank in range(2)}
     except BaseException:
         os.killpg(job.pid, signal.SIGKILL)
@@ -1131,8 +1130,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
     run_dir = tmp_path / "run"
     job = start_job(trainer_command(an4_slice, run_dir, 2, "train.epochs=100"))
     wait_for_file(run_dir / "metrics.jsonl", job, FAILURE_TIMEOUT_S)
-    while '"step"' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-        time.sleep(0.02)  # training has begun
+    wait_for_text(run_dir / "metrics.jsonl", '"step"', job)  # training has begun
     os.kill(rank_process(1, run_dir), signal.SIGUSR1)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code == 128 + signal.SIGUSR1, output
@@ -1163,8 +1161,7 @@ def test_a_stop_signal_to_one_rank_during_an_evaluation_ends_every_ranks_evaluat
     job = start_job(command)
     log_file = run_dir / "__main__.log"
     wait_for_file(log_file, job, FAILURE_TIMEOUT_S)
-    while "evaluating: batch 2 of" not in log_file.read_text() and job.poll() is None:
-        time.sleep(0.02)
+    wait_for_text(log_file, "evaluating: batch 2 of", job)
     os.kill(rank_process(1, run_dir), signal.SIGUSR1)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code == 128 + signal.SIGUSR1, output[-4000:]
@@ -1192,8 +1189,7 @@ def test_a_stop_signal_before_training_began_ends_the_job_saying_so(an4_source, 
                                  f"data.manifest_dir={manifests}", f"hydra.run.dir={run_dir}"])
     log = run_dir / "__main__.log"
     wait_for_file(log, job, FAILURE_TIMEOUT_S)
-    while "rank 0 of 2" not in log.read_text() and job.poll() is None:
-        time.sleep(0.01)  # the process group has started; the manifests come next
+    wait_for_text(log, "rank 0 of 2", job)  # the process group has started; the manifests come next
     job.send_signal(signal.SIGTERM)
     code, output = finish_job(job, FAILURE_TIMEOUT_S)
     assert code == 128 + signal.SIGTERM, output

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, write_slice
+from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, wait_for_text, write_slice
 from data.manifest import read_manifest
 
 def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
@@ -382,13 +382,12 @@ def test_a_second_ctrl_c_interrupts_at_once_in_one_line(an4_train, tmp_path):
     )
     try:
         wait_for_file(tmp_path / "run" / "metrics.jsonl", job, 300)
-        while '"step"' not in (tmp_path / "run" / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)  # training has begun
+        wait_for_text(tmp_path / "run" / "metrics.jsonl", '"step"', job)  # training has begun
         time.sleep(0.5)  # inside the second step
         os.killpg(job.pid, signal.SIGINT)
         log = tmp_path / "run" / "__main__.log"
-        while "SIGINT received" not in log.read_text() and job.poll() is None:
-            time.sleep(0.02)  # as a user presses again once the first is answered (two at once arrive as one)
+        # As a user presses again once the first is answered (two at once arrive as one).
+        wait_for_text(log, "SIGINT received", job)
         os.killpg(job.pid, signal.SIGINT)
         output = job.communicate(timeout=300)[0]
     finally:
@@ -431,8 +430,7 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
     signalled = tmp_path / "signalled"
     job = start(signalled)
     wait_for_file(signalled / "metrics.jsonl", job, 300)
-    while '"step"' not in (signalled / "metrics.jsonl").read_text() and job.poll() is None:
-        time.sleep(0.02)  # training has begun
+    wait_for_text(signalled / "metrics.jsonl", '"step"', job)  # training has begun
     os.killpg(job.pid, signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
@@ -466,8 +464,7 @@ def start_a_run_and_find_its_data_workers(an4_train, tmp_path, stage: str, after
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_for_file(run_dir / "metrics.jsonl", job, 300)
-        while f'"step": {after_step},' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-            time.sleep(0.02)
+        wait_for_text(run_dir / "metrics.jsonl", f'"step": {after_step},', job)
         workers = data_loading_workers(job.pid)
         if stage == "evaluation":  # the training workers gone, the evaluation's started
             training = workers
@@ -657,8 +654,7 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
     job = subprocess.Popen([sys.executable, "-m", "trainer", *arguments], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for_file(run_dir / "metrics.jsonl", job, 300)
-    while '"step": 4,' not in (run_dir / "metrics.jsonl").read_text() and job.poll() is None:
-        time.sleep(0.02)  # the epoch's last step is logged: its evaluation comes next
+    wait_for_text(run_dir / "metrics.jsonl", '"step": 4,', job)  # the epoch's last step: its evaluation comes next
     time.sleep(1)  # into the evaluation (120 batches)
     os.killpg(job.pid, signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
