@@ -32,6 +32,7 @@ class Sample:
 UNREADABLE = "unreadable"
 TOO_LONG_FOR_STRIDE = "too long for stride"
 LONGER_THAN_MAX_DURATION = "longer than max_duration"
+UNUSABLE_REASONS = (UNREADABLE, TOO_LONG_FOR_STRIDE, LONGER_THAN_MAX_DURATION)  # what an Unusable can be counted as
 
 
 @dataclass(frozen=True)

@@ -947,7 +947,7 @@ def test_bad_input_is_skipped_named_and_counted(an4_train, tmp_path):
     assert "empty transcript" in result.output and "characters" in result.output and "['2', '4']" in result.output
     assert "too long for stride" in result.output
     # Three unreadable files skipped at load time, counted in the epoch summary; training finished and evaluated.
-    assert "3 utterances unreadable or too long" in result.output
+    assert "skipped: 3 utterances unreadable" in result.output
     # The test set is the same manifest: its WER is over the readable part, and says so.
     _, epochs = read_metrics(tmp_path / "run")
     assert len(epochs) == 1 and epochs[0]["eval_unreadable"] == 3
@@ -982,6 +982,29 @@ def test_test_audio_too_short_for_its_transcript_is_counted_under_that_reason(an
             "(too long for stride)" in result.output), result.output[-3000:]
     _, epochs = read_metrics(tmp_path / "run")
     assert epochs[0]["eval_unreadable"] == 2
+
+
+def test_training_audio_left_out_when_loaded_is_counted_by_reason_in_each_epochs_line(an4_train, tmp_path):
+    """A corrupt file, audio too short for its transcript and audio longer than data.max_duration, each hidden by its
+    manifest duration: the epoch's line counts each under its own reason, in evaluation's words, where it lumped them
+    as 'unreadable or too long'. Each file is named once a run, not once an epoch."""
+    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
+    soundfile.write(tmp_path / "short.wav", np.full(1, 0.1, np.float32), 16000)
+    soundfile.write(tmp_path / "long.wav", np.random.default_rng(0).uniform(-0.1, 0.1, 5 * 16000).astype(np.float32),
+                    16000)
+    good = [u for u in an4_train if u.duration < 2.5][:8]
+    template = good[0]
+    training_set = write_slice(tmp_path / "train.jsonl", good + [
+        template.__class__(str(tmp_path / name), 1.0, text, "x")
+        for name, text in (("corrupt.flac", "YES"), ("short.wav", "NO"), ("long.wav", "GO"))
+    ])
+    result = train(tmp_path / "run", training_set, f"data.eval_manifest={write_slice(tmp_path / 'test.jsonl', good)}",
+                   "model.hidden=32", "train.epochs=2", "train.global_batch_size=11", "data.max_duration=3.0")
+    reasons = ("skipped: 1 utterance unreadable, 1 utterance too long for stride, 1 utterance longer than "
+               "max_duration")
+    assert result.output.count(reasons) == 2, result.output[-3000:]  # each epoch's line
+    for name in ("corrupt.flac", "short.wav", "long.wav"):
+        assert result.output.count(f"skipping {tmp_path / name}") == 1, result.output[-3000:]
 
 
 def test_a_path_that_is_not_utf8_is_logged_to_the_console_and_the_log_file(tmp_path, monkeypatch):
@@ -1026,9 +1049,8 @@ def test_an_epoch_that_could_read_none_of_its_audio_ends_the_run(an4_train, tmp_
                                 "train.global_batch_size=4", "train.epochs=2")
     arguments[2] = f"data.eval_manifest={corpus / 'train.jsonl'}"
     # Nor is anything saved where a step limit or a periodic checkpoint comes before the epoch's end.
-    for limit, skipped in (([], "its 2 steps was skipped (8 utterances unreadable or too long, 2 steps skipped"),
-                           (["train.max_steps=1"],
-                            "its 1 step was skipped (4 utterances unreadable or too long, 1 step"),
+    for limit, skipped in (([], "its 2 steps was skipped (8 utterances unreadable, 2 steps skipped"),
+                           (["train.max_steps=1"], "its 1 step was skipped (4 utterances unreadable, 1 step"),
                            (["train.checkpoint_every_steps=1"], "its 1 step was skipped (4 utterances unreadable")):
         result = run("trainer", [*arguments, *limit], timeout=300)
         assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]

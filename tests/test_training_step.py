@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, compose_config
-from data.dataset import collate, Sample
+from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, Sample, Unusable, collate
 from data.text import encode
 from prnn_kernels import relative_error
 from trainer import build
@@ -24,8 +24,7 @@ from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
 from trainer.stop import STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers
 from trainer.train import (
-    UNUSABLE, refuse_if_nothing_trained, skipped_step, train_loader, train_step,
-    utterances_per_second,
+    refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances, utterances_per_second,
 )
 
 
@@ -47,9 +46,9 @@ def test_a_training_rate_below_one_utterance_a_second_keeps_its_digits():
 def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
     """Counted by the steps that trained, not the utterances: where one rank of two reads no audio, every step is
     skipped (an empty shard) though half the utterances loaded were usable."""
-    skipped = Counter({UNUSABLE: 8, skipped_step("empty shard (all its audio unreadable)"): 4})
+    skipped = Counter({unusable_utterances(UNREADABLE): 8, skipped_step("empty shard (all its audio unreadable)"): 4})
     with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped \(8 utterances "
-                                         r"unreadable or too long, 4 steps skipped: empty shard .*every rank must be"):
+                                         r"unreadable, 4 steps skipped: empty shard .*every rank must be"):
         refuse_if_nothing_trained(2, 4, 0, skipped)
     with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(1 step skipped: "
                                          r"non-finite loss or gradient\); a lower optim.lr or "
@@ -58,11 +57,18 @@ def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
         refuse_if_nothing_trained(0, 1, 0, Counter({skipped_step("non-finite loss or gradient"): 1}))
     # Each count words its noun for that count, one or more.
     with pytest.raises(ValueError, match=r"^epoch 2 trained nothing: each of its 3 steps was skipped \(1 utterance "
-                                         r"unreadable or too long, 3 steps skipped: non-finite loss or gradient\); "
+                                         r"unreadable, 3 steps skipped: non-finite loss or gradient\); "
                                          r"a manifest's .*; a lower optim.lr or train.grad_clip_norm "
                                          r"may keep the model finite, and model.residual=true a deep stack's "
                                          r"gradients$"):
-        refuse_if_nothing_trained(1, 3, 0, Counter({UNUSABLE: 1, skipped_step("non-finite loss or gradient"): 3}))
+        refuse_if_nothing_trained(1, 3, 0, Counter({unusable_utterances(UNREADABLE): 1,
+                                                    skipped_step("non-finite loss or gradient"): 3}))
+    # Transcripts too long for their audio's frames: no reading of paths would help, so no word of them.
+    with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(2 utterances "
+                                         r"too long for stride, 1 step skipped: empty shard \(all its audio "
+                                         r"unreadable\)\)$"):
+        refuse_if_nothing_trained(0, 1, 0, Counter({unusable_utterances(TOO_LONG_FOR_STRIDE): 2,
+                                                    skipped_step("empty shard (all its audio unreadable)"): 1}))
     refuse_if_nothing_trained(2, 4, 1, skipped)  # one step trained
     # Inside an epoch of a run that trained before, steps skipped for losses that were not finite are skipped steps
     # like any other (one batch's overflow), not a reason to refuse the checkpoint; skipped for their audio, they are.
@@ -93,7 +99,7 @@ def test_train_step_updates_weights():
     before = [p.detach().clone() for p in model.parameters()]
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
     assert step.outcome == "ok" and math.isfinite(step.loss) and step.loss > 0
-    assert (step.utterances, step.unusable) == (2, 0)
+    assert (step.utterances, step.unusable) == (2, Counter())
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert schedule.last_epoch == 1  # the schedule steps with the weights
     assert step.stop_requests == {}
@@ -103,6 +109,19 @@ def test_train_step_updates_weights():
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")), signal.SIGUSR1)
     assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 1
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
+    """Those unreadable apart from those too long for stride: a corrupt file and a transcript that outruns the model's
+    stride need different fixes, and the epoch's line says which (it said 'unreadable or too long' of all)."""
+    cfg, model, optimizer, schedule, _ = tiny_setup(nan_in_features=False)
+    batch = collate([Sample(torch.randn(60, 20), torch.tensor(encode("YES")), 0),
+                     Unusable(1, "skipping a.wav: cannot read audio"),
+                     Unusable(2, "skipping b.wav: too few frames", TOO_LONG_FOR_STRIDE),
+                     Unusable(3, "skipping c.wav: too few frames", TOO_LONG_FOR_STRIDE)])
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert step.outcome == "ok" and step.utterances == 1
+    assert step.unusable == Counter({UNREADABLE: 1, TOO_LONG_FOR_STRIDE: 2})
 
 
 def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts():

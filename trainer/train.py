@@ -28,7 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from data.cli import shows_a_progress_bar
-from data.dataset import Batch, SpeechDataset, collate, count_reasons
+from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, SpeechDataset, collate, count_reasons
 from data.files import replace_whole
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard, shard_size
@@ -149,7 +149,7 @@ class StepResult(NamedTuple):
     outcome: str  # "ok", STOPPED, or why the step was skipped
     loss: float  # mean loss per utterance of the global batch; nan for a skipped step
     utterances: int  # in the global batch, over all ranks
-    unusable: int  # dropped from the global batch by the ranks' loaders (audio unreadable or too long)
+    unusable: Counter  # reason (UNUSABLE_REASONS) -> utterances of the global batch the ranks' loaders dropped
     stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop), where the outcome is STOPPED
 
 
@@ -161,20 +161,22 @@ def train_step(model, batch: Batch | None, optimizer, scheduler, cfg: DictConfig
     device = env.device
     local_count = len(batch.indices) if batch is not None else 0
     num_frames = batch.features.shape[1] if batch is not None else 0
-    num_unusable = batch.num_unusable if batch is not None else 0
+    unusable_here = [batch.num_unusable_as(reason) if batch is not None else 0 for reason in UNUSABLE_REASONS]
     inner = getattr(model, "module", model)  # DDP holds the model it wraps as .module
     graphed = isinstance(inner, CudaGraphed)
     # Host sync 1: every rank must know the global utterance count (the loss normaliser), whether a shard is empty and
-    # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too.
+    # which stop signals the ranks received; rank 0's log counts the whole batch's dropped utterances too, by reason.
     counts = distributed.all_reduce_sum(torch.tensor(
-        [local_count, int(local_count == 0), num_unusable, *received_counts(stop_signal)], dtype=torch.float64,
+        [local_count, int(local_count == 0), *unusable_here, *received_counts(stop_signal)], dtype=torch.float64,
         device=device,
     ))
     if graphed:
         # Ranks replay one graph together (CudaGraphed): its shape is the shards' size and their longest frames.
         local_shape = torch.tensor([local_count, -local_count, num_frames], dtype=torch.float64, device=device)
         counts = torch.cat([counts, distributed.all_reduce_max(local_shape)])
-    global_count, empty_shards, unusable, *rest = (int(count) for count in counts.tolist())
+    global_count, empty_shards, *rest = (int(count) for count in counts.tolist())
+    unusable = Counter({reason: count for reason, count in zip(UNUSABLE_REASONS, rest) if count})
+    rest = rest[len(UNUSABLE_REASONS):]
     requests, shape = stop_requests(rest[:len(STOP_SIGNALS)]), rest[len(STOP_SIGNALS):]
 
     def skipped(reason: str) -> StepResult:
@@ -304,7 +306,7 @@ def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Cou
     if steps == 0 or trained or overflows_pass and skipped[skipped_step(NON_FINITE)] == steps:
         return
     hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
-            "target's), and every rank must be able to read them" if skipped[UNUSABLE] else "")
+            "target's), and every rank must be able to read them" if skipped[unusable_utterances(UNREADABLE)] else "")
     # Without residual connections a deep stack's gradients can overflow at its initial weights, whatever the rate.
     hint += (f"; {KEEP_FINITE}, and model.residual=true a deep stack's gradients"
              if skipped[skipped_step(NON_FINITE)] else "")
@@ -374,8 +376,12 @@ def stop_requests_of_all_ranks(stop_signals: StopSignals, env: DistEnv) -> dict:
 
 
 CONTINUE_RUN = "train.resume=auto under the same run_name"
+
+
 # An epoch counts what it skipped under (noun, what): count_skipped words the count with its noun.
-UNUSABLE = ("utterance", "unreadable or too long")
+def unusable_utterances(reason: str) -> tuple[str, str]:
+    """Utterances its loaders dropped for `reason` (UNUSABLE_REASONS), in the words an evaluation counts them with."""
+    return "utterance", reason
 
 
 def skipped_step(outcome: str) -> tuple[str, str]:
@@ -383,7 +389,7 @@ def skipped_step(outcome: str) -> tuple[str, str]:
 
 
 def count_skipped(skipped: Counter) -> str:
-    """'1 utterance unreadable or too long, 2 steps skipped: non-finite loss or gradient'."""
+    """'1 utterance unreadable, 2 utterances too long for stride, 2 steps skipped: non-finite loss or gradient'."""
     return ", ".join(f"{counted(count, noun)} {what}" for (noun, what), count in skipped.items())
 
 
@@ -400,8 +406,8 @@ class EpochTally:
 
     def count(self, step: StepResult) -> None:
         """Adds a step trained or skipped (not one stopped, which the run does not count)."""
-        if step.unusable:
-            self.skipped[UNUSABLE] += step.unusable
+        for reason, count in step.unusable.items():
+            self.skipped[unusable_utterances(reason)] += count
         if step.outcome != "ok":
             self.skipped[skipped_step(step.outcome)] += 1
         else:
