@@ -425,7 +425,7 @@ class EpochTally:
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
-    """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", ...}), with
+    """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", "step"}), with
     "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
     before its last epoch's end. continue_with: what continues the run where train.max_steps or a stop signal stops
     it, for the log (a sweep's job: the sweep run again)."""
@@ -770,7 +770,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(local_counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
-        result.update(epoch=epoch + 1, step=state["step"], loss=tally.mean_loss, wer=counts.wer, cer=counts.cer)
+        result.update(epoch=epoch + 1, step=state["step"], wer=counts.wer, cer=counts.cer)
         if env.is_main:
             record_epoch(tally, counts, peak_memory, eval_set, state["step"], len(sampler), run_started, writer,
                          metrics_file)
