@@ -16,20 +16,32 @@ def write_whole(target: Path, write_into: Callable[[BinaryIO], object]) -> None:
     new file is removed on any failure, a Ctrl-C included. An OSError names `target`, where a failed write() names no
     file."""
     temporary = temporary_beside(target)
+    with errors_naming(target):
+        try:
+            # "x": a file of its own, never one of that name a crash left (or linked)
+            with open(temporary, "xb") as file:
+                write_into(file)
+                file.flush()
+                # Before the rename: file systems that delay writing (ext4, XFS) may put the rename on disk first, which
+                # a power loss turns into an empty file at `target`; and a full disk may refuse only the delayed write.
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a part-written file would keep the space a full disk lacks
+                temporary.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def errors_naming(target: Path | str):
+    """An OSError of a system call inside names `target`: a failed write(), flush() or fsync() names no file, and the
+    user's line (a full disk, a quota, ulimit -f) said 'cannot write: File too large' with no word of which."""
     try:
-        with open(temporary, "xb") as file:  # "x": a file of its own, never one of that name a crash left (or linked)
-            write_into(file)
-            file.flush()
-            # Before the rename: file systems that delay writing (ext4, XFS) may put the rename on disk first, which a
-            # power loss turns into an empty file at `target`; and a full disk may refuse only the delayed write.
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException as error:
-        with contextlib.suppress(OSError):  # a part-written file would keep the space a full disk lacks
-            temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno is not None:  # a system call's, not one a program words itself
-            raise OSError(error.errno, error.strerror, str(target)) from error
-        raise
+        yield
+    except OSError as error:
+        if error.errno is None:  # one a program words itself, not a system call's
+            raise
+        raise OSError(error.errno, error.strerror, str(target)) from error
 
 
 def replace_whole(target: Path, text: str) -> None:

@@ -375,7 +375,6 @@ def test_evaluate_help_says_what_the_tool_does(capsys):
 def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_out(tmp_path, short, caplog):
     """Audio found too short for its transcript when loaded is told apart from unreadable audio: a test set of such
     audio (alone or with unreadable files) got 'the test WER is over 0 of the test set's 2 utterances'."""
-    import io
     import types
 
     from data.dataset import SpeechDataset
@@ -385,7 +384,8 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
                                           Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX", "x")])
     eval_set = SpeechDataset([tmp_path / "m.jsonl"], build.features(compose_config([]).data), None, 2)
     counts = ErrorCounts(too_long_for_stride=short, unreadable=2 - short)
-    record_epoch(EpochTally(0, 0), counts, None, eval_set, 1, 1, 0.0, types.SimpleNamespace(add_scalar=print),
-                 io.StringIO())
+    with open(tmp_path / "metrics.jsonl", "w") as metrics:
+        record_epoch(EpochTally(0, 0), counts, None, eval_set, 1, 1, 0.0, types.SimpleNamespace(add_scalar=print),
+                     metrics)
     assert "epoch 1: none of the test set's 2 utterances could be decoded (named above): no test WER" in caplog.text
     assert "WER is over" not in caplog.text

@@ -131,6 +131,42 @@ def test_tensorboard_events_the_disk_cannot_hold_are_one_error_in_the_main_threa
     assert result.returncode == 0 and result.stdout == f"{errno.EFBIG}\n" and result.stderr == "", result.stderr
 
 
+WRITES_DURING_A_RUN = {  # each record the run appends to as it trains, written past a file size limit of 300 bytes
+    "jobs.jsonl": ("record_job(run_dir / 'jobs.jsonl', 'x' * 400, 0, DistEnv(0, 1, torch.device('cpu')), "
+                   "resumed=False)"),
+    "metrics.jsonl": ("metrics = open_metrics(run_dir / 'metrics.jsonl', None)\n"
+                      "    for step in range(100):\n"
+                      "        append_metrics(metrics, {'step': step, 'epoch': 1, 'loss': 1.0})"),
+    "tensorboard": ("writer = tensorboard_writer(run_dir / 'tensorboard', None)\n"
+                    "    for step in range(1000):\n"
+                    "        writer.add_scalar('loss', 1.0, step)\n"
+                    "        writer.flush()"),
+}
+
+
+@pytest.mark.parametrize("written", WRITES_DURING_A_RUN)
+def test_a_record_the_disk_cannot_hold_mid_run_is_named_in_the_error_line(written, tmp_path):
+    """A full disk, played by a file size limit (the write fails with EFBIG): a failed write() names no file, and the
+    run ended on 'cannot write: File too large' for jobs.jsonl, a metrics.jsonl line and TensorBoard's events."""
+    script = (
+        "import resource\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from trainer.__main__ import user_error_message\n"
+        "from trainer.distributed import DistEnv\n"
+        "from trainer.train import append_metrics, open_metrics, record_job, tensorboard_writer\n"
+        f"run_dir = Path({str(tmp_path)!r})\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        f"    {WRITES_DURING_A_RUN[written]}\n"
+        "except OSError as error:\n"
+        "    print(user_error_message(error, run_dir))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.startswith(f"cannot write {tmp_path / written}: File too large; "), result.stdout
+
+
 def test_only_what_the_user_fixes_is_a_one_line_error():
     assert user_error_message(ValueError("model.depth must be a positive integer"), Path("r")) == (
         "model.depth must be a positive integer")

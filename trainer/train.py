@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from data.cli import shows_a_progress_bar
 from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, SpeechDataset, collate, count_reasons
-from data.files import replace_whole
+from data.files import errors_naming, replace_whole
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shard, shard_size
 from data.text import BLANK, counted
@@ -79,7 +79,24 @@ def tensorboard_writer(log_dir: Path, purge_step: int) -> SummaryWriter:
     error for the next add_scalar to raise (__main__.user_error_message words it), and would also raise it itself,
     which Python prints as a traceback of its own before that line."""
     threading.excepthook = _leave_tensorboard_write_errors_to_the_writer
-    return SummaryWriter(log_dir, purge_step=purge_step)
+    return EventsWriter(log_dir, purge_step=purge_step)
+
+
+class EventsWriter(SummaryWriter):
+    """A SummaryWriter whose write errors name its folder: its thread's OSError, which the next call raises, names no
+    file. The folder, not the events file: torch gives no public way to that file's name."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        with errors_naming(self.log_dir):
+            super().add_scalar(*args, **kwargs)
+
+    def flush(self) -> None:
+        with errors_naming(self.log_dir):
+            super().flush()
+
+    def close(self) -> None:
+        with errors_naming(self.log_dir):
+            super().close()
 
 
 def _leave_tensorboard_write_errors_to_the_writer(args, print_it=threading.excepthook) -> None:
@@ -115,7 +132,7 @@ def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: b
     job = {"run_id": run_id, "from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
            **software, "command": command_line()}
     torn = resumed and path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-    with open(path, "a" if resumed else "w") as jobs:
+    with errors_naming(path), open(path, "a" if resumed else "w") as jobs:
         # A job killed or a disk filling up while it wrote its line left half of one: this one would be glued to it.
         jobs.write("\n" * torn + json.dumps(job) + "\n")
     log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
@@ -519,8 +536,14 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
                     len(eval_set) + eval_set.skipped.total(), count_reasons(reasons))
     if counts.not_decoded:  # the key's meaning since it was written: every test utterance the evaluation left out
         record["eval_unreadable"] = counts.not_decoded
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+    append_metrics(metrics_file, record)
+
+
+def append_metrics(metrics_file, record: dict) -> None:
+    """A line of metrics.jsonl (open_metrics' file), on disk at once; a write the disk refuses names the file."""
+    with errors_naming(metrics_file.name):
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
 
 
 def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -> list[list[int]]:
@@ -660,8 +683,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if env.is_main:
             # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
             # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
-            metrics_file.flush()
-            os.fsync(metrics_file.fileno())
+            with errors_naming(metrics_file.name):
+                metrics_file.flush()
+                os.fsync(metrics_file.fileno())
             checkpoint.save(
                 run_dir / "checkpoints" / name,
                 {
@@ -733,7 +757,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                              state["epoch_step"], len(sampler), step.loss, rate)
                 # The epoch counted from 1, as the log and the evaluations' lines count it.
                 record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
-                metrics_file.write(json.dumps(record) + "\n")
+                append_metrics(metrics_file, record)
                 writer.add_scalar("train/loss", step.loss, state["step"])
                 writer.add_scalar("train/lr", learning_rate, state["step"])
             if stops_at_max_steps(max_steps, state, len(sampler)):
