@@ -110,7 +110,8 @@ def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_lin
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.startswith(f"cannot write {path}: File too large; "), result.stderr
-    assert f" MiB free in {tmp_path}; checkpoints are written whole or not at all" in result.stdout
+    assert (f" MiB free in {tmp_path}, and this process may write files of at most 100 bytes (ulimit -f); checkpoints "
+            "are written whole or not at all") in result.stdout
     assert path.read_text() == written and [file.name for file in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
@@ -165,6 +166,8 @@ def test_a_record_the_disk_cannot_hold_mid_run_is_named_in_the_error_line(writte
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.startswith(f"cannot write {tmp_path / written}: File too large; "), result.stdout
+    # The disk has space: the limit is what refused the write.
+    assert ", and this process may write files of at most 300 bytes (ulimit -f); " in result.stdout, result.stdout
 
 
 def test_only_what_the_user_fixes_is_a_one_line_error():

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.manifest import print_paths_printable
-from trainer import distributed
+from trainer import checkpoint, distributed
 from trainer.config import config_error_line
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -95,6 +95,8 @@ def user_error_message(error: Exception, run_dir: Path) -> str | None:
     free = ""
     with contextlib.suppress(OSError):
         free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free in {run_dir}"
+    if error.errno == errno.EFBIG:
+        free += checkpoint.file_size_limit()
     written = f" {error.filename}" if error.filename else ""  # a failed write() names no file
     return (f"cannot write{written}: {error.strerror}{free}; checkpoints are written whole or not at all, so once "
             "there is space train.resume=auto continues from the last one")

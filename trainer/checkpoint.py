@@ -104,11 +104,18 @@ def _write(path: Path, write_into) -> None:
         free = ""
         with contextlib.suppress(OSError):
             free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
-        size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if size_limit != resource.RLIM_INFINITY:
-            free += f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
-        raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}); "
+        raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}"
+                                   f"{file_size_limit()}); "
                                    f"{path.name} there, if any, is as it was") from error
+
+
+def file_size_limit() -> str:
+    """', and this process may write files of at most N bytes (ulimit -f)' where it has such a limit, else '': it fails
+    a write on a disk with space, which a message giving the space left alone leaves unexplained."""
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if size_limit == resource.RLIM_INFINITY:
+        return ""
+    return f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
 
 
 def _interrupted(error: BaseException | None) -> bool:
