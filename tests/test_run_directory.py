@@ -210,6 +210,22 @@ def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
     assert printed == f"python -c '{code}' 'two words'"
 
 
+def test_reading_the_commit_leaves_the_checkouts_index_alone(tmp_path):
+    """Every rank of every job asks git for the commit; `git status` rewrote a checkout's index whose files' times had
+    changed, holding .git/index.lock meanwhile: a user's `git commit` at that moment failed, and a job killed outright
+    (a scheduler's SIGKILL to its process group) left the lock behind, failing every later git command there."""
+    checkout = tmp_path / "checkout"
+    (checkout / "trainer").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "trainer" / "environment.py", checkout / "trainer")
+    for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"]):
+        subprocess.run(["git", "-C", str(checkout), *command], check=True, capture_output=True)
+    index = checkout / ".git" / "index"
+    os.utime(checkout / "trainer" / "environment.py", ns=(1, 1))  # same content, other times: a stale index entry
+    before = index.read_bytes()
+    assert re.fullmatch(r"[0-9a-f]{12}", source_commit(checkout))
+    assert index.read_bytes() == before
+
+
 def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_path, caplog):
     path = tmp_path / "jobs.jsonl"
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))

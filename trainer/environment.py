@@ -36,8 +36,10 @@ def source_commit(root: Path = REPO_ROOT) -> str | None:
     a .venv inside a checkout ran other code than that checkout's commit."""
     try:
         def git(*arguments):
-            return subprocess.run(["git", "-C", str(root), *arguments], capture_output=True, text=True, check=True,
-                                  timeout=30).stdout.strip()
+            # --no-optional-locks: status would otherwise refresh the checkout's index under .git/index.lock, which a
+            # user's own git command meanwhile fails on and a job killed outright leaves behind.
+            return subprocess.run(["git", "--no-optional-locks", "-C", str(root), *arguments], capture_output=True,
+                                  text=True, check=True, timeout=30).stdout.strip()
 
         git("ls-files", "--error-unmatch", "--", "trainer/environment.py")  # this file, tracked at root
         commit = git("rev-parse", "--short=12", "HEAD")
