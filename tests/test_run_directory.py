@@ -323,3 +323,12 @@ def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():
     before = OmegaConf.to_yaml(cfg)
     run_directory.check_job_config(cfg)
     assert OmegaConf.to_yaml(cfg) == before
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_check_overrides_help_prints_its_usage(flag, capsys):
+    """Hydra's parser only notes the flag: the tool printed nothing and exited 0, as if the overrides had passed."""
+    from trainer.check_overrides import main
+
+    assert main([flag]) == 0
+    assert capsys.readouterr().out.startswith("`python -m trainer.check_overrides [-m] [overrides...]`: checks")

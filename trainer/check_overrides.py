@@ -35,6 +35,9 @@ def refusal(overrides: list[str], sweep: bool) -> str | None:
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     command_line = get_args_parser().parse_args(arguments)
+    if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
+        print(__doc__.strip())
+        return 0
     refused = refused_in_one_line(lambda: refusal(command_line.overrides, command_line.multirun))  # Hydra's: exit 2
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
