@@ -19,7 +19,7 @@ per-GPU batch of the global batch / N, e.g. the recipe's global batch 32 at the 
 are built for, on a machine with fewer GPUs. Running the same command again continues each unfinished run from its
 last.pt (one that finished all its epochs ends at once), so a long comparison can span several jobs. --report trains
 nothing: it summarises the runs as they stand in RUNS_DIR (finished, stopped part way, or copied there from another
-machine). Every run lists the devices its jobs trained on, from its jobs.jsonl.
+machine). Every run's row of the JSON lists the devices its jobs trained on, from its jobs.jsonl.
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
