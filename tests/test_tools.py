@@ -100,6 +100,7 @@ runpy.run_module(tool, run_name="__main__", alter_sys=True)
     ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
     ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
     ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
+    ("trainer.check_overrides", "hydra"),
 ])
 def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool, interrupted_at):
     """A Ctrl-C in the seconds a tool imports torch, before run_tool takes it, printed a traceback from inside them

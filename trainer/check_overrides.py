@@ -5,6 +5,11 @@ ranks' start. The config the command would train is composed as Hydra composes i
 job, as the trainer checks them before its first job (trainer.run_directory.sweep_refusal). The first refusal is one
 line on stderr, as the trainer's, and exit code 2; nothing is written.
 """
+if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
+    from data.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import sys
 
 from hydra import initialize_config_dir
@@ -12,6 +17,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
+from trainer.cli import run_tool
 from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import refused_in_one_line
 from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
@@ -46,4 +52,4 @@ def main(arguments: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_tool(lambda: main(sys.argv[1:])))
