@@ -784,6 +784,37 @@ def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stoppe
     assert ("scontrol requeue 4242" in recorded) == (trainer_exit == 128 + signal.SIGUSR1), recorded
 
 
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_the_slurm_scripts_own_signal_reaches_the_ranks_and_the_time_limits_requeues_the_job(tmp_path, name):
+    """scancel --batch or --full (and --signal=B:USR1@N) signal the batch script itself: under Slurm 22.05 it died at
+    once of SIGUSR1 or SIGTERM, the ranks stopped only as the job ended, and a time limit's SIGUSR1 requeued nothing."""
+    calls, ranks_signal = tmp_path / "calls.txt", tmp_path / "ranks_signal"
+    # The trainer's srun stands in for the ranks: it waits, then exits as they would on the signal it passed on.
+    srun = (f'echo "srun $*" >> {calls}; [[ $* == *" -m trainer "* ]] || exit 0; '
+            f'trap "echo USR1 > {ranks_signal}; exit 138" USR1; trap "echo TERM > {ranks_signal}; exit 143" TERM; '
+            f'echo started > {tmp_path}/started; for _ in {{1..300}}; do sleep 0.1; done; exit 1')
+    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
+    for tool, body in (("srun", srun), ("scontrol", scontrol)):
+        (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (tmp_path / tool).chmod(0o755)
+    script = subprocess.Popen(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"],
+                              cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+                                   "SLURM_JOB_NODELIST": "node07", "PYTHON": sys.executable})
+    try:
+        wait_until = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert script.poll() is None and time.monotonic() < wait_until, script.communicate()
+            time.sleep(0.1)
+        script.send_signal(getattr(signal, name))
+        out, err = script.communicate(timeout=30)
+    finally:
+        script.kill()
+    assert ranks_signal.read_text().strip() == name.removeprefix("SIG"), (out, err)
+    assert script.returncode == 128 + getattr(signal, name), (out, err)
+    assert ("scontrol requeue 4242" in calls.read_text()) == (name == "SIGUSR1"), calls.read_text()
+
+
 @pytest.mark.parametrize("overrides, refusal", [
     (["experiment=an4_gpu", "train.epoch=3"], "unknown config key train.epoch (did you mean train.epochs?)"),
     # Values the trainer's rules refuse, which a composition alone (--cfg job) let through, and a sweep's overrides,
