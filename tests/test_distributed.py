@@ -758,16 +758,21 @@ def slurm_script(tmp_path: Path, *arguments: str, trainer_exit: int = 0) -> tupl
     calls = tmp_path / "calls.txt"
     srun = (f'echo "srun $* (SRUN_CPUS_PER_TASK=${{SRUN_CPUS_PER_TASK-}})" >> {calls}; '
             f'[[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0')
+    environment = slurm_stand_ins(tmp_path, calls, srun)
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), *arguments], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, env=environment)
+    return ran, calls.read_text().splitlines() if calls.exists() else []
+
+
+def slurm_stand_ins(tmp_path: Path, calls: Path, srun: str) -> dict:
+    """The environment of a batch job of node07-08 whose srun runs the bash `srun` and whose scontrol records its
+    calls in `calls`: both stand-ins in `tmp_path`, first on PATH."""
     scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
     for tool, body in (("srun", srun), ("scontrol", scontrol)):
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (tmp_path / tool).chmod(0o755)
-    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), *arguments], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-                              "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8",
-                              "PYTHON": sys.executable})
-    return ran, calls.read_text().splitlines() if calls.exists() else []
+    return {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8", "PYTHON": sys.executable}
 
 
 @pytest.mark.parametrize("sweep", [["-m"], []])
@@ -793,14 +798,9 @@ def test_the_slurm_scripts_own_signal_reaches_the_ranks_and_the_time_limits_requ
     srun = (f'echo "srun $*" >> {calls}; [[ $* == *" -m trainer "* ]] || exit 0; '
             f'trap "echo USR1 > {ranks_signal}; exit 138" USR1; trap "echo TERM > {ranks_signal}; exit 143" TERM; '
             f'echo started > {tmp_path}/started; for _ in {{1..300}}; do sleep 0.1; done; exit 1')
-    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
-    for tool, body in (("srun", srun), ("scontrol", scontrol)):
-        (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
-        (tmp_path / tool).chmod(0o755)
     script = subprocess.Popen(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-                                   "SLURM_JOB_NODELIST": "node07", "PYTHON": sys.executable})
+                              env=slurm_stand_ins(tmp_path, calls, srun))
     try:
         wait_until = time.monotonic() + 60
         while not (tmp_path / "started").exists():
