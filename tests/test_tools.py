@@ -4,6 +4,7 @@ import argparse
 import fcntl
 import importlib
 import os
+import shlex
 import signal
 import struct
 import subprocess
@@ -205,3 +206,15 @@ def test_each_writer_puts_its_file_on_disk_before_the_rename_and_leaves_nothing_
     with pytest.raises(KeyboardInterrupt):
         WHOLE_FILE_WRITERS[writer](path)
     assert path.read_text() == "earlier\n" and [file.name for file in tmp_path.iterdir()] == ["file"]
+
+
+def test_a_tools_output_into_a_reader_that_stopped_early_ends_it_quietly(tmp_path):
+    # `trainer.lm --out /dev/stdout | head -1`: write_output took the closed pipe for an unwritable file, exit 2 and
+    # "error: cannot write /dev/stdout: Broken pipe", where run_tool ends a tool whose reader stopped early quietly.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    lm = shlex.join([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                     "/dev/stdout"])
+    piped = subprocess.run(["bash", "-c", f"{lm} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 1 and "error" not in piped.stderr, piped.stderr
+

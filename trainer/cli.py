@@ -74,9 +74,10 @@ def check_not_an_input(path: str | None, inputs: list[str]) -> None:
 def write_output(path: str, text: str, so_far: bool = False) -> None:
     """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
     was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
-    written. A file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as
-    its own bytes. `so_far`: the results up to now of a long run, which writes them all again when it ends; a file
-    keeps them should the run be cut short, while a stream, which cannot take them back, is left for the last."""
+    written, BrokenPipeError where a stream's reader stopped early. A file name in `text` that is not UTF-8
+    (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as its own bytes. `so_far`: the results up to now
+    of a long run, which writes them all again when it ends; a file keeps them should the run be cut short, while a
+    stream, which cannot take them back, is left for the last."""
     own_stream = _standard_stream_writing_to(path)
     into_a_stream = own_stream is not None or (Path(path).exists() and not Path(path).is_file())
     if so_far and into_a_stream:
@@ -91,6 +92,8 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
                 stream.write(text)
         else:
             replace_whole(Path(path).resolve(), text)
+    except BrokenPipeError:
+        raise  # the reader stopped early (`| head`), which run_tool ends quietly: not a file that cannot be written
     except OSError as error:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
 

@@ -263,6 +263,8 @@ def main(argv=None) -> int:
         order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
         print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", flush=True)  # a minute at 100k
         write_output(args.out, build_arpa(spellable, order))
+    except BrokenPipeError:
+        raise  # the reader stopped early (run_tool)
     except (OSError, ValueError) as error:  # OSError: a manifest that cannot be read (no permission); it names the file
         print(f"error: {error}", file=sys.stderr)
         return 2
