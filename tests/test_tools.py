@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import termios
+import wave
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_a_tools_output_may_be_a_stream(tmp_path):
 @pytest.mark.parametrize("mode", ["w", "a"])
 def test_a_tools_output_to_dev_stdout_under_a_redirection_keeps_the_files_lines(tmp_path, mode):
     # `--out /dev/stdout >> log.txt`: written beside the file and renamed over it, the lines >> had appended to were
-    # lost, and so were the tool's own lines on stdout, before and after.
+    # lost, and so were the tool's own lines, before and after (now on stderr: lines_stream).
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
     log = tmp_path / "log.txt"
     log.write_text("an earlier line\n")
@@ -56,8 +57,8 @@ def test_a_tools_output_to_dev_stdout_under_a_redirection_keeps_the_files_lines(
     assert result.returncode == 0, result.stderr
     earlier = "an earlier line\n" if mode == "a" else ""
     written = log.read_text()
-    assert written.startswith(f"{earlier}counting the 3-grams of 1 transcript\n\\data\\\nngram 1=5\n"), written
-    assert written.endswith("\\end\\\nwrote /dev/stdout: a 3-gram model of 1 transcript\n"), written
+    assert written.startswith(f"{earlier}\\data\\\nngram 1=5\n") and written.endswith("\\end\\\n"), written
+    assert result.stderr == "counting the 3-grams of 1 transcript\nwrote /dev/stdout: a 3-gram model of 1 transcript\n"
 
 
 def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp_path, monkeypatch):
@@ -218,3 +219,21 @@ def test_a_tools_output_into_a_reader_that_stopped_early_ends_it_quietly(tmp_pat
                            capture_output=True, text=True, timeout=120)
     assert piped.returncode == 1 and "error" not in piped.stderr, piped.stderr
 
+
+def test_a_tools_output_to_stdout_is_its_output_alone_its_own_lines_on_stderr(tmp_path):
+    # `trainer.lm ... --out /dev/stdout | gzip`, `trainer.evaluate ... --out /dev/stdout | sort`: "counting the 3-grams
+    # ...", "wrote /dev/stdout ..." and the WER line went to stdout too, into the ARPA file and the table.
+    audio = tmp_path / "a.wav"
+    with wave.open(str(audio), "wb") as file:
+        file.setnchannels(1), file.setsampwidth(2), file.setframerate(16000)
+        file.writeframes(struct.pack("<16000h", *(((n * 7919) % 2001) - 1000 for n in range(16000))))
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES NO", "s")])
+    tools = {"trainer.lm": ("\\data\\\n", "\\end\\\n"),
+             "trainer.evaluate": ("audio_filepath\tword_errors\t", "\tYES NO\t")}
+    for tool, (first, last) in tools.items():
+        model = ["--checkpoint", str(small_checkpoint(tmp_path / "model.pt"))] if tool == "trainer.evaluate" else []
+        result = subprocess.run([sys.executable, "-m", tool, *model, "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                                 "/dev/stdout"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(first) and last in result.stdout.splitlines(keepends=True)[-1], result.stdout
+        assert "wrote /dev/stdout" in result.stderr or "WER " in result.stderr, result.stderr

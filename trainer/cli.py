@@ -98,6 +98,12 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
         raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
 
 
+def lines_stream(out: str | None):
+    """Where a tool prints its own lines (what it does, what it wrote): stdout, or stderr where its output file `out`
+    is stdout (--out /dev/stdout | gzip), whose reader would find them in the middle of the file."""
+    return sys.stderr if out is not None and _standard_stream_writing_to(out) is sys.stdout else sys.stdout
+
+
 def _standard_stream_writing_to(path: str):
     """sys.stdout or sys.stderr where `path` is the file it writes to (/dev/stdout under a shell's `> file` or
     `>> file`), else None. Such a file is written through the stream, at its position: renamed over, it lost what

@@ -26,7 +26,7 @@ from data.manifest import print_paths_printable
 from data.sampler import eval_shard
 from data.text import counted, normalize_text
 from trainer import build, decode
-from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, lines_stream, output_file, positive_int, run_tool, write_output
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     reasons = count_reasons(left_out(dataset, counts))
     reasons = f"; left out: {reasons}" if reasons else ""
     print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  "
-          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{reasons})")
+          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{reasons})", file=lines_stream(args.out))
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import BinaryIO
 from data.cli import input_path
 from data.manifest import file_identity, numbered_lines, print_paths_printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
-from trainer.cli import check_not_an_input, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, lines_stream, output_file, positive_int, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
@@ -261,7 +261,8 @@ def main(argv=None) -> int:
             raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
                              "characters outside the alphabet")
         order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
-        print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", flush=True)  # a minute at 100k
+        print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", file=lines_stream(args.out),
+              flush=True)  # a minute at 100k
         write_output(args.out, build_arpa(spellable, order))
     except BrokenPipeError:
         raise  # the reader stopped early (run_tool)
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
     lowered = f" (--order {args.order}: none is longer than {counted(order - 2, 'word')})" if order < args.order else ""
     left_out = f"; {unspellable} empty or unspellable left out" if unspellable else ""
     left_out += f"; {len(repeats)} whose audio file is listed before left out" if repeats else ""
-    print(f"wrote {args.out}: a {order}-gram model of {counted(len(spellable), 'transcript')}{lowered}{left_out}")
+    print(f"wrote {args.out}: a {order}-gram model of {counted(len(spellable), 'transcript')}{lowered}{left_out}",
+          file=lines_stream(args.out))
     return 0
 
 
