@@ -165,9 +165,11 @@ codecs.register_error("printable_path", _escape_as_printable_path)
 
 def print_paths_printable(*streams) -> None:
     """Has `streams` (a tool's stdout and stderr) print a path that is not UTF-8 as printable_path writes it: stderr's
-    own "\\udcff" for b"\\xff" named no byte, and stdout's strict UTF-8 (en_US.UTF-8) ended the tool in a traceback."""
+    own "\\udcff" for b"\\xff" named no byte, and stdout's strict UTF-8 (en_US.UTF-8) ended the tool in a traceback.
+    A stream the tool started without (`>&-`), which Python gives as None and print() skips, is left so."""
     for stream in streams:
-        stream.reconfigure(errors="printable_path")
+        if stream is not None:
+            stream.reconfigure(errors="printable_path")
 
 
 def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None:

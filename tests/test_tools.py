@@ -237,3 +237,15 @@ def test_a_tools_output_to_stdout_is_its_output_alone_its_own_lines_on_stderr(tm
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(first) and last in result.stdout.splitlines(keepends=True)[-1], result.stdout
         assert "wrote /dev/stdout" in result.stderr or "WER " in result.stderr, result.stderr
+
+
+def test_a_tool_started_with_stdout_closed_writes_its_out_file(tmp_path):
+    # `python -m trainer.lm ... --out model.arpa >&-` (a daemon, a cron job): print_paths_printable reconfigured the
+    # None that Python gives for a closed stdout, an AttributeError's traceback before any work.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    (tmp_path / "lm.arpa").write_text("an earlier model\n")  # compared with the (closed) stdout before it is replaced
+    lm = shlex.join([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                     str(tmp_path / "lm.arpa")])
+    result = subprocess.run(["bash", "-c", f"{lm} >&-"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert (tmp_path / "lm.arpa").read_text().startswith("\\data\\\n")

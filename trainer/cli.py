@@ -101,7 +101,8 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
 def lines_stream(out: str | None):
     """Where a tool prints its own lines (what it does, what it wrote): stdout, or stderr where its output file `out`
     is stdout (--out /dev/stdout | gzip), whose reader would find them in the middle of the file."""
-    return sys.stderr if out is not None and _standard_stream_writing_to(out) is sys.stdout else sys.stdout
+    written_to_stdout = out is not None and sys.stdout is not None and _standard_stream_writing_to(out) is sys.stdout
+    return sys.stderr if written_to_stdout else sys.stdout
 
 
 def _standard_stream_writing_to(path: str):
@@ -112,7 +113,7 @@ def _standard_stream_writing_to(path: str):
         target = os.stat(path)
     except OSError:
         return None
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (stream for stream in (sys.stdout, sys.stderr) if stream is not None):  # None: closed as started
         try:
             if os.path.samestat(target, os.fstat(stream.fileno())):
                 return stream
