@@ -1,6 +1,7 @@
 """The command-line tools' shared behaviour: Ctrl-C, output files written whole and never over an input, paths that
 are not UTF-8, inputs they cannot open, progress bars."""
 import argparse
+import errno
 import fcntl
 import importlib
 import os
@@ -249,3 +250,19 @@ def test_a_tool_started_with_stdout_closed_writes_its_out_file(tmp_path):
     result = subprocess.run(["bash", "-c", f"{lm} >&-"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
     assert (tmp_path / "lm.arpa").read_text().startswith("\\data\\\n")
+
+
+def test_a_tool_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path):
+    # `trainer.evaluate ... > /dev/full` ended in an OSError's traceback, `trainer.lm ... > /dev/full` in "error: [Errno
+    # 28] No space left on device", which named no file: a print's write() names none.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "trainer.lm", "--manifest", str(tmp_path / "m.jsonl"), "--out",
+                                 str(tmp_path / "lm.arpa")], cwd=REPO_ROOT, stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (2, "error: cannot write stdout: No space left on device\n")
+
+    def printing_into_a_full_disk():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    assert cli.run_tool(printing_into_a_full_disk) == 2

@@ -38,6 +38,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.manifest import print_paths_printable
 from trainer import checkpoint, distributed
+from trainer.cli import FULL_DISK
 from trainer.config import config_error_line
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -75,7 +76,6 @@ def sweep_exit_code() -> int:
     return 2 if all(exit_code == 2 for _, exit_code in _failed_sweep_jobs) else 1
 
 
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
 # What keeps a file named in the config from being opened, besides its absence: no permission (to it or a folder on its
 # way), a name past the file system's limit, a folder where a file should be or the reverse, a read-only file system.
 UNUSABLE_PATH = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EROFS)

@@ -1,6 +1,7 @@
 """What the trainer's command-line tools share: argument types (argparse refuses a bad value, naming its argument,
 before any work starts), writing their output files, and how they end when interrupted."""
 import argparse
+import errno
 import math
 import os
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.files import replace_whole
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
 
 
 def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:
@@ -123,8 +126,8 @@ def _standard_stream_writing_to(path: str):
 
 
 def run_tool(main: Callable[[], int]) -> int:
-    """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback) and a reader
-    that stops early (`| head`) quietly (exit 1)."""
+    """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback), a reader
+    that stops early (`| head`) quietly (exit 1) and a stdout on a full disk in one line (exit 2)."""
     ctrl_c_raises_keyboard_interrupt()
     try:
         return main()
@@ -132,6 +135,17 @@ def run_tool(main: Callable[[], int]) -> int:
         print(INTERRUPTED, file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     except BrokenPipeError:
-        # Python flushes stdout once more as it exits, into the same closed pipe: send that to /dev/null.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _discard_stdout()
         return 1
+    except OSError as error:
+        # A file the tool opens is named in its error; a print's write() names none, and so one is stdout's.
+        if error.filename is not None or error.errno not in FULL_DISK:
+            raise
+        print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
+        _discard_stdout()
+        return 2
+
+
+def _discard_stdout() -> None:
+    """Python flushes stdout once more as it exits, into the same closed pipe or full disk: send that to /dev/null."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

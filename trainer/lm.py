@@ -264,9 +264,9 @@ def main(argv=None) -> int:
         print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", file=lines_stream(args.out),
               flush=True)  # a minute at 100k
         write_output(args.out, build_arpa(spellable, order))
-    except BrokenPipeError:
-        raise  # the reader stopped early (run_tool)
     except (OSError, ValueError) as error:  # OSError: a manifest that cannot be read (no permission); it names the file
+        if isinstance(error, OSError) and error.filename is None:
+            raise  # a print into stdout: its reader stopped early, or a full disk (run_tool)
         print(f"error: {error}", file=sys.stderr)
         return 2
     lowered = f" (--order {args.order}: none is longer than {counted(order - 2, 'word')})" if order < args.order else ""
