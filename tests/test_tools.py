@@ -266,3 +266,13 @@ def test_a_tool_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     assert cli.run_tool(printing_into_a_full_disk) == 2
+
+
+def test_transcribe_started_with_stdout_closed_says_its_transcripts_have_nowhere_to_go(tmp_path):
+    # `python -m trainer.transcribe ... >&-` ended in an AttributeError's traceback: Python gives a closed stdout as
+    # None.
+    transcribe = shlex.join([sys.executable, "-m", "trainer.transcribe", "--checkpoint", str(tmp_path / "model.pt"),
+                             str(tmp_path / "a.wav")])
+    result = subprocess.run(["bash", "-c", f"{transcribe} >&-"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stderr) == (2, "error: stdout is closed (>&-): the transcripts would be lost\n")

@@ -55,6 +55,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.stdout is None:  # Python's for a stdout closed as the tool started: print() would drop every transcript
+        print("error: stdout is closed (>&-): the transcripts would be lost", file=sys.stderr)
+        sys.exit(2)
     # The paths printed name the files to find them by: one that is not UTF-8 (b"\xff.wav") as its own bytes, where
     # strict UTF-8 output (a locale such as en_US.UTF-8) would end the tool in a traceback.
     sys.stdout.reconfigure(errors="surrogateescape")
