@@ -1173,7 +1173,9 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
                 f"{folder / 'checkpoints' / 'last.pt'}")  # the same train.max_steps again trains nothing
         assert hint in first.output
 
-    again = sweep(tmp_path, manifest, "model.cell=relu,gru", "train.max_steps=2", "train.resume=auto", "run_name=sw")
+    # With another evaluation batch, which a resume may change: it named the jobs' folders, so each started afresh.
+    again = sweep(tmp_path, manifest, "model.cell=relu,gru", "train.max_steps=2", "train.resume=auto", "run_name=sw",
+                  "train.eval_batch_size=3")
     assert again.returncode == 0, again.output[-4000:]
     assert sweep_jobs(tmp_path / "runs" / "sw") == jobs  # no new folder
     for folder in jobs.values():
