@@ -283,6 +283,10 @@ def test_in_a_sweep_every_jobs_log_is_rank_0s(an4_slice, tmp_path):
     command.insert(command.index("trainer") + 1, "-m")
     code, output = run_job(command, TRAIN_TIMEOUT_S)
     assert code == 0, output
+    # Hydra's own lines, rank 0's alone: rank 1's came too, the first two untagged, before its first job began.
+    for hydra_line in ("[HYDRA] Launching 2 jobs locally", "[HYDRA] \t#0 : ", "[HYDRA] \t#1 : "):
+        assert output.count(hydra_line) == 1, output
+    assert "[HYDRA] [rank 1]" not in output, output
     logs = sorted((tmp_path / "sweep").glob("*/__main__.log"))
     assert len(logs) == 2, output
     for log in (path.read_text() for path in logs):

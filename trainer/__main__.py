@@ -139,10 +139,14 @@ def summary_line(result: dict) -> str:
 def leave_the_log_to_rank_0(rank: int) -> None:
     """Hydra gives every rank the console and the run's log file, where rank 0 speaks for the job (its lines count
     every rank's work). Other ranks add only their start line (trainer.distributed: their device and rendezvous) and
-    their warnings and errors, tagged with their rank, rather than each line again untagged."""
+    their warnings and errors, tagged with their rank, rather than each line again untagged; Hydra's own lines of a
+    sweep ("Launching 2 jobs locally", each job's "#0 : ...") are rank 0's too. Called before Hydra starts, for those
+    lines, which come before the first job's, and again in each job."""
     if rank == 0:
         return
-    # Again for each job of a sweep: Hydra sets the levels up anew for every job.
+    # Hydra's logging config names no "hydra" logger and leaves loggers it does not name as they are: this level holds.
+    logging.getLogger("hydra").setLevel(logging.WARNING)
+    # Again for each job of a sweep: Hydra sets the root's level up anew for every job.
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger(distributed.__name__).setLevel(logging.INFO)
     if getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: its records tagged already
@@ -228,6 +232,7 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
 
 if __name__ == "__main__":
     report_command_line_errors_in_one_line()
+    leave_the_log_to_rank_0(distributed.launcher_rank())
     try:
         main()
     except SystemExit as leaving:
