@@ -4,6 +4,8 @@ import argparse
 import errno
 import fcntl
 import importlib
+import io
+import logging
 import os
 import shlex
 import signal
@@ -34,6 +36,30 @@ def test_a_progress_bar_shows_on_a_terminal_that_has_a_width_only(tmp_path):
     finally:
         os.close(terminal)
         os.close(controller)
+
+
+class WritesSeen(io.StringIO):
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_a_log_line_above_the_progress_bar_is_one_write_with_its_newline(monkeypatch):
+    """mpiexec merges the ranks' output as their writes come: a line written apart from its newline (tqdm's write)
+    had another rank's line glued to it."""
+    stdout = WritesSeen()
+    monkeypatch.setattr(sys, "stdout", stdout)  # tqdm's redirect takes over the console's handlers alone
+    handler = logging.StreamHandler(sys.stdout)
+    logger = logging.getLogger("test_tools.one_write")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    logger.setLevel(logging.INFO)
+    with cli.log_above_progress_bars():
+        logger.info("epoch 1: loss 161.139")
+    assert [text for text in stdout.writes if text] == ["epoch 1: loss 161.139\n"]
 
 
 def test_a_tools_output_may_be_a_stream(tmp_path):

@@ -34,11 +34,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.manifest import print_paths_printable
 from trainer import checkpoint, distributed
-from trainer.cli import FULL_DISK
+from trainer.cli import FULL_DISK, log_above_progress_bars
 from trainer.config import config_error_line
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -172,7 +171,7 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        with logging_redirect_tqdm():  # log lines above the progress bar, not glued to its end
+        with log_above_progress_bars():
             result = train(cfg, run_dir, continue_with(cfg))
     except StoppedBeforeTraining as stopped:
         stop_now(str(stopped), stopped.signal, run_dir)

@@ -8,10 +8,28 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.files import replace_whole
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+
+
+class _LineInOneWrite(tqdm):
+    """tqdm whose write() passes a log line and its newline on together. tqdm's own writes them apart, and each
+    reached the stream's file on its own: under mpiexec, which merges the ranks' output, another rank's line came
+    between them, two lines glued into one and an empty one after."""
+
+    @classmethod
+    def write(cls, s, file=None, end="\n", nolock=False):
+        super().write(s + end, file=file, end="", nolock=nolock)
+
+
+def log_above_progress_bars():
+    """A context in which log lines go above a tqdm progress bar, not glued to its end, each line in one write."""
+    return logging_redirect_tqdm(tqdm_class=_LineInOneWrite)
 
 
 def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:

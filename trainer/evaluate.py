@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import input_path, shows_a_progress_bar
 from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, collate, count_reasons
@@ -26,7 +25,8 @@ from data.manifest import print_paths_printable
 from data.sampler import eval_shard
 from data.text import counted, normalize_text
 from trainer import build, decode
-from trainer.cli import check_not_an_input, lines_stream, output_file, positive_int, run_tool, write_output
+from trainer.cli import (check_not_an_input, lines_stream, log_above_progress_bars, output_file, positive_int, run_tool,
+                         write_output)
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         return 2
     batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
     try:
-        with logging_redirect_tqdm():
+        with log_above_progress_bars():
             counts, rows = evaluate(model, dataset, batches, device, progress_bar=shows_a_progress_bar(sys.stderr),
                                     progress_line_s=PROGRESS_LINE_S, decoder=decoder)
     except ValueError as error:  # the model's output not finite (decode.check_finite)
