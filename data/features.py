@@ -54,6 +54,24 @@ def _check_n_mels(n_mels, sample_rate: int, n_fft: int, window_ms: float) -> Non
                          f"{_most_mel_bands(sample_rate, n_fft)} bands work there")
 
 
+def _window_and_hop_lengths(sample_rate, window_ms, hop_ms) -> tuple[int, int]:
+    """The window and the hop in samples; ValueError where the rate or either length is unusable."""
+    # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
+    if not (_is_integer(sample_rate) and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
+            and _is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
+            and _is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
+        raise ValueError(f"sample_rate={sample_rate!r} must be an integer number of Hz from {MIN_SAMPLE_RATE} to "
+                         f"{MAX_SAMPLE_RATE}, window_ms={window_ms!r} and hop_ms={hop_ms!r} numbers of "
+                         f"milliseconds in (0, {MAX_WINDOW_MS}]")
+    window_length = round(sample_rate * window_ms / 1000)
+    hop_length = round(sample_rate * hop_ms / 1000)
+    if window_length < 2 or hop_length < 1:
+        raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
+    if hop_length > window_length:  # frames would skip the audio between them
+        raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
+    return window_length, hop_length
+
+
 class FeatureExtractor(nn.Module):
     """Waveform -> (T, F) float32 log features.
 
@@ -80,22 +98,10 @@ class FeatureExtractor(nn.Module):
         super().__init__()
         if kind not in FEATURE_KINDS:
             raise ValueError(f"feature kind {kind!r} is not one of {FEATURE_KINDS}")
-        # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
-        if not (_is_integer(sample_rate) and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
-                and _is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
-                and _is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
-            raise ValueError(f"sample_rate={sample_rate!r} must be an integer number of Hz from {MIN_SAMPLE_RATE} to "
-                             f"{MAX_SAMPLE_RATE}, window_ms={window_ms!r} and hop_ms={hop_ms!r} numbers of "
-                             f"milliseconds in (0, {MAX_WINDOW_MS}]")
         self.kind = kind
         self.sample_rate = sample_rate
         self.normalize = normalize
-        window_length = round(sample_rate * window_ms / 1000)
-        self.hop_length = round(sample_rate * hop_ms / 1000)
-        if window_length < 2 or self.hop_length < 1:
-            raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
-        if self.hop_length > window_length:  # frames would skip the audio between them
-            raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
+        window_length, self.hop_length = _window_and_hop_lengths(sample_rate, window_ms, hop_ms)
         if kind == "spectrogram":
             self.n_fft = window_length
             self.transform = torchaudio.transforms.Spectrogram(
