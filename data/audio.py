@@ -76,19 +76,7 @@ def audio_header(path: str | os.PathLike):
     load_audio refuses: no samples, more than MAX_SECONDS, a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE or
     more than MAX_CHANNELS channels (so a manifest never lists such a file with the duration it claims), or no length
     at all."""
-    # libsndfile reports a missing file, or one it may not open, as "System error"; say what it is. A pipe would be
-    # waited on for a writer.
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISREG(mode):
-            open(path, "rb").close()
-    except (FileNotFoundError, NotADirectoryError):
-        raise AudioError(f"{path}: no such audio file") from None
-    except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
-        raise AudioError(f"{path}: cannot read audio ({error.strerror or error})") from None
-    if not stat.S_ISREG(mode):
-        raise AudioError(f"{path}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
-                                        "not a file (a pipe, <(...), a device); save the audio to one and name that"))
+    _require_readable_file(path)
     # Whatever a file that is not what it claims makes libsndfile or soundfile raise (a RAW file without a rate
     # raises TypeError), the message names the file. The name goes as bytes: soundfile encodes a str strictly, and a
     # name that is not UTF-8 (b"\xff.wav", which Python holds as "\udcff.wav") would not open.
@@ -110,6 +98,22 @@ def audio_header(path: str | os.PathLike):
         raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
                          f"the {MAX_SECONDS} s a file may hold")
     return header
+
+
+def _require_readable_file(path: str | os.PathLike) -> None:
+    """AudioError naming `path` where it is missing, cannot be opened or is not a regular file. libsndfile reports the
+    first two as "System error", which says neither, and would wait on a pipe for a writer."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            open(path, "rb").close()
+    except (FileNotFoundError, NotADirectoryError):
+        raise AudioError(f"{path}: no such audio file") from None
+    except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
+        raise AudioError(f"{path}: cannot read audio ({error.strerror or error})") from None
+    if not stat.S_ISREG(mode):
+        raise AudioError(f"{path}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
+                                        "not a file (a pipe, <(...), a device); save the audio to one and name that"))
 
 
 def _resampling_phases(from_rate: int, to_rate: int) -> int:
