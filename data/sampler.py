@@ -119,9 +119,10 @@ class BucketBatchSampler(Sampler[list[int]]):
         if not all(isinstance(state[key], int) and not isinstance(state[key], bool) for key in ("epoch", "position")):
             raise ValueError(f"sampler epoch and position must be integers, got {state['epoch']!r} and "
                              f"{state['position']!r}")
-        if not 0 <= state["position"] <= len(self) or state["epoch"] < 0:
-            raise ValueError(f"sampler position {state['position']} is outside an epoch of {len(self)} global batches"
-                             if state["epoch"] >= 0 else f"sampler epoch {state['epoch']} is negative")
+        if state["epoch"] < 0:
+            raise ValueError(f"sampler epoch {state['epoch']} is negative")
+        if not 0 <= state["position"] <= len(self):
+            raise ValueError(f"sampler position {state['position']} is outside an epoch of {len(self)} global batches")
         self.epoch = state["epoch"]
         self.position = state["position"]
 
