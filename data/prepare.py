@@ -90,17 +90,9 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         if not on_terminal and time.perf_counter() - last_line >= PROGRESS_LINE_S:  # a SLURM or nohup log
             last_line = time.perf_counter()
             logger.info("read %d of %d chapters", number, len(transcripts))
-        # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
-        for line in _read_utf8(transcript).split("\n"):
-            if not line.strip():
-                continue
-            utterance_id, text = (line.split(maxsplit=1) + [""])[:2]  # a tab after the id separates it too
-            audio_stem = transcript.parent / utterance_id
-            utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
-            if utterance is None:
-                num_skipped += 1
-            else:
-                utterances.append(utterance)
+        chapter, chapter_skipped = _chapter_utterances(transcript)
+        utterances += chapter
+        num_skipped += chapter_skipped
     manifest = Path(out) / f"{(name or source.name).removesuffix('.jsonl')}.jsonl"
     _write(f"librispeech {source.name}", manifest, utterances, num_skipped)
     return manifest
@@ -131,6 +123,23 @@ def _librispeech_transcripts(source: Path) -> list[Path]:
 
 def _warn_unlistable_folder(error: OSError) -> None:
     logger.warning("skipping %s: cannot list the folder (%s)", error.filename, error.strerror)
+
+
+def _chapter_utterances(transcript: Path) -> tuple[list[Utterance], int]:
+    """The utterances of one LibriSpeech chapter's SPEAKER-CHAPTER.trans.txt, and how many were skipped."""
+    utterances, num_skipped = [], 0
+    # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
+    for line in _read_utf8(transcript).split("\n"):
+        if not line.strip():
+            continue
+        utterance_id, text = (line.split(maxsplit=1) + [""])[:2]  # a tab after the id separates it too
+        audio_stem = transcript.parent / utterance_id
+        utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
+        if utterance is None:
+            num_skipped += 1
+        else:
+            utterances.append(utterance)
+    return utterances, num_skipped
 
 
 def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:
