@@ -2,6 +2,11 @@
 
 The format is NeMo's, so manifests written elsewhere load too; there `speaker` may be absent. NeMo's `offset` (a
 segment of a longer file) is refused rather than ignored: the whole file would be read under the segment's transcript.
+
+Here too is what the readers of manifests and their audio paths share: numbered_lines, which reads lines of a bounded
+length (trainer.lm's text too); file_identity, which tells two names of one file from two files; control_character,
+which finds what a path printed on a line may not hold; printable_path and print_paths_printable, which print a path
+that is not UTF-8 in escapes.
 """
 import codecs
 import json
