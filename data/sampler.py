@@ -66,7 +66,6 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.durations = torch.tensor(durations, dtype=torch.float64)
         self.global_batch_size = global_batch_size
         self.rank = rank
-        self.world_size = world_size
         self.seed = seed
         self.sortagrad = sortagrad
         self.jitter = jitter
