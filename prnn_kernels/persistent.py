@@ -188,6 +188,8 @@ def persistent_bidirectional_layer(cell, input_proj, hx, weight_hh, bias_hh, len
     if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in (hx, weight_hh, bias_hh)):
         raise ValueError("persistent_bidirectional_layer: hx, weight_hh and bias_hh must each be a pair (forward "
                          "direction, reverse direction; bias_hh may be None)")
+    if (bias_hh[0] is None) != (bias_hh[1] is None):
+        raise ValueError("persistent_bidirectional_layer: give both biases or neither")
     output, final_states = _run_layer(cell, input_proj, list(hx), list(weight_hh), list(bias_hh), lengths, False)
     return output, tuple(final_states)
 
@@ -198,8 +200,6 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     """D = len(weight_hh) directions of one layer; direction 0 runs reversed if `reverse`, direction 1 the other
     way. Returns output (T, B, D*H) and a list of D final states."""
     num_directions = len(weight_hh)
-    if (bias_hh[0] is None) != (bias_hh[-1] is None):
-        raise ValueError("persistent_bidirectional_layer: give both biases or neither")
     # Before the support query, which would answer for the H a width rounds down to (without a GPU: needs one).
     hidden_size, states = checked_layer("persistent_layer", cell, input_proj, hx, weight_hh, bias_hh)
     num_steps, batch_size, _ = input_proj.shape
