@@ -89,7 +89,11 @@ class _BackendChoice:
             raise ValueError(f"{name}: hx must be a tuple (h0, c0), got {got}")
         if input.shape[1 - batch_dim] == 0:
             raise ValueError(f"{name}: input has no time steps, shape {tuple(input.shape)}")
-        if hx is not None:  # against the whole batch: batch_slice hands each slice its part
+        # torch.nn's own checks of the input's and the state's sizes, with its messages, made once for every backend
+        # and against the whole batch: batch_slice hands each slice its part.
+        if hx is None:
+            self.check_input(input, None)
+        else:
             self.check_forward_args(input, hx, None)
         if lengths is not None:
             lengths = checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
@@ -163,8 +167,6 @@ class _BackendChoice:
             batch_size = input.shape[0 if self.batch_first else 1]
             zeros = input.new_zeros(self.num_layers * num_directions, batch_size, self.hidden_size)
             hx = (zeros, zeros) if self.cell == "lstm" else zeros
-        # torch.nn's own checks of input and state sizes, with its error messages.
-        self.check_forward_args(input, hx, None)
         if self.batch_first:
             input = input.transpose(0, 1)
         num_steps, batch_size, _ = input.shape
