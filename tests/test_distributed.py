@@ -956,6 +956,18 @@ def test_a_rank_that_leaves_before_mpi_starts_ends_the_job(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_slice, tmp_path):
+    """Rank 1 stops before it starts MPI (as one stuck importing from a file system that stopped answering) while rank
+    0 goes on into MPI_Init, which has no timeout: rank 0 waited there for ever."""
+    rank_0 = trainer_command(an4_slice, tmp_path, 1, "distributed.timeout_s=5")
+    stopped = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"]
+    code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *stopped], FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert ("error on rank 0: MPI did not start within distributed.timeout_s (5 s): another rank stopped answering "
+            "before it started MPI") in output, output
+
+
+@needs_mpiexec
 @pytest.mark.parametrize("rank_1_override, difference", [
     ("seed=99", "rank 1 has seed=99 where rank 0 has 1234"),
     ("train.epochs=3", "rank 1 has train.epochs=3 where rank 0 has 2"),

@@ -11,6 +11,7 @@ ranks of one communicator on one GPU. The ranks take turns on a shared GPU and a
 is slow; what it is for is an N-GPU job's arithmetic (per-GPU batch, batch-norm statistics, reduction) on fewer GPUs.
 """
 import array
+import contextlib
 import datetime
 import gc
 import ipaddress
@@ -18,6 +19,8 @@ import json
 import logging
 import os
 import re
+import select
+import signal
 import socket
 import sys
 import time
@@ -70,6 +73,36 @@ def _launcher_variables() -> tuple[str, str, str, str] | None:
 
 def launched_by_mpi() -> bool:
     return _launcher_variables() is not None
+
+
+@contextlib.contextmanager
+def ended_past(timeout_s: float, rank: int):
+    """Its block, MPI's start and its exchanges before the process group, ends this process after `timeout_s`, saying
+    so in one line: those wait for every rank with no timeout of their own, where a rank stopped or hung before it
+    started MPI (stuck importing from a file system that stopped answering) left the others in MPI_Init for ever.
+    MPI_Init holds the GIL, so neither a thread nor a signal handler of this process would run: a process forked
+    here waits on a pipe that the block's end closes, and kills this one (the launcher then ends the job) where it
+    was not closed in time. Not once MPI has started (a sweep's later job): a fork then makes OpenMPI warn, and
+    InfiniBand's registered memory may not survive it."""
+    if "mpi4py.MPI" in sys.modules:
+        yield
+        return
+    read_end, write_end = os.pipe()
+    watchdog = os.fork()
+    if watchdog == 0:
+        os.close(write_end)
+        if not select.select([read_end], [], [], timeout_s)[0]:
+            os.write(2, f"error on rank {rank}: MPI did not start within distributed.timeout_s ({timeout_s:g} s): "
+                        "another rank stopped answering before it started MPI (stopped, or hung importing from a "
+                        "file system that stopped answering); this rank ends the job\n".encode())
+            os.kill(os.getppid(), signal.SIGKILL)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        yield
+    finally:
+        os.close(write_end)
+        os.waitpid(watchdog, 0)
 
 
 def _ranks_from_mpi() -> tuple[int, int, int, int, bool, "object"]:
@@ -192,17 +225,18 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
     try:
-        rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
-        launched_size = _ranks_from_launcher()[1]
-        if world_size != launched_size:  # else each process would train alone, all into one run directory
-            variable = _launcher_variables()[1]
-            raise ValueError(
-                f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
-                f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
-                f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start this "
-                "process (unset it)"
-            )
-        address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
+        with ended_past(timeout_s, launcher_rank()):
+            rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
+            launched_size = _ranks_from_launcher()[1]
+            if world_size != launched_size:  # else each process would train alone, all into one run directory
+                variable = _launcher_variables()[1]
+                raise ValueError(
+                    f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
+                    f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
+                    f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start "
+                    "this process (unset it)"
+                )
+            address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
         check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
