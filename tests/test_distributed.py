@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -965,6 +966,25 @@ def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_sli
     assert code != 0, output
     assert ("error on rank 0: MPI did not start within distributed.timeout_s (5 s): another rank stopped answering "
             "before it started MPI") in output, output
+
+
+def test_the_watchdog_of_mpis_start_never_runs_on_into_the_trainers_code():
+    """The watchdog ended_past forks is a copy of the rank: a Ctrl-C's KeyboardInterrupt there went up its copy of the
+    stack, and the copy ran on as a second trainer."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from trainer.distributed import ended_past
+        try:
+            with ended_past(30, 0):
+                time.sleep(0.5)
+                child = int(open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()[0])
+                os.kill(child, signal.SIGINT)
+                time.sleep(0.5)
+        finally:
+            print("ran on in", os.getpid(), flush=True)
+    """)
+    ran = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.count("ran on in") == 1, (ran.stdout, ran.stderr)
 
 
 @needs_mpiexec

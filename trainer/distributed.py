@@ -90,13 +90,15 @@ def ended_past(timeout_s: float, rank: int):
     read_end, write_end = os.pipe()
     watchdog = os.fork()
     if watchdog == 0:
-        os.close(write_end)
-        if not select.select([read_end], [], [], timeout_s)[0]:
-            os.write(2, f"error on rank {rank}: MPI did not start within distributed.timeout_s ({timeout_s:g} s): "
-                        "another rank stopped answering before it started MPI (stopped, or hung importing from a "
-                        "file system that stopped answering); this rank ends the job\n".encode())
-            os.kill(os.getppid(), signal.SIGKILL)
-        os._exit(0)
+        try:  # whatever happens here (a Ctrl-C's KeyboardInterrupt), this copy never runs on into the trainer's code
+            os.close(write_end)
+            if not select.select([read_end], [], [], timeout_s)[0]:
+                os.write(2, f"error on rank {rank}: MPI did not start within distributed.timeout_s ({timeout_s:g} s): "
+                            "another rank stopped answering before it started MPI (stopped, or hung importing from a "
+                            "file system that stopped answering); this rank ends the job\n".encode())
+                os.kill(os.getppid(), signal.SIGKILL)
+        finally:
+            os._exit(0)
     os.close(read_end)
     try:
         yield
