@@ -34,14 +34,17 @@ def write_whole(target: Path, write_into: Callable[[BinaryIO], object]) -> None:
 
 @contextlib.contextmanager
 def errors_naming(target: Path | str):
-    """An OSError of a system call inside names `target`: a failed write(), flush() or fsync() names no file, and the
-    user's line (a full disk, a quota, ulimit -f) said 'cannot write: File too large' with no word of which."""
+    """An OSError of a system call inside names `target`, and says it came of writing it (`written`): a failed write(),
+    flush() or fsync() names no file, and the user's line (a full disk, a quota, ulimit -f) said 'cannot write: File too
+    large' with no word of which."""
     try:
         yield
     except OSError as error:
         if error.errno is None:  # one a program words itself, not a system call's
             raise
-        raise OSError(error.errno, error.strerror, str(target)) from error
+        named = OSError(error.errno, error.strerror, str(target))
+        named.written = True  # for the user's line: 'cannot write' the file, where a read's error says 'cannot open'
+        raise named from error
 
 
 def replace_whole(target: Path, text: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, without_root_privilege
 from trainer import run_directory
 import trainer.__main__ as trainer_main
 from trainer.__main__ import user_error_message
@@ -168,6 +168,50 @@ def test_a_record_the_disk_cannot_hold_mid_run_is_named_in_the_error_line(writte
     assert result.stdout.startswith(f"cannot write {tmp_path / written}: File too large; "), result.stdout
     # The disk has space: the limit is what refused the write.
     assert ", and this process may write files of at most 300 bytes (ulimit -f); " in result.stdout, result.stdout
+
+
+REFUSED_WRITES = {  # a run record whose folder no longer takes it, and what the error line names
+    "jobs.jsonl made read-only": ("chmod 444 jobs.jsonl", "record_job(run_dir / 'jobs.jsonl', 'x', 0, "
+                                  "DistEnv(0, 1, torch.device('cpu')), resumed=True)", "jobs.jsonl", "Permission denied"),
+    "the run folder made read-only": ("chmod 555 .", "open_metrics(run_dir / 'metrics.jsonl', None)", "metrics.jsonl",
+                                      "Permission denied"),
+    "tensorboard made read-only": ("mkdir tensorboard && chmod 555 tensorboard",
+                                   "tensorboard_writer(run_dir / 'tensorboard', None)", "tensorboard",
+                                   "Permission denied"),
+    "tensorboard removed as the run goes on": (
+        "true", "writer = tensorboard_writer(run_dir / 'tensorboard', None)\n"
+                "    shutil.rmtree(run_dir / 'tensorboard')\n"
+                "    writer.add_scalar('loss', 1.0, 1)\n"
+                "    writer.flush()", "tensorboard", "No such file or directory"),
+}
+
+
+@pytest.mark.parametrize("refused", REFUSED_WRITES)
+def test_a_record_that_cannot_be_written_is_named_as_a_write_in_one_line(refused, tmp_path):
+    """A record made unwritable (permissions, a read-only file system, its folder removed) said 'cannot open
+    b'.../tensorboard/events.out.tfevents...'', or '[Errno 2] No such file or directory', where the run writes it."""
+    made_so, write, written, reason = REFUSED_WRITES[refused]
+    (tmp_path / "jobs.jsonl").write_text("")
+    subprocess.run(made_so, shell=True, cwd=tmp_path, check=True)
+    script = (
+        "import shutil\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from trainer.__main__ import user_error_message\n"
+        "from trainer.distributed import DistEnv\n"
+        "from trainer.train import open_metrics, record_job, tensorboard_writer\n"
+        f"run_dir = Path({str(tmp_path)!r})\n"
+        "try:\n"
+        f"    {write}\n"
+        "except OSError as error:\n"
+        "    print(user_error_message(error, run_dir))\n"
+    )
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", script]), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    tmp_path.chmod(0o755)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout == (f"cannot write {tmp_path / written}: {reason}; checkpoints are written whole or not at "
+                             "all, so once it can be written train.resume=auto continues from the last one\n")
 
 
 def test_only_what_the_user_fixes_is_a_one_line_error():

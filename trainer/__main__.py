@@ -81,22 +81,33 @@ UNUSABLE_PATH = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EISDIR, er
 
 
 def user_error_message(error: Exception, run_dir: Path) -> str | None:
-    """One line for what the user fixes (a missing file, one that cannot be opened, a value refused, a full disk), or
-    None for anything else, which gets its traceback."""
+    """One line for what the user fixes (a missing file, one that cannot be opened or written, a value refused, a full
+    disk), or None for anything else, which gets its traceback."""
+    if isinstance(error, OSError) and (error.errno in FULL_DISK or refused_write(error)):
+        return write_error_message(error, run_dir)
     if isinstance(error, FileNotFoundError | ValueError):
         return config_error_line(error)
-    if not isinstance(error, OSError):
-        return None
-    if error.errno in UNUSABLE_PATH and error.filename:
+    if isinstance(error, OSError) and error.errno in UNUSABLE_PATH and error.filename:
         return f"cannot open {error.filename}: {error.strerror}"
+    return None
+
+
+def refused_write(error: OSError) -> bool:
+    """A run record or manifest (data.files.errors_naming) that its folder no longer takes: made read-only, on a file
+    system mounted read-only, or removed (ENOENT) as the run went on."""
+    return getattr(error, "written", False) and error.errno in (*UNUSABLE_PATH, errno.ENOENT)
+
+
+def write_error_message(error: OSError, run_dir: Path) -> str:
+    written = f" {error.filename}" if error.filename else ""  # a failed write() names no file
     if error.errno not in FULL_DISK:
-        return None
+        return (f"cannot write{written}: {error.strerror}; checkpoints are written whole or not at all, so once it "
+                "can be written train.resume=auto continues from the last one")
     free = ""
     with contextlib.suppress(OSError):
         free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free in {run_dir}"
     if error.errno == errno.EFBIG:
         free += checkpoint.file_size_limit()
-    written = f" {error.filename}" if error.filename else ""  # a failed write() names no file
     return (f"cannot write{written}: {error.strerror}{free}; checkpoints are written whole or not at all, so once "
             "there is space train.resume=auto continues from the last one")
 

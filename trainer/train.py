@@ -79,7 +79,8 @@ def tensorboard_writer(log_dir: Path, purge_step: int) -> SummaryWriter:
     error for the next add_scalar to raise (__main__.user_error_message words it), and would also raise it itself,
     which Python prints as a traceback of its own before that line."""
     threading.excepthook = _leave_tensorboard_write_errors_to_the_writer
-    return EventsWriter(log_dir, purge_step=purge_step)
+    with errors_naming(log_dir):  # the events file it opens is named in bytes, b'/runs/x/tensorboard/events.out...'
+        return EventsWriter(log_dir, purge_step=purge_step)
 
 
 class EventsWriter(SummaryWriter):
