@@ -47,6 +47,18 @@ def errors_naming(target: Path | str):
         raise named from error
 
 
+def came_of_writing(error: OSError) -> bool:
+    """Whether errors_naming named `error`: one of writing its file, not of reading one."""
+    return getattr(error, "written", False)
+
+
+def write_error_line(error: OSError) -> str:
+    """The user's words for an error of writing: 'cannot write FILE: its reason', where Python's own give the errno's
+    number and the file's repr."""
+    written = f" {error.filename}" if error.filename else ""  # a failed write() of a stream names no file
+    return f"cannot write{written}: {error.strerror}"
+
+
 def replace_whole(target: Path, text: str) -> None:
     """write_whole for text; a file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav")
     is written as its own bytes."""

@@ -33,6 +33,7 @@ from data.audio import AudioError, audio_header
 from data.cli import (
     INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
 )
+from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable_path, read_manifest,
                            write_manifest)
 from data.text import normalize_text
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             prepare_librispeech(args.source, args.out, args.name)
     except (OSError, ValueError) as error:  # OSError: an --out that cannot be written (a file, no permission)
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.exit(2, f"{parser.prog}: error: {write_error_line(error) if came_of_writing(error) else error}\n")
     except KeyboardInterrupt:  # minutes into a large corpus; the manifest being written is left as it was
         parser.exit(INTERRUPTED_EXIT_CODE, f"{INTERRUPTED}\n")
 

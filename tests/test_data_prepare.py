@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile
 
+from conftest import REPO_ROOT, without_root_privilege
 from data.manifest import Utterance, read_manifest
 from data.prepare import main, prepare_an4, prepare_librispeech
 
@@ -434,3 +435,16 @@ def test_without_a_terminal_prepare_says_how_far_it_has_read(tmp_path, monkeypat
         prepare_librispeech(source, tmp_path / "out")
     assert [record.getMessage() for record in caplog.records if record.getMessage().startswith("read ")] == [
         "read 0 of 3 chapters", "read 1 of 3 chapters", "read 2 of 3 chapters"]
+
+
+def test_an_out_folder_that_cannot_be_written_is_said_as_a_write(tiny_an4, tmp_path):
+    """It said 'error: [Errno 13] Permission denied: '.../an4_train.jsonl'', Python's words, not what was refused."""
+    out = tmp_path / "out"
+    out.mkdir(mode=0o555)
+    result = subprocess.run(without_root_privilege([sys.executable, "-m", "data.prepare", "an4", "--source",
+                                                    str(tiny_an4), "--out", str(out)]),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert result.stderr.endswith(f"python -m data.prepare: error: cannot write {out / 'an4_train.jsonl'}: Permission "
+                                  "denied\n"), result.stderr[-4000:]
+    assert list(out.iterdir()) == []

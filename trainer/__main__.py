@@ -35,6 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from data.files import came_of_writing, write_error_line
 from data.manifest import print_paths_printable
 from trainer import checkpoint, distributed
 from trainer.cli import FULL_DISK, log_above_progress_bars
@@ -95,21 +96,20 @@ def user_error_message(error: Exception, run_dir: Path) -> str | None:
 def refused_write(error: OSError) -> bool:
     """A run record or manifest (data.files.errors_naming) that its folder no longer takes: made read-only, on a file
     system mounted read-only, or removed (ENOENT) as the run went on."""
-    return getattr(error, "written", False) and error.errno in (*UNUSABLE_PATH, errno.ENOENT)
+    return came_of_writing(error) and error.errno in (*UNUSABLE_PATH, errno.ENOENT)
 
 
 def write_error_message(error: OSError, run_dir: Path) -> str:
-    written = f" {error.filename}" if error.filename else ""  # a failed write() names no file
     if error.errno not in FULL_DISK:
-        return (f"cannot write{written}: {error.strerror}; checkpoints are written whole or not at all, so once it "
-                "can be written train.resume=auto continues from the last one")
+        return (f"{write_error_line(error)}; checkpoints are written whole or not at all, so once it can be written "
+                "train.resume=auto continues from the last one")
     free = ""
     with contextlib.suppress(OSError):
         free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free in {run_dir}"
     if error.errno == errno.EFBIG:
         free += checkpoint.file_size_limit()
-    return (f"cannot write{written}: {error.strerror}{free}; checkpoints are written whole or not at all, so once "
-            "there is space train.resume=auto continues from the last one")
+    return (f"{write_error_line(error)}{free}; checkpoints are written whole or not at all, so once there is space "
+            "train.resume=auto continues from the last one")
 
 
 def continue_with(cfg: DictConfig) -> str:
