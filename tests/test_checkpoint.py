@@ -14,7 +14,8 @@ import zipfile
 import pytest
 import torch
 
-from conftest import REPO_ROOT, compose_config, error_without_root_privilege, small_checkpoint
+from conftest import (REPO_ROOT, compose_config, error_without_root_privilege, small_checkpoint,
+                      without_root_privilege)
 from data import files
 from prnn_kernels import relative_error
 from trainer import build, checkpoint
@@ -192,6 +193,29 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_error_naming_it_and_leaves_no_
         result.stderr, result.stderr
     assert torch.equal(checkpoint.load(path)["model"]["w"], torch.zeros(3))
     assert [file.name for file in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_a_checkpoint_folder_made_read_only_after_a_save_is_one_error_with_the_system_s_reason(tmp_path):
+    """checkpoints/ made read-only as the run goes on: the line gave '(PermissionError: [Errno 13] Permission denied:
+    'PATH'; 72823.4 MiB free on its file system)', the file twice and a space left that is not the cause."""
+    path = tmp_path / "last.pt"
+    checkpoint.save(path, {"model": {"w": torch.zeros(3)}, "config": {}})
+    tmp_path.chmod(0o555)
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from trainer import checkpoint\n"
+        "try:\n"
+        f"    checkpoint.save(Path({str(path)!r}), {{'model': {{'w': torch.ones(3)}}, 'config': {{}}}})\n"
+        "except ValueError as error:\n"  # what the trainer reports in one line, exit code 2
+        "    sys.exit(str(error))\n"
+    )
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", script]), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    tmp_path.chmod(0o755)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == f"cannot write checkpoint {path} (Permission denied); last.pt there, if any, is as it was\n"
+    assert torch.equal(checkpoint.load(path)["model"]["w"], torch.zeros(3))
 
 
 class Payload:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.files import remove_leftover_temporaries, temporary_beside, write_whole
+from trainer.cli import FULL_DISK
 
 
 def rng_state(device: torch.device) -> dict:
@@ -99,14 +100,21 @@ def _write(path: Path, write_into) -> None:
     except Exception as error:
         if _interrupted(error):  # torch's writer turns a Ctrl-C inside its write callback into a RuntimeError
             raise KeyboardInterrupt from None
-        # torch reports a failed write as "unexpected pos 206784 vs 206672", without the reason: give the space left,
-        # and the file size limit where there is one (ulimit -f), which fails the write on a disk with space.
-        free = ""
-        with contextlib.suppress(OSError):
-            free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
-        raise CheckpointWriteError(f"cannot write checkpoint {path} ({type(error).__name__}: {_reason(error)}{free}"
-                                   f"{file_size_limit()}); "
+        raise CheckpointWriteError(f"cannot write checkpoint {path} ({_write_refusal(error, path)}); "
                                    f"{path.name} there, if any, is as it was") from error
+
+
+def _write_refusal(error: Exception, path: Path) -> str:
+    """Why `path` could not be written: the system's words where its folder refuses it (Permission denied, Read-only
+    file system), which the space left would only cloud. torch reports a failed write as "unexpected pos 206784 vs
+    206672", without the reason: for it and a full disk, the space left, and the file size limit where there is one
+    (ulimit -f), which fails the write on a disk with space."""
+    if isinstance(error, OSError) and error.strerror and error.errno not in FULL_DISK:
+        return error.strerror
+    free = ""
+    with contextlib.suppress(OSError):
+        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
+    return f"{type(error).__name__}: {_reason(error)}{free}{file_size_limit()}"
 
 
 def file_size_limit() -> str:
