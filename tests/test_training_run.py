@@ -903,7 +903,8 @@ def test_a_full_disk_under_the_run_records_is_one_line_and_exit_2(an4_train, tmp
     (tmp_path / "run" / "jobs.jsonl").symlink_to("/dev/full")  # every write there: "No space left on device"
     result = train(tmp_path / "run", manifest, "model.hidden=32", "train.max_steps=1", check=False, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
-    assert "cannot write: No space left on device; " in result.output, result.output[-4000:]
+    assert f"cannot write {tmp_path / 'run' / 'jobs.jsonl'}: No space left on device; " in result.output, \
+        result.output[-4000:]
     assert f" MiB free in {tmp_path / 'run'}; checkpoints are written whole or not at all" in result.output
 
 
