@@ -172,7 +172,8 @@ def test_a_record_the_disk_cannot_hold_mid_run_is_named_in_the_error_line(writte
 
 REFUSED_WRITES = {  # a run record whose folder no longer takes it, and what the error line names
     "jobs.jsonl made read-only": ("chmod 444 jobs.jsonl", "record_job(run_dir / 'jobs.jsonl', 'x', 0, "
-                                  "DistEnv(0, 1, torch.device('cpu')), resumed=True)", "jobs.jsonl", "Permission denied"),
+                                  "DistEnv(0, 1, torch.device('cpu')), resumed=True)", "jobs.jsonl",
+                                  "Permission denied"),
     "the run folder made read-only": ("chmod 555 .", "open_metrics(run_dir / 'metrics.jsonl', None)", "metrics.jsonl",
                                       "Permission denied"),
     "tensorboard made read-only": ("mkdir tensorboard && chmod 555 tensorboard",
@@ -261,7 +262,8 @@ def test_reading_the_commit_leaves_the_checkouts_index_alone(tmp_path):
     checkout = tmp_path / "checkout"
     (checkout / "trainer").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "trainer" / "environment.py", checkout / "trainer")
-    for command in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"]):
+    for command in (["init", "-q"], ["add", "."],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"]):
         subprocess.run(["git", "-C", str(checkout), *command], check=True, capture_output=True)
     index = checkout / ".git" / "index"
     os.utime(checkout / "trainer" / "environment.py", ns=(1, 1))  # same content, other times: a stale index entry
