@@ -39,12 +39,13 @@ from pathlib import Path
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
 from trainer.cli import output_file, run_tool, write_output
+from data.dataset import UNUSABLE_REASONS
 from trainer.stop import STOP_SIGNALS
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
-# received it (float64 numbers: the shard's utterances, whether it is empty, its unusable ones, then one a signal) and
-# the loss (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
-STEP_ALLREDUCE_BYTES = (8 * (3 + len(STOP_SIGNALS)), 4)
+# received it (float64 numbers: the shard's utterances, whether it is empty, its unusable ones by reason, then one a
+# signal) and the loss (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
+STEP_ALLREDUCE_BYTES = (8 * (2 + len(UNUSABLE_REASONS) + len(STOP_SIGNALS)), 4)
 GRAPHED_STEP_ALLREDUCE_BYTES = (*STEP_ALLREDUCE_BYTES, 24)
 # Synchronised batch norm, per channel in float32: forward its sum, sum of squares and count; backward the sums of
 # the gradient and of the gradient times the normalised input.

@@ -1442,9 +1442,9 @@ def test_scaling_model_arithmetic(tmp_path):
     assert measurement.compute_ms(2) == pytest.approx(12.0)
     assert measurement.compute_ms(16) == pytest.approx(40.0)  # extrapolated along the same line
     row = scaling_model.step(measurement, cluster, global_batch=16, num_gpus=2, overlap=0.5, backward_share=2 / 3)
-    # The step's counts (48 bytes: utterances, empty shards, unusable ones, three stop signals) and loss (4), one ring
-    # hop each way.
-    count_ms = (48 / 100e9 + 2e-6) * 1e3 + (4 / 100e9 + 2e-6) * 1e3
+    # The step's counts (64 bytes: utterances, empty shards, unusable ones by their three reasons, three stop signals)
+    # and loss (4), one ring hop each way.
+    count_ms = (64 / 100e9 + 2e-6) * 1e3 + (4 / 100e9 + 2e-6) * 1e3
     bucket_ms = (25 * mebibyte / 100e9 + 2e-6) * 1e3
     assert row["compute_ms"] == pytest.approx(24.0)  # 8 utterances per GPU
     assert row["small_collectives_ms"] == pytest.approx(count_ms)
@@ -1463,7 +1463,7 @@ def test_scaling_model_arithmetic(tmp_path):
     path.write_text(json.dumps(measured))
     graphed = scaling_model.step(scaling_model.Measurement(str(path)), cluster, global_batch=16, num_gpus=2,
                                  overlap=0.5, backward_share=2 / 3)
-    expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (48, 4, 24, 120, 80)]
+    expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (64, 4, 24, 120, 80)]
     assert graphed["small_collectives_ms"] == pytest.approx(sum(expected))
 
 
