@@ -65,6 +65,11 @@ def stop_requests(summed_counts) -> dict:
     return {number: int(ranks) for number, ranks in zip(STOP_SIGNALS, summed_counts) if ranks}
 
 
+def _on_main_thread() -> bool:
+    """Whether this is the main thread, the only one on which Python runs signal handlers and lets them be set."""
+    return threading.current_thread() is threading.main_thread()
+
+
 class StoppedBeforeTraining(KeyboardInterrupt):
     """SIGTERM or SIGUSR1 came before training began (Ctrl-C: KeyboardInterrupt itself), when there is nothing to
     save. A KeyboardInterrupt, which handlers of errors let through: one that took it for an error would skip an audio
@@ -103,7 +108,7 @@ class StopSignals:
         return self.received is not None
 
     def _take_signals(self, handler) -> None:
-        if threading.current_thread() is threading.main_thread():
+        if _on_main_thread():
             previous = {number: signal.signal(number, handler) for number in stop_signals_taken()}
             self._previous = self._previous or previous  # those from before the block, for __exit__ to put back
 
@@ -184,7 +189,7 @@ def _deadline(seconds: float | None):
     """Its block raises DataWorkersTimedOut after `seconds`, where given (SIGALRM, on the main thread only: Python's
     rule for signals). The DataLoader's own timeout bounds only the wait for a batch's message: unpickling a prefetched
     batch then waits, for ever, on the worker that made it to hand over its tensors' file descriptors."""
-    if seconds is None or threading.current_thread() is not threading.main_thread():
+    if seconds is None or not _on_main_thread():
         yield
         return
     previous = signal.signal(signal.SIGALRM, _time_out)
@@ -205,8 +210,7 @@ def _stop_waiting_on(stopping: Callable[[], bool] | None):
     """Its block raises _StopWaiting on a stop signal after which `stopping()` is true, the handler in place
     (StopSignals') run first; on the main thread only, where Python runs signal handlers."""
     previous = {number: signal.getsignal(number) for number in stop_signals_taken()}
-    if stopping is None or threading.current_thread() is not threading.main_thread() \
-            or not all(map(callable, previous.values())):
+    if stopping is None or not _on_main_thread() or not all(map(callable, previous.values())):
         yield
         return
 
@@ -239,7 +243,7 @@ def _death(workers: set, wait_s: float = 0.0) -> DataWorkerDied | None:
 def _end(workers: set) -> None:
     """Kills and reaps the workers, torch's SIGCHLD handler and start_data_workers' set aside meanwhile, as their
     deaths would call them."""
-    on_main_thread = threading.current_thread() is threading.main_thread()
+    on_main_thread = _on_main_thread()
     watching = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if on_main_thread else None
     try:
         for worker in workers:
@@ -301,7 +305,7 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
                 and _death(workers, DYING_S)):
             print_thread_error(args)
 
-    on_main_thread = threading.current_thread() is threading.main_thread()
+    on_main_thread = _on_main_thread()
     watching = signal.signal(signal.SIGCHLD, note_death) if on_main_thread else None
     threading.excepthook = quiet_where_a_worker_is_gone
     failure = None
