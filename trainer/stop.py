@@ -240,7 +240,7 @@ def _death(workers: set, wait_s: float = 0.0) -> DataWorkerDied | None:
         time.sleep(0.01)
 
 
-def _end(workers: set) -> None:
+def _kill_and_reap(workers: set) -> None:
     """Kills and reaps the workers, torch's SIGCHLD handler and start_data_workers' set aside meanwhile, as their
     deaths would call them."""
     on_main_thread = _on_main_thread()
@@ -336,12 +336,12 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
         # The rest outside the except block, whose traceback holds the iterator. Killed and reaped first: torch's
         # shutdown of its workers (as the iterator goes) sends SIGTERM, which they ignore, and Python's exit then
         # waited for a stopped one for ever.
-        _end(workers)
+        _kill_and_reap(workers)
         del batches
         if died or not stopped:
             raise died or failure
     except GeneratorExit:  # the consumer wanted no more (train.max_steps, a stop signal); a worker may be stuck
-        _end(workers)
+        _kill_and_reap(workers)
         del batches
         raise
     finally:
