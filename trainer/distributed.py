@@ -360,6 +360,12 @@ def shutdown() -> None:
         mpi.COMM_WORLD.Barrier()
 
 
+def _mpi_of_a_gloo_job():
+    """mpi4py's MPI module where init() imported it (MPI started the job) and the process group runs on gloo, else
+    None: the ranks' other way to reach each other (other_ranks_answers, tell_others_this_rank_failed)."""
+    return sys.modules.get("mpi4py.MPI") if backend() == "gloo" else None
+
+
 def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
     """Where `error` is a gloo collective's failure in a job MPI started, {rank: what each other rank said}:
     TIMED_OUT_TOO from each rank whose collective timed out too (said here), ENDED_ON_ITS_OWN_ERROR from one that
@@ -369,16 +375,14 @@ def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
     closed waits ABORT_GRACE_S, the time a failing rank gives its line before it ends the job, having said so first.
     None for any other error. Over MPI, not the process group, whose collectives wait for every rank."""
     timed_out = GLOO_TIMEOUT.search(str(error))
-    if (timed_out is None and not GLOO_PEER_GONE.search(str(error))) or backend() != "gloo" \
-            or "mpi4py.MPI" not in sys.modules:
+    mpi = _mpi_of_a_gloo_job()
+    if mpi is None or (timed_out is None and not GLOO_PEER_GONE.search(str(error))):
         return None
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
+    world = mpi.COMM_WORLD
     others = [rank for rank in range(world.Get_size()) if rank != world.Get_rank()]
-    unsaid = [world.Isend([bytearray([TIMED_OUT_TOO]), MPI.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
+    unsaid = [world.Isend([bytearray([TIMED_OUT_TOO]), mpi.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
     answers = {rank: bytearray(1) for rank in others}
-    unheard = {rank: world.Irecv([answers[rank], MPI.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
+    unheard = {rank: world.Irecv([answers[rank], mpi.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
     wait_s = min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S) if timed_out else ABORT_GRACE_S
     deadline = time.monotonic() + wait_s
     while (unheard or unsaid) and time.monotonic() < deadline:
@@ -406,15 +410,14 @@ def tell_others_this_rank_failed() -> None:
     """Says to every other rank, over MPI, that this one ends the job on an error of its own, which its line gives:
     a rank whose collective then fails for want of this one (timed out, or its connection closed as this one ended)
     names it (other_ranks_answers) rather than print that collective's traceback. Over gloo, as other_ranks_answers."""
-    if backend() != "gloo" or "mpi4py.MPI" not in sys.modules:
+    mpi = _mpi_of_a_gloo_job()
+    if mpi is None:
         return
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
+    world = mpi.COMM_WORLD
     for rank in range(world.Get_size()):
         if rank != world.Get_rank():
             said = bytearray([ENDED_ON_ITS_OWN_ERROR])
-            _said_failed.append((said, world.Isend([said, MPI.BYTE], dest=rank, tag=ANSWER_TAG)))
+            _said_failed.append((said, world.Isend([said, mpi.BYTE], dest=rank, tag=ANSWER_TAG)))
 
 
 def abort_job(exit_code: int = 1) -> None:
