@@ -173,6 +173,32 @@ def check_reachable_from_other_nodes(address: str, on_rank_0s_node: bool) -> Non
                          "(launch/multi_node.sh sets it to the hostfile's first host)")
 
 
+def _ranks_and_rendezvous(timeout_s: float) -> tuple[int, int, int, int, str, int]:
+    """(rank, world size, local rank, ranks on this node, rank 0's address, its port) in a job a launcher started: from
+    MPI, rank 0's address and a free port broadcast, the job ended past `timeout_s` where MPI does not start
+    (ended_past); without mpi4py, from the launcher's variables, MASTER_ADDR and MASTER_PORT."""
+    try:
+        with ended_past(timeout_s, launcher_rank()):
+            rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
+            launched_size = _ranks_from_launcher()[1]
+            if world_size != launched_size:  # else each process would train alone, all into one run directory
+                variable = _launcher_variables()[1]
+                raise ValueError(
+                    f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
+                    f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
+                    f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start "
+                    "this process (unset it)"
+                )
+            address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
+        check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
+    except ImportError:
+        rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
+        address, port = _main_address(), int(os.environ["MASTER_PORT"])
+    return rank, world_size, local_rank, ranks_on_node, address, port
+
+
 def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: bool) -> int:
     """The index of the GPU that local rank `local_rank` of `ranks_on_node` takes among the node's `num_gpus`."""
     if ranks_on_node <= num_gpus:
@@ -226,26 +252,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = Fals
     if not launched_by_mpi():
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
-    try:
-        with ended_past(timeout_s, launcher_rank()):
-            rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
-            launched_size = _ranks_from_launcher()[1]
-            if world_size != launched_size:  # else each process would train alone, all into one run directory
-                variable = _launcher_variables()[1]
-                raise ValueError(
-                    f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
-                    f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
-                    f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start "
-                    "this process (unset it)"
-                )
-            address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
-        check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
-    except ImportError:
-        rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
-        if "MASTER_PORT" not in os.environ:
-            raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
-        address, port = _main_address(), int(os.environ["MASTER_PORT"])
-
+    rank, world_size, local_rank, ranks_on_node, address, port = _ranks_and_rendezvous(timeout_s)
     backend = "gloo"
     if use_cuda:
         num_gpus = torch.cuda.device_count()
