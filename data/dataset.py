@@ -214,7 +214,7 @@ class SpeechDataset(Dataset):
 
     def _too_long_detail(self, num_outputs: int, targets: list[int]) -> str:
         return (
-            f"the model has {num_outputs} output frames for it at time stride {self.time_stride}, "
+            f"the model has {counted(num_outputs, 'output frame')} for it at time stride {self.time_stride}, "
             f"fewer than the {min_ctc_frames(targets)} its {len(targets)}-character transcript needs"
         )
 

@@ -182,6 +182,8 @@ def test_unreadable_empty_or_too_short_audio_is_unusable_and_warned_about_once(m
     assert len(messages) == 3
     assert "corrupt.flac" in messages[0] and "empty.wav" in messages[1] and "no samples" in messages[1]
     assert "short.wav" in messages[2] and "6 output frames" in messages[2]
+    # One frame is worded as one (it said "1 output frames").
+    assert dataset._too_long_detail(1, [1, 2, 3]).startswith("the model has 1 output frame for it at time stride 2,")
 
 
 def test_loader_processes_warn_about_nothing_and_each_unusable_file_is_warned_about_once(manifest, caplog):
