@@ -1,10 +1,14 @@
 """Writing a file whole or not at all, the one way every writer of the project does it (manifests, checkpoints, a run's
-config.yaml and metrics.jsonl, the tools' and benchmarks' outputs): here in data, which imports no other part of the
-project, so that data.manifest can use it too."""
+config.yaml and metrics.jsonl, the tools' and benchmarks' outputs), and the user's words for a write that failed (a full
+disk among them: FULL_DISK, space_left, file_size_limit): here in data, which imports no other part of the project, so
+that data.manifest can use it too."""
 import contextlib
+import errno
 import glob
 import os
+import resource
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -57,6 +61,27 @@ def write_error_line(error: OSError) -> str:
     number and the file's repr."""
     written = f" {error.filename}" if error.filename else ""  # a failed write() of a stream names no file
     return f"cannot write{written}: {error.strerror}"
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+
+
+def space_left(folder: Path, where: str) -> str:
+    """'; N MiB free WHERE': the space left on `folder`'s file system, for the line of a write it may have refused for
+    want of it; '' where the file system cannot say either."""
+    try:
+        return f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free {where}"
+    except OSError:
+        return ""
+
+
+def file_size_limit() -> str:
+    """', and this process may write files of at most N bytes (ulimit -f)' where it has such a limit, else '': it fails
+    a write on a disk with space, which a message giving the space left alone leaves unexplained."""
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if size_limit == resource.RLIM_INFINITY:
+        return ""
+    return f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
 
 
 def replace_whole(target: Path, text: str) -> None:

@@ -80,3 +80,10 @@ def test_leftovers_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
     files.remove_leftover_temporaries(target)
     assert sorted(path.name for path in tmp_path.iterdir()) == [".best.pt.1-ab.tmp", ".last.pt.tmp.keep", "last.pt",
                                                                "notes.txt"]
+
+
+def test_the_space_left_is_said_where_the_file_system_says_it_and_left_out_where_the_folder_is_gone(tmp_path):
+    """The checkpoint's and the run records' full-disk lines both take it from here: one wording of the space left."""
+    said = files.space_left(tmp_path, "on its file system")
+    assert said.startswith("; ") and said.endswith(" MiB free on its file system"), said
+    assert files.space_left(tmp_path / "removed", f"in {tmp_path / 'removed'}") == ""

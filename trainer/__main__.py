@@ -20,11 +20,9 @@ if __name__ == "__main__":  # first: the imports below take seconds (torch), in 
 
     keep_early_stop_signal()
 
-import contextlib
 import errno
 import logging
 import math
-import shutil
 import signal
 import sys
 import traceback
@@ -35,10 +33,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from data.files import came_of_writing, write_error_line
+from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
-from trainer import checkpoint, distributed
-from trainer.cli import FULL_DISK, log_above_progress_bars
+from trainer import distributed
+from trainer.cli import log_above_progress_bars
 from trainer.config import config_error_line
 from trainer.override_errors import report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -103,11 +101,9 @@ def write_error_message(error: OSError, run_dir: Path) -> str:
     if error.errno not in FULL_DISK:
         return (f"{write_error_line(error)}; checkpoints are written whole or not at all, so once it can be written "
                 "train.resume=auto continues from the last one")
-    free = ""
-    with contextlib.suppress(OSError):
-        free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free in {run_dir}"
+    free = space_left(run_dir, f"in {run_dir}")
     if error.errno == errno.EFBIG:
-        free += checkpoint.file_size_limit()
+        free += file_size_limit()
     return (f"{write_error_line(error)}{free}; checkpoints are written whole or not at all, so once there is space "
             "train.resume=auto continues from the last one")
 

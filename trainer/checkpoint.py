@@ -3,13 +3,11 @@
 A checkpoint holds only state dicts, tensors and plain data (the resolved config as a dict), so loading one
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
-import contextlib
 import math
 import os
 import pickle
 import random
 import re
-import resource
 import shutil
 import stat
 import warnings
@@ -20,8 +18,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.files import remove_leftover_temporaries, temporary_beside, write_whole
-from trainer.cli import FULL_DISK
+from data.files import (FULL_DISK, file_size_limit, remove_leftover_temporaries, space_left, temporary_beside,
+                        write_whole)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -111,19 +109,8 @@ def _write_refusal(error: Exception, path: Path) -> str:
     (ulimit -f), which fails the write on a disk with space."""
     if isinstance(error, OSError) and error.strerror and error.errno not in FULL_DISK:
         return error.strerror
-    free = ""
-    with contextlib.suppress(OSError):
-        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
+    free = space_left(path.parent, "on its file system")
     return f"{type(error).__name__}: {_reason(error)}{free}{file_size_limit()}"
-
-
-def file_size_limit() -> str:
-    """', and this process may write files of at most N bytes (ulimit -f)' where it has such a limit, else '': it fails
-    a write on a disk with space, which a message giving the space left alone leaves unexplained."""
-    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if size_limit == resource.RLIM_INFINITY:
-        return ""
-    return f", and this process may write files of at most {size_limit:,} bytes (ulimit -f)"
 
 
 def _interrupted(error: BaseException | None) -> bool:

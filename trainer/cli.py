@@ -1,7 +1,6 @@
 """What the trainer's command-line tools share: argument types (argparse refuses a bad value, naming its argument,
 before any work starts), writing their output files, and how they end when interrupted."""
 import argparse
-import errno
 import math
 import os
 import sys
@@ -12,10 +11,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
-from data.files import replace_whole
-
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
-
+from data.files import FULL_DISK, replace_whole
 
 class _LineInOneWrite(tqdm):
     """tqdm whose write() passes a log line and its newline on together. tqdm's own writes them apart, and each
