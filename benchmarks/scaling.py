@@ -53,7 +53,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, positive_int, write_output
+from trainer.cli import check_not_an_input, int_at_least, json_output, positive_int, write_output
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -301,6 +301,8 @@ def main(argv=None) -> None:
         )
     if args.cuda_graphs and args.warmup < 1:
         raise ValueError("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
+    # Written after the measures, it would replace the one-process JSON that this and every later efficiency needs.
+    check_not_an_input(args.json, [args.baseline] if args.baseline else [])
     device = env.device
     if args.device == "auto" and device.type == "cpu" and args.model != "cpu_demo":
         raise ValueError(f"no GPU here, and the {args.model} model's measures would take hours on a CPU: pass --model "

@@ -125,6 +125,22 @@ def test_a_json_to_dev_stdout_under_a_redirection_follows_the_table(tmp_path):
     assert json.loads("{" + written.removesuffix("wrote /dev/stdout\n"))["config"]["global_batch"] == 2
 
 
+def test_scaling_refuses_a_json_path_that_is_its_baseline_before_measuring(tmp_path):
+    """--json one.json --baseline one.json measured, then wrote the run over its baseline: the one-process measurement
+    was lost, and a run of several ranks left a file no later --baseline takes."""
+    baseline = tmp_path / "one.json"
+    made = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", str(baseline)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    measured = baseline.read_text()
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", str(baseline),
+                             "--baseline", str(baseline)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == (f"error on rank 0: {baseline} is also an input of this command: writing it would destroy "
+                             "it\n"), result.stderr[-2000:]
+    assert baseline.read_text() == measured
+
+
 def test_a_json_path_in_a_missing_folder_has_it_made_before_measuring(tmp_path):
     folder = tmp_path / "results" / "today"
     result = subprocess.run([sys.executable, "-m", "benchmarks.wer_parity", "--json", str(folder / "wer.json"),
