@@ -45,7 +45,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.fields import is_number
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.dataset import Batch
 from data.text import NUM_CLASSES
 from models import MaskedBatchNorm
@@ -291,7 +291,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", type=json_output,
                         help="rank 0 writes the results, versions and full configuration here")
-    parser.add_argument("--baseline", help="this script's JSON from one process: report strong-scaling efficiency")
+    parser.add_argument("--baseline", type=input_path,
+                        help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
 
     env = distributed.init(args.device)

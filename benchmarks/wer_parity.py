@@ -57,6 +57,7 @@ from typing import NoReturn
 import yaml
 
 from benchmarks.fields import COUNT, DamagedFile, field, is_number
+from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
 from trainer.cli import json_output, positive_int, run_tool, write_output
@@ -355,7 +356,7 @@ def main(argv=None) -> None:
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
     parser.add_argument("--ranks", type=positive_int, default=1, help="ranks per run, sharing the run's GPU")
     parser.add_argument("--name", type=run_name_prefix, default="wer", help="prefix of the run names")
-    parser.add_argument("--runs-dir", type=Path, default=REPO_ROOT / "runs",
+    parser.add_argument("--runs-dir", type=input_path, default=REPO_ROOT / "runs",
                         help="where the runs' directories go (default: runs/ of this checkout)")
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
@@ -382,7 +383,7 @@ def main(argv=None) -> None:
                      "--ranks 1")
     if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
         parser.error("--backends and --seeds must not repeat")
-    runs_dir = args.runs_dir.resolve()
+    runs_dir = Path(args.runs_dir).resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:
         if not any((runs_dir / name).is_dir() for name, _, _ in jobs):  # a misspelt --name or --runs-dir

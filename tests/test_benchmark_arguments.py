@@ -299,3 +299,19 @@ def test_scaling_model_refuses_an_empty_path(empty, tmp_path, monkeypatch, capsy
     assert exit_info.value.code == 2
     assert f"error: argument {empty}: an empty path (an unset shell variable?)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("module, arguments", [
+    # --baseline "$ONE" unset measured for minutes without the efficiency it was given to compute (exit 0).
+    ("benchmarks.scaling", [*SMALL_CPU_SCALING, "--baseline"]),
+    # --runs-dir "$RUNS" unset trained (or reported) in the current folder in place of runs/.
+    ("benchmarks.wer_parity", ["--report", "--runs-dir"]),
+])
+def test_an_empty_baseline_or_runs_folder_is_refused(module, arguments, tmp_path):
+    result = subprocess.run([sys.executable, "-m", module, *arguments, ""], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.endswith(f"error: argument {arguments[-1]}: an empty path (an unset shell variable?)\n"), (
+        result.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == []
