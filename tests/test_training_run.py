@@ -845,8 +845,9 @@ def test_an_override_hydra_refuses_is_one_line_naming_it_and_exit_2(tmp_path, ov
     (["run_name=same", "model.cell=gru", "train.max_steps=1,2"], "sweep job 1 (train.max_steps=2): "
      "runs/same/model.cell=gru is job 0's folder too: sweep job folders are named by the overrides "
      "less run_name, train.resume, train.max_steps, train.epochs, train.checkpoint_every_steps, train.num_workers, "
-     "train.progress_bar, train.progress_line_s, distributed.timeout_s, so a sweep over one of those puts its jobs in "
-     "one folder (sweep over it in separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})"),
+     "train.eval_batch_size, train.progress_bar, train.progress_line_s, distributed.timeout_s, so a sweep over one of "
+     "those puts its jobs in one folder (sweep over it in separate runs, or set hydra.sweep.subdir, e.g. to "
+     "${hydra.job.num})"),
 ])
 def test_a_sweep_with_a_job_the_trainer_refuses_is_refused_before_any_job_runs_leaving_nothing(tmp_path, overrides,
                                                                                                 refusal):
