@@ -98,14 +98,12 @@ def refused_write(error: OSError) -> bool:
 
 
 def write_error_message(error: OSError, run_dir: Path) -> str:
-    if error.errno not in FULL_DISK:
-        return (f"{write_error_line(error)}; checkpoints are written whole or not at all, so once it can be written "
-                "train.resume=auto continues from the last one")
-    free = space_left(run_dir, f"in {run_dir}")
+    full_disk = error.errno in FULL_DISK
+    free = space_left(run_dir, f"in {run_dir}") if full_disk else ""
     if error.errno == errno.EFBIG:
         free += file_size_limit()
-    return (f"{write_error_line(error)}{free}; checkpoints are written whole or not at all, so once there is space "
-            "train.resume=auto continues from the last one")
+    return (f"{write_error_line(error)}{free}; checkpoints are written whole or not at all, so once "
+            f"{'there is space' if full_disk else 'it can be written'} train.resume=auto continues from the last one")
 
 
 def continue_with(cfg: DictConfig) -> str:

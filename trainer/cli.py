@@ -13,6 +13,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
 from data.files import FULL_DISK, replace_whole
 
+
 class _LineInOneWrite(tqdm):
     """tqdm whose write() passes a log line and its newline on together. tqdm's own writes them apart, and each
     reached the stream's file on its own: under mpiexec, which merges the ranks' output, another rank's line came
