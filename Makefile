@@ -1,6 +1,7 @@
 # Quick start (README): `make demo` sets everything up and trains the CPU demo on AN4, then prints the test WER
 # (greedy, then with a beam search and a word language model);
-# `make test` sets everything up and runs the test suite. Both create .venv on first use.
+# `make test` sets everything up and runs the test suite, listing its 15 slowest tests (CI's 90 minutes are the
+# limit to watch). Both create .venv on first use.
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 
@@ -20,6 +21,6 @@ demo: $(VENV)/.installed
 		--lm runs/$(DEMO_RUN)/an4_3gram.arpa
 
 test: $(VENV)/.installed
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 .PHONY: demo test
