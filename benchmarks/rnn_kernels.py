@@ -59,7 +59,7 @@ from prnn_kernels.persistent import (
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 from trainer.cli import json_output, positive_int, run_tool, write_output
-from trainer.environment import command_line, versions
+from trainer.environment import command_line, device_name, versions
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
@@ -327,7 +327,7 @@ def main():
 def write_json(path, rows, configuration, so_far=False):
     properties = torch.cuda.get_device_properties(0)
     result = {
-        "device": torch.cuda.get_device_name(0),
+        "device": device_name(torch.device("cuda")),
         "multiprocessors": properties.multi_processor_count,
         **versions(torch.device("cuda")),
         "baselines": {precision: [{"name": name, "dtype": str(dtype), "cudnn_allow_tf32": tf32}

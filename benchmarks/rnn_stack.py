@@ -29,7 +29,7 @@ import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
 from trainer.cli import json_output, positive_int, run_tool, write_output
-from trainer.environment import command_line, versions
+from trainer.environment import command_line, device_name, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 # --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
@@ -146,7 +146,7 @@ def main():
         return 2
     torch.manual_seed(0)
     config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
-              "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
+              "device": device_name(torch.device("cuda")), **versions(torch.device("cuda")),
               "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32, "command": command_line()}
     results = []
     for cell in args.cells:
