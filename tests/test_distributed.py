@@ -957,6 +957,17 @@ def test_a_rank_that_leaves_before_mpi_starts_ends_the_job(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_an_override_every_rank_refuses_is_one_untagged_line_and_the_other_ranks_tagged(tmp_path):
+    """A bare mpiexec (no launch script checked the overrides first): every rank refuses it alike, and rank 1's line,
+    untagged, read as a second refusal."""
+    code, output = run_job(launch(2) + ["-m", "trainer", "model.nope=0", f"hydra.run.dir={tmp_path}"],
+                           FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    refusals = [line for line in output.splitlines() if "unknown config key model.nope" in line]
+    assert sorted(line.split("error: ")[0] for line in refusals) == ["", "[rank 1] "], output
+
+
+@needs_mpiexec
 def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_slice, tmp_path):
     """Rank 1 stops before it starts MPI (as one stuck importing from a file system that stopped answering) while rank
     0 goes on into MPI_Init, which has no timeout: rank 0 waited there for ever."""

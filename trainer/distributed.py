@@ -137,6 +137,14 @@ def launcher_rank() -> int:
     return int(os.environ[names[0]]) if names else 0
 
 
+def rank_tag() -> str:
+    """"[rank N] " on a rank other than 0, as its log lines are tagged (trainer.__main__.leave_the_log_to_rank_0), for
+    the lines a rank prints before its log is set up: every rank refuses a bad override alike, and rank 1's line read
+    as a second refusal of the job's. "" on rank 0 and without a launcher."""
+    rank = launcher_rank()
+    return f"[rank {rank}] " if rank else ""
+
+
 def _ranks_from_launcher() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
     node, at least this one and those of lower local rank do."""

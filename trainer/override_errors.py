@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from trainer.config import CONF_DIR
+from trainer.distributed import rank_tag
 
 COMMAND_LINE_ERRORS = (ConfigCompositionException, OverrideParseException, SearchPathException)
 
@@ -38,8 +39,13 @@ def refused_in_one_line(step):
     except COMMAND_LINE_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # as Hydra reads it
             raise
-        print(f"error: {command_line_error_line(error)}", file=sys.stderr)
+        print_refusal(command_line_error_line(error))
         sys.exit(2)
+
+
+def print_refusal(line: str) -> None:
+    """The trainer's one line for what it refuses before training, on stderr, tagged with the rank where not rank 0."""
+    print(f"{rank_tag()}error: {line}", file=sys.stderr)
 
 
 def command_line_error_line(error: Exception) -> str:

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import check_config, config_error_line
-from trainer.override_errors import refused_in_one_line
+from trainer.override_errors import print_refusal, refused_in_one_line
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ def check_run_name(config: DictConfig) -> None:
     try:
         run_name = config.run_name
     except OmegaConfBaseException as error:
-        print(f"error: {config_error_line(error)}", file=sys.stderr)
+        print_refusal(config_error_line(error))
         sys.exit(2)
     name = "" if run_name is None or isinstance(run_name, bool) else str(run_name)  # 1.5 parses as a float: a name
     if not name.strip() or set(name) <= {"."} or "/" in name or "\\" in name:
-        print(f"error: run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, "
-              "not dots alone, no / or \\", file=sys.stderr)
+        print_refusal(f"run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, not "
+                      "dots alone, no / or \\")
         sys.exit(2)
 
 
@@ -70,10 +70,10 @@ def make_or_exit(directory: str) -> None:
         if reason is None:
             reason = f"{error.strerror or error}" + (
                 f" ({error.filename})" if error.filename and str(error.filename) != directory else "")
-        print(f"error: cannot make the run directory {directory}: {reason}", file=sys.stderr)
+        print_refusal(f"cannot make the run directory {directory}: {reason}")
         sys.exit(2)
     if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
-        print(f"error: cannot write in the run directory {directory}", file=sys.stderr)
+        print_refusal(f"cannot write in the run directory {directory}")
         sys.exit(2)
 
 
@@ -168,7 +168,7 @@ class MakeRunDirectory(Callback):
         check_run_name(config)
         # Hydra's callbacks take an exception for a warning and go on: the sweep would start, so it ends here.
         if refused := sweep_refusal(config):
-            print(f"error: {refused}; no job of the sweep ran", file=sys.stderr)
+            print_refusal(f"{refused}; no job of the sweep ran")
             sys.exit(2)
         make_or_exit(config.hydra.sweep.dir)
 
