@@ -979,6 +979,27 @@ def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_sli
             "before it started MPI") in output, output
 
 
+@needs_mpiexec
+@pytest.mark.parametrize("stops_in, line", [
+    ("trainer.distributed.shutdown", "error on rank 0: no answer from rank 1"),
+    ("torch.distributed.destroy_process_group", "error on rank 0: another rank did not reach the job's end within "
+                                                "distributed.timeout_s (5 s) (stopped, or hung closing its process "),
+])
+def test_a_rank_stopped_as_the_run_ends_ends_the_job_after_the_timeout(an4_slice, tmp_path, stops_in, line):
+    """Rank 1 stops (SIGSTOP) as it reaches the job's end, before its process group's last barrier or in its teardown,
+    past that barrier: rank 0 must not wait there for ever. Rank 1 runs the trainer with `stops_in` replaced."""
+    rank_0 = trainer_command(an4_slice, tmp_path, 1, "train.epochs=1", "distributed.timeout_s=5")
+    module, _, name = stops_in.rpartition(".")
+    stopping = (f"import importlib, os, runpy, signal, sys; setattr(importlib.import_module({module!r}), {name!r}, "
+                "lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)); sys.argv[0] = 'trainer'; "
+                "runpy.run_module('trainer', run_name='__main__')")
+    rank_1 = [sys.executable, "-c", stopping, *rank_0[3:]]
+    code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert line in output, output
+    assert (tmp_path / "checkpoints" / "last.pt").exists(), output
+
+
 def test_the_watchdog_of_mpis_start_never_runs_on_into_the_trainers_code():
     """The watchdog ended_past forks is a copy of the rank: a Ctrl-C's KeyboardInterrupt there went up its copy of the
     stack, and the copy ran on as a second trainer."""

@@ -232,6 +232,7 @@ def ranks_sharing_gpu(gpu: int, ranks_on_node: int, num_gpus: int) -> int:
 # Seconds (31 years). Longer ones broke the rendezvous over gloo, 1e10 s failing it at once, 9e9 s and 1e11 s hanging
 # it (int64 nanoseconds end at 9.2e9 s), and 1e300 s overflowed timedelta in a traceback.
 MAX_TIMEOUT_S = 1e9
+DEFAULT_TIMEOUT_S = 300.0  # of init and shutdown, where the caller (a benchmark) names none
 
 
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
@@ -244,7 +245,7 @@ def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
-def init(device: str = "auto", timeout_s: float = 300.0, share_gpus: bool = False) -> DistEnv:
+def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus: bool = False) -> DistEnv:
     """Starts the process group when launched by MPI; picks this rank's device.
 
     device: "auto" (this rank's local GPU when CUDA is available, else CPU), "cpu" or "cuda".
@@ -360,19 +361,35 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
+def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Ends the process group after a successful run, in step on every rank: all ranks reach it before any closes its
     connections, and none exits before all have. Two-rank benchmarks.scaling runs, which ended the group rank by
     rank, aborted at exit once in CI and about once in 50 runs on a loaded 2-core machine ("terminate called without
-    an active exception"); a rank closing its sockets under a peer's live group is the suspected cause."""
+    an active exception"); a rank closing its sockets under a peer's live group is the suspected cause. Where another
+    rank does not reach the last barrier, MPI's, within `timeout_s` (stopped, or hung closing its group), this rank
+    ends the job in one line: MPI's barrier has no timeout, and the job waited there for ever. The process group's
+    barrier before it times out as any collective does."""
     if not dist.is_initialized():
         return
     gc.collect()  # DDP's reducer sits in reference cycles that hold the group's work handles: free them first
     dist.barrier()
     dist.destroy_process_group()
     mpi = sys.modules.get("mpi4py.MPI")  # imported by init() when MPI started the job
-    if mpi is not None:
-        mpi.COMM_WORLD.Barrier()
+    if mpi is not None and not _completed_within(mpi.COMM_WORLD.Ibarrier(), timeout_s):
+        log.error("error on rank %d: another rank did not reach the job's end within distributed.timeout_s (%g s) "
+                  "(stopped, or hung closing its process group); training is done and its checkpoints are written, "
+                  "and this rank ends the job", mpi.COMM_WORLD.Get_rank(), timeout_s)
+        abort_job(1)
+
+
+def _completed_within(request, timeout_s: float) -> bool:
+    """Whether MPI request `request` completed within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _mpi_of_a_gloo_job():

@@ -455,7 +455,7 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
         distributed.check_same_on_every_rank(rank_settings(cfg))
         with hold_run_directory(run_dir, env.is_main):
             result = _train(cfg, run_dir, env, continue_with, stop_signals)
-    distributed.shutdown()
+    distributed.shutdown(cfg.distributed.timeout_s)
     return result
 
 
