@@ -275,14 +275,20 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
         rank_device, ranks_on_device = torch.device("cpu"), ranks_on_node
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{address}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=rank_device if backend == "nccl" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=rank_device if backend == "nccl" else None,
+        )
+    except dist.DistStoreError as error:  # the rendezvous timed out: a traceback through torch's store said no more
+        log.error("error on rank %d: the process group's rendezvous did not complete within distributed.timeout_s "
+                  "(%g s): another rank stopped answering after MPI started (stopped, or hung); this rank ends the job "
+                  "(%s)", rank, timeout_s, " ".join(str(error).split()))
+        abort_job(1)
     # The process and host too: where a rank dies, MPICH's mpiexec names its PID and host, not its rank.
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
              local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
