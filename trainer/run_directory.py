@@ -49,8 +49,8 @@ def check_run_name(config: DictConfig) -> None:
         sys.exit(2)
     name = "" if run_name is None or isinstance(run_name, bool) else str(run_name)  # 1.5 parses as a float: a name
     if not name.strip() or set(name) <= {"."} or "/" in name or "\\" in name:
-        print_refusal(f"run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, not "
-                      "dots alone, no / or \\")
+        print_refusal(f"run_name={run_name!r} must name one folder of runs/: a name, not empty, null or true/false, "
+                      "not dots alone, no / or \\")
         sys.exit(2)
 
 
