@@ -13,7 +13,7 @@ from conftest import compose_config
 from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
 from trainer.resume import (
-    check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
+    best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
     load_optimizer_state, restore, resumed_train_state, run_started_from,
 )
 from trainer.train import open_metrics, steps_from_the_resume
@@ -299,6 +299,33 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
                                              r"train.resume=auto \(the same command run again, a requeued job\), or "
                                              r"give this run another run_name$"):
             continued_run_id(saved, outside, run_dir)
+
+
+def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_checkpoints(tmp_path, caplog):
+    """A resume from an earlier checkpoint or a copy took its figures (or none): an epoch worse than best.pt's
+    replaced it."""
+    run_dir, earlier = tmp_path / "run", tmp_path / "copy.pt"
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+
+    def saved(step, best_wer, test_set="A"):
+        return {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": test_set,
+                "train_state": {**state, "epoch": step // 2, "step": step, "best_unreadable": 0, "best_wer": best_wer}}
+
+    none = {"best_unreadable": math.inf, "best_wer": math.inf}
+    earlier.write_bytes(b"")  # what it holds is `saved`'s
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == none  # no best.pt: a run of its own
+    best = run_dir / "checkpoints" / "best.pt"
+    checkpoint.save(best, saved(8, 30.0))
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == {"best_unreadable": 0, "best_wer": 30.0}
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == none
+    assert f"the test set is not the one {best} was evaluated on (A there, B here)" in caplog.text
+    best.write_bytes(b"damaged")
+    with pytest.raises(ValueError, match=rf"^cannot load checkpoint {re.escape(str(best))}: .* \(the run's best.pt, "
+                                         r"whose evaluation a resumed run must beat to replace it: move it away to "
+                                         r"resume without it\)$"):
+        best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
 
 
 def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_from_any_other_is_left_to_refuse(

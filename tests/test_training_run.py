@@ -1146,6 +1146,27 @@ def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations
     assert best["step"] == 4 and best["best_wer"] > 0, best
 
 
+def test_a_resume_from_a_copy_of_an_earlier_checkpoint_keeps_a_better_best_pt(an4_train, tmp_path):
+    """A copy of the run's checkpoint outside checkpoints/ (or an earlier one) resumed: best.pt was chosen afresh, so
+    the next epoch, worse than best.pt's, replaced the best model. best.pt's own evaluation is the one to beat."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir, copy = tmp_path / "run", tmp_path / "copy.pt"
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 2 steps an epoch
+    train(run_dir, manifest, *common, "train.epochs=1")
+    shutil.copy(run_dir / "checkpoints" / "last.pt", copy)
+    # As if best.pt had scored 0 % (a later epoch of the run, which the copy precedes): no epoch can beat it.
+    best = run_dir / "checkpoints" / "best.pt"
+    saved = torch.load(best, weights_only=True)
+    saved["train_state"]["best_wer"] = 0.0
+    torch.save(saved, tmp_path / "best.pt")
+    os.replace(tmp_path / "best.pt", best)  # not into the file last.pt shares
+    train(run_dir, manifest, *common, "train.epochs=2", f"train.resume={copy}")
+    kept = torch.load(best, weights_only=True)["train_state"]
+    assert (kept["step"], kept["best_wer"]) == (2, 0.0), kept
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]
+    assert (last["step"], last["best_wer"]) == (4, 0.0), last
+
+
 def sweep(cwd, manifest, *overrides, timeout=900):
     """`python -m trainer -m` in `cwd`, whose runs/ then holds the jobs where the default config puts them: 8
     utterances in global batches of 4, two steps an epoch."""

@@ -205,6 +205,31 @@ def known_entries(saved: dict, current: dict) -> dict:
     return {key: value for key, value in saved.items() if key in current}
 
 
+def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> dict:
+    """The best_unreadable and best_wer an evaluation must beat to replace the run directory's best.pt: those best.pt
+    itself records, not those of the checkpoint resumed from (`saved`, read from `resumed`), which may be an earlier
+    one or a copy of one: its figures let an epoch worse than best.pt's replace it. None to beat (infinite) where there
+    is no best.pt (a run started from another run's checkpoint) or one evaluated on another test set."""
+    best = run_dir / "checkpoints" / "best.pt"
+    none = {"best_unreadable": math.inf, "best_wer": math.inf}
+    if not best.is_file():
+        return none
+    figures = {}
+    try:
+        best_saved = saved if best.samefile(resumed) else checkpoint.load(best, checkpoint.TRAINING_PARTS)
+        restore(best, best_saved, {"train_state": lambda best_state: figures.update(
+            resumed_train_state(state, best_state))})
+    except ValueError as error:
+        raise ValueError(f"{error} (the run's best.pt, whose evaluation a resumed run must beat to replace it: move it "
+                         "away to resume without it)") from None
+    if best_saved.get("test_set", test_fingerprint) != test_fingerprint:  # older checkpoints hold none
+        log.info("the test set is not the one %s was evaluated on (%s there, %s here): the first evaluation here "
+                 "replaces it, since WERs over other test sets do not compare", best, best_saved["test_set"],
+                 test_fingerprint)
+        return none
+    return {key: figures[key] for key in none}
+
+
 def position_in_epochs(state: dict) -> str:
     """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
     if state["epoch_step"]:
@@ -241,13 +266,7 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
-        other_test_set = saved.get("test_set", test_fingerprint) != test_fingerprint  # older checkpoints hold none
-        if other_test_set:
-            log.info("the test set is not the one %s was evaluated on (%s there, %s here): best.pt is chosen among "
-                     "the evaluations from here on, since WERs over other test sets do not compare", resume,
-                     saved["test_set"], test_fingerprint)
-        if other_test_set or not is_own_checkpoint(resume, run_dir):  # best.pt among this directory's evaluations
-            state.update(best_unreadable=math.inf, best_wer=math.inf)
+        state.update(best_to_beat(run_dir, resume, saved, state, test_fingerprint))
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
         if changed_settings:
             log.info("settings other than those %s was written under, taken from here on: %s", resume,
