@@ -1,5 +1,6 @@
 """The training step on its own (the mean CTC loss, its clipping, the step that skips NaNs), its batches, the run's
 progress lines, and stop signals in the trainer and its data-loading workers."""
+import argparse
 import contextlib
 import copy
 import math
@@ -24,7 +25,8 @@ from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
 from trainer.stop import STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers
 from trainer.train import (
-    refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances, utterances_per_second,
+    evaluation_batches, refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances,
+    utterances_per_second,
 )
 
 
@@ -347,6 +349,18 @@ def test_a_skipped_step_leaves_no_trace(optimizer_name):
     for index, moments in expected_state.items():
         assert moments.keys() == got_state[index].keys()
         assert all(torch.equal(value, got_state[index][name]) for name, value in moments.items())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ranks_evaluate_every_test_utterance_once_in_as_many_batches_each(world_size):
+    """The ranks' error counts are summed: a rank short of a batch makes up the count with empty ones, for the stop
+    signal's collective before each batch, never with utterances another rank decodes too. 7 utterances in batches of
+    2: on 2 ranks, 4 and 3 (2 batches each); on 3 ranks, 3, 2 and 2 (2, 1 and 1 batches)."""
+    test_set = argparse.Namespace(durations=[1.0, 3.0, 2.0, 5.0, 4.0, 7.0, 6.0])
+    shards = [evaluation_batches(test_set, DistEnv(rank, world_size, torch.device("cpu")), batch_size=2)
+              for rank in range(world_size)]
+    assert {len(shard) for shard in shards} == {2}
+    assert sorted(index for shard in shards for batch in shard for index in batch) == list(range(7))
 
 
 @pytest.mark.parametrize("device, cuda_graphs, pinned", [("cuda", False, True), ("cuda", True, False),
