@@ -181,8 +181,9 @@ CLIPPED_OR_NOT = {"clipped": (1.0, 1e-2), "not clipped": (1e3, 1e-3)}
 
 def tiny_sgd_steps(out_dir: str) -> None:
     """Three train_steps of SGD on a tiny model, each a global batch of 4 utterances, the second's last unusable (in
-    rank 1's shard on 2 ranks), under each of CLIPPED_OR_NOT; rank 0 saves how far they moved each weight and buffer
-    to out_dir/WORLD_SIZE.pt. Run by 2 ranks under mpiexec, and by one process for the reference."""
+    rank 1's shard on 2 ranks), under each of CLIPPED_OR_NOT; rank 0 saves how far they moved each weight and buffer,
+    and the losses the steps logged, to out_dir/WORLD_SIZE.pt. Run by 2 ranks under mpiexec, and by one process for
+    the reference."""
     env = distributed.init("cpu")
     with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["optim=sgd", "model.depth=1", "model.hidden=16", "model.conv_channels=2",
@@ -194,7 +195,7 @@ def tiny_sgd_steps(out_dir: str) -> None:
                 for index, word in enumerate(words[step:] + words[:step])] for step in range(3)]
     batches[1][3] = Unusable(3, "unreadable")
     shard = 4 // env.world_size
-    moved = {}
+    moved, losses = {}, {}
     for name, (clip, lr) in CLIPPED_OR_NOT.items():
         cfg.train.grad_clip_norm, cfg.optim.lr = clip, lr
         torch.manual_seed(0)
@@ -206,13 +207,15 @@ def tiny_sgd_steps(out_dir: str) -> None:
             wrapped = distributed.data_parallel(model, env.device, graphed=False)
         optimizer = build.optimizer(cfg.optim, model.parameters())
         schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=10)
+        losses[name] = []
         for batch in batches:
             step = train_step(wrapped, collate(batch[env.rank * shard:(env.rank + 1) * shard]), optimizer, schedule,
                               cfg, env)
             assert step.outcome == "ok", step
+            losses[name].append(step.loss)
         moved[name] = {key: tensor - start[key] for key, tensor in model.state_dict().items()}
     if env.is_main:
-        torch.save(moved, Path(out_dir) / f"{env.world_size}.pt")
+        torch.save({"moved": moved, "losses": losses}, Path(out_dir) / f"{env.world_size}.pt")
     distributed.shutdown()
 
 
@@ -220,7 +223,8 @@ def tiny_sgd_steps(out_dir: str) -> None:
 def test_two_ranks_step_as_one_process_with_the_gradient_clipped_or_not_and_an_utterance_unusable(tmp_path):
     """Clipping takes the norm of the global batch's gradient (DDP's all-reduced one), not a rank's own, and the loss
     normaliser counts the utterances that trained on all ranks: a step where rank 1 has one utterance to rank 0's two
-    takes the mean over the three on both. Each weight's move over 3 steps, 2 ranks against 1 process."""
+    takes the mean over the three on both. Each weight's move over 3 steps, and each step's logged loss (the mean
+    per utterance of the global batch, not of a rank's shard), 2 ranks against 1 process."""
     code, output = run_job(launch(2) + ["-c", "import sys; sys.path.insert(0, 'tests'); import test_distributed; "
                                               f"test_distributed.tiny_sgd_steps({str(tmp_path)!r})"],
                            TRAIN_TIMEOUT_S)
@@ -228,7 +232,8 @@ def test_two_ranks_step_as_one_process_with_the_gradient_clipped_or_not_and_an_u
     tiny_sgd_steps(str(tmp_path))
     one, two = (torch.load(tmp_path / f"{world_size}.pt", weights_only=True) for world_size in (1, 2))
     for name in CLIPPED_OR_NOT:
-        assert_tensors_match(one[name], two[name], f"{name}: moved", rtol=1e-4)
+        assert_tensors_match(one["moved"][name], two["moved"][name], f"{name}: moved", rtol=1e-4)
+        assert two["losses"][name] == pytest.approx(one["losses"][name], rel=1e-5), name
 
 
 def with_corrupt_first_file(an4_slice: dict, folder: Path) -> dict:
