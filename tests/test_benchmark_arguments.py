@@ -71,7 +71,7 @@ def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measur
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
 @pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step"])
 def test_a_gpu_benchmark_on_a_machine_without_a_gpu_is_a_usage_error(module):
-    # It exited 1, where benchmarks.scaling and prnn_kernels.support_table exit 2 for the same.
+    # It exited 1, where benchmarks.scaling and benchmarks.support_table exit 2 for the same.
     result = subprocess.run([sys.executable, "-m", module], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr == f"error: {module} needs a CUDA GPU, and none is visible\n", result.stderr[-2000:]
@@ -103,7 +103,7 @@ def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, modu
 
 
 def test_a_json_path_of_a_dash_is_refused_not_written_as_a_file_so_named(tmp_path):
-    """`prnn_kernels.support_table --json -` writes its JSON on stdout; the benchmarks wrote a file named "-"."""
+    """`benchmarks.support_table --json -` writes its JSON on stdout; the benchmarks wrote a file named "-"."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", "-"],
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
                             text=True, timeout=300)
@@ -194,15 +194,15 @@ def test_scaling_model_without_matplotlib_names_the_extra_before_writing(tmp_pat
 
 
 def quoted_commands(document: str) -> list[list[str]]:
-    """Each `python -m benchmarks.X ...` or support-query command the document quotes, in a code block or inline, as
-    its words from `python` on (after `mpirun -np N`, say); synopses, whose brackets mark what is optional, and a tool
-    named without arguments left out."""
+    """Each `python -m benchmarks.X ...` command the document quotes, in a code block or inline, as its words from
+    `python` on (after `mpirun -np N`, say); synopses, whose brackets mark what is optional, and a tool named without
+    arguments left out."""
     text = (REPO_ROOT / document).read_text()
     blocks = re.findall(r"^```\w*\n(.*?)^```$", text, re.S | re.M)
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     prose = re.sub(r"^```\w*\n.*?^```$", "", text, flags=re.S | re.M)
     spans = re.findall(r"`([^`]*?)`", prose)
-    tool = re.compile(r"python -m\s+(?:benchmarks\.|prnn_kernels\.support_table)")
+    tool = re.compile(r"python -m\s+benchmarks\.")
     commands = [(words := shlex.split(command))[words.index("python"):] for command in [*lines, *spans]
                 if tool.search(command) and "[" not in command]
     return [words for words in commands if len(words) > 3]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from conftest import REPO_ROOT
 import prnn_kernels
-from prnn_kernels import build, modules, persistent, products, support_table
+from benchmarks import support_table
+from prnn_kernels import build, modules, persistent, products
 from prnn_kernels.persistent import (
     directions_run_together,
     launch_plans,
@@ -990,7 +991,7 @@ def test_the_support_table_refuses_a_json_path_that_is_its_own_stdout(tmp_path):
     """`--json /dev/stdout > table.json`, or `--json table.json > table.json`: the JSON's open truncated the redirected
     file and the table printed before it was lost (through a pipe, the two came out mixed)."""
     redirected = tmp_path / "table.json"
-    command = [sys.executable, "-m", "prnn_kernels.support_table", "--hiddens", "256", "--json"]
+    command = [sys.executable, "-m", "benchmarks.support_table", "--hiddens", "256", "--json"]
     for path in ("/dev/stdout", str(redirected)):
         with redirected.open("w") as stdout:
             ran = subprocess.run([*command, path], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
@@ -1004,7 +1005,7 @@ def test_the_support_table_refuses_a_json_path_that_is_its_own_stdout(tmp_path):
 def test_the_support_table_writes_its_json_alone_on_stdout_for_a_dash(tmp_path):
     """`--json -` wrote a file named `-`, `--json /dev/stdout > file` truncated the file and lost the table printed
     before the JSON, and through a pipe the table and the JSON came out mixed."""
-    command = [sys.executable, "-m", "prnn_kernels.support_table", "--cells", "relu", "--precisions", "bf16",
+    command = [sys.executable, "-m", "benchmarks.support_table", "--cells", "relu", "--precisions", "bf16",
                "--hiddens", "256", "8192", "--max-batch", "2", "--json"]
     # From tmp_path, where a file `-` would show; PYTHONPATH for this checkout's modules, as its root would give.
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),

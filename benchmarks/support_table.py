@@ -2,7 +2,7 @@
 the most utterances it runs (forward and backward) and the most at which both directions of a bidirectional layer
 run in one launch.
 
-    python -m prnn_kernels.support_table [--cells relu gru lstm] [--precisions fp32 bf16] [--hiddens H ...]
+    python -m benchmarks.support_table [--cells relu gru lstm] [--precisions fp32 bf16] [--hiddens H ...]
         [--max-batch 16] [--json PATH | --json -]
 
 The default sizes are the multiples of 128 up to 6272. Each shape's counts run from 1 utterance up (the query is
@@ -58,7 +58,7 @@ def count_from_1_to(largest: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prnn_kernels.support_table", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.support_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", nargs="+", choices=CELLS, default=["relu", "gru", "lstm"],
                         help="tanh runs as relu does")
