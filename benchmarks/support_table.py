@@ -3,22 +3,27 @@ the most utterances it runs (forward and backward) and the most at which both di
 run in one launch.
 
     python -m benchmarks.support_table [--cells relu gru lstm] [--precisions fp32 bf16] [--hiddens H ...]
-        [--max-batch 16] [--json PATH | --json -]
+        [--max-batch 16] [--json PATH]
 
 The default sizes are the multiples of 128 up to 6272. Each shape's counts run from 1 utterance up (the query is
 asked at each count: the table says so where a larger count runs and a smaller does not). A size where nothing runs
-shows "-", and the JSON gives the query's reason at one utterance. `--json -` writes the JSON alone on stdout and
-the table on stderr. Building the extension, the first time, takes a minute or two.
+shows "-", and the JSON gives the query's reason at one utterance. `--json /dev/stdout` writes the JSON alone on
+stdout and the table on stderr. Building the extension, the first time, takes a minute or two.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
+    from data.cli import end_at_once_on_ctrl_c
+
+    end_at_once_on_ctrl_c()
+
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
+from trainer.cli import int_at_least, json_output, lines_stream, run_tool, write_output
+from trainer.environment import command_line, device_name, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HIDDENS = tuple(range(128, 6273, 128))
@@ -40,55 +45,28 @@ def counts(batches: list[int]) -> str:
     return str(batches[-1]) if batches == list(range(1, len(batches) + 1)) else ",".join(map(str, batches))
 
 
-def is_stdout(path: str) -> bool:
-    """Whether `path` is the file stdout writes to: /dev/stdout, or the file or pipe stdout is redirected to."""
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
-    except (OSError, ValueError):  # no such file yet, or a stdout with no file behind it
-        return False
-
-
-def count_from_1_to(largest: int):
-    def integer(text: str) -> int:  # argparse names the function in "invalid integer value: 'x'"
-        value = int(text)
-        if not 1 <= value <= largest:
-            raise argparse.ArgumentTypeError(f"must be 1 to {largest}, not {value}")
-        return value
-    return integer
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.support_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", nargs="+", choices=CELLS, default=["relu", "gru", "lstm"],
                         help="tanh runs as relu does")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
-    parser.add_argument("--hiddens", nargs="+", type=count_from_1_to(1 << 16), default=list(HIDDENS))
-    parser.add_argument("--max-batch", type=count_from_1_to(MAX_BATCH), default=16)
-    parser.add_argument("--json", metavar="PATH", help='write the table, the device and the reasons to PATH as JSON; '
-                                                       '"-" for stdout, the table then on stderr')
+    parser.add_argument("--hiddens", nargs="+", type=int_at_least(1, 1 << 16), default=list(HIDDENS))
+    parser.add_argument("--max-batch", type=int_at_least(1, MAX_BATCH), default=16)
+    parser.add_argument("--json", metavar="PATH", type=json_output,
+                        help="write the table, the device and the reasons to PATH as JSON; of /dev/stdout (or the "
+                             "file stdout is redirected to), the JSON alone, the table then on stderr")
     args = parser.parse_args(argv)
-    json_to_stdout = args.json == "-"
-    table_out = sys.stderr if json_to_stdout else sys.stdout
-    if args.json and not json_to_stdout:  # now, not after the queries, whose JSON the write would then lose
-        try:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # a file where a folder of the path should be
-            parser.error(f"argument --json: cannot make the folder of {args.json}: {error}")
-        if Path(args.json).is_dir():
-            parser.error(f"argument --json: {args.json} is a folder; name a file in it")
-        # Its open would truncate a redirected stdout, the table printed before it lost, or mix the two in a pipe.
-        if is_stdout(args.json):
-            parser.error(f"argument --json: {args.json} is where the table goes (stdout); --json - writes the JSON "
-                         "alone there and the table on stderr")
     if not torch.cuda.is_available():
-        print("error: the support query answers for a CUDA GPU, and none is visible", file=sys.stderr)
+        print("error: benchmarks.support_table needs a CUDA GPU, and none is visible", file=sys.stderr)
         return 2
+    table_out = lines_stream(args.json)  # stderr where the JSON goes to stdout, which then holds it alone
     columns = [(cell, precision) for cell in args.cells for precision in args.precisions]
-    device = torch.cuda.get_device_properties(torch.cuda.current_device())
-    print(f"{device.name} ({device.multi_processor_count} SMs, {device.L2_cache_size >> 20} MB of L2): the most "
-          f"utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one launch",
-          file=table_out)
+    cuda = torch.device("cuda")
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    print(f"{device_name(cuda)} ({properties.multi_processor_count} SMs, {properties.L2_cache_size >> 20} MB of L2): "
+          f"the most utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one "
+          "launch", file=table_out)
     print(f"{'H':>5} " + " ".join(f"{cell + ' ' + precision:>13}" for cell, precision in columns), file=table_out,
           flush=True)
     table = []
@@ -99,16 +77,17 @@ def main(argv=None) -> int:
         print(f"{hidden:>5} " + " ".join(
             f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
             file=table_out, flush=True)
-    results = {"device": device.name, "sms": device.multi_processor_count, "l2_bytes": device.L2_cache_size,
-               "torch": torch.__version__, "max_batch": args.max_batch, "rows": table}
-    if json_to_stdout:
-        json.dump(results, sys.stdout, indent=1)
-        print()
-    elif args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=1)
+    if args.json:
+        results = {"device": device_name(cuda), "sms": properties.multi_processor_count,
+                   "l2_bytes": properties.L2_cache_size, **versions(cuda), "max_batch": args.max_batch,
+                   "command": command_line(), "rows": table}
+        try:
+            write_output(args.json, json.dumps(results, indent=1) + "\n")
+        except ValueError as error:  # a full disk: the file as it was before, the table printed above
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -31,6 +31,9 @@ from conftest import REPO_ROOT
     ("benchmarks.wer_parity", ["--parallel", "0"], "argument --parallel: must be at least 1, not 0"),
     ("benchmarks.wer_parity", ["--ranks", "-2"], "argument --ranks: must be at least 1, not -2"),
     ("benchmarks.wer_parity", ["--at-epoch", "0"], "argument --at-epoch: must be at least 1, not 0"),
+    # "invalid parse value", argparse naming the type function, before the support table took trainer.cli's types.
+    ("benchmarks.support_table", ["--hiddens", "abc"], "argument --hiddens: invalid integer value: 'abc'"),
+    ("benchmarks.support_table", ["--max-batch", "33"], "argument --max-batch: must be at most 32, not 33"),
 ])
 def test_a_size_or_count_below_one_is_refused_by_name(module, arguments, complaint):
     result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -69,9 +72,10 @@ def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measur
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
-@pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step"])
+@pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step",
+                                    "benchmarks.support_table"])
 def test_a_gpu_benchmark_on_a_machine_without_a_gpu_is_a_usage_error(module):
-    # It exited 1, where benchmarks.scaling and benchmarks.support_table exit 2 for the same.
+    # It exited 1, where benchmarks.scaling exits 2 for the same.
     result = subprocess.run([sys.executable, "-m", module], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr == f"error: {module} needs a CUDA GPU, and none is visible\n", result.stderr[-2000:]
@@ -91,7 +95,7 @@ SMALL_CPU_SCALING = ["--model", "cpu_demo", "--compute-batches", "1", "2", "--gl
 
 
 @pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step",
-                                    "benchmarks.scaling", "benchmarks.wer_parity"])
+                                    "benchmarks.scaling", "benchmarks.wer_parity", "benchmarks.support_table"])
 def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, module):
     """benchmarks.scaling measured for minutes, printed its table, then ended in IsADirectoryError with the JSON lost;
     the others lost their first row or stack so, and wer_parity its hours of training."""
@@ -102,9 +106,11 @@ def test_a_json_path_that_is_a_folder_is_refused_before_measuring(tmp_path, modu
     assert f"argument --json: {tmp_path} is a folder; name a file in it" in result.stderr, result.stderr[-2000:]
 
 
-def test_a_json_path_of_a_dash_is_refused_not_written_as_a_file_so_named(tmp_path):
-    """`benchmarks.support_table --json -` writes its JSON on stdout; the benchmarks wrote a file named "-"."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--json", "-"],
+@pytest.mark.parametrize("module, arguments", [("benchmarks.scaling", SMALL_CPU_SCALING),
+                                               ("benchmarks.support_table", ["--hiddens", "256"])])
+def test_a_json_path_of_a_dash_is_refused_not_written_as_a_file_so_named(tmp_path, module, arguments):
+    """The benchmarks wrote a file named "-"; the support table took it for stdout, alone among them."""
+    result = subprocess.run([sys.executable, "-m", module, *arguments, "--json", "-"],
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 2 and not (tmp_path / "-").exists(), result.stdout[-2000:] + result.stderr[-2000:]
@@ -147,6 +153,23 @@ def test_a_json_path_in_a_missing_folder_has_it_made_before_measuring(tmp_path):
                              "--report", "--runs-dir", str(tmp_path / "no_runs")], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300)
     assert folder.is_dir(), result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_the_support_table_makes_a_missing_json_folder_and_refuses_one_it_cannot_make(tmp_path, monkeypatch, capsys):
+    """A file where a folder of the path should be ended in mkdir's FileExistsError traceback, with or without a
+    GPU; a missing folder is made as the arguments are read, before the GPU is asked for."""
+    from benchmarks import support_table
+
+    table = tmp_path / "table"
+    table.write_text("")
+    for path, why in ((table / "t.json", "File exists"), (table / "sub" / "t.json", "Not a directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            support_table.main(["--hiddens", "256", "--json", str(path)])
+        assert exit_info.value.code == 2
+        assert f"error: argument --json: cannot make the folder of {path}: {why}\n" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert support_table.main(["--hiddens", "256", "--json", str(tmp_path / "new" / "table.json")]) == 2
+    assert (tmp_path / "new").is_dir()
 
 
 def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):

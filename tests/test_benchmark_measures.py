@@ -2,7 +2,9 @@
 import gc
 import itertools
 import json
+import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,8 +15,9 @@ import weakref
 import pytest
 import torch
 
-from benchmarks import train_step
+from benchmarks import support_table, train_step
 from conftest import REPO_ROOT
+from prnn_kernels.persistent import support
 
 
 def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch):
@@ -203,3 +206,117 @@ def test_a_ctrl_c_ends_scaling_in_one_line(tmp_path):
             scaling.communicate()
     assert (scaling.returncode, stderr) == (130, "interrupted by Ctrl-C on rank 0\n"), stderr[-2000:]
     assert not (tmp_path / "scaling.json").exists()
+
+
+def test_the_support_table_writes_counts_as_runs_from_one_up():
+    assert [support_table.counts(batches) for batches in ([], [1, 2, 3], [2, 3], [1, 3])] == ["-", "3", "2,3", "1,3"]
+
+
+@pytest.mark.cuda
+def test_the_support_table_gives_what_the_support_query_answers(tmp_path, capsys):
+    assert support_table.main(["--cells", "relu", "lstm", "--hiddens", "256", "2048", "8192", "--max-batch", "8",
+                               "--json", str(tmp_path / "t.json")]) == 0
+    written = json.loads((tmp_path / "t.json").read_text())
+    assert written["device"] == torch.cuda.get_device_name() and written["max_batch"] == 8
+    rows = written["rows"]
+    assert [row["hidden"] for row in rows] == [256, 2048, 8192]
+    for row in rows:
+        for cell in ("relu", "lstm"):
+            for name, dtype in support_table.PRECISIONS.items():
+                shape = row[f"{cell}_{name}"]
+                answers = [support(cell, row["hidden"], batch, dtype, "cuda").ok for batch in range(1, 9)]
+                assert shape["batches"] == [batch for batch, ok in zip(range(1, 9), answers) if ok], (row, cell)
+                assert set(shape["together"]) <= set(shape["batches"])
+                assert (shape["reason"] is None) == answers[0]
+    assert rows[0]["relu_fp32"]["batches"] == list(range(1, 9))  # a small layer runs at every count
+    assert rows[2]["lstm_fp32"] == {"batches": [], "together": [], "reason": support("lstm", 8192, 1, torch.float32,
+                                                                                      "cuda").reason}
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].split() == ["H", "relu", "fp32", "relu", "bf16", "lstm", "fp32", "lstm", "bf16"]
+    assert printed[2].startswith("  256 ") and printed[2].split()[1:3] == ["8", "(8)"]
+
+
+@pytest.mark.cuda
+def test_the_support_table_writes_its_json_alone_on_stdout_for_dev_stdout(tmp_path):
+    """`--json /dev/stdout > file` was refused (the open would have truncated the file and lost the table printed
+    before the JSON); `--json -` took its place, where every benchmark refuses "-"."""
+    command = [sys.executable, "-m", "benchmarks.support_table", "--cells", "relu", "--precisions", "bf16",
+               "--hiddens", "256", "8192", "--max-batch", "2", "--json"]
+    # The file form first: it builds the extension if need be, whose messages would land between the table's lines.
+    to_file = subprocess.run([*command, str(tmp_path / "table.json")], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert to_file.returncode == 0 and "256 " in to_file.stdout, to_file.stderr[-2000:]
+    written = json.loads((tmp_path / "table.json").read_text())
+    redirected = tmp_path / "redirected.json"
+    for path in ("/dev/stdout", str(redirected)):  # the file stdout is redirected to is stdout too
+        with redirected.open("w") as stdout:
+            to_stdout = subprocess.run([*command, path], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE,
+                                       text=True, timeout=600)
+        assert to_stdout.returncode == 0 and to_file.stdout in to_stdout.stderr, to_stdout.stderr[-2000:]
+        assert json.loads(redirected.read_text())["rows"] == written["rows"]
+
+
+# The support table with the GPU's parts faked: hidden sizes run at 1 and 2 utterances, each query taking
+# FAKE_QUERY_S, so that a signal can come during the queries.
+FAKED_SUPPORT_TABLE = FAKE_GPU + """
+import os, time
+from benchmarks import support_table as benchmark
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=1, L2_cache_size=1 << 20)
+benchmark.versions = lambda device: {}
+benchmark.support = lambda *shape: time.sleep(float(os.environ.get("FAKE_QUERY_S", "0"))) or types.SimpleNamespace(
+    ok=shape[2] <= 2, reason="fake refusal")
+benchmark.directions_run_together = lambda *shape: False
+sys.argv[1:] = ["--cells", "gru", "--precisions", "fp32", "--max-batch", "4", *sys.argv[1:]]
+sys.exit(benchmark.run_tool(benchmark.main))
+"""
+MANY_HIDDENS = [str(hidden) for hidden in range(128, 6273, 128)]
+
+
+def test_the_support_table_writes_the_json_alone_where_it_is_stdout(tmp_path):
+    """--json /dev/stdout > out.json was refused as where the table goes; now the table goes to stderr."""
+    with open(tmp_path / "out.json", "w") as stdout:
+        result = subprocess.run([sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens", "128", "256", "--json",
+                                 "/dev/stdout"], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                timeout=300)
+    assert result.returncode == 0 and "  256         2 (-)" in result.stderr, result.stderr[-2000:]
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert [row["gru_fp32"]["batches"] for row in written["rows"]] == [[1, 2], [1, 2]]
+    assert {"device", "sms", "l2_bytes", "max_batch", "command"} <= set(written)
+
+
+def test_the_support_table_a_full_disk_leaves_the_json_before_it_as_it_was(tmp_path):
+    """The JSON was written in place: a file size limit (ulimit -f), as a disk filling up, left it cut short, and the
+    run ended in OSError's traceback."""
+    import resource
+
+    before = '{"rows": "an earlier table"}\n'
+    (tmp_path / "table.json").write_text(before)
+    limit = 2000  # bytes: less than the table's JSON
+    result = subprocess.run(
+        [sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens", *MANY_HIDDENS, "--json", str(tmp_path / "table.json")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert (result.returncode, result.stderr) == (2, f"error: cannot write {tmp_path}/table.json: File too large\n"), (
+        result.stderr[-2000:])
+    assert (tmp_path / "table.json").read_text() == before
+
+
+def test_the_support_table_ends_a_reader_that_stops_early_and_a_ctrl_c_in_one_line(tmp_path):
+    """`| head` ended in a BrokenPipeError's traceback, and a Ctrl-C in a KeyboardInterrupt's."""
+    command = shlex.join([sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens", *MANY_HIDDENS])
+    piped = subprocess.run(["bash", "-c", f"{command} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert (piped.returncode, piped.stderr) == (1, ""), piped.stderr[-2000:]
+    table = subprocess.Popen([sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens", *MANY_HIDDENS], cwd=REPO_ROOT,
+                             env={**os.environ, "FAKE_QUERY_S": "0.01"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert "the most utterances" in table.stdout.readline()
+        table.send_signal(signal.SIGINT)
+        _, stderr = table.communicate(timeout=60)
+    finally:
+        if table.poll() is None:
+            table.kill()
+            table.communicate()
+    assert (table.returncode, stderr) == (130, "interrupted by Ctrl-C\n"), stderr[-2000:]

@@ -2,13 +2,9 @@
 that times out, CUDA-graph capture and the custom ops' registration (opcheck)."""
 import contextlib
 import importlib
-import json
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -16,9 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO_ROOT
 import prnn_kernels
-from benchmarks import support_table
 from prnn_kernels import build, modules, persistent, products
 from prnn_kernels.persistent import (
     directions_run_together,
@@ -76,50 +70,6 @@ def test_the_layer_names_an_input_projection_of_no_hidden_size_before_asking_for
     # A width of 7 is no GRU's 3 x H: it was asked about as H = 2, and without a GPU refused as needing one.
     with pytest.raises(ValueError, match="input_proj's last dimension 7 is not 1 x 3 gates x H"):
         persistent_layer("gru", torch.randn(3, 2, 7), torch.zeros(2, 2), torch.zeros(6, 2), None, [3, 3], False)
-
-
-def test_the_support_table_needs_a_gpu_and_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert support_table.main(["--hiddens", "256"]) == 2
-    assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
-
-
-@pytest.mark.parametrize("argument, value, message", [
-    ("--hiddens", "abc", "argument --hiddens: invalid integer value: 'abc'"),
-    ("--max-batch", "2.5", "argument --max-batch: invalid integer value: '2.5'"),
-    ("--max-batch", "33", "argument --max-batch: must be 1 to 32, not 33")])
-def test_the_support_table_refuses_a_count_naming_its_argument_and_value(argument, value, message, capsys):
-    # A count that is no integer was "invalid parse value", argparse naming the type function.
-    with pytest.raises(SystemExit) as exit_info:
-        support_table.main([argument, value])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.endswith(f"error: {message}\n")
-
-
-def test_the_support_table_writes_counts_as_runs_from_one_up():
-    assert [support_table.counts(batches) for batches in ([], [1, 2, 3], [2, 3], [1, 3])] == ["-", "3", "2,3", "1,3"]
-
-
-@pytest.mark.cuda
-def test_the_support_table_gives_what_the_support_query_answers(tmp_path, capsys):
-    assert support_table.main(["--cells", "relu", "lstm", "--hiddens", "256", "2048", "8192", "--max-batch", "8",
-                               "--json", str(tmp_path / "t.json")]) == 0
-    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert [row["hidden"] for row in rows] == [256, 2048, 8192]
-    for row in rows:
-        for cell in ("relu", "lstm"):
-            for name, dtype in support_table.PRECISIONS.items():
-                shape = row[f"{cell}_{name}"]
-                answers = [support(cell, row["hidden"], batch, dtype, CUDA).ok for batch in range(1, 9)]
-                assert shape["batches"] == [batch for batch, ok in zip(range(1, 9), answers) if ok], (row, cell)
-                assert set(shape["together"]) <= set(shape["batches"])
-                assert (shape["reason"] is None) == answers[0]
-    assert rows[0]["relu_fp32"]["batches"] == list(range(1, 9))  # a small layer runs at every count
-    assert rows[2]["lstm_fp32"] == {"batches": [], "together": [], "reason": support("lstm", 8192, 1, torch.float32,
-                                                                                      CUDA).reason}
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[1].split() == ["H", "relu", "fp32", "relu", "bf16", "lstm", "fp32", "lstm", "bf16"]
-    assert printed[2].startswith("  256 ") and printed[2].split()[1:3] == ["8", "(8)"]
 
 
 @pytest.fixture
@@ -953,70 +903,6 @@ def test_padding_that_is_not_finite_changes_nothing_on_the_persistent_backend():
     for zero_padded, inf_padded in zip(*results):
         assert torch.isfinite(inf_padded).all()
         torch.testing.assert_close(inf_padded, zero_padded)
-
-
-def test_the_support_table_refuses_a_json_path_that_is_a_folder_before_asking(tmp_path, monkeypatch, capsys):
-    """It printed the table, then ended in IsADirectoryError with the JSON lost; a missing folder, FileNotFoundError."""
-    with pytest.raises(SystemExit) as exit_info:
-        support_table.main(["--hiddens", "256", "--json", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert f"argument --json: {tmp_path} is a folder; name a file in it" in capsys.readouterr().err
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the folder is made before the GPU is asked for
-    assert support_table.main(["--hiddens", "256", "--json", str(tmp_path / "new" / "table.json")]) == 2
-    assert (tmp_path / "new").is_dir()
-
-
-def test_the_support_table_refuses_a_json_folder_it_cannot_make_in_one_line(tmp_path, capsys):
-    # A file where a folder of the path should be ended in mkdir's FileExistsError traceback, with or without a GPU.
-    table = tmp_path / "table"
-    table.write_text("")
-    for path, why in ((table / "t.json", f"[Errno 17] File exists: '{table}'"),
-                      (table / "sub" / "t.json", f"[Errno 20] Not a directory: '{table / 'sub'}'")):
-        with pytest.raises(SystemExit) as exit_info:
-            support_table.main(["--hiddens", "256", "--json", str(path)])
-        assert exit_info.value.code == 2
-        assert f"error: argument --json: cannot make the folder of {path}: {why}\n" in capsys.readouterr().err
-
-
-def test_the_support_table_takes_a_json_dash_for_stdout_not_for_a_path(tmp_path, monkeypatch, capsys):
-    # `--json -` named a file `-` in the working directory, and was refused where a folder `-` stood there.
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "-").mkdir()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # past the arguments' checks, to the GPU's
-    assert support_table.main(["--hiddens", "256", "--json", "-"]) == 2
-    assert capsys.readouterr().err == "error: the support query answers for a CUDA GPU, and none is visible\n"
-
-
-def test_the_support_table_refuses_a_json_path_that_is_its_own_stdout(tmp_path):
-    """`--json /dev/stdout > table.json`, or `--json table.json > table.json`: the JSON's open truncated the redirected
-    file and the table printed before it was lost (through a pipe, the two came out mixed)."""
-    redirected = tmp_path / "table.json"
-    command = [sys.executable, "-m", "benchmarks.support_table", "--hiddens", "256", "--json"]
-    for path in ("/dev/stdout", str(redirected)):
-        with redirected.open("w") as stdout:
-            ran = subprocess.run([*command, path], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                                 timeout=120)
-        assert ran.returncode == 2, ran.stderr
-        assert ran.stderr.endswith(f"error: argument --json: {path} is where the table goes (stdout); --json - writes "
-                                   "the JSON alone there and the table on stderr\n"), ran.stderr
-
-
-@pytest.mark.cuda
-def test_the_support_table_writes_its_json_alone_on_stdout_for_a_dash(tmp_path):
-    """`--json -` wrote a file named `-`, `--json /dev/stdout > file` truncated the file and lost the table printed
-    before the JSON, and through a pipe the table and the JSON came out mixed."""
-    command = [sys.executable, "-m", "benchmarks.support_table", "--cells", "relu", "--precisions", "bf16",
-               "--hiddens", "256", "8192", "--max-batch", "2", "--json"]
-    # From tmp_path, where a file `-` would show; PYTHONPATH for this checkout's modules, as its root would give.
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                           os.environ.get("PYTHONPATH")]))}
-    # The file form first: it builds the extension if need be, whose messages would land between the table's lines.
-    to_file, to_stdout = (subprocess.run([*command, path], cwd=tmp_path, env=environment, capture_output=True,
-                                         text=True, timeout=600) for path in (str(tmp_path / "table.json"), "-"))
-    assert to_file.returncode == 0 and to_stdout.returncode == 0, to_file.stderr[-2000:] + to_stdout.stderr[-2000:]
-    assert json.loads(to_stdout.stdout) == json.loads((tmp_path / "table.json").read_text())
-    assert to_file.stdout in to_stdout.stderr and "256 " in to_file.stdout, to_stdout.stderr  # the table, whole
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["table.json"]
 
 
 def test_the_python_names_the_readme_gives_exist():

@@ -70,8 +70,8 @@ def output_file(text: str) -> str:
 
 def json_output(text: str) -> str:
     """The benchmarks' --json: an output_file whose missing folders are made now, so that neither a folder named in its
-    place nor one that cannot be made is found out only after the measurements the file would hold. "-", which
-    `benchmarks.support_table --json` takes for stdout, is refused rather than taken for a file of that name."""
+    place nor one that cannot be made is found out only after the measurements the file would hold. "-", which other
+    programs take for stdout, is refused rather than taken for a file of that name."""
     if text == "-":
         raise argparse.ArgumentTypeError(
             "'-' is no file name here: /dev/stdout writes the JSON to stdout after the table")
