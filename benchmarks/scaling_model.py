@@ -491,13 +491,10 @@ def main(argv=None) -> int:
     except argparse.ArgumentTypeError as error:
         print(f"error: --out {out}: {error}", file=sys.stderr)
         return 2
-    try:  # each whole or not at all: a disk filling up left them cut short
-        write_output(str(out / "scaling_projection.json"),
-                     json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n")
-        write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    # Each whole or not at all: a disk filling up left them cut short.
+    write_output(str(out / "scaling_projection.json"),
+                 json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n")
+    write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
     plot(out / "scaling_projection.png", rows, overlaps, assumed)
     print((out / "scaling_projection.md").read_text())
     print(f"wrote {out}/scaling_projection.png, .md and .json")

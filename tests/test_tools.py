@@ -294,6 +294,15 @@ def test_a_tool_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path):
     assert cli.run_tool(printing_into_a_full_disk) == 2
 
 
+def test_an_output_file_a_tool_cannot_write_ends_it_in_one_line_naming_the_file(tmp_path, capsys):
+    # benchmarks.rnn_kernels, rnn_stack, train_step and wer_parity let write_output's error out as a traceback: each
+    # tool caught it on its own, and those four did not.
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "results.json"
+    assert cli.run_tool(lambda: cli.write_output(str(out), "{}\n")) == 2
+    assert capsys.readouterr().err == f"error: cannot write {out}: Not a directory\n"
+
+
 def test_transcribe_started_with_stdout_closed_says_its_transcripts_have_nowhere_to_go(tmp_path):
     # `python -m trainer.transcribe ... >&-` ended in an AttributeError's traceback: Python gives a closed stdout as
     # None.

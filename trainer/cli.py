@@ -89,9 +89,13 @@ def check_not_an_input(path: str | None, inputs: list[str]) -> None:
         raise ValueError(f"{path} is also an input of this command: writing it would destroy it")
 
 
+class CannotWrite(ValueError):
+    """An output file a tool cannot write, in one line naming it, which run_tool prints as the tool's error."""
+
+
 def write_output(path: str, text: str, so_far: bool = False) -> None:
     """Writes `text` to `path` whole or not at all (beside it, then renamed: a full disk leaves an earlier file as it
-    was), or straight into a stream (a pipe or terminal: /dev/stdout); ValueError naming the file where it cannot be
+    was), or straight into a stream (a pipe or terminal: /dev/stdout); CannotWrite naming the file where it cannot be
     written, BrokenPipeError where a stream's reader stopped early. A file name in `text` that is not UTF-8
     (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as its own bytes. `so_far`: the results up to now
     of a long run, which writes them all again when it ends; a file keeps them should the run be cut short, while a
@@ -113,7 +117,7 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
     except BrokenPipeError:
         raise  # the reader stopped early (`| head`), which run_tool ends quietly: not a file that cannot be written
     except OSError as error:
-        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+        raise CannotWrite(f"cannot write {path}: {error.strerror or error}") from None
 
 
 def lines_stream(out: str | None):
@@ -142,10 +146,13 @@ def _standard_stream_writing_to(path: str):
 
 def run_tool(main: Callable[[], int]) -> int:
     """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback), a reader
-    that stops early (`| head`) quietly (exit 1) and a stdout on a full disk in one line (exit 2)."""
+    that stops early (`| head`) quietly (exit 1), and an output file or a stdout on a full disk in one line (exit 2)."""
     ctrl_c_raises_keyboard_interrupt()
     try:
         return main()
+    except CannotWrite as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
