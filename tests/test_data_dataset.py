@@ -9,7 +9,9 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
-from data.dataset import SpeechDataset, Unusable, collate, min_ctc_frames
+from data.dataset import (
+    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, Unusable, collate, min_ctc_frames,
+)
 from data.features import FeatureExtractor, SpecAugment
 from data.manifest import Utterance, write_manifest
 from data.sampler import BucketBatchSampler
@@ -174,6 +176,7 @@ def test_unreadable_empty_or_too_short_audio_is_unusable_and_warned_about_once(m
     items = [dataset[index] for index in range(5)]
     assert [isinstance(item, Unusable) for item in items] == [False, False, True, True, True]
     assert [item.index for item in items] == [0, 1, 2, 3, 4]
+    assert [item.counted_as for item in items[2:]] == [UNREADABLE, UNREADABLE, TOO_LONG_FOR_STRIDE]
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         dataset.warn_once(items[2:])
@@ -214,6 +217,8 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unus
     lecture, loud = (item.reason for item in items[1:])
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in lecture
     assert "loud.wav: its features are not finite (its largest sample is 3e+38)" in loud
+    # Counted by reason in the training log's summary: the lecture as the choice max_duration makes, not a fault.
+    assert [item.counted_as for item in items[1:]] == [LONGER_THAN_MAX_DURATION, UNREADABLE]
 
 
 def test_sample_holds_features_targets_and_index(manifest):
