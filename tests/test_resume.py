@@ -314,13 +314,24 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
 
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
     earlier.write_bytes(b"")  # what it holds is `saved`'s
-    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == none  # no best.pt: a run of its own
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == (none, None)  # no best.pt: a run of its own
     best = run_dir / "checkpoints" / "best.pt"
     checkpoint.save(best, saved(8, 30.0))
-    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == {"best_unreadable": 0, "best_wer": 30.0}
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == ({"best_unreadable": 0, "best_wer": 30.0},
+                                                                          None)
     with caplog.at_level("INFO", logger="trainer.resume"):
-        assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == none
-    assert f"the test set is not the one {best} was evaluated on (A there, B here)" in caplog.text
+        assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == (none, best.with_name("best-A.pt"))
+    assert (f"the test set is not the one {best} was evaluated on (A there, B here): it is kept as best-A.pt, and the "
+            "first evaluation here replaces best.pt") in caplog.text
+    # Back on B, where B's best.pt was kept: its evaluation is the one to beat.
+    checkpoint.save(best.with_name("best-B.pt"), saved(6, 40.0, test_set="B"))
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == ({"best_unreadable": 0, "best_wer": 40.0},
+                                                                          best.with_name("best-A.pt"))
+    checkpoint.save(best, saved(8, 30.0, test_set="../A"))  # edited: it would name a file in another folder
+    with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(best))}: its test_set '../A' is no test "
+                                         r"set's fingerprint \(the run's best.pt, whose evaluation"):
+        best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B")
+    checkpoint.save(best, saved(8, 30.0))
     best.write_bytes(b"damaged")
     with pytest.raises(ValueError, match=rf"^cannot load checkpoint {re.escape(str(best))}: .* \(the run's best.pt, "
                                          r"whose evaluation a resumed run must beat to replace it: move it away to "

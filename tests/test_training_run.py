@@ -1128,22 +1128,42 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_though_a_checkpoint_follows_
 
 @pytest.mark.slow
 def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations_on_it(an4_train, tmp_path):
+    """And keeps the best.pt of the first test set beside it, which the first evaluation on the other replaced for
+    good; a resume back on the first test set makes that one best.pt again, keeping the other's."""
     utterances = [u for u in an4_train if u.duration < 2.5]
     manifest = write_slice(tmp_path / "slice.jsonl", utterances[:8])
     run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
     common = ["model.hidden=32", "train.global_batch_size=4"]  # 2 steps an epoch
     train(run_dir, manifest, *common, "train.epochs=1")
     # As if epoch 1 had scored 0 % on its test set: no WER on another set could beat it, nor should it have to.
-    last = run_dir / "checkpoints" / "last.pt"
+    last = checkpoints / "last.pt"
     saved = torch.load(last, weights_only=True)
     saved["train_state"]["best_wer"] = 0.0
     torch.save(saved, last)
+
+    def recorded(name):
+        kept = torch.load(checkpoints / name, weights_only=True)
+        return kept["train_state"]["step"], kept["train_state"]["best_wer"] > 0, kept["test_set"]
+
+    first = saved["test_set"]
+    kept_first = f"best-{first.split()[-1]}.pt"
     other_test_set = write_slice(tmp_path / "other.jsonl", utterances[8:16])
     result = train(run_dir, manifest, *common, "train.epochs=2", "train.resume=auto",
                    f"data.eval_manifest={other_test_set}")
     assert "the test set is not the one" in result.output, result.output[-3000:]
-    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["train_state"]
-    assert best["step"] == 4 and best["best_wer"] > 0, best
+    assert (checkpoints / kept_first).is_file(), sorted(path.name for path in checkpoints.iterdir())
+    assert recorded(kept_first) == (2, False, first)
+    assert f"best.pt, the best on its test set, kept as {checkpoints / kept_first}" in result.output
+    other = recorded("best.pt")[2]
+    assert recorded("best.pt") == (4, True, other) and other != first
+
+    result = train(run_dir, manifest, *common, "train.epochs=3", "train.resume=auto")  # back on the first test set
+    kept_other = f"best-{other.split()[-1]}.pt"
+    assert f"{checkpoints / kept_first}, the best on this test set, is {checkpoints / 'best.pt'} again" in result.output
+    assert recorded("best.pt") == (2, False, first)  # its 0 % unbeaten
+    assert recorded(kept_other) == (4, True, other)
+    assert sorted(path.name for path in checkpoints.iterdir()) == sorted(["best.pt", "last.pt", kept_other])
 
 
 def test_a_resume_from_a_copy_of_an_earlier_checkpoint_keeps_a_better_best_pt(an4_train, tmp_path):

@@ -4,6 +4,7 @@ naming the file and the part that does not fit (restore); resume_into takes a jo
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -205,29 +206,75 @@ def known_entries(saved: dict, current: dict) -> dict:
     return {key: value for key, value in saved.items() if key in current}
 
 
-def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> dict:
+REFUSED_BEST = ("(the run's {name}, whose evaluation a resumed run must beat to replace it: move it away to resume "
+                "without it)")
+
+
+class BestToBeat(NamedTuple):
+    """What best_to_beat found of the run directory's best.pt."""
+    figures: dict  # the best_unreadable and best_wer an evaluation must beat to replace best.pt
+    kept_as: Path | None  # where best.pt is another test set's: the name set_best_aside keeps it under
+
+
+def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> BestToBeat:
     """The best_unreadable and best_wer an evaluation must beat to replace the run directory's best.pt: those best.pt
     itself records, not those of the checkpoint resumed from (`saved`, read from `resumed`), which may be an earlier
     one or a copy of one: its figures let an epoch worse than best.pt's replace it. None to beat (infinite) where there
-    is no best.pt (a run started from another run's checkpoint) or one evaluated on another test set."""
+    is no best.pt (a run started from another run's checkpoint). Where best.pt was evaluated on another test set, whose
+    WERs do not compare, it is to be kept under its test set's name (kept_best), and the one to beat is the best.pt
+    kept so for this test set, a run resumed back on it, or none."""
     best = run_dir / "checkpoints" / "best.pt"
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
     if not best.is_file():
-        return none
+        return BestToBeat(none, None)
+    best_saved, figures = recorded_best(best, resumed, saved, state)
+    their_test_set = best_saved.get("test_set", test_fingerprint)  # older checkpoints hold none
+    if their_test_set == test_fingerprint:
+        return BestToBeat(figures, None)
+    kept_as, kept_here = kept_best(best, their_test_set), kept_best(best, test_fingerprint)
+    back = kept_here.is_file()
+    log.info("the test set is not the one %s was evaluated on (%s there, %s here): it is kept as %s, and %s, since "
+             "WERs over other test sets do not compare", best, their_test_set, test_fingerprint, kept_as.name,
+             f"{kept_here.name}, the best on this test set, is best.pt again" if back
+             else "the first evaluation here replaces best.pt")
+    return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as)
+
+
+def recorded_best(path: Path, resumed: Path, saved: dict, state: dict) -> tuple[dict, dict]:
+    """The checkpoint at `path`, a best.pt, and its best_unreadable and best_wer; ValueError naming it where it cannot
+    be read. `saved` where it is the file resumed from, which is not read again (the 100-layer model's is large)."""
     figures = {}
     try:
-        best_saved = saved if best.samefile(resumed) else checkpoint.load(best, checkpoint.TRAINING_PARTS)
-        restore(best, best_saved, {"train_state": lambda best_state: figures.update(
+        best_saved = saved if path.samefile(resumed) else checkpoint.load(path, checkpoint.TRAINING_PARTS)
+        restore(path, best_saved, {"train_state": lambda best_state: figures.update(
             resumed_train_state(state, best_state))})
     except ValueError as error:
-        raise ValueError(f"{error} (the run's best.pt, whose evaluation a resumed run must beat to replace it: move it "
-                         "away to resume without it)") from None
-    if best_saved.get("test_set", test_fingerprint) != test_fingerprint:  # older checkpoints hold none
-        log.info("the test set is not the one %s was evaluated on (%s there, %s here): the first evaluation here "
-                 "replaces it, since WERs over other test sets do not compare", best, best_saved["test_set"],
-                 test_fingerprint)
-        return none
-    return {key: figures[key] for key in none}
+        raise ValueError(f"{error} {REFUSED_BEST.format(name=path.name)}") from None
+    return best_saved, {key: figures[key] for key in ("best_unreadable", "best_wer")}
+
+
+def kept_best(best: Path, test_set) -> Path:
+    """best-DIGEST.pt beside the run's best.pt (`best`), where the run keeps the best.pt of the test set whose
+    fingerprint (SpeechDataset's, "8 utterances, sha256 DIGEST") is `test_set` while it evaluates on another;
+    ValueError where best.pt records no such fingerprint (an edited file), which would name no file beside it."""
+    digest = str(test_set).rsplit(" ", 1)[-1]
+    if not digest.isascii() or not digest.isalnum():
+        raise ValueError(f"cannot resume from {best}: its test_set {test_set!r} is no test set's fingerprint "
+                         f"{REFUSED_BEST.format(name=best.name)}")
+    return best.with_name(f"best-{digest}.pt")
+
+
+def set_best_aside(run_dir: Path, kept_as: Path, test_fingerprint: str) -> None:
+    """Keeps the run directory's best.pt, of another test set, as `kept_as` (best_to_beat's), before an evaluation on
+    this one (`test_fingerprint`) can replace it, and makes the one kept for this test set, if any, best.pt again.
+    A job killed in between leaves best.pt as it was, and the next resume makes the same moves."""
+    best = run_dir / "checkpoints" / "best.pt"
+    checkpoint.save_same(best, kept_as)
+    log.info("%s, the best on its test set, kept as %s", best, kept_as)
+    kept_here = kept_best(best, test_fingerprint)
+    if kept_here.is_file():
+        os.replace(kept_here, best)  # a move, not a link: best.pt goes on, and the name would hold a stale copy
+        log.info("%s, the best on this test set, is %s again", kept_here, best)
 
 
 def position_in_epochs(state: dict) -> str:
@@ -245,6 +292,7 @@ class RunStart(NamedTuple):
     run_id: str | None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id); None for a run of its own
     continues: bool  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
     started_from: dict | None  # the other run's checkpoint it started from (start_of_run): its checkpoints carry it
+    best_kept_as: Path | None  # where best.pt is another test set's: the name to keep it under (best_to_beat)
 
 
 def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path, env: DistEnv,
@@ -252,7 +300,7 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
     """Where this job starts: afresh where `resume` (checkpoint_to_resume's) is None, otherwise from that checkpoint,
     refused where it does not fit this run, its parts handed to `loaders`, its training state to `state` and this rank's
     RNG states to the RNGs. Every rank must call it (a collective)."""
-    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None)
+    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None, best_kept_as=None)
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
@@ -260,13 +308,15 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
         check_same_training_set(saved, train_fingerprint, resume)
         run_id = continued_run_id(saved, resume, run_dir)
         continues = run_id is not None or is_own_checkpoint(resume, run_dir)  # older checkpoints hold no run id
-        start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved))
         restore(resume, saved, {
             **loaders,
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
-        state.update(best_to_beat(run_dir, resume, saved, state, test_fingerprint))
+        best = best_to_beat(run_dir, resume, saved, state, test_fingerprint)
+        state.update(best.figures)
+        start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved),
+                         best.kept_as)
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
         if changed_settings:
             log.info("settings other than those %s was written under, taken from here on: %s", resume,

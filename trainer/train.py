@@ -40,7 +40,9 @@ from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate, left_out
 from trainer.metrics import ErrorCounts
-from trainer.resume import checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into
+from trainer.resume import (
+    checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, set_best_aside,
+)
 from trainer.run_directory import hold_run_directory
 from trainer.stop import (
     STOP_SIGNALS, StopSignals, ignore_in_data_workers, received_counts, start_data_workers, stop_requests,
@@ -655,6 +657,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         replace_whole(run_dir / "config.yaml",
                       OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
+        if start.best_kept_as is not None:  # here, not at the resume: a job refused before leaves best.pt alone
+            set_best_aside(run_dir, start.best_kept_as, test_fingerprint)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
