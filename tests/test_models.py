@@ -136,10 +136,12 @@ def test_hundred_layer_residual_stack_trains():
     inputs, outputs = [], []
     for layer in model.layers:
         layer.register_forward_hook(lambda module, args, output: inputs.append(args[0]) or outputs.append(output))
+    model.classifier.register_forward_hook(lambda module, args, output: inputs.append(args[0]))
     log_probs, out_lengths = model(features, lengths)
-    # Each layer after the first adds its output to its input: the next layer's input is the sum.
+    # Each layer after the first adds its output to its input: the next layer's input, or the last one's classifier's
+    # (a bidirectional stack has no lookahead), is the sum.
     assert torch.equal(inputs[1], outputs[0])
-    for index in range(1, 99):
+    for index in range(1, 100):
         assert torch.equal(inputs[index + 1], inputs[index] + outputs[index]), f"layer {index}"
     targets, target_lengths = torch.tensor([[1, 2], [3, 3], [4, 5]]), torch.tensor([2, 2, 1])
     loss = torch.nn.functional.ctc_loss(log_probs, targets, out_lengths, target_lengths)
