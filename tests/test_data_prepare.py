@@ -182,7 +182,7 @@ def test_an4_transcription_line_numbers_count_blank_lines(tiny_an4, tmp_path):
         prepare_an4(tiny_an4, tmp_path / "out")
 
 
-def test_an4_transcripts_more_or_fewer_than_its_fileids_are_refused_naming_both_files(tiny_an4, tmp_path):
+def test_an4_transcripts_more_than_its_fileids_are_refused_naming_both_files(tiny_an4, tmp_path):
     """zip would pair the first ids with the first transcripts and leave the rest out of the manifest without a word."""
     (tiny_an4 / "etc" / "an4_test.transcription").write_text("RUBOUT (an406-fcaw-b)\nYES (an407-fcaw-b)\n")
     with pytest.raises(ValueError, match=r"an4_test.fileids has 1 ids but .*an4_test.transcription has 2 transcripts"):
