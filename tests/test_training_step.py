@@ -23,7 +23,8 @@ from prnn_kernels import relative_error
 from trainer import build
 from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
-from trainer.stop import STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, start_data_workers
+from trainer.stop import (STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers,
+                          keep_early_stop_signal, start_data_workers)
 from trainer.train import (
     evaluation_batches, refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances,
     utterances_per_second,
@@ -182,6 +183,33 @@ def test_a_trainer_started_with_ctrl_c_ignored_trains_on_through_one_and_stops_o
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["None", "SIGTERM", "True"]
 
+
+
+def signal_as_the_trainer_imports() -> None:
+    keep_early_stop_signal()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signal_after_a_sweep_jobs_work() -> None:
+    with StopSignals() as stop:
+        stop.listen()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+
+
+@pytest.mark.parametrize("signal_outside_the_block", [signal_as_the_trainer_imports, signal_after_a_sweep_jobs_work])
+def test_a_stop_signal_outside_the_trainers_block_ends_the_next_one_before_training(signal_outside_the_block,
+                                                                                   monkeypatch):
+    """One that came while `python -m trainer` imported torch, or after a sweep job's last evaluation began (too late
+    to stop it), is not lost: the next StopSignals block (the job's training, the sweep's next job) ends on it."""
+    # Not one an earlier test's block kept: a test that catches the second Ctrl-C inside its block ends it normally.
+    monkeypatch.setattr("trainer.stop._early_signal", [])
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    signal_outside_the_block()
+    with pytest.raises(StoppedBeforeTraining, match="SIGTERM received before training began"):
+        with StopSignals():
+            time.sleep(0.01)
+    assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 SIGNAL_AS_TQDM_MAKES_ITS_LOCK = """
 import logging, multiprocessing, os, signal
