@@ -139,6 +139,9 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
         with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
             checkpoint.check_optimizer_state(edited, optimizer)
+    # The resume's own path checks too: torch's load_state_dict takes a float64 state, casting it.
+    with pytest.raises(ValueError, match=r"its state 'exp_avg' of parameter 0 is a torch.float64 tensor"):
+        load_optimizer_state(optimizer, edited)
     with pytest.raises(ValueError, match="its state of parameter 0 is an int, not a mapping"):
         checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
     with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
