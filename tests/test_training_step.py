@@ -275,7 +275,7 @@ def test_a_data_worker_says_nothing_of_a_handover_the_training_process_broke_off
 BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD = """
 import itertools, os, signal, sys, threading, time
 from torch.utils.data import DataLoader
-from trainer.stop import ignore_in_data_workers, start_data_workers
+from trainer.stop import StopSignals, ignore_in_data_workers, start_data_workers
 
 class StuckAtTheThirdBatch:  # as on a file system that stopped answering
     def __len__(self):
@@ -289,7 +289,8 @@ class StuckAtTheThirdBatch:  # as on a file system that stopped answering
 device, ending = sys.argv[1:]
 loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=device == "cuda",
                     worker_init_fn=ignore_in_data_workers)
-batches = start_data_workers(loader)
+stop = StopSignals()
+batches = start_data_workers(loader, stopping=stop.came if ending == "a stop signal" else None)
 for batch in itertools.islice(batches, 2):
     print(batch.tolist())
 if ending == "a second Ctrl-C":  # as the third batch is waited on
@@ -298,17 +299,23 @@ if ending == "a second Ctrl-C":  # as the third batch is waited on
         next(batches)
     except KeyboardInterrupt:
         print("interrupted")
+elif ending == "a stop signal":  # a scheduler's, as the third batch is waited on: None comes, the worker killed
+    with stop:
+        stop.listen()
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        print(next(batches))
 else:  # as a training loop's break at train.max_steps or on a stop signal lets the batches go
     batches.close()
 """
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("ending", ["a second Ctrl-C", "no more batches wanted"])
+@pytest.mark.parametrize("ending", ["a second Ctrl-C", "a stop signal", "no more batches wanted"])
 def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, ending):
     """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck one
     for ever: after a run's "interrupted by Ctrl-C", or its stop at train.max_steps. On a GPU the batches pass through
-    torch's pin-memory thread (pin_memory=True), as in training."""
+    torch's pin-memory thread (pin_memory=True), as in training. A stop signal ends the wait for the stuck worker's
+    batch at once: the run, and every rank waiting on it, waited distributed.timeout_s."""
     job = subprocess.Popen([sys.executable, "-c", BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD, device, ending],
                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
@@ -317,8 +324,10 @@ def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, e
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
-    interrupted = ["interrupted"] if ending == "a second Ctrl-C" else []
-    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *interrupted], output
+    said = ("SIGTERM received: stopping when the training step or evaluation in progress ends, writing "
+            "checkpoints/last.pt")
+    last = {"a second Ctrl-C": ["interrupted"], "a stop signal": [said, "None"], "no more batches wanted": []}[ending]
+    assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *last], output
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():
