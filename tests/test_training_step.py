@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, compose_config
-from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, Sample, Unusable, collate
+from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, Unusable, collate
 from data.text import encode
 from prnn_kernels import relative_error
-from trainer import build
+from trainer import build, distributed
 from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
 from trainer.stop import (STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers,
-                          keep_early_stop_signal, start_data_workers)
+                          keep_early_stop_signal, received_counts, start_data_workers)
 from trainer.train import (
     evaluation_batches, refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances,
     utterances_per_second,
@@ -113,6 +113,19 @@ def test_train_step_updates_weights():
     assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 1
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
+
+
+def test_a_stop_signal_that_reached_another_rank_alone_stops_this_ranks_step_too(monkeypatch):
+    """The ranks agree in the step's first all-reduce: a signal that reached one rank of two (SIGUSR1 sent to one, as
+    SLURM's to a node may be) stops every rank's step, where a rank that trained on waited in a collective that the
+    stopped one never joined. Rank 1's part of the sum is added to this rank's, as two ranks' all-reduce would."""
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
+    rank_1 = [2, 0, *(0 for _ in UNUSABLE_REASONS), *received_counts(signal.SIGUSR1)]  # 2 utterances, SIGUSR1
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda counts: counts + torch.tensor(rank_1, dtype=counts.dtype))
+    before = [p.detach().clone() for p in model.parameters()]
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 2, torch.device("cpu")))
+    assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1}
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())) and schedule.last_epoch == 0
 
 def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
     """Those unreadable apart from those too long for stride: a corrupt file and a transcript that outruns the model's
