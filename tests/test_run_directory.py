@@ -287,7 +287,6 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     assert "this job: from step 40, world size 1, rank 0 on CPU" in caplog.text
 
 
-
 def test_the_run_id_is_the_last_jobs_where_a_run_from_before_run_ids_went_on_under_one(tmp_path):
     """A run from before run ids, resumed, records its new id in the job it appends: a copy of a checkpoint written
     since is that run's, where the first job's line, without an id, would call it another run's and refuse it."""
@@ -295,6 +294,7 @@ def test_the_run_id_is_the_last_jobs_where_a_run_from_before_run_ids_went_on_und
     path.write_text('{"from_step": 0, "device": "a job from before run ids"}\n')
     record_job(path, "run-a", 40, DistEnv(rank=0, world_size=1, device=torch.device("cpu")), resumed=True)
     assert recorded_run_id(tmp_path) == "run-a"
+
 
 def test_a_job_after_one_that_left_half_a_line_in_jobs_jsonl_records_itself_and_the_run_id_whole(tmp_path):
     # The next job's line was glued to the torn one: the run's id was then read as None, and that job was lost.

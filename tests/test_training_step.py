@@ -23,8 +23,10 @@ from prnn_kernels import relative_error
 from trainer import build, distributed
 from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
-from trainer.stop import (STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers,
-                          keep_early_stop_signal, received_counts, start_data_workers)
+from trainer.stop import (
+    STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, keep_early_stop_signal, received_counts,
+    start_data_workers,
+)
 from trainer.train import (
     evaluation_batches, refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances,
     utterances_per_second,
@@ -114,7 +116,6 @@ def test_train_step_updates_weights():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-
 def test_a_stop_signal_that_reached_another_rank_alone_stops_this_ranks_step_too(monkeypatch):
     """The ranks agree in the step's first all-reduce: a signal that reached one rank of two (SIGUSR1 sent to one, as
     SLURM's to a node may be) stops every rank's step, where a rank that trained on waited in a collective that the
@@ -126,6 +127,7 @@ def test_a_stop_signal_that_reached_another_rank_alone_stops_this_ranks_step_too
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 2, torch.device("cpu")))
     assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1}
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())) and schedule.last_epoch == 0
+
 
 def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
     """Those unreadable apart from those too long for stride: a corrupt file and a transcript that outruns the model's
@@ -195,7 +197,6 @@ def test_a_trainer_started_with_ctrl_c_ignored_trains_on_through_one_and_stops_o
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["None", "SIGTERM", "True"]
-
 
 
 def signal_as_the_trainer_imports() -> None:
