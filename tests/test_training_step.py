@@ -142,7 +142,9 @@ def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
     assert step.unusable == Counter({UNREADABLE: 1, TOO_LONG_FOR_STRIDE: 2})
 
 
-def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts():
+def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts(monkeypatch):
+    early_signal = []  # this test's own: its block ends normally and keeps the SIGTERM for the next block
+    monkeypatch.setattr("trainer.stop._early_signal", early_signal)
     handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
     with StopSignals() as stop:
         for number in (signal.SIGTERM, signal.SIGUSR1):  # before training: nothing to save, out at once
@@ -163,6 +165,7 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
+    assert early_signal == [signal.SIGTERM]
 
 
 # The trainer's signal handling from its start, run where SIGINT was ignored since the process started.
@@ -216,8 +219,7 @@ def test_a_stop_signal_outside_the_trainers_block_ends_the_next_one_before_train
                                                                                    monkeypatch):
     """One that came while `python -m trainer` imported torch, or after a sweep job's last evaluation began (too late
     to stop it), is not lost: the next StopSignals block (the job's training, the sweep's next job) ends on it."""
-    # Not one an earlier test's block kept: a test that catches the second Ctrl-C inside its block ends it normally.
-    monkeypatch.setattr("trainer.stop._early_signal", [])
+    monkeypatch.setattr("trainer.stop._early_signal", [])  # none an earlier test's block kept
     handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
     signal_outside_the_block()
     with pytest.raises(StoppedBeforeTraining, match="SIGTERM received before training began"):
