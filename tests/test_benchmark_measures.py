@@ -194,18 +194,26 @@ def test_a_ctrl_c_ends_scaling_in_one_line(tmp_path):
     command = [sys.executable, "-m", "benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu", "--global-batch",
                "2", "--frames", "50", "--steps", "100000", "--warmup", "0", "--compute-batches", "1", "--json",
                str(tmp_path / "scaling.json")]
-    scaling = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert scaling.stdout.readline().startswith("measuring the cpu_demo model")
-        time.sleep(1)  # into the steps
-        scaling.send_signal(signal.SIGINT)
-        _, stderr = scaling.communicate(timeout=60)
-    finally:
-        if scaling.poll() is None:
-            scaling.kill()
-            scaling.communicate()
-    assert (scaling.returncode, stderr) == (130, "interrupted by Ctrl-C on rank 0\n"), stderr[-2000:]
+    first_line, code, stderr = ctrl_c_after_the_first_line(command, wait_s=1)  # into the steps
+    assert first_line.startswith("measuring the cpu_demo model")
+    assert (code, stderr) == (130, "interrupted by Ctrl-C on rank 0\n"), stderr[-2000:]
     assert not (tmp_path / "scaling.json").exists()
+
+
+def ctrl_c_after_the_first_line(command: list[str], wait_s: float = 0, env=None) -> tuple[str, int, str]:
+    """(the first line of stdout, the exit code, stderr) of `command` pressed Ctrl-C (SIGINT) `wait_s` after it printed
+    that line."""
+    job = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = job.stdout.readline()
+        time.sleep(wait_s)
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    return first_line, job.returncode, stderr
 
 
 def test_the_support_table_writes_counts_as_runs_from_one_up():
@@ -308,15 +316,7 @@ def test_the_support_table_ends_a_reader_that_stops_early_and_a_ctrl_c_in_one_li
     piped = subprocess.run(["bash", "-c", f"{command} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=300)
     assert (piped.returncode, piped.stderr) == (1, ""), piped.stderr[-2000:]
-    table = subprocess.Popen([sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens", *MANY_HIDDENS], cwd=REPO_ROOT,
-                             env={**os.environ, "FAKE_QUERY_S": "0.01"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        assert "the most utterances" in table.stdout.readline()
-        table.send_signal(signal.SIGINT)
-        _, stderr = table.communicate(timeout=60)
-    finally:
-        if table.poll() is None:
-            table.kill()
-            table.communicate()
-    assert (table.returncode, stderr) == (130, "interrupted by Ctrl-C\n"), stderr[-2000:]
+    first_line, code, stderr = ctrl_c_after_the_first_line([sys.executable, "-c", FAKED_SUPPORT_TABLE, "--hiddens",
+                                                            *MANY_HIDDENS], env={**os.environ, "FAKE_QUERY_S": "0.01"})
+    assert "the most utterances" in first_line
+    assert (code, stderr) == (130, "interrupted by Ctrl-C\n"), stderr[-2000:]
