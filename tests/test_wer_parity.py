@@ -92,6 +92,17 @@ def test_summary_pairs_each_backend_with_the_first_by_seed():
     assert persistent["difference"] == 2.0 and math.isclose(persistent["difference_stderr"], 1.0)
 
 
+def test_summary_pairs_by_seed_where_a_seed_finished_on_one_backend_alone():
+    """Seed 1 failed on cuDNN: persistent's seeds 2 and 3 pair with cuDNN's, 1 point apart each. Paired in the order
+    the runs finished, persistent's seed 1 (40) met cuDNN's seed 2 (10), and the difference came out 12.5 +- 17.5."""
+    rows = [{"backend": backend, "seed": seed, "returncode": returncode, "last_wer": wer}
+            for backend, seed, returncode, wer in [
+                ("cudnn", 1, 1, None), ("cudnn", 2, 0, 10.0), ("cudnn", 3, 0, 16.0),
+                ("persistent", 1, 0, 40.0), ("persistent", 2, 0, 11.0), ("persistent", 3, 0, 17.0)]]
+    _, persistent = summarize(rows, ["cudnn", "persistent"])
+    assert (persistent["paired_seeds"], persistent["difference"], persistent["difference_stderr"]) == (2, 1.0, 0.0)
+
+
 def write_metrics(run_dir, wers, elapsed_per_epoch=5.0):
     run_dir.mkdir(parents=True)
     lines = [{"step": 1, "epoch": 0, "loss": 9.0}]
