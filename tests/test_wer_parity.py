@@ -410,6 +410,9 @@ def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsy
     ("metrics.jsonl", '{"epoch": 3, "eval_wer": 30.0, "eval_cer": true, "elapsed_s": 15.0}\n',
      "metrics.jsonl: an evaluation's eval_cer must be a number or null, got True"),
     ("metrics.jsonl", b"\xff\xfe\n", "metrics.jsonl: cannot read it ('utf-8' codec can't decode byte 0xff"),
+    # true is a number to Python (1): the report read it as epoch 1.
+    ("metrics.jsonl", '{"epoch": true, "eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
+     "metrics.jsonl: an evaluation's epoch must be a count, got True"),
     ("jobs.jsonl", '{"from_step": 0}\n', "jobs.jsonl lacks a job's device, which must be a string"),
     ("jobs.jsonl", None, "jobs.jsonl: cannot read it (Is a directory)"),
     ("config.yaml", "train: [epochs: 2\n",
