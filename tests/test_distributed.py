@@ -1510,6 +1510,27 @@ def test_scaling_model_arithmetic(tmp_path):
     assert graphed["small_collectives_ms"] == pytest.approx(sum(expected))
 
 
+def test_scaling_model_checks_itself_at_the_overlap_the_measurement_shows(tmp_path):
+    """A run on 2 GPUs whose step exposed 1 ms of a 4 ms flat allreduce hid 0.75 of it; the model's step for that run
+    hides as much. An overlap taken as exposed / allreduce (0.25), or the model's step at overlap 0, passed every test
+    and set the model's efficiency beside the measured one at an overlap no run showed."""
+    path = write_measurement(tmp_path / "measured.json", gradient_bytes=50 * 2**20, ddp_bucket_cap_mb=25,
+                             sync_batch_norm_channels=[])
+    data = json.loads(path.read_text())
+    data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 4.0, "bus_GBps": 10.0},
+                baseline={"strong_scaling_efficiency": 0.4}, step={"median_ms": 20.0})
+    data["config"]["global_batch"] = 8
+    path.write_text(json.dumps(data))
+    measurement, cluster = scaling_model.Measurement(str(path)), scaling_model.Cluster()
+    assert measurement.measured_overlap() == 0.75
+    check = scaling_model.model_check(measurement, cluster, backward_share=2 / 3)
+    hidden, exposed = (scaling_model.step(measurement, cluster, 8, 2, overlap, 2 / 3) for overlap in (1.0, 0.0))
+    assert hidden["step_ms"] < exposed["step_ms"]  # the allreduce is not all hidden at overlap 0
+    assert check["modelled_step_ms"] == pytest.approx(hidden["step_ms"] + 0.25 * (exposed["step_ms"]
+                                                                                  - hidden["step_ms"]))
+    assert check["modelled_efficiency"] == pytest.approx(measurement.compute_ms(8) / (2 * check["modelled_step_ms"]))
+    assert (check["measured_efficiency"], check["measured_step_ms"], check["measured_bus_GBps"]) == (0.4, 20.0, 10.0)
+
 def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
     def measurement(compute_ms: dict) -> scaling_model.Measurement:
         return scaling_model.Measurement(str(write_measurement(
