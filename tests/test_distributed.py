@@ -1689,6 +1689,25 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
     assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
 
 
+@pytest.mark.parametrize("key, other", [("model_config", {"depth": 7}), ("global_batch", 16), ("frames", 600),
+                                        ("amp", False), ("num_features", 80), ("cuda_graphs", True)])
+def test_scaling_refuses_a_baseline_of_other_settings_or_several_ranks(tmp_path, key, other):
+    """t(1) must be the same step on one process: a baseline at another global batch, length, precision or graphing,
+    or one from two ranks, divided into this run's step gave an efficiency of another comparison. Only model_config
+    was checked: any of the others dropped from the comparison passed every test."""
+    from benchmarks.scaling import read_baseline
+
+    config = {"model_config": {"depth": 5}, "global_batch": 8, "frames": 300, "amp": True, "num_features": 161,
+              "cuda_graphs": False}
+    baseline = {"benchmark": "scaling", "world_size": 1, "device": "NVIDIA H200", "step": {"median_ms": 12.5},
+                "config": {**config, key: other}}
+    (tmp_path / "one.json").write_text(json.dumps(baseline))
+    with pytest.raises(ValueError, match=re.escape(f"one.json has {key}={other!r}, this run {config[key]!r}")):
+        read_baseline(str(tmp_path / "one.json"), config, "NVIDIA H200")
+    (tmp_path / "two.json").write_text(json.dumps({**baseline, "world_size": 2, "config": config}))
+    with pytest.raises(ValueError, match="two.json must be a benchmarks.scaling JSON from one process"):
+        read_baseline(str(tmp_path / "two.json"), config, "NVIDIA H200")
+
 def test_ranks_that_share_a_gpu_are_counted_on_it():
     assert [distributed.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
     assert [distributed.ranks_sharing_gpu(gpu, 5, 2) for gpu in range(2)] == [3, 2]  # rank_gpu's 0, 1, 0, 1, 0
