@@ -1531,6 +1531,7 @@ def test_scaling_model_checks_itself_at_the_overlap_the_measurement_shows(tmp_pa
     assert check["modelled_efficiency"] == pytest.approx(measurement.compute_ms(8) / (2 * check["modelled_step_ms"]))
     assert (check["measured_efficiency"], check["measured_step_ms"], check["measured_bus_GBps"]) == (0.4, 20.0, 10.0)
 
+
 def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
     def measurement(compute_ms: dict) -> scaling_model.Measurement:
         return scaling_model.Measurement(str(write_measurement(
@@ -1707,6 +1708,7 @@ def test_scaling_refuses_a_baseline_of_other_settings_or_several_ranks(tmp_path,
     (tmp_path / "two.json").write_text(json.dumps({**baseline, "world_size": 2, "config": config}))
     with pytest.raises(ValueError, match="two.json must be a benchmarks.scaling JSON from one process"):
         read_baseline(str(tmp_path / "two.json"), config, "NVIDIA H200")
+
 
 def test_ranks_that_share_a_gpu_are_counted_on_it():
     assert [distributed.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
