@@ -155,6 +155,15 @@ def test_language_model_settles_a_word_that_a_space_completes():
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["C A"]
 
 
+def test_language_model_scores_each_word_after_the_words_before_it():
+    # A sentence starts with B far more often than with C, but A has only ever been followed by C: scored after <s>
+    # (a history the space after A never extended) or as a unigram, the second word would be B, as the audio leans.
+    frames = [{"A": 0.98, "_": 0.02}, {" ": 0.98, "_": 0.02}, {"B": 0.55, "C": 0.45}]
+    log_probs, lengths = log_probs_over(frames), torch.tensor([3])
+    lm = NGramLM.from_arpa_text(build_arpa([["B"]] * 6 + [["A", "C"]] * 2, order=2))
+    assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
+
+
 def test_a_language_model_of_weight_zero_and_no_word_bonus_changes_nothing():
     generator = torch.Generator().manual_seed(0)
     lm = NGramLM.from_arpa_text(build_arpa([["A", "B"], ["AB", "A"], ["B"]], order=3))
