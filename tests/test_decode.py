@@ -461,6 +461,18 @@ def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path
     assert ("YES",) in words and ("MAYBE",) in words and ("OK",) not in words and ("CAFÉ",) not in words
 
 
+def test_a_language_model_counts_a_word_in_any_case_as_the_one_the_model_spells(tmp_path):
+    # The ARPA file is also KenLM's to read, which takes "yes" and "YES" for two words, neither of them the decoder's.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+                                      '{"audio_filepath": "b.wav", "duration": 1.0, "text": "YES"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    text = (tmp_path / "m.arpa").read_text()
+    unigrams = [line.split("\t")[1] for line in text.split("\\1-grams:\n")[1].split("\n\n")[0].splitlines()]
+    assert sorted(unigrams) == ["</s>", "<s>", "<unk>", "NO", "YES"]
+    model = lm.NGramLM.from_arpa_text(text)
+    assert model.log10_prob(("<s>",), "YES") > model.log10_prob(("<s>",), "NO")  # seen twice, once
+
+
 def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
     # KenLM refuses a model without <s>, and any model of order 1 ("assumes at least a bigram model"): --order 1
     # wrote one it refused on both counts.
