@@ -137,6 +137,28 @@ def test_evaluate_writes_a_file_name_that_is_not_utf8_into_its_table_as_its_own_
     assert out.read_bytes().splitlines()[1].startswith(os.fsencode(corpus / "a.wav") + b"\t")
 
 
+def test_evaluate_writes_its_table_a_row_an_utterance_by_file_name_reference_before_hypothesis(tmp_path, capsys):
+    # Listed, and decoded (by duration), in another order than their names': the table is in the names' order.
+    from trainer import evaluate
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
+    utterances = [("c.wav", 0.5, "two six"), ("a.wav", 1.0, "NO"), ("b.wav", 0.25, "GO  ON")]
+    for name, seconds, _ in utterances:
+        soundfile.write(tmp_path / name, noise[: int(16000 * seconds)], 16000)
+    lines = [f'{{"audio_filepath": "{name}", "duration": {seconds}, "text": "{text}"}}\n'
+             for name, seconds, text in utterances]
+    (tmp_path / "m.jsonl").write_text("".join(lines))
+    out = tmp_path / "table.tsv"
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(tmp_path / "m.jsonl"), "--out", str(out)]) == 0, capsys.readouterr().err
+    header, *rows = [line.split("\t") for line in out.read_text().splitlines()]
+    assert header == ["audio_filepath", "word_errors", "char_errors", "reference", "hypothesis"]
+    assert [(Path(file).name, reference) for file, _, _, reference, _ in rows] == [
+        ("a.wav", "NO"), ("b.wav", "GO ON"), ("c.wav", "TWO SIX")]
+    for _, word_errors, char_errors, reference, hypothesis in rows:
+        assert int(word_errors) == edit_distance(reference.split(), hypothesis.split())
+        assert int(char_errors) == edit_distance(list(reference), list(hypothesis))
+
+
 def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_not_as_unreadable(tmp_path, capsys):
     """A readable file whose manifest duration hides that its audio is too short for its transcript is found out when
     loaded: the summary called it unreadable, while the warning above it said why."""
