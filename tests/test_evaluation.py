@@ -110,6 +110,22 @@ def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(
     assert f"{huge}\terror: its features are not finite (its largest sample is " in err, err  # the path once
 
 
+def test_transcribe_prints_the_transcripts_in_the_order_the_files_are_given(tmp_path, capsys):
+    # Not in their names' order, nor their lengths': a script pairs each line with the file it gave in that place.
+    from trainer import transcribe
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
+    names = ["c.wav", "a.wav", "gone.wav", "b.wav"]
+    for name, seconds in zip(names, [0.5, 1.0, None, 0.25]):
+        if seconds:
+            soundfile.write(tmp_path / name, noise[: int(16000 * seconds)], 16000)
+    paths = [str(tmp_path / name) for name in names]
+    assert transcribe.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                            *paths]) == 1
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [paths[0], paths[1], paths[3]]
+    assert err.startswith(f"{paths[2]}\terror: ")
+
+
 def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_path):
     # Where stdout's UTF-8 is strict (a locale such as en_US.UTF-8, or PYTHONIOENCODING), b"\xff.wav" ended
     # python -m trainer.transcribe in a UnicodeEncodeError traceback.
