@@ -347,6 +347,15 @@ def test_a_stored_config_that_claims_another_model_than_its_weights_allocates_no
             build.from_checkpoint(tmp_path / "edited.pt", torch.device("cpu"))
 
 
+def test_a_checkpoint_is_rebuilt_for_inference_on_the_features_it_was_trained_on(tmp_path):
+    path = small_checkpoint(tmp_path / "small.pt", "data.features.normalize=false", "data.features.sample_rate=8000",
+                            "data.features.n_mels=32")
+    model, features, _ = build.from_checkpoint(path, torch.device("cpu"))
+    # In training mode, batch norm would scale each utterance by its own statistics, not those training gathered.
+    assert not model.training
+    assert (features.kind, features.sample_rate, features.num_features, features.normalize) == ("mel", 8000, 32, False)
+
+
 def test_a_checkpoint_of_the_persistent_backend_evaluates_anywhere(tmp_path):
     """Rebuilt on auto: the kernels where they run, torch.nn on this CPU; the same weights either way."""
     path = small_checkpoint(tmp_path / "persistent.pt", "model.backend=persistent")
