@@ -353,7 +353,7 @@ def test_run_names_hydra_parses_as_numbers_are_names_too():
     for name in (1.5, 2024, "2024-06-01", "exp.v2", "a b"):
         cfg.run_name = name
         check_run_name(cfg)  # returns: runs/1.5 is one folder of runs/
-    for name in (None, True, "", "..", "a/b"):
+    for name in (None, True, "", "  ", "..", "a/b", "a\\b"):
         cfg.run_name = name
         with pytest.raises(SystemExit):
             check_run_name(cfg)
