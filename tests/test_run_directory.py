@@ -91,6 +91,18 @@ def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_
     assert capsys.readouterr().err == f"error: cannot write in the run directory {tmp_path}\n"
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    """Else the first checkpoint failed, an epoch's work in. As root, whom permissions do not stop, the system's answer
+    is played, as for the run directory above."""
+    (tmp_path / "checkpoints").mkdir()
+    monkeypatch.setattr(run_directory.os, "access", lambda path, mode: Path(path) != tmp_path / "checkpoints")
+    with pytest.raises(ValueError) as error:
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    assert str(error.value) == (f"{tmp_path / 'checkpoints'} cannot be written by this job (its permissions, or a "
+                                f"read-only file system): the run writes its checkpoints in {tmp_path / 'checkpoints'}")
+
+
 def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_line(tmp_path):
     """A resumed run rewrites metrics.jsonl with the lines its checkpoint covers; a full disk, played by a file size
     limit (the write fails with EFBIG), leaves the file as it was and no temporary file, and the error names it."""
