@@ -267,21 +267,39 @@ def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
     assert printed == f"python -c '{code}' 'two words'"
 
 
-def test_reading_the_commit_leaves_the_checkouts_index_alone(tmp_path):
-    """Every rank of every job asks git for the commit; `git status` rewrote a checkout's index whose files' times had
-    changed, holding .git/index.lock meanwhile: a user's `git commit` at that moment failed, and a job killed outright
-    (a scheduler's SIGKILL to its process group) left the lock behind, failing every later git command there."""
+def checkout_of_this_file(tmp_path: Path) -> Path:
+    """A git checkout whose one commit holds trainer/environment.py, as source_commit looks for it."""
     checkout = tmp_path / "checkout"
     (checkout / "trainer").mkdir(parents=True)
     shutil.copy(REPO_ROOT / "trainer" / "environment.py", checkout / "trainer")
     for command in (["init", "-q"], ["add", "."],
                     ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"]):
         subprocess.run(["git", "-C", str(checkout), *command], check=True, capture_output=True)
+    return checkout
+
+
+def test_reading_the_commit_leaves_the_checkouts_index_alone(tmp_path):
+    """Every rank of every job asks git for the commit; `git status` rewrote a checkout's index whose files' times had
+    changed, holding .git/index.lock meanwhile: a user's `git commit` at that moment failed, and a job killed outright
+    (a scheduler's SIGKILL to its process group) left the lock behind, failing every later git command there."""
+    checkout = checkout_of_this_file(tmp_path)
     index = checkout / ".git" / "index"
     os.utime(checkout / "trainer" / "environment.py", ns=(1, 1))  # same content, other times: a stale index entry
     before = index.read_bytes()
     assert re.fullmatch(r"[0-9a-f]{12}", source_commit(checkout))
     assert index.read_bytes() == before
+
+
+def test_the_commit_is_marked_changed_by_an_edited_tracked_file_only(tmp_path):
+    """A run's jobs.jsonl and the benchmarks' results say which code ran: an edit left unmarked names a commit that
+    did not run, and an untracked file (a notes file, a run's output outside runs/) marking every run "+changes"
+    makes the mark mean nothing."""
+    checkout = checkout_of_this_file(tmp_path)
+    (checkout / "notes.txt").write_text("untracked\n")
+    assert re.fullmatch(r"[0-9a-f]{12}", source_commit(checkout))
+    with open(checkout / "trainer" / "environment.py", "a") as edited:
+        edited.write("# edited\n")
+    assert re.fullmatch(r"[0-9a-f]{12}\+changes", source_commit(checkout))
 
 
 def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_path, caplog):
@@ -399,3 +417,4 @@ def test_check_overrides_help_prints_its_usage(flag, capsys):
 
     assert main([flag]) == 0
     assert capsys.readouterr().out.startswith("`python -m trainer.check_overrides [-m] [overrides...]`: checks")
+
