@@ -417,4 +417,3 @@ def test_check_overrides_help_prints_its_usage(flag, capsys):
 
     assert main([flag]) == 0
     assert capsys.readouterr().out.startswith("`python -m trainer.check_overrides [-m] [overrides...]`: checks")
-
