@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from conftest import REPO_ROOT, compose_config
 from prnn_kernels import relative_error
 from trainer import build
-from trainer.config import SET_MANIFESTS, check_config, known_config_keys
+from trainer.config import SET_MANIFESTS, check_config, known_config_keys, rank_settings
 
 
 @pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
@@ -351,3 +351,24 @@ def test_a_mistyped_huge_depth_is_refused_at_once():
                                          r"model.bidirectional=true .*\) has 769,116.6M parameters"):
         build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
     assert time.monotonic() - started < 30
+
+
+# Another value for each key a rank may hold apart from the others (RANKS_MAY_DIFFER), as a rank on another node
+# started a second later would.
+ANOTHER_RANKS_VALUE = {
+    "run_name": "run_name=started-a-second-later", "data.an4_source": "data.an4_source=/node2/an4",
+    "data.manifest_dir": "data.manifest_dir=/node2/manifests",
+    "data.train_manifests": "data.train_manifests=[/node2/train.jsonl]",
+    "data.eval_manifest": "data.eval_manifest=/node2/test.jsonl", "train.num_workers": "train.num_workers=0",
+    "train.progress_bar": "train.progress_bar=false", "train.progress_line_s": "train.progress_line_s=5",
+}
+
+
+@pytest.mark.parametrize("key", ANOTHER_RANKS_VALUE)
+def test_the_settings_ranks_compare_leave_out_what_a_rank_may_hold_apart(key):
+    """Only a 2-rank test covered it, and it passed with run_name compared: its ranks' default run_name (the start
+    time) fell in the same second. A rank whose run_name, corpus folder or workers differ must still be taken."""
+    rank_0 = rank_settings(compose_config(["run_name=first"]))
+    assert rank_settings(compose_config(["run_name=first", ANOTHER_RANKS_VALUE[key]])) == rank_0
+    another_seed = rank_settings(compose_config(["run_name=first", ANOTHER_RANKS_VALUE[key], "seed=99"]))
+    assert {name for name, value in another_seed.items() if value != rank_0[name]} == {"seed"}
