@@ -16,6 +16,7 @@ from conftest import REPO_ROOT, compose_config
 from prnn_kernels import relative_error
 from trainer import build
 from trainer.config import SET_MANIFESTS, check_config, known_config_keys, rank_settings
+from trainer.override_errors import command_line_error_line
 
 
 @pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
@@ -105,6 +106,19 @@ def test_unknown_config_key_is_refused():
 
     with pytest.raises(ConfigCompositionException, match="model.depht"):
         compose_config(["model.depht=3"])
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("data.train_manifest=[a.jsonl]", "(did you mean data.train_manifests?)"),  # not eval_manifest or manifest_dir
+    ("optim=adamw_cpu", "(did you mean optim=adamw_cpu_demo?)"),  # not adamw_an4_gpu or adamw
+])
+def test_a_misspelling_close_to_several_names_is_offered_the_closest(override, suggestion):
+    """Every misspelling tried had one name close to it, so that one offering the least close of several passed."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config([override])
+    assert suggestion in command_line_error_line(error.value)
 
 
 PICK = " (optim=NAME picks an optimizer with its settings)"
