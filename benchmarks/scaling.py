@@ -123,6 +123,13 @@ def summary(times_ms: list[float], **fields) -> dict:
     return {**fields, "median_ms": statistics.median(times_ms), "times_ms": times_ms}
 
 
+def allreduce_bus_GBps(num_bytes: int, seconds: float, world_size: int) -> float:
+    """An all-reduce's bus bandwidth as nccl-tests reports it: num_bytes / seconds (its algorithm bandwidth) times
+    2 (N - 1) / N, what a ring sends over each rank's link for every byte reduced, so that it reads against the link's
+    speed at any N (none at N = 1, where nothing is sent)."""
+    return 2 * (world_size - 1) / world_size * num_bytes / seconds / 1e9
+
+
 # Settings a baseline must share with the run it is compared with.
 COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "cuda_graphs")
 
@@ -256,8 +263,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
         result["exposed_communication_ms"] = result["step"]["median_ms"] - result["step_no_sync"]["median_ms"]
         flat = torch.zeros(num_parameters, dtype=torch.float32, device=device)
         allreduce = summary(timed(lambda: dist.all_reduce(flat)), bytes=flat.numel() * flat.element_size())
-        bus_factor = 2 * (env.world_size - 1) / env.world_size
-        allreduce["bus_GBps"] = bus_factor * allreduce["bytes"] / (allreduce["median_ms"] * 1e-3) / 1e9
+        allreduce["bus_GBps"] = allreduce_bus_GBps(allreduce["bytes"], allreduce["median_ms"] * 1e-3, env.world_size)
         result["allreduce"] = allreduce
     result["step"]["samples_per_s"] = args.global_batch / result["step"]["median_ms"] * 1e3
     if baseline:

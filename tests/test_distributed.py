@@ -23,7 +23,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from benchmarks import scaling_model
+from benchmarks import scaling, scaling_model
 from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file, wait_for_text
 from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
@@ -1397,9 +1397,18 @@ def test_scaling_benchmark_measures_the_trainers_model(scaling_result):
     for measure in (two["step"], two["step_no_sync"], two["allreduce"], *two["compute"]):
         assert len(measure["times_ms"]) == 2 and measure["median_ms"] > 0
     assert two["exposed_communication_ms"] == pytest.approx(two["step"]["median_ms"] - two["step_no_sync"]["median_ms"])
+    allreduce = two["allreduce"]
+    assert allreduce["bus_GBps"] == scaling.allreduce_bus_GBps(allreduce["bytes"], allreduce["median_ms"] * 1e-3, 2)
     efficiency = one["step"]["median_ms"] / (2 * two["step"]["median_ms"])
     assert two["baseline"]["strong_scaling_efficiency"] == pytest.approx(efficiency)
     assert two["versions"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("world_size, bus_per_algorithm_bandwidth", [(1, 0), (2, 1), (4, 1.5), (8, 1.75)])
+def test_the_allreduce_bus_bandwidth_is_nccl_tests(world_size, bus_per_algorithm_bandwidth):
+    """nccl-tests' busbw = algbw * 2 (N - 1) / N (its PERFORMANCE.md), algbw = bytes / time: the 2-rank test alone ran
+    it, where the factor is 1, so that one without it passed: the algorithm bandwidth, 1.75 times less on 8 GPUs."""
+    assert scaling.allreduce_bus_GBps(6e9, 2.0, world_size) == pytest.approx(3.0 * bus_per_algorithm_bandwidth)
 
 
 @needs_mpiexec
