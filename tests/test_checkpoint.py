@@ -316,6 +316,24 @@ def test_a_checkpoint_whose_bytes_changed_after_it_was_written_is_refused_naming
         checkpoint.load(tmp_path / "last.pt")
 
 
+def test_a_checkpoint_read_for_its_record_alone_checks_its_plain_data_not_its_weights(tmp_path):
+    """A resume reads the run's best.pt for its WER and test set alone: its weights (gigabytes in a deep model, read
+    on every rank) are mapped, not read, and their checksums go unchecked with them; its plain data's are checked."""
+    weights = torch.arange(1000.0)
+    torch.save({"model": {"w": weights}, "config": {}, "train_state": {"best_wer": 12.5}}, tmp_path / "best.pt")
+    saved = bytearray((tmp_path / "best.pt").read_bytes())
+    at = saved.index(weights.numpy().tobytes()) + 100
+    damaged_weights = saved[:at] + b"\xff\xff\xff\xff" + saved[at + 4:]
+    (tmp_path / "best.pt").write_bytes(damaged_weights)
+    assert checkpoint.load(tmp_path / "best.pt", record_only=True)["train_state"] == {"best_wer": 12.5}
+    with pytest.raises(ValueError, match="its entry best/data/0 does not match its CRC-32 checksum"):
+        checkpoint.load(tmp_path / "best.pt")
+    at = saved.index(b"best_wer")
+    (tmp_path / "best.pt").write_bytes(saved[:at] + b"BEST" + saved[at + 4:])
+    with pytest.raises(ValueError, match="its entry best/data.pkl does not match its CRC-32 checksum"):
+        checkpoint.load(tmp_path / "best.pt", record_only=True)
+
+
 def test_a_checkpoint_whose_config_holds_dollar_braces_is_read_as_text(tmp_path, monkeypatch):
     """A corpus in a folder named with "${" (given on the command line as "\\${") trained, but its checkpoints were
     refused by trainer.evaluate and by a resume as holding an interpolation. Stored strings are text: "${...}" in one

@@ -160,19 +160,23 @@ def check_readable(path: Path) -> None:
         raise ValueError(f"checkpoint {path} is not a file (a pipe, <(...), a device); save it to one and name that")
 
 
-def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
-    """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else."""
+def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bool = False) -> dict:
+    """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else.
+    `record_only`: for its plain data alone (a best.pt's WER and test set), its tensors mapped from the file rather
+    than read, and checked against their checksums when read: a resume read a deep model's weights (gigabytes, on
+    every rank) for two numbers."""
     path = Path(path)
     check_readable(path)
     if path.stat().st_size == 0:  # a copy that wrote nothing (a full disk): torch's EOFError for it has no message
         raise ValueError(f"cannot load checkpoint {path}: it is empty (0 bytes)")
     try:
-        if zipfile.is_zipfile(path):
+        archived = zipfile.is_zipfile(path)  # torch.save's format since torch 1.6; only it can be mapped
+        if archived:
             with zipfile.ZipFile(path) as archive:
                 compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
                 # torch.load does not check the CRC-32 torch.save writes for each entry: bytes changed on disk loaded
                 # as wrong weights, which a resume trained on.
-                changed = None if compressed else archive.testzip()
+                changed = None if compressed else _changed_entry(archive, record_only)
             if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
                 raise ValueError("it holds compressed entries, which torch.save never writes")
             if changed is not None:
@@ -182,7 +186,7 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
             # A pickle that torch.save did not write (pickle.dump's protocol) drew torch's warning over two lines
             # before the one line that refuses it, or that says what it lacks.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            saved = torch.load(path, map_location="cpu", weights_only=True)
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=record_only and archived)
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
                          f"holding more than tensors and plain data ({type(error).__name__}: {_reason(error)})"
@@ -200,6 +204,20 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS) -> dict:
     if odd_tensor:
         raise ValueError(f"{not_the_trainers}: its {odd_tensor}, where the trainer writes dense tensors with values")
     return saved
+
+
+def _changed_entry(archive: zipfile.ZipFile, record_only: bool) -> str | None:
+    """The first entry of a torch.save archive whose bytes do not match their CRC-32, else None; with `record_only`,
+    of the entries other than the tensors' (ARCHIVE/data/KEY)."""
+    if not record_only:
+        return archive.testzip()
+    for entry in archive.infolist():
+        if entry.filename.split("/")[1:2] != ["data"]:
+            try:
+                archive.read(entry)  # zipfile checks the CRC-32 of an entry read whole
+            except zipfile.BadZipFile:
+                return entry.filename
+    return None
 
 
 def stored_config(config: dict) -> DictConfig:

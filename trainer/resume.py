@@ -245,7 +245,8 @@ def recorded_best(path: Path, resumed: Path, saved: dict, state: dict) -> tuple[
     be read. `saved` where it is the file resumed from, which is not read again (the 100-layer model's is large)."""
     figures = {}
     try:
-        best_saved = saved if path.samefile(resumed) else checkpoint.load(path, checkpoint.TRAINING_PARTS)
+        best_saved = saved if path.samefile(resumed) else checkpoint.load(path, checkpoint.TRAINING_PARTS,
+                                                                          record_only=True)
         restore(path, best_saved, {"train_state": lambda best_state: figures.update(
             resumed_train_state(state, best_state))})
     except ValueError as error:
