@@ -984,6 +984,16 @@ def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_sli
             "before it started MPI") in output, output
 
 
+def stopping_in(stops_in: str, command: list) -> list:
+    """trainer_command's one-process `command`, run with `stops_in` (a module's function) replaced by a SIGSTOP of the
+    rank, as one hung there."""
+    module, _, name = stops_in.rpartition(".")
+    stopping = (f"import importlib, os, runpy, signal, sys; setattr(importlib.import_module({module!r}), {name!r}, "
+                "lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)); sys.argv[0] = 'trainer'; "
+                "runpy.run_module('trainer', run_name='__main__')")
+    return [sys.executable, "-c", stopping, *command[3:]]
+
+
 @needs_mpiexec
 @pytest.mark.parametrize("stops_in, line", [
     ("trainer.distributed.shutdown", "error on rank 0: no answer from rank 1"),
@@ -997,11 +1007,7 @@ def test_a_rank_stopped_at_the_jobs_start_or_end_ends_the_job_after_the_timeout(
     that barrier: rank 0 ends the job in one line, where it printed torch's traceback, or waited in MPI's last barrier
     for ever. Rank 1 runs the trainer with `stops_in` replaced."""
     rank_0 = trainer_command(an4_slice, tmp_path, 1, "train.epochs=1", "distributed.timeout_s=5")
-    module, _, name = stops_in.rpartition(".")
-    stopping = (f"import importlib, os, runpy, signal, sys; setattr(importlib.import_module({module!r}), {name!r}, "
-                "lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)); sys.argv[0] = 'trainer'; "
-                "runpy.run_module('trainer', run_name='__main__')")
-    rank_1 = [sys.executable, "-c", stopping, *rank_0[3:]]
+    rank_1 = stopping_in(stops_in, rank_0)
     code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert line in output, output
@@ -1009,6 +1015,19 @@ def test_a_rank_stopped_at_the_jobs_start_or_end_ends_the_job_after_the_timeout(
         assert "Traceback" not in output, output
     else:
         assert (tmp_path / "checkpoints" / "last.pt").exists(), output
+
+
+@needs_mpiexec
+def test_rank_0_stopped_before_the_rendezvous_it_serves_ends_the_job_in_one_line(an4_slice, tmp_path):
+    """Rank 0 serves the rendezvous: rank 1, its connection timed out (torch's DistNetworkError, not the server's
+    DistStoreError), printed torch's traceback and its C++ frames."""
+    rank_1 = trainer_command(an4_slice, tmp_path, 1, "train.epochs=1", "distributed.timeout_s=5")
+    rank_0 = stopping_in("torch.distributed.init_process_group", rank_1)
+    code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert ("error on rank 1: the process group's rendezvous did not complete within distributed.timeout_s (5 s): "
+            "another rank stopped answering after MPI") in output, output
+    assert "Traceback" not in output, output
 
 
 def test_the_watchdog_of_mpis_start_never_runs_on_into_the_trainers_code():

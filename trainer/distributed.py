@@ -284,7 +284,9 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=rank_device if backend == "nccl" else None,
         )
-    except dist.DistStoreError as error:  # the rendezvous timed out: a traceback through torch's store said no more
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        if not rendezvous_timed_out(error):
+            raise
         log.error("error on rank %d: the process group's rendezvous did not complete within distributed.timeout_s "
                   "(%g s): another rank stopped answering after MPI started (stopped, or hung); this rank ends the job "
                   "(%s)", rank, timeout_s, " ".join(str(error).split()))
@@ -293,6 +295,13 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
              local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
     return DistEnv(rank, world_size, rank_device, ranks_on_device)
+
+
+def rendezvous_timed_out(error: Exception) -> bool:
+    """Whether init_process_group's `error` is its rendezvous's timeout, whose traceback through torch's store said no
+    more: rank 0's store waited for the others (DistStoreError), or another rank's connection to it, where rank 0 is
+    the one stopped (DistNetworkError). Not the network errors that say what went wrong (a port taken)."""
+    return isinstance(error, dist.DistStoreError) or "timed out" in str(error)
 
 
 def data_parallel(module: torch.nn.Module, device: torch.device, graphed: bool, **options) -> DistributedDataParallel:
