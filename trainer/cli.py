@@ -73,8 +73,8 @@ def json_output(text: str) -> str:
     place nor one that cannot be made is found out only after the measurements the file would hold. "-", which other
     programs take for stdout, is refused rather than taken for a file of that name."""
     if text == "-":
-        raise argparse.ArgumentTypeError(
-            "'-' is no file name here: /dev/stdout writes the JSON to stdout after the table")
+        # Not "after the table": support_table's JSON goes there alone, its table to stderr.
+        raise argparse.ArgumentTypeError("'-' is no file name here: /dev/stdout writes the JSON to stdout")
     try:
         Path(text).resolve().parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
