@@ -92,6 +92,13 @@ def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp
     assert cli.output_file(str(tmp_path / "x.arpa")) == str(tmp_path / "x.arpa")
     with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path} is a folder; name a file in it"):
         cli.output_file(str(tmp_path))
+    # A folder yet to be made (`--json results/`) was written as a file named results.
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{tmp_path}/results/ names a folder; name a file in it$"):
+        cli.output_file(f"{tmp_path}/results/")
+    assert not (tmp_path / "results").exists()
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{tmp_path}/new/results/ names a folder; name a file in"):
+        cli.json_output(f"{tmp_path}/new/results/")
+    assert not (tmp_path / "new").exists()  # a refused --json makes none of its folders
     too_long = tmp_path / ("x" * 300)  # a traceback out of argparse, which takes only its own errors from a type
     with pytest.raises(argparse.ArgumentTypeError, match=f"{too_long} cannot be written: File name too long$"):
         cli.output_file(str(too_long))

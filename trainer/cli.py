@@ -55,6 +55,7 @@ def finite_float(text: str) -> float:
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
     A symbolic link is judged by its target, which is what gets written."""
+    check_names_no_folder(text)
     path = Path(text).resolve()
     try:
         if path.is_dir():
@@ -68,6 +69,13 @@ def output_file(text: str) -> str:
     return text
 
 
+def check_names_no_folder(text: str) -> None:
+    """Refuses an output path that ends in "/", a folder yet to be made (`--json results/`): Path drops the "/", and a
+    file of the folder's name was written."""
+    if text.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"{text} names a folder; name a file in it")
+
+
 def json_output(text: str) -> str:
     """The benchmarks' --json: an output_file whose missing folders are made now, so that neither a folder named in its
     place nor one that cannot be made is found out only after the measurements the file would hold. "-", which other
@@ -75,6 +83,7 @@ def json_output(text: str) -> str:
     if text == "-":
         # Not "after the table": support_table's JSON goes there alone, its table to stderr.
         raise argparse.ArgumentTypeError("'-' is no file name here: /dev/stdout writes the JSON to stdout")
+    check_names_no_folder(text)  # before its folders are made
     try:
         Path(text).resolve().parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
