@@ -407,6 +407,8 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
             for name, value in variables.items():
                 scope.setenv(name, value)
             assert distributed._ranks_from_launcher() == expected
+            # The rank in the job, not on the node: it picks the rank that writes the log (leave_the_log_to_rank_0)
+            assert distributed.launcher_rank() == expected[0], variables
 
 
 def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch):
