@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -463,6 +464,15 @@ def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
     # /etc/hosts maps to 127.0.1.1 on Ubuntu and cloud-init hosts: rank 0 refused a job whose other ranks reach it.
     distributed.check_reachable_from_other_nodes("127.0.1.1", on_rank_0s_node=True)
     distributed.check_reachable_from_other_nodes("localhost", on_rank_0s_node=True)
+
+
+def test_master_addr_is_rank_0s_address_over_its_host_names(monkeypatch):
+    """launch/multi_node.sh sets MASTER_ADDR to the hostfile's first host, on the network the nodes share: rank 0's
+    host name may resolve to 127.0.1.1, which the other nodes' ranks refuse (check_reachable_from_other_nodes)."""
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
+    assert distributed._main_address() == "192.0.2.7"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert distributed._main_address() == socket.gethostbyname(socket.gethostname())
 
 
 def launch_script(script: str, *arguments: str, **environment: str | None) -> subprocess.CompletedProcess:
