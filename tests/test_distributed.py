@@ -475,6 +475,18 @@ def test_master_addr_is_rank_0s_address_over_its_host_names(monkeypatch):
     assert distributed._main_address() == socket.gethostbyname(socket.gethostname())
 
 
+def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
+    """A sweep's later jobs find MPI started: a fork then makes OpenMPI warn, and InfiniBand's registered memory may
+    not survive it."""
+    def refuse_to_fork():
+        raise AssertionError("ended_past forked a watchdog with MPI started")
+
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())
+    monkeypatch.setattr(os, "fork", refuse_to_fork)
+    with distributed.ended_past(30, 0):
+        pass
+
+
 def launch_script(script: str, *arguments: str, **environment: str | None) -> subprocess.CompletedProcess:
     """launch/SCRIPT with MPIRUN=echo: its stdout's last line is the mpirun command it would run. A variable given as
     None is left out of its environment."""
