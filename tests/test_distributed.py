@@ -910,6 +910,48 @@ def test_the_silent_rank_is_named_where_another_ranks_timeout_closed_its_connect
     assert distributed.silent_ranks_waited_for(closed, {1: None, 2: None}) == []  # a rank ended: the rest may be alive
 
 
+class SilentWorld:
+    """An MPI world stand-in of `size` ranks, this one rank 0, whose other ranks never answer; a wait on it longer than
+    `longest_s` fails the test at once rather than after the wait."""
+    BYTE = None
+
+    def __init__(self, size: int, longest_s: float):
+        self.COMM_WORLD, self.size, self.deadline = self, size, time.monotonic() + longest_s
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return 0
+
+    def Test(self):
+        assert time.monotonic() < self.deadline, "other_ranks_answers waited past the time it had"
+        return False
+
+    def Isend(self, *args, **kwargs):
+        return self
+
+    Irecv = Isend
+
+
+@pytest.mark.parametrize("failure, waited_s", [
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 500ms for recv operation to complete", 0.5),
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3600000ms for recv", 2.0),  # at most the longest
+    ("[gloo/transport/tcp/pair.cc:561] Connection reset by peer [127.0.0.1]:26512", 0.3),  # the abort's grace
+    ("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:26512", 0.3),
+])
+def test_a_failed_collective_waits_for_the_other_ranks_answers_as_long_as_it_says(monkeypatch, failure, waited_s):
+    """A timeout of gloo's waits that timeout (in ms) for the other ranks to say theirs timed out too, at most
+    LONGEST_ANSWER_WAIT_S; a peer gone waits the grace a failing rank gives its line."""
+    monkeypatch.setattr(distributed, "LONGEST_ANSWER_WAIT_S", 2.0)
+    monkeypatch.setattr(distributed, "ABORT_GRACE_S", 0.3)
+    monkeypatch.setattr(distributed, "_mpi_of_a_gloo_job", lambda: SilentWorld(3, longest_s=waited_s + 1))
+    start = time.monotonic()
+    assert distributed.other_ranks_answers(RuntimeError(failure)) == {1: None, 2: None}
+    assert waited_s <= time.monotonic() - start < waited_s + 1
+    assert distributed.other_ranks_answers(RuntimeError("CUDA out of memory")) is None
+
+
 @needs_mpiexec
 def test_the_ranks_start_without_unpickling_what_another_rank_sent(tmp_path):
     """Rank 0's address and port, and which ranks share its node, reach the other ranks as bytes, not as mpi4py's
