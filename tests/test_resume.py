@@ -324,8 +324,8 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
                                                                           None)
     with caplog.at_level("INFO", logger="trainer.resume"):
         assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == (none, best.with_name("best-A.pt"))
-    assert (f"the test set is not the one {best} was evaluated on (A there, B here): it is kept as best-A.pt, and the "
-            "first evaluation here replaces best.pt") in caplog.text
+    assert (f"the test set is not the one {best} was evaluated on (A there, B here), and WERs over other test sets do "
+            "not compare: the first evaluation here replaces best.pt") in caplog.text
     # Back on B, where B's best.pt was kept: its evaluation is the one to beat.
     checkpoint.save(best.with_name("best-B.pt"), saved(6, 40.0, test_set="B"))
     assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == ({"best_unreadable": 0, "best_wer": 40.0},

@@ -233,9 +233,10 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
         return BestToBeat(figures, None)
     kept_as, kept_here = kept_best(best, their_test_set), kept_best(best, test_fingerprint)
     back = kept_here.is_file()
-    log.info("the test set is not the one %s was evaluated on (%s there, %s here): it is kept as %s, and %s, since "
-             "WERs over other test sets do not compare", best, their_test_set, test_fingerprint, kept_as.name,
-             f"{kept_here.name}, the best on this test set, is best.pt again" if back
+    # What is kept and moved, set_best_aside says as it does it: a job with nothing left to train does neither.
+    log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets do "
+             "not compare: %s", best, their_test_set, test_fingerprint,
+             f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
              else "the first evaluation here replaces best.pt")
     return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as)
 
