@@ -390,21 +390,20 @@ def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.barrier()
     dist.destroy_process_group()
     mpi = sys.modules.get("mpi4py.MPI")  # imported by init() when MPI started the job
-    if mpi is not None and not _completed_within(mpi.COMM_WORLD.Ibarrier(), timeout_s):
+    if mpi is not None and _unfinished([mpi.COMM_WORLD.Ibarrier()], timeout_s):
         log.error("error on rank %d: another rank did not reach the job's end within distributed.timeout_s (%g s) "
                   "(stopped, or hung closing its process group); training is done and its checkpoints are written, "
                   "and this rank ends the job", mpi.COMM_WORLD.Get_rank(), timeout_s)
         abort_job(1)
 
 
-def _completed_within(request, timeout_s: float) -> bool:
-    """Whether MPI request `request` completed within `timeout_s`."""
+def _unfinished(requests: list, timeout_s: float) -> list:
+    """Those of MPI `requests` not completed within `timeout_s`: polled, since MPI's waits have no timeout."""
     deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False
+    while requests and time.monotonic() < deadline:
+        requests = [request for request in requests if not request.Test()]
         time.sleep(0.05)
-    return True
+    return requests
 
 
 def _mpi_of_a_gloo_job():
@@ -431,12 +430,9 @@ def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
     answers = {rank: bytearray(1) for rank in others}
     unheard = {rank: world.Irecv([answers[rank], mpi.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
     wait_s = min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S) if timed_out else ABORT_GRACE_S
-    deadline = time.monotonic() + wait_s
-    while (unheard or unsaid) and time.monotonic() < deadline:
-        unsaid = [word for word in unsaid if not word.Test()]
-        unheard = {rank: answer for rank, answer in unheard.items() if not answer.Test()}
-        time.sleep(0.05)
-    return {rank: None if rank in unheard else answer[0] for rank, answer in answers.items()}
+    unfinished = _unfinished([*unsaid, *unheard.values()], wait_s)
+    return {rank: None if any(unheard[rank] is request for request in unfinished) else answer[0]
+            for rank, answer in answers.items()}
 
 
 def silent_ranks_waited_for(error: Exception, answers: dict[int, int | None]) -> list[int]:
