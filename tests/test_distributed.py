@@ -530,6 +530,7 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         ("single_node.sh", ["experiment=cpu_demo"], {},
          "NUM_GPUS must be a positive integer, not 'experiment=cpu_demo'"),
         ("single_node.sh", [], {}, "NUM_GPUS must be a positive integer, not ''; usage: launch/single_node.sh"),
+        ("single_node.sh", ["0"], {}, "NUM_GPUS must be a positive integer, not '0'"),
         ("single_node.sh", ["2"], {"RUN_NAME": "lr=3e-4"}, "RUN_NAME 'lr=3e-4': use letters, digits, spaces"),
         ("single_node.sh", ["2"], {"RUN_NAME": ".."}, "RUN_NAME '..': use letters, digits, spaces and ._+@-, not dots"),
         ("multi_node.sh", [], {}, "no readable hostfile ''; usage: launch/multi_node.sh"),
@@ -538,6 +539,9 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         ("multi_node.sh", [str(tmp_path), "16"], {}, f"no readable hostfile '{tmp_path}'"),
         ("multi_node.sh", [str(tmp_path / "bare.txt"), "16"], {},
          "its first host line must read 'NAME slots=GPUS', got 'node01'"),
+        ("multi_node.sh", [str(hosts), "0"], {}, "NUM_PROCESSES must be a positive integer, not '0'"),
+        ("multi_node.sh", [str(hosts), "16"], {"RUN_NAME": "lr=3e-4"}, "RUN_NAME 'lr=3e-4': use letters, digits"),
+        ("multi_node.sh", [str(hosts), "16"], {"RUN_NAME": ".."}, "RUN_NAME '..': use letters, digits, spaces"),
     ]:
         refused = launch_script(script, *arguments, **environment)
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
