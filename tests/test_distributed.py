@@ -628,6 +628,36 @@ def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path
     assert "-x MASTER_ADDR -x PRNN_AN4 " in ran.stdout.splitlines()[-1], ran.stdout
 
 
+def test_the_multi_node_script_gives_the_ranks_the_first_hosts_address_unless_one_is_set(tmp_path):
+    """Rank 0's address for the process group: the hostfile's first host past its comments, or the user's MASTER_ADDR
+    (an address on the fast network)."""
+    mpirun = tmp_path / "mpirun"  # says the address its ranks would get
+    mpirun.write_text('#!/bin/sh\necho "MASTER_ADDR=$MASTER_ADDR"\n')
+    mpirun.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# the allocation\n\nnode01 slots=8\nnode02 slots=8\n")
+    for master_addr, expected in [(None, "node01"), ("node01-ib", "node01-ib")]:
+        ran = launch_script("multi_node.sh", str(hosts), "16", MPIRUN=str(mpirun), MASTER_ADDR=master_addr)
+        assert ran.returncode == 0 and ran.stdout.splitlines()[-1] == f"MASTER_ADDR={expected}", ran.stdout + ran.stderr
+
+
+def test_the_launch_scripts_build_the_extension_once_after_the_check_and_before_the_ranks(tmp_path):
+    """Ranks started without the script's build each built the extension on first use, in turn under the build's
+    lock (a minute each on a GPU node)."""
+    calls, python = tmp_path / "python_calls.txt", tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=8\n")
+    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "16"])]:
+        calls.unlink(missing_ok=True)
+        ran = launch_script(script, *counts, "experiment=cpu_demo", PYTHON=str(python), RUN_NAME="built")
+        assert ran.returncode == 0, ran.stderr
+        assert calls.read_text().splitlines() == ["-m trainer.check_overrides run_name='built' experiment=cpu_demo",
+                                                  "-m prnn_kernels.build --if-gpu"], calls.read_text()
+        assert ran.stdout.splitlines()[-1].endswith(f"{python} -m trainer run_name='built' experiment=cpu_demo")
+
+
 @needs_mpiexec
 def test_a_sweep_runs_through_the_launch_script(an4_slice, tmp_path):
     """`launch/single_node.sh 2 -m key=a,b`: the script's run_name came before -m, and Hydra's parser, which takes the
