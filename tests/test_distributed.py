@@ -820,13 +820,14 @@ def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_
         time.sleep(0.1)
 
 
-def slurm_script(tmp_path: Path, *arguments: str, trainer_exit: int = 0) -> tuple[subprocess.CompletedProcess, list]:
+def slurm_script(tmp_path: Path, *arguments: str, trainer_exit: int = 0,
+                 **environment: str) -> tuple[subprocess.CompletedProcess, list]:
     """launch/slurm.sbatch run under stand-ins for srun and scontrol that record their arguments, its srun's trainer
-    exiting `trainer_exit`: what it did, and the stand-ins' calls."""
+    exiting `trainer_exit`, and `environment` added to the job's: what it did, and the stand-ins' calls."""
     calls = tmp_path / "calls.txt"
     srun = (f'echo "srun $* (SRUN_CPUS_PER_TASK=${{SRUN_CPUS_PER_TASK-}})" >> {calls}; '
             f'[[ $* == *" -m trainer "* ]] && exit {trainer_exit}; exit 0')
-    environment = slurm_stand_ins(tmp_path, calls, srun)
+    environment = {**slurm_stand_ins(tmp_path, calls, srun), **environment}
     ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), *arguments], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60, env=environment)
     return ran, calls.read_text().splitlines() if calls.exists() else []
@@ -896,6 +897,30 @@ def test_the_slurm_script_refuses_a_jobs_overrides_before_the_build(tmp_path, ov
     ran, recorded = slurm_script(tmp_path, *overrides)
     assert ran.returncode == 2 and ran.stderr == f"error: {refusal}\n", ran.stderr
     assert not any(call.startswith("srun ") for call in recorded), recorded
+
+
+@pytest.mark.parametrize("run_name", ["lr=3e-4", ".."])
+def test_the_slurm_script_refuses_a_run_name_before_srun(tmp_path, run_name):
+    """As the other launch scripts: a '=' in it would end every rank in Hydra's parse error, after the build."""
+    ran, recorded = slurm_script(tmp_path, "experiment=an4_gpu", RUN_NAME=run_name)
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr == f"RUN_NAME '{run_name}': use letters, digits, spaces and ._+@-, not dots alone\n", ran.stderr
+    assert recorded == [], recorded
+
+
+def test_the_slurm_script_builds_once_then_starts_the_ranks_with_the_first_nodes_address(tmp_path):
+    """Ranks started without the build each built the extension on first use, in turn under the build's lock."""
+    calls = tmp_path / "calls.txt"
+    environment = slurm_stand_ins(tmp_path, calls, f'echo "srun $* (MASTER_ADDR=$MASTER_ADDR)" >> {calls}')
+    environment.pop("MASTER_ADDR", None)
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, env=environment)
+    assert ran.returncode == 0, ran.stderr
+    assert calls.read_text().splitlines() == [
+        "scontrol show hostnames node[07-08]",
+        f"srun --ntasks=1 --nodes=1 {sys.executable} -m prnn_kernels.build --if-gpu (MASTER_ADDR=node07)",
+        f"srun --mpi=pmix {sys.executable} -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
+        "(MASTER_ADDR=node07)"], calls.read_text()
 
 
 def test_the_slurm_script_run_outside_a_slurm_job_says_so():
