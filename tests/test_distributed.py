@@ -790,6 +790,31 @@ def test_the_launch_script_passes_stop_signals_on_to_the_ranks_once(tmp_path, mp
     assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == [stopped_by.name] * 2
 
 
+def test_under_openmpi_a_stop_signal_reaches_mpirun_where_this_node_runs_no_rank(tmp_path):
+    """A script started on a node outside the job's hosts (multi_node.sh from a login node): mpirun's children here
+    are its connections to the nodes, none of them a rank, so the signal goes to mpirun, which passes it on there."""
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text('#!/usr/bin/env bash\n[[ $1 == --version ]] && { echo "mpirun (Open MPI) 4.1.6"; exit 0; }\n'
+                      'sleep 60 & connection=$!\ntrap \'kill $connection; touch terminated; exit 1\' TERM\n'
+                      'touch started\nwait $connection\n')
+    mpirun.chmod(0o755)
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "trainer" / "check_overrides.py").write_text("")  # the script's check of the overrides: passed
+    script = subprocess.Popen(
+        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(mpirun), "PYTHONPATH": str(REPO_ROOT)},
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_file(tmp_path / "started", script, timeout_s=60)
+        script.send_signal(signal.SIGTERM)
+        output = script.communicate(timeout=30)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == 1 and (tmp_path / "terminated").exists(), output  # mpirun's exit code
+
+
 @needs_mpiexec
 def test_under_mpich_a_second_ctrl_c_reaches_the_ranks_not_mpiexec(tmp_path):
     """MPICH's mpiexec takes a second Ctrl-C as an order to kill the job at once (exit 255, and no rank's line naming
