@@ -569,6 +569,31 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
 
 
+def test_periodic_checkpoints_come_every_k_steps_of_the_run_inside_epochs_only(an4_train, tmp_path):
+    """train.checkpoint_every_steps=K writes last.pt at each K-th step of the run inside an epoch, the epoch's end
+    writing its own. Each torch.save the trainer makes is recorded here with its step: writing at every step, at the
+    K-th step of each epoch, or twice at an epoch's end passed every test."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:12])
+    run_dir, saves = tmp_path / "run", tmp_path / "saves.txt"
+    recording = (
+        "import runpy, sys, torch\n"
+        "real_save = torch.save\n"
+        "def recorded_save(state, file, *args, **kwargs):\n"
+        f"    with open({str(saves)!r}, 'a') as out:\n"
+        "        out.write(f\"{state['train_state']['step']}\\n\")\n"
+        "    real_save(state, file, *args, **kwargs)\n"
+        "torch.save = recorded_save\n"
+        "sys.argv = ['trainer', *sys.argv[1:]]\n"
+        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
+    )
+    # 3 steps an epoch: steps 2 and 4 are inside epochs 1 and 2, step 6 is epoch 2's last.
+    overrides = ["model.hidden=32", "train.epochs=2", "train.global_batch_size=4", "train.checkpoint_every_steps=2"]
+    result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *overrides)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert [int(step) for step in saves.read_text().split()] == [2, 3, 4, 6]
+
+
 def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size
