@@ -594,6 +594,24 @@ def test_periodic_checkpoints_come_every_k_steps_of_the_run_inside_epochs_only(a
     assert [int(step) for step in saves.read_text().split()] == [2, 3, 4, 6]
 
 
+def test_elapsed_s_goes_on_from_the_checkpoint_a_job_resumes(an4_train, tmp_path):
+    """metrics.jsonl's elapsed_s and the checkpoints' count the run's seconds over all of its jobs: a clock started
+    anew in each job passed every test. The first job's seconds are set to 1000 in its checkpoint, so that the
+    second's, a few, cannot pass for the sum."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    common = ["model.hidden=32", "train.global_batch_size=4", "train.epochs=1"]  # 2 steps an epoch
+    run_dir = tmp_path / "run"
+    train(run_dir, utterances, *common, "train.max_steps=1")
+    last = run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    saved["train_state"]["elapsed_s"] = 1000.0
+    torch.save(saved, last)
+    train(run_dir, utterances, *common, "train.resume=auto")
+    [epoch] = read_metrics(run_dir)[1]
+    assert 1000 < epoch["elapsed_s"] < 1000 + 600, epoch
+    assert 1000 < torch.load(last, weights_only=True)["train_state"]["elapsed_s"] < 1000 + 600
+
+
 def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(an4_train, tmp_path):
     """A machine that crashes loses what its page cache held: a checkpoint, flushed to disk, then outlived the metrics
     lines of its steps, which a resume never writes again. Each fsync the trainer makes is recorded here with the size
