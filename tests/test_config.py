@@ -294,7 +294,9 @@ def test_unknown_optimizer_names_the_key():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
-    cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=1e-2"])
+    # AdamW's betas other than torch's defaults: a build that ignored optim.betas passed.
+    betas = ["optim.betas=[0.8,0.99]"] if name == "adamw" else []
+    cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=1e-2", *betas])
     generator = torch.Generator().manual_seed(0)
     shapes = [(800, 161), (3, 3), (2400,)]
     parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
@@ -307,7 +309,7 @@ def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
     if name == "sgd":
         default = torch.optim.SGD(expected, lr=1e-2, momentum=cfg.optim.momentum, nesterov=True, weight_decay=1e-2)
     else:
-        default = torch.optim.AdamW(expected, lr=1e-2, betas=tuple(cfg.optim.betas), weight_decay=1e-2)
+        default = torch.optim.AdamW(expected, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2)
     for _ in range(3):
         for parameter, twin in zip(parameters, expected):
             parameter.grad = torch.randn(parameter.shape, generator=generator).to(device)
