@@ -48,6 +48,26 @@ def train(run_dir, manifest, *overrides, check=True, timeout=900):
     return result
 
 
+def trainer_with(patch: str) -> str:
+    """Code for `python -c` that runs `python -m trainer` (given the arguments after the code) with `patch` run first:
+    Python that replaces something the trainer calls, to record its calls or act on one."""
+    return (f"import runpy, sys\n{patch}"
+            "sys.argv = ['trainer', *sys.argv[1:]]\n"
+            "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n")
+
+
+def recording_saves(saves: Path) -> str:
+    """A trainer_with patch that records each torch.save the trainer makes in `saves`, a line each: the file and the
+    step saved, tab-separated."""
+    return ("import torch\n"
+            "real_save = torch.save\n"
+            "def recorded_save(state, file, *args, **kwargs):\n"
+            f"    with open({str(saves)!r}, 'a') as out:\n"
+            "        out.write(f\"{getattr(file, 'name', file)}\\t{state['train_state']['step']}\\n\")\n"
+            "    real_save(state, file, *args, **kwargs)\n"
+            "torch.save = recorded_save\n")
+
+
 def strict_json(text: str):
     """JSON as the standard has it: Python's reader takes NaN and Infinity, which others (JSON.parse) refuse."""
     def refuse(constant):
@@ -575,23 +595,13 @@ def test_periodic_checkpoints_come_every_k_steps_of_the_run_inside_epochs_only(a
     K-th step of each epoch, or twice at an epoch's end passed every test."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:12])
     run_dir, saves = tmp_path / "run", tmp_path / "saves.txt"
-    recording = (
-        "import runpy, sys, torch\n"
-        "real_save = torch.save\n"
-        "def recorded_save(state, file, *args, **kwargs):\n"
-        f"    with open({str(saves)!r}, 'a') as out:\n"
-        "        out.write(f\"{state['train_state']['step']}\\n\")\n"
-        "    real_save(state, file, *args, **kwargs)\n"
-        "torch.save = recorded_save\n"
-        "sys.argv = ['trainer', *sys.argv[1:]]\n"
-        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
-    )
     # 3 steps an epoch: steps 2 and 4 are inside epochs 1 and 2, step 6 is epoch 2's last.
     overrides = ["model.hidden=32", "train.epochs=2", "train.global_batch_size=4", "train.checkpoint_every_steps=2"]
-    result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *overrides)],
+    result = subprocess.run([sys.executable, "-c", trainer_with(recording_saves(saves)),
+                             *train_arguments(run_dir, utterances, *overrides)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert [int(step) for step in saves.read_text().split()] == [2, 3, 4, 6]
+    assert [int(line.split("\t")[1]) for line in saves.read_text().splitlines()] == [2, 3, 4, 6]
 
 
 def test_elapsed_s_goes_on_from_the_checkpoint_a_job_resumes(an4_train, tmp_path):
@@ -619,8 +629,8 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:12])
     run_dir, fsyncs = tmp_path / "run", tmp_path / "fsyncs.txt"
     metrics = run_dir / "metrics.jsonl"
-    recording = (
-        "import os, runpy, sys\n"
+    recording = trainer_with(
+        "import os\n"
         "real_fsync = os.fsync\n"
         "def recorded_fsync(fd):\n"
         "    real_fsync(fd)\n"
@@ -629,8 +639,6 @@ def test_the_metrics_are_on_disk_as_far_as_each_checkpoint_before_it_is_written(
         f"    with open({str(fsyncs)!r}, 'a') as out:\n"
         "        out.write(f\"{os.path.basename(os.readlink(f'/proc/self/fd/{fd}'))} {size}\\n\")\n"
         "os.fsync = recorded_fsync\n"
-        "sys.argv = ['trainer', *sys.argv[1:]]\n"
-        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
     )
     overrides = ["model.hidden=32", "train.epochs=1", "train.global_batch_size=4", "train.checkpoint_every_steps=1"]
     result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *overrides)],
@@ -650,21 +658,10 @@ def test_an_epoch_that_improves_the_wer_serialises_its_checkpoint_once_for_best_
     should after epochs that do and do not improve and a resume, last.pt replaced while best.pt stays."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     run_dir, saves = tmp_path / "run", tmp_path / "saves.txt"
-    recording = (
-        "import runpy, sys, torch\n"
-        "real_save = torch.save\n"
-        "def recorded_save(state, file, *args, **kwargs):\n"
-        f"    with open({str(saves)!r}, 'a') as out:\n"
-        "        out.write(f\"{getattr(file, 'name', file)}\\n\")\n"
-        "    real_save(state, file, *args, **kwargs)\n"
-        "torch.save = recorded_save\n"
-        "sys.argv = ['trainer', *sys.argv[1:]]\n"
-        "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
-    )
     common = ["model.hidden=32", "train.global_batch_size=4", "optim.lr=3e-3"]  # 2 steps an epoch
     for overrides in (["train.epochs=2"], ["train.epochs=3", "train.resume=auto"]):
-        result = subprocess.run([sys.executable, "-c", recording, *train_arguments(run_dir, utterances, *common,
-                                                                                   *overrides)],
+        result = subprocess.run([sys.executable, "-c", trainer_with(recording_saves(saves)),
+                                 *train_arguments(run_dir, utterances, *common, *overrides)],
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert len(saves.read_text().splitlines()) == 3, saves.read_text()  # one an epoch, best.pt or not
@@ -722,8 +719,8 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
 
 # `python -m trainer` that sends itself SIGTERM as it scores its first evaluation's last utterance, of a test set of 4
 # (to its main thread, whose handler runs before pthread_kill returns: no race with the evaluation's end).
-SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE = (
-    "import runpy, signal, sys, threading\n"
+SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE = trainer_with(
+    "import signal, threading\n"
     "from trainer.metrics import ErrorCounts\n"
     "add, scored = ErrorCounts.add, [0]\n"
     "def add_and_signal_on_the_last(self, *args):\n"
@@ -732,8 +729,6 @@ SIGNAL_ON_THE_FIRST_EVALUATIONS_LAST_SCORE = (
     "        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)\n"
     "    return add(self, *args)\n"
     "ErrorCounts.add = add_and_signal_on_the_last\n"
-    "sys.argv = ['trainer', *sys.argv[1:]]\n"
-    "runpy.run_module('trainer', run_name='__main__', alter_sys=True)\n"
 )
 
 
