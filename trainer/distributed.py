@@ -400,10 +400,11 @@ def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 def _unfinished(requests: list, timeout_s: float) -> list:
     """Those of MPI `requests` not completed within `timeout_s`: polled, since MPI's waits have no timeout."""
     deadline = time.monotonic() + timeout_s
-    while requests and time.monotonic() < deadline:
+    while True:
         requests = [request for request in requests if not request.Test()]
+        if not requests or time.monotonic() >= deadline:
+            return requests
         time.sleep(0.05)
-    return requests
 
 
 def _mpi_of_a_gloo_job():
