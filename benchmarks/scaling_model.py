@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
-from trainer.cli import output_file, run_tool, write_output
+from trainer.cli import output_file, run_tool, write_binary_output, write_output
 from data.dataset import UNUSABLE_REASONS
 from trainer.stop import STOP_SIGNALS
 
@@ -397,7 +397,7 @@ def plot(path: Path, rows: list, overlaps: list, assumed: dict) -> None:
     right.legend(fontsize=7, loc="lower left")
     figure.suptitle(f"{assumed['model']} — measured on {assumed['measured_on']}", fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    write_binary_output(str(path), lambda file: figure.savefig(file, format="png", dpi=120))
     pyplot.close(figure)
 
 

@@ -1,6 +1,8 @@
 """The GPU benchmarks refuse a size or count they cannot measure before anything runs, naming the argument, on any
 machine."""
 import argparse
+import contextlib
+import errno
 import importlib
 import json
 import os
@@ -307,6 +309,33 @@ def test_scaling_model_a_write_refused_part_way_leaves_the_projection_before_it_
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"cannot write {tmp_path}/scaling_projection.json: File too large" in result.stderr, result.stderr
     assert (tmp_path / "scaling_projection.json").read_text() == before
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_scaling_model_a_plot_cut_short_leaves_the_earlier_one_as_it_was(failure, tmp_path, monkeypatch, capsys):
+    """The .json and .md were written beside and renamed, but savefig wrote straight into scaling_projection.png: a
+    full disk or a Ctrl-C mid-write left a PNG cut short beside a complete JSON."""
+    from matplotlib.figure import Figure
+
+    from benchmarks import scaling_model
+    from trainer.cli import run_tool
+
+    def savefig_cut_short(figure, into, **settings):
+        with open(into, "wb") if isinstance(into, (str, os.PathLike)) else contextlib.nullcontext(into) as file:
+            file.write(b"\x89PNG cut short")
+        raise failure
+
+    monkeypatch.setattr(Figure, "savefig", savefig_cut_short)
+    earlier = tmp_path / "scaling_projection.png"
+    earlier.write_bytes(b"an earlier plot")
+    measured = str(REPO_ROOT / "benchmarks/results/scaling_an4_cudnn_2gpu.json")
+    exit_code = 2 if isinstance(failure, OSError) else 130
+    assert run_tool(lambda: scaling_model.main(["--measured", measured, "--out", str(tmp_path)])) == exit_code
+    assert earlier.read_bytes() == b"an earlier plot"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "scaling_projection.json", "scaling_projection.md", "scaling_projection.png"]
+    if isinstance(failure, OSError):
+        assert capsys.readouterr().err.endswith(f"error: cannot write {earlier}: No space left on device\n")
 
 
 @pytest.mark.parametrize("empty", ["--measured", "--out"])

@@ -1,17 +1,19 @@
 """What the trainer's command-line tools share: argument types (argparse refuses a bad value, naming its argument,
 before any work starts), writing their output files, and how they end when interrupted."""
 import argparse
+import contextlib
 import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
-from data.files import FULL_DISK, replace_whole
+from data.files import FULL_DISK, replace_whole, write_whole
 
 
 class _LineInOneWrite(tqdm):
@@ -113,7 +115,7 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
     into_a_stream = own_stream is not None or (Path(path).exists() and not Path(path).is_file())
     if so_far and into_a_stream:
         return
-    try:
+    with _cannot_write(path):
         if own_stream is not None:
             own_stream.flush()  # the tool's own lines before, in order
             own_stream.buffer.write(text.encode("utf-8", errors="surrogateescape"))
@@ -123,6 +125,20 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
                 stream.write(text)
         else:
             replace_whole(Path(path).resolve(), text)
+
+
+def write_binary_output(path: str, write_into: Callable[[BinaryIO], object]) -> None:
+    """A file of bytes (a plot) that `write_into(file)` writes, whole or not at all as write_output writes text: a full
+    disk or a Ctrl-C mid-write leaves an earlier file as it was. CannotWrite naming it where it cannot be written."""
+    with _cannot_write(path):
+        write_whole(Path(path).resolve(), write_into)
+
+
+@contextlib.contextmanager
+def _cannot_write(path: str):
+    """An OSError inside as CannotWrite, in one line naming `path`; a BrokenPipeError let through."""
+    try:
+        yield
     except BrokenPipeError:
         raise  # the reader stopped early (`| head`), which run_tool ends quietly: not a file that cannot be written
     except OSError as error:
