@@ -59,7 +59,7 @@ from prnn_kernels.persistent import (
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 from trainer.cli import json_output, positive_int, run_tool, write_output
-from trainer.environment import command_line, device_name, versions
+from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 NUM_STEPS = 256
 SHORT_STEPS = 64  # a second sequence length for the kernel-only timing
@@ -299,8 +299,7 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("error: benchmarks.rnn_kernels needs a CUDA GPU, and none is visible", file=sys.stderr)
+    if refuse_without_gpu("benchmarks.rnn_kernels"):
         return 2
     torch.manual_seed(0)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)

@@ -29,7 +29,7 @@ import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
 from trainer.cli import json_output, positive_int, run_tool, write_output
-from trainer.environment import command_line, device_name, versions
+from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
 # --dtypes name -> (torch dtype, the precision name benchmarks.rnn_kernels.BASELINES is keyed by)
@@ -141,8 +141,7 @@ def main():
     args = parser.parse_args()
     if len(set(args.depths)) < 2:
         parser.error("argument --depths: give at least two different depths to fit the per-layer cost")
-    if not torch.cuda.is_available():
-        print("error: benchmarks.rnn_stack needs a CUDA GPU, and none is visible", file=sys.stderr)
+    if refuse_without_gpu("benchmarks.rnn_stack"):
         return 2
     torch.manual_seed(0)
     config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,

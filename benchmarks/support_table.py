@@ -23,7 +23,7 @@ import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
 from trainer.cli import int_at_least, json_output, lines_stream, run_tool, write_output
-from trainer.environment import command_line, device_name, versions
+from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HIDDENS = tuple(range(128, 6273, 128))
@@ -57,8 +57,7 @@ def main(argv=None) -> int:
                         help="write the table, the device and the reasons to PATH as JSON; of /dev/stdout (or the "
                              "file stdout is redirected to), the JSON alone, the table then on stderr")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: benchmarks.support_table needs a CUDA GPU, and none is visible", file=sys.stderr)
+    if refuse_without_gpu("benchmarks.support_table"):
         return 2
     table_out = lines_stream(args.json)  # stderr where the JSON goes to stdout, which then holds it alone
     columns = [(cell, precision) for cell in args.cells for precision in args.precisions]

@@ -36,7 +36,7 @@ from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
 from trainer.cli import int_at_least, json_output, positive_int, run_tool, write_output
-from trainer.environment import command_line, device_name, versions
+from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
 
 
@@ -138,8 +138,7 @@ def main(argv=None) -> int | None:
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
         parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
-    if not torch.cuda.is_available():
-        print("error: benchmarks.train_step needs a CUDA GPU, and none is visible", file=sys.stderr)
+    if refuse_without_gpu("benchmarks.train_step"):
         return 2
     device = distributed.init("cuda").device
     torch.cuda.init()  # before the memory statistics are reset

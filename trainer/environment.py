@@ -1,5 +1,5 @@
 """Where a job runs, for the run directory's jobs.jsonl and the benchmarks' results: the device, the versions (the
-code's commit among them) and the command."""
+code's commit among them) and the command; and the GPU benchmarks' refusal where there is no GPU."""
 import platform
 import shlex
 import subprocess
@@ -17,6 +17,15 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU {platform.processor() or platform.machine()} ({counted(torch.get_num_threads(), 'thread')} per rank)"
+
+
+def refuse_without_gpu(tool: str) -> bool:
+    """Whether no CUDA GPU is visible, having then said so as `tool`'s error; its caller exits 2, as for a usage
+    error."""
+    if torch.cuda.is_available():
+        return False
+    print(f"error: {tool} needs a CUDA GPU, and none is visible", file=sys.stderr)
+    return True
 
 
 def versions(device: torch.device) -> dict:
