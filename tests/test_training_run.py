@@ -1204,6 +1204,28 @@ def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations
     assert sorted(path.name for path in checkpoints.iterdir()) == sorted(["best.pt", "last.pt", kept_other])
 
 
+@pytest.mark.slow
+def test_a_run_moved_to_another_test_set_and_back_before_an_evaluation_there_keeps_no_second_name_for_best_pt(
+        an4_train, tmp_path):
+    """The job on the other test set kept best.pt as best-DIGEST.pt, a link, and replaced neither (its evaluation
+    decoded nothing); back on the first set, that name stayed beside best.pt, an alias that best.pt's next evaluation
+    would leave holding an older model that looked like the best on its test set."""
+    utterances = [u for u in an4_train if u.duration < 2.5]
+    manifest = write_slice(tmp_path / "slice.jsonl", utterances[:8])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 2 steps an epoch
+    train(tmp_path / "run", manifest, *common, "train.epochs=1")
+    kept = checkpoints / f"best-{torch.load(checkpoints / 'best.pt', weights_only=True)['test_set'].split()[-1]}.pt"
+    missing = [utterances[0].__class__(str(tmp_path / f"gone{i}.flac"), 1.0, "YES", "x") for i in range(3)]
+    unreadable = write_slice(tmp_path / "unreadable.jsonl", missing)
+    train(tmp_path / "run", manifest, *common, "train.epochs=2", "train.resume=auto",
+          f"data.eval_manifest={unreadable}")
+    assert kept.samefile(checkpoints / "best.pt")
+    result = train(tmp_path / "run", manifest, *common, "train.epochs=3", "train.resume=auto")  # back on the first
+    assert f"{kept} removed: {checkpoints / 'best.pt'} is the best on this test set again" in result.output
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt"]
+
+
 def test_a_resume_from_a_copy_of_an_earlier_checkpoint_keeps_a_better_best_pt(an4_train, tmp_path):
     """A copy of the run's checkpoint outside checkpoints/ (or an earlier one) resumed: best.pt was chosen afresh, so
     the next epoch, worse than best.pt's, replaced the best model. best.pt's own evaluation is the one to beat."""

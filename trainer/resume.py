@@ -279,6 +279,18 @@ def set_best_aside(run_dir: Path, kept_as: Path, test_fingerprint: str) -> None:
         log.info("%s, the best on this test set, is %s again", kept_here, best)
 
 
+def drop_kept_best(run_dir: Path, test_fingerprint: str) -> None:
+    """Where the run directory's best.pt is this test set's (best_to_beat kept nothing aside), removes the name it was
+    kept under on a move to another test set and back with no evaluation between: set_best_aside moves a kept best
+    back, but only from a best.pt of another test set. The name holds best.pt's model or one best.pt has since beaten,
+    and beside it would stay an older copy that looks like the best on its test set."""
+    best = run_dir / "checkpoints" / "best.pt"
+    kept_here = kept_best(best, test_fingerprint)
+    if best.is_file() and kept_here.is_file():
+        kept_here.unlink()
+        log.info("%s removed: %s is the best on this test set again", kept_here, best)
+
+
 def position_in_epochs(state: dict) -> str:
     """Where a run stands, its epochs counted from 1 as the log counts them: state["epoch"] is the epochs finished."""
     if state["epoch_step"]:
