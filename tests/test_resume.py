@@ -14,7 +14,7 @@ from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, restore, resumed_train_state, run_started_from,
+    load_optimizer_state, restore, resumed_train_state, run_started_from, set_best_aside,
 )
 from trainer.train import open_metrics, steps_from_the_resume
 
@@ -340,6 +340,28 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
                                          r"whose evaluation a resumed run must beat to replace it: move it away to "
                                          r"resume without it\)$"):
         best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
+
+
+def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_this_one(tmp_path, caplog):
+    """One from before checkpoints recorded their test set was taken as this test set's: its WER, perhaps over another
+    set, was the one to beat, so an evaluation here might never replace it, and the best model here was lost."""
+    run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+    old_best = {**{part: {} for part in checkpoint.TRAINING_PARTS},
+                "train_state": {**state, "epoch": 4, "step": 8, "best_unreadable": 0, "best_wer": 5.0}}
+    resumed.write_bytes(b"")  # what it holds is old_best's
+    best = run_dir / "checkpoints" / "best.pt"
+    checkpoint.save(best, old_best)
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        found = best_to_beat(run_dir, resumed, old_best, state, "8 utterances, sha256 A")
+        none = {"best_unreadable": math.inf, "best_wer": math.inf}
+        assert found == (none, best.with_name("best-unknown-test-set.pt"))
+        set_best_aside(run_dir, found.kept_as, "8 utterances, sha256 A")
+    assert (f"{best} records no test set (written before checkpoints recorded theirs, 2026-12-02), and WERs over other "
+            "test sets do not compare: the first evaluation here replaces best.pt") in caplog.text
+    assert f"{best}, the best on its test set, kept as {found.kept_as}" in caplog.text
+    assert torch.load(found.kept_as, weights_only=True)["train_state"]["best_wer"] == 5.0
 
 
 def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_from_any_other_is_left_to_refuse(

@@ -210,6 +210,10 @@ REFUSED_BEST = ("(the run's {name}, whose evaluation a resumed run must beat to 
                 "without it)")
 
 
+# Where a run keeps a best.pt that records no test set: no fingerprint's digest, whose letters and digits it could take.
+UNKNOWN_TEST_SET_BEST = "best-unknown-test-set.pt"
+
+
 class BestToBeat(NamedTuple):
     """What best_to_beat found of the run directory's best.pt."""
     figures: dict  # the best_unreadable and best_wer an evaluation must beat to replace best.pt
@@ -222,22 +226,29 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
     one or a copy of one: its figures let an epoch worse than best.pt's replace it. None to beat (infinite) where there
     is no best.pt (a run started from another run's checkpoint). Where best.pt was evaluated on another test set, whose
     WERs do not compare, it is to be kept under its test set's name (kept_best), and the one to beat is the best.pt
-    kept so for this test set, a run resumed back on it, or none."""
+    kept so for this test set, a run resumed back on it, or none. A best.pt that records no test set (from before
+    checkpoints recorded theirs) is kept so too, as UNKNOWN_TEST_SET_BEST: its WER may be over another test set."""
     best = run_dir / "checkpoints" / "best.pt"
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
     if not best.is_file():
         return BestToBeat(none, None)
     best_saved, figures = recorded_best(best, resumed, saved, state)
-    their_test_set = best_saved.get("test_set", test_fingerprint)  # older checkpoints hold none
+    their_test_set = best_saved.get("test_set")
     if their_test_set == test_fingerprint:
         return BestToBeat(figures, None)
-    kept_as, kept_here = kept_best(best, their_test_set), kept_best(best, test_fingerprint)
+    kept_here = kept_best(best, test_fingerprint)
     back = kept_here.is_file()
+    to_beat = (f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
+               else "the first evaluation here replaces best.pt")
     # What is kept and moved, set_best_aside says as it does it: a job with nothing left to train does neither.
-    log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets do "
-             "not compare: %s", best, their_test_set, test_fingerprint,
-             f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
-             else "the first evaluation here replaces best.pt")
+    if their_test_set is None:  # its WER may be over this test set or another: either way it is kept, not lost
+        kept_as = best.with_name(UNKNOWN_TEST_SET_BEST)
+        log.info("%s records no test set (written before checkpoints recorded theirs, 2026-12-02), and WERs over "
+                 "other test sets do not compare: %s", best, to_beat)
+    else:
+        kept_as = kept_best(best, their_test_set)
+        log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets "
+                 "do not compare: %s", best, their_test_set, test_fingerprint, to_beat)
     return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as)
 
 
