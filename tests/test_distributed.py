@@ -475,6 +475,36 @@ def test_master_addr_is_rank_0s_address_over_its_host_names(monkeypatch):
     assert distributed._main_address() == socket.gethostbyname(socket.gethostname())
 
 
+@pytest.mark.parametrize("address, port, refusal", [
+    (None, "29511", "MASTER_ADDR unset: without mpi4py, every rank needs rank 0's address"),
+    ("192.0.2.7", None, "MASTER_PORT unset: without mpi4py"),
+    (None, None, "MASTER_ADDR and MASTER_PORT unset: without mpi4py"),
+    ("192.0.2.7", "abc", "MASTER_PORT must be a port number from 1 to 65535, not 'abc'"),
+    ("192.0.2.7", "70000", "MASTER_PORT must be a port number from 1 to 65535, not '70000'"),
+    ("192.0.2.7", "0", "MASTER_PORT must be a port number from 1 to 65535, not '0'"),
+])
+def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvous_naming_the_variable(
+        monkeypatch, address, port, refusal):
+    """A rank without MASTER_ADDR took its own host's address and, on another node than rank 0's, waited out the
+    timeout; a MASTER_PORT torch cannot use failed in its traceback, or (0) waited out the timeout too."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as where it is not installed
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", port)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        distributed._ranks_and_rendezvous(5)
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert distributed._ranks_and_rendezvous(5) == (1, 2, 0, 1, "192.0.2.7", 29511)
+
+
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
     """A sweep's later jobs find MPI started: a fork then makes OpenMPI warn, and InfiniBand's registered memory may
     not survive it."""

@@ -201,10 +201,23 @@ def _ranks_and_rendezvous(timeout_s: float) -> tuple[int, int, int, int, str, in
         check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
-        if "MASTER_PORT" not in os.environ:
-            raise ValueError("without mpi4py, set MASTER_ADDR and MASTER_PORT for rank 0's address") from None
-        address, port = _main_address(), int(os.environ["MASTER_PORT"])
+        address, port = rendezvous_from_environment()
     return rank, world_size, local_rank, ranks_on_node, address, port
+
+
+def rendezvous_from_environment() -> tuple[str, int]:
+    """Rank 0's address and port from MASTER_ADDR and MASTER_PORT, where no mpi4py broadcasts them; ValueError naming
+    the variable where one is unset or MASTER_PORT is no port, before any rendezvous. Without MASTER_ADDR each rank took
+    its own host's address, and those of other nodes waited out the timeout connecting to themselves; a port torch
+    cannot use failed in its traceback, and port 0 (any free port, on rank 0 alone) waited out the timeout too."""
+    address, port = (os.environ.get(name, "").strip() for name in ("MASTER_ADDR", "MASTER_PORT"))
+    if unset := [name for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", port)) if not value]:
+        raise ValueError(f"{' and '.join(unset)} unset: without mpi4py, every rank needs rank 0's address and a free "
+                         "port there in MASTER_ADDR and MASTER_PORT (mpirun -x MASTER_ADDR=host -x MASTER_PORT=29511), "
+                         "or mpi4py to share them")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"MASTER_PORT must be a port number from 1 to 65535, not {port!r}")
+    return address, int(port)
 
 
 def rank_gpu(local_rank: int, ranks_on_node: int, num_gpus: int, share_gpus: bool) -> int:
