@@ -2,7 +2,7 @@
 
     mpirun -np N python -m benchmarks.scaling [--model an4|deep|deep100|cpu_demo] [--global-batch 8]
         [--backend auto|cudnn|persistent|reference] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
-        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs]
+        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs] [--timeout-s 300]
 
 Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
 lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the
@@ -53,7 +53,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import check_not_an_input, int_at_least, json_output, positive_int, write_output
+from trainer.cli import check_not_an_input, int_at_least, json_output, positive_int, seconds_up_to, write_output
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -275,6 +275,17 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     return result
 
 
+TIMEOUT_FLAG = "--timeout-s"
+
+
+def add_timeout_flag(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' own distributed.timeout_s, which trainer.distributed's lines of a wait that ran out name."""
+    parser.add_argument(TIMEOUT_FLAG, type=seconds_up_to(distributed.MAX_TIMEOUT_S),
+                        default=distributed.DEFAULT_TIMEOUT_S,
+                        help="seconds MPI's start, the ranks' rendezvous and the job's end wait for every rank before "
+                             "one ends the job")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -295,13 +306,14 @@ def main(argv=None) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     parser.add_argument("--seed", type=int, default=1234)
+    add_timeout_flag(parser)
     parser.add_argument("--json", type=json_output,
                         help="rank 0 writes the results, versions and full configuration here")
     parser.add_argument("--baseline", type=input_path,
                         help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
 
-    env = distributed.init(args.device)
+    env = distributed.init(args.device, args.timeout_s, timeout_setting=TIMEOUT_FLAG)
     if args.global_batch < 1 or args.global_batch % env.world_size:
         raise ValueError(
             f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
@@ -336,7 +348,7 @@ def main(argv=None) -> None:
         if args.json:
             write_output(args.json, json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")
-    distributed.shutdown()
+    distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 
 if __name__ == "__main__":

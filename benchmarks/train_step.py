@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_step [--models an4 deep] [--backends cudnn persistent]
         [--batches 1 4 8 16 32] [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none]
-        [--seed 1234] [--json PATH]
+        [--seed 1234] [--timeout-s 300] [--json PATH]
 
 The step is the trainer's own (trainer.train.train_step: forward under --amp's autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
@@ -31,7 +31,8 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.scaling import MODELS, compose_config, random_batch, summary, time_ms
+from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_timeout_flag, compose_config, random_batch, summary,
+                                time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
@@ -134,13 +135,14 @@ def main(argv=None) -> int | None:
     parser.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps before each point")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
     parser.add_argument("--seed", type=int, default=1234)
+    add_timeout_flag(parser)
     parser.add_argument("--json", type=json_output, help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
         parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     if refuse_without_gpu("benchmarks.train_step"):
         return 2
-    device = distributed.init("cuda").device
+    device = distributed.init("cuda", args.timeout_s, timeout_setting=TIMEOUT_FLAG).device
     torch.cuda.init()  # before the memory statistics are reset
     configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
                for name in args.models}
@@ -167,7 +169,7 @@ def main(argv=None) -> int | None:
     if args.json:
         write_json(args, rows, configs, device)
         print(f"wrote {args.json}")
-    distributed.shutdown()
+    distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 
 def write_json(args, rows: list[dict], configs: dict, device, so_far: bool = False) -> None:

@@ -28,6 +28,9 @@ from conftest import REPO_ROOT
     ("benchmarks.scaling", ["--compute-batches", "0"], "argument --compute-batches: must be at least 1, not 0"),
     ("benchmarks.scaling", ["--warmup", "-1"], "argument --warmup: must be at least 0, not -1"),
     ("benchmarks.scaling", ["--steps", "x"], "argument --steps: invalid integer value: 'x'"),
+    ("benchmarks.scaling", ["--timeout-s", "0"], "argument --timeout-s: must be a positive number of seconds up to "
+                                                 "1e+09, not 0"),
+    ("benchmarks.train_step", ["--timeout-s", "inf"], "argument --timeout-s: must be a finite number, not inf"),
     # The first two said "--parallel and --ranks must be at least 1", naming neither which nor the value; the three
     # exited 1, where every other usage error exits 2.
     ("benchmarks.wer_parity", ["--parallel", "0"], "argument --parallel: must be at least 1, not 0"),

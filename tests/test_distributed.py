@@ -499,10 +499,10 @@ def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvo
         else:
             monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        distributed._ranks_and_rendezvous(5)
+        distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING)
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
     monkeypatch.setenv("MASTER_PORT", "29511")
-    assert distributed._ranks_and_rendezvous(5) == (1, 2, 0, 1, "192.0.2.7", 29511)
+    assert distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING) == (1, 2, 0, 1, "192.0.2.7", 29511)
 
 
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
@@ -1165,12 +1165,13 @@ def test_a_rank_stopped_before_mpi_starts_ends_the_job_after_the_timeout(an4_sli
 
 
 def stopping_in(stops_in: str, command: list) -> list:
-    """trainer_command's one-process `command`, run with `stops_in` (a module's function) replaced by a SIGSTOP of the
-    rank, as one hung there."""
+    """A one-process `command` (python -m MODULE ...: trainer_command's, scaling_command's), run with `stops_in` (a
+    module's function) replaced by a SIGSTOP of the rank, as one hung there."""
     module, _, name = stops_in.rpartition(".")
+    runs = command[2]
     stopping = (f"import importlib, os, runpy, signal, sys; setattr(importlib.import_module({module!r}), {name!r}, "
-                "lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)); sys.argv[0] = 'trainer'; "
-                "runpy.run_module('trainer', run_name='__main__')")
+                f"lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)); sys.argv[0] = {runs!r}; "
+                f"runpy.run_module({runs!r}, run_name='__main__')")
     return [sys.executable, "-c", stopping, *command[3:]]
 
 
@@ -1566,6 +1567,19 @@ def test_scaling_benchmark_refuses_cuda_graphs_on_a_cpu(tmp_path):
     code, output = run_job(scaling_command(1, tmp_path / "graphs.json", "--cuda-graphs"), FAILURE_TIMEOUT_S)
     assert code == 2, output
     assert "error on rank 0: --cuda-graphs needs a GPU, this run is on cpu" in output, output
+
+
+@needs_mpiexec
+def test_the_scaling_benchmarks_rendezvous_that_ran_out_names_its_own_flag(tmp_path):
+    """Its rank 0 stopped before the rendezvous: rank 1's line named distributed.timeout_s, the trainer's Hydra key,
+    which the benchmark, whose wait could not be changed, does not take."""
+    rank_1 = scaling_command(1, tmp_path / "two.json", "--timeout-s", 5)
+    rank_0 = stopping_in("torch.distributed.init_process_group", rank_1)
+    code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert ("error on rank 1: the process group's rendezvous did not complete within --timeout-s (5 s): another rank "
+            "stopped answering") in output, output
+    assert "Traceback" not in output and "distributed.timeout_s" not in output, output
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,16 @@ def finite_float(text: str) -> float:
     return value
 
 
+def seconds_up_to(maximum: float) -> Callable[[str], float]:
+    """An argument type: a positive number of seconds up to `maximum`, another refused naming it."""
+    def seconds(text: str) -> float:
+        value = finite_float(text)
+        if not 0 < value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be a positive number of seconds up to {maximum:g}, not {text}")
+        return value
+    return seconds
+
+
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
     A symbolic link is judged by its target, which is what gets written."""

@@ -75,27 +75,37 @@ def launched_by_mpi() -> bool:
     return _launcher_variables() is not None
 
 
+TRAINER_TIMEOUT_SETTING = "distributed.timeout_s"
+
+
+def _within(timeout_s: float, timeout_setting: str) -> str:
+    """How the lines of a wait that ran out say its limit: naming `timeout_setting`, what raises it for the caller's
+    user (the trainer's Hydra key, a benchmark's flag), which a key of another program's would not tell them."""
+    return f"within {timeout_setting} ({timeout_s:g} s)"
+
+
 @contextlib.contextmanager
-def ended_past(timeout_s: float, rank: int):
+def ended_past(timeout_s: float, rank: int, timeout_setting: str = TRAINER_TIMEOUT_SETTING):
     """Its block, MPI's start and its exchanges before the process group, ends this process after `timeout_s`, saying
-    so in one line: those wait for every rank with no timeout of their own, where a rank stopped or hung before it
-    started MPI (stuck importing from a file system that stopped answering) left the others in MPI_Init for ever.
-    MPI_Init holds the GIL, so neither a thread nor a signal handler of this process would run: a process forked
-    here waits on a pipe that the block's end closes, and kills this one (the launcher then ends the job) where it
-    was not closed in time. Not once MPI has started (a sweep's later job): a fork then makes OpenMPI warn, and
-    InfiniBand's registered memory may not survive it."""
+    so in one line naming `timeout_setting`: those wait for every rank with no timeout of their own, where a rank
+    stopped or hung before it started MPI (stuck importing from a file system that stopped answering) left the others
+    in MPI_Init for ever. MPI_Init holds the GIL, so neither a thread nor a signal handler of this process would run:
+    a process forked here waits on a pipe that the block's end closes, and kills this one (the launcher then ends the
+    job) where it was not closed in time. Not once MPI has started (a sweep's later job): a fork then makes OpenMPI
+    warn, and InfiniBand's registered memory may not survive it."""
     if "mpi4py.MPI" in sys.modules:
         yield
         return
+    refusal = (f"error on rank {rank}: MPI did not start {_within(timeout_s, timeout_setting)}: another rank stopped "
+               "answering before it started MPI (stopped, or hung importing from a file system that stopped "
+               "answering); this rank ends the job\n")
     read_end, write_end = os.pipe()
     watchdog = os.fork()
     if watchdog == 0:
         try:  # whatever happens here (a Ctrl-C's KeyboardInterrupt), this copy never runs on into the trainer's code
             os.close(write_end)
             if not select.select([read_end], [], [], timeout_s)[0]:
-                os.write(2, f"error on rank {rank}: MPI did not start within distributed.timeout_s ({timeout_s:g} s): "
-                            "another rank stopped answering before it started MPI (stopped, or hung importing from a "
-                            "file system that stopped answering); this rank ends the job\n".encode())
+                os.write(2, refusal.encode())
                 os.kill(os.getppid(), signal.SIGKILL)
         finally:
             os._exit(0)
@@ -181,12 +191,12 @@ def check_reachable_from_other_nodes(address: str, on_rank_0s_node: bool) -> Non
                          "(launch/multi_node.sh sets it to the hostfile's first host)")
 
 
-def _ranks_and_rendezvous(timeout_s: float) -> tuple[int, int, int, int, str, int]:
+def _ranks_and_rendezvous(timeout_s: float, timeout_setting: str) -> tuple[int, int, int, int, str, int]:
     """(rank, world size, local rank, ranks on this node, rank 0's address, its port) in a job a launcher started: from
     MPI, rank 0's address and a free port broadcast, the job ended past `timeout_s` where MPI does not start
     (ended_past); without mpi4py, from the launcher's variables, MASTER_ADDR and MASTER_PORT."""
     try:
-        with ended_past(timeout_s, launcher_rank()):
+        with ended_past(timeout_s, launcher_rank(), timeout_setting):
             rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
             launched_size = _ranks_from_launcher()[1]
             if world_size != launched_size:  # else each process would train alone, all into one run directory
@@ -245,7 +255,7 @@ def ranks_sharing_gpu(gpu: int, ranks_on_node: int, num_gpus: int) -> int:
 # Seconds (31 years). Longer ones broke the rendezvous over gloo, 1e10 s failing it at once, 9e9 s and 1e11 s hanging
 # it (int64 nanoseconds end at 9.2e9 s), and 1e300 s overflowed timedelta in a traceback.
 MAX_TIMEOUT_S = 1e9
-DEFAULT_TIMEOUT_S = 300.0  # of init and shutdown, where the caller (a benchmark) names none
+DEFAULT_TIMEOUT_S = 300.0  # of init and shutdown, where the caller names none (the benchmarks' --timeout-s default)
 
 
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
@@ -258,11 +268,13 @@ def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
-def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus: bool = False) -> DistEnv:
+def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus: bool = False,
+         timeout_setting: str = TRAINER_TIMEOUT_SETTING) -> DistEnv:
     """Starts the process group when launched by MPI; picks this rank's device.
 
     device: "auto" (this rank's local GPU when CUDA is available, else CPU), "cpu" or "cuda".
     share_gpus: let more ranks than GPUs run on a node, several to a GPU (module docstring).
+    timeout_setting: what sets `timeout_s` for the caller's user, which the lines of a wait that ran out name.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
@@ -274,7 +286,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     if not launched_by_mpi():
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
-    rank, world_size, local_rank, ranks_on_node, address, port = _ranks_and_rendezvous(timeout_s)
+    rank, world_size, local_rank, ranks_on_node, address, port = _ranks_and_rendezvous(timeout_s, timeout_setting)
     backend = "gloo"
     if use_cuda:
         num_gpus = torch.cuda.device_count()
@@ -300,9 +312,9 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         if not rendezvous_timed_out(error):
             raise
-        log.error("error on rank %d: the process group's rendezvous did not complete within distributed.timeout_s "
-                  "(%g s): another rank stopped answering after MPI started (stopped, or hung); this rank ends the job "
-                  "(%s)", rank, timeout_s, " ".join(str(error).split()))
+        log.error("error on rank %d: the process group's rendezvous did not complete %s: another rank stopped "
+                  "answering after MPI started (stopped, or hung); this rank ends the job (%s)", rank,
+                  _within(timeout_s, timeout_setting), " ".join(str(error).split()))
         abort_job(1)
     # The process and host too: where a rank dies, MPICH's mpiexec names its PID and host, not its rank.
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
@@ -389,14 +401,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S, timeout_setting: str = TRAINER_TIMEOUT_SETTING) -> None:
     """Ends the process group after a successful run, in step on every rank: all ranks reach it before any closes its
     connections, and none exits before all have. Two-rank benchmarks.scaling runs, which ended the group rank by
     rank, aborted at exit once in CI and about once in 50 runs on a loaded 2-core machine ("terminate called without
     an active exception"); a rank closing its sockets under a peer's live group is the suspected cause. Where another
     rank does not reach the last barrier, MPI's, within `timeout_s` (stopped, or hung closing its group), this rank
-    ends the job in one line: MPI's barrier has no timeout, and the job waited there for ever. The process group's
-    barrier before it times out as any collective does."""
+    ends the job in one line naming `timeout_setting`: MPI's barrier has no timeout, and the job waited there for
+    ever. The process group's barrier before it times out as any collective does."""
     if not dist.is_initialized():
         return
     gc.collect()  # DDP's reducer sits in reference cycles that hold the group's work handles: free them first
@@ -404,9 +416,9 @@ def shutdown(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.destroy_process_group()
     mpi = sys.modules.get("mpi4py.MPI")  # imported by init() when MPI started the job
     if mpi is not None and _unfinished([mpi.COMM_WORLD.Ibarrier()], timeout_s):
-        log.error("error on rank %d: another rank did not reach the job's end within distributed.timeout_s (%g s) "
-                  "(stopped, or hung closing its process group); training is done and its checkpoints are written, "
-                  "and this rank ends the job", mpi.COMM_WORLD.Get_rank(), timeout_s)
+        log.error("error on rank %d: another rank did not reach the job's end %s (stopped, or hung closing its "
+                  "process group); training is done and its checkpoints are written, and this rank ends the job",
+                  mpi.COMM_WORLD.Get_rank(), _within(timeout_s, timeout_setting))
         abort_job(1)
 
 
