@@ -438,6 +438,21 @@ def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
     assert distributed.init("cpu").world_size == 1
 
 
+def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(monkeypatch):
+    """torchrun's RANK, WORLD_SIZE and LOCAL_RANK are no MPI launcher's: each of its processes trained alone."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=re.escape("WORLD_SIZE=2 says this process is one of several, as torchrun "
+                                                   "starts them, but the ranks come from MPI")):
+        distributed.init("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.init("cpu") == distributed.DistEnv(0, 1, torch.device("cpu"))
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""

@@ -75,6 +75,17 @@ def launched_by_mpi() -> bool:
     return _launcher_variables() is not None
 
 
+def check_not_one_of_torchruns_ranks() -> None:
+    """ValueError where torchrun's WORLD_SIZE (or a hand-made one) says this process is one of several but no MPI
+    launcher's variables do: the ranks come from MPI alone, and each such process trained as a world of one, every
+    one of them the whole run on its own."""
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    if size not in ("", "1") and not launched_by_mpi():
+        raise ValueError(f"WORLD_SIZE={size} says this process is one of several, as torchrun starts them, but the "
+                         "ranks come from MPI, and each process would train alone: start them with "
+                         "launch/single_node.sh N (mpirun) or srun, or unset WORLD_SIZE")
+
+
 TRAINER_TIMEOUT_SETTING = "distributed.timeout_s"
 
 
@@ -283,6 +294,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
                          "visible: on a CPU, train experiment=cpu_demo, or set device=cpu")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
+    check_not_one_of_torchruns_ranks()
     if not launched_by_mpi():
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
