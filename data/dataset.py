@@ -167,13 +167,15 @@ class SpeechDataset(Dataset):
         first_repeat = None
         for path in manifest_paths:
             for utterance in read_manifest(path):
-                targets = self._trainable_targets(utterance)
-                if targets is None:
-                    continue
+                # Before the transcript is checked: a repeat whose own transcript cannot train was warned about as
+                # "skipping FILE", of a file that trains under its first listing, and counted under that reason.
                 audio_file = file_identity(utterance.audio_filepath)
                 if audio_file in kept_files:
                     self.skipped["audio listed before"] += 1
                     first_repeat = first_repeat or utterance.audio_filepath
+                    continue
+                targets = self._trainable_targets(utterance)
+                if targets is None:
                     continue
                 kept_files.add(audio_file)
                 self.utterances.append(utterance)

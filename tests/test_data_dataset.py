@@ -104,6 +104,21 @@ def test_an_audio_file_listed_again_is_kept_once_and_the_repeats_counted_in_one_
     assert twice.fingerprint() == make_dataset(manifest).fingerprint()  # the same training set
 
 
+def test_a_repeat_whose_own_transcript_cannot_train_is_counted_as_a_repeat_and_not_named(tmp_path, caplog):
+    """A later listing of a kept file under an empty or unspellable transcript: its warning, "skipping FILE: its
+    transcript is empty", said a file was left out that trains under its first listing."""
+    write_noise(tmp_path / "a.wav", 1.0)
+    listings = [("a.wav", "YES"), ("a.wav", ""), ("a.wav", "CAFÉ")]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in listings), encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
+    assert [utterance.text for utterance in dataset.utterances] == ["YES"]
+    assert dataset.skipped == Counter({"audio listed before": 2})
+    assert [record.getMessage() for record in caplog.records] == [
+        f"skipping 2 utterances whose audio file is listed before (the first: {tmp_path / 'a.wav'})"]
+
+
 def test_an_audio_file_listed_again_through_another_folder_is_a_repeat(tmp_path):
     """Manifests in two folders naming one file relative to each (corpora that share files): the second listing's
     path goes through `..`, and would otherwise train the file twice an epoch."""
