@@ -244,13 +244,13 @@ def main(argv=None) -> int:
         spellable, unspellable, repeats, kept_files = [], 0, [], set()
         for utterance in (u for path in args.manifest for u in read_manifest(path, audio_needed=False)):
             text = normalize_text(utterance.text)
-            # Transcripts the model cannot spell are left out of training; their words would only take probability.
-            if not text or invalid_characters(text):
-                unspellable += 1
-            # As training keeps an audio file listed again once (a manifest given twice, or through a link): its
-            # transcript counted twice would double its n-grams' counts.
-            elif (audio_file := file_identity(utterance.audio_filepath)) in kept_files:
+            # As training keeps an audio file listed again once (a manifest given twice, or through a link), and
+            # counts a repeat as one whatever its own transcript: counted twice, its n-grams' counts would double.
+            if (audio_file := file_identity(utterance.audio_filepath)) in kept_files:
                 repeats.append(utterance.audio_filepath)
+            # Transcripts the model cannot spell are left out of training; their words would only take probability.
+            elif not text or invalid_characters(text):
+                unspellable += 1
             else:
                 kept_files.add(audio_file)
                 spellable.append(text.split())
