@@ -6,6 +6,7 @@ The compile needs no GPU: `python -m prnn_kernels.build --arch 90a` into a tempo
 imports the extension (registering the operators' CUDA kernels with the dispatcher) and compiles the products.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -105,6 +106,27 @@ def test_the_cache_key_names_the_python_the_extension_is_a_module_of(monkeypatch
     monkeypatch.setattr(build.sysconfig, "get_config_var",
                         lambda name: ".cpython-313t-x86_64-linux-gnu.so" if name == "EXT_SUFFIX" else real(name))
     assert build.build_hash() != key
+
+
+@pytest.mark.parametrize("edited", ["fp32_forward.cu", "binding.cpp", "sync.cuh", "persistent_rnn.h"])
+def test_the_cache_key_changes_with_any_source_or_header_and_with_the_flags(edited, tmp_path, monkeypatch):
+    """An edited kernel, or one of the headers the kernels include, gets a fresh build: a key that missed it loaded
+    the old library from the cache, and the edit silently did nothing. A copy of csrc/ is edited, not the sources."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    key = build.build_hash()
+    assert build.build_hash() == key  # the same sources, the same key
+    with (csrc / edited).open("a") as source:
+        source.write("\n// edited\n")
+    edited_key = build.build_hash()
+    assert edited_key != key, f"an edit of {edited} kept the cache key"
+    changed_keys = set()
+    for module, attribute, value in [(build, "CUDA_FLAGS", (*build.CUDA_FLAGS, "-G")), (build, "C_FLAGS", ("-O0",)),
+                                     (torch, "__version__", "2.99.0"), (torch.version, "cuda", "99.0")]:
+        monkeypatch.setattr(module, attribute, value)
+        changed_keys.add(build.build_hash())
+    assert edited_key not in changed_keys and len(changed_keys) == 4, "a flag or a version kept the cache key"
 
 
 def test_the_build_cache_is_where_torch_puts_its_extensions(tmp_path, monkeypatch):
