@@ -5,6 +5,7 @@ build lock never outlives its holder.
 The compile needs no GPU: `python -m prnn_kernels.build --arch 90a` into a temporary directory (about a minute), which
 imports the extension (registering the operators' CUDA kernels with the dispatcher) and compiles the products.
 """
+import contextlib
 import os
 import shutil
 import subprocess
@@ -256,3 +257,22 @@ def test_a_build_cache_that_cannot_be_written_is_a_reason_not_a_crash(tmp_path, 
     with pytest.raises(RuntimeError, match=f"cannot build the CUDA extension in {not_a_folder}/prnn_kernels/.*: Not a "
                                            "directory; set TORCH_EXTENSIONS_DIR to a folder this process can write"):
         build.load_extension.__wrapped__("90a")  # not the compile test's module, which load_extension's cache holds
+
+
+def test_if_gpu_on_a_machine_without_a_gpu_the_kernels_run_on_builds_nothing_and_lets_the_job_start(monkeypatch,
+                                                                                                  capsys):
+    """The launch scripts run `python -m prnn_kernels.build --if-gpu` before every job, CPU jobs too: an exit there
+    (set -e) would keep a CPU job, or one on a GPU older than Hopper, from starting."""
+    monkeypatch.setattr(build, "load_extension", lambda *arguments, **options: pytest.fail("a build was tried"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    build.main(["--if-gpu"])  # returns: exit code 0
+    assert capsys.readouterr().out == "prnn_kernels.build: no CUDA GPU is visible here, nothing to build\n"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build, "device_arch", lambda device=None: "80")
+    build.main(["--if-gpu"])
+    assert capsys.readouterr().out == ("prnn_kernels.build: this GPU (sm_80) is older than Hopper, which the "
+                                       "persistent kernels need, nothing to build\n")
+    with pytest.raises(SystemExit) as exit_info:  # without --if-gpu: a usage error naming --arch
+        build.main([])
+    assert exit_info.value.code == 2 and "name the architecture to build for with --arch" in capsys.readouterr().err
+
