@@ -276,3 +276,19 @@ def test_if_gpu_on_a_machine_without_a_gpu_the_kernels_run_on_builds_nothing_and
         build.main([])
     assert exit_info.value.code == 2 and "name the architecture to build for with --arch" in capsys.readouterr().err
 
+
+def test_a_build_another_process_finished_while_this_one_waited_is_imported_not_built_again(tmp_path, monkeypatch):
+    """The ranks of a job on one machine wait on the build lock for the first one's build; each must then import that
+    build, not build it again (a minute each, in the folder the others are importing from)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+    @contextlib.contextmanager
+    def lock_released_after_another_build(directory):
+        (directory / "built").write_text("done\n")  # what the other process wrote before releasing the lock
+        yield
+
+    monkeypatch.setattr(build, "build_lock", lock_released_after_another_build)
+    monkeypatch.setattr(build, "_build", lambda *arguments: pytest.fail("built again"))
+    monkeypatch.setattr(build, "_import_built", lambda name, directory: ("imported", name, directory))
+    imported, name, directory = build.load_extension.__wrapped__("90a")
+    assert imported == "imported" and directory == build.build_root() / name
