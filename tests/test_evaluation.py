@@ -285,7 +285,7 @@ def evaluate_manifest(utterances, tmp_path, **options):
     evaluate."""
     from data.dataset import SpeechDataset
     from data.manifest import Utterance, write_manifest
-    from data.sampler import eval_shard
+    from data.sampler import eval_shards
     from trainer.evaluate import evaluate
 
     write_manifest(tmp_path / "m.jsonl", [Utterance(*arguments) for arguments in utterances])
@@ -294,7 +294,7 @@ def evaluate_manifest(utterances, tmp_path, **options):
     features = build.features(cfg.data)
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
-    return evaluate(model, dataset, eval_shard(dataset.durations, 0, 1, 4), torch.device("cpu"), **options)
+    return evaluate(model, dataset, eval_shards(dataset.durations, 1, 4)[0], torch.device("cpu"), **options)
 
 
 def test_evaluation_counts_audio_too_short_for_its_transcript_apart_from_unreadable_audio(tmp_path):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from data.cli import input_path, shows_a_progress_bar
 from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, collate, count_reasons
 from data.manifest import print_paths_printable
-from data.sampler import eval_shard
+from data.sampler import eval_shards
 from data.text import counted, normalize_text
 from trainer import build, decode
 from trainer.cli import (check_not_an_input, lines_stream, log_above_progress_bars, output_file, positive_int, run_tool,
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    batches = eval_shard(dataset.durations, 0, 1, args.batch_size)
+    (batches,) = eval_shards(dataset.durations, 1, args.batch_size)
     try:
         with log_above_progress_bars():
             counts, rows = evaluate(model, dataset, batches, device, progress_bar=shows_a_progress_bar(sys.stderr),

@@ -31,7 +31,7 @@ from data.cli import shows_a_progress_bar
 from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, SpeechDataset, collate, count_reasons
 from data.files import errors_naming, replace_whole
 from data.prepare import prepare_an4
-from data.sampler import BucketBatchSampler, epoch_seed, eval_shard, shard_size
+from data.sampler import BucketBatchSampler, epoch_seed, eval_shards, shard_size
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
@@ -551,11 +551,11 @@ def append_metrics(metrics_file, record: dict) -> None:
 
 
 def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -> list[list[int]]:
-    """This rank's shard of the test set in batches, as many as rank 0's, which has the most (an empty one more where
-    this rank is short): the evaluation asks the ranks for stop signals before each batch, a collective every rank
-    must join."""
-    batches = eval_shard(eval_set.durations, env.rank, env.world_size, batch_size)
-    return batches + [[]] * (len(eval_shard(eval_set.durations, 0, env.world_size, batch_size)) - len(batches))
+    """This rank's shard of the test set in batches, as many as the rank with the most (empty ones more where this
+    rank has fewer): the evaluation asks the ranks for stop signals before each batch, a collective every rank must
+    join."""
+    shards = eval_shards(eval_set.durations, env.world_size, batch_size)
+    return shards[env.rank] + [[]] * (max(map(len, shards)) - len(shards[env.rank]))
 
 
 def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
