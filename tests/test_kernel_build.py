@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,27 @@ def test_a_cuda_home_that_is_no_toolkit_is_named_when_passed_over(tmp_path, monk
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     assert build.cuda_home() != tmp_path
     assert f"CUDA_HOME={tmp_path} is no CUDA toolkit" in caplog.text
+
+
+def test_the_toolkit_is_cuda_home_then_cuda_path_then_the_nvcc_on_path(tmp_path, monkeypatch):
+    # Whatever else the machine has (/usr/local/cuda here): a toolkit the user named, or put first on PATH, is used.
+    def toolkit(name: str) -> Path:
+        folder = tmp_path / name
+        (folder / "bin").mkdir(parents=True)
+        (folder / "include").mkdir()
+        (folder / "bin" / "nvcc").touch(mode=0o755)
+        (folder / "include" / "cuda_runtime.h").touch()
+        return folder
+
+    on_path, cuda_path, cuda_home = toolkit("on_path"), toolkit("cuda_path"), toolkit("cuda_home")
+    monkeypatch.setenv("PATH", f"{on_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    assert build.cuda_home() == on_path
+    monkeypatch.setenv("CUDA_PATH", str(cuda_path))
+    assert build.cuda_home() == cuda_path
+    monkeypatch.setenv("CUDA_HOME", str(cuda_home))
+    assert build.cuda_home() == cuda_home
 
 
 @pytest.fixture
