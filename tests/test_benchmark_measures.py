@@ -42,7 +42,7 @@ def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch
 
     monkeypatch.setattr(train_step, "measure", measure)
     one_process = types.SimpleNamespace(device=torch.device("cpu"))
-    monkeypatch.setattr(train_step.distributed, "init", lambda device: one_process)
+    monkeypatch.setattr(train_step.distributed, "init", lambda device, *timeout, **setting: one_process)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
@@ -127,7 +127,7 @@ sys.argv[1:] = ["--hiddens", "128", "256", "--dtypes", "float32", *sys.argv[1:]]
 """, "results", "gru H = 256 float32: persistent kernel refused: fake refusal"),
     "train_step": (FAKE_GPU + """
 from benchmarks import train_step as benchmark
-benchmark.distributed.init = lambda device: types.SimpleNamespace(device=torch.device("cpu"))
+benchmark.distributed.init = lambda device, *timeout, **setting: types.SimpleNamespace(device=torch.device("cpu"))
 torch.cuda.init = torch.cuda.reset_peak_memory_stats = lambda *device: None
 benchmark.measure = lambda args, model, backend, cuda_graphs, batch, device: {
     "model": model, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch, "median_ms": 1.0, "gpu_ms": 1.0,

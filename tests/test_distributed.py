@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -270,7 +271,9 @@ def test_warnings_every_rank_would_give_alike_are_rank_0s_alone(an4_slice, tmp_p
     step skipped was named once a rank, 64 times over on 64 ranks. At one utterance a rank, the unreadable one leaves
     its rank's shard empty, which skips the step on both."""
     manifests = with_corrupt_first_file(an4_slice, tmp_path)
-    untranscribed = {**json.loads(manifests["train"].read_text().splitlines()[1]), "text": ""}
+    listed = json.loads(manifests["train"].read_text().splitlines()[1])
+    shutil.copyfile(listed["audio_filepath"], tmp_path / "copy.flac")  # another file: a repeat is counted as one
+    untranscribed = {**listed, "audio_filepath": str(tmp_path / "copy.flac"), "text": ""}
     with manifests["train"].open("a") as manifest:
         manifest.write(json.dumps(untranscribed) + "\n")
     command = trainer_command(manifests, tmp_path / "run", 2, "train.epochs=1", "train.global_batch_size=2")
