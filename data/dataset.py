@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from data.audio import AudioError, load_audio
+from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
 from data.manifest import Utterance, file_identity, read_manifest
 from data.sampler import epoch_seed
@@ -105,8 +105,9 @@ class SpeechDataset(Dataset):
     Audio is read when an item is asked for; `__getitem__` returns an Unusable naming the file and why when it
     cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
     out too short for its transcript after all, or lasts more than a second beyond `max_duration` whatever the
-    manifest said. `collate` sets these aside in `Batch.unusable`, and `warn_once` (called where the batches arrive:
-    loader processes start from a fresh copy of the dataset every epoch, and would warn every epoch) logs each once.
+    manifest said (its header says so, before it is decoded). `collate` sets these aside in `Batch.unusable`, and
+    `warn_once` (called where the batches arrive: loader processes start from a fresh copy of the dataset every epoch,
+    and would warn every epoch) logs each once.
 
     Args:
         manifest_paths: JSONL manifests (see data.manifest), read in order.
@@ -234,14 +235,16 @@ class SpeechDataset(Dataset):
     def __getitem__(self, index: int) -> Sample | Unusable:
         utterance, targets = self.utterances[index], self.targets[index]
         try:
+            # From the header, before decoding: a lecture the manifest lists as 2 s was decoded (and resampled) whole,
+            # up to an hour of audio and gigabytes, every epoch in every loader process, only to be skipped.
+            seconds = audio_header(utterance.audio_filepath).duration
+            if self.max_duration is not None and seconds > self.max_duration + 1:
+                return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
+                                             f"({self.max_duration} s); the manifest says {utterance.duration} s",
+                                      LONGER_THAN_MAX_DURATION)
             waveform = load_audio(utterance.audio_filepath, self.features.sample_rate)
         except AudioError as error:
             return Unusable(index, f"skipping {error}")
-        seconds = len(waveform) / self.features.sample_rate
-        if self.max_duration is not None and seconds > self.max_duration + 1:
-            return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
-                                         f"({self.max_duration} s); the manifest says {utterance.duration} s",
-                                  LONGER_THAN_MAX_DURATION)
         features = self.features(waveform)  # (T, F)
         if detail := non_finite_detail(features, waveform):
             return self._unusable(index, detail)

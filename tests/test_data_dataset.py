@@ -236,6 +236,25 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unus
     assert [item.counted_as for item in items[1:]] == [LONGER_THAN_MAX_DURATION, UNREADABLE]
 
 
+def test_audio_longer_than_its_manifest_says_is_refused_from_its_header_without_being_decoded(tmp_path, monkeypatch):
+    write_noise(tmp_path / "good.wav", 1.0)
+    write_noise(tmp_path / "lecture.wav", 25.0)
+    write_manifest(tmp_path / "m.jsonl", [
+        Utterance(str(tmp_path / "good.wav"), 1.0, "A", "a"),
+        Utterance(str(tmp_path / "lecture.wav"), 1.0, "A", "a"),  # 25 s, past max_duration, listed as 1 s
+    ])
+    dataset = make_dataset(tmp_path / "m.jsonl")
+    decoded = []
+    monkeypatch.setattr("data.dataset.load_audio", lambda path, *args: decoded.append(Path(path).name) or
+                        torch.zeros(RATE))
+    batch = collate([dataset[0], dataset[1]])
+    # Decoding it took up to an hour of audio (and gigabytes resampled) every epoch in every loader process.
+    assert decoded == ["good.wav"]
+    assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in \
+        batch.unusable[0].reason
+    assert len(batch.indices) == 1 and batch.num_unusable_as(LONGER_THAN_MAX_DURATION) == 1 == batch.num_unusable
+
+
 def test_sample_holds_features_targets_and_index(manifest):
     sample = make_dataset(manifest)[1]
     assert sample.features.shape == (51, 161) and sample.features.dtype == torch.float32
