@@ -126,6 +126,20 @@ def test_transcribe_prints_the_transcripts_in_the_order_the_files_are_given(tmp_
     assert err.startswith(f"{paths[2]}\terror: ")
 
 
+def test_transcribe_names_a_file_of_more_than_five_minutes_on_stderr_before_transcribing_it(tmp_path, capsys):
+    # A half-hour recording kept it silent for 4 minutes on a CPU; stdout, which users pipe, holds transcripts alone.
+    from trainer import transcribe
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000 * 301).astype(np.float32)
+    short, lecture = tmp_path / "short.wav", tmp_path / "lecture.wav"
+    soundfile.write(short, noise[:16000 * 300], 16000)
+    soundfile.write(lecture, noise, 16000)
+    assert transcribe.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                            str(short), str(lecture)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(short), str(lecture)]
+    assert err == f"transcribing {lecture}: 5 minutes of audio\n"
+
+
 def test_transcribe_prints_a_file_name_that_is_not_utf8_as_its_own_bytes(tmp_path):
     # Where stdout's UTF-8 is strict (a locale such as en_US.UTF-8, or PYTHONIOENCODING), b"\xff.wav" ended
     # python -m trainer.transcribe in a UnicodeEncodeError traceback.

@@ -1,6 +1,7 @@
 """Prints the transcript of each audio file: `python -m trainer.transcribe --checkpoint best.pt a.flac b.wav`
 (greedy; `--beam` and `--lm` as for python -m trainer.evaluate). A file it cannot use is named on stderr with why, the
-others transcribed, and the exit code is then 1; a checkpoint or decoder option it refuses, 2."""
+others transcribed, and the exit code is then 1; a checkpoint or decoder option it refuses, 2. A file of more than
+five minutes is named on stderr, with its length, before it is transcribed; stdout holds the transcripts alone."""
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
 
@@ -17,6 +18,10 @@ from data.manifest import print_paths_printable
 from trainer import decode
 from trainer.cli import run_tool
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
+
+# A file longer than this is named on stderr before its transcription starts: the default model takes some 8 s a
+# minute of audio on a CPU, and a half-hour recording kept the tool silent for 4 minutes.
+ANNOUNCED_PAST_S = 300
 
 
 def main(argv=None) -> int:
@@ -43,6 +48,9 @@ def main(argv=None) -> int:
                 print(f"{path}\terror: {str(error).removeprefix(f'{path}: ')}", file=sys.stderr, flush=True)
                 failures += 1
                 continue
+            seconds = len(waveform) / features.sample_rate
+            if seconds > ANNOUNCED_PAST_S:
+                print(f"transcribing {path}: {seconds / 60:.0f} minutes of audio", file=sys.stderr, flush=True)
             log_probs, out_lengths = model(feats.unsqueeze(0).to(device), torch.tensor([feats.shape[0]], device=device))
             try:
                 transcript = decoder(log_probs, out_lengths)[0]
