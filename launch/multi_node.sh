@@ -3,8 +3,9 @@
 #   launch/multi_node.sh hosts.txt 16 experiment=an4_gpu
 # hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the
-# fast network; default: the first host), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses),
-# GLOO_SOCKET_IFNAME (gloo's: device=cpu, distributed.share_gpus).
+# fast network; default: the first host), MASTER_PORT (a free port there, needed without mpi4py, which otherwise
+# picks one), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses), GLOO_SOCKET_IFNAME (gloo's: device=cpu,
+# distributed.share_gpus).
 # Ctrl-C, SIGTERM, SIGUSR1 or a closed terminal stops the job after a step, with its checkpoint (launch/mpi_job.sh).
 set -euo pipefail
 source "$(dirname "$0")/mpi_job.sh"
@@ -47,7 +48,7 @@ if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 # user's TORCH_NCCL_* timeouts as set), and the extension's build folder, which the build below fills on this node:
 # each where it is set, as OpenMPI warns of every -x name it does not find ("could not find environment variable").
 forwarded=()
-for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR PRNN_AN4 \
+for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR MASTER_PORT PRNN_AN4 \
             $(compgen -e | grep -E '^(NCCL_|GLOO_|TORCH_NCCL_|TORCH_EXTENSIONS_DIR$)'); do
     if printenv "$name" > /dev/null; then forwarded+=(-x "$name"); fi
 done

@@ -651,8 +651,8 @@ def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
     """`launch/single_node.sh --help` was refused as a count, "NUM_GPUS must be a positive integer, not '--help'",
     exit code 2, and the settings the scripts read from the environment were written only in their source."""
     for script, settings in [("single_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME"]),
-                             ("multi_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME", "MASTER_ADDR", "NCCL_SOCKET_IFNAME",
-                                                "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME"])]:
+                             ("multi_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME", "MASTER_ADDR", "MASTER_PORT",
+                                                "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME"])]:
         for flag in ("--help", "-h"):
             ran = launch_script(script, flag)
             assert ran.returncode == 0 and ran.stderr == "", ran.stderr
@@ -666,14 +666,18 @@ def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path
     "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("node01 slots=8\n")
-    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None,
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None, MASTER_PORT=None,
                         LD_LIBRARY_PATH="/usr/local/cuda/lib64", NCCL_IB_HCA="mlx5")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and "-x PATH -x LD_LIBRARY_PATH -x MASTER_ADDR " in command, ran.stderr
     assert "-x NCCL_IB_HCA " in command, command
-    assert "PRNN_AN4" not in command and "PYTHONPATH" not in command, command
-    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4="/data/an4", PYTHONPATH=None)
+    assert "PRNN_AN4" not in command and "PYTHONPATH" not in command and "MASTER_PORT" not in command, command
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4="/data/an4", PYTHONPATH=None, MASTER_PORT=None)
     assert "-x MASTER_ADDR -x PRNN_AN4 " in ran.stdout.splitlines()[-1], ran.stdout
+    # Without mpi4py every rank reads rank 0's port from MASTER_PORT: the other nodes' ranks, not given it, were
+    # refused as "MASTER_PORT unset" of a job whose user had set it.
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None, MASTER_PORT="29511")
+    assert "-x MASTER_ADDR -x MASTER_PORT " in ran.stdout.splitlines()[-1], ran.stdout
 
 
 def test_the_multi_node_script_gives_the_ranks_the_first_hosts_address_unless_one_is_set(tmp_path):
