@@ -1,9 +1,10 @@
 """Process-group set-up for `mpirun -np N python -m trainer`.
 
 The one place that reads rank information. Rank, world size and local rank come from MPI through mpi4py; the
-launcher's variables (OpenMPI, MPICH/PMI, SLURM) are the fallback where mpi4py is unavailable. Rank 0's address
-and a free port are broadcast over MPI, then torch.distributed starts: NCCL on GPUs, gloo on CPUs. A process
-started without a launcher is a world of one and never imports MPI.
+launcher's variables (OpenMPI, MPICH/PMI, PMIx, SLURM) are the fallback where mpi4py is unavailable. Rank 0's address
+and a free port are broadcast over MPI (without mpi4py, read from MASTER_ADDR and MASTER_PORT), then torch.distributed
+starts: NCCL on GPUs, gloo on CPUs. A process started without a launcher is a world of one and never imports MPI,
+unless torchrun's WORLD_SIZE says it is one of several: refused.
 
 Each rank takes its node's GPU of its local rank. More ranks on a node than GPUs is refused unless share_gpus
 allows it: then local rank r takes GPU r mod the GPU count and the group runs on gloo, because NCCL cannot put two
