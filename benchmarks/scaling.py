@@ -1,8 +1,9 @@
 """Strong scaling of the training step at a fixed global batch, one process per GPU over MPI.
 
     mpirun -np N python -m benchmarks.scaling [--model an4|deep|deep100|cpu_demo] [--global-batch 8]
-        [--backend auto|cudnn|persistent|reference] [--cell relu|tanh|gru|lstm] [--steps 20] [--json PATH]
-        [--baseline ONE_GPU.json] [--compute-batches 1 2 4 ...] [--cuda-graphs] [--timeout-s 300]
+        [--backend auto|cudnn|persistent|reference] [--cell relu|tanh|gru|lstm] [--steps 20] [--warmup 5]
+        [--frames 300] [--compute-batches 1 2 4 ...] [--amp bf16|none] [--device auto|cpu|cuda] [--cuda-graphs]
+        [--seed 1234] [--timeout-s 300] [--json PATH] [--baseline ONE_GPU.json]
 
 Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
 lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the

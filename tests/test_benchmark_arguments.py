@@ -370,3 +370,27 @@ def test_an_empty_baseline_or_runs_folder_is_refused(module, arguments, tmp_path
     assert result.stderr.endswith(f"error: argument {arguments[-1]}: an empty path (an unset shell variable?)\n"), (
         result.stderr[-2000:])
     assert list(tmp_path.iterdir()) == []
+
+
+BENCHMARKS = ["rnn_kernels", "rnn_stack", "support_table", "train_step", "wer_parity", "scaling", "scaling_model"]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_each_benchmarks_synopsis_in_its_readme_names_every_flag(name, monkeypatch):
+    """benchmarks/README.md gives each script's command with every flag it takes: train_step's and scaling's left out
+    --timeout-s, which a reader of their sections could not know they take."""
+    parsers = []
+
+    def record_then_stop(parser, *arguments, **options):
+        parsers.append(parser)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record_then_stop)
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}"])
+    with pytest.raises(Parsed):
+        importlib.import_module(f"benchmarks.{name}").main()
+    flags = {flag for action in parsers[0]._actions for flag in action.option_strings if flag.startswith("--")}
+    text = (REPO_ROOT / "benchmarks" / "README.md").read_text()
+    synopsis = re.search(rf"^```\n((?:mpirun -np N )?python -m benchmarks\.{name} .*?)^```$", text, re.S | re.M)
+    assert synopsis, f"benchmarks/README.md gives no synopsis of benchmarks.{name}"
+    assert flags - {"--help"} - set(re.findall(r"--[\w-]+", synopsis.group(1))) == set()
