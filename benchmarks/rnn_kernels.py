@@ -312,29 +312,34 @@ def main():
             for batch in batches for precision in args.precisions]
     grid += [(cell, BIDIRECTIONAL_BATCH, hidden, precision, True) for cell in args.cells for hidden in hiddens
              for precision in args.precisions]
+    measured_on = setting()  # before the rows: the checkout may be edited, or switched, while they are measured
     rows = []
     for point in grid:
         rows.append(measure(*point))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-            write_json(args.json, rows, configuration, so_far=True)
+            write_json(args.json, measured_on, rows, configuration, so_far=True)
     print_table(rows)
     if args.json:
-        write_json(args.json, rows, configuration)
+        write_json(args.json, measured_on, rows, configuration)
 
 
-def write_json(path, rows, configuration, so_far=False):
+def setting():
+    """The device, the versions (the code's commit among them) and the baselines' settings the rows are measured
+    with."""
     properties = torch.cuda.get_device_properties(0)
-    result = {
+    return {
         "device": device_name(torch.device("cuda")),
         "multiprocessors": properties.multi_processor_count,
         **versions(torch.device("cuda")),
         "baselines": {precision: [{"name": name, "dtype": str(dtype), "cudnn_allow_tf32": tf32}
                                   for name, dtype, tf32 in baselines] for precision, baselines in BASELINES.items()},
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "config": configuration,
-        "rows": rows,
     }
+
+
+def write_json(path, measured_on, rows, configuration, so_far=False):
+    result = {**measured_on, "config": configuration, "rows": rows}
     write_output(path, json.dumps(result, indent=2) + "\n", so_far)
 
 

@@ -146,6 +146,9 @@ def main(argv=None) -> int | None:
     torch.cuda.init()  # before the memory statistics are reset
     configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
                for name in args.models}
+    # Before the rows: the checkout may be edited, or switched, while they are measured.
+    measured_on = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
+                   "versions": versions(device)}
     rows = []
     for model_name in args.models:
         for batch_size in args.batches:
@@ -163,19 +166,18 @@ def main(argv=None) -> int | None:
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
                 add_speedups(rows)
                 if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-                    write_json(args, rows, configs, device, so_far=True)
+                    write_json(args, measured_on, rows, configs, so_far=True)
     print(f"training step on {device_name(device)}, {args.frames} frames, amp {args.amp}")
     print_table(rows, configs)
     if args.json:
-        write_json(args, rows, configs, device)
+        write_json(args, measured_on, rows, configs)
         print(f"wrote {args.json}")
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 
-def write_json(args, rows: list[dict], configs: dict, device, so_far: bool = False) -> None:
-    result = {"benchmark": "train_step", "device": device_name(device), "host": platform.node(),
-              "versions": versions(device), "config": {**vars(args), "model_configs": configs,
-                                                       "command": command_line()}, "rows": rows}
+def write_json(args, measured_on: dict, rows: list[dict], configs: dict, so_far: bool = False) -> None:
+    result = {**measured_on, "config": {**vars(args), "model_configs": configs, "command": command_line()},
+              "rows": rows}
     write_output(args.json, json.dumps(result, indent=1) + "\n", so_far)
 
 

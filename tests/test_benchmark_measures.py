@@ -188,6 +188,36 @@ benchmark.{per_point} = until_ctrl_c
     assert len(json.loads((tmp_path / "out.json").read_text())[points]) == 1
 
 
+
+@pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))
+def test_the_json_names_the_commit_the_run_started_on(tmp_path, name):
+    """rnn_kernels and train_step asked git for the commit each time they wrote their JSON: a checkout edited, or
+    switched to another branch, during a run of hours was named as the code that had been measured."""
+    code, _, _ = FAKED_BENCHMARKS[name]
+    per_point = "support" if name == "rnn_stack" else "measure"
+    edited_during_the_run = code + f"""
+checkout = {{"commit": "started"}}
+benchmark.versions = lambda device: dict(checkout)
+def edit_then_measure(*point, each_point=benchmark.{per_point}):
+    checkout["commit"] = "edited"
+    return each_point(*point)
+benchmark.{per_point} = edit_then_measure
+benchmark.main()
+"""
+    result = subprocess.run([sys.executable, "-c", edited_during_the_run, "--json", str(tmp_path / "out.json")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert values_of("commit", json.loads((tmp_path / "out.json").read_text())) == ["started"]
+
+
+def values_of(key: str, document) -> list:
+    """Every value of `key` in the objects of a JSON document, at any depth."""
+    if isinstance(document, list):
+        return [value for item in document for value in values_of(key, item)]
+    if not isinstance(document, dict):
+        return []
+    return ([document[key]] if key in document else []) + values_of(key, list(document.values()))
+
 def test_a_ctrl_c_ends_scaling_in_one_line(tmp_path):
     """benchmarks.scaling ended a Ctrl-C in a traceback through the training step; it writes its JSON at the end, so
     there is nothing to keep."""
