@@ -353,6 +353,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    distributed.refuse_torchruns_processes()
     try:
         ctrl_c_raises_keyboard_interrupt()
         main()

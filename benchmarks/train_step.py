@@ -182,4 +182,5 @@ def write_json(args, measured_on: dict, rows: list[dict], configs: dict, so_far:
 
 
 if __name__ == "__main__":
+    distributed.refuse_torchruns_processes()
     sys.exit(run_tool(main))

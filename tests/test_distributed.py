@@ -456,6 +456,25 @@ def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(mon
     assert distributed.init("cpu") == distributed.DistEnv(0, 1, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
+                                     ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
+                                     ["benchmarks.train_step"]])
+def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_anything_is_written(tmp_path, program):
+    """Every one of torchrun's processes prints the refusal, and none is a rank of ours: each said "error on rank 0",
+    the trainer's after Hydra had made each process a run directory and its log."""
+    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
+    env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
+    ran = subprocess.run([sys.executable, "-m", *(part.format(run=tmp_path / "run") for part in program)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S,
+                         env={**env, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.splitlines() == [
+        "error: WORLD_SIZE=2 says this process is one of several, as torchrun starts them, but the ranks come from "
+        "MPI, and each process would train alone: start them with launch/single_node.sh N (mpirun) or srun, or unset "
+        "WORLD_SIZE"], ran.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""

@@ -87,6 +87,18 @@ def check_not_one_of_torchruns_ranks() -> None:
                          "launch/single_node.sh N (mpirun) or srun, or unset WORLD_SIZE")
 
 
+def refuse_torchruns_processes() -> None:
+    """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal as
+    "error: ..." and exit code 2, before the program names a rank or writes anything. Every one of torchrun's processes
+    prints it and none is a rank of ours, where the line said "error on rank 0" (launcher_rank without an MPI
+    launcher) from each, and the trainer's had each made a run directory first."""
+    try:
+        check_not_one_of_torchruns_ranks()
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
 TRAINER_TIMEOUT_SETTING = "distributed.timeout_s"
 
 
