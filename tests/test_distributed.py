@@ -542,6 +542,31 @@ def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvo
     assert distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING) == (1, 2, 0, 1, "192.0.2.7", 29511)
 
 
+def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not_mpi(monkeypatch, caplog):
+    """Without mpi4py no rank started MPI: the line said "another rank stopped answering after MPI started" where
+    rank 0 was not at MASTER_ADDR and MASTER_PORT (stopped, or another address set for this rank)."""
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as where it is not installed
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    port = distributed._free_port()  # no rank 0 listens there
+    for name, value in (("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)):
+        monkeypatch.setenv(name, str(value))
+
+    def ends_the_job(exit_code: int = 1):
+        raise SystemExit(exit_code)
+
+    monkeypatch.setattr(distributed, "abort_job", ends_the_job)
+    with pytest.raises(SystemExit):
+        distributed.init("cpu", 1)
+    [line] = [record.getMessage() for record in caplog.records if record.name == distributed.log.name]
+    assert line.startswith(f"error on rank 1: the process group's rendezvous did not complete within "
+                           f"distributed.timeout_s (1 s): a rank did not reach rank 0 at MASTER_ADDR and MASTER_PORT "
+                           f"(127.0.0.1:{port}): it stopped or hung, or another MASTER_ADDR or MASTER_PORT than this "
+                           "rank's was set for it; this rank ends the job ("), line
+    assert "MPI" not in line.replace("MASTER_", ""), line
+
+
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
     """A sweep's later jobs find MPI started: a fork then makes OpenMPI warn, and InfiniBand's registered memory may
     not survive it."""

@@ -337,14 +337,25 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         if not rendezvous_timed_out(error):
             raise
-        log.error("error on rank %d: the process group's rendezvous did not complete %s: another rank stopped "
-                  "answering after MPI started (stopped, or hung); this rank ends the job (%s)", rank,
-                  _within(timeout_s, timeout_setting), " ".join(str(error).split()))
+        log.error("error on rank %d: the process group's rendezvous did not complete %s: %s; this rank ends the job "
+                  "(%s)", rank, _within(timeout_s, timeout_setting), rendezvous_missed_by(address, port),
+                  " ".join(str(error).split()))
         abort_job(1)
     # The process and host too: where a rank dies, MPICH's mpiexec names its PID and host, not its rank.
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
              local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
     return DistEnv(rank, world_size, rank_device, ranks_on_device)
+
+
+def rendezvous_missed_by(address: str, port: int) -> str:
+    """Who kept the process group's rendezvous at rank 0's `address` and `port` from completing, as far as this rank
+    can tell. Every rank started MPI before it, where mpi4py broadcast them; without mpi4py none is known to have
+    started, and a rank given another MASTER_ADDR or MASTER_PORT than rank 0 misses it too, where the line said
+    "after MPI started" of a job that never started MPI."""
+    if "mpi4py.MPI" in sys.modules:
+        return "another rank stopped answering after MPI started (stopped, or hung)"
+    return (f"a rank did not reach rank 0 at MASTER_ADDR and MASTER_PORT ({address}:{port}): it stopped or hung, or "
+            "another MASTER_ADDR or MASTER_PORT than this rank's was set for it")
 
 
 def rendezvous_timed_out(error: Exception) -> bool:
