@@ -14,7 +14,7 @@ from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, restore, resumed_train_state, run_started_from, set_best_aside,
+    load_optimizer_state, restore, resumed_train_state, run_started_from, set_best_aside, settle_kept_best,
 )
 from trainer.train import open_metrics, steps_from_the_resume
 
@@ -341,6 +341,29 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
                                          r"resume without it\)$"):
         best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
 
+
+
+def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_best_pt_again(tmp_path, caplog):
+    """best.pt deleted by hand while the run was on another test set, whose best.pt it was: none was to beat back on
+    this one, so its first evaluation, however worse, became best.pt, and the next resume removed the kept best-A.pt
+    as an alias of it, losing the best model on this test set."""
+    run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+    kept = {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": "8 utterances, sha256 A",
+            "train_state": {**state, "epoch": 1, "step": 2, "best_unreadable": 0, "best_wer": 10.0}}
+    later = {**kept, "test_set": "8 utterances, sha256 B", "train_state": {**kept["train_state"], "step": 4}}
+    resumed.write_bytes(b"")  # what it holds is `later`'s
+    best = run_dir / "checkpoints" / "best.pt"
+    checkpoint.save(best.with_name("best-A.pt"), kept)
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        found = best_to_beat(run_dir, resumed, later, state, "8 utterances, sha256 A")
+        assert found == ({"best_unreadable": 0, "best_wer": 10.0}, None)
+        settle_kept_best(run_dir, "8 utterances, sha256 A")
+    assert f"no {best}: the evaluation to beat is that of best-A.pt, the best on this test set" in caplog.text
+    assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
+    assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
+    assert torch.load(best, weights_only=True)["train_state"]["best_wer"] == 10.0
 
 def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_this_one(tmp_path, caplog):
     """One from before checkpoints recorded their test set was taken as this test set's: its WER, perhaps over another

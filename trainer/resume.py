@@ -223,21 +223,26 @@ class BestToBeat(NamedTuple):
 def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> BestToBeat:
     """The best_unreadable and best_wer an evaluation must beat to replace the run directory's best.pt: those best.pt
     itself records, not those of the checkpoint resumed from (`saved`, read from `resumed`), which may be an earlier
-    one or a copy of one: its figures let an epoch worse than best.pt's replace it. None to beat (infinite) where there
-    is no best.pt (a run started from another run's checkpoint). Where best.pt was evaluated on another test set, whose
-    WERs do not compare, it is to be kept under its test set's name (kept_best), and the one to beat is the best.pt
-    kept so for this test set, a run resumed back on it, or none. A best.pt that records no test set (from before
-    checkpoints recorded theirs) is kept so too, as UNKNOWN_TEST_SET_BEST: its WER may be over another test set."""
+    one or a copy of one: its figures let an epoch worse than best.pt's replace it. Where there is no best.pt, those of
+    the best.pt kept for this test set (deleted by hand while the run was on another), which settle_kept_best makes
+    best.pt again, else none to beat (infinite: a run started from another run's checkpoint). Where best.pt was
+    evaluated on another test set, whose WERs do not compare, it is to be kept under its test set's name (kept_best),
+    and the one to beat is the best.pt kept so for this test set, a run resumed back on it, or none. A best.pt that
+    records no test set (from before checkpoints recorded theirs) is kept so too, as UNKNOWN_TEST_SET_BEST: its WER
+    may be over another test set."""
     best = run_dir / "checkpoints" / "best.pt"
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
+    kept_here = kept_best(best, test_fingerprint)
+    back = kept_here.is_file()
     if not best.is_file():
-        return BestToBeat(none, None)
+        if not back:
+            return BestToBeat(none, None)
+        log.info("no %s: the evaluation to beat is that of %s, the best on this test set", best, kept_here.name)
+        return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1], None)
     best_saved, figures = recorded_best(best, resumed, saved, state)
     their_test_set = best_saved.get("test_set")
     if their_test_set == test_fingerprint:
         return BestToBeat(figures, None)
-    kept_here = kept_best(best, test_fingerprint)
-    back = kept_here.is_file()
     to_beat = (f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
                else "the first evaluation here replaces best.pt")
     # What is kept and moved, set_best_aside says as it does it: a job with nothing left to train does neither.
@@ -284,20 +289,30 @@ def set_best_aside(run_dir: Path, kept_as: Path, test_fingerprint: str) -> None:
     best = run_dir / "checkpoints" / "best.pt"
     checkpoint.save_same(best, kept_as)
     log.info("%s, the best on its test set, kept as %s", best, kept_as)
+    bring_back_kept_best(best, test_fingerprint)
+
+
+def bring_back_kept_best(best: Path, test_fingerprint: str) -> None:
+    """Makes the best.pt kept for this test set, if any, the run's best.pt (`best`) again."""
     kept_here = kept_best(best, test_fingerprint)
     if kept_here.is_file():
         os.replace(kept_here, best)  # a move, not a link: best.pt goes on, and the name would hold a stale copy
         log.info("%s, the best on this test set, is %s again", kept_here, best)
 
 
-def drop_kept_best(run_dir: Path, test_fingerprint: str) -> None:
-    """Where the run directory's best.pt is this test set's (best_to_beat kept nothing aside), removes the name it was
-    kept under on a move to another test set and back with no evaluation between: set_best_aside moves a kept best
-    back, but only from a best.pt of another test set. The name holds best.pt's model or one best.pt has since beaten,
-    and beside it would stay an older copy that looks like the best on its test set."""
+def settle_kept_best(run_dir: Path, test_fingerprint: str) -> None:
+    """Where the run directory's best.pt is this test set's or there is none (best_to_beat kept nothing aside), leaves
+    one name for the best on this test set. Beside best.pt, removes the name it was kept under on a move to another
+    test set and back with no evaluation between: set_best_aside moves a kept best back, but only from a best.pt of
+    another test set. The name holds best.pt's model or one best.pt has since beaten, and beside it would stay an older
+    copy that looks like the best on its test set. Without best.pt (deleted by hand), makes the kept one best.pt again,
+    as best_to_beat took its evaluation as the one to beat: the next resume would otherwise remove it as that alias."""
     best = run_dir / "checkpoints" / "best.pt"
+    if not best.is_file():
+        bring_back_kept_best(best, test_fingerprint)
+        return
     kept_here = kept_best(best, test_fingerprint)
-    if best.is_file() and kept_here.is_file():
+    if kept_here.is_file():
         kept_here.unlink()
         log.info("%s removed: %s is the best on this test set again", kept_here, best)
 

@@ -41,8 +41,8 @@ from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate, left_out
 from trainer.metrics import ErrorCounts
 from trainer.resume import (
-    checkpoint_to_resume, drop_kept_best, known_entries, load_optimizer_state, position_in_epochs, resume_into,
-    set_best_aside,
+    checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, set_best_aside,
+    settle_kept_best,
 )
 from trainer.run_directory import hold_run_directory
 from trainer.stop import (
@@ -661,7 +661,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if start.best_kept_as is not None:  # here, not at the resume: a job refused before leaves best.pt alone
             set_best_aside(run_dir, start.best_kept_as, test_fingerprint)
         else:
-            drop_kept_best(run_dir, test_fingerprint)
+            settle_kept_best(run_dir, test_fingerprint)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
