@@ -385,6 +385,32 @@ def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_
             "test sets do not compare: the first evaluation here replaces best.pt") in caplog.text
     assert f"{best}, the best on its test set, kept as {found.kept_as}" in caplog.text
     assert torch.load(found.kept_as, weights_only=True)["train_state"]["best_wer"] == 5.0
+    with caplog.at_level("INFO", logger="trainer.resume"):  # a job killed once it kept best.pt, resumed again
+        assert best_to_beat(run_dir, resumed, old_best, state, "8 utterances, sha256 A") == found
+    checkpoint.save(found.kept_as, old_best)  # a copy, where the file system has no hard links
+    assert best_to_beat(run_dir, resumed, old_best, state, "8 utterances, sha256 A") == found
+
+
+def test_a_second_best_pt_that_records_no_test_set_is_refused_rather_than_kept_over_the_first(tmp_path):
+    """best-unknown-test-set.pt was replaced by the next best.pt without a test set (one put back by hand), silently:
+    the first was lost."""
+    run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+
+    def old_best(step):
+        return {**{part: {} for part in checkpoint.TRAINING_PARTS},
+                "train_state": {**state, "epoch": step // 2, "step": step, "best_unreadable": 0, "best_wer": 5.0}}
+
+    resumed.write_bytes(b"")  # what it holds is old_best(20)'s
+    best = run_dir / "checkpoints" / "best.pt"
+    checkpoint.save(best.with_name("best-unknown-test-set.pt"), old_best(8))
+    checkpoint.save(best, old_best(20))
+    with pytest.raises(ValueError, match=rf"^cannot resume: {re.escape(str(best))} is to be kept as "
+                                         r"best-unknown-test-set.pt, which already holds another checkpoint that "
+                                         r"keeping it would overwrite: move one of them away$"):
+        best_to_beat(run_dir, resumed, old_best(20), state, "8 utterances, sha256 A")
+    assert torch.load(best.with_name("best-unknown-test-set.pt"), weights_only=True)["train_state"]["step"] == 8
 
 
 def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_from_any_other_is_left_to_refuse(

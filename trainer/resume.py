@@ -1,6 +1,7 @@
 """Resuming a run: which checkpoint train.resume names (checkpoint_to_resume), whether it is this run's own, and each
 of its parts handed back to the model, optimizer, schedule and training state it came from, refused in one line
 naming the file and the part that does not fit (restore); resume_into takes a job's run up from it on every rank."""
+import filecmp
 import json
 import logging
 import math
@@ -254,7 +255,17 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
         kept_as = kept_best(best, their_test_set)
         log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets "
                  "do not compare: %s", best, their_test_set, test_fingerprint, to_beat)
+    check_free_to_keep(best, kept_as)
     return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as)
+
+
+def check_free_to_keep(best: Path, kept_as: Path) -> None:
+    """ValueError where `kept_as` already holds another checkpoint than best.pt (`best`), which keeping best.pt under
+    that name would overwrite: above all a second best.pt that records no test set. The same one is a job killed after
+    keeping it, resumed again: a hard link, or a copy where the file system has none."""
+    if kept_as.is_file() and not (kept_as.samefile(best) or filecmp.cmp(kept_as, best, shallow=False)):
+        raise ValueError(f"cannot resume: {best} is to be kept as {kept_as.name}, which already holds another "
+                         f"checkpoint that keeping it would overwrite: move one of them away")
 
 
 def recorded_best(path: Path, resumed: Path, saved: dict, state: dict) -> tuple[dict, dict]:
