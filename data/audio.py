@@ -19,18 +19,24 @@ MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
 MAX_CHANNELS = 16  # a microphone array's; each channel is decoded before they are averaged
 # libsndfile's frame count where a header gives none (a FLAC written to a pipe, which cannot go back to fill it in).
 UNKNOWN_FRAMES = 2**63 - 1
-# Resampling between two rates builds a filter of one phase per step of their ratio in lowest terms: 16000 -> 16001 Hz
-# needs 16001 phases (seconds and gigabytes for a short clip). An odd rate further from the model's than this many
-# phases is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of pitch and speed);
-# where the model's own rate is the odd one, that does not help, and the file is refused.
-MAX_RESAMPLING_PHASES = 1000
+# Resampling between two rates builds a filter of one phase per output sample of their ratio in lowest terms, each
+# spanning that ratio's input samples: 16001 -> 16000 Hz takes 16000 phases of 16015 taps (14 s and 4 GB, whatever the
+# clip's length), 100100 -> 16000 Hz 160 phases of 1077 (as quick as 44100 -> 16000). An odd rate whose filter would
+# take more taps than this is resampled as the nearest multiple of 100 Hz instead (16001 -> 16000: a 0.006 % change of
+# pitch and speed); where the model's own rate is the odd one, that does not help, and the file is refused. The most an
+# accepted filter takes, 2 million taps, is 16 MB while torchaudio builds it in float64.
+MAX_RESAMPLING_TAPS = 2_000_000
+# A model rate that resamples every multiple of 100 Hz within MIN_SAMPLE_RATE-MAX_SAMPLE_RATE under MAX_RESAMPLING_TAPS.
+RATE_THAT_TAKES_ANY_FILE = 16000
+# torchaudio.functional.resample's defaults, which size its filter.
+LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99
 
 
 def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tensor:
     """Read `path` (any format libsndfile knows: FLAC, WAV, NIST SPHERE...) as a mono waveform.
 
     Channels are averaged and other sample rates resampled to `sample_rate` (an odd rate such as 16001 Hz as the
-    nearest multiple of 100 Hz, see MAX_RESAMPLING_PHASES).
+    nearest multiple of 100 Hz, see MAX_RESAMPLING_TAPS).
 
     Returns:
         (N,) float32 samples, in [-1, 1] for integer formats (float files hold what they hold).
@@ -38,7 +44,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
         AudioError naming the file and the reason when it cannot be read, its header claims more than MAX_SECONDS of
         audio or a sample rate outside MIN_SAMPLE_RATE-MAX_SAMPLE_RATE, it holds no samples, or holds non-finite
         ones (a float file can; they would turn the whole batch's loss into NaN), or resampling it to `sample_rate`
-        would take more than MAX_RESAMPLING_PHASES filter phases even from the nearest multiple of 100 Hz.
+        would take a filter of more than MAX_RESAMPLING_TAPS taps even from the nearest multiple of 100 Hz.
     """
     audio_header(path)
     try:
@@ -57,16 +63,16 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
 
 
 def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate: int) -> int:
-    """`file_rate`, or the nearest multiple of 100 Hz where resampling from it would take more than
-    MAX_RESAMPLING_PHASES filter phases; AudioError where that takes too many as well."""
-    if _resampling_phases(file_rate, sample_rate) <= MAX_RESAMPLING_PHASES:
+    """`file_rate`, or the nearest multiple of 100 Hz where resampling from it would take a filter of more than
+    MAX_RESAMPLING_TAPS taps; AudioError where that takes too many as well."""
+    if _resampling_filter_taps(file_rate, sample_rate) <= MAX_RESAMPLING_TAPS:
         return file_rate
     rounded_rate = max(100, round(file_rate / 100) * 100)
-    phases = _resampling_phases(rounded_rate, sample_rate)
-    if phases > MAX_RESAMPLING_PHASES:  # the model's own rate is the odd one
-        raise AudioError(f"{path}: resampling {rounded_rate} Hz to the model's {sample_rate} Hz would take {phases} "
-                         f"filter phases, more than {MAX_RESAMPLING_PHASES}: give the model a rate in whole hundreds "
-                         "of Hz")
+    taps = _resampling_filter_taps(rounded_rate, sample_rate)
+    if taps > MAX_RESAMPLING_TAPS:  # the model's own rate is the odd one
+        raise AudioError(f"{path}: resampling {rounded_rate} Hz to the model's {sample_rate} Hz would take a filter of "
+                         f"{taps} taps, more than {MAX_RESAMPLING_TAPS}: give the model a rate such as "
+                         f"{RATE_THAT_TAKES_ANY_FILE} Hz, which takes audio at any rate")
     return rounded_rate
 
 
@@ -116,8 +122,12 @@ def _require_readable_file(path: str | os.PathLike) -> None:
                                         "not a file (a pipe, <(...), a device); save the audio to one and name that"))
 
 
-def _resampling_phases(from_rate: int, to_rate: int) -> int:
-    return max(from_rate, to_rate) // math.gcd(from_rate, to_rate)
+def _resampling_filter_taps(from_rate: int, to_rate: int) -> int:
+    """The size of the filter torchaudio.functional.resample builds between the two rates."""
+    gcd = math.gcd(from_rate, to_rate)
+    from_step, to_step = from_rate // gcd, to_rate // gcd
+    width = math.ceil(LOWPASS_FILTER_WIDTH * from_step / (ROLLOFF * min(from_step, to_step)))
+    return to_step * (from_step + 2 * width)
 
 
 def _reason(error: Exception) -> str:

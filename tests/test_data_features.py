@@ -11,7 +11,8 @@ import torch
 import torchaudio.functional
 
 from conftest import error_without_root_privilege
-from data.audio import AudioError, audio_header, load_audio
+from data.audio import (MAX_RESAMPLING_TAPS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, RATE_THAT_TAKES_ANY_FILE, AudioError,
+                        _resampling_filter_taps, audio_header, load_audio)
 from data.features import FeatureExtractor, SpecAugment
 
 
@@ -120,12 +121,18 @@ def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):
         audio_header(tmp_path / "longer.wav")
 
 
-def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, monkeypatch):
-    # 16001 Hz in lowest terms against 16000 would need a filter of 16001 phases: gigabytes for a clip of seconds.
+@pytest.fixture
+def rates(monkeypatch) -> list[tuple[int, int]]:
+    """The (from, to) rates of each resampling while the test runs."""
     rates = []
     resample = torchaudio.functional.resample
     monkeypatch.setattr(torchaudio.functional, "resample",
                         lambda waveform, orig, new: rates.append((orig, new)) or resample(waveform, orig, new))
+    return rates
+
+
+def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, rates):
+    # 16001 Hz in lowest terms against 16000 would need a filter of 256 million taps: 4 GB, whatever the clip's length.
     soundfile.write(tmp_path / "odd.wav", tone(440, 0.25, 16001), 16001, subtype="FLOAT")
     soundfile.write(tmp_path / "cd.wav", tone(440, 0.25, 44100), 44100, subtype="FLOAT")
     odd, cd = (load_audio(tmp_path / name, sample_rate=16000) for name in ("odd.wav", "cd.wav"))
@@ -133,10 +140,25 @@ def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, monkeyp
     assert abs(len(odd) - 4000) <= 1 and len(cd) == 4000
     assert int(torch.fft.rfft(odd[:4000]).abs().argmax()) == int(torch.fft.rfft(cd).abs().argmax()) == 110  # 4 Hz bins
     # Where the model's own rate is the odd one, no file's rounding helps: each is refused, naming both rates.
-    with pytest.raises(AudioError, match="cd.wav: resampling 44100 Hz to the model's 16001 Hz would take 44100 "
-                                         "filter phases, more than 1000"):
+    with pytest.raises(AudioError, match="cd.wav: resampling 44100 Hz to the model's 16001 Hz would take a filter of "
+                                         "706188134 taps, more than 2000000: give the model a rate such as 16000 Hz, "
+                                         "which takes audio at any rate$"):
         load_audio(tmp_path / "cd.wav", sample_rate=16001)
     assert rates == [(16000, 16000), (44100, 16000)]
+
+
+def test_a_fast_rate_of_few_lowest_terms_is_resampled_exactly(tmp_path, rates):
+    # 100100 / 16000 is 1001 / 160 in lowest terms: 160 phases of 1077 taps, as cheap as 44.1 kHz. It was refused, as
+    # was every multiple of 100 Hz above 100 kHz sharing only 100 with 16000, with a message that blamed the model's
+    # rate for not being in whole hundreds of Hz.
+    for rate in (100_100, 300_100):
+        soundfile.write(tmp_path / f"{rate}.wav", tone(440, 0.25, rate), rate, subtype="FLOAT")
+        waveform = load_audio(tmp_path / f"{rate}.wav", sample_rate=16000)
+        assert len(waveform) == 4000 and int(torch.fft.rfft(waveform).abs().argmax()) == 110  # 4 Hz bins
+    assert rates == [(100_100, 16000), (300_100, 16000)]
+    # The rate the refusal names takes every file: each rate a file can be resampled as.
+    assert all(_resampling_filter_taps(rate, RATE_THAT_TAKES_ANY_FILE) <= MAX_RESAMPLING_TAPS
+               for rate in range(MIN_SAMPLE_RATE, MAX_SAMPLE_RATE + 1, 100))
 
 
 def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
