@@ -456,6 +456,19 @@ def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(mon
     assert distributed.init("cpu") == distributed.DistEnv(0, 1, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("size", ["0", "-1", "abc", "2.5"])
+def test_a_world_size_that_is_no_count_is_refused_as_that(monkeypatch, size):
+    """WORLD_SIZE=0, -1 or abc was refused as "says this process is one of several", which it does not say."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", size)
+    with pytest.raises(ValueError) as refused:
+        distributed.init("cpu")
+    assert str(refused.value) == (f"WORLD_SIZE={size} is no count of processes (a whole number above 0), and the "
+                                  "ranks come from MPI: unset WORLD_SIZE")
+
+
 @pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
                                      ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
                                      ["benchmarks.train_step"]])

@@ -79,11 +79,16 @@ def launched_by_mpi() -> bool:
 def check_not_one_of_torchruns_ranks() -> None:
     """ValueError where torchrun's WORLD_SIZE (or a hand-made one) says this process is one of several but no MPI
     launcher's variables do: the ranks come from MPI alone, and each such process trained as a world of one, every
-    one of them the whole run on its own."""
+    one of them the whole run on its own. A WORLD_SIZE that is no count (0, abc) is refused as that."""
     size = os.environ.get("WORLD_SIZE", "").strip()
-    if size not in ("", "1") and not launched_by_mpi():
-        raise ValueError(f"WORLD_SIZE={size} says this process is one of several, as torchrun starts them, but the "
-                         "ranks come from MPI, and each process would train alone: start them with "
+    if not size or launched_by_mpi():
+        return
+    if not size.isdecimal() or int(size) < 1:  # 0, -1, abc: no count at all, where the refusal said "one of several"
+        raise ValueError(f"WORLD_SIZE={size} is no count of processes (a whole number above 0), and the ranks come "
+                         "from MPI: unset WORLD_SIZE")
+    if int(size) > 1:
+        raise ValueError(f"WORLD_SIZE={size} says this process is one of several, as torchrun starts them, but "
+                         "the ranks come from MPI, and each process would train alone: start them with "
                          "launch/single_node.sh N (mpirun) or srun, or unset WORLD_SIZE")
 
 
