@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     columns = [(cell, precision) for cell in args.cells for precision in args.precisions]
     cuda = torch.device("cuda")
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    # Before the queries: the checkout may be edited, or switched, while they run.
+    measured_on = {"device": device_name(cuda), "sms": properties.multi_processor_count,
+                   "l2_bytes": properties.L2_cache_size, **versions(cuda)}
     print(f"{device_name(cuda)} ({properties.multi_processor_count} SMs, {properties.L2_cache_size >> 20} MB of L2): "
           f"the most utterances (of 1..{args.max_batch}) a layer runs, and in brackets with both directions in one "
           "launch", file=table_out)
@@ -77,9 +80,7 @@ def main(argv=None) -> int:
             f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
             file=table_out, flush=True)
     if args.json:
-        results = {"device": device_name(cuda), "sms": properties.multi_processor_count,
-                   "l2_bytes": properties.L2_cache_size, **versions(cuda), "max_batch": args.max_batch,
-                   "command": command_line(), "rows": table}
+        results = {**measured_on, "max_batch": args.max_batch, "command": command_line(), "rows": table}
         write_output(args.json, json.dumps(results, indent=1) + "\n")
     return 0
 

@@ -388,7 +388,7 @@ def main(argv=None) -> None:
     if args.report:
         if not any((runs_dir / name).is_dir() for name, _, _ in jobs):  # a misspelt --name or --runs-dir
             nothing_to_report(f"none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
-        gpus = None
+        gpus, measured_on = None, {}
         rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
         if all(row.get("damaged") or not (runs_dir / row["run"]).is_dir() for row in rows):
             for row in rows:
@@ -410,13 +410,15 @@ def main(argv=None) -> None:
             if check_overrides.main([f"run_name={name}", *settings]):
                 sys.exit(2)
         gpus = visible_gpus()
+        # Before the runs: the checkout may be edited, or switched, during their hours of training.
+        measured_on = environment() if args.json else {}
         rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)
 
     print_runs(rows, runs_dir, args.at_epoch)
     print_summary(summary, args.backends[0])
     if args.json:
-        write_json(args, argv, rows, summary, gpus)
+        write_json(args, argv, rows, summary, gpus, measured_on)
     failed = [row for row in rows if row["returncode"] not in (0, None)]
     for row in failed:
         print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
@@ -462,17 +464,16 @@ def print_summary(summary: list[dict], first_backend: str) -> None:
               f"{percent(entry['std_wer']):>6} {versus:>22}")
 
 
-def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpus: list[str] | None) -> None:
-    """--json: the runs, the summary and the configuration, with the command as typed."""
+def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpus: list[str] | None,
+               measured_on: dict) -> None:
+    """--json: the runs, the summary and the configuration, with the command as typed and `measured_on`, environment()
+    as the runs started. A report runs nothing here, and has none: this machine's GPU and versions would describe a
+    training that did not happen (each run's own devices are in its row)."""
     config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]),
               "backends": args.backends, "seeds": args.seeds, "graphs": args.graphs,
               "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
               "at_epoch": args.at_epoch, "gpus": gpus,
-              "report": args.report}
-    # A report runs nothing here: this machine's GPU and versions would describe a training that did not happen
-    # (each run's own devices are in its row).
-    if not args.report:
-        config.update(environment())
+              "report": args.report, **measured_on}
     write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
     print(f"wrote {args.json}")
 

@@ -323,6 +323,22 @@ def test_the_support_table_writes_the_json_alone_where_it_is_stdout(tmp_path):
     assert {"device", "sms", "l2_bytes", "max_batch", "command"} <= set(written)
 
 
+def test_the_support_tables_json_names_the_commit_its_queries_started_on(tmp_path):
+    """The support table asked git for the commit as it wrote its JSON, after every query."""
+    edited_during_the_run = FAKED_SUPPORT_TABLE.replace("sys.exit(", """
+checkout = {"commit": "started"}
+benchmark.versions = lambda device: dict(checkout)
+def edit_then_query(*shape, each_shape=benchmark.support):
+    checkout["commit"] = "edited"
+    return each_shape(*shape)
+benchmark.support = edit_then_query
+sys.exit(""")
+    result = subprocess.run([sys.executable, "-c", edited_during_the_run, "--hiddens", "128", "--json",
+                             str(tmp_path / "out.json")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "out.json").read_text())["commit"] == "started"
+
+
 def test_the_support_table_a_full_disk_leaves_the_json_before_it_as_it_was(tmp_path):
     """The JSON was written in place: a file size limit (ulimit -f), as a disk filling up, left it cut short, and the
     run ended in OSError's traceback."""

@@ -307,6 +307,27 @@ def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkey
             in capsys.readouterr().err)
 
 
+def test_the_json_names_the_commit_the_runs_started_on(tmp_path, monkeypatch):
+    """wer_parity asked git for the commit as it wrote its JSON, after the runs: a checkout edited, or switched to
+    another branch, during their hours of training was named as the code that had trained."""
+    checkout = {"commit": "started"}
+
+    def run(command, **kwargs):
+        if command[1:3] != ["-m", "trainer"]:  # the device's name, from platform
+            return real_run(command, **kwargs)
+        checkout["commit"] = "edited"
+        return subprocess.CompletedProcess(command, 0)
+
+    real_run = subprocess.run
+    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setattr("trainer.environment.versions", lambda device: dict(checkout))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "runs"),
+                     "--json", str(tmp_path / "wer.json")])
+    assert checkout["commit"] == "edited"
+    assert json.loads((tmp_path / "wer.json").read_text())["config"]["commit"] == "started"
+
+
 def test_a_ctrl_c_stops_the_runs_in_progress_and_starts_no_more(tmp_path):
     """A Ctrl-C stopped the run in progress, which gets it too, and then the thread pool's shutdown started each
     queued run, to train for hours: one Ctrl-C per queued run. Here each run's MPI job is a stand-in that runs until a
