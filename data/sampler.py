@@ -139,7 +139,8 @@ def eval_shards(durations: Sequence[float], world_size: int, batch_size: int) ->
     longest at most EVAL_LENGTH_SPREAD times its shortest, so batch k holds similar lengths on every rank. Ranks may
     hold different numbers of batches: sum the results after the loop rather than synchronising per batch.
     """
-    _check_rank(0, world_size)
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     order = torch.argsort(torch.tensor(durations, dtype=torch.float64), stable=True).tolist()

@@ -172,7 +172,7 @@ def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_eval_shard_covers_every_utterance_once_in_length_sorted_batches(world_size):
+def test_eval_shards_covers_every_utterance_once_in_length_sorted_batches(world_size):
     shards = eval_shards(DURATIONS, world_size, batch_size=5)
     everything = [index for shard in shards for batch in shard for index in batch]
     assert sorted(everything) == list(range(103))
@@ -196,3 +196,11 @@ def test_a_long_recording_among_short_ones_is_evaluated_in_a_batch_of_its_own():
     at_the_limit = [1.0, EVAL_LENGTH_SPREAD, EVAL_LENGTH_SPREAD + 0.5, 2.0]
     assert eval_shards(at_the_limit, 1, batch_size=16) == [[[0, 3, 1], [2]]]
     assert eval_shards(at_the_limit, 1, batch_size=2) == [[[0, 3], [1, 2]]]
+
+
+def test_eval_shards_refuses_an_empty_world_or_batch_naming_the_argument():
+    # eval_shards takes no rank: "rank 0 is not in a world of size 0" named one the caller never gave.
+    with pytest.raises(ValueError, match="^world_size must be positive, got 0$"):
+        eval_shards(DURATIONS, 0, batch_size=5)
+    with pytest.raises(ValueError, match="^batch_size must be positive, got 0$"):
+        eval_shards(DURATIONS, 2, batch_size=0)
