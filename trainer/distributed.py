@@ -83,7 +83,7 @@ def check_not_one_of_torchruns_ranks() -> None:
     size = os.environ.get("WORLD_SIZE", "").strip()
     if not size or launched_by_mpi():
         return
-    if not size.isdecimal() or int(size) < 1:  # 0, -1, abc: no count at all, where the refusal said "one of several"
+    if not size.isdecimal() or int(size) < 1:
         raise ValueError(f"WORLD_SIZE={size} is no count of processes (a whole number above 0), and the ranks come "
                          "from MPI: unset WORLD_SIZE")
     if int(size) > 1:
@@ -94,9 +94,9 @@ def check_not_one_of_torchruns_ranks() -> None:
 
 def refuse_torchruns_processes() -> None:
     """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal as
-    "error: ..." and exit code 2, before the program names a rank or writes anything. Every one of torchrun's processes
-    prints it and none is a rank of ours, where the line said "error on rank 0" (launcher_rank without an MPI
-    launcher) from each, and the trainer's had each made a run directory first."""
+    "error: ..." and exit code 2, before the program names a rank or writes anything (the trainer's Hydra, a run
+    directory). Every one of torchrun's processes prints it, and none is a rank of ours: launcher_rank, which finds no
+    MPI launcher, would call each rank 0."""
     try:
         check_not_one_of_torchruns_ranks()
     except ValueError as error:
@@ -246,9 +246,9 @@ def _ranks_and_rendezvous(timeout_s: float, timeout_setting: str) -> tuple[int, 
 
 def rendezvous_from_environment() -> tuple[str, int]:
     """Rank 0's address and port from MASTER_ADDR and MASTER_PORT, where no mpi4py broadcasts them; ValueError naming
-    the variable where one is unset or MASTER_PORT is no port, before any rendezvous. Without MASTER_ADDR each rank took
-    its own host's address, and those of other nodes waited out the timeout connecting to themselves; a port torch
-    cannot use failed in its traceback, and port 0 (any free port, on rank 0 alone) waited out the timeout too."""
+    the variable where one is unset or MASTER_PORT is no port, before any rendezvous. Without MASTER_ADDR each rank
+    would take its own host's address, and those of other nodes wait out the timeout connecting to themselves; a port
+    torch cannot use fails in its traceback, and port 0 (any free port, on rank 0 alone) waits out the timeout too."""
     address, port = (os.environ.get(name, "").strip() for name in ("MASTER_ADDR", "MASTER_PORT"))
     if unset := [name for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", port)) if not value]:
         raise ValueError(f"{' and '.join(unset)} unset: without mpi4py, every rank needs rank 0's address and a free "
@@ -355,8 +355,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
 def rendezvous_missed_by(address: str, port: int) -> str:
     """Who kept the process group's rendezvous at rank 0's `address` and `port` from completing, as far as this rank
     can tell. Every rank started MPI before it, where mpi4py broadcast them; without mpi4py none is known to have
-    started, and a rank given another MASTER_ADDR or MASTER_PORT than rank 0 misses it too, where the line said
-    "after MPI started" of a job that never started MPI."""
+    started MPI, and a rank given another MASTER_ADDR or MASTER_PORT than rank 0 misses it too."""
     if "mpi4py.MPI" in sys.modules:
         return "another rank stopped answering after MPI started (stopped, or hung)"
     return (f"a rank did not reach rank 0 at MASTER_ADDR and MASTER_PORT ({address}:{port}): it stopped or hung, or "
