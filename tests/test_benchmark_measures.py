@@ -189,7 +189,6 @@ benchmark.{per_point} = until_ctrl_c
     assert len(json.loads((tmp_path / "out.json").read_text())[points]) == 1
 
 
-
 @pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))
 def test_the_json_names_the_commit_the_run_started_on(tmp_path, name):
     """rnn_kernels and train_step asked git for the commit each time they wrote their JSON: a checkout edited, or
@@ -218,6 +217,7 @@ def values_of(key: str, document) -> list:
     if not isinstance(document, dict):
         return []
     return ([document[key]] if key in document else []) + values_of(key, list(document.values()))
+
 
 def test_a_ctrl_c_ends_scaling_in_one_line(tmp_path):
     """benchmarks.scaling ended a Ctrl-C in a traceback through the training step; it writes its JSON at the end, so

@@ -530,7 +530,6 @@ def test_a_language_model_counts_an_audio_files_transcript_once(tmp_path, monkey
     assert printed.out.endswith("a 2-gram model of 2 transcripts; 5 whose audio file is listed before left out\n")
 
 
-
 def test_a_language_model_counts_a_repeat_whose_own_transcript_is_unspellable_as_a_repeat(tmp_path, capsys):
     # As training counts it (data.dataset): the repeat was counted among the unspellable transcripts.
     (tmp_path / "a.wav").write_bytes(b"")
@@ -540,6 +539,7 @@ def test_a_language_model_counts_a_repeat_whose_own_transcript_is_unspellable_as
     assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
     assert capsys.readouterr().out.endswith("a 1-gram model of 1 transcript; 2 whose audio file is listed before "
                                             "left out\n")
+
 
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')

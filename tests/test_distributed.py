@@ -793,7 +793,6 @@ def test_the_multi_node_script_refuses_mpichs_launcher_naming_it(tmp_path):
     assert f"MPIRUN '{MPIEXEC} -v' is MPICH's launcher: launch/multi_node.sh" in refused.stderr, refused.stderr
 
 
-
 def test_the_multi_node_script_refuses_mpichs_launcher_however_it_writes_its_version(tmp_path):
     """The check read `mpirun --version | grep -q HYDRA` under pipefail: grep stops at its first match, and a launcher
     still writing then dies of SIGPIPE, which failed the pipe and let MPICH's launcher through at random."""

@@ -342,7 +342,6 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
         best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
 
 
-
 def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_best_pt_again(tmp_path, caplog):
     """best.pt deleted by hand while the run was on another test set, whose best.pt it was: none was to beat back on
     this one, so its first evaluation, however worse, became best.pt, and the next resume removed the kept best-A.pt
@@ -364,6 +363,7 @@ def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_b
     assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
     assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
     assert torch.load(best, weights_only=True)["train_state"]["best_wer"] == 10.0
+
 
 def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_this_one(tmp_path, caplog):
     """One from before checkpoints recorded their test set was taken as this test set's: its WER, perhaps over another
