@@ -197,6 +197,8 @@ def print_table(result: dict) -> None:
 def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dict:
     """Every measure of the docstring on this rank; returns the result that rank 0 prints and writes."""
     device = env.device
+    # Before the timings: the checkout may be edited, or switched, while they run.
+    measured_on = {"device": device_name(device), "host": platform.node(), "versions": versions(device)}
     num_features = config["num_features"]
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = build.model(cfg.model, num_features).to(device)
@@ -235,9 +237,7 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     result = {
         "benchmark": "scaling",
         "world_size": env.world_size,
-        "device": device_name(device),
-        "host": platform.node(),
-        "versions": versions(device),
+        **measured_on,
         "command": command_line(),
         "config": config,
         "model": {

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from benchmarks import support_table, train_step
+from benchmarks import scaling, support_table, train_step
 from conftest import REPO_ROOT
 from prnn_kernels.persistent import support
 
@@ -207,6 +207,22 @@ benchmark.main()
     result = subprocess.run([sys.executable, "-c", edited_during_the_run, "--json", str(tmp_path / "out.json")],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert values_of("commit", json.loads((tmp_path / "out.json").read_text())) == ["started"]
+
+
+def test_the_scaling_json_names_the_commit_the_run_started_on(tmp_path, monkeypatch):
+    """benchmarks.scaling asked git for the commit after its compute timings, minutes into a deep model's run."""
+    checkout = {"commit": "started"}
+    monkeypatch.setattr(scaling, "versions", lambda device: dict(checkout))
+    timed = scaling.time_ms
+
+    def edit_then_time(*args, **kwargs):
+        checkout["commit"] = "edited"
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(scaling, "time_ms", edit_then_time)
+    scaling.main(["--model", "cpu_demo", "--device", "cpu", "--steps", "1", "--warmup", "0", "--frames", "50",
+                  "--compute-batches", "1", "--global-batch", "1", "--json", str(tmp_path / "out.json")])
     assert values_of("commit", json.loads((tmp_path / "out.json").read_text())) == ["started"]
 
 
