@@ -3,6 +3,7 @@ import math
 import os
 import re
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -11,8 +12,8 @@ import torch
 import torchaudio.functional
 
 from conftest import error_without_root_privilege
-from data.audio import (MAX_RESAMPLING_TAPS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, RATE_THAT_TAKES_ANY_FILE, AudioError,
-                        _resampling_filter_taps, audio_header, load_audio)
+from data.audio import (MAX_CHANNELS, MAX_RESAMPLING_TAPS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, RATE_THAT_TAKES_ANY_FILE,
+                        AudioError, _resampling_filter_taps, audio_header, load_audio)
 from data.features import FeatureExtractor, SpecAugment
 
 
@@ -119,6 +120,35 @@ def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):
     soundfile.write(tmp_path / "longer.wav", np.zeros(3601 * 1000, np.int16), 1000)
     with pytest.raises(AudioError, match="longer.wav: its header gives 3601 s of audio, more than the 3600 s"):
         audio_header(tmp_path / "longer.wav")
+
+
+@pytest.mark.parametrize("channels", [1, 2, 5, 8])  # FLAC's most
+@pytest.mark.parametrize("name,audio_format,subtype", [("a.wav", "WAV", "PCM_16"), ("a.wav", "WAV", "FLOAT"),
+                                                       ("a.flac", "FLAC", "PCM_24"), ("a.sph", "NIST", "PCM_16"),
+                                                       ("a.ogg", "OGG", "VORBIS")])
+def test_audio_decoded_a_block_at_a_time_is_what_decoding_it_whole_gives(tmp_path, monkeypatch, channels, name,
+                                                                         audio_format, subtype):
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000, raising=False)  # 3.3 blocks
+    samples = np.random.default_rng(channels).uniform(-0.5, 0.5, (3300, channels)).astype(np.float32)
+    soundfile.write(tmp_path / name, samples, 16000, format=audio_format, subtype=subtype)
+    whole = torch.from_numpy(soundfile.read(tmp_path / name, dtype="float32", always_2d=True)[0]).mean(dim=1)
+    assert torch.equal(load_audio(tmp_path / name, sample_rate=16000), whole)
+
+
+def test_channels_are_averaged_without_decoding_them_all_at_once(tmp_path, monkeypatch):
+    # An hour of 16 channels at 384 kHz, which the header limits let through, took 88 GB decoded whole (as float32)
+    # before its mean; the blocks' channels take what the mono waveform does at most. Tracing sees soundfile's arrays.
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096, raising=False)
+    soundfile.write(tmp_path / "array.wav", np.tile(tone(300, 10, 16000)[:, None], (1, MAX_CHANNELS)), 16000)
+    tracemalloc.start()
+    try:
+        waveform = load_audio(tmp_path / "array.wav", sample_rate=16000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < waveform.nbytes
+    whole = torch.from_numpy(soundfile.read(tmp_path / "array.wav", dtype="float32", always_2d=True)[0]).mean(dim=1)
+    assert torch.equal(waveform, whole)
 
 
 @pytest.fixture
