@@ -6,7 +6,7 @@ import stat
 import numpy as np
 import soundfile
 import torch
-import torchaudio.functional
+import torchaudio.transforms
 
 
 class AudioError(ValueError):
@@ -18,8 +18,9 @@ class AudioError(ValueError):
 MAX_SECONDS = 3600
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384_000
 MAX_CHANNELS = 16  # a microphone array's
-# Frames decoded at once, their channels averaged before the next block is decoded: decoded whole, an hour of 16
-# channels at 384 kHz took 88 GB as float32 before its mean, 5.5 GB, was taken.
+# Frames decoded, their channels averaged, and samples resampled at once. Decoded whole, an hour of 16 channels at
+# 384 kHz took 88 GB as float32 before its mean (5.5 GB) was taken; resampled whole, a waveform takes some seven times
+# its size besides in torchaudio's convolution (38 GB for that hour).
 BLOCK_FRAMES = 2**16
 # libsndfile's frame count where a header gives none (a FLAC written to a pipe, which cannot go back to fill it in).
 UNKNOWN_FRAMES = 2**63 - 1
@@ -60,8 +61,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     if not torch.isfinite(waveform).all():
         raise AudioError(f"{path}: audio holds NaN or infinite samples")
     if file_rate != sample_rate:
-        waveform = torchaudio.functional.resample(waveform, _rate_to_resample_from(path, file_rate, sample_rate),
-                                                  sample_rate)
+        waveform = _resample(waveform, _rate_to_resample_from(path, file_rate, sample_rate), sample_rate)
     return waveform
 
 
@@ -79,6 +79,27 @@ def _decode_mono(path: str | os.PathLike) -> torch.Tensor:
             waveform[decoded:decoded + len(samples)] = torch.from_numpy(samples).mean(dim=1)
             decoded += len(samples)
     return waveform[:decoded]
+
+
+def _resample(waveform: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
+    """torchaudio's resampling of the (N,) `waveform`, about BLOCK_FRAMES of its samples at a time."""
+    resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
+    if from_rate == to_rate:
+        return waveform
+    from_step, to_step = from_rate // resampler.gcd, to_rate // resampler.gcd
+    # Each run of to_step output samples is filtered from from_step input samples and the filter's width either side,
+    # zeros past the waveform's ends: a block of whole runs, resampled with whole runs either side that cover that
+    # width, gives what resampling the whole waveform gives there.
+    block = math.ceil(BLOCK_FRAMES / from_step) * from_step
+    margin = math.ceil(resampler.width / from_step) * from_step
+    resampled = torch.empty(-(-len(waveform) * to_step // from_step))
+    for start in range(0, len(waveform), block):
+        first = max(0, start - margin)
+        skipped = (start - first) // from_step * to_step
+        piece = resampler(waveform[first:start + block + margin])[skipped:skipped + block // from_step * to_step]
+        at = start // from_step * to_step
+        resampled[at:at + len(piece)] = piece
+    return resampled
 
 
 def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate: int) -> int:

@@ -155,10 +155,33 @@ def test_channels_are_averaged_without_decoding_them_all_at_once(tmp_path, monke
 def rates(monkeypatch) -> list[tuple[int, int]]:
     """The (from, to) rates of each resampling while the test runs."""
     rates = []
-    resample = torchaudio.functional.resample
-    monkeypatch.setattr(torchaudio.functional, "resample",
-                        lambda waveform, orig, new: rates.append((orig, new)) or resample(waveform, orig, new))
+    resampler = torchaudio.transforms.Resample
+    monkeypatch.setattr(torchaudio.transforms, "Resample",
+                        lambda orig, new, **options: rates.append((orig, new)) or resampler(orig, new, **options))
     return rates
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000, 100_100])
+def test_audio_resampled_a_block_at_a_time_is_what_resampling_it_whole_gives(tmp_path, monkeypatch, rate):
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000, raising=False)
+    samples = np.random.default_rng(rate).uniform(-0.5, 0.5, 7777).astype(np.float32)
+    soundfile.write(tmp_path / "a.wav", samples, rate, subtype="FLOAT")
+    whole = torchaudio.functional.resample(torch.from_numpy(samples), rate, 16000)
+    torch.testing.assert_close(load_audio(tmp_path / "a.wav", sample_rate=16000), whole, atol=1e-6, rtol=0)
+
+
+def test_audio_is_resampled_a_block_at_a_time(tmp_path, monkeypatch):
+    # torchaudio's convolution over a whole waveform takes some seven times its size besides: 38 GB for an hour at
+    # 384 kHz, on top of the 5.5 GB waveform.
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096, raising=False)
+    convolved = []
+    conv1d = torch.nn.functional.conv1d
+    monkeypatch.setattr(torch.nn.functional, "conv1d",
+                        lambda waveform, *args, **kwargs: convolved.append(waveform.shape[-1]) or
+                        conv1d(waveform, *args, **kwargs))
+    soundfile.write(tmp_path / "a.wav", tone(440, 10, 48000), 48000, subtype="FLOAT")
+    assert load_audio(tmp_path / "a.wav", sample_rate=16000).shape == (160_000,)
+    assert len(convolved) > 1 and max(convolved) < 2 * 4096
 
 
 def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, rates):
