@@ -84,9 +84,9 @@ def _decode_mono(path: str | os.PathLike) -> torch.Tensor:
 
 def _resample(waveform: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
     """torchaudio's resampling of the (N,) `waveform`, about BLOCK_FRAMES of its samples at a time."""
-    resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
-    if from_rate == to_rate:
+    if from_rate == to_rate:  # an odd rate rounded to the model's own
         return waveform
+    resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
     from_step, to_step = from_rate // resampler.gcd, to_rate // resampler.gcd
     # Each run of to_step output samples is filtered from from_step input samples and the filter's width either side,
     # zeros past the waveform's ends: a block of whole runs, resampled with whole runs either side that cover that
