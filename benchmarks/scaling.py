@@ -354,7 +354,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    distributed.refuse_torchruns_processes()
+    distributed.refuse_unusable_launch()
     try:
         ctrl_c_raises_keyboard_interrupt()
         main()

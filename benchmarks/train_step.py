@@ -182,5 +182,5 @@ def write_json(args, measured_on: dict, rows: list[dict], configs: dict, so_far:
 
 
 if __name__ == "__main__":
-    distributed.refuse_torchruns_processes()
+    distributed.refuse_unusable_launch()
     sys.exit(run_tool(main))

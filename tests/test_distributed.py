@@ -488,6 +488,45 @@ def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_any
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("variables, refusal", [
+    ({"OMPI_COMM_WORLD_SIZE": "abc"}, "OMPI_COMM_WORLD_SIZE=abc is no whole number"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "x"}, "PMI_RANK=x is no whole number"),
+    ({"PMIX_SIZE": "2", "PMIX_RANK": "1", "PMIX_LOCAL_RANK": "-1"}, "PMIX_LOCAL_RANK=-1 is no whole number"),
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_NTASKS_PER_NODE": "two"},
+     "SLURM_NTASKS_PER_NODE=two is no whole number"),
+    ({"PMI_SIZE": "2", "PMI_RANK": ""}, "PMI_RANK is unset or empty, where PMI_SIZE=2 says a launcher started this "
+                                        "process as one of several"),
+])
+def test_a_launchers_variable_that_holds_no_number_is_refused_naming_it(monkeypatch, variables, refusal):
+    """int() of such a variable ended in a traceback naming neither the variable nor its value."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        distributed._ranks_from_launcher()
+
+
+@pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
+                                     ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
+                                     ["benchmarks.train_step"]])
+def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before_anything_is_written(tmp_path,
+                                                                                                       program):
+    """Each program ended in int()'s traceback, the trainer's after Hydra had made the run directory where the
+    local rank held none."""
+    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
+    env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
+    ran = subprocess.run([sys.executable, "-m", *(part.format(run=tmp_path / "run") for part in program)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S,
+                         env={**env, "PMI_SIZE": "2", "PMI_RANK": "0", "MPI_LOCALRANKID": "z"})
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.splitlines() == [
+        "error: MPI_LOCALRANKID=z is no whole number, as an MPI launcher sets it: start the processes with "
+        "launch/single_node.sh N (mpirun) or srun, which set it, or unset it"], ran.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""

@@ -235,7 +235,7 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
 
 
 if __name__ == "__main__":
-    distributed.refuse_torchruns_processes()
+    distributed.refuse_unusable_launch()
     report_command_line_errors_in_one_line()
     leave_the_log_to_rank_0(distributed.launcher_rank())
     try:

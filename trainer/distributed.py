@@ -64,10 +64,22 @@ class DistEnv:
         return self.rank == 0
 
 
+def _launcher_number(name: str, default: int) -> int:
+    """Launcher variable `name` as the whole number it holds, `default` where it is unset or empty (a variable cleared,
+    export NAME=); ValueError naming it and its value where it holds no whole number."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{name}={value} is no whole number, as an MPI launcher sets it: start the processes with "
+                         "launch/single_node.sh N (mpirun) or srun, which set it, or unset it")
+    return int(value)
+
+
 def _launcher_variables() -> tuple[str, str, str, str] | None:
     """The variable names (LAUNCHER_VARIABLES) of the launcher that started this process with size > 1."""
     for names in LAUNCHER_VARIABLES:
-        if int(os.environ.get(names[1]) or 1) > 1:  # empty: a variable cleared (export NAME=), not a count
+        if _launcher_number(names[1], 1) > 1:
             return names
     return None
 
@@ -92,13 +104,16 @@ def check_not_one_of_torchruns_ranks() -> None:
                          "launch/single_node.sh N (mpirun) or srun, or unset WORLD_SIZE")
 
 
-def refuse_torchruns_processes() -> None:
-    """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal as
-    "error: ..." and exit code 2, before the program names a rank or writes anything (the trainer's Hydra, a run
-    directory). Every one of torchrun's processes prints it, and none is a rank of ours: launcher_rank, which finds no
-    MPI launcher, would call each rank 0."""
+def refuse_unusable_launch() -> None:
+    """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal, or that of
+    a launcher's variable holding no whole number, as "error: ..." and exit code 2, before the program names a rank or
+    writes anything (the trainer's Hydra, a run directory). Every one of torchrun's processes prints it, and none is a
+    rank of ours: launcher_rank, which finds no MPI launcher, would call each rank 0; nor can a rank be named from a
+    variable that holds none."""
     try:
         check_not_one_of_torchruns_ranks()
+        if launched_by_mpi():
+            _ranks_from_launcher()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -173,7 +188,17 @@ def _broadcast_json(world, value):
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (0 without one); readable before and after the process group."""
     names = _launcher_variables()
-    return int(os.environ[names[0]]) if names else 0
+    return _rank_of_launch(*names[:2]) if names else 0
+
+
+def _rank_of_launch(rank_name: str, size_name: str) -> int:
+    """This process's rank in variable `rank_name`, where `size_name` says a launcher started it as one of several;
+    ValueError naming both where it holds none."""
+    if not os.environ.get(rank_name, "").strip():
+        raise ValueError(f"{rank_name} is unset or empty, where {size_name}={os.environ[size_name].strip()} says a "
+                         f"launcher started this process as one of several: unset {size_name}, or start the processes "
+                         "with launch/single_node.sh N (mpirun) or srun")
+    return _launcher_number(rank_name, 0)
 
 
 def rank_tag() -> str:
@@ -187,9 +212,10 @@ def rank_tag() -> str:
 def _ranks_from_launcher() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
     node, at least this one and those of lower local rank do."""
-    rank, size, local, local_size = (os.environ.get(name) for name in _launcher_variables())
-    local_rank = int(local or 0)
-    return int(rank), int(size), local_rank, max(int(local_size or 1), local_rank + 1)
+    rank, size, local, local_size = _launcher_variables()
+    local_rank = _launcher_number(local, 0)
+    return (_rank_of_launch(rank, size), _launcher_number(size, 1), local_rank,
+            max(_launcher_number(local_size, 1), local_rank + 1))
 
 
 def _free_port() -> int:
