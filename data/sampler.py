@@ -135,25 +135,29 @@ EVAL_LENGTH_SPREAD = 4.0
 def eval_shards(durations: Sequence[float], world_size: int, batch_size: int) -> list[list[list[int]]]:
     """Every rank's batches for evaluating every utterance exactly once across `world_size` ranks, rank r's at r.
 
-    Utterances sorted by duration are dealt to ranks in turn and cut into batches of at most `batch_size`, each one's
-    longest at most EVAL_LENGTH_SPREAD times its shortest, so batch k holds similar lengths on every rank. Ranks may
-    hold different numbers of batches: sum the results after the loop rather than synchronising per batch.
+    Utterances sorted by duration are dealt to ranks in turn, a row of `world_size` at a time, and every rank's
+    batches are cut between the same rows: batch k of every rank holds its share of the same rows, at most
+    `batch_size` of them, whose longest is at most EVAL_LENGTH_SPREAD times their shortest. So the world's k-th
+    batches share one length range, below the (k+1)-th's, and a rank that waits for the others at each batch waits
+    on batches like its own. A rank whose share of the last rows is none holds a batch fewer than the others.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     order = torch.argsort(torch.tensor(durations, dtype=torch.float64), stable=True).tolist()
-    return [_length_batches(order[rank::world_size], durations, batch_size) for rank in range(world_size)]
+    rows = [order[start:start + world_size] for start in range(0, len(order), world_size)]
+    return [[batch for run in _runs_of_rows(rows, durations, batch_size) if (batch := [row[rank] for row in run if rank < len(row)])]
+            for rank in range(world_size)]
 
 
-def _length_batches(ordered: list[int], durations: Sequence[float], batch_size: int) -> list[list[int]]:
-    """`ordered` (indices, shortest first) in batches as eval_shards cuts them."""
-    batches = []
-    for index in ordered:
-        batch = batches[-1] if batches else None
-        if batch and len(batch) < batch_size and durations[index] <= EVAL_LENGTH_SPREAD * durations[batch[0]]:
-            batch.append(index)
+def _runs_of_rows(rows: list[list[int]], durations: Sequence[float], batch_size: int) -> list[list[list[int]]]:
+    """`rows` (indices, shortest first, each row after the one before) in the runs eval_shards cuts batches from."""
+    runs = []
+    for row in rows:
+        run = runs[-1] if runs else None
+        if run and len(run) < batch_size and durations[row[-1]] <= EVAL_LENGTH_SPREAD * durations[run[0][0]]:
+            run.append(row)
         else:
-            batches.append([index])
-    return batches
+            runs.append([row])
+    return runs

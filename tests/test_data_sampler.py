@@ -188,6 +188,27 @@ def test_eval_shards_covers_every_utterance_once_in_length_sorted_batches(world_
         assert max(low for low, _ in ranges) <= min(high for _, high in ranges), (k, ranges)
 
 
+def test_every_ranks_kth_evaluation_batch_holds_the_same_stretch_of_lengths():
+    """Ranks wait for each other at every evaluation batch. Each rank cut its own batches, so rank 0's batch k could
+    hold lengths of another rank's batch k+1, and one rank wait on another's longer batch."""
+    assert eval_shards([1.0, 1.5, 3.0, 4.5, 5.0, 5.5], 2, batch_size=16) == [[[0], [2, 4]], [[1], [3, 5]]]
+    for world_size in (2, 3, 4):
+        # batches of 50 are cut where DURATIONS' lengths spread, not where the batches fill
+        assert_kth_batches_share_a_stretch(eval_shards(DURATIONS, world_size, batch_size=50))
+
+
+def assert_kth_batches_share_a_stretch(shards: list[list[list[int]]]) -> None:
+    """The world's k-th batches of DURATIONS together span at most EVAL_LENGTH_SPREAD, below its (k+1)-th's."""
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    worlds_batches = [[index for shard in shards if k < len(shard) for index in shard[k]]
+                      for k in range(max(map(len, shards)))]
+    for k, batch in enumerate(worlds_batches):
+        lengths = [DURATIONS[index] for index in batch]
+        assert max(lengths) <= EVAL_LENGTH_SPREAD * min(lengths), (k, lengths)
+        if k + 1 < len(worlds_batches):
+            assert max(lengths) <= min(DURATIONS[index] for index in worlds_batches[k + 1]), k
+
+
 def test_a_long_recording_among_short_ones_is_evaluated_in_a_batch_of_its_own():
     # Padded to in a batch of 16, a 10-minute file among AN4 clips made trainer.evaluate take 547 s and 6.3 GB on a
     # CPU instead of 13 s and 1.0 GB.
