@@ -147,8 +147,11 @@ def eval_shards(durations: Sequence[float], world_size: int, batch_size: int) ->
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     order = torch.argsort(torch.tensor(durations, dtype=torch.float64), stable=True).tolist()
     rows = [order[start:start + world_size] for start in range(0, len(order), world_size)]
-    return [[batch for run in _runs_of_rows(rows, durations, batch_size) if (batch := [row[rank] for row in run if rank < len(row)])]
-            for rank in range(world_size)]
+    shards = [[] for _ in range(world_size)]
+    for run in _runs_of_rows(rows, durations, batch_size):
+        for rank in range(len(run[0])):  # only the last row can be short: it leaves out the last ranks
+            shards[rank].append([row[rank] for row in run if rank < len(row)])
+    return shards
 
 
 def _runs_of_rows(rows: list[list[int]], durations: Sequence[float], batch_size: int) -> list[list[list[int]]]:
