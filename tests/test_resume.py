@@ -14,7 +14,7 @@ from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, restore, resumed_train_state, run_started_from, set_best_aside, settle_kept_best,
+    load_optimizer_state, restore, resumed_train_state, run_started_from, settle_best,
 )
 from trainer.train import open_metrics, steps_from_the_resume
 
@@ -358,7 +358,7 @@ def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_b
     with caplog.at_level("INFO", logger="trainer.resume"):
         found = best_to_beat(run_dir, resumed, later, state, "8 utterances, sha256 A")
         assert found == ({"best_unreadable": 0, "best_wer": 10.0}, None)
-        settle_kept_best(run_dir, "8 utterances, sha256 A")
+        settle_best(run_dir, found.kept_as, "8 utterances, sha256 A")
     assert f"no {best}: the evaluation to beat is that of best-A.pt, the best on this test set" in caplog.text
     assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
     assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
@@ -380,7 +380,7 @@ def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_
         found = best_to_beat(run_dir, resumed, old_best, state, "8 utterances, sha256 A")
         none = {"best_unreadable": math.inf, "best_wer": math.inf}
         assert found == (none, best.with_name("best-unknown-test-set.pt"))
-        set_best_aside(run_dir, found.kept_as, "8 utterances, sha256 A")
+        settle_best(run_dir, found.kept_as, "8 utterances, sha256 A")
     assert (f"{best} records no test set (written before checkpoints recorded theirs, 2026-12-02), and WERs over other "
             "test sets do not compare: the first evaluation here replaces best.pt") in caplog.text
     assert f"{best}, the best on its test set, kept as {found.kept_as}" in caplog.text

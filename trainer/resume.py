@@ -218,14 +218,14 @@ UNKNOWN_TEST_SET_BEST = "best-unknown-test-set.pt"
 class BestToBeat(NamedTuple):
     """What best_to_beat found of the run directory's best.pt."""
     figures: dict  # the best_unreadable and best_wer an evaluation must beat to replace best.pt
-    kept_as: Path | None  # where best.pt is another test set's: the name set_best_aside keeps it under
+    kept_as: Path | None  # where best.pt is another test set's: the name settle_best keeps it under
 
 
 def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> BestToBeat:
     """The best_unreadable and best_wer an evaluation must beat to replace the run directory's best.pt: those best.pt
     itself records, not those of the checkpoint resumed from (`saved`, read from `resumed`), which may be an earlier
     one or a copy of one: its figures let an epoch worse than best.pt's replace it. Where there is no best.pt, those of
-    the best.pt kept for this test set (deleted by hand while the run was on another), which settle_kept_best makes
+    the best.pt kept for this test set (deleted by hand while the run was on another), which settle_best makes
     best.pt again, else none to beat (infinite: a run started from another run's checkpoint). Where best.pt was
     evaluated on another test set, whose WERs do not compare, it is to be kept under its test set's name (kept_best),
     and the one to beat is the best.pt kept so for this test set, a run resumed back on it, or none. A best.pt that
@@ -246,7 +246,7 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
         return BestToBeat(figures, None)
     to_beat = (f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
                else "the first evaluation here replaces best.pt")
-    # What is kept and moved, set_best_aside says as it does it: a job with nothing left to train does neither.
+    # What is kept and moved, settle_best says as it does it: a job with nothing left to train does neither.
     if their_test_set is None:  # its WER may be over this test set or another: either way it is kept, not lost
         kept_as = best.with_name(UNKNOWN_TEST_SET_BEST)
         log.info("%s records no test set (written before checkpoints recorded theirs, 2026-12-02), and WERs over "
@@ -293,39 +293,27 @@ def kept_best(best: Path, test_set) -> Path:
     return best.with_name(f"best-{digest}.pt")
 
 
-def set_best_aside(run_dir: Path, kept_as: Path, test_fingerprint: str) -> None:
-    """Keeps the run directory's best.pt, of another test set, as `kept_as` (best_to_beat's), before an evaluation on
-    this one (`test_fingerprint`) can replace it, and makes the one kept for this test set, if any, best.pt again.
-    A job killed in between leaves best.pt as it was, and the next resume makes the same moves."""
+def settle_best(run_dir: Path, kept_as: Path | None, test_fingerprint: str) -> None:
+    """Leaves the run directory one name for the best on this test set (`test_fingerprint`) before an evaluation can
+    replace best.pt: a best.pt of another test set is kept first as `kept_as` (best_to_beat's), then the one kept for
+    this test set, if any, is best.pt again. A job killed in between leaves best.pt as it was, and the next resume makes
+    the same moves."""
     best = run_dir / "checkpoints" / "best.pt"
-    checkpoint.save_same(best, kept_as)
-    log.info("%s, the best on its test set, kept as %s", best, kept_as)
-    bring_back_kept_best(best, test_fingerprint)
-
-
-def bring_back_kept_best(best: Path, test_fingerprint: str) -> None:
-    """Makes the best.pt kept for this test set, if any, the run's best.pt (`best`) again."""
+    if kept_as is not None:
+        checkpoint.save_same(best, kept_as)
+        log.info("%s, the best on its test set, kept as %s", best, kept_as)
     kept_here = kept_best(best, test_fingerprint)
-    if kept_here.is_file():
-        os.replace(kept_here, best)  # a move, not a link: best.pt goes on, and the name would hold a stale copy
-        log.info("%s, the best on this test set, is %s again", kept_here, best)
-
-
-def settle_kept_best(run_dir: Path, test_fingerprint: str) -> None:
-    """Where the run directory's best.pt is this test set's or there is none (best_to_beat kept nothing aside), leaves
-    one name for the best on this test set. Beside best.pt, removes the name it was kept under on a move to another
-    test set and back with no evaluation between: set_best_aside moves a kept best back, but only from a best.pt of
-    another test set. The name holds best.pt's model or one best.pt has since beaten, and beside it would stay an older
-    copy that looks like the best on its test set. Without best.pt (deleted by hand), makes the kept one best.pt again,
-    as best_to_beat took its evaluation as the one to beat: the next resume would otherwise remove it as that alias."""
-    best = run_dir / "checkpoints" / "best.pt"
-    if not best.is_file():
-        bring_back_kept_best(best, test_fingerprint)
+    if not kept_here.is_file():
         return
-    kept_here = kept_best(best, test_fingerprint)
-    if kept_here.is_file():
+    if kept_as is None and best.is_file():
+        # The name best.pt, this test set's, was kept under on a move to another test set and back with no evaluation
+        # between: after best.pt's next evaluation it would be an older model that looks like the best on this set.
         kept_here.unlink()
         log.info("%s removed: %s is the best on this test set again", kept_here, best)
+    else:
+        # Without best.pt (deleted by hand) too: best_to_beat took the kept one's evaluation as the one to beat.
+        os.replace(kept_here, best)  # a move, not a link: best.pt goes on, and the name would hold a stale copy
+        log.info("%s, the best on this test set, is %s again", kept_here, best)
 
 
 def position_in_epochs(state: dict) -> str:

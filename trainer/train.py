@@ -41,8 +41,7 @@ from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate, left_out
 from trainer.metrics import ErrorCounts
 from trainer.resume import (
-    checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, set_best_aside,
-    settle_kept_best,
+    checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, settle_best,
 )
 from trainer.run_directory import hold_run_directory
 from trainer.stop import (
@@ -658,10 +657,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         replace_whole(run_dir / "config.yaml",
                       OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
-        if start.best_kept_as is not None:  # here, not at the resume: a job refused before leaves best.pt alone
-            set_best_aside(run_dir, start.best_kept_as, test_fingerprint)
-        else:
-            settle_kept_best(run_dir, test_fingerprint)
+        settle_best(run_dir, start.best_kept_as, test_fingerprint)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
