@@ -222,24 +222,21 @@ class BestToBeat(NamedTuple):
 
 
 def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> BestToBeat:
-    """The best_unreadable and best_wer an evaluation must beat to replace the run directory's best.pt: those best.pt
-    itself records, not those of the checkpoint resumed from (`saved`, read from `resumed`), which may be an earlier
-    one or a copy of one: its figures let an epoch worse than best.pt's replace it. Where there is no best.pt, those of
-    the best.pt kept for this test set (deleted by hand while the run was on another), which settle_best makes
-    best.pt again, else none to beat (infinite: a run started from another run's checkpoint). Where best.pt was
-    evaluated on another test set, whose WERs do not compare, it is to be kept under its test set's name (kept_best),
-    and the one to beat is the best.pt kept so for this test set, a run resumed back on it, or none. A best.pt that
-    records no test set (from before checkpoints recorded theirs) is kept so too, as UNKNOWN_TEST_SET_BEST: its WER
-    may be over another test set."""
+    """The best_unreadable and best_wer an evaluation on this test set (`test_fingerprint`) must beat to replace the run
+    directory's best.pt, and the name to keep best.pt under where it is another test set's, whose WERs do not compare.
+    `saved` is the checkpoint resumed from, read from `resumed`; ValueError naming a best.pt that cannot be read."""
     best = run_dir / "checkpoints" / "best.pt"
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
-    kept_here = kept_best(best, test_fingerprint)
+    kept_here = kept_best(best, test_fingerprint)  # this test set's, kept while the run was on another
     back = kept_here.is_file()
     if not best.is_file():
-        if not back:
+        if not back:  # none to beat: no evaluation in this run directory yet
             return BestToBeat(none, None)
+        # best.pt deleted by hand while the run was on another test set: settle_best makes the kept one best.pt again.
         log.info("no %s: the evaluation to beat is that of %s, the best on this test set", best, kept_here.name)
         return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1], None)
+    # best.pt's own figures, not the resumed checkpoint's: an earlier checkpoint's, or a copy's, let an epoch worse than
+    # best.pt's replace it.
     best_saved, figures = recorded_best(best, resumed, saved, state)
     their_test_set = best_saved.get("test_set")
     if their_test_set == test_fingerprint:
