@@ -1,6 +1,8 @@
 """Resuming a run: which checkpoint train.resume names (checkpoint_to_resume), whether it is this run's own, and each
 of its parts handed back to the model, optimizer, schedule and training state it came from, refused in one line
-naming the file and the part that does not fit (restore); resume_into takes a job's run up from it on every rank."""
+naming the file and the part that does not fit (restore); resume_into takes a job's run up from it on every rank.
+Also the run's best.pt: the evaluation a resumed run must beat (best_to_beat), and one best.pt kept per test set
+(settle_best)."""
 import filecmp
 import json
 import logging
@@ -155,6 +157,19 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     optimizer.load_state_dict({**saved, "param_groups": groups})
 
 
+def known_entries(saved: dict, current: dict) -> dict:
+    """The entries of a saved state dict that the current one has, each refused (ValueError) unless of the same type:
+    a scheduler copies whatever keys it is given onto itself (an "optimizer" of 1 replaced its optimizer), and torch
+    versions add and drop a key or two."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"it is {checkpoint.a_type(saved)}, not a mapping")
+    odd = [key for key, value in current.items() if key in saved and type(saved[key]) is not type(value)]
+    if odd:
+        key = odd[0]
+        raise ValueError(f"its {key} is {checkpoint.a_type(saved[key])}, not {checkpoint.a_type(current[key])}")
+    return {key: value for key, value in saved.items() if key in current}
+
+
 def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
     """A checkpoint's sampler position names global batches of its own training set: another set behind the same
     manifest paths would train some utterances of the epoch twice and skip others."""
@@ -192,19 +207,6 @@ def restore(path: Path, saved: dict, loaders: dict) -> None:
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
             reason = " ".join(str(error).split()[:40]) or type(error).__name__
             raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
-
-
-def known_entries(saved: dict, current: dict) -> dict:
-    """The entries of a saved state dict that the current one has, each refused (ValueError) unless of the same type:
-    a scheduler copies whatever keys it is given onto itself (an "optimizer" of 1 replaced its optimizer), and torch
-    versions add and drop a key or two."""
-    if not isinstance(saved, dict):
-        raise ValueError(f"it is {checkpoint.a_type(saved)}, not a mapping")
-    odd = [key for key, value in current.items() if key in saved and type(saved[key]) is not type(value)]
-    if odd:
-        key = odd[0]
-        raise ValueError(f"its {key} is {checkpoint.a_type(saved[key])}, not {checkpoint.a_type(current[key])}")
-    return {key: value for key, value in saved.items() if key in current}
 
 
 REFUSED_BEST = ("(the run's {name}, whose evaluation a resumed run must beat to replace it: move it away to resume "
