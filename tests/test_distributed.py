@@ -527,6 +527,42 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("variables, refusal", [
+    ({"PMI_RANK": "5", "PMI_SIZE": "2"},
+     "PMI_RANK=5 is no rank of PMI_SIZE=2 processes, which a launcher numbers 0 to 1"),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"},
+     "OMPI_COMM_WORLD_RANK=2 is no rank of OMPI_COMM_WORLD_SIZE=2 processes"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     "OMPI_COMM_WORLD_LOCAL_RANK=3 is no rank of OMPI_COMM_WORLD_LOCAL_SIZE=2 processes, which a launcher numbers 0 "
+     "to 1"),
+])
+def test_a_launchers_rank_past_its_count_is_refused_naming_both(monkeypatch, variables, refusal):
+    """Without mpi4py rank 5 of 2 waited out the rendezvous's timeout, then blamed MASTER_ADDR and MASTER_PORT; local
+    rank 3 of 2 made 4 ranks share the node (a GPU node of 2 refused as '4 ranks on this node but 2 GPUs')."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        distributed._ranks_from_launcher()
+
+
+def test_a_launchers_rank_past_its_count_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
+    env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
+    ran = subprocess.run([sys.executable, "-m", "trainer", "experiment=cpu_demo", "train.max_steps=1",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=FAILURE_TIMEOUT_S, env={**env, "PMI_SIZE": "2", "PMI_RANK": "5"})
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.splitlines() == [
+        "error: PMI_RANK=5 is no rank of PMI_SIZE=2 processes, which a launcher numbers 0 to 1: they are left over "
+        "from a launcher that did not start this process, or set by hand; unset them, or start the processes with "
+        "launch/single_node.sh N (mpirun) or srun"], ran.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""

@@ -106,10 +106,10 @@ def check_not_one_of_torchruns_ranks() -> None:
 
 def refuse_unusable_launch() -> None:
     """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal, or that of
-    a launcher's variable holding no whole number, as "error: ..." and exit code 2, before the program names a rank or
-    writes anything (the trainer's Hydra, a run directory). Every one of torchrun's processes prints it, and none is a
-    rank of ours: launcher_rank, which finds no MPI launcher, would call each rank 0; nor can a rank be named from a
-    variable that holds none."""
+    a launcher's variable holding no whole number or a rank past its count, as "error: ..." and exit code 2, before
+    the program names a rank or writes anything (the trainer's Hydra, a run directory). Every one of torchrun's
+    processes prints it, and none is a rank of ours: launcher_rank, which finds no MPI launcher, would call each rank 0;
+    nor can a rank be named from a variable that holds none, or one that no launcher would set."""
     try:
         check_not_one_of_torchruns_ranks()
         if launched_by_mpi():
@@ -212,10 +212,22 @@ def rank_tag() -> str:
 def _ranks_from_launcher() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
     node, at least this one and those of lower local rank do."""
-    rank, size, local, local_size = _launcher_variables()
-    local_rank = _launcher_number(local, 0)
-    return (_rank_of_launch(rank, size), _launcher_number(size, 1), local_rank,
-            max(_launcher_number(local_size, 1), local_rank + 1))
+    rank_name, size_name, local_name, local_size_name = _launcher_variables()
+    rank, size = _rank_of_launch(rank_name, size_name), _launcher_number(size_name, 1)
+    local_rank, local_size = _launcher_number(local_name, 0), _launcher_number(local_size_name, 0)
+    _check_rank_within(rank_name, rank, size_name, size)
+    if local_size:
+        _check_rank_within(local_name, local_rank, local_size_name, local_size)
+    return rank, size, local_rank, max(local_size, local_rank + 1)
+
+
+def _check_rank_within(rank_name: str, rank: int, size_name: str, size: int) -> None:
+    """ValueError naming both variables where rank `rank` is none of the `size` a launcher numbers 0 to size - 1: no
+    launcher sets that, and without mpi4py the rank waited out the rendezvous's timeout for a world it is not in."""
+    if rank >= size:
+        raise ValueError(f"{rank_name}={rank} is no rank of {size_name}={size} processes, which a launcher numbers 0 "
+                         f"to {size - 1}: they are left over from a launcher that did not start this process, or set "
+                         "by hand; unset them, or start the processes with launch/single_node.sh N (mpirun) or srun")
 
 
 def _free_port() -> int:
