@@ -580,6 +580,27 @@ def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_pat
         result.stderr), result.stderr
 
 
+@needs_mpiexec
+def test_a_launchers_rank_other_than_mpis_is_one_clear_error(tmp_path):
+    """OpenMPI's variables left in the shell of an MPICH job, their count its own: both ranks took the launcher's
+    rank 0, so both wrote the log as rank 0 and rank 1's errors said "error on rank 0"."""
+    environment = {name: value for name, value in JOB_ENV.items()
+                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+    environment |= {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    started = ("from trainer import distributed\n"
+               "try:\n"
+               "    distributed.init('cpu')\n"
+               "except ValueError as error:\n"
+               "    print(f'error: {error}', flush=True)\n"
+               "    distributed.abort_job(2)\n")
+    result = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", started], cwd=REPO_ROOT, env=environment,
+                            capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S)
+    assert result.returncode != 0
+    assert ("error: MPI calls this process rank 1 where OMPI_COMM_WORLD_RANK=0: OMPI_COMM_WORLD_RANK and "
+            "OMPI_COMM_WORLD_SIZE are left over from a launcher that did not start this process, or set by hand "
+            "(unset them)") in result.stdout, result.stdout + result.stderr
+
+
 def test_a_job_across_nodes_refuses_a_loopback_rendezvous_address():
     with pytest.raises(ValueError, match="rank 0's address localhost is a loopback address, which the ranks on other "
                                          "nodes cannot reach: set MASTER_ADDR"):

@@ -265,21 +265,33 @@ def _ranks_and_rendezvous(timeout_s: float, timeout_setting: str) -> tuple[int, 
     try:
         with ended_past(timeout_s, launcher_rank(), timeout_setting):
             rank, world_size, local_rank, ranks_on_node, on_rank_0s_node, world = _ranks_from_mpi()
-            launched_size = _ranks_from_launcher()[1]
-            if world_size != launched_size:  # else each process would train alone, all into one run directory
-                variable = _launcher_variables()[1]
-                raise ValueError(
-                    f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
-                    f"({variable}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
-                    f"match --mpi / SRUN_MPI to it), or {variable} is left over from a launcher that did not start "
-                    "this process (unset it)"
-                )
+            check_mpi_sees_the_launchers_ranks(rank, world_size)
             address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
         check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
         rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
         address, port = rendezvous_from_environment()
     return rank, world_size, local_rank, ranks_on_node, address, port
+
+
+def check_mpi_sees_the_launchers_ranks(rank: int, world_size: int) -> None:
+    """ValueError where MPI's `rank` or `world_size` is not the launcher's variables': with another size each process
+    would train alone, all into one run directory; with another rank (a launcher's variables left over whose count
+    matches) the rank the log and the error lines go by (launcher_rank) is not the process group's, and two ranks
+    wrote the log as rank 0."""
+    rank_name, size_name = _launcher_variables()[:2]
+    launched_rank, launched_size = _ranks_from_launcher()[:2]
+    if world_size != launched_size:
+        raise ValueError(
+            f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
+            f"({size_name}={launched_size}): the MPI library mpi4py loaded is not the launcher's (under srun, "
+            f"match --mpi / SRUN_MPI to it), or {size_name} is left over from a launcher that did not start "
+            "this process (unset it)"
+        )
+    if rank != launched_rank:
+        raise ValueError(f"MPI calls this process rank {rank} where {rank_name}={launched_rank}: {rank_name} and "
+                         f"{size_name} are left over from a launcher that did not start this process, or set by hand "
+                         "(unset them)")
 
 
 def rendezvous_from_environment() -> tuple[str, int]:
