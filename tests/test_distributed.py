@@ -469,6 +469,19 @@ def test_a_world_size_that_is_no_count_is_refused_as_that(monkeypatch, size):
                                   "ranks come from MPI: unset WORLD_SIZE")
 
 
+@pytest.mark.parametrize("size", ["2", "abc"])
+def test_a_world_size_beside_an_mpi_launchers_variables_is_left_alone(monkeypatch, size):
+    """The ranks come from the MPI launcher, whatever WORLD_SIZE a cluster's profile or a job script exports beside it:
+    only a WORLD_SIZE that no launcher's variables back is torchrun's."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    for name, value in (("PMI_SIZE", "2"), ("PMI_RANK", "1"), ("WORLD_SIZE", size)):
+        monkeypatch.setenv(name, value)
+    distributed.check_not_one_of_torchruns_ranks()
+    distributed.refuse_unusable_launch()
+
+
 @pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
                                      ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
                                      ["benchmarks.train_step"]])
@@ -490,6 +503,9 @@ def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_any
 
 @pytest.mark.parametrize("variables, refusal", [
     ({"OMPI_COMM_WORLD_SIZE": "abc"}, "OMPI_COMM_WORLD_SIZE=abc is no whole number"),
+    ({"OMPI_COMM_WORLD_SIZE": "\N{SUPERSCRIPT TWO}"}, "OMPI_COMM_WORLD_SIZE=\N{SUPERSCRIPT TWO} is no whole number"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "\N{ARABIC-INDIC DIGIT ONE}"},  # a digit to isdigit, and 1 to int
+     "PMI_RANK=\N{ARABIC-INDIC DIGIT ONE} is no whole number"),
     ({"PMI_SIZE": "2", "PMI_RANK": "x"}, "PMI_RANK=x is no whole number"),
     ({"PMIX_SIZE": "2", "PMIX_RANK": "1", "PMIX_LOCAL_RANK": "-1"}, "PMIX_LOCAL_RANK=-1 is no whole number"),
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_NTASKS_PER_NODE": "two"},
