@@ -232,6 +232,24 @@ def test_a_fast_rate_of_few_lowest_terms_is_resampled_exactly(tmp_path, rates):
                for rate in range(MIN_SAMPLE_RATE, MAX_SAMPLE_RATE + 1, 100))
 
 
+
+@pytest.mark.parametrize("from_rate, to_rate", [(44100, 16000), (100_100, 16000), (8000, 16000), (11025, 16000),
+                                                (16000, 44100)])
+def test_the_filter_size_the_limit_counts_is_torchaudios(from_rate, to_rate):
+    # What MAX_RESAMPLING_TAPS limits: up from a lower rate too, where the filter's width follows the file's step.
+    kernel = torchaudio.transforms.Resample(from_rate, to_rate).kernel
+    assert _resampling_filter_taps(from_rate, to_rate) == kernel.numel()
+
+
+def test_a_filter_of_the_most_taps_is_taken_and_an_odd_rate_rounds_to_the_nearest_100_hz(tmp_path, monkeypatch,
+                                                                                       rates):
+    monkeypatch.setattr("data.audio.MAX_RESAMPLING_TAPS", _resampling_filter_taps(22050, 16000))
+    soundfile.write(tmp_path / "22050.wav", tone(440, 0.25, 22050), 22050, subtype="FLOAT")
+    soundfile.write(tmp_path / "44099.wav", tone(440, 0.25, 44099), 44099, subtype="FLOAT")  # above 44050: up
+    for name in ("22050.wav", "44099.wav"):
+        load_audio(tmp_path / name, sample_rate=16000)
+    assert rates == [(22050, 16000), (44100, 16000)]
+
 def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
     extractor = FeatureExtractor("spectrogram", normalize=False)
     features = extractor(torch.from_numpy(tone(1000, 1.0, 16000)))
