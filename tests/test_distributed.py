@@ -456,7 +456,7 @@ def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(mon
     assert distributed.init("cpu") == distributed.DistEnv(0, 1, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("size", ["0", "-1", "abc", "2.5"])
+@pytest.mark.parametrize("size", ["0", "-1", "abc", "2.5", "\N{SUPERSCRIPT TWO}"])  # ²: a digit to isdigit, not to int
 def test_a_world_size_that_is_no_count_is_refused_as_that(monkeypatch, size):
     """WORLD_SIZE=0, -1 or abc was refused as "says this process is one of several", which it does not say."""
     for names in distributed.LAUNCHER_VARIABLES:
