@@ -381,6 +381,13 @@ def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path,
     assert "rank 1 of 2 (local rank 1) on cuda:0 over gloo" in output, output
 
 
+def clear_launcher_variables(monkeypatch) -> None:
+    """No MPI launcher's variables in this process, whatever the shell that runs the tests holds."""
+    for names in distributed.LAUNCHER_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+
+
 def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
     assert [distributed.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
     assert [distributed.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
@@ -394,9 +401,7 @@ def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
 
 
 def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_rank(monkeypatch):
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     for variables, expected in [
         ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 8, 1, 4)),
@@ -419,9 +424,7 @@ def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch)
     """A batch script or salloc shell holds the allocation's SLURM_NTASKS and SLURM_PROCID=0; only srun's tasks hold
     their step's count. Taken for an srun launch, a process started there without srun waited for ranks that never
     came (or, with mpi4py, was refused as an MPI that does not see the launcher's ranks)."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     for name, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                         "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)
@@ -443,9 +446,7 @@ def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
 
 def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(monkeypatch):
     """torchrun's RANK, WORLD_SIZE and LOCAL_RANK are no MPI launcher's: each of its processes trained alone."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -459,9 +460,7 @@ def test_a_process_torchrun_started_is_refused_not_trained_as_a_world_of_one(mon
 @pytest.mark.parametrize("size", ["0", "-1", "abc", "2.5", "\N{SUPERSCRIPT TWO}"])  # ²: a digit to isdigit, not to int
 def test_a_world_size_that_is_no_count_is_refused_as_that(monkeypatch, size):
     """WORLD_SIZE=0, -1 or abc was refused as "says this process is one of several", which it does not say."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", size)
     with pytest.raises(ValueError) as refused:
         distributed.init("cpu")
@@ -473,32 +472,40 @@ def test_a_world_size_that_is_no_count_is_refused_as_that(monkeypatch, size):
 def test_a_world_size_beside_an_mpi_launchers_variables_is_left_alone(monkeypatch, size):
     """The ranks come from the MPI launcher, whatever WORLD_SIZE a cluster's profile or a job script exports beside it:
     only a WORLD_SIZE that no launcher's variables back is torchrun's."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     for name, value in (("PMI_SIZE", "2"), ("PMI_RANK", "1"), ("WORLD_SIZE", size)):
         monkeypatch.setenv(name, value)
     distributed.check_not_one_of_torchruns_ranks()
     distributed.refuse_unusable_launch()
 
 
-@pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
-                                     ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
-                                     ["benchmarks.train_step"]])
-def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_anything_is_written(tmp_path, program):
-    """Every one of torchrun's processes prints the refusal, and none is a rank of ours: each said "error on rank 0",
-    the trainer's after Hydra had made each process a run directory and its log."""
+# The programs whose first step refuses a launch it cannot take ranks from (refuse_unusable_launch).
+PROGRAMS_THAT_START_RANKS = [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
+                             ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
+                             ["benchmarks.train_step"]]
+
+
+def refused_launch(tmp_path, program: list[str], launch: dict) -> list[str]:
+    """The stderr lines of `program` (PROGRAMS_THAT_START_RANKS') started with the `launch` variables and no launcher's
+    others, which refuses it with exit code 2 before it writes anything (its run directory under tmp_path)."""
     launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
     env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
     ran = subprocess.run([sys.executable, "-m", *(part.format(run=tmp_path / "run") for part in program)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S,
-                         env={**env, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+                         env={**env, **launch})
     assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.splitlines() == [
+    assert not (tmp_path / "run").exists()
+    return ran.stderr.splitlines()
+
+
+@pytest.mark.parametrize("program", PROGRAMS_THAT_START_RANKS)
+def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_anything_is_written(tmp_path, program):
+    """Every one of torchrun's processes prints the refusal, and none is a rank of ours: each said "error on rank 0",
+    the trainer's after Hydra had made each process a run directory and its log."""
+    assert refused_launch(tmp_path, program, {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == [
         "error: WORLD_SIZE=2 says this process is one of several, as torchrun starts them, but the ranks come from "
         "MPI, and each process would train alone: start them with launch/single_node.sh N (mpirun) or srun, or unset "
-        "WORLD_SIZE"], ran.stderr
-    assert not (tmp_path / "run").exists()
+        "WORLD_SIZE"]
 
 
 @pytest.mark.parametrize("variables, refusal", [
@@ -515,32 +522,21 @@ def test_torchruns_processes_are_refused_in_a_line_that_names_no_rank_before_any
 ])
 def test_a_launchers_variable_that_holds_no_number_is_refused_naming_it(monkeypatch, variables, refusal):
     """int() of such a variable ended in a traceback naming neither the variable nor its value."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
         distributed._ranks_from_launcher()
 
 
-@pytest.mark.parametrize("program", [["trainer", "experiment=cpu_demo", "train.max_steps=1", "hydra.run.dir={run}"],
-                                     ["benchmarks.scaling", "--model", "cpu_demo", "--device", "cpu"],
-                                     ["benchmarks.train_step"]])
+@pytest.mark.parametrize("program", PROGRAMS_THAT_START_RANKS)
 def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before_anything_is_written(tmp_path,
                                                                                                        program):
     """Each program ended in int()'s traceback, the trainer's after Hydra had made the run directory where the
     local rank held none."""
-    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
-    env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
-    ran = subprocess.run([sys.executable, "-m", *(part.format(run=tmp_path / "run") for part in program)],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S,
-                         env={**env, "PMI_SIZE": "2", "PMI_RANK": "0", "MPI_LOCALRANKID": "z"})
-    assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.splitlines() == [
+    assert refused_launch(tmp_path, program, {"PMI_SIZE": "2", "PMI_RANK": "0", "MPI_LOCALRANKID": "z"}) == [
         "error: MPI_LOCALRANKID=z is no whole number, as an MPI launcher sets it: start the processes with "
-        "launch/single_node.sh N (mpirun) or srun, which set it, or unset it"], ran.stderr
-    assert not (tmp_path / "run").exists()
+        "launch/single_node.sh N (mpirun) or srun, which set it, or unset it"]
 
 
 @pytest.mark.parametrize("variables, refusal", [
@@ -556,9 +552,7 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before
 def test_a_launchers_rank_past_its_count_is_refused_naming_both(monkeypatch, variables, refusal):
     """Without mpi4py rank 5 of 2 waited out the rendezvous's timeout, then blamed MASTER_ADDR and MASTER_PORT; local
     rank 3 of 2 made 4 ranks share the node (a GPU node of 2 refused as '4 ranks on this node but 2 GPUs')."""
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
@@ -566,17 +560,10 @@ def test_a_launchers_rank_past_its_count_is_refused_naming_both(monkeypatch, var
 
 
 def test_a_launchers_rank_past_its_count_is_refused_in_one_line_before_anything_is_written(tmp_path):
-    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
-    env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
-    ran = subprocess.run([sys.executable, "-m", "trainer", "experiment=cpu_demo", "train.max_steps=1",
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=FAILURE_TIMEOUT_S, env={**env, "PMI_SIZE": "2", "PMI_RANK": "5"})
-    assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.splitlines() == [
+    assert refused_launch(tmp_path, PROGRAMS_THAT_START_RANKS[0], {"PMI_SIZE": "2", "PMI_RANK": "5"}) == [
         "error: PMI_RANK=5 is no rank of PMI_SIZE=2 processes, which a launcher numbers 0 to 1: they are left over "
         "from a launcher that did not start this process, or set by hand; unset them, or start the processes with "
-        "launch/single_node.sh N (mpirun) or srun"], ran.stderr
-    assert not (tmp_path / "run").exists()
+        "launch/single_node.sh N (mpirun) or srun"]
 
 
 @needs_mpiexec  # mpi4py's MPI, the one mpiexec belongs to
@@ -650,9 +637,7 @@ def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvo
     """A rank without MASTER_ADDR took its own host's address and, on another node than rank 0's, waited out the
     timeout; a MASTER_PORT torch cannot use failed in its traceback, or (0) waited out the timeout too."""
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # as where it is not installed
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     monkeypatch.setenv("PMI_RANK", "1")
     monkeypatch.setenv("PMI_SIZE", "2")
     for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", port)):
@@ -671,9 +656,7 @@ def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not
     """Without mpi4py no rank started MPI: the line said "another rank stopped answering after MPI started" where
     rank 0 was not at MASTER_ADDR and MASTER_PORT (stopped, or another address set for this rank)."""
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # as where it is not installed
-    for names in distributed.LAUNCHER_VARIABLES:
-        for name in names:
-            monkeypatch.delenv(name, raising=False)
+    clear_launcher_variables(monkeypatch)
     port = distributed._free_port()  # no rank 0 listens there
     for name, value in (("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)):
         monkeypatch.setenv(name, str(value))
