@@ -318,19 +318,19 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
 
     none = {"best_unreadable": math.inf, "best_wer": math.inf}
     earlier.write_bytes(b"")  # what it holds is `saved`'s
-    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == (none, None)  # no best.pt: a run of its own
+    assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == (none, None, False)  # no best.pt: its own run
     best = run_dir / "checkpoints" / "best.pt"
     checkpoint.save(best, saved(8, 30.0))
     assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A") == ({"best_unreadable": 0, "best_wer": 30.0},
-                                                                          None)
+                                                                          None, False)
     with caplog.at_level("INFO", logger="trainer.resume"):
-        assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == (none, best.with_name("best-A.pt"))
+        assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == (none, best.with_name("best-A.pt"), False)
     assert (f"the test set is not the one {best} was evaluated on (A there, B here), and WERs over other test sets do "
             "not compare: the first evaluation here replaces best.pt") in caplog.text
     # Back on B, where B's best.pt was kept: its evaluation is the one to beat.
     checkpoint.save(best.with_name("best-B.pt"), saved(6, 40.0, test_set="B"))
     assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == ({"best_unreadable": 0, "best_wer": 40.0},
-                                                                          best.with_name("best-A.pt"))
+                                                                          best.with_name("best-A.pt"), True)
     checkpoint.save(best, saved(8, 30.0, test_set="../A"))  # edited: it would name a file in another folder
     with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(best))}: its test_set '../A' is no test "
                                          r"set's fingerprint \(the run's best.pt, whose evaluation"):
@@ -358,12 +358,50 @@ def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_b
     checkpoint.save(best.with_name("best-A.pt"), kept)
     with caplog.at_level("INFO", logger="trainer.resume"):
         found = best_to_beat(run_dir, resumed, later, state, "8 utterances, sha256 A")
-        assert found == ({"best_unreadable": 0, "best_wer": 10.0}, None)
-        settle_best(run_dir, found.kept_as, "8 utterances, sha256 A")
+        assert found == ({"best_unreadable": 0, "best_wer": 10.0}, None, True)
+        settle_best(run_dir, found, "8 utterances, sha256 A")
     assert f"no {best}: the evaluation to beat is that of best-A.pt, the best on this test set" in caplog.text
     assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
     assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
     assert torch.load(best, weights_only=True)["train_state"]["best_wer"] == 10.0
+
+
+def test_a_kept_best_that_scores_better_than_best_pt_on_its_test_set_is_best_pt_again(tmp_path, caplog):
+    """A run directory left by the resume before 37d5cee: best.pt deleted by hand on another test set, the first
+    evaluation back on this one, however worse, became best.pt beside the better best-A.pt kept for it. The next resume
+    took best.pt's evaluation as the one to beat and removed best-A.pt as an alias of it, losing the best model."""
+    run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
+    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+
+    def best_on_a(step, best_unreadable, best_wer):
+        return {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": "8 utterances, sha256 A",
+                "train_state": {**state, "epoch": step // 2, "step": step, "best_unreadable": best_unreadable,
+                                "best_wer": best_wer}}
+
+    resumed.write_bytes(b"")  # what it holds is best_on_a(8, ...)'s
+    best = run_dir / "checkpoints" / "best.pt"
+    for kept, worse in ((best_on_a(2, 0, 10.0), best_on_a(6, 0, 50.0)),  # a lower WER
+                        (best_on_a(2, 1, 90.0), best_on_a(6, 2, 20.0))):  # more of the test set decoded
+        checkpoint.save(best.with_name("best-A.pt"), kept)
+        checkpoint.save(best, worse)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="trainer.resume"):
+            found = best_to_beat(run_dir, resumed, best_on_a(8, 0, 50.0), state, "8 utterances, sha256 A")
+            assert found.figures == {key: kept["train_state"][key] for key in ("best_unreadable", "best_wer")}
+            settle_best(run_dir, found, "8 utterances, sha256 A")
+        assert (f"{best.with_name('best-A.pt')} scores better on this test set than {best} ") in caplog.text
+        assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
+        assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
+        assert torch.load(best, weights_only=True)["train_state"]["step"] == 2
+    # The other way round, best-A.pt worse: best.pt stays the best and the stale name goes, as before.
+    checkpoint.save(best, best_on_a(2, 0, 10.0))
+    checkpoint.save(best.with_name("best-A.pt"), best_on_a(6, 0, 50.0))
+    found = best_to_beat(run_dir, resumed, best_on_a(8, 0, 50.0), state, "8 utterances, sha256 A")
+    assert found.figures == {"best_unreadable": 0, "best_wer": 10.0}
+    settle_best(run_dir, found, "8 utterances, sha256 A")
+    assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
+    assert torch.load(best, weights_only=True)["train_state"]["step"] == 2
 
 
 def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_this_one(tmp_path, caplog):
@@ -380,8 +418,8 @@ def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_
     with caplog.at_level("INFO", logger="trainer.resume"):
         found = best_to_beat(run_dir, resumed, old_best, state, "8 utterances, sha256 A")
         none = {"best_unreadable": math.inf, "best_wer": math.inf}
-        assert found == (none, best.with_name("best-unknown-test-set.pt"))
-        settle_best(run_dir, found.kept_as, "8 utterances, sha256 A")
+        assert found == (none, best.with_name("best-unknown-test-set.pt"), False)
+        settle_best(run_dir, found, "8 utterances, sha256 A")
     assert (f"{best} records no test set (written before checkpoints recorded theirs, 2026-12-02), and WERs over other "
             "test sets do not compare: the first evaluation here replaces best.pt") in caplog.text
     assert f"{best}, the best on its test set, kept as {found.kept_as}" in caplog.text

@@ -221,6 +221,7 @@ class BestToBeat(NamedTuple):
     """What best_to_beat found of the run directory's best.pt."""
     figures: dict  # the best_unreadable and best_wer an evaluation must beat to replace best.pt
     kept_as: Path | None  # where best.pt is another test set's: the name settle_best keeps it under
+    kept_is_best: bool  # a best-DIGEST.pt kept for this test set is the best on it (best.pt again), not a stale name
 
 
 def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fingerprint: str) -> BestToBeat:
@@ -233,16 +234,16 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
     back = kept_here.is_file()
     if not best.is_file():
         if not back:  # none to beat: no evaluation in this run directory yet
-            return BestToBeat(none, None)
+            return BestToBeat(none, None, False)
         # best.pt deleted by hand while the run was on another test set: settle_best makes the kept one best.pt again.
         log.info("no %s: the evaluation to beat is that of %s, the best on this test set", best, kept_here.name)
-        return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1], None)
+        return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1], None, True)
     # best.pt's own figures, not the resumed checkpoint's: an earlier checkpoint's, or a copy's, let an epoch worse than
     # best.pt's replace it.
     best_saved, figures = recorded_best(best, resumed, saved, state)
     their_test_set = best_saved.get("test_set")
     if their_test_set == test_fingerprint:
-        return BestToBeat(figures, None)
+        return best_of_this_test_set(best, figures, kept_here, resumed, saved, state)
     to_beat = (f"the evaluation to beat is that of {kept_here.name}, the best on this test set" if back
                else "the first evaluation here replaces best.pt")
     # What is kept and moved, settle_best says as it does it: a job with nothing left to train does neither.
@@ -255,7 +256,34 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
         log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets "
                  "do not compare: %s", best, their_test_set, test_fingerprint, to_beat)
     check_free_to_keep(best, kept_as)
-    return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as)
+    return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as, back)
+
+
+def best_of_this_test_set(best: Path, figures: dict, kept_here: Path, resumed: Path, saved: dict,
+                          state: dict) -> BestToBeat:
+    """Where best.pt (`best`, its evaluation `figures`) is this test set's: the better of it and the best-DIGEST.pt
+    kept for this test set (`kept_here`), if any."""
+    if not kept_here.is_file():
+        return BestToBeat(figures, None, False)
+    kept_figures = recorded_best(kept_here, resumed, saved, state)[1]
+    if not scores_better(kept_figures, figures):  # most often the name best.pt was kept under: the same model
+        return BestToBeat(figures, None, False)
+    # Left by resumes before 2026-12-05 (37d5cee): best.pt deleted by hand on another test set, the first evaluation
+    # back on this one, however worse, became best.pt beside the kept one, which the next resume removed as its alias.
+    log.info("%s scores better on this test set than %s (%s against %s), which an older resume left beside it: the "
+             "evaluation to beat is that of %s, the best on this test set", kept_here, best, described(kept_figures),
+             described(figures), kept_here.name)
+    return BestToBeat(kept_figures, None, True)
+
+
+def scores_better(figures: dict, others: dict) -> bool:
+    """Whether a best.pt's evaluation (`figures`) beats another's on the same test set, as ErrorCounts.beats orders
+    them: more of the test set decoded, or as much at a lower WER."""
+    return (figures["best_unreadable"], figures["best_wer"]) < (others["best_unreadable"], others["best_wer"])
+
+
+def described(figures: dict) -> str:
+    return f"WER {figures['best_wer']:.2f}%, {figures['best_unreadable']} test utterances not decoded"
 
 
 def check_free_to_keep(best: Path, kept_as: Path) -> None:
@@ -292,27 +320,27 @@ def kept_best(best: Path, test_set) -> Path:
     return best.with_name(f"best-{digest}.pt")
 
 
-def settle_best(run_dir: Path, kept_as: Path | None, test_fingerprint: str) -> None:
+def settle_best(run_dir: Path, found: BestToBeat, test_fingerprint: str) -> None:
     """Leaves the run directory one name for the best on this test set (`test_fingerprint`) before an evaluation can
-    replace best.pt: a best.pt of another test set is kept first as `kept_as` (best_to_beat's), then the one kept for
-    this test set, if any, is best.pt again. A job killed in between leaves best.pt as it was, and the next resume makes
-    the same moves."""
+    replace best.pt: a best.pt of another test set is kept first as found.kept_as (best_to_beat's), then the one kept
+    for this test set, if any, is best.pt again where it is the best on it. A job killed in between leaves best.pt as it
+    was, and the next resume makes the same moves."""
     best = run_dir / "checkpoints" / "best.pt"
-    if kept_as is not None:
-        checkpoint.save_same(best, kept_as)
-        log.info("%s, the best on its test set, kept as %s", best, kept_as)
+    if found.kept_as is not None:
+        checkpoint.save_same(best, found.kept_as)
+        log.info("%s, the best on its test set, kept as %s", best, found.kept_as)
     kept_here = kept_best(best, test_fingerprint)
     if not kept_here.is_file():
         return
-    if kept_as is None and best.is_file():
-        # The name best.pt, this test set's, was kept under on a move to another test set and back with no evaluation
-        # between: after best.pt's next evaluation it would be an older model that looks like the best on this set.
-        kept_here.unlink()
-        log.info("%s removed: %s is the best on this test set again", kept_here, best)
-    else:
+    if found.kept_is_best:
         # Without best.pt (deleted by hand) too: best_to_beat took the kept one's evaluation as the one to beat.
         os.replace(kept_here, best)  # a move, not a link: best.pt goes on, and the name would hold a stale copy
         log.info("%s, the best on this test set, is %s again", kept_here, best)
+    else:
+        # Most often the name best.pt, this test set's, was kept under on a move to another test set and back with no
+        # evaluation between: after best.pt's next evaluation it would be an older model that looks like the best here.
+        kept_here.unlink()
+        log.info("%s removed: %s is the best on this test set again", kept_here, best)
 
 
 def position_in_epochs(state: dict) -> str:
@@ -330,7 +358,7 @@ class RunStart(NamedTuple):
     run_id: str | None  # carried by the run's checkpoints and jobs.jsonl (continued_run_id); None for a run of its own
     continues: bool  # this directory's run goes on: its metrics.jsonl and jobs.jsonl too
     started_from: dict | None  # the other run's checkpoint it started from (start_of_run): its checkpoints carry it
-    best_kept_as: Path | None  # where best.pt is another test set's: the name to keep it under (best_to_beat)
+    best: BestToBeat | None  # what best_to_beat found of best.pt, for settle_best; None afresh
 
 
 def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path, env: DistEnv,
@@ -338,7 +366,7 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
     """Where this job starts: afresh where `resume` (checkpoint_to_resume's) is None, otherwise from that checkpoint,
     refused where it does not fit this run, its parts handed to `loaders`, its training state to `state` and this rank's
     RNG states to the RNGs. Every rank must call it (a collective)."""
-    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None, best_kept_as=None)
+    start = RunStart(checkpoint=None, run_id=None, continues=False, started_from=None, best=None)
     if resume is not None:
         saved = checkpoint.load(resume, checkpoint.TRAINING_PARTS)
         resume, saved = run_started_from(resume, saved, run_dir) or (resume, saved)
@@ -354,7 +382,7 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
         best = best_to_beat(run_dir, resume, saved, state, test_fingerprint)
         state.update(best.figures)
         start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved),
-                         best.kept_as)
+                         best)
         log.info("resumed from %s at step %d (%s)", resume, state["step"], position_in_epochs(state))
         if changed_settings:
             log.info("settings other than those %s was written under, taken from here on: %s", resume,

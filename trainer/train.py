@@ -657,7 +657,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         replace_whole(run_dir / "config.yaml",
                       OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
-        settle_best(run_dir, start.best_kept_as, test_fingerprint)
+        if start.best is not None:  # afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one)
+            settle_best(run_dir, start.best, test_fingerprint)
 
     if env.world_size > 1:
         model.sync_batch_norm(cfg.train.sync_batch_norm)
