@@ -1227,6 +1227,28 @@ def test_a_run_moved_to_another_test_set_and_back_before_an_evaluation_there_kee
     assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt"]
 
 
+@pytest.mark.slow
+def test_a_resume_keeps_a_better_best_pt_kept_for_its_test_set_over_a_worse_best_pt_beside_it(an4_train, tmp_path):
+    """A run directory left by a resume before 2026-12-05 (best.pt deleted by hand on another test set, the first
+    evaluation back, however worse, became best.pt beside the kept best-DIGEST.pt): the next resume beat best.pt's
+    evaluation and removed the better kept one as an alias of best.pt."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    common = ["model.hidden=32", "train.global_batch_size=4"]  # 2 steps an epoch
+    train(tmp_path / "run", manifest, *common, "train.epochs=1")
+    saved = torch.load(checkpoints / "best.pt", weights_only=True)
+    assert saved["train_state"]["best_wer"] > 0
+    # As if the kept one had scored 0 % on the test set best.pt is also of: no epoch can beat it.
+    saved["train_state"]["best_wer"] = 0.0
+    kept = checkpoints / f"best-{saved['test_set'].split()[-1]}.pt"
+    torch.save(saved, kept)
+    result = train(tmp_path / "run", manifest, *common, "train.epochs=2", "train.resume=auto")
+    assert f"{kept} scores better on this test set than {checkpoints / 'best.pt'} (WER 0.00%" in result.output
+    assert f"{kept}, the best on this test set, is {checkpoints / 'best.pt'} again" in result.output
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["best.pt", "last.pt"]
+    assert torch.load(checkpoints / "best.pt", weights_only=True)["train_state"]["best_wer"] == 0.0
+
+
 def test_a_resume_from_a_copy_of_an_earlier_checkpoint_keeps_a_better_best_pt(an4_train, tmp_path):
     """A copy of the run's checkpoint outside checkpoints/ (or an earlier one) resumed: best.pt was chosen afresh, so
     the next epoch, worse than best.pt's, replaced the best model. best.pt's own evaluation is the one to beat."""
