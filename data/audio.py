@@ -51,7 +51,8 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
         ones (a float file can; they would turn the whole batch's loss into NaN), or resampling it to `sample_rate`
         would take a filter of more than MAX_RESAMPLING_TAPS taps even from the nearest multiple of 100 Hz.
     """
-    file_rate = audio_header(path).samplerate
+    # Before decoding: a model given an odd rate decoded every file whole, only to refuse it.
+    from_rate = _rate_to_resample_from(path, audio_header(path).samplerate, sample_rate)
     try:
         waveform = _decode_mono(path)
     except Exception as error:
@@ -61,9 +62,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
     # A block at a time: torch.isfinite of a whole waveform takes 1.6 times its size (its abs and two masks).
     if not all(torch.isfinite(block).all() for block in waveform.split(BLOCK_FRAMES)):
         raise AudioError(f"{path}: audio holds NaN or infinite samples")
-    if file_rate != sample_rate:
-        waveform = _resample(waveform, _rate_to_resample_from(path, file_rate, sample_rate), sample_rate)
-    return waveform
+    return _resample(waveform, from_rate, sample_rate)
 
 
 def _decode_mono(path: str | os.PathLike) -> torch.Tensor:
@@ -84,7 +83,7 @@ def _decode_mono(path: str | os.PathLike) -> torch.Tensor:
 
 def _resample(waveform: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
     """torchaudio's resampling of the (N,) `waveform`, about BLOCK_FRAMES of its samples at a time."""
-    if from_rate == to_rate:  # an odd rate rounded to the model's own
+    if from_rate == to_rate:  # the model's own rate, or an odd one rounded to it
         return waveform
     resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
     from_step, to_step = from_rate // resampler.gcd, to_rate // resampler.gcd

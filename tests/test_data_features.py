@@ -218,6 +218,20 @@ def test_an_odd_sample_rate_is_resampled_as_the_nearest_100_hz(tmp_path, rates):
     assert rates == [(44100, 16000)]
 
 
+def test_a_model_rate_no_file_can_be_resampled_to_is_refused_before_the_file_is_decoded(tmp_path):
+    # It was refused only after the file was decoded whole, every file of every epoch. A FLAC with a sound header
+    # over a corrupt body tells which came first: decoding it fails.
+    soundfile.write(tmp_path / "a.flac", tone(440, 0.25, 44100), 44100)
+    flac = bytearray((tmp_path / "a.flac").read_bytes())
+    flac[200:] = b"\xaa" * (len(flac) - 200)  # past STREAMINFO (42 bytes) and the encoder's comment
+    (tmp_path / "corrupt.flac").write_bytes(bytes(flac))
+    assert audio_header(tmp_path / "corrupt.flac").frames == 11025
+    with pytest.raises(AudioError, match="corrupt.flac: cannot read audio"):
+        load_audio(tmp_path / "corrupt.flac", sample_rate=16000)
+    with pytest.raises(AudioError, match="corrupt.flac: resampling 44100 Hz to the model's 16001 Hz would take"):
+        load_audio(tmp_path / "corrupt.flac", sample_rate=16001)
+
+
 def test_a_fast_rate_of_few_lowest_terms_is_resampled_exactly(tmp_path, rates):
     # 100100 / 16000 is 1001 / 160 in lowest terms: 160 phases of 1077 taps, as cheap as 44.1 kHz. It was refused, as
     # was every multiple of 100 Hz above 100 kHz sharing only 100 with 16000, with a message that blamed the model's
