@@ -37,11 +37,12 @@ RATE_THAT_TAKES_ANY_FILE = 16000
 LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99
 
 
-def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tensor:
+def load_audio(path: str | os.PathLike, sample_rate: int = 16000, header=None) -> torch.Tensor:
     """Read `path` (any format libsndfile knows: FLAC, WAV, NIST SPHERE...) as a mono waveform.
 
     Channels are averaged and other sample rates resampled to `sample_rate` (an odd rate such as 16001 Hz as the
-    nearest multiple of 100 Hz, see MAX_RESAMPLING_TAPS).
+    nearest multiple of 100 Hz, see MAX_RESAMPLING_TAPS). `header` is the file's audio_header where the caller has
+    read it already (the dataset, for its max_duration), so that it is not read again.
 
     Returns:
         (N,) float32 samples, in [-1, 1] for integer formats (float files hold what they hold).
@@ -51,8 +52,10 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000) -> torch.Tenso
         ones (a float file can; they would turn the whole batch's loss into NaN), or resampling it to `sample_rate`
         would take a filter of more than MAX_RESAMPLING_TAPS taps even from the nearest multiple of 100 Hz.
     """
+    if header is None:
+        header = audio_header(path)
     # Before decoding: a model given an odd rate decoded every file whole, only to refuse it.
-    from_rate = _rate_to_resample_from(path, audio_header(path).samplerate, sample_rate)
+    from_rate = _rate_to_resample_from(path, header.samplerate, sample_rate)
     try:
         waveform = _decode_mono(path)
     except Exception as error:

@@ -237,12 +237,12 @@ class SpeechDataset(Dataset):
         try:
             # From the header, before decoding: a lecture the manifest lists as 2 s was decoded (and resampled) whole,
             # up to an hour of audio and gigabytes, every epoch in every loader process, only to be skipped.
-            seconds = audio_header(utterance.audio_filepath).duration
-            if self.max_duration is not None and seconds > self.max_duration + 1:
-                return self._unusable(index, f"its audio lasts {seconds:.1f} s, more than max_duration "
+            header = audio_header(utterance.audio_filepath)
+            if self.max_duration is not None and header.duration > self.max_duration + 1:
+                return self._unusable(index, f"its audio lasts {header.duration:.1f} s, more than max_duration "
                                              f"({self.max_duration} s); the manifest says {utterance.duration} s",
                                       LONGER_THAN_MAX_DURATION)
-            waveform = load_audio(utterance.audio_filepath, self.features.sample_rate)
+            waveform = load_audio(utterance.audio_filepath, self.features.sample_rate, header=header)
         except AudioError as error:
             return Unusable(index, f"skipping {error}")
         features = self.features(waveform)  # (T, F)

@@ -245,7 +245,7 @@ def test_audio_longer_than_its_manifest_says_is_refused_from_its_header_without_
     ])
     dataset = make_dataset(tmp_path / "m.jsonl")
     decoded = []
-    monkeypatch.setattr("data.dataset.load_audio", lambda path, *args: decoded.append(Path(path).name) or
+    monkeypatch.setattr("data.dataset.load_audio", lambda path, *args, **kwargs: decoded.append(Path(path).name) or
                         torch.zeros(RATE))
     batch = collate([dataset[0], dataset[1]])
     # Decoding it took up to an hour of audio (and gigabytes resampled) every epoch in every loader process.
@@ -253,6 +253,17 @@ def test_audio_longer_than_its_manifest_says_is_refused_from_its_header_without_
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in \
         batch.unusable[0].reason
     assert len(batch.indices) == 1 and batch.num_unusable_as(LONGER_THAN_MAX_DURATION) == 1 == batch.num_unusable
+
+
+def test_an_items_audio_header_is_read_once(manifest, monkeypatch):
+    # Read for the max_duration check and again by load_audio: two opens and parses of every file, every epoch.
+    dataset = make_dataset(manifest)
+    expected = dataset[0].features
+    read = []
+    info = soundfile.info
+    monkeypatch.setattr(soundfile, "info", lambda file, *args: read.append(file) or info(file, *args))
+    sample = dataset[0]
+    assert len(read) == 1 and torch.equal(sample.features, expected)
 
 
 def test_sample_holds_features_targets_and_index(manifest):
