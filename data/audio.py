@@ -1,7 +1,9 @@
 """Reading speech audio as a mono float waveform at the model's sample rate."""
+import itertools
 import math
 import os
 import stat
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import soundfile
@@ -56,53 +58,73 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, header=None) -
         header = audio_header(path)
     # Before decoding: a model given an odd rate decoded every file whole, only to refuse it.
     from_rate = _rate_to_resample_from(path, header.samplerate, sample_rate)
-    try:
-        waveform = _decode_mono(path)
-    except Exception as error:
-        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
+    waveform = _resample(_mono_blocks(path, header.frames), from_rate, sample_rate, header.frames)
     if len(waveform) == 0:
         raise AudioError(f"{path}: audio holds no samples")
-    # A block at a time: torch.isfinite of a whole waveform takes 1.6 times its size (its abs and two masks).
-    if not all(torch.isfinite(block).all() for block in waveform.split(BLOCK_FRAMES)):
-        raise AudioError(f"{path}: audio holds NaN or infinite samples")
-    return _resample(waveform, from_rate, sample_rate)
+    return waveform
 
 
-def _decode_mono(path: str | os.PathLike) -> torch.Tensor:
-    """The file's (N,) float32 samples, its channels averaged BLOCK_FRAMES frames at a time; the frames its header
-    claims at most, fewer where the file ends before them."""
-    with soundfile.SoundFile(os.fsencode(path)) as file:
-        waveform = torch.empty(file.frames)
-        block = np.empty((min(BLOCK_FRAMES, file.frames), file.channels), np.float32)
+def _mono_blocks(path: str | os.PathLike, frames: int) -> Iterator[torch.Tensor]:
+    """The file's float32 samples, its channels averaged, BLOCK_FRAMES frames at a time (each checked finite: a float
+    file can hold NaN, which would turn the whole batch's loss into NaN); `frames` at most, fewer where the file ends
+    before them."""
+    try:
+        file = soundfile.SoundFile(os.fsencode(path))
+    except Exception as error:
+        raise _unreadable(path, error) from None
+    with file:
+        block = np.empty((min(BLOCK_FRAMES, frames), file.channels), np.float32)
         decoded = 0
-        while decoded < len(waveform):
-            samples = file.read(out=block[:len(waveform) - decoded])
+        while decoded < frames:
+            try:
+                samples = file.read(out=block[:frames - decoded])
+            except Exception as error:
+                raise _unreadable(path, error) from None
             if len(samples) == 0:
                 break
-            waveform[decoded:decoded + len(samples)] = torch.from_numpy(samples).mean(dim=1)
+            mono = torch.from_numpy(samples).mean(dim=1)
+            if not torch.isfinite(mono).all():
+                raise AudioError(f"{path}: audio holds NaN or infinite samples")
             decoded += len(samples)
-    return waveform[:decoded]
+            yield mono
 
 
-def _resample(waveform: torch.Tensor, from_rate: int, to_rate: int) -> torch.Tensor:
-    """torchaudio's resampling of the (N,) `waveform`, about BLOCK_FRAMES of its samples at a time."""
+def _resample(blocks: Iterable[torch.Tensor], from_rate: int, to_rate: int, frames: int) -> torch.Tensor:
+    """torchaudio's resampling of the (N,) waveform that `blocks` make one after another (`frames` samples at most),
+    about BLOCK_FRAMES of its samples at a time, as they come: the waveform at `from_rate` is never held whole."""
     if from_rate == to_rate:  # the model's own rate, or an odd one rounded to it
-        return waveform
-    resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
-    from_step, to_step = from_rate // resampler.gcd, to_rate // resampler.gcd
+        resampler, from_step, to_step, width = torch.nn.Identity(), 1, 1, 0
+    else:
+        resampler = torchaudio.transforms.Resample(from_rate, to_rate, dtype=torch.float32)
+        from_step, to_step, width = from_rate // resampler.gcd, to_rate // resampler.gcd, resampler.width
     # Each run of to_step output samples is filtered from from_step input samples and the filter's width either side,
     # zeros past the waveform's ends: a block of whole runs, resampled with whole runs either side that cover that
     # width, gives what resampling the whole waveform gives there.
     block = math.ceil(BLOCK_FRAMES / from_step) * from_step
-    margin = math.ceil(resampler.width / from_step) * from_step
-    resampled = torch.empty(-(-len(waveform) * to_step // from_step))
-    for start in range(0, len(waveform), block):
-        first = max(0, start - margin)
-        skipped = (start - first) // from_step * to_step
-        piece = resampler(waveform[first:start + block + margin])[skipped:skipped + block // from_step * to_step]
+    margin = math.ceil(width / from_step) * from_step
+    resampled = torch.empty(-(-frames * to_step // from_step))
+    written = 0
+    for start, window, lead in _block_windows(blocks, block, margin):
+        skipped = lead // from_step * to_step
+        piece = resampler(window)[skipped:skipped + block // from_step * to_step]
         at = start // from_step * to_step
         resampled[at:at + len(piece)] = piece
-    return resampled
+        written = at + len(piece)
+    return resampled[:written]
+
+
+def _block_windows(blocks: Iterable[torch.Tensor], block: int, margin: int) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """(start, window, lead) for each `block` samples of the waveform that `blocks` make one after another: the first
+    sample's position, and the block in a window of up to `margin` samples either side, `lead` of them before it. The
+    waveform's samples are held only while a window still needs them."""
+    held, first, start = torch.empty(0), 0, 0  # the samples from position `first` on
+    for samples in itertools.chain(blocks, [None]):  # None: the waveform's end, after which no margin will come
+        if samples is not None:
+            held = torch.cat([held, samples])
+        while first + len(held) >= start + block + margin or (samples is None and start < first + len(held)):
+            yield start, held[:start + block + margin - first], start - first
+            start += block
+            held, first = held[max(0, start - margin) - first:], max(0, start - margin)
 
 
 def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate: int) -> int:
@@ -132,7 +154,7 @@ def audio_header(path: str | os.PathLike):
     try:
         header = soundfile.info(os.fsencode(path))
     except Exception as error:
-        raise AudioError(f"{path}: cannot read audio ({_reason(error)})") from None
+        raise _unreadable(path, error) from None
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
         raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
                          f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
@@ -173,5 +195,6 @@ def _resampling_filter_taps(from_rate: int, to_rate: int) -> int:
     return to_step * (from_step + 2 * width)
 
 
-def _reason(error: Exception) -> str:
-    return getattr(error, "error_string", None) or str(error) or type(error).__name__
+def _unreadable(path: str | os.PathLike, error: Exception) -> AudioError:
+    reason = getattr(error, "error_string", None) or str(error) or type(error).__name__
+    return AudioError(f"{path}: cannot read audio ({reason})")
