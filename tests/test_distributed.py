@@ -539,6 +539,35 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before
         "launch/single_node.sh N (mpirun) or srun, which set it, or unset it"]
 
 
+# Each launcher's size at 0, then a node's count at 0 where the launch's size says the process is one of several.
+COUNTS_OF_0 = [*({names[1]: "0"} for names in distributed.LAUNCHER_VARIABLES),
+               {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "00"}]
+
+
+def count_of_0_refusal(variables: dict) -> str:
+    name, value = list(variables.items())[-1]
+    return (f"error: {name}={value} is no count of processes (a whole number above 0), as an MPI launcher sets it: "
+            "start the processes with launch/single_node.sh N (mpirun) or srun, which set it, or unset it")
+
+
+@pytest.mark.parametrize("variables", COUNTS_OF_0)
+def test_a_launchers_count_of_0_is_refused_naming_it(monkeypatch, capsys, variables):
+    """PMI_SIZE=0 (any launcher's size at 0) ran as a world of one, where WORLD_SIZE=0 was refused as no count; a
+    node's count of 0 was taken for none given."""
+    clear_launcher_variables(monkeypatch)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as refused:
+        distributed.refuse_unusable_launch()
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [count_of_0_refusal(variables)]
+
+
+@pytest.mark.parametrize("program", PROGRAMS_THAT_START_RANKS)
+def test_a_launchers_count_of_0_is_refused_in_one_line_before_anything_is_written(tmp_path, program):
+    assert refused_launch(tmp_path, program, {"PMI_SIZE": "0"}) == [count_of_0_refusal({"PMI_SIZE": "0"})]
+
+
 @pytest.mark.parametrize("variables, refusal", [
     ({"PMI_RANK": "5", "PMI_SIZE": "2"},
      "PMI_RANK=5 is no rank of PMI_SIZE=2 processes, which a launcher numbers 0 to 1"),

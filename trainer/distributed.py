@@ -64,22 +64,36 @@ class DistEnv:
         return self.rank == 0
 
 
-def _launcher_number(name: str, default: int) -> int:
+AS_A_LAUNCHER_SETS_IT = ("as an MPI launcher sets it: start the processes with launch/single_node.sh N (mpirun) or "
+                         "srun, which set it, or unset it")
+
+
+def _launcher_number(name: str, default: int | None) -> int | None:
     """Launcher variable `name` as the whole number it holds, `default` where it is unset or empty (a variable cleared,
     export NAME=); ValueError naming it and its value where it holds no whole number."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
     if not (value.isascii() and value.isdigit()):
-        raise ValueError(f"{name}={value} is no whole number, as an MPI launcher sets it: start the processes with "
-                         "launch/single_node.sh N (mpirun) or srun, which set it, or unset it")
+        raise ValueError(f"{name}={value} is no whole number, {AS_A_LAUNCHER_SETS_IT}")
     return int(value)
+
+
+def _launcher_count(name: str) -> int | None:
+    """Launcher variable `name`, a count of processes (a launch's or a node's), as the number it holds, None where it
+    is unset or empty; ValueError naming it and its value where it holds 0, which no launcher sets: a launch's size of
+    0 ran as a world of one (where WORLD_SIZE=0 was refused), and a node's was taken for none given."""
+    count = _launcher_number(name, None)
+    if count == 0:
+        raise ValueError(f"{name}={os.environ[name].strip()} is no count of processes (a whole number above 0), "
+                         f"{AS_A_LAUNCHER_SETS_IT}")
+    return count
 
 
 def _launcher_variables() -> tuple[str, str, str, str] | None:
     """The variable names (LAUNCHER_VARIABLES) of the launcher that started this process with size > 1."""
     for names in LAUNCHER_VARIABLES:
-        if _launcher_number(names[1], 1) > 1:
+        if (_launcher_count(names[1]) or 1) > 1:
             return names
     return None
 
@@ -106,10 +120,10 @@ def check_not_one_of_torchruns_ranks() -> None:
 
 def refuse_unusable_launch() -> None:
     """A program's first step (the trainer's, the benchmarks'): check_not_one_of_torchruns_ranks's refusal, or that of
-    a launcher's variable holding no whole number or a rank past its count, as "error: ..." and exit code 2, before
-    the program names a rank or writes anything (the trainer's Hydra, a run directory). Every one of torchrun's
-    processes prints it, and none is a rank of ours: launcher_rank, which finds no MPI launcher, would call each rank 0;
-    nor can a rank be named from a variable that holds none, or one that no launcher would set."""
+    a launcher's variable holding no whole number, a count of 0 or a rank past its count, as "error: ..." and exit
+    code 2, before the program names a rank or writes anything (the trainer's Hydra, a run directory). Every one of
+    torchrun's processes prints it, and none is a rank of ours: launcher_rank, which finds no MPI launcher, would call
+    each rank 0; nor can a rank be named from a variable that holds none, or one that no launcher would set."""
     try:
         check_not_one_of_torchruns_ranks()
         if launched_by_mpi():
@@ -213,12 +227,13 @@ def _ranks_from_launcher() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
     node, at least this one and those of lower local rank do."""
     rank_name, size_name, local_name, local_size_name = _launcher_variables()
-    rank, size = _rank_of_launch(rank_name, size_name), _launcher_number(size_name, 1)
-    local_rank, local_size = _launcher_number(local_name, 0), _launcher_number(local_size_name, 0)
+    rank, size = _rank_of_launch(rank_name, size_name), _launcher_count(size_name)
+    local_rank, local_size = _launcher_number(local_name, 0), _launcher_count(local_size_name)
     _check_rank_within(rank_name, rank, size_name, size)
-    if local_size:
-        _check_rank_within(local_name, local_rank, local_size_name, local_size)
-    return rank, size, local_rank, max(local_size, local_rank + 1)
+    if local_size is None:
+        return rank, size, local_rank, local_rank + 1
+    _check_rank_within(local_name, local_rank, local_size_name, local_size)
+    return rank, size, local_rank, local_size
 
 
 def _check_rank_within(rank_name: str, rank: int, size_name: str, size: int) -> None:
