@@ -681,9 +681,10 @@ def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvo
     assert distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING) == (1, 2, 0, 1, "192.0.2.7", 29511)
 
 
-def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not_mpi(monkeypatch, caplog):
+def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not_mpi(monkeypatch, caplog, capfd):
     """Without mpi4py no rank started MPI: the line said "another rank stopped answering after MPI started" where
-    rank 0 was not at MASTER_ADDR and MASTER_PORT (stopped, or another address set for this rank)."""
+    rank 0 was not at MASTER_ADDR and MASTER_PORT (stopped, or another address set for this rank). Before it, torch's
+    C++ log gave each of its tries to reach rank 0 with some 20 lines of C++ stack frames, on stderr."""
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # as where it is not installed
     clear_launcher_variables(monkeypatch)
     port = distributed._free_port()  # no rank 0 listens there
@@ -702,6 +703,8 @@ def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not
                            f"(127.0.0.1:{port}): it stopped or hung, or another MASTER_ADDR or MASTER_PORT than this "
                            "rank's was set for it; this rank ends the job ("), line
     assert "MPI" not in line.replace("MASTER_", ""), line
+    stderr = capfd.readouterr().err
+    assert "frame #" not in stderr and "Exception raised from" not in stderr, stderr
 
 
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
@@ -1403,14 +1406,14 @@ def test_a_rank_stopped_at_the_jobs_start_or_end_ends_the_job_after_the_timeout(
 @needs_mpiexec
 def test_rank_0_stopped_before_the_rendezvous_it_serves_ends_the_job_in_one_line(an4_slice, tmp_path):
     """Rank 0 serves the rendezvous: rank 1, its connection timed out (torch's DistNetworkError, not the server's
-    DistStoreError), printed torch's traceback and its C++ frames."""
+    DistStoreError), printed torch's traceback and its C++ frames, and torch's C++ log the frames of each try."""
     rank_1 = trainer_command(an4_slice, tmp_path, 1, "train.epochs=1", "distributed.timeout_s=5")
     rank_0 = stopping_in("torch.distributed.init_process_group", rank_1)
     code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert ("error on rank 1: the process group's rendezvous did not complete within distributed.timeout_s (5 s): "
             "another rank stopped answering after MPI") in output, output
-    assert "Traceback" not in output, output
+    assert "Traceback" not in output and "frame #" not in output, output
 
 
 def test_the_watchdog_of_mpis_start_never_runs_on_into_the_trainers_code():

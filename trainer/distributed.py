@@ -396,6 +396,8 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     try:
+        if rank != 0:
+            wait_for_rank_0s_rendezvous(address, port, timeout_s)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{address}:{port}",
@@ -415,6 +417,26 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
              local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
     return DistEnv(rank, world_size, rank_device, ranks_on_device)
+
+
+def wait_for_rank_0s_rendezvous(address: str, port: int, timeout_s: float) -> None:
+    """Returns once rank 0's rendezvous at `address` and `port` accepts a connection, which its store closes without
+    a word; DistNetworkError saying it timed out where it did not within `timeout_s` (init's one line then says so).
+    Torch's own wait for it logged each of its tries that timed out with some 20 lines of C++ stack frames before that
+    line, and TORCH_CPP_LOG_LEVEL, which hides them, is read as torch is imported and would hide every other C++
+    warning and error too (NCCL's watchdog's). Any other error (a name that does not resolve) is left to the
+    rendezvous, which says it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.01)):
+                return
+        except (ConnectionRefusedError, TimeoutError) as error:
+            if time.monotonic() >= deadline:
+                raise dist.DistNetworkError(f"timed out connecting to {address}:{port} ({error})") from None
+            time.sleep(0.05)
+        except OSError:
+            return
 
 
 def rendezvous_missed_by(address: str, port: int) -> str:
