@@ -198,18 +198,20 @@ def test_the_tools_print_a_path_that_is_not_utf8_with_its_bytes_escaped_as_data_
         result.stderr
 
 
+@pytest.mark.parametrize("name", ["absent", "x" * 300], ids=["missing", "name_too_long"])
 @pytest.mark.parametrize("tool, argument", [("lm", "--manifest"), ("evaluate", "--manifest"), ("evaluate", "--lm"),
                                             ("evaluate", "--checkpoint"), ("transcribe", "--checkpoint")])
-def test_the_tools_refuse_an_input_they_cannot_open_in_one_line(tool, argument, tmp_path, capsys):
+def test_the_tools_refuse_an_input_they_cannot_open_in_one_line(tool, argument, name, tmp_path, capsys):
     # An OSError other than a missing file (no permission, which root is never refused; a name past the file system's
-    # 255 bytes) ended in a traceback.
+    # 255 bytes) ended in a traceback; so did trainer.lm's missing manifest, whose error names no `filename`, which
+    # the tool took for a print into a full stdout.
     main = importlib.import_module(f"trainer.{tool}").main
     manifest, model = str(tmp_path / "m.jsonl"), str(small_checkpoint(tmp_path / "small.pt"))
     write_manifest(manifest, [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
     arguments = {"lm": ["--manifest", manifest, "--out", str(tmp_path / "words.arpa")],
                  "evaluate": ["--checkpoint", model, "--device", "cpu", "--manifest", manifest],
                  "transcribe": ["--checkpoint", model, "--device", "cpu", str(tmp_path / "a.wav")]}[tool]
-    unopenable = str(tmp_path / ("x" * 300))
+    unopenable = str(tmp_path / name)
     if argument in arguments:
         arguments[arguments.index(argument) + 1] = unopenable
     else:

@@ -230,6 +230,31 @@ def _discount(table: Counter) -> float:
     return min(once / (once + 2 * twice), 0.9) if once else 0.5
 
 
+def read_transcripts(manifests: list[str]) -> tuple[list[list[str]], int, list[str]]:
+    """The words of each transcript of `manifests` that the model can spell, how many it cannot, and the audio files
+    listed again (each skipped); ValueError where none is left to count, OSError where a manifest cannot be read."""
+    spellable, unspellable, repeats, kept_files = [], 0, [], set()
+    for utterance in (u for path in manifests for u in read_manifest(path, audio_needed=False)):
+        text = normalize_text(utterance.text)
+        # As training keeps an audio file listed again once (a manifest given twice, or through a link), and counts a
+        # repeat as one whatever its own transcript: counted twice, its n-grams' counts would double.
+        if (audio_file := file_identity(utterance.audio_filepath)) in kept_files:
+            repeats.append(utterance.audio_filepath)
+        # Transcripts the model cannot spell are left out of training; their words would only take probability.
+        elif not text or invalid_characters(text):
+            unspellable += 1
+        else:
+            kept_files.add(audio_file)
+            spellable.append(text.split())
+    if repeats:
+        print(f"skipping {counted(len(repeats), 'transcript')} whose audio file is listed before (the first: "
+              f"{repeats[0]})", file=sys.stderr, flush=True)
+    if not spellable:
+        raise ValueError(f"no words to count: the transcripts of {', '.join(manifests)} are empty or have characters "
+                         "outside the alphabet")
+    return spellable, unspellable, repeats
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,34 +266,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_not_an_input(args.out, args.manifest)
-        spellable, unspellable, repeats, kept_files = [], 0, [], set()
-        for utterance in (u for path in args.manifest for u in read_manifest(path, audio_needed=False)):
-            text = normalize_text(utterance.text)
-            # As training keeps an audio file listed again once (a manifest given twice, or through a link), and
-            # counts a repeat as one whatever its own transcript: counted twice, its n-grams' counts would double.
-            if (audio_file := file_identity(utterance.audio_filepath)) in kept_files:
-                repeats.append(utterance.audio_filepath)
-            # Transcripts the model cannot spell are left out of training; their words would only take probability.
-            elif not text or invalid_characters(text):
-                unspellable += 1
-            else:
-                kept_files.add(audio_file)
-                spellable.append(text.split())
-        if repeats:
-            print(f"skipping {counted(len(repeats), 'transcript')} whose audio file is listed before (the first: "
-                  f"{repeats[0]})", file=sys.stderr, flush=True)
-        if not spellable:
-            raise ValueError(f"no words to count: the transcripts of {', '.join(args.manifest)} are empty or have "
-                             "characters outside the alphabet")
-        order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
-        print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", file=lines_stream(args.out),
-              flush=True)  # a minute at 100k
-        write_output(args.out, build_arpa(spellable, order))
-    except (OSError, ValueError) as error:  # OSError: a manifest that cannot be read (no permission); it names the file
-        if isinstance(error, OSError) and error.filename is None:
-            raise  # a print into stdout: its reader stopped early, or a full disk (run_tool)
+        spellable, unspellable, repeats = read_transcripts(args.manifest)
+    except (OSError, ValueError) as error:  # OSError: a manifest that is missing or cannot be read (no permission)
         print(f"error: {error}", file=sys.stderr)
         return 2
+    order = min(args.order, longest_ngram(spellable))  # as build_arpa lowers it
+    # Outside the try: a print into stdout whose reader stopped early, or on a full disk, is run_tool's to end.
+    print(f"counting the {order}-grams of {counted(len(spellable), 'transcript')}", file=lines_stream(args.out),
+          flush=True)  # a minute at 100k
+    write_output(args.out, build_arpa(spellable, order))
     lowered = f" (--order {args.order}: none is longer than {counted(order - 2, 'word')})" if order < args.order else ""
     left_out = f"; {unspellable} empty or unspellable left out" if unspellable else ""
     left_out += f"; {len(repeats)} whose audio file is listed before left out" if repeats else ""
