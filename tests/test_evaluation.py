@@ -387,10 +387,11 @@ def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tm
     assert model.read_text() == lm.build_arpa([["YES"]], 2)
 
 
-@pytest.mark.parametrize("argument", ["--lm", "--manifest"])
+@pytest.mark.parametrize("argument", ["--lm", "--manifest", "--checkpoint", "--out"])
 def test_evaluate_refuses_an_empty_path_it_would_take_as_none_given(argument, tmp_path, capsys):
     # --lm "$LM" with LM unset decoded without a language model (its --lm-weight ignored), and --manifest "" the run's
-    # data.eval_manifest, exit code 0 both.
+    # data.eval_manifest, exit code 0 both; --checkpoint "" and --out "" were each refused as the current folder ("is
+    # a folder"), which named no empty path.
     from trainer.evaluate import main
 
     audio = tmp_path / "a.wav"
@@ -402,6 +403,22 @@ def test_evaluate_refuses_an_empty_path_it_would_take_as_none_given(argument, tm
         main([part for pair in arguments.items() for part in pair])
     assert refused.value.code == 2
     assert capsys.readouterr().err.endswith(f"error: argument {argument}: an empty path (an unset shell variable?)\n")
+
+
+@pytest.mark.parametrize("empty", ["--checkpoint", "audio"])
+def test_transcribe_refuses_an_empty_path(empty, tmp_path, capsys):
+    # --checkpoint "$CK" with CK unset was refused as "checkpoint . is a folder", and an audio file "" was named as
+    # "\terror: no such audio file", a line that begins with no name.
+    from trainer import transcribe
+
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000, subtype="FLOAT")
+    checkpoint_path = "" if empty == "--checkpoint" else str(small_checkpoint(tmp_path / "small.pt"))
+    with pytest.raises(SystemExit) as refused:
+        transcribe.main(["--checkpoint", checkpoint_path, "--device", "cpu", str(audio), *([""] * (empty == "audio"))])
+    assert refused.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith(f"error: argument {empty}: an empty path (an unset shell variable?)\n"), err
 
 
 def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys):

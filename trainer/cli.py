@@ -12,7 +12,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt
+from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.files import FULL_DISK, replace_whole, write_whole
 
 
@@ -66,8 +66,9 @@ def seconds_up_to(maximum: float) -> Callable[[str], float]:
 
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
-    A symbolic link is judged by its target, which is what gets written."""
-    check_names_no_folder(text)
+    A symbolic link is judged by its target, which is what gets written. An empty one (an unset shell variable) is
+    refused as such, where it read as the current folder ("is a folder; name a file in it")."""
+    check_names_no_folder(input_path(text))
     path = Path(text).resolve()
     try:
         if path.is_dir():

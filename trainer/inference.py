@@ -4,6 +4,7 @@ import argparse
 
 import torch
 
+from data.cli import input_path
 from data.text import counted
 from trainer import build, decode
 
@@ -30,7 +31,7 @@ def device_argument(text: str) -> torch.device:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--checkpoint, --device and the decoder's options (trainer.decode)."""
-    parser.add_argument("--checkpoint", required=True, help="a .pt file written by python -m trainer")
+    parser.add_argument("--checkpoint", required=True, type=input_path, help="a .pt file written by python -m trainer")
     parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the model runs: cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     decode.add_arguments(parser)

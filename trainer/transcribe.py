@@ -13,6 +13,7 @@ import sys
 import torch
 
 from data.audio import AudioError, load_audio
+from data.cli import input_path
 from data.features import non_finite_detail
 from data.manifest import print_paths_printable
 from trainer import decode
@@ -27,7 +28,7 @@ ANNOUNCED_PAST_S = 300
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.transcribe", description=__doc__)
     add_model_arguments(parser)
-    parser.add_argument("audio", nargs="+",
+    parser.add_argument("audio", nargs="+", type=input_path,
                         help="audio files (.flac, .wav, .sph; resampled to the rate the model was trained at)")
     args = parser.parse_args(argv)
     try:
