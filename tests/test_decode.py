@@ -425,8 +425,16 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_bytes(ARPA.replace("-0.7\tno", "-0.7\tn\xf6").encode("latin-1"))
     with pytest.raises(ValueError, match=rf"{bad} is not an ARPA text file: byte 6 of line 8 is not UTF-8"):
         NGramLM.from_arpa(bad)
+    # A text that is no model (a manifest, a word list) was said to hold "no n-grams", and a KenLM binary model to be
+    # compressed ("not UTF-8 (a compressed model must be decompressed first)").
     bad.write_text("no model here\n")
+    with pytest.raises(ValueError, match=rf"{bad} is not an ARPA file: it has no \\data\\ line"):
+        NGramLM.from_arpa(bad)
+    bad.write_text("\\data\\\n\\end\\\n")
     with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
+        NGramLM.from_arpa(bad)
+    bad.write_bytes(b"mmap lm http://kheafield.com/code format version 5\n\0\0\0\0\x00\x00\x80\x3f")
+    with pytest.raises(ValueError, match=rf"{bad} is a KenLM binary model, which only KenLM reads: give the ARPA file"):
         NGramLM.from_arpa(bad)
     # A file without line breaks (a disk image, /dev/zero given by mistake) was read whole as one line, until the
     # memory ran out.

@@ -37,6 +37,8 @@ NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a hi
 # A number as ARPA files write it (inf and nan are taken here to be refused as not finite): float() also reads "-0_7"
 # as -7 and "-٠.٧" (digits of another script) as -0.7, which took a damaged model's numbers for others.
 _ARPA_NUMBER = re.compile(r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.I)
+# How a KenLM binary model (build_binary's output, which deepspeech.pytorch and ctcdecode take) begins, complete or not.
+_KENLM_BINARY_MAGIC = b"mmap lm http://kheafield.com/code"
 
 
 class NGramLM:
@@ -61,6 +63,11 @@ class NGramLM:
         if not path.exists():  # not is_file(): a pipe (--lm <(zcat model.arpa.gz)) reads as well
             raise FileNotFoundError(f"language model not found: {path}")
         with path.open("rb") as file:
+            # A KenLM binary model was refused by its second line as "not UTF-8 (a compressed model must be decompressed
+            # first)".
+            if file.peek(len(_KENLM_BINARY_MAGIC)).startswith(_KENLM_BINARY_MAGIC):
+                raise ValueError(f"{path} is a KenLM binary model, which only KenLM reads: give the ARPA file it was "
+                                 "built from")
             return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
 
     @classmethod
@@ -123,6 +130,8 @@ class NGramLM:
                                  "already has (n-grams are read upper case)")
             tables[words] = (log_prob, backoff)
             found[order] += 1
+        if not in_data:  # a transcript, a manifest, a word list: it was said to hold "no n-grams"
+            raise ValueError(f"{source} is not an ARPA file: it has no \\data\\ line")
         if not tables:
             raise ValueError(f"{source} holds no n-grams")
         if not ended:
