@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several nodes with OpenMPI, one process per GPU:
 #   launch/multi_node.sh hosts.txt 16 experiment=an4_gpu
-# hosts.txt lists one node a line as `name slots=GPUS`. Run from a directory every node sees at the same path.
+# hosts.txt lists one node a line as `name slots=GPUS`, one GPUS for all. Run from a directory every node sees at
+# the same path.
 # Settings from the environment: PYTHON, MPIRUN (may carry options), RUN_NAME, MASTER_ADDR (rank 0's address on the
 # fast network; default: the first host), MASTER_PORT (a free port there, needed without mpi4py, which otherwise
 # picks one), NCCL_SOCKET_IFNAME / NCCL_IB_HCA (which interfaces NCCL uses), GLOO_SOCKET_IFNAME (gloo's: device=cpu,
@@ -29,6 +30,12 @@ first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "
               tr -d '[:space:]' || true)
 [[ -n $first_slots ]] || {
     echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '$first_line'" >&2; exit 2; }
+# Every node runs the first line's count of ranks (--map-by below): a later line without a name or that count was
+# found out by mpirun after the build, or put more ranks on a node than it has GPUs.
+bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]]*(#|$)/ &&
+    !($1 !~ /=/ && (" " $0 " ") ~ ("[[:space:]]" slots "[[:space:]]")) {print NR ": \047" $0 "\047"; exit}')
+[[ -z $bad_line ]] || {
+    echo "$hostfile: every host line must read 'NAME $first_slots' as the first does, line $bad_line" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 require_launcher
 # The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a

@@ -779,6 +779,22 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
         assert refused.returncode == 2 and refusal in refused.stderr and "trainer" not in refused.stdout, refused.stderr
 
 
+@pytest.mark.parametrize("lines, refusal", [
+    (["node02 slots=4"], "line 3: 'node02 slots=4'"),  # 8 ranks on a node of 4 GPUs (--map-by ppr:8:node)
+    (["node02"], "line 3: 'node02'"),
+    (["node02 slots=eight"], "line 3: 'node02 slots=eight'"),
+    (["slots=8"], "line 3: 'slots=8'"),  # no name
+])
+def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_build(tmp_path, lines, refusal):
+    """Only the first host line was checked: a later one without a name, without slots= or with another count went
+    on to the build and mpirun, which refused it then or put the first line's count of ranks on that node."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("\n".join(["node01 max_slots=8 slots=8", "# the second node", *lines, ""]))
+    refused = launch_script("multi_node.sh", str(hosts), "16", "experiment=cpu_demo")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8' as the first does, {refusal}\n"
+
+
 @pytest.mark.parametrize("overrides, refusal", [
     (["train.epoch=3"], "error: unknown config key train.epoch (did you mean train.epochs?)"),
     (["model.depth=0"], "error: model.depth must be a positive integer, not 0"),
