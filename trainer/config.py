@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.features import FEATURE_KINDS, MAX_WINDOW_MS
+from data.sampler import shard_size
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
 
@@ -118,6 +119,19 @@ def config_error_line(error: Exception) -> str:
     if isinstance(error, OmegaConfBaseException) and error.full_key:
         return f"{error.full_key}: {str(error).splitlines()[0]}"
     return str(error)
+
+
+def per_rank_batch_size(cfg: DictConfig, world_size: int) -> int:
+    """Each of `world_size` ranks' share of train.global_batch_size; ValueError where they cannot split it evenly."""
+    try:
+        return shard_size(cfg.train.global_batch_size, world_size)
+    except ValueError as error:
+        raise global_batch_refusal(cfg, error) from None
+
+
+def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
+    """data.sampler's refusal of the global batch, naming the key to change: data/ knows no config keys."""
+    return ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}")
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -31,11 +31,11 @@ from data.cli import shows_a_progress_bar
 from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, SpeechDataset, collate, count_reasons
 from data.files import errors_naming, replace_whole
 from data.prepare import prepare_an4
-from data.sampler import BucketBatchSampler, epoch_seed, eval_shards, shard_size
+from data.sampler import BucketBatchSampler, epoch_seed, eval_shards
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
-from trainer.config import check_config, rank_settings
+from trainer.config import check_config, global_batch_refusal, per_rank_batch_size, rank_settings
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate, left_out
@@ -284,10 +284,7 @@ def checked_batches(cfg: DictConfig, env: DistEnv, num_features: int) -> tuple[i
     # The layers share cell, size and backend: one, on the meta device, answers for all.
     with torch.device("meta"):
         one_layer = build.model(cfg.model, num_features, depth=1)
-    try:
-        per_rank_batch = shard_size(cfg.train.global_batch_size, env.world_size)
-    except ValueError as error:
-        raise global_batch_refusal(cfg, error) from None
+    per_rank_batch = per_rank_batch_size(cfg, env.world_size)
     dtype = build.compute_dtype(cfg.train.amp, env.device)
     backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch, dtype, env.device)
     checked_recurrent_backend(one_layer, cfg, "train.eval_batch_size", cfg.train.eval_batch_size, dtype, env.device)
@@ -555,11 +552,6 @@ def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -
     join."""
     shards = eval_shards(eval_set.durations, env.world_size, batch_size)
     return shards[env.rank] + [[]] * (max(map(len, shards)) - len(shards[env.rank]))
-
-
-def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
-    """data.sampler's refusal of the global batch, naming the key to change: data/ knows no config keys."""
-    return ValueError(f"train.global_batch_size={cfg.train.global_batch_size}: {error}")
 
 
 def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
