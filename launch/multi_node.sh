@@ -61,8 +61,10 @@ for name in PATH LD_LIBRARY_PATH PYTHONPATH MASTER_ADDR MASTER_PORT PRNN_AN4 \
 done
 
 # The overrides checked as the trainer checks them, every job of a sweep, before the build and the ranks' start: a
-# misspelt key or a value the trainer refuses is one line and exit code 2 in seconds (trainer/check_overrides.py).
-"${PYTHON:-python3}" -m trainer.check_overrides "${sweep[@]}" run_name="'$run_name'" "$@"
+# misspelt key, a value the trainer refuses or a global batch the ranks cannot split evenly is one line and exit code 2
+# in seconds (trainer/check_overrides.py).
+"${PYTHON:-python3}" -m trainer.check_overrides --world-size "$num_processes" "${sweep[@]}" \
+    run_name="'$run_name'" "$@"
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options

@@ -24,8 +24,9 @@ sweep=()
 if [[ ${1-} == -m || ${1-} == --multirun ]]; then sweep=("$1"); shift; fi
 
 # The overrides checked as the trainer checks them, every job of a sweep, before the build and the ranks' start: a
-# misspelt key or a value the trainer refuses is one line and exit code 2 in seconds (trainer/check_overrides.py).
-"${PYTHON:-python3}" -m trainer.check_overrides "${sweep[@]}" run_name="'$run_name'" "$@"
+# misspelt key, a value the trainer refuses or a global batch the ranks cannot split evenly is one line and exit code 2
+# in seconds (trainer/check_overrides.py).
+"${PYTHON:-python3}" -m trainer.check_overrides --world-size "$num_gpus" "${sweep[@]}" run_name="'$run_name'" "$@"
 
 # Build the CUDA extension once before the ranks start, instead of every rank waiting on the build lock.
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu

@@ -818,6 +818,24 @@ def test_the_launch_scripts_refuse_a_jobs_overrides_before_the_build(tmp_path, o
         assert refused.stdout == "", refused.stdout
 
 
+def test_the_launch_scripts_refuse_a_global_batch_their_rank_count_does_not_divide_before_the_build(tmp_path):
+    """The check knew no rank count: the job passed it and the build, then every rank refused it, leaving runs/NAME/
+    with its .lock and log behind. A sweep's every job, as the ranks would refuse the job's own."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=4\n")
+    refusal = "train.global_batch_size=32: global_batch_size 32 must be a positive multiple of world_size 12\n"
+    for script, counts in [("single_node.sh", ["12"]), ("multi_node.sh", [str(hosts), "12"])]:
+        refused = launch_script(script, *counts, "experiment=an4_gpu", RUN_NAME="uneven")
+        assert refused.returncode == 2 and refused.stderr == f"error: {refusal}", refused.stderr
+        assert refused.stdout == "", refused.stdout
+    refused = launch_script("single_node.sh", "2", "-m", "experiment=cpu_demo", "train.global_batch_size=2,3",
+                            RUN_NAME="uneven")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == ("error: sweep job 1 (train.global_batch_size=3): train.global_batch_size=3: "
+                              "global_batch_size 3 must be a positive multiple of world_size 2\n"), refused.stderr
+    assert not (REPO_ROOT / "runs" / "uneven").exists()
+
+
 def test_the_launch_scripts_refuse_a_sweep_two_of_whose_jobs_get_one_folder_before_the_build():
     """As the trainer refuses it before its first job: here it was found out after the build and every rank's start."""
     refused = launch_script("single_node.sh", "2", "-m", "train.max_steps=1,2", RUN_NAME="one")
@@ -901,11 +919,12 @@ def test_the_launch_scripts_build_the_extension_once_after_the_check_and_before_
     python.chmod(0o755)
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("node01 slots=8\n")
-    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "16"])]:
+    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "8"])]:
         calls.unlink(missing_ok=True)
         ran = launch_script(script, *counts, "experiment=cpu_demo", PYTHON=str(python), RUN_NAME="built")
         assert ran.returncode == 0, ran.stderr
-        assert calls.read_text().splitlines() == ["-m trainer.check_overrides run_name='built' experiment=cpu_demo",
+        assert calls.read_text().splitlines() == [f"-m trainer.check_overrides --world-size {counts[-1]} "
+                                                  "run_name='built' experiment=cpu_demo",
                                                   "-m prnn_kernels.build --if-gpu"], calls.read_text()
         assert ran.stdout.splitlines()[-1].endswith(f"{python} -m trainer run_name='built' experiment=cpu_demo")
 
@@ -1117,7 +1136,8 @@ def slurm_stand_ins(tmp_path: Path, calls: Path, srun: str) -> dict:
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (tmp_path / tool).chmod(0o755)
     return {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_CPUS_PER_TASK": "8", "PYTHON": sys.executable}
+            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NTASKS": "16", "SLURM_CPUS_PER_TASK": "8",
+            "PYTHON": sys.executable}
 
 
 @pytest.mark.parametrize("sweep", [["-m"], []])
@@ -1197,6 +1217,15 @@ def test_the_slurm_script_builds_once_then_starts_the_ranks_with_the_first_nodes
         f"srun --ntasks=1 --nodes=1 {sys.executable} -m prnn_kernels.build --if-gpu (MASTER_ADDR=node07)",
         f"srun --mpi=pmix {sys.executable} -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
         "(MASTER_ADDR=node07)"], calls.read_text()
+
+
+def test_the_slurm_script_refuses_a_global_batch_its_task_count_does_not_divide_before_the_build(tmp_path):
+    """The batch script's SLURM_NTASKS is the job's rank count: the check knew none, and every rank refused it after
+    the build."""
+    ran, recorded = slurm_script(tmp_path, "experiment=an4_gpu", SLURM_NTASKS="12")
+    assert ran.returncode == 2 and recorded == [], ran.stderr
+    assert ran.stderr == ("error: train.global_batch_size=32: global_batch_size 32 must be a positive multiple of "
+                          "world_size 12\n"), ran.stderr
 
 
 def test_the_slurm_script_run_outside_a_slurm_job_says_so():

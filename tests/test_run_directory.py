@@ -410,10 +410,26 @@ def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():
     assert OmegaConf.to_yaml(cfg) == before
 
 
+@pytest.mark.parametrize("sweep, refusal", [
+    ([], "train.global_batch_size=3: "),
+    (["-m", "seed=1,2"], "sweep job 0 (seed=1): train.global_batch_size=3: "),
+])
+def test_check_overrides_refuses_a_global_batch_the_rank_count_does_not_divide(sweep, refusal, capsys):
+    """As every rank of a job of that many would refuse it: the check knew no rank count, and passed it."""
+    from trainer.check_overrides import main
+
+    overrides = [*sweep, "experiment=cpu_demo", "train.global_batch_size=3"]
+    assert main(["--world-size", "3", *overrides]) == 0
+    assert main(["--world-size", "2", *overrides]) == 2
+    assert capsys.readouterr().err == (f"error: {refusal}global_batch_size 3 must be a positive multiple of "
+                                       "world_size 2\n")
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_check_overrides_help_prints_its_usage(flag, capsys):
     """Hydra's parser only notes the flag: the tool printed nothing and exited 0, as if the overrides had passed."""
     from trainer.check_overrides import main
 
     assert main([flag]) == 0
-    assert capsys.readouterr().out.startswith("`python -m trainer.check_overrides [-m] [overrides...]`: checks")
+    usage = "`python -m trainer.check_overrides [-m] [--world-size N] [overrides...]`: checks"
+    assert capsys.readouterr().out.startswith(usage)

@@ -1,9 +1,10 @@
-"""`python -m trainer.check_overrides [-m] [overrides...]`: checks the overrides of `python -m trainer [-m]
-[overrides...]` without training, in seconds, so that the launch scripts refuse a job before its kernel build and its
-ranks' start. The config the command would train is composed as Hydra composes it and checked as the trainer checks it
-(its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes); a sweep's every
-job, as the trainer checks them before its first job (trainer.run_directory.sweep_refusal). The first refusal is one
-line on stderr, as the trainer's, and exit code 2; nothing is written.
+"""`python -m trainer.check_overrides [-m] [--world-size N] [overrides...]`: checks the overrides of `python -m
+trainer [-m] [overrides...]` without training, in seconds, so that the launch scripts refuse a job before its kernel
+build and its ranks' start. The config the command would train is composed as Hydra composes it and checked as the
+trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
+that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
+before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as the trainer's,
+and exit code 2; nothing is written.
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -17,22 +18,22 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
-from trainer.cli import run_tool
+from trainer.cli import positive_int, run_tool
 from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import refused_in_one_line
 from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
 
 
-def refusal(overrides: list[str], sweep: bool) -> str | None:
-    """What the trainer would refuse first, in its words, or None."""
+def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | None:
+    """What the trainer would refuse first, in its words, or None: in a job of `world_size` ranks."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="trainer"):
         cfg = GlobalHydra.instance().hydra.compose_config("train", overrides,
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
         check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
-            return sweep_refusal(cfg)
+            return sweep_refusal(cfg, world_size)
         try:
-            check_job_config(cfg)
+            check_job_config(cfg, world_size)
         except ValueError as error:
             return config_error_line(error)
     return None
@@ -40,11 +41,14 @@ def refusal(overrides: list[str], sweep: bool) -> str | None:
 
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
-    command_line = get_args_parser().parse_args(arguments)
+    parser = get_args_parser()
+    parser.add_argument("--world-size", type=positive_int, default=1)  # the launch scripts' count of ranks
+    command_line = parser.parse_args(arguments)
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
         return 0
-    refused = refused_in_one_line(lambda: refusal(command_line.overrides, command_line.multirun))  # Hydra's: exit 2
+    refused = refused_in_one_line(  # Hydra's refusals: exit 2
+        lambda: refusal(command_line.overrides, command_line.multirun, command_line.world_size))
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2

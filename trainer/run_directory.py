@@ -31,7 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import check_config, config_error_line
+from trainer.config import check_config, config_error_line, per_rank_batch_size
 from trainer.override_errors import print_refusal, refused_in_one_line
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,11 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return BasicSweeper.split_arguments(parser.parse_overrides(overrides + hydra["overrides"]["task"]), None)[0]
 
 
-def sweep_refusal(config: DictConfig) -> str | None:
+def sweep_refusal(config: DictConfig, world_size: int = 1) -> str | None:
     """The first of a sweep's jobs that the trainer would refuse, in one line naming it, or None: each job's config
     composed as the sweeper will (Hydra's refusal of a job's overrides, a misspelt key, ends here in one line and exit
     code 2, through trainer.override_errors), its folder taken by no earlier job, its values checked as the job checks
-    them."""
+    them (check_job_config)."""
     loader = GlobalHydra.instance().config_loader()
     folders: dict[Path, int] = {}
     jobs = sweep_jobs(config)
@@ -129,21 +129,23 @@ def sweep_refusal(config: DictConfig) -> str | None:
             job.hydra.job.num = number  # as Hydra's launcher sets it: hydra.sweep.subdir and ${hydra:job.num} name it
         try:
             claim_job_folder(job, number, folders)
-            check_job_config(job)
+            check_job_config(job, world_size)
         except ValueError as error:
             own = " ".join(override for override in overrides if not all(override in other for other in jobs))
             return f"sweep job {number}{f' ({own})' if own else ''}: {config_error_line(error)}"
     return None
 
 
-def check_job_config(job: DictConfig) -> None:
+def check_job_config(job: DictConfig, world_size: int = 1) -> None:
     """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
-    ${hydra:...} as in the job; `job` itself keeps it."""
+    ${hydra:...} as in the job; `job` itself keeps it. Its global batch too, as `world_size` ranks split it: the
+    launch scripts know their count (trainer.check_overrides --world-size), the callback none (1 splits any)."""
     HydraConfig.instance().set_config(job)
     task = job.copy()
     with open_dict(task):
         del task["hydra"]
     check_config(task)
+    per_rank_batch_size(task, world_size)
 
 
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
