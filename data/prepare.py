@@ -263,13 +263,25 @@ def _newer_than(target: Path, sources: Iterable[Path]) -> bool:
     return target.is_file() and all(target.stat().st_mtime > source.stat().st_mtime for source in sources)
 
 
+def _manifest_name(text: str) -> str:
+    """NAME of --name NAME, a file name in --out: an empty one (an unset shell variable) was taken for no name, the
+    source folder's, and one holding a folder (/x, ../x) wrote the manifest outside --out."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name (an unset shell variable?)")
+    if "/" in text or text.removesuffix(".jsonl") in ("", ".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name: NAME.jsonl is written into --out, which "
+                                         "names its folder")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     corpora = parser.add_subparsers(dest="corpus", required=True)
     an4 = corpora.add_parser("an4", help="CMU AN4 (etc/ and wav/ folders)")
     librispeech = corpora.add_parser("librispeech", help="a LibriSpeech-layout tree of *.trans.txt and .flac")
-    librispeech.add_argument("--name", help="manifest name, NAME.jsonl (default: the source folder's name)")
+    librispeech.add_argument("--name", type=_manifest_name,
+                             help="manifest name, NAME.jsonl (default: the source folder's name)")
     for corpus in (an4, librispeech):
         corpus.add_argument("--source", type=input_path, required=True, help="the corpus folder")
         corpus.add_argument("--out", type=input_path, required=True, help="folder for the manifests")

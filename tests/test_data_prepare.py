@@ -329,6 +329,25 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_folder(tiny_an4, tmp
     assert sorted(tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("name", ["", "ELSEWHERE/dev", "../dev", "sub/dev", "..", ".", ".jsonl"])
+def test_a_name_that_is_not_a_file_name_in_out_is_refused(tmp_path, capsys, name):
+    """--name "" (an unset shell variable) wrote the source folder's name, dev-clean.jsonl; an absolute name, or one
+    holding a folder, wrote outside --out (../dev.jsonl, /x.jsonl), and ".." wrote "...jsonl"."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    (tmp_path / "elsewhere").mkdir()
+    name = name.replace("ELSEWHERE", str(tmp_path / "elsewhere"))
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", name])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.splitlines()[-1] == ("python -m data.prepare librispeech: error: argument --name: " + (
+        f"{name!r} is not a file name: NAME.jsonl is written into --out, which names its folder" if name else
+        "an empty name (an unset shell variable?)"))
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_an4_source_one_folder_too_high_says_which_folder_it_wants(tiny_an4, tmp_path, capsys):
     """It said ".../etc/an4_train.fileids does not exist", not that the folder given holds AN4's folder."""
     with pytest.raises(SystemExit) as exit_info:
