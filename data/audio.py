@@ -110,7 +110,11 @@ def _resample(blocks: Iterable[torch.Tensor], from_rate: int, to_rate: int, fram
         at = start // from_step * to_step
         resampled[at:at + len(piece)] = piece
         written = at + len(piece)
-    return resampled[:written]
+    # A header that claims more frames than the file holds (an Ogg whose last page gives a later sample) leaves the
+    # allocation partly unwritten, and a view of what was written would keep all of it held as long as the waveform
+    # is (each item of a batch). Copied where most of it is unwritten; a header a little off keeps the view rather
+    # than copying the waveform for the few samples it spares.
+    return resampled[:written].clone() if written < len(resampled) // 2 else resampled[:written]
 
 
 def _block_windows(blocks: Iterable[torch.Tensor], block: int, margin: int) -> Iterator[tuple[int, torch.Tensor, int]]:

@@ -202,6 +202,36 @@ def test_audio_is_resampled_a_block_at_a_time(tmp_path, monkeypatch):
     assert len(convolved) > 1 and max(convolved) < 2 * 4096
 
 
+def test_audio_whose_header_claims_more_frames_than_it_holds_holds_only_what_it_holds(tmp_path):
+    # The waveform was a view of an allocation sized from the header: 6.4 MB held for 64 KB of samples here. An Ogg's
+    # frame count is its last page's granule position (the last sample decoded), which libsndfile takes as it is here
+    # (for a 1 s tone, which Vorbis put in a single audio page, it gave the length decoded instead).
+    samples = np.random.default_rng(0).uniform(-0.5, 0.5, 16000).astype(np.float32)
+    soundfile.write(tmp_path / "a.ogg", samples, 16000, format="OGG", subtype="VORBIS")
+    ogg = bytearray((tmp_path / "a.ogg").read_bytes())
+    last_page = ogg.rindex(b"OggS")
+    struct.pack_into("<q", ogg, last_page + 6, 100 * 16000)  # its granule position: 100 s
+    struct.pack_into("<I", ogg, last_page + 22, 0)  # its CRC, taken with the field as 0
+    struct.pack_into("<I", ogg, last_page + 22, ogg_page_crc(ogg[last_page:]))
+    (tmp_path / "overstated.ogg").write_bytes(bytes(ogg))
+    assert audio_header(tmp_path / "overstated.ogg").frames == 100 * 16000
+    waveform = load_audio(tmp_path / "overstated.ogg", sample_rate=16000)
+    assert 16000 <= len(waveform) < 17000  # Vorbis decodes the last packet whole, past the 1 s written
+    torch.testing.assert_close(waveform[:16000], load_audio(tmp_path / "a.ogg", sample_rate=16000))
+    held = waveform.untyped_storage().nbytes()
+    assert held == len(waveform) * 4, held
+
+
+def ogg_page_crc(page: bytes) -> int:
+    """The CRC an Ogg page holds: CRC-32 of polynomial 0x04C11DB7 not bit-reversed, from 0 (not zlib's crc32)."""
+    crc = 0
+    for byte in page:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = (crc << 1 ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1) & 0xFFFFFFFF
+    return crc
+
+
 def test_audio_is_resampled_as_it_is_decoded_without_holding_it_whole_at_its_own_rate(tmp_path):
     # Held whole before it was resampled: 5.5 GB for an hour at 384 kHz, where the resampled waveform takes 0.23 GB.
     # Measured in a process of its own (tracing does not see torch's allocations), as how far its peak resident memory
