@@ -241,6 +241,24 @@ def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
         inference.device_argument("cuda:2")
 
 
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_a_missing_best_pt_beside_a_last_pt_is_refused_naming_the_last_pt(tool, tmp_path, capsys):
+    """A run stopped (train.max_steps) before its first evaluation has a last.pt and no best.pt, the file README's
+    examples name: the one line said only that best.pt was not found."""
+    main = importlib.import_module(f"trainer.{tool}").main
+    extra = ["a.flac"] if tool == "transcribe" else []
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    assert main(["--checkpoint", str(folder / "best.pt"), *extra]) == 2  # no last.pt either: no hint
+    assert capsys.readouterr().err == f"error: checkpoint not found: {folder / 'best.pt'}\n"
+    small_checkpoint(folder / "last.pt")
+    assert main(["--checkpoint", str(folder / "best.pt"), *extra]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint not found: {folder / 'best.pt'} (a run writes best.pt at "
+                                       f"its first evaluation; {folder / 'last.pt'} holds its latest checkpoint)\n")
+    assert main(["--checkpoint", str(folder / "other.pt"), *extra]) == 2  # only best.pt's absence has that cause
+    assert capsys.readouterr().err == f"error: checkpoint not found: {folder / 'other.pt'}\n"
+
+
 def test_evaluate_refuses_a_pipe_that_a_checkpoint_names_as_its_test_set(tmp_path):
     """A checkpoint whose stored data.eval_manifest is a named pipe: opening it waited for a writer, for ever (run in
     a process of its own here, so that the wait fails the test rather than hangs it)."""

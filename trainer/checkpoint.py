@@ -151,13 +151,22 @@ def check_readable(path: Path) -> None:
         if stat.S_ISREG(mode):  # only a file: opening a pipe would wait for a writer
             open(path, "rb").close()
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint not found: {path}") from None
+        raise FileNotFoundError(f"checkpoint not found: {path}{_last_instead(path)}") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
         raise ValueError(f"cannot read checkpoint {path}: {error.strerror or error}") from None
     if stat.S_ISDIR(mode):
         raise ValueError(f"checkpoint {path} is a folder; name a .pt file in it")
     if not stat.S_ISREG(mode):  # torch.load seeks in it
         raise ValueError(f"checkpoint {path} is not a file (a pipe, <(...), a device); save it to one and name that")
+
+
+def _last_instead(missing: Path) -> str:
+    """For a missing best.pt beside a last.pt, a hint naming that last.pt: a run stopped (train.max_steps) before its
+    first evaluation wrote no best.pt, the file README's examples name."""
+    last = missing.with_name("last.pt")
+    if missing.name != "best.pt" or not last.is_file():
+        return ""
+    return f" (a run writes best.pt at its first evaluation; {last} holds its latest checkpoint)"
 
 
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bool = False) -> dict:
