@@ -306,6 +306,22 @@ def test_in_a_sweep_every_jobs_log_is_rank_0s(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_a_sweep_under_mpiexec_whose_global_batch_its_ranks_cannot_split_is_refused_before_its_first_job(
+        an4_slice, tmp_path):
+    """mpiexec -n 2 python -m trainer -m train.global_batch_size=2,3, without the launch scripts: the trainer's own
+    check of the sweep took the job for one rank, so job 0 trained and job 1 was refused only as it started."""
+    command = trainer_command(an4_slice, tmp_path, 2, "train.epochs=1", "train.global_batch_size=2,3",
+                              "run_name=sweep", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    command.insert(command.index("trainer") + 1, "-m")
+    code, output = run_job(command, FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    refusal = ("error: sweep job 1 (train.global_batch_size=3): train.global_batch_size=3: global_batch_size 3 must "
+               "be a positive multiple of world_size 2; no job of the sweep ran")
+    assert output.count(refusal) == 2 and f"[rank 1] {refusal}" in output, output  # each rank's own line
+    assert "Launching" not in output and not (tmp_path / "sweep").exists(), output
+
+
+@needs_mpiexec
 def test_a_bad_value_the_distributed_start_takes_is_one_line_on_every_rank(an4_slice, tmp_path):
     code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
     assert code != 0 and "Traceback" not in output, output
@@ -418,6 +434,8 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
             assert distributed._ranks_from_launcher() == expected
             # The rank in the job, not on the node: it picks the rank that writes the log (leave_the_log_to_rank_0)
             assert distributed.launcher_rank() == expected[0], variables
+            # The job's size, as a sweep is checked before MPI starts (trainer.run_directory)
+            assert distributed.launcher_world_size() == expected[1], variables
 
 
 def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch):
@@ -428,7 +446,7 @@ def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch)
     for name, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                         "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)
-    assert not distributed.launched_by_mpi()
+    assert not distributed.launched_by_mpi() and distributed.launcher_world_size() == 1
     assert distributed.init("cpu").world_size == 1
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")  # what srun sets in each task it starts
     assert distributed.launched_by_mpi()
@@ -441,6 +459,7 @@ def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
         for name in names:
             monkeypatch.setenv(name, "")
     assert not distributed.launched_by_mpi() and distributed.launcher_rank() == 0
+    assert distributed.launcher_world_size() == 1
     assert distributed.init("cpu").world_size == 1
 
 

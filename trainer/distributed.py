@@ -205,6 +205,13 @@ def launcher_rank() -> int:
     return _rank_of_launch(*names[:2]) if names else 0
 
 
+def launcher_world_size() -> int:
+    """How many ranks the launcher started (1 without one), as launcher_rank reads its rank: before MPI starts, for
+    what a job's every rank must be checked against before it begins (a sweep's global batch sizes)."""
+    names = _launcher_variables()
+    return _launcher_count(names[1]) if names else 1
+
+
 def _rank_of_launch(rank_name: str, size_name: str) -> int:
     """This process's rank in variable `rank_name`, where `size_name` says a launcher started it as one of several;
     ValueError naming both where it holds none."""

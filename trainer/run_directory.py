@@ -5,8 +5,9 @@ Hydra makes it inside its own error handling, so one it cannot make (a file name
 ended the job with a partial traceback and exit code 1; here it is one line naming it, and exit code 2, as the
 trainer's other user errors are. A run_name that is no folder of runs/ (empty, `..`, a path) is refused the same way:
 the run wrote into runs/ itself or the working directory. So is a sweep one of whose jobs the trainer or Hydra would
-refuse (model.depth=0,2; a misspelt key), or two of whose jobs would share a folder: as a refused run, it leaves
-nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml first and the jobs before the refused one ran.
+refuse (model.depth=0,2; a misspelt key; a global batch its launcher's ranks cannot split), or two of whose jobs
+would share a folder: as a refused run, it leaves nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml
+first and the jobs before the refused one ran.
 trainer.check_overrides runs these checks (check_run_name, sweep_refusal, check_job_config) before the launch scripts'
 build.
 
@@ -31,6 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer import distributed
 from trainer.config import check_config, config_error_line, per_rank_batch_size
 from trainer.override_errors import print_refusal, refused_in_one_line
 
@@ -139,7 +141,7 @@ def sweep_refusal(config: DictConfig, world_size: int = 1) -> str | None:
 def check_job_config(job: DictConfig, world_size: int = 1) -> None:
     """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
     ${hydra:...} as in the job; `job` itself keeps it. Its global batch too, as `world_size` ranks split it: the
-    launch scripts know their count (trainer.check_overrides --world-size), the callback none (1 splits any)."""
+    launch scripts give their count (trainer.check_overrides --world-size), the callback its launcher's."""
     HydraConfig.instance().set_config(job)
     task = job.copy()
     with open_dict(task):
@@ -169,7 +171,7 @@ class MakeRunDirectory(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config)
         # Hydra's callbacks take an exception for a warning and go on: the sweep would start, so it ends here.
-        if refused := sweep_refusal(config):
+        if refused := sweep_refusal(config, distributed.launcher_world_size()):
             print_refusal(f"{refused}; no job of the sweep ran")
             sys.exit(2)
         make_or_exit(config.hydra.sweep.dir)
