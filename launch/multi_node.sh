@@ -36,6 +36,12 @@ bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]
     !($1 !~ /=/ && (" " $0 " ") ~ ("[[:space:]]" slots "[[:space:]]")) {print NR ": \047" $0 "\047"; exit}')
 [[ -z $bad_line ]] || {
     echo "$hostfile: every host line must read 'NAME $first_slots' as the first does, line $bad_line" >&2; exit 2; }
+# More ranks than the hosts' slots in all were found out by mpirun, after the check and the build.
+host_lines=$(tr -d '\r' < "$hostfile" | grep -c -v -E '^[[:space:]]*(#|$)')
+slots_in_all=$(( host_lines * ${first_slots#slots=} ))
+(( num_processes <= slots_in_all )) || {
+    echo "NUM_PROCESSES $num_processes is more than the $slots_in_all slots of $hostfile ($host_lines host lines of" \
+         "$first_slots)" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 require_launcher
 # The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a

@@ -814,6 +814,23 @@ def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_b
     assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8' as the first does, {refusal}\n"
 
 
+def test_the_multi_node_script_refuses_more_ranks_than_the_hosts_slots_before_the_build(tmp_path):
+    """17 ranks on two nodes of 8 slots went on to the check, the build and mpirun, which refused them then."""
+    calls, python = tmp_path / "python_calls.txt", tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# the allocation\nnode01 slots=8\n\nnode02 slots=8\n")
+    refused = launch_script("multi_node.sh", str(hosts), "17", "experiment=cpu_demo", PYTHON=str(python))
+    assert refused.returncode == 2 and refused.stdout == "" and not calls.exists(), refused.stdout + refused.stderr
+    assert refused.stderr == f"NUM_PROCESSES 17 is more than the 16 slots of {hosts} (2 host lines of slots=8)\n"
+    for fewer_or_as_many in ("4", "16"):
+        ran = launch_script("multi_node.sh", str(hosts), fewer_or_as_many, "experiment=cpu_demo",
+                            "train.global_batch_size=16")
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.splitlines()[-1].startswith(f"--hostfile {hosts} -np {fewer_or_as_many} "), ran.stdout
+
+
 @pytest.mark.parametrize("overrides, refusal", [
     (["train.epoch=3"], "error: unknown config key train.epoch (did you mean train.epochs?)"),
     (["model.depth=0"], "error: model.depth must be a positive integer, not 0"),
@@ -831,7 +848,7 @@ def test_the_launch_scripts_refuse_a_jobs_overrides_before_the_build(tmp_path, o
     the extension's build (a minute on a GPU node; on CPUs its line on stdout) and every rank's start."""
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("node01 slots=8\n")
-    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "16"])]:
+    for script, counts in [("single_node.sh", ["2"]), ("multi_node.sh", [str(hosts), "8"])]:
         refused = launch_script(script, *counts, *overrides)
         assert refused.returncode == 2 and refused.stderr == f"{refusal}\n", refused.stderr
         assert refused.stdout == "", refused.stdout
@@ -841,7 +858,7 @@ def test_the_launch_scripts_refuse_a_global_batch_their_rank_count_does_not_divi
     """The check knew no rank count: the job passed it and the build, then every rank refused it, leaving runs/NAME/
     with its .lock and log behind. A sweep's every job, as the ranks would refuse the job's own."""
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("node01 slots=4\n")
+    hosts.write_text("node01 slots=4\nnode02 slots=4\nnode03 slots=4\n")
     refusal = "train.global_batch_size=32: global_batch_size 32 must be a positive multiple of world_size 12\n"
     for script, counts in [("single_node.sh", ["12"]), ("multi_node.sh", [str(hosts), "12"])]:
         refused = launch_script(script, *counts, "experiment=an4_gpu", RUN_NAME="uneven")
@@ -902,7 +919,7 @@ def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path
     """OpenMPI's mpirun warns of each -x name it does not find (`Warning: could not find environment variable
     "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("node01 slots=8\n")
+    hosts.write_text("node01 slots=8\nnode02 slots=8\n")
     ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None, MASTER_PORT=None,
                         LD_LIBRARY_PATH="/usr/local/cuda/lib64", NCCL_IB_HCA="mlx5")
     command = ran.stdout.splitlines()[-1]
