@@ -872,6 +872,13 @@ def test_the_launch_scripts_refuse_a_global_batch_their_rank_count_does_not_divi
     assert not (REPO_ROOT / "runs" / "uneven").exists()
 
 
+def test_the_launch_scripts_refuse_an_unknown_flag_in_one_line_before_the_build():
+    """The check refused it after argparse's usage block, nine lines of Hydra's flags."""
+    refused = launch_script("single_node.sh", "2", "--foo", RUN_NAME="other")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == "error: unrecognized arguments: --foo\n", refused.stderr
+
+
 def test_the_launch_scripts_refuse_a_sweep_two_of_whose_jobs_get_one_folder_before_the_build():
     """As the trainer refuses it before its first job: here it was found out after the build and every rank's start."""
     refused = launch_script("single_node.sh", "2", "-m", "train.max_steps=1,2", RUN_NAME="one")

@@ -433,3 +433,15 @@ def test_check_overrides_help_prints_its_usage(flag, capsys):
     assert main([flag]) == 0
     usage = "`python -m trainer.check_overrides [-m] [--world-size N] [overrides...]`: checks"
     assert capsys.readouterr().out.startswith(usage)
+
+
+def test_check_overrides_refuses_a_bad_flag_in_one_line(capsys):
+    """argparse printed its usage block, nine lines of Hydra's flags, before the line saying what it refused."""
+    from trainer.check_overrides import main
+
+    for arguments, refusal in [(["--foo", "seed=1"], "unrecognized arguments: --foo"),
+                               (["--world-size", "0"], "argument --world-size: must be at least 1, not 0")]:
+        with pytest.raises(SystemExit) as refused:
+            main(arguments)
+        assert refused.value.code == 2
+        assert capsys.readouterr().err == f"error: {refusal}\n"

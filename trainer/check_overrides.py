@@ -4,7 +4,7 @@ build and its ranks' start. The config the command would train is composed as Hy
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
 that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
 before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as the trainer's,
-and exit code 2; nothing is written.
+and exit code 2; nothing is written. So is an unknown flag.
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -12,6 +12,7 @@ if __name__ == "__main__":  # first: the imports below take a second or two (Hyd
     end_at_once_on_ctrl_c()
 
 import sys
+from typing import NoReturn
 
 from hydra import initialize_config_dir
 from hydra._internal.utils import get_args_parser
@@ -39,10 +40,17 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
     return None
 
 
+def refuse_in_one_line(message: str) -> NoReturn:
+    """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     parser = get_args_parser()
     parser.add_argument("--world-size", type=positive_int, default=1)  # the launch scripts' count of ranks
+    parser.error = refuse_in_one_line
     command_line = parser.parse_args(arguments)
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
