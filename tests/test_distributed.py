@@ -872,6 +872,22 @@ def test_the_launch_scripts_refuse_a_global_batch_their_rank_count_does_not_divi
     assert not (REPO_ROOT / "runs" / "uneven").exists()
 
 
+@pytest.mark.parametrize("flags, refused_flag", [
+    (["--config-name", "other"], "--config-name other"),
+    (["-cn", "other"], "--config-name other"),
+    (["--config-path=../elsewhere"], "--config-path ../elsewhere"),
+    (["--config-dir", "conf"], "--config-dir conf"),
+])
+def test_the_launch_scripts_refuse_another_config_than_the_one_checked_before_the_build(flags, refused_flag):
+    """The check composed conf/train.yaml whatever --config-name named: `single_node.sh 2 --config-name other` passed
+    it and the build, then every rank failed ("Cannot find primary config 'other'")."""
+    refused = launch_script("single_node.sh", "2", *flags, RUN_NAME="other")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == (f"error: {refused_flag}: the launch scripts and their check of the overrides take "
+                              "conf/train.yaml only; choose a recipe with experiment=NAME (conf/experiment/NAME.yaml)\n"
+                              ), refused.stderr
+
+
 def test_the_launch_scripts_refuse_an_unknown_flag_in_one_line_before_the_build():
     """The check refused it after argparse's usage block, nine lines of Hydra's flags."""
     refused = launch_script("single_node.sh", "2", "--foo", RUN_NAME="other")

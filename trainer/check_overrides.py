@@ -4,13 +4,15 @@ build and its ranks' start. The config the command would train is composed as Hy
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
 that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
 before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as the trainer's,
-and exit code 2; nothing is written. So is an unknown flag.
+and exit code 2; nothing is written. So is an unknown flag, and Hydra's --config-name, --config-path and --config-dir,
+which would compose another config than conf/train.yaml, the one checked.
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
 
     end_at_once_on_ctrl_c()
 
+import argparse
 import sys
 from typing import NoReturn
 
@@ -40,6 +42,21 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
     return None
 
 
+# Hydra's flags that choose another primary config: the trainer would compose it, this check composes train.yaml, and
+# checking the other as Hydra finds it would copy Hydra's private search-path rules. experiment=NAME picks a recipe.
+OTHER_CONFIG_FLAGS = {"config_name": "--config-name", "config_path": "--config-path", "config_dir": "--config-dir"}
+
+
+def other_config_refusal(command_line: argparse.Namespace) -> str | None:
+    """Where the command line names another config than conf/train.yaml: one line saying it is not checked."""
+    for attribute, flag in OTHER_CONFIG_FLAGS.items():
+        value = getattr(command_line, attribute)
+        if value is not None:
+            return (f"{flag} {value}: the launch scripts and their check of the overrides take conf/train.yaml only; "
+                    "choose a recipe with experiment=NAME (conf/experiment/NAME.yaml)")
+    return None
+
+
 def refuse_in_one_line(message: str) -> NoReturn:
     """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
     print(f"error: {message}", file=sys.stderr)
@@ -55,7 +72,7 @@ def main(arguments: list[str]) -> int:
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
         return 0
-    refused = refused_in_one_line(  # Hydra's refusals: exit 2
+    refused = other_config_refusal(command_line) or refused_in_one_line(  # Hydra's refusals: exit 2
         lambda: refusal(command_line.overrides, command_line.multirun, command_line.world_size))
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
