@@ -15,7 +15,7 @@ import torchaudio.functional
 
 from conftest import REPO_ROOT, error_without_root_privilege
 from data.audio import (MAX_CHANNELS, MAX_RESAMPLING_TAPS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, RATE_THAT_TAKES_ANY_FILE,
-                        AudioError, _resampling_filter_taps, audio_header, load_audio)
+                        AudioError, _resample, _resampling_filter_taps, audio_header, load_audio)
 from data.features import FeatureExtractor, SpecAugment
 
 
@@ -186,6 +186,31 @@ def test_audio_resampled_a_block_at_a_time_is_what_resampling_it_whole_gives(tmp
     soundfile.write(tmp_path / "a.wav", samples, rate, subtype="FLOAT")
     whole = torchaudio.functional.resample(torch.from_numpy(samples), rate, 16000)
     torch.testing.assert_close(load_audio(tmp_path / "a.wav", sample_rate=16000), whole, atol=1e-6, rtol=0)
+
+
+# (from, to): 1:2 and 3:1 in lowest terms take a filter margin wider than the smallest blocks; 441:160 a run of input
+# samples wider than them; 16000 -> 16000 no filter at all.
+@pytest.mark.parametrize("from_rate, to_rate", [(8000, 16000), (48000, 16000), (44100, 16000), (100_100, 16000),
+                                                (16000, 8000), (16000, 16000)])
+def test_a_waveform_of_any_length_in_blocks_of_any_sizes_is_resampled_as_it_would_be_whole(monkeypatch, from_rate,
+                                                                                           to_rate):
+    # The blocks' ends are where a window's margin, the last block and the file's end meet: a waveform shorter than a
+    # block, exactly one, one sample either side of a block's end, decoded blocks of uneven sizes, and a header that
+    # claims more frames than the blocks bring.
+    rng = np.random.default_rng(from_rate + to_rate)
+    for block_frames in (1, 2, 5, 64, 441, 1000):
+        monkeypatch.setattr("data.audio.BLOCK_FRAMES", block_frames)
+        step = from_rate // math.gcd(from_rate, to_rate)
+        block = math.ceil(block_frames / step) * step
+        for length in {1, 2, block - 1, block, block + 1, 2 * block, *rng.integers(1, 8 * block, 3)} - {0}:
+            waveform = torch.from_numpy(rng.uniform(-0.5, 0.5, length).astype(np.float32))
+            cuts = np.sort(rng.choice(np.arange(1, length), min(length - 1, rng.integers(0, 6)), replace=False))
+            blocks = torch.tensor_split(waveform, cuts.tolist())
+            whole = waveform if from_rate == to_rate else torchaudio.functional.resample(waveform, from_rate, to_rate)
+            for frames in (length, length + int(rng.integers(1, 4 * block))):
+                resampled = _resample(iter(blocks), from_rate, to_rate, frames)
+                torch.testing.assert_close(resampled, whole, atol=1e-6, rtol=0,
+                                           msg=lambda message: f"{block_frames=} {length=} {frames=}: {message}")
 
 
 def test_audio_is_resampled_a_block_at_a_time(tmp_path, monkeypatch):
