@@ -4,7 +4,10 @@ import argparse
 import gzip
 import itertools
 import math
+import os
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -433,9 +436,28 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text("\\data\\\n\\end\\\n")
     with pytest.raises(ValueError, match=rf"{bad} holds no n-grams"):
         NGramLM.from_arpa(bad)
-    bad.write_bytes(b"mmap lm http://kheafield.com/code format version 5\n\0\0\0\0\x00\x00\x80\x3f")
+    kenlm_binary = b"mmap lm http://kheafield.com/code format version 5\n\0\0\0\0\x00\x00\x80\x3f"
+    bad.write_bytes(kenlm_binary)
     with pytest.raises(ValueError, match=rf"{bad} is a KenLM binary model, which only KenLM reads: give the ARPA file"):
         NGramLM.from_arpa(bad)
+    # Through a pipe whose writer sends the first 10 bytes before the rest (--lm <(...)): a peek at the first bytes
+    # saw those 10 alone and called the model compressed.
+    reader, writer = os.pipe()
+
+    def write_in_two_parts():
+        with os.fdopen(writer, "wb", buffering=0) as pipe:
+            pipe.write(kenlm_binary[:10])
+            time.sleep(0.3)
+            pipe.write(kenlm_binary[10:])
+
+    sender = threading.Thread(target=write_in_two_parts)
+    sender.start()
+    try:
+        with pytest.raises(ValueError, match=r"is a KenLM binary model, which only KenLM reads"):
+            NGramLM.from_arpa(f"/dev/fd/{reader}")
+    finally:
+        sender.join()
+        os.close(reader)
     # A file without line breaks (a disk image, /dev/zero given by mistake) was read whole as one line, until the
     # memory ran out.
     bad.write_bytes(b"\0" * (2**20 + 1))

@@ -63,11 +63,6 @@ class NGramLM:
         if not path.exists():  # not is_file(): a pipe (--lm <(zcat model.arpa.gz)) reads as well
             raise FileNotFoundError(f"language model not found: {path}")
         with path.open("rb") as file:
-            # A KenLM binary model was refused by its second line as "not UTF-8 (a compressed model must be decompressed
-            # first)".
-            if file.peek(len(_KENLM_BINARY_MAGIC)).startswith(_KENLM_BINARY_MAGIC):
-                raise ValueError(f"{path} is a KenLM binary model, which only KenLM reads: give the ARPA file it was "
-                                 "built from")
             return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
 
     @classmethod
@@ -159,10 +154,16 @@ class NGramLM:
 def _utf8_lines(file: BinaryIO, path: Path) -> Iterator[str]:
     """The lines of a binary file as text, a byte-order mark before the first skipped; a line that is not UTF-8, or
     longer than any model's (data.manifest.numbered_lines), is refused by its number."""
+    first_line = b""
     for line_number, raw in numbered_lines(file, path):
+        first_line = first_line or raw
         try:
             yield raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
         except UnicodeDecodeError as error:
+            # By its first line, not by peeking at the file's first bytes: a pipe (--lm <(...)) may hold fewer of them.
+            if first_line.startswith(_KENLM_BINARY_MAGIC):  # its binary tables follow a line of text
+                raise ValueError(f"{path} is a KenLM binary model, which only KenLM reads: give the ARPA file it was "
+                                 "built from") from None
             raise ValueError(f"{path} is not an ARPA text file: byte {error.start} of line {line_number} is not UTF-8 "
                              "(a compressed model must be decompressed first)") from None
 
