@@ -35,7 +35,8 @@ first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "
 bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]]*(#|$)/ &&
     !($1 !~ /=/ && (" " $0 " ") ~ ("[[:space:]]" slots "[[:space:]]")) {print NR ": \047" $0 "\047"; exit}')
 [[ -z $bad_line ]] || {
-    echo "$hostfile: every host line must read 'NAME $first_slots' as the first does, line $bad_line" >&2; exit 2; }
+    echo "$hostfile: every host line must read 'NAME $first_slots', the first line's count, line $bad_line" >&2
+    exit 2; }
 # More ranks than the hosts' slots in all were found out by mpirun, after the check and the build.
 host_lines=$(tr -d '\r' < "$hostfile" | grep -c -v -E '^[[:space:]]*(#|$)')
 slots_in_all=$(( host_lines * ${first_slots#slots=} ))

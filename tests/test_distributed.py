@@ -811,7 +811,7 @@ def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_b
     hosts.write_text("\n".join(["node01 max_slots=8 slots=8", "# the second node", *lines, ""]))
     refused = launch_script("multi_node.sh", str(hosts), "16", "experiment=cpu_demo")
     assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
-    assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8' as the first does, {refusal}\n"
+    assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8', the first line's count, {refusal}\n"
 
 
 def test_the_multi_node_script_refuses_more_ranks_than_the_hosts_slots_before_the_build(tmp_path):
