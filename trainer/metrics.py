@@ -62,6 +62,12 @@ class ErrorCounts:
         return 100.0 * self.char_errors / self.chars if self.chars else math.nan
 
     def beats(self, best_not_decoded: float, best_wer: float) -> bool:
-        """Whether this evaluation makes a better best checkpoint than one with the given counts: it decoded more of
-        the test set, or as much at a lower WER (WERs over different parts of a test set do not compare). NaN never."""
-        return not math.isnan(self.wer) and (self.not_decoded, self.wer) < (best_not_decoded, best_wer)
+        """Whether this evaluation makes a better best checkpoint than one with the given counts (scores_better)."""
+        return scores_better(self.not_decoded, self.wer, best_not_decoded, best_wer)
+
+
+def scores_better(not_decoded: float, wer: float, best_not_decoded: float, best_wer: float) -> bool:
+    """Whether an evaluation (`not_decoded` test utterances, `wer`) beats the best one on the same test set: it decoded
+    more of the test set, or as much at a lower WER (WERs over different parts of a test set do not compare). NaN
+    never."""
+    return not math.isnan(wer) and (not_decoded, wer) < (best_not_decoded, best_wer)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from trainer import checkpoint, distributed
 from trainer.config import check_resumable, is_int, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
+from trainer.metrics import scores_better
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,8 @@ def best_of_this_test_set(best: Path, figures: dict, kept_here: Path, resumed: P
     if not kept_here.is_file():
         return BestToBeat(figures, None, False)
     kept_figures = recorded_best(kept_here, resumed, saved, state)[1]
-    if not scores_better(kept_figures, figures):  # most often the name best.pt was kept under: the same model
+    if not scores_better(kept_figures["best_unreadable"], kept_figures["best_wer"], figures["best_unreadable"],
+                         figures["best_wer"]):  # most often the name best.pt was kept under: the same model
         return BestToBeat(figures, None, False)
     # Left by resumes before 2026-12-05 (37d5cee): best.pt deleted by hand on another test set, the first evaluation
     # back on this one, however worse, became best.pt beside the kept one, which the next resume removed as its alias.
@@ -274,12 +276,6 @@ def best_of_this_test_set(best: Path, figures: dict, kept_here: Path, resumed: P
              "evaluation to beat is that of %s, the best on this test set", kept_here, best, described(kept_figures),
              described(figures), kept_here.name)
     return BestToBeat(kept_figures, None, True)
-
-
-def scores_better(figures: dict, others: dict) -> bool:
-    """Whether a best.pt's evaluation (`figures`) beats another's on the same test set, as ErrorCounts.beats orders
-    them: more of the test set decoded, or as much at a lower WER."""
-    return (figures["best_unreadable"], figures["best_wer"]) < (others["best_unreadable"], others["best_wer"])
 
 
 def described(figures: dict) -> str:
