@@ -57,7 +57,7 @@ def other_config_refusal(command_line: argparse.Namespace) -> str | None:
     return None
 
 
-def refuse_in_one_line(message: str) -> NoReturn:
+def exit_on_argument_error(message: str) -> NoReturn:
     """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -67,7 +67,7 @@ def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     parser = get_args_parser()
     parser.add_argument("--world-size", type=positive_int, default=1)  # the launch scripts' count of ranks
-    parser.error = refuse_in_one_line
+    parser.error = exit_on_argument_error
     command_line = parser.parse_args(arguments)
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
