@@ -888,6 +888,13 @@ def test_the_launch_scripts_refuse_another_config_than_the_one_checked_before_th
                               ), refused.stderr
 
 
+def test_the_launch_scripts_refuse_hydras_printing_flags_before_the_build():
+    """`single_node.sh 2 --cfg job` passed the check and the build, then every rank printed the config."""
+    refused = launch_script("single_node.sh", "2", "--cfg", "job", RUN_NAME="printed")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.startswith("error: --cfg job prints and trains nothing, once on every rank"), refused.stderr
+
+
 def test_the_launch_scripts_refuse_an_unknown_flag_in_one_line_before_the_build():
     """The check refused it after argparse's usage block, nine lines of Hydra's flags."""
     refused = launch_script("single_node.sh", "2", "--foo", RUN_NAME="other")

@@ -445,3 +445,30 @@ def test_check_overrides_refuses_a_bad_flag_in_one_line(capsys):
             main(arguments)
         assert refused.value.code == 2
         assert capsys.readouterr().err == f"error: {refusal}\n"
+
+
+@pytest.mark.parametrize("arguments, asked", [
+    (["--cfg", "job"], "--cfg job"), (["-c", "hydra", "seed=1"], "--cfg hydra"), (["--info"], "--info all"),
+    (["-i", "searchpath"], "--info searchpath"), (["--hydra-help"], "--hydra-help"),
+    (["--shell-completion"], "--shell-completion"),
+])
+def test_check_overrides_refuses_the_flags_that_print_instead_of_training(arguments, asked, capsys):
+    """They passed the check, and a launch script's every rank printed the config (or Hydra's help) and ended."""
+    from trainer.check_overrides import main
+
+    assert main(arguments) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err == (f"error: {asked} prints and trains nothing, once on every rank a launch script starts; run "
+                           f"python -m trainer {asked} OVERRIDES without the script\n")
+
+
+def test_check_overrides_refuses_version_once_it_is_printed(capsys):
+    from trainer.check_overrides import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--version"])
+    assert refused.value.code == 2
+    printed = capsys.readouterr()
+    assert printed.out.startswith("Hydra 1.3")
+    assert printed.err == "error: --version prints and trains nothing, once on every rank a launch script starts\n"

@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
 import resource
 import shlex
@@ -922,6 +923,32 @@ def test_a_run_name_that_does_not_resolve_is_one_line_and_exit_2(tmp_path, modul
     assert result.returncode == 2, result.output[-4000:]
     assert result.stderr == "error: run_name: Interpolation key 'nope' not found\n", result.output[-4000:]
     assert list(tmp_path.iterdir()) == []
+
+
+class MakesAFileWhenUnpickled:
+    """What a pickle may hold: a call, made as it is loaded (here Path.touch on `made`)."""
+
+    def __init__(self, made: Path):
+        self.made = made
+
+    def __reduce__(self):
+        return Path.touch, (self.made,)
+
+
+@pytest.mark.parametrize("module", ["trainer", "trainer.check_overrides"])
+def test_a_pickled_config_to_rerun_is_refused_unread(tmp_path, module):
+    """Hydra's --experimental-rerun FILE unpickled FILE, which runs whatever call the file holds: the trainer made
+    the file this one names, then failed on what it loaded; the launch scripts' check passed it."""
+    made = tmp_path / "made by the pickle"
+    pickled = tmp_path / "config.pickle"
+    pickled.write_bytes(pickle.dumps(MakesAFileWhenUnpickled(made)))
+    result = run(module, ["--experimental-rerun", str(pickled)], timeout=300, cwd=tmp_path)
+    assert result.returncode == 2, result.output[-4000:]
+    assert result.stderr == (f"error: --experimental-rerun {pickled}: the trainer does not load pickled configs, whose "
+                             "loading can run any code; continue a run with run_name=NAME train.resume=auto\n"
+                             ), result.output[-4000:]
+    assert not made.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["config.pickle"]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from data.manifest import print_paths_printable
 from trainer import distributed
 from trainer.cli import log_above_progress_bars
 from trainer.config import config_error_line
-from trainer.override_errors import report_command_line_errors_in_one_line
+from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
@@ -239,6 +239,7 @@ if __name__ == "__main__":
     report_command_line_errors_in_one_line()
     leave_the_log_to_rank_0(distributed.launcher_rank())
     try:
+        refuse_a_pickled_config(sys.argv[1:])
         main()
     except SystemExit as leaving:
         end_job_before_mpi(leaving)

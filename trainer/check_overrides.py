@@ -4,8 +4,10 @@ build and its ranks' start. The config the command would train is composed as Hy
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
 that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
 before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as the trainer's,
-and exit code 2; nothing is written. So is an unknown flag, and Hydra's --config-name, --config-path and --config-dir,
-which would compose another config than conf/train.yaml, the one checked.
+and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name, --config-path and --config-dir,
+which would compose another config than conf/train.yaml, the one checked; its flags that print instead of training
+(--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would print; and --experimental-rerun,
+which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -23,7 +25,7 @@ from hydra.types import RunMode
 
 from trainer.cli import positive_int, run_tool
 from trainer.config import CONF_DIR, config_error_line
-from trainer.override_errors import refused_in_one_line
+from trainer.override_errors import pickled_config_refusal, refused_in_one_line
 from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
 
 
@@ -57,6 +59,22 @@ def other_config_refusal(command_line: argparse.Namespace) -> str | None:
     return None
 
 
+# Hydra's flags that print what they ask for and end the run untrained: through a launch script, once on every rank.
+PRINTING_FLAGS = {"cfg": "--cfg", "info": "--info", "hydra_help": "--hydra-help",
+                  "shell_completion": "--shell-completion"}
+
+
+def printing_flag_refusal(command_line: argparse.Namespace) -> str | None:
+    """Where the command line asks Hydra to print instead of train, one line pointing at the trainer itself."""
+    for attribute, flag in PRINTING_FLAGS.items():
+        value = getattr(command_line, attribute)
+        if value not in (None, False):
+            asked = flag if value is True else f"{flag} {value}"
+            return (f"{asked} prints and trains nothing, once on every rank a launch script starts; run python -m "
+                    f"trainer {asked} OVERRIDES without the script")
+    return None
+
+
 def exit_on_argument_error(message: str) -> NoReturn:
     """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
     print(f"error: {message}", file=sys.stderr)
@@ -68,12 +86,17 @@ def main(arguments: list[str]) -> int:
     parser = get_args_parser()
     parser.add_argument("--world-size", type=positive_int, default=1)  # the launch scripts' count of ranks
     parser.error = exit_on_argument_error
+    # Its one call left, once --version has printed Hydra's version: the flag trains nothing, as PRINTING_FLAGS.
+    parser.exit = lambda status=0, message=None: exit_on_argument_error(
+        "--version prints and trains nothing, once on every rank a launch script starts")
     command_line = parser.parse_args(arguments)
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
         return 0
-    refused = other_config_refusal(command_line) or refused_in_one_line(  # Hydra's refusals: exit 2
-        lambda: refusal(command_line.overrides, command_line.multirun, command_line.world_size))
+    refused = (other_config_refusal(command_line) or printing_flag_refusal(command_line)
+               or pickled_config_refusal(command_line.experimental_rerun)
+               or refused_in_one_line(lambda: refusal(command_line.overrides, command_line.multirun,  # Hydra's: exit 2
+                                                      command_line.world_size)))
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2

@@ -32,6 +32,25 @@ def report_command_line_errors_in_one_line() -> None:
     hydra_utils.run_and_report = run_and_report
 
 
+def pickled_config_refusal(rerun_file: str | None) -> str | None:
+    """Where the command line gives Hydra's --experimental-rerun FILE, one line refusing it: Hydra loads that config by
+    unpickling FILE, and unpickling runs whatever call the file holds (a run folder's config.pickle, from anyone)."""
+    if rerun_file is None:
+        return None
+    return (f"--experimental-rerun {rerun_file}: the trainer does not load pickled configs, whose loading can run any "
+            "code; continue a run with run_name=NAME train.resume=auto")
+
+
+def refuse_a_pickled_config(arguments: list[str]) -> None:
+    """Exits 2 in one line where the trainer's command line `arguments` ask for a pickled config
+    (pickled_config_refusal), before Hydra reads it. Hydra's own parser reads them, as Hydra then does: an abbreviation
+    (--experimental) is the flag too."""
+    command_line, _ = hydra_utils.get_args_parser().parse_known_args(arguments)
+    if refused := pickled_config_refusal(command_line.experimental_rerun):
+        print_refusal(refused)
+        sys.exit(2)
+
+
 def refused_in_one_line(step):
     """step's result, or where Hydra refuses the command line in it, one line and exit code 2."""
     try:
