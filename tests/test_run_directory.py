@@ -80,6 +80,36 @@ def test_a_run_directory_under_a_symbolic_link_to_nothing_names_the_link_and_its
                                        "not exist\n")
 
 
+def test_a_run_directory_with_a_link_in_place_of_its_lock_or_log_is_refused_and_the_linked_files_stay(tmp_path):
+    """A run directory copied from elsewhere (tar, cp -a) may hold links where the run writes in place: its .lock,
+    opened and emptied for the job's pid, and Hydra's log, appended to, emptied and wrote into the files they linked
+    to, outside the run directory (a ~/.bashrc). Refused before Hydra opens its log, in one line naming the link."""
+    run_dir, outside = tmp_path / "run", {name: tmp_path / f"outside{name}" for name in (".lock", "__main__.log")}
+    run_dir.mkdir()
+    for name, target in outside.items():
+        target.write_text("the user's own\n")
+        (run_dir / name).symlink_to(target)
+    result = subprocess.run([sys.executable, "-m", "trainer", "experiment=cpu_demo", f"hydra.run.dir={run_dir}",
+                             "data.an4_source=null", f"data.train_manifests=[{tmp_path / 'none.jsonl'}]",
+                             f"data.eval_manifest={tmp_path / 'none.jsonl'}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert [target.read_text() for target in outside.values()] == ["the user's own\n"] * 2
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: {run_dir / '.lock'} is a symbolic link to {outside['.lock']}: the run writes "
+                             ".lock in place, so it would write that file instead; remove the link\n")
+
+
+def test_a_sweep_job_folder_with_a_link_in_place_of_its_jobs_record_is_refused_before_any_job_runs(tmp_path):
+    from trainer.check_overrides import refusal
+
+    job_dir = tmp_path / "experiment=cpu_demo,seed=2"  # job_folder's name for it
+    job_dir.mkdir(parents=True)
+    (job_dir / "jobs.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    assert refusal(["experiment=cpu_demo", "seed=1,2", f"hydra.sweep.dir={tmp_path}"], sweep=True) == (
+        f"sweep job 1 (seed=2): {job_dir / 'jobs.jsonl'} is a symbolic link to {tmp_path / 'elsewhere.jsonl'}: the run "
+        "writes jobs.jsonl in place, so it would write that file instead; remove the link")
+
+
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
     permissions do not stop, so the system's answer is played: a read-only file system gives the same."""

@@ -77,6 +77,28 @@ def make_or_exit(directory: str) -> None:
     if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
         print_refusal(f"cannot write in the run directory {directory}")
         sys.exit(2)
+    if linked := linked_run_file(directory):
+        print_refusal(linked)
+        sys.exit(2)
+
+
+RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
+# The files a run or sweep opens in place in its directory, Hydra's log files (*.log) besides: its lock, trainer.train's
+# jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others it writes
+# (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
+WRITTEN_IN_PLACE = (RUN_LOCK, "jobs.jsonl", "multirun.yaml")
+
+
+def linked_run_file(directory: str | os.PathLike) -> str | None:
+    """A line naming a symbolic link in `directory` in place of a file the run writes in place, or None: the run wrote
+    through it, onto the file it links to outside the run directory (.lock -> ~/.bashrc emptied it), where a run
+    directory copied from elsewhere (tar, cp -a, rsync -a) held one."""
+    folder = Path(directory)
+    for path in [*(folder / name for name in WRITTEN_IN_PLACE), *sorted(folder.glob("*.log"))]:
+        if path.is_symlink():
+            return (f"{path} is a symbolic link to {os.readlink(path)}: the run writes {path.name} in place, so it "
+                    "would write that file instead; remove the link")
+    return None
 
 
 MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
@@ -153,8 +175,11 @@ def check_job_config(job: DictConfig, world_size: int = 1) -> None:
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
     """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
     took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
-    names leave out (train.max_steps...)."""
+    names leave out (train.max_steps...). Refuses one whose folder holds a symbolic link in place of a file the job
+    writes in place (linked_run_file) too."""
     folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
+    if linked := linked_run_file(folder):
+        raise ValueError(linked)
     earlier = folders.setdefault(folder, number)
     if earlier != number:
         excluded = ", ".join(job.hydra.job.config.override_dirname.exclude_keys)
@@ -193,9 +218,6 @@ class LogFile(logging.FileHandler):
             self.warned = True
             print(f"warning: cannot write the log file {self.baseFilename} ({error.strerror or error}): the lines it "
                   "cannot take are on the console only", file=sys.stderr)
-
-
-RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
 
 
 @contextlib.contextmanager
