@@ -110,6 +110,20 @@ def test_a_sweep_job_folder_with_a_link_in_place_of_its_jobs_record_is_refused_b
         "writes jobs.jsonl in place, so it would write that file instead; remove the link")
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_check_overrides_refuses_a_run_directory_with_a_link_in_place_of_a_file_it_writes(sweep, tmp_path):
+    """As the trainer's callback refuses it, before the launch scripts' build and their ranks' start."""
+    from trainer.check_overrides import refusal
+
+    name = "multirun.yaml" if sweep else ".lock"
+    (tmp_path / name).symlink_to(tmp_path.parent / "elsewhere")
+    overrides = ["experiment=cpu_demo", *(["seed=1,2", f"hydra.sweep.dir={tmp_path}"] if sweep else
+                                          [f"hydra.run.dir={tmp_path}"])]
+    assert refusal(overrides, sweep) == (f"{tmp_path / name} is a symbolic link to {tmp_path.parent / 'elsewhere'}: "
+                                         f"the run writes {name} in place, so it would write that file instead; "
+                                         "remove the link")
+
+
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
     permissions do not stop, so the system's answer is played: a read-only file system gives the same."""

@@ -3,11 +3,12 @@ trainer [-m] [overrides...]` without training, in seconds, so that the launch sc
 build and its ranks' start. The config the command would train is composed as Hydra composes it and checked as the
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
 that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
-before its first job (trainer.run_directory.sweep_refusal). The first refusal is one line on stderr, as the trainer's,
-and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name, --config-path and --config-dir,
-which would compose another config than conf/train.yaml, the one checked; its flags that print instead of training
-(--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would print; and --experimental-rerun,
-which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
+before its first job (trainer.run_directory.sweep_refusal); and the run's directory, that it holds no symbolic link
+where the run writes a file in place (trainer.run_directory.linked_run_file). The first refusal is one line on
+stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,
+--config-path and --config-dir, which would compose another config than conf/train.yaml, the one checked; its flags
+that print instead of training (--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would
+print; and --experimental-rerun, which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -26,7 +27,7 @@ from hydra.types import RunMode
 from trainer.cli import positive_int, run_tool
 from trainer.config import CONF_DIR, config_error_line
 from trainer.override_errors import pickled_config_refusal, refused_in_one_line
-from trainer.run_directory import check_job_config, check_run_name, sweep_refusal
+from trainer.run_directory import check_job_config, check_run_name, linked_run_file, sweep_refusal
 
 
 def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | None:
@@ -36,12 +37,12 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
         check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
-            return sweep_refusal(cfg, world_size)
+            return linked_run_file(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size)
         try:
             check_job_config(cfg, world_size)
         except ValueError as error:
             return config_error_line(error)
-    return None
+        return linked_run_file(cfg.hydra.run.dir)
 
 
 # Hydra's flags that choose another primary config: the trainer would compose it, this check composes train.yaml, and
