@@ -398,6 +398,21 @@ def test_overrides_the_trainer_refuses_are_refused_before_any_run_starts(overrid
     assert not any(tmp_path.iterdir())
 
 
+
+@pytest.mark.parametrize("seed", ["-5", "4294967296"])
+def test_a_seed_the_trainer_refuses_is_refused_before_any_run_starts(seed, tmp_path, monkeypatch, capsys):
+    # The overrides are checked with each backend's first seed alone: a later one out of range failed its runs, each
+    # in its own .out after the others had trained.
+    started = []
+    monkeypatch.setattr(wer_parity.subprocess, "run",
+                        lambda command, **kwargs: started.append(command) or subprocess.CompletedProcess(command, 0))
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main(["--backends", "reference", "--seeds", "1", seed, "--runs-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "argument --seeds: must be at " in err and f", not {seed}\n" in err, err
+    assert not started and not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("folder", ["a,b [it's]", "it\\'s"])
 def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(tmp_path, monkeypatch, folder):
     # Unquoted, Hydra refused hydra.run.dir=.../a,b/wer-cudnn-s1 as an ambiguous list, and every run failed; the quote
