@@ -315,6 +315,8 @@ def main(argv=None) -> None:
                         help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
 
+    if args.device == "cuda" and not torch.cuda.is_available():  # else the trainer's refusal, naming its settings
+        raise ValueError("--device cuda: no CUDA GPU is visible; --device cpu measures on the CPU")
     env = distributed.init(args.device, args.timeout_s, timeout_setting=TIMEOUT_FLAG)
     if args.global_batch < 1 or args.global_batch % env.world_size:
         raise ValueError(

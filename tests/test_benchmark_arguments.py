@@ -94,6 +94,16 @@ def test_scaling_on_a_machine_without_a_gpu_refuses_the_gpu_models_unless_asked(
     assert "no GPU here, and the an4 model's measures would take hours on a CPU" in result.stderr, result.stderr[-2000:]
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
+def test_scaling_asked_for_a_gpu_on_a_machine_without_one_names_its_own_flags():
+    # It gave the trainer's refusal: "device=cuda (experiment=an4_gpu and deep100 set it) ... set device=cpu".
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--device", "cuda", "--model", "cpu_demo"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr == ("error on rank 0: --device cuda: no CUDA GPU is visible; --device cpu measures on the "
+                             "CPU\n"), result.stderr[-2000:]
+
 # benchmarks.scaling's smallest measures, a few seconds on a CPU.
 SMALL_CPU_SCALING = ["--model", "cpu_demo", "--compute-batches", "1", "2", "--global-batch", "2", "--steps", "1",
                      "--warmup", "0", "--frames", "50"]
