@@ -107,6 +107,8 @@ class Measurement:
         self.path = path
         try:
             data = json.loads(Path(path).read_text())
+        except OSError as error:  # a folder, a missing file: its own text was "[Errno 21] Is a directory: 'PATH'"
+            raise ValueError(f"{path}: {error.strerror or error}") from None
         except ValueError as error:  # not JSON (or not UTF-8): its own text names no file
             raise ValueError(f"{path} is not JSON: {error}") from None
         if not isinstance(data, dict) or data.get("benchmark") != "scaling":

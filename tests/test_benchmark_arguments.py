@@ -202,6 +202,16 @@ def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):
     assert f"error on rank 0: --baseline {truncated}: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
 
 
+
+def test_a_measurement_that_cannot_be_read_is_named_without_errnos_words(tmp_path, capsys):
+    """It read "error: [Errno 21] Is a directory: '/tmp/...'"."""
+    from benchmarks import scaling_model
+
+    for measured, why in ((tmp_path, "Is a directory"), (tmp_path / "missing.json", "No such file or directory")):
+        assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"error: {measured}: {why}\n"
+    assert not (tmp_path / "out").exists()
+
 def test_scaling_model_refuses_an_overlap_that_is_not_a_number(tmp_path, capsys):
     """--overlap nan was taken, and the projection written with every efficiency NaN (exit 0)."""
     from benchmarks import scaling_model
