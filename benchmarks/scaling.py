@@ -56,6 +56,7 @@ from prnn_kernels import BACKENDS
 from trainer import build, distributed
 from trainer.cli import (check_not_an_input, int_at_least, json_output, lines_stream, positive_int, seconds_up_to,
                          write_output)
+from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.train import train_step
@@ -307,7 +308,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
     add_timeout_flag(parser)
     parser.add_argument("--json", type=json_output,
                         help="rank 0 writes the results, versions and full configuration here")

@@ -31,6 +31,9 @@ from conftest import REPO_ROOT
     ("benchmarks.scaling", ["--timeout-s", "0"], "argument --timeout-s: must be a positive number of seconds up to "
                                                  "1e+09, not 0"),
     ("benchmarks.train_step", ["--timeout-s", "inf"], "argument --timeout-s: must be a finite number, not inf"),
+    # A seed torch cannot take ended the run in "Overflow when unpacking long long" once it started measuring.
+    ("benchmarks.scaling", ["--seed", str(2**64)], f"argument --seed: must be at most {2**32 - 1}, not {2**64}"),
+    ("benchmarks.train_step", ["--seed", "-1"], "argument --seed: must be at least 0, not -1"),
     # The first two said "--parallel and --ranks must be at least 1", naming neither which nor the value; the three
     # exited 1, where every other usage error exits 2.
     ("benchmarks.wer_parity", ["--parallel", "0"], "argument --parallel: must be at least 1, not 0"),

@@ -32,7 +32,7 @@ OPTIMIZER_KEYS = {
     "sgd": ("optim.momentum", lambda v: is_number(v) and 0 < v < 1,
             "a number in (0, 1) (Nesterov momentum needs one; at 1 or more the momentum never decays)"),
 }
-# The largest seed the trainer takes: benchmarks.wer_parity refuses a --seeds above it before any run starts.
+# The largest seed the trainer takes: the benchmarks' --seed and --seeds refuse one above it before they start.
 MAX_SEED = 2**32 - 1
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
