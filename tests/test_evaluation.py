@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -458,6 +459,18 @@ def test_evaluate_help_says_what_the_tool_does(capsys):
     description = capsys.readouterr().out.split("\n\n")[1]
     # It read "Evaluation: corpus WER/CER, and `python -m trainer.evaluate` for a saved checkpoint."
     assert "decodes a manifest with a saved checkpoint and prints" in " ".join(description.split()), description
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe", "lm"])
+def test_the_readme_names_every_flag_of_the_model_tools(tool, capsys):
+    """README's Evaluation and transcription gives every flag the tools take: trainer.evaluate's --batch-size was in
+    no document."""
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"trainer.{tool}").main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("### Evaluation and transcription\n")[1].split("\n## ")[0]
+    assert set(re.findall(r"--[\w-]+", usage)) - {"--help"} - set(re.findall(r"--[\w-]+", section)) == set()
 
 
 @pytest.mark.parametrize("short", [2, 1])
