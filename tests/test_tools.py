@@ -7,6 +7,7 @@ import importlib
 import io
 import logging
 import os
+import re
 import shlex
 import signal
 import struct
@@ -320,3 +321,16 @@ def test_transcribe_started_with_stdout_closed_says_its_transcripts_have_nowhere
     result = subprocess.run(["bash", "-c", f"{transcribe} >&-"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120)
     assert (result.returncode, result.stderr) == (2, "error: stdout is closed (>&-): the transcripts would be lost\n")
+
+
+@pytest.mark.parametrize("tool", ["trainer", "trainer.evaluate", "trainer.lm", "data.prepare",
+                                  "trainer.check_overrides"])
+def test_the_readme_names_the_package_a_python_without_the_virtualenv_lacks(tool):
+    """Python without its site-packages (-S) stands for one without the virtualenv: the README named 'hydra' or
+    'torch', where python -m trainer, trainer.lm and data.prepare end in No module named 'tqdm'."""
+    result = subprocess.run([sys.executable, "-S", "-m", tool, "--help"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    (missing,) = re.findall(r"No module named '(\w+)'", result.stderr.splitlines()[-1])
+    readme = (REPO_ROOT / "README.md").read_text()
+    bullet = readme.split("- A Python without the virtualenv ")[1].split("\n- ")[0]
+    assert f"'{missing}'" in bullet, (missing, bullet)
