@@ -7,6 +7,7 @@ imports the extension (registering the operators' CUDA kernels with the dispatch
 """
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO_ROOT
 from prnn_kernels import build
 from prnn_kernels import persistent  # noqa: F401  declares the operators the extension registers CUDA kernels for
 
@@ -75,6 +77,17 @@ def test_a_wait_for_the_build_lock_names_the_lock_and_the_lock_dies_with_its_hol
         holder.wait()
     with build.build_lock(tmp_path, timeout_s=60):  # a killed holder leaves nothing behind that blocks
         pass
+
+
+def test_the_readme_names_every_flag_of_the_build(capsys):
+    """README's Building ahead of time gives every flag python -m prnn_kernels.build takes: --verbose was in no
+    document."""
+    with pytest.raises(SystemExit):
+        build.main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("### Building ahead of time\n")[1].split("\n### ")[0]
+    assert set(re.findall(r"--[\w-]+", usage)) - {"--help"} - set(re.findall(r"--[\w-]+", section)) == set()
 
 
 @pytest.mark.parametrize("arch", ["9.0", "sm_90a", "90", "80a", "100f", "090a", ""])
