@@ -469,6 +469,23 @@ def test_check_overrides_refuses_a_global_batch_the_rank_count_does_not_divide(s
                                        "world_size 2\n")
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["data.features.kind=mel", "data.features.n_mels=115"], "data.features: n_mels=115 at 16000 Hz and window_ms=20 "
+     "(an FFT of 512 points) gives mel bands that hold no FFT bin, features that never change: at most 114 bands "
+     "work there"),
+    (["data.features.hop_ms=30"], "data.features: hop_ms=30 is longer than window_ms=20"),
+    (["data.augment.enabled=true", "data.augment.masks.freq_mask=41"], "data.augment.masks.freq_mask=41 must be at "
+     "most the 40 features of a frame (data.features.kind=mel): a wider mask can zero them all"),
+])
+def test_check_overrides_refuses_features_the_run_would_refuse(overrides, refusal, capsys):
+    """README, What is checked before a job starts: a value the trainer refuses is refused before the build and the
+    ranks' start. Feature settings that cannot work together passed the check, then every rank refused them."""
+    from trainer.check_overrides import main
+
+    assert main(["experiment=cpu_demo", *overrides]) == 2
+    assert capsys.readouterr().err == f"error: {refusal}\n"
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_check_overrides_help_prints_its_usage(flag, capsys):
     """Hydra's parser only notes the flag: the tool printed nothing and exited 0, as if the overrides had passed."""

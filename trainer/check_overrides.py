@@ -1,14 +1,15 @@
 """`python -m trainer.check_overrides [-m] [--world-size N] [overrides...]`: checks the overrides of `python -m
 trainer [-m] [overrides...]` without training, in seconds, so that the launch scripts refuse a job before its kernel
 build and its ranks' start. The config the command would train is composed as Hydra composes it and checked as the
-trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes; and
-that N ranks, default 1, split its train.global_batch_size evenly); a sweep's every job, as the trainer checks them
-before its first job (trainer.run_directory.sweep_refusal); and the run's directory, that it holds no symbolic link
-where the run writes a file in place (trainer.run_directory.linked_run_file). The first refusal is one line on
-stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,
---config-path and --config-dir, which would compose another config than conf/train.yaml, the one checked; its flags
-that print instead of training (--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would
-print; and --experimental-rerun, which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
+trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes,
+feature and SpecAugment settings that work together; and that N ranks, default 1, split its train.global_batch_size
+evenly); a sweep's every job, as the trainer checks them before its first job (trainer.run_directory.sweep_refusal);
+and the run's directory, that it holds no symbolic link where the run writes a file in place
+(trainer.run_directory.linked_run_file). The first refusal is one line on stderr, as the trainer's, and exit code 2;
+nothing is written. So is an unknown flag; Hydra's --config-name, --config-path and --config-dir, which would compose
+another config than conf/train.yaml, the one checked; its flags that print instead of training (--cfg, --info,
+--hydra-help, --shell-completion, --version), which every rank would print; and --experimental-rerun, which the trainer
+refuses too (trainer.override_errors.pickled_config_refusal).
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c

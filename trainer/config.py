@@ -138,7 +138,7 @@ def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
 
 def check_config(cfg: DictConfig) -> None:
     """Raises ValueError naming the first key no config file defines, or else the first value CONFIG_RULES refuses
-    (interpolations resolved first)."""
+    (interpolations resolved first), or else feature and SpecAugment settings that cannot work together."""
     unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known_config_keys())
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]}: conf/train.yaml and conf/{{{','.join(CONFIG_GROUPS)}}}/ "
@@ -156,6 +156,10 @@ def check_config(cfg: DictConfig) -> None:
         if name != cfg.optim.name and key.split(".")[1] in cfg.optim:
             raise ValueError(f"{key} is {name}'s setting, which optim.name={cfg.optim.name} does not read (optim=NAME "
                              "picks an optimizer with its settings)")
+    # Values each in range that cannot work together (a mel band with no FFT bin, a hop longer than the window, a
+    # frequency mask wider than the features), refused as the run builds them: here too, so that a sweep and the
+    # launch scripts' check (trainer.check_overrides) refuse them before any job, build or rank starts.
+    build.spec_augment(cfg.data, build.features(cfg.data).num_features)
 
 
 # What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
