@@ -131,6 +131,17 @@ def test_an4_is_rewritten_when_the_corpus_moved_or_its_audio_changed(tiny_an4, t
     assert len(read_manifest(prepare_an4(moved, out)["train"])) == 3
 
 
+def test_an4_manifest_newer_than_its_sources_that_does_not_read_as_one_is_written_again(tiny_an4, tmp_path):
+    # A manifest cut short (a copy onto a full disk) or edited by hand into no manifest: prepare stopped on it.
+    train = prepare_an4(tiny_an4, tmp_path / "out")["train"]
+    utterances = read_manifest(train)
+    train.write_text('{"audio_filepath": "wav/an4_clstk/fash/an2')
+    for source in (tiny_an4 / "etc").iterdir():
+        os.utime(source, (1e9, 1e9))
+    os.utime(train, (1e9, 1.2e9))  # newer than the sources
+    assert read_manifest(prepare_an4(tiny_an4, tmp_path / "out")["train"]) == utterances
+
+
 def test_an4_is_not_rewritten_for_audio_still_unreadable_and_is_once_it_is_mended(tiny_an4, tmp_path, caplog):
     unreadable = tiny_an4 / "wav" / "an4_clstk/mgah/cen2-mgah-b.flac"
     unreadable.write_bytes(b"not audio at all" * 64)
