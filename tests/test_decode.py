@@ -254,6 +254,11 @@ def test_built_model_discounts_as_ney_and_backs_off_by_hand():
     assert [10 ** bigrams.log10_prob(history, word) for history, word in [
         (("<s>",), "A"), (("<s>",), "B"), (("A",), "B"), (("A",), "A"), (("A",), "NEVER")]] == pytest.approx(
         [0.7, 0.3 / 0.61 * 0.19, 0.2, 0.6 / 0.42 * 0.39, 0.6 / 0.42 * 0.03], abs=1e-8)
+    # No unigram seen once ("A" twice: A 2, </s> 2 of 4): Ney's discount has no n1, and 0.5 is taken, 0.5 * 2 / 4
+    # spread over A, </s> and <unk>: 1/12 each.
+    twice = NGramLM.from_arpa_text(build_arpa([["A"], ["A"]], order=1))
+    assert [10 ** twice.log10_prob((), word) for word in ("A", "</s>", "NEVER")] == pytest.approx(
+        [1.5 / 4 + 1 / 12, 1.5 / 4 + 1 / 12, 1 / 12], abs=1e-8)
 
 
 ARPA = """\\data\\
