@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,6 +333,17 @@ def test_a_checkpoint_read_for_its_record_alone_checks_its_plain_data_not_its_we
     (tmp_path / "best.pt").write_bytes(saved[:at] + b"BEST" + saved[at + 4:])
     with pytest.raises(ValueError, match="its entry best/data.pkl does not match its CRC-32 checksum"):
         checkpoint.load(tmp_path / "best.pt", record_only=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="finds the mapping through /proc")
+def test_a_checkpoint_read_for_its_record_alone_maps_its_weights_rather_than_reading_them(tmp_path):
+    """With torch.load's mmap off, the weights were read whole and every test passed: only the process's mappings
+    tell a mapped file from one read."""
+    torch.save({"model": {"w": torch.arange(1000.0)}, "config": {}, "train_state": {"best_wer": 12.5}},
+               tmp_path / "best.pt")
+    saved = checkpoint.load(tmp_path / "best.pt", record_only=True)
+    assert str(tmp_path / "best.pt") in Path("/proc/self/maps").read_text()
+    assert saved["train_state"] == {"best_wer": 12.5}
 
 
 def test_a_checkpoint_whose_config_holds_dollar_braces_is_read_as_text(tmp_path, monkeypatch):
