@@ -455,7 +455,7 @@ def test_a_checkpoint_holding_a_tensor_no_model_can_use_is_one_line_naming_the_f
 
 
 def test_missing_checkpoint_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.pt"):
+    with pytest.raises(FileNotFoundError, match=rf"^checkpoint not found: {tmp_path / 'nope.pt'}$"):
         checkpoint.load(tmp_path / "nope.pt")
 
 
