@@ -59,6 +59,16 @@ def test_a_full_disk_leaves_the_earlier_file_whole_and_the_error_names_it(tmp_pa
     assert target.read_text() == "earlier\n" and [path.name for path in tmp_path.iterdir()] == ["out.json"]
 
 
+def test_an_os_error_a_program_words_itself_is_left_as_it_is(tmp_path):
+    """Only a system call's error (one with an errno) is named with the file: one without would read
+    '[Errno None] None: FILE', its own words lost."""
+    def refuse(file):
+        raise OSError("the events writer stopped")
+    with pytest.raises(OSError) as raised:
+        files.write_whole(tmp_path / "events", refuse)
+    assert str(raised.value) == "the events writer stopped" and list(tmp_path.iterdir()) == []
+
+
 def test_two_writers_with_one_process_id_each_write_a_file_of_their_own(tmp_path, monkeypatch):
     """Ranks on two hosts (or in two containers) writing to one shared file system can have the same process id."""
     monkeypatch.setattr(os, "getpid", lambda: 7)
@@ -69,6 +79,20 @@ def test_two_writers_with_one_process_id_each_write_a_file_of_their_own(tmp_path
         files.replace_whole(target, "second\n")
     files.write_whole(target, write_while_another_writes)
     assert target.read_text() == "first\n" and [path.name for path in tmp_path.iterdir()] == ["m.jsonl"]
+
+
+def test_a_link_at_the_temporary_name_is_not_written_through(tmp_path, monkeypatch):
+    """Opened to be created ("x"), never one a crash left or someone linked: opened to be written ("w"), the link's
+    target got the new text and the target became the link."""
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    monkeypatch.setattr(files.secrets, "token_hex", lambda size: "cafe")
+    target, elsewhere = tmp_path / "m.jsonl", tmp_path / "elsewhere.txt"
+    target.write_text("earlier\n")
+    elsewhere.write_text("kept\n")
+    (tmp_path / ".m.jsonl.7-cafe.tmp").symlink_to(elsewhere)
+    with pytest.raises(FileExistsError):
+        files.replace_whole(target, "new\n")
+    assert (target.read_text(), elsewhere.read_text()) == ("earlier\n", "kept\n") and not target.is_symlink()
 
 
 def test_leftovers_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
