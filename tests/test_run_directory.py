@@ -486,6 +486,16 @@ def test_check_overrides_refuses_features_the_run_would_refuse(overrides, refusa
     assert capsys.readouterr().err == f"error: {refusal}\n"
 
 
+def test_check_overrides_refuses_cuda_graphs_over_cudnn(capsys):
+    """Refused by every rank at its start on any device, after the build: a graph cannot capture cuDNN's layers."""
+    from trainer.check_overrides import main
+
+    assert main(["experiment=cpu_demo", "model.backend=cudnn", "train.cuda_graphs=true"]) == 2
+    assert capsys.readouterr().err == ("error: train.cuda_graphs=true cannot run with model.backend=cudnn, whose "
+                                       "packed sequences need their lengths on the host, which a graph cannot "
+                                       "capture; use model.backend=persistent or train.cuda_graphs=false\n")
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_check_overrides_help_prints_its_usage(flag, capsys):
     """Hydra's parser only notes the flag: the tool printed nothing and exited 0, as if the overrides had passed."""

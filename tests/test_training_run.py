@@ -1521,7 +1521,8 @@ def test_a_model_larger_than_the_devices_memory_is_one_clear_error_before_alloca
 @pytest.mark.cuda
 @pytest.mark.parametrize("overrides, refusal", [
     (["model.backend=cudnn", "train.cuda_graphs=true"],
-     "CUDA graphs: recurrent layer layers.0.rnn runs on cuDNN at batch 8"),
+     "train.cuda_graphs=true cannot run with model.backend=cudnn, whose packed sequences need their lengths on the "
+     "host"),
     (["model.backend=persistent", "train.eval_batch_size=64"], "train.eval_batch_size=64 (64 utterances a rank): "
      "prnn_kernels.GRU: backend='persistent' cannot run: batch size 64 is out of range"),
 ])

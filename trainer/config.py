@@ -156,6 +156,12 @@ def check_config(cfg: DictConfig) -> None:
         if name != cfg.optim.name and key.split(".")[1] in cfg.optim:
             raise ValueError(f"{key} is {name}'s setting, which optim.name={cfg.optim.name} does not read (optim=NAME "
                              "picks an optimizer with its settings)")
+    # Refused on any device (off a GPU, graphs are; on one, models.cuda_graphs.check_capturable refuses each cuDNN
+    # layer): here too, so that the launch scripts' check and a sweep refuse it before the build and the ranks' start.
+    if cfg.train.cuda_graphs and cfg.model.backend == "cudnn":
+        raise ValueError("train.cuda_graphs=true cannot run with model.backend=cudnn, whose packed sequences need "
+                         "their lengths on the host, which a graph cannot capture; use model.backend=persistent or "
+                         "train.cuda_graphs=false")
     # Values each in range that cannot work together (a mel band with no FFT bin, a hop longer than the window, a
     # frequency mask wider than the features), refused as the run builds them: here too, so that a sweep and the
     # launch scripts' check (trainer.check_overrides) refuse them before any job, build or rank starts.
