@@ -48,10 +48,7 @@ def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Ut
     from 0 to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"manifest {path} is a folder, not a file")
-    if not path.exists():  # not is_file(): a pipe (evaluate --manifest <(...)) reads as well
-        raise FileNotFoundError(f"manifest {path} does not exist")
+    check_manifest_path(path)
     # A pipe's folder (/dev/fd for <(...)) holds no audio: relative paths would each be "no such audio file" there.
     audio_folder = path.parent.absolute() if path.is_file() or not audio_needed else None
     utterances = []
@@ -65,6 +62,21 @@ def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Ut
             if line.strip():
                 utterances.append(_parse_line(line, path, line_number, audio_folder))
     return utterances
+
+
+def check_manifest_path(path: Path) -> None:
+    """FileNotFoundError or ValueError naming a manifest path that read_manifest cannot read: nothing there, a folder,
+    or a file this process may not open. Its lines unread: trainer.check_overrides asks it of every manifest before a
+    job starts, a large corpus's too."""
+    if path.is_dir():
+        raise ValueError(f"manifest {path} is a folder, not a file")
+    if not path.exists():  # not is_file(): a pipe (evaluate --manifest <(...)) reads as well
+        raise FileNotFoundError(f"manifest {path} does not exist")
+    if path.is_file():  # only a file: opening a pipe would wait for a writer, and take what it writes
+        try:
+            path.open("rb").close()
+        except OSError as error:  # no permission (to the file or a folder on its way)
+            raise ValueError(f"cannot open manifest {path}: {error.strerror or error}") from None
 
 
 def numbered_lines(file: BinaryIO, path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:

@@ -55,9 +55,7 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
     Raises: FileNotFoundError naming a missing folder or file; ValueError naming the file and line of a
     transcription that does not match its fileids, or naming a source whose path is not UTF-8.
     """
-    source, out = _require_utf8(_require(Path(source).resolve(), folder=True)), Path(out)
-    if not (source / "etc").is_dir():  # a folder above AN4's (the one its tarball unpacked into), most often
-        raise FileNotFoundError(f"{source} holds no etc/ folder: AN4's source is the folder holding its etc/ and wav/")
+    source, out = an4_source_folder(source), Path(out)
     manifests = {}
     for split in AN4_SPLITS:
         fileids = _require(source / "etc" / f"an4_{split}.fileids")
@@ -70,6 +68,15 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
         utterances, num_skipped = _an4_utterances(source, fileids, transcription)
         _write(f"an4 {split}", manifest, utterances, num_skipped)
     return manifests
+
+
+def an4_source_folder(source: str | Path) -> Path:
+    """AN4's folder, resolved; FileNotFoundError where it is missing, no folder or holds no etc/, ValueError where its
+    path is not UTF-8. Its files unread: trainer.check_overrides asks it before a job starts."""
+    source = _require_utf8(_require(Path(source).resolve(), folder=True))
+    if not (source / "etc").is_dir():  # a folder above AN4's (the one its tarball unpacked into), most often
+        raise FileNotFoundError(f"{source} holds no etc/ folder: AN4's source is the folder holding its etc/ and wav/")
+    return source
 
 
 def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = None) -> Path:

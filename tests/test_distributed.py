@@ -26,7 +26,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling, scaling_model
-from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, needs_mpiexec, wait_for_file, wait_for_text
+from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, find_an4, needs_mpiexec, wait_for_file, wait_for_text
 from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
 from data.text import encode
@@ -950,17 +950,19 @@ def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path
     "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("node01 slots=8\nnode02 slots=8\n")
-    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None, MASTER_PORT=None,
-                        LD_LIBRARY_PATH="/usr/local/cuda/lib64", NCCL_IB_HCA="mlx5")
+    # AN4's folder named as an override: the check refuses a default (../shared/data/an4) missing where this runs.
+    ran = launch_script("multi_node.sh", str(hosts), "16", f"data.an4_source={find_an4()}", PRNN_AN4=None,
+                        PYTHONPATH=None, MASTER_PORT=None, LD_LIBRARY_PATH="/usr/local/cuda/lib64", NCCL_IB_HCA="mlx5")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and "-x PATH -x LD_LIBRARY_PATH -x MASTER_ADDR " in command, ran.stderr
     assert "-x NCCL_IB_HCA " in command, command
     assert "PRNN_AN4" not in command and "PYTHONPATH" not in command and "MASTER_PORT" not in command, command
-    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4="/data/an4", PYTHONPATH=None, MASTER_PORT=None)
+    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=str(find_an4()), PYTHONPATH=None, MASTER_PORT=None)
     assert "-x MASTER_ADDR -x PRNN_AN4 " in ran.stdout.splitlines()[-1], ran.stdout
     # Without mpi4py every rank reads rank 0's port from MASTER_PORT: the other nodes' ranks, not given it, were
     # refused as "MASTER_PORT unset" of a job whose user had set it.
-    ran = launch_script("multi_node.sh", str(hosts), "16", PRNN_AN4=None, PYTHONPATH=None, MASTER_PORT="29511")
+    ran = launch_script("multi_node.sh", str(hosts), "16", f"data.an4_source={find_an4()}", PRNN_AN4=None,
+                        PYTHONPATH=None, MASTER_PORT="29511")
     assert "-x MASTER_ADDR -x MASTER_PORT " in ran.stdout.splitlines()[-1], ran.stdout
 
 

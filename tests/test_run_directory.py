@@ -486,6 +486,63 @@ def test_check_overrides_refuses_features_the_run_would_refuse(overrides, refusa
     assert capsys.readouterr().err == f"error: {refusal}\n"
 
 
+@pytest.mark.parametrize("sweep", [[], ["-m", "seed=1,2"]])
+def test_check_overrides_refuses_a_manifest_the_run_cannot_open(sweep, tmp_path, capsys):
+    """README, What is checked before a job starts: a missing manifest passed the check, the build and every rank's
+    start, then each rank failed reading it. Its words are the run's own (data.manifest.read_manifest's)."""
+    from trainer.check_overrides import main
+
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("")  # its lines are the run's to read: an empty one passes the check
+    job = "sweep job 0 (seed=1): " if sweep else ""
+    for eval_manifest, refusal in [(tmp_path / "absent.jsonl", f"manifest {tmp_path / 'absent.jsonl'} does not exist"),
+                                   (tmp_path, f"manifest {tmp_path} is a folder, not a file")]:
+        assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest}]",
+                     f"data.eval_manifest={eval_manifest}"]) == 2
+        assert capsys.readouterr().err == f"error: {job}{refusal}\n"
+    assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}"]) == 0
+
+
+def test_check_overrides_refuses_a_manifest_this_process_may_not_open(tmp_path):
+    manifest = tmp_path / "train.jsonl"
+    manifest.write_text("")
+    manifest.chmod(0)
+    result = subprocess.run(without_root_privilege([
+        sys.executable, "-m", "trainer.check_overrides", "data=manifest", f"data.train_manifests=[{manifest}]",
+        f"data.eval_manifest={manifest}"]), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (2, f"error: cannot open manifest {manifest}: Permission denied\n")
+
+
+def test_check_overrides_checks_the_an4_source_rather_than_the_manifests_it_writes(an4_source, tmp_path, capsys):
+    """data=an4's first run writes its manifests from data.an4_source: a missing source failed every rank after the
+    build (rank 0 preparing, the others at its barrier); the manifests, not written yet, are no refusal."""
+    from trainer.check_overrides import main
+
+    manifests = f"data.manifest_dir={tmp_path / 'manifests'}"
+    assert main(["experiment=cpu_demo", f"data.an4_source={an4_source}", manifests]) == 0
+    assert main(["experiment=cpu_demo", f"data.an4_source={tmp_path / 'no_an4'}", manifests]) == 2
+    assert capsys.readouterr().err == (f"error: folder {tmp_path / 'no_an4'} does not exist (data.an4_source, AN4's "
+                                       "folder; PRNN_AN4 sets its default)\n")
+    # Another test set beside AN4's is read as it is: the run writes none there.
+    assert main(["experiment=cpu_demo", f"data.an4_source={an4_source}", manifests,
+                 f"data.eval_manifest={tmp_path / 'other.jsonl'}"]) == 2
+    assert capsys.readouterr().err == f"error: manifest {tmp_path / 'other.jsonl'} does not exist\n"
+
+
+@pytest.mark.parametrize("sweep", [[], ["-m", "seed=1,2"]])
+def test_check_overrides_refuses_a_checkpoint_to_resume_from_that_is_not_there(sweep, an4_source, tmp_path, capsys):
+    """train.resume=PATH to no file passed the check; every rank refused it after the build and its start."""
+    from trainer.check_overrides import main
+
+    absent = tmp_path / "last.pt"
+    overrides = [*sweep, "experiment=cpu_demo", f"data.an4_source={an4_source}", f"train.resume={absent}"]
+    assert main(overrides) == 2
+    job = "sweep job 0 (seed=1): " if sweep else ""
+    assert capsys.readouterr().err == f"error: {job}checkpoint not found: {absent} (train.resume)\n"
+    absent.write_bytes(b"")  # its content is the run's to check
+    assert main(overrides) == 0
+
+
 def test_check_overrides_refuses_cuda_graphs_over_cudnn(capsys):
     """Refused by every rank at its start on any device, after the build: a graph cannot capture cuDNN's layers."""
     from trainer.check_overrides import main

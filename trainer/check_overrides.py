@@ -2,9 +2,10 @@
 trainer [-m] [overrides...]` without training, in seconds, so that the launch scripts refuse a job before its kernel
 build and its ranks' start. The config the command would train is composed as Hydra composes it and checked as the
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes,
-feature and SpecAugment settings that work together; and that N ranks, default 1, split its train.global_batch_size
-evenly); a sweep's every job, as the trainer checks them before its first job (trainer.run_directory.sweep_refusal);
-and the run's directory, that it holds no symbolic link where the run writes a file in place
+feature and SpecAugment settings that work together; that N ranks, default 1, split its train.global_batch_size
+evenly; and that the files it reads are there and open, trainer.inputs.check_inputs); a sweep's every job, as the
+trainer checks them before its first job (trainer.run_directory.sweep_refusal), and its files too; and the run's
+directory, that it holds no symbolic link where the run writes a file in place
 (trainer.run_directory.linked_run_file). The first refusal is one line on stderr, as the trainer's, and exit code 2;
 nothing is written. So is an unknown flag; Hydra's --config-name, --config-path and --config-dir, which would compose
 another config than conf/train.yaml, the one checked; its flags that print instead of training (--cfg, --info,
@@ -38,10 +39,10 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
         check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
-            return linked_run_file(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size)
+            return linked_run_file(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size, inputs=True)
         try:
-            check_job_config(cfg, world_size)
-        except ValueError as error:
+            check_job_config(cfg, world_size, inputs=True)
+        except (FileNotFoundError, ValueError) as error:
             return config_error_line(error)
         return linked_run_file(cfg.hydra.run.dir)
 

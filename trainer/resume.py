@@ -29,11 +29,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     the run directory, which it would replace, and for a path whose file it cannot read (FileNotFoundError where there
     is none)."""
     if resume is not None and resume != "auto":
-        try:
-            checkpoint.check_readable(Path(resume))
-        except (FileNotFoundError, ValueError) as error:
-            raise type(error)(f"{error} (train.resume)") from None
-        return Path(resume)
+        return readable_resume(resume)
     last = run_dir / "checkpoints" / "last.pt"
     own = own_last_checkpoint(run_dir) if resume == "auto" else None
     if own is not None:
@@ -48,6 +44,17 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
+
+
+def readable_resume(path: str) -> Path:
+    """train.resume=PATH's checkpoint; FileNotFoundError or ValueError naming it and the key where it is no file this
+    process can open (checkpoint.check_readable). Its content unread: trainer.check_overrides asks it before a job
+    starts."""
+    try:
+        checkpoint.check_readable(Path(path))
+    except (FileNotFoundError, ValueError) as error:
+        raise type(error)(f"{error} (train.resume)") from None
+    return Path(path)
 
 
 def own_last_checkpoint(run_dir: Path) -> Path | None:

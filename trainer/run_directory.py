@@ -34,6 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import distributed
 from trainer.config import check_config, config_error_line, per_rank_batch_size
+from trainer.inputs import check_inputs
 from trainer.override_errors import print_refusal, refused_in_one_line
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,11 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
     return BasicSweeper.split_arguments(parser.parse_overrides(overrides + hydra["overrides"]["task"]), None)[0]
 
 
-def sweep_refusal(config: DictConfig, world_size: int = 1) -> str | None:
+def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False) -> str | None:
     """The first of a sweep's jobs that the trainer would refuse, in one line naming it, or None: each job's config
     composed as the sweeper will (Hydra's refusal of a job's overrides, a misspelt key, ends here in one line and exit
     code 2, through trainer.override_errors), its folder taken by no earlier job, its values checked as the job checks
-    them (check_job_config)."""
+    them (check_job_config, which checks the files it reads too with `inputs`)."""
     loader = GlobalHydra.instance().config_loader()
     folders: dict[Path, int] = {}
     jobs = sweep_jobs(config)
@@ -153,23 +154,27 @@ def sweep_refusal(config: DictConfig, world_size: int = 1) -> str | None:
             job.hydra.job.num = number  # as Hydra's launcher sets it: hydra.sweep.subdir and ${hydra:job.num} name it
         try:
             claim_job_folder(job, number, folders)
-            check_job_config(job, world_size)
-        except ValueError as error:
+            check_job_config(job, world_size, inputs)
+        except (FileNotFoundError, ValueError) as error:
             own = " ".join(override for override in overrides if not all(override in other for other in jobs))
             return f"sweep job {number}{f' ({own})' if own else ''}: {config_error_line(error)}"
     return None
 
 
-def check_job_config(job: DictConfig, world_size: int = 1) -> None:
+def check_job_config(job: DictConfig, world_size: int = 1, inputs: bool = False) -> None:
     """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
     ${hydra:...} as in the job; `job` itself keeps it. Its global batch too, as `world_size` ranks split it: the
-    launch scripts give their count (trainer.check_overrides --world-size), the callback its launcher's."""
+    launch scripts give their count (trainer.check_overrides --world-size), the callback its launcher's. With
+    `inputs`, the files it reads too (trainer.inputs.check_inputs), as trainer.check_overrides asks on the launching
+    node: the callback, on every rank, leaves them to the run, whose ranks past 0 read no AN4 source of their own."""
     HydraConfig.instance().set_config(job)
     task = job.copy()
     with open_dict(task):
         del task["hydra"]
     check_config(task)
     per_rank_batch_size(task, world_size)
+    if inputs:
+        check_inputs(task)
 
 
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:

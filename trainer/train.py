@@ -39,6 +39,7 @@ from trainer.config import check_config, global_batch_refusal, per_rank_batch_si
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import evaluate, left_out
+from trainer.inputs import naming_the_an4_source
 from trainer.metrics import ErrorCounts
 from trainer.resume import (
     checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, settle_best,
@@ -69,10 +70,8 @@ def warnings_from_rank_0_alone(env: DistEnv, logger: logging.Logger):
 def prepare_manifests(data_cfg: DictConfig, env: DistEnv) -> None:
     """With `data.an4_source` set, rank 0 writes the AN4 manifests (skipped when up to date); the others wait."""
     if data_cfg.an4_source is not None and env.is_main:
-        try:
+        with naming_the_an4_source():
             prepare_an4(Path(data_cfg.an4_source), Path(data_cfg.manifest_dir))
-        except FileNotFoundError as error:  # a corpus file or folder: data/ knows no config keys
-            raise FileNotFoundError(f"{error} (data.an4_source, AN4's folder; PRNN_AN4 sets its default)") from None
     distributed.barrier()
 
 
