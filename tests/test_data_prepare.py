@@ -87,6 +87,18 @@ def test_an4_audio_that_is_not_audio_is_skipped_and_named(tiny_an4, tmp_path, ca
     assert "wrote 3 utterances" in caplog.text and "skipped 1 without usable audio" in caplog.text
 
 
+def test_the_log_line_gives_the_hours_of_audio_written(tiny_an4, tmp_path, caplog):
+    """The figure that tells a corpus half-read from a whole one: the tiny corpus' seconds give "0.00 h" however they
+    are summed, so its train audio is made 3 minutes long here, unevenly, for a sum that no other count gives."""
+    train = tiny_an4 / "wav" / "an4_clstk"
+    for name, seconds in [("fash/an251-fash-b.flac", 90), ("fash/an253-fash-b.wav", 72)]:
+        write_audio(train / name, seconds)
+    write_audio(train / "mgah/cen1-mgah-b.sph", 18, format="NIST", subtype="PCM_16")
+    with caplog.at_level(logging.INFO):
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "manifests")])
+    assert "an4 train: wrote 3 utterances (0.05 h) to " in caplog.text
+
+
 def test_an4_audio_whose_header_claims_what_loading_refuses_is_skipped_and_named(tiny_an4, tmp_path, caplog):
     """A manifest never lists a duration the manifest reader would refuse (a FLAC written to a pipe leaves its length
     unknown, which libsndfile gives as 2^63 - 1 frames) or a file loading would skip anyway (no samples)."""
