@@ -19,7 +19,7 @@ import wave
 import pytest
 
 from conftest import REPO_ROOT, small_checkpoint
-from data.cli import shows_a_progress_bar
+from data.cli import ctrl_c_raises_keyboard_interrupt, end_at_once_on_ctrl_c, shows_a_progress_bar
 from data.manifest import Utterance, write_manifest
 from trainer import checkpoint, cli
 from trainer.train import open_metrics
@@ -161,6 +161,23 @@ def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupte
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
     assert result.stdout.startswith("usage:"), result.stdout
+
+
+def test_ctrl_c_raises_keyboard_interrupt_after_the_imports_only_where_the_tool_took_it_over():
+    """A tool started with Ctrl-C ignored (`tool &` in a script) keeps ignoring it once its imports are done too: the
+    test above sends its Ctrl-C during the imports, and passed with SIGINT's handler set after them whatever it was."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_at_once_on_ctrl_c()
+        ctrl_c_raises_keyboard_interrupt()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        end_at_once_on_ctrl_c()
+        ctrl_c_raises_keyboard_interrupt()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path):
