@@ -242,6 +242,16 @@ def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
         inference.device_argument("cuda:2")
 
 
+def test_the_model_runs_on_a_gpu_by_default_where_one_is_visible_and_on_the_cpu_where_none_is(monkeypatch):
+    # The GPU faked as above: on a machine without one, every test passed with the default always cpu.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for visible, device in [(False, "cpu"), (True, "cuda")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: visible)
+        parser = argparse.ArgumentParser()
+        inference.add_model_arguments(parser)
+        assert parser.parse_args(["--checkpoint", "x.pt"]).device == torch.device(device)
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_a_missing_best_pt_beside_a_last_pt_is_refused_naming_the_last_pt(tool, tmp_path, capsys):
     """A run stopped (train.max_steps) before its first evaluation has a last.pt and no best.pt, the file README's
