@@ -225,6 +225,11 @@ def test_a_stop_signal_outside_the_trainers_block_ends_the_next_one_before_train
     with pytest.raises(StoppedBeforeTraining, match="SIGTERM received before training began"):
         with StopSignals():
             time.sleep(0.01)
+    try:
+        with StopSignals():
+            time.sleep(0.01)
+    except StoppedBeforeTraining:  # a KeyboardInterrupt, which would end the whole test session
+        pytest.fail("the signal, kept after the block it ended, ended the next block too")
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
 
 SIGNAL_AS_TQDM_MAKES_ITS_LOCK = """
