@@ -28,8 +28,8 @@ from trainer.stop import (
     start_data_workers,
 )
 from trainer.train import (
-    evaluation_batches, refuse_if_nothing_trained, skipped_step, train_loader, train_step, unusable_utterances,
-    utterances_per_second,
+    NON_FINITE, EpochTally, StepResult, count_skipped, evaluation_batches, refuse_if_nothing_trained, skipped_step,
+    train_loader, train_step, unusable_utterances, utterances_per_second,
 )
 
 
@@ -140,6 +140,19 @@ def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
     assert step.outcome == "ok" and step.utterances == 1
     assert step.unusable == Counter({UNREADABLE: 1, TOO_LONG_FOR_STRIDE: 2})
+
+
+def test_an_epoch_counts_its_skipped_steps_and_the_utterances_its_batches_dropped_for_its_line():
+    """The epoch's line says what it skipped: every other test read a skipped step's own warning only, and passed with
+    the epoch counting none of its skipped steps."""
+    tally = EpochTally(epoch=0, first_step=0)
+    tally.count(StepResult("ok", 2.0, 3, Counter({UNREADABLE: 1}), {}))
+    tally.count(StepResult(NON_FINITE, math.nan, 4, Counter({UNREADABLE: 2, TOO_LONG_FOR_STRIDE: 1}), {}))
+    tally.count(StepResult(NON_FINITE, math.nan, 4, Counter(), {}))
+    tally.count(StepResult("ok", 4.0, 4, Counter(), {}))
+    assert count_skipped(tally.skipped) == ("3 utterances unreadable, 1 utterance too long for stride, 2 steps "
+                                            "skipped: non-finite loss or gradient")
+    assert (tally.mean_loss, tally.utterances) == (3.0, 7)  # of the steps trained only
 
 
 def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts(monkeypatch):
