@@ -422,6 +422,17 @@ def test_a_skipped_step_leaves_no_trace(optimizer_name):
         assert all(torch.equal(value, got_state[index][name]) for name, value in moments.items())
 
 
+def test_a_step_whose_gradient_overflows_to_infinity_is_skipped_as_one_whose_loss_is_nan():
+    """A finite loss whose gradient overflows (as under fp16): the test above, on a NaN, passed with only NaN skipped,
+    the infinite gradient's step then called trained and the schedule moved on."""
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
+    next(model.parameters()).register_hook(lambda gradient: gradient * 1e30)  # its squared norm is past float32's
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    outcome, loss, *_ = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert (outcome, schedule.last_epoch) == (NON_FINITE, 0) and math.isnan(loss)
+    assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_ranks_evaluate_every_test_utterance_once_in_as_many_batches_each(world_size):
     """The ranks' error counts are summed: a rank short of a batch makes up the count with empty ones, for the stop
