@@ -143,7 +143,8 @@ def ignore_in_data_workers(worker_id: int) -> None:
     """A DataLoader's worker_init_fn: its workers leave stop signals to the training process (one Ctrl-C or scheduler
     signal reaches every process of the job). torch's workers die on SIGTERM, and the training process then fails on
     the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself. A
-    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and goes here.
+    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and is dropped
+    here: ignoring a signal discards one pending (POSIX), though the block stays.
 
     A stop signal while the training process awaits a batch breaks off the handover of its tensors (start_data_workers
     kills the workers then): the worker's handover thread, multiprocessing's resource sharer, printed the broken
