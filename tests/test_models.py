@@ -45,6 +45,18 @@ def test_output_shapes_and_lengths(cell, bidirectional, batch_norm):
     assert torch.equal(out_lengths, (lengths + model.time_stride - 1) // model.time_stride)
 
 
+def test_log_probs_are_float32_under_bf16_autocast_and_float64_for_a_float64_model():
+    """CTC wants float32 log-probs: CPU autocast leaves the classifier's bf16 logits, and their log-softmax, in bf16,
+    so the model casts them itself; a float64 model keeps float64."""
+    model = small_model("gru", True, backend="reference")
+    features, lengths = ragged_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log_probs, _ = model(features, lengths)
+    assert log_probs.dtype == torch.float32
+    log_probs, _ = model.double()(features.double(), lengths)
+    assert log_probs.dtype == torch.float64
+
+
 def test_lengths_the_features_cannot_hold_are_refused_naming_them():
     model = small_model("gru", False)
     features = torch.randn(2, 11, NUM_FEATURES)
