@@ -142,6 +142,9 @@ def test_autocast_sums_recurrent_gradients_in_the_parameters_dtype(cell):
     # These ended in torch's messages about sizes of "tensor a" and "mat1 and mat2", naming no argument.
     ("gru", torch.randn(5, 2, 13), torch.zeros(2, 4), torch.randn(12, 4), None,
      "input_proj's last dimension 13 is not 1 x 3 gates x H"),
+    # A width of 0 is 3 gates x H = 0, which empty hx and weight_hh matched: a layer of no units ran.
+    ("gru", torch.randn(5, 2, 0), torch.zeros(2, 0), torch.randn(0, 0), None,
+     "input_proj's last dimension 0 is not 1 x 3 gates x H"),
     ("lstm", torch.randn(5, 2, 12), (torch.zeros(2, 4),) * 2, torch.randn(12, 4), None,
      r"weight_hh must have shape \(12, 3\), got \(12, 4\)"),
     ("gru", torch.randn(5, 2, 12), torch.zeros(2, 4), torch.randn(4, 12), None,
