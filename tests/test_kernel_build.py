@@ -146,6 +146,19 @@ def test_the_cache_key_changes_with_any_source_or_header_and_with_the_flags(edit
     assert edited_key not in changed_keys and len(changed_keys) == 5, "a flag, a source or a version kept the cache key"
 
 
+def test_the_cache_key_changes_with_text_moved_from_one_source_into_the_next(tmp_path, monkeypatch):
+    """The sources' names go into the key, not their contents alone, whose concatenation text moved from the end of
+    one file to the start of the next (in sorted order) leaves as it was."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    key = build.build_hash()
+    first, second = csrc / "bf16_backward.cu", csrc / "bf16_forward.cu"
+    text = first.read_bytes()
+    first.write_bytes(text[:-1])
+    second.write_bytes(text[-1:] + second.read_bytes())
+    assert build.build_hash() != key
+
 
 def test_the_build_cache_is_where_torch_puts_its_extensions(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
