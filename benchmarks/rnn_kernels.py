@@ -58,7 +58,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import json_output, positive_int, run_tool, write_output
+from trainer.cli import json_output, positive_int, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 NUM_STEPS = 256
@@ -322,6 +322,7 @@ def main():
     print_table(rows)
     if args.json:
         write_json(args.json, measured_on, rows, configuration)
+        say_written(args.json)
 
 
 def setting():

@@ -28,7 +28,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import json_output, lines_stream, positive_int, run_tool, write_output
+from trainer.cli import json_output, positive_int, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -166,7 +166,7 @@ def main():
                     write_json(args.json, config, results, so_far=True)
     if args.json:
         write_json(args.json, config, results)
-        print(f"\nwrote {args.json}", file=lines_stream(args.json))
+        say_written(args.json)
 
 
 def write_json(path, config, results, so_far=False):

@@ -54,7 +54,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import (check_not_an_input, int_at_least, json_output, lines_stream, positive_int, seconds_up_to,
+from trainer.cli import (check_not_an_input, int_at_least, json_output, positive_int, say_written, seconds_up_to,
                          write_output)
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
@@ -352,7 +352,7 @@ def main(argv=None) -> None:
         print_table(result)
         if args.json:
             write_output(args.json, json.dumps(result, indent=1) + "\n")
-            print(f"wrote {args.json}", file=lines_stream(args.json))
+            say_written(args.json)
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
-from trainer.cli import int_at_least, json_output, lines_stream, run_tool, write_output
+from trainer.cli import int_at_least, json_output, lines_stream, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     if args.json:
         results = {**measured_on, "max_batch": args.max_batch, "command": command_line(), "rows": table}
         write_output(args.json, json.dumps(results, indent=1) + "\n")
+        say_written(args.json)
     return 0
 
 

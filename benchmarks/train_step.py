@@ -36,7 +36,7 @@ from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_timeout_flag, compose_
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, lines_stream, positive_int, run_tool, write_output
+from trainer.cli import int_at_least, json_output, positive_int, run_tool, say_written, write_output
 from trainer.config import MAX_SEED
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
@@ -172,7 +172,7 @@ def main(argv=None) -> int | None:
     print_table(rows, configs)
     if args.json:
         write_json(args, measured_on, rows, configs)
-        print(f"wrote {args.json}", file=lines_stream(args.json))
+        say_written(args.json)
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 

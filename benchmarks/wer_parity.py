@@ -60,7 +60,7 @@ from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
-from trainer.cli import int_at_least, json_output, lines_stream, positive_int, run_tool, write_output
+from trainer.cli import int_at_least, json_output, positive_int, run_tool, say_written, write_output
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -477,7 +477,7 @@ def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpu
               "at_epoch": args.at_epoch, "gpus": gpus,
               "report": args.report, **measured_on}
     write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
-    print(f"wrote {args.json}", file=lines_stream(args.json))
+    say_written(args.json)
 
 
 def last_line(path: Path) -> str:

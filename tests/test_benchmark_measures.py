@@ -137,6 +137,29 @@ sys.argv[1:] = ["--models", "an4", "--backends", "cudnn", "--batches", "1", "2",
 }
 
 
+# The support table's query faked as refusing every shape; its JSON is written once, at the end.
+FAKED_SUPPORT_TABLE = FAKE_GPU + """
+from benchmarks import support_table as benchmark
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=1, L2_cache_size=0)
+benchmark.versions = lambda device: {}
+benchmark.support = lambda *shape: types.SimpleNamespace(ok=False, reason="fake refusal")
+sys.argv[1:] = ["--cells", "gru", "--precisions", "fp32", "--hiddens", "128", *sys.argv[1:]]
+"""
+
+
+@pytest.mark.parametrize("code", [*(FAKED_BENCHMARKS[name][0] for name in sorted(FAKED_BENCHMARKS)),
+                                  FAKED_SUPPORT_TABLE], ids=[*sorted(FAKED_BENCHMARKS), "support_table"])
+def test_a_benchmark_ends_saying_where_it_wrote_its_json(tmp_path, code):
+    """rnn_kernels and support_table wrote their JSON without a word, where the other benchmarks end with its path."""
+    path = tmp_path / "out.json"
+    result = subprocess.run([sys.executable, "-c", code + "sys.exit(benchmark.main())", "--json", str(path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(path.read_text())
+    assert result.stdout.endswith(f"\nwrote {path}\n"), result.stdout[-2000:]
+
+
 @pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))
 def test_a_json_to_dev_stdout_under_a_redirection_is_written_once_after_the_table(tmp_path, name):
     """--json /dev/stdout > out.txt opened the file again after each point and wrote the JSON from its start: over the

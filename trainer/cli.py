@@ -163,6 +163,12 @@ def lines_stream(out: str | None):
     return sys.stderr if written_to_stdout else sys.stdout
 
 
+def say_written(path: str) -> None:
+    """A tool's last line, "wrote PATH", once its output file is written: on its lines_stream, so that a JSON written
+    to stdout ends it."""
+    print(f"wrote {path}", file=lines_stream(path))
+
+
 def _standard_stream_writing_to(path: str):
     """sys.stdout or sys.stderr where `path` is the file it writes to (/dev/stdout under a shell's `> file` or
     `>> file`), else None. Such a file is written through the stream, at its position: renamed over, it lost what
