@@ -291,7 +291,8 @@ def print_table(rows):
 def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=json_output, help="write the results and the full configuration to this file")
+    parser.add_argument("--json", metavar="PATH", type=json_output,
+                        help="write the results and the full configuration to this file")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
     parser.add_argument("--batches", nargs="+", type=positive_int, help=f"default {BATCHES}")
     parser.add_argument("--hiddens", nargs="+", type=positive_int, help=f"default {HIDDENS}")

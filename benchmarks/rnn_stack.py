@@ -137,7 +137,8 @@ def main():
     parser.add_argument("--depths", nargs="+", type=positive_int, default=[1, 2, 4, 7])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=positive_int, default=4)
-    parser.add_argument("--json", type=json_output, help="write the results and the configuration to this file")
+    parser.add_argument("--json", metavar="PATH", type=json_output,
+                        help="write the results and the configuration to this file")
     args = parser.parse_args()
     if len(set(args.depths)) < 2:
         parser.error("argument --depths: give at least two different depths to fit the per-layer cost")

@@ -310,7 +310,7 @@ def main(argv=None) -> None:
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
     add_timeout_flag(parser)
-    parser.add_argument("--json", type=json_output,
+    parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="rank 0 writes the results, versions and full configuration here")
     parser.add_argument("--baseline", type=input_path,
                         help="this script's JSON from one process: report strong-scaling efficiency")

@@ -137,7 +137,8 @@ def main(argv=None) -> int | None:
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
     parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
     add_timeout_flag(parser)
-    parser.add_argument("--json", type=json_output, help="write the results, versions and configuration here")
+    parser.add_argument("--json", metavar="PATH", type=json_output,
+                        help="write the results, versions and configuration here")
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
         parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")

@@ -362,7 +362,8 @@ def main(argv=None) -> None:
                         help="where the runs' directories go (default: runs/ of this checkout)")
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
-    parser.add_argument("--json", type=json_output, help="write the runs, the summary and the configuration here")
+    parser.add_argument("--json", metavar="PATH", type=json_output,
+                        help="write the runs, the summary and the configuration here")
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
                         help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")

@@ -418,3 +418,7 @@ def test_each_benchmarks_synopsis_in_its_readme_names_every_flag(name, monkeypat
     synopsis = re.search(rf"^```\n((?:mpirun -np N )?python -m benchmarks\.{name} .*?)^```$", text, re.S | re.M)
     assert synopsis, f"benchmarks/README.md gives no synopsis of benchmarks.{name}"
     assert flags - {"--help"} - set(re.findall(r"--[\w-]+", synopsis.group(1))) == set()
+    # --json showed as JSON in most scripts' --help and as PATH in support_table's and in these synopses.
+    for action in parsers[0]._actions:
+        if "--json" in action.option_strings:
+            assert f"[--json {action.metavar or action.dest.upper()}]" in synopsis.group(1)
