@@ -58,7 +58,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import EachOnce, json_output, positive_int, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 NUM_STEPS = 256
@@ -293,10 +293,10 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the results and the full configuration to this file")
-    parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(NUM_GATES))
-    parser.add_argument("--batches", nargs="+", type=positive_int, help=f"default {BATCHES}")
-    parser.add_argument("--hiddens", nargs="+", type=positive_int, help=f"default {HIDDENS}")
-    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--cells", nargs="+", action=EachOnce, default=list(CELLS), choices=list(NUM_GATES))
+    parser.add_argument("--batches", nargs="+", action=EachOnce, type=positive_int, help=f"default {BATCHES}")
+    parser.add_argument("--hiddens", nargs="+", action=EachOnce, type=positive_int, help=f"default {HIDDENS}")
+    parser.add_argument("--precisions", nargs="+", action=EachOnce, default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true",
                         help=f"default batches {QUICK_BATCHES} and hidden sizes {QUICK_HIDDENS}")
     args = parser.parse_args()

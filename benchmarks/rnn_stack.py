@@ -28,7 +28,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import EachOnce, json_output, positive_int, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -132,16 +132,16 @@ def print_table(cell, hidden_size, batch_size, rows, summary, depths):
 def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_stack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cells", nargs="+", default=["gru"], choices=sorted(MODULES))
-    parser.add_argument("--hiddens", nargs="+", type=positive_int, default=[800, 1152])
-    parser.add_argument("--depths", nargs="+", type=positive_int, default=[1, 2, 4, 7])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    parser.add_argument("--cells", nargs="+", action=EachOnce, default=["gru"], choices=sorted(MODULES))
+    parser.add_argument("--hiddens", nargs="+", action=EachOnce, type=positive_int, default=[800, 1152])
+    parser.add_argument("--depths", nargs="+", action=EachOnce, type=positive_int, default=[1, 2, 4, 7])
+    parser.add_argument("--dtypes", nargs="+", action=EachOnce, default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the results and the configuration to this file")
     args = parser.parse_args()
-    if len(set(args.depths)) < 2:
-        parser.error("argument --depths: give at least two different depths to fit the per-layer cost")
+    if len(args.depths) < 2:
+        parser.error("argument --depths: give at least two depths to fit the per-layer cost")
     if refuse_without_gpu("benchmarks.rnn_stack"):
         return 2
     torch.manual_seed(0)

@@ -54,8 +54,8 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import (check_not_an_input, int_at_least, json_output, positive_int, say_written, seconds_up_to,
-                         write_output)
+from trainer.cli import (EachOnce, check_not_an_input, int_at_least, json_output, positive_int, say_written,
+                         seconds_up_to, write_output)
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
@@ -301,7 +301,7 @@ def main(argv=None) -> None:
                         help="feature frames of the longest utterance (10 ms each)")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per measure")
     parser.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps before each measure")
-    parser.add_argument("--compute-batches", type=positive_int, nargs="+",
+    parser.add_argument("--compute-batches", type=positive_int, nargs="+", action=EachOnce,
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                         help="per-rank batches of the compute-only measure (the projection's range)")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
-from trainer.cli import output_file, run_tool, write_binary_output, write_output
+from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output
 from data.dataset import UNUSABLE_REASONS
 from trainer.stop import STOP_SIGNALS
 
@@ -411,9 +411,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--measured", type=input_path, required=True, help="a JSON written by benchmarks.scaling")
     parser.add_argument("--out", type=input_path, required=True, help="folder for scaling_projection.{png,md,json}")
-    parser.add_argument("--global-batch", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
-    parser.add_argument("--overlap", type=float, nargs="+",
+    parser.add_argument("--global-batch", type=int, nargs="+", action=EachOnce, default=[128, 512])
+    parser.add_argument("--gpus", type=int, nargs="+", action=EachOnce, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--overlap", type=float, nargs="+", action=EachOnce,
                         help="fractions of gradient allreduce hidden behind backward (default: the measured one if "
                              "the JSON is from several GPUs, then 0 and 1; else 0, 0.5 and 1)")
     parser.add_argument("--backward-share", type=float, default=2 / 3, help="backward's share of compute time")
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
     overlaps = args.overlap or ([measured_overlap, 0.0, 1.0] if measured_overlap is not None else [0.0, 0.5, 1.0])
     overlaps = list(dict.fromkeys(overlaps))  # a measured 0 or 1 would otherwise draw the same curve twice
     rows, left_out = projection(
-        measurement, cluster, sorted(set(args.global_batch)), sorted(set(args.gpus)), overlaps, args.backward_share
+        measurement, cluster, sorted(args.global_batch), sorted(args.gpus), overlaps, args.backward_share
     )
     if not rows:
         print("error: no --global-batch is divisible by any --gpus count", file=sys.stderr)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
-from trainer.cli import int_at_least, json_output, lines_stream, run_tool, say_written, write_output
+from trainer.cli import EachOnce, int_at_least, json_output, lines_stream, run_tool, say_written, write_output
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,10 +48,10 @@ def counts(batches: list[int]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.support_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cells", nargs="+", choices=CELLS, default=["relu", "gru", "lstm"],
+    parser.add_argument("--cells", nargs="+", action=EachOnce, choices=CELLS, default=["relu", "gru", "lstm"],
                         help="tanh runs as relu does")
-    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
-    parser.add_argument("--hiddens", nargs="+", type=int_at_least(1, 1 << 16), default=list(HIDDENS))
+    parser.add_argument("--precisions", nargs="+", action=EachOnce, choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--hiddens", nargs="+", action=EachOnce, type=int_at_least(1, 1 << 16), default=list(HIDDENS))
     parser.add_argument("--max-batch", type=int_at_least(1, MAX_BATCH), default=16)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the table, the device and the reasons to PATH as JSON; of /dev/stdout (or the "

@@ -36,7 +36,7 @@ from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_timeout_flag, compose_
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import int_at_least, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import EachOnce, int_at_least, json_output, positive_int, run_tool, say_written, write_output
 from trainer.config import MAX_SEED
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
@@ -124,10 +124,10 @@ def main(argv=None) -> int | None:
         prog="python -m benchmarks.train_step", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["an4", "deep"])
-    parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference"),
+    parser.add_argument("--models", nargs="+", action=EachOnce, choices=sorted(MODELS), default=["an4", "deep"])
+    parser.add_argument("--backends", nargs="+", action=EachOnce, choices=("cudnn", "persistent", "reference"),
                         default=["cudnn", "persistent"])
-    parser.add_argument("--batches", nargs="+", type=positive_int, default=[1, 4, 8, 16, 32])
+    parser.add_argument("--batches", nargs="+", action=EachOnce, type=positive_int, default=[1, 4, 8, 16, 32])
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also time each backend but cuDNN with the model's passes replayed from CUDA graphs")
     parser.add_argument("--frames", type=int_at_least(10), default=300,

@@ -60,7 +60,7 @@ from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
-from trainer.cli import int_at_least, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import EachOnce, int_at_least, json_output, positive_int, run_tool, say_written, write_output
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -350,10 +350,10 @@ def main(argv=None) -> None:
         prog="python -m benchmarks.wer_parity", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--backends", nargs="+", choices=("cudnn", "persistent", "reference", "auto"),
+    parser.add_argument("--backends", nargs="+", action=EachOnce, choices=("cudnn", "persistent", "reference", "auto"),
                         default=["cudnn", "persistent"], help="the first is the one the others are compared with")
     # Each backend's first seed alone is checked with its overrides: another out of range failed its run after hours.
-    parser.add_argument("--seeds", nargs="+", type=int_at_least(0, MAX_SEED), default=[1234, 7])
+    parser.add_argument("--seeds", nargs="+", action=EachOnce, type=int_at_least(0, MAX_SEED), default=[1234, 7])
     parser.add_argument("--parallel", type=positive_int, default=4, help="runs at once")
     parser.add_argument("--graphs", action="store_true", help="train.cuda_graphs=true for every backend but cuDNN")
     parser.add_argument("--ranks", type=positive_int, default=1, help="ranks per run, sharing the run's GPU")
@@ -384,8 +384,6 @@ def main(argv=None) -> None:
     if args.graphs and args.ranks > 1:
         parser.error("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
                      "--ranks 1")
-    if len(set(args.backends)) != len(args.backends) or len(set(args.seeds)) != len(args.seeds):
-        parser.error("--backends and --seeds must not repeat")
     runs_dir = Path(args.runs_dir).resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:

@@ -60,11 +60,11 @@ def test_graphed_steps_are_timed_after_their_capture(module):
 
 def test_rnn_stack_with_one_depth_is_a_usage_error_before_it_looks_for_a_gpu():
     # It exited 1, and only on a machine with a GPU: without one, its "needs a CUDA GPU" came first.
-    result = subprocess.run([sys.executable, "-m", "benchmarks.rnn_stack", "--depths", "4", "4"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.rnn_stack", "--depths", "4"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert result.stderr.endswith("error: argument --depths: give at least two different depths to fit the per-layer "
-                                  "cost\n"), result.stderr[-2000:]
+    assert result.stderr.endswith("error: argument --depths: give at least two depths to fit the per-layer cost\n"), (
+        result.stderr[-2000:])
 
 
 @pytest.mark.cuda
@@ -399,26 +399,54 @@ def test_an_empty_baseline_or_runs_folder_is_refused(module, arguments, tmp_path
 BENCHMARKS = ["rnn_kernels", "rnn_stack", "support_table", "train_step", "wer_parity", "scaling", "scaling_model"]
 
 
-@pytest.mark.parametrize("name", BENCHMARKS)
-def test_each_benchmarks_synopsis_in_its_readme_names_every_flag(name, monkeypatch):
-    """benchmarks/README.md gives each script's command with every flag it takes: train_step's and scaling's left out
-    --timeout-s, which a reader of their sections could not know they take."""
+def benchmark_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The argument parser of benchmarks.`name`, as its main builds it."""
     parsers = []
 
     def record_then_stop(parser, *arguments, **options):
         parsers.append(parser)
         raise Parsed
 
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", record_then_stop)
-    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}"])
-    with pytest.raises(Parsed):
-        importlib.import_module(f"benchmarks.{name}").main()
-    flags = {flag for action in parsers[0]._actions for flag in action.option_strings if flag.startswith("--")}
+    with monkeypatch.context() as patched:
+        patched.setattr(argparse.ArgumentParser, "parse_args", record_then_stop)
+        patched.setattr(sys, "argv", [f"benchmarks.{name}"])
+        with pytest.raises(Parsed):
+            importlib.import_module(f"benchmarks.{name}").main()
+    return parsers[0]
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_each_benchmarks_synopsis_in_its_readme_names_every_flag(name, monkeypatch):
+    """benchmarks/README.md gives each script's command with every flag it takes: train_step's and scaling's left out
+    --timeout-s, which a reader of their sections could not know they take."""
+    parser = benchmark_parser(name, monkeypatch)
+    flags = {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
     text = (REPO_ROOT / "benchmarks" / "README.md").read_text()
     synopsis = re.search(rf"^```\n((?:mpirun -np N )?python -m benchmarks\.{name} .*?)^```$", text, re.S | re.M)
     assert synopsis, f"benchmarks/README.md gives no synopsis of benchmarks.{name}"
     assert flags - {"--help"} - set(re.findall(r"--[\w-]+", synopsis.group(1))) == set()
     # --json showed as JSON in most scripts' --help and as PATH in support_table's and in these synopses.
-    for action in parsers[0]._actions:
+    for action in parser._actions:
         if "--json" in action.option_strings:
             assert f"[--json {action.metavar or action.dest.upper()}]" in synopsis.group(1)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_value_repeated_in_a_list_flag_is_refused_naming_it(name, monkeypatch, capsys):
+    """`--hiddens 800 800`, `--batches 4 4` or `--cells relu relu` measured the point twice, where scaling_model
+    dropped a repeat and wer_parity refused one without naming it: every list flag refuses a repeat, naming it."""
+    parser = benchmark_parser(name, monkeypatch)
+    required = [word for action in parser._actions if action.required and action.option_strings
+                for word in (action.option_strings[0], "x")]  # scaling_model's --measured and --out
+    # --backend-overrides is a backend and its trainer overrides, not a list of points.
+    list_flags = [action for action in parser._actions
+                  if action.nargs == "+" and action.option_strings and action.dest != "backend_overrides"]
+    assert list_flags
+    for action in list_flags:
+        text = str([*(action.choices or action.default or [1])][0])
+        shown = text if action.choices else action.type(text)
+        flag = action.option_strings[0]
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*required, flag, text, text])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.endswith(f"error: argument {flag}: {shown} is given more than once\n"), flag

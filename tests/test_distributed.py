@@ -2188,10 +2188,12 @@ def test_scaling_model_refuses_a_file_it_cannot_read_or_write_in_one_line(tmp_pa
         assert capsys.readouterr().err.startswith(complaint)
 
 
-def test_scaling_model_counts_a_repeated_gpu_count_once(tmp_path):
+def test_scaling_model_quotes_the_command_that_made_its_projection(tmp_path):
+    # A repeated --gpus or --global-batch, which this counted once, is refused as every benchmark's list flags refuse
+    # one (test_a_value_repeated_in_a_list_flag_is_refused_naming_it).
     measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
                                  sync_batch_norm_channels=[])
-    arguments = ["--measured", str(measured), "--out", str(tmp_path), "--gpus", "8", "8", "--global-batch", "64", "64",
+    arguments = ["--measured", str(measured), "--out", str(tmp_path), "--gpus", "8", "--global-batch", "64",
                  "--overlap", "0"]
     assert scaling_model.main(arguments) == 0
     projection = json.loads((tmp_path / "scaling_projection.json").read_text())

@@ -256,7 +256,7 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch,
           "experiment=an4_gpu"], "--backend-overrides takes every word after it up to --"),
         (["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"],
          "seed, train.resume: set for each run by this script"),
-        (["--seeds", "1", "1"], "--backends and --seeds must not repeat"),
+        (["--seeds", "1", "1"], "argument --seeds: 1 is given more than once"),
     ]:
         with pytest.raises(SystemExit) as exited:
             wer_parity.main(arguments)

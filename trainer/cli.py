@@ -104,6 +104,17 @@ def json_output(text: str) -> str:
     return output_file(text)
 
 
+class EachOnce(argparse.Action):
+    """The action of a list flag (nargs="+") whose values are each given once: a repeat, `--batches 4 4`, would be
+    measured or run twice. It is refused naming the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        repeated = [value for index, value in enumerate(values) if value in values[:index]]
+        if repeated:
+            raise argparse.ArgumentError(self, f"{repeated[0]} is given more than once")
+        setattr(namespace, self.dest, values)
+
+
 def check_not_an_input(path: str | None, inputs: list[str]) -> None:
     """ValueError where the output file `path` is one of the tool's `inputs`: asked before the work, whose result would
     destroy it."""
