@@ -264,7 +264,17 @@ def test_an_empty_prnn_an4_is_refused_naming_it(monkeypatch):
     # The demo's 40 mel bands need more FFT bins than a window at 1000 Hz has (check_config refuses them too).
     "data.features.sample_rate=1000 data.features.kind=spectrogram", "data.features.sample_rate=384000",
     "data.augment.masks.max_time_fraction=0", "data.augment.masks.max_time_fraction=1", "distributed.timeout_s=1e9",
-    "data.features.window_ms=1000", "model.lookahead=0", "train.num_workers=0"])
+    "data.features.window_ms=1000", "data.features.hop_ms=1000 data.features.window_ms=1000", "model.lookahead=0",
+    "train.num_workers=0",
+    # Each rule's lower edge: with train.epochs' >= 1 made > 1, or weight decay's >= 0 made > 0, every test passed.
+    *(f"{key}=1" for key in ("train.epochs", "train.global_batch_size", "train.eval_batch_size", "train.max_steps",
+                             "train.checkpoint_every_steps", "train.graph_pad_frames", "model.batch_slice",
+                             "model.depth", "model.hidden", "model.conv_channels", "data.features.n_mels")),
+    *(f"{key}=0" for key in ("optim.warmup_steps", "optim.weight_decay", "train.progress_line_s",
+                             "data.augment.masks.freq_mask", "data.augment.masks.time_mask",
+                             "data.augment.masks.num_freq_masks", "data.augment.masks.num_time_masks")),
+    "train.grad_clip_norm=1e-9", "optim.lr=1e-9", "optim.anneal=1e-9", "data.max_duration=1e-9",
+    "distributed.timeout_s=1e-9", "optim=sgd optim.momentum=1e-9", "optim=sgd optim.momentum=0.999999"])
 def test_a_config_value_at_the_end_of_its_range_is_taken(override):
     check_config(compose_config(["experiment=cpu_demo", *override.split()]))
 
