@@ -361,6 +361,23 @@ def test_spectrogram_is_log1p_of_a_hamming_windowed_stft_of_the_zero_padded_sign
     torch.testing.assert_close(FeatureExtractor("spectrogram", normalize=False)(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_window_and_hop_are_their_lengths_in_samples_rounded_to_the_nearest():
+    """Truncated, a window a hair under 20 ms was 319 samples (160 bins), the hop 159: every test passed."""
+    extractor = FeatureExtractor("spectrogram", window_ms=19.99, hop_ms=9.99)
+    assert (extractor.n_fft, extractor.hop_length, extractor.num_features) == (320, 160, 161)
+
+
+def test_mel_features_are_the_log_mel_power_of_a_hamming_windowed_stft_of_the_zero_padded_signal():
+    """Only the spectrogram's window was checked: a Hann window for the mel features passed every test."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
+    padded = torch.nn.functional.pad(x, (256, 256))  # centred frames of a 512-point FFT, zeros at the ends
+    window = torch.nn.functional.pad(torch.hamming_window(320), (96, 96))  # 320 samples, centred in the FFT
+    power = torch.stft(padded, 512, 160, window=window, center=False, return_complex=True).abs().pow(2)
+    filters = torchaudio.functional.melscale_fbanks(257, 0.0, 8000.0, 40, 16000)  # (bins, bands)
+    expected = (filters.T @ power).clamp(min=1e-10).log().T
+    torch.testing.assert_close(FeatureExtractor("mel", n_mels=40, normalize=False)(x), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_mel_features():
     extractor = FeatureExtractor("mel", n_mels=64, normalize=False)
     loud = torch.from_numpy(tone(1000, 0.5, 16000))
@@ -394,7 +411,15 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
     (dict(kind="mel", n_mels=100, sample_rate=8000), "n_mels=100 at 8000 Hz and window_ms=20 (an FFT of 256 points) "
                                                      "gives mel bands that hold no FFT bin, features that never "
                                                      "change: at most 86 bands work there"),
+    # A window of a power of two samples (256 at 16 ms) is its own FFT's length: with the next power of two above it
+    # (512) these 80 bands were taken, and the test passed.
+    (dict(kind="mel", window_ms=16), "n_mels=80 at 16000 Hz and window_ms=16 (an FFT of 256 points) gives mel bands "
+                                     "that hold no FFT bin, features that never change: at most 57 bands work there"),
     (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
+    # A window of one sample (0.8 rounded) has no spectrum to speak of: with only an empty window refused, the test
+    # passed.
+    (dict(window_ms=0.05), "window_ms=0.05 and hop_ms=10 are too short at 16000 Hz"),
+    (dict(hop_ms=0.01), "window_ms=20 and hop_ms=0.01 are too short at 16000 Hz"),
     (dict(sample_rate=-16000), "sample_rate=-16000 must be an integer number of Hz from 1000 to 384000, window_ms=20 "
                                "and hop_ms=10 numbers of milliseconds in (0, 1000]"),
     (dict(sample_rate=16000.0), "sample_rate=16000.0 must be an integer"),  # resampling takes whole Hz
