@@ -370,12 +370,16 @@ def test_the_parameter_count_is_the_built_models(overrides, depth):
     assert build.num_parameters(cfg.model, 40) == sum(parameter.numel() for parameter in built.parameters())
 
 
-def test_a_mistyped_huge_depth_is_refused_at_once():
-    """Counting the parameters of the whole stack, built on the meta device, took 4 ms a layer: 400 s here."""
-    cfg = compose_config(["experiment=cpu_demo", "model.depth=100000", "model.hidden=800"])
+@pytest.mark.parametrize("optim, need", [("adamw", "11,460.7"), ("sgd", "8,595.5")])
+def test_a_mistyped_huge_depth_is_refused_at_once(optim, need):
+    """Counting the parameters of the whole stack, built on the meta device, took 4 ms a layer: 400 s here. Each
+    parameter holds its fp32 weight and gradient and AdamW's two moments (16 bytes) or SGD's momentum (12): with
+    AdamW's counted as SGD's, every test passed."""
+    cfg = compose_config(["experiment=cpu_demo", f"optim={optim}", "model.depth=100000", "model.hidden=800"])
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"^the model \(model.depth=100000 model.hidden=800 model.cell=gru "
-                                         r"model.bidirectional=true .*\) has 769,116.6M parameters"):
+                                         r"model.bidirectional=true .*\) has 769,116.6M parameters, whose weights, "
+                                         rf"gradients and {optim} state need {need} GiB, more than the "):
         build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
     assert time.monotonic() - started < 30
 
