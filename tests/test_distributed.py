@@ -2256,3 +2256,26 @@ def test_ranks_that_share_a_gpu_are_counted_on_it():
     assert [distributed.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
     assert [distributed.ranks_sharing_gpu(gpu, 5, 2) for gpu in range(2)] == [3, 2]  # rank_gpu's 0, 1, 0, 1, 0
     assert distributed.ranks_sharing_gpu(0, 8, 1) == 8
+
+
+def settings_check_worker(rank, directory):
+    """One of two gloo ranks (no MPI: the check itself, not the launch): rank 1 holds six settings other than rank 0's,
+    and a key rank 0 lacks."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    try:
+        settings = {f"key{index}": str(rank * index) for index in range(1, 7)} | ({"only_1": "x"} if rank else {})
+        distributed.check_same_on_every_rank(settings, refusal="told apart", remedy="the remedy")
+    except ValueError as error:
+        Path(directory, f"rank{rank}.txt").write_text(str(error))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_with_several_other_settings_are_refused_on_every_rank_naming_the_first_four_and_counting_the_rest(
+        tmp_path):
+    """The mpiexec tests change one setting: with every difference listed, or none counted past the fourth, or a key
+    only one rank holds left out, they passed."""
+    torch.multiprocessing.spawn(settings_check_worker, args=(str(tmp_path),), nprocs=2)
+    expected = ("told apart (rank 1 has key1=1 where rank 0 has 0; rank 1 has key2=2 where rank 0 has 0; rank 1 has "
+                "key3=3 where rank 0 has 0; rank 1 has key4=4 where rank 0 has 0; 3 more): the remedy")
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)] == [expected, expected]
