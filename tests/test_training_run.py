@@ -105,6 +105,9 @@ def test_training_on_an4_words_learns_then_evaluate_and_transcribe(an4_train, tm
     assert last < 0.2 * first, f"loss fell only from {first:.1f} to {last:.1f}"
     best_wer = min(epoch["eval_wer"] for epoch in epochs)
     assert epochs[0]["eval_wer"] > 90 and best_wer < 70, [epoch["eval_wer"] for epoch in epochs]
+    # The last line quotes the last epoch's figures, not the best one's, and counts epochs from 1.
+    assert result.stdout.splitlines()[-1] == (f"final test WER {epochs[-1]['eval_wer']:.2f}%  "
+                                              f"CER {epochs[-1]['eval_cer']:.2f}%  (epoch 20)"), result.stdout[-2000:]
     assert not any("peak_gpu_allocated_gib" in epoch for epoch in epochs) and "peak GPU memory" not in result.output
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
 
