@@ -1315,7 +1315,8 @@ def test_the_slurm_script_asks_for_the_time_limits_signal_and_may_be_requeued():
             options += line.split()[1:]
         elif line.strip() and not line.startswith("#"):
             break
-    assert "--signal=USR1@180" in options and "--requeue" in options, options
+    # A requeued job keeps its id, so its log: without --open-mode=append the requeue truncated the first part.
+    assert "--signal=USR1@180" in options and "--requeue" in options and "--open-mode=append" in options, options
 
 
 def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_otherwise(monkeypatch):
