@@ -1273,19 +1273,26 @@ def test_the_slurm_script_refuses_a_run_name_before_srun(tmp_path, run_name):
     assert recorded == [], recorded
 
 
-def test_the_slurm_script_builds_once_then_starts_the_ranks_with_the_first_nodes_address(tmp_path):
+@pytest.mark.parametrize("settings, pmi, master_addr, looked_up", [
+    ({}, "pmix", "node07", ["scontrol show hostnames node[07-08]"]),
+    # The user's, where set: pip's MPICH joins only under pmi2, and rank 0's address on the fast network.
+    ({"SRUN_MPI": "pmi2", "MASTER_ADDR": "node07-ib"}, "pmi2", "node07-ib", []),
+])
+def test_the_slurm_script_builds_once_then_starts_the_ranks_with_the_first_nodes_address(tmp_path, settings, pmi,
+                                                                                        master_addr, looked_up):
     """Ranks started without the build each built the extension on first use, in turn under the build's lock."""
     calls = tmp_path / "calls.txt"
     environment = slurm_stand_ins(tmp_path, calls, f'echo "srun $* (MASTER_ADDR=$MASTER_ADDR)" >> {calls}')
     environment.pop("MASTER_ADDR", None)
+    environment.pop("SRUN_MPI", None)
     ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), "experiment=an4_gpu"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60, env=environment)
+                         capture_output=True, text=True, timeout=60, env={**environment, **settings})
     assert ran.returncode == 0, ran.stderr
     assert calls.read_text().splitlines() == [
-        "scontrol show hostnames node[07-08]",
-        f"srun --ntasks=1 --nodes=1 {sys.executable} -m prnn_kernels.build --if-gpu (MASTER_ADDR=node07)",
-        f"srun --mpi=pmix {sys.executable} -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
-        "(MASTER_ADDR=node07)"], calls.read_text()
+        *looked_up,
+        f"srun --ntasks=1 --nodes=1 {sys.executable} -m prnn_kernels.build --if-gpu (MASTER_ADDR={master_addr})",
+        f"srun --mpi={pmi} {sys.executable} -m trainer run_name='slurm-4242' train.resume=auto experiment=an4_gpu "
+        f"(MASTER_ADDR={master_addr})"], calls.read_text()
 
 
 def test_the_slurm_script_refuses_a_global_batch_its_task_count_does_not_divide_before_the_build(tmp_path):
