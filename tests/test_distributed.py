@@ -916,6 +916,9 @@ def test_the_launch_scripts_pass_a_sweep_whose_m_follows_its_overrides_as_the_tr
     sweep = launch_script("single_node.sh", "2", "seed=1,2", "-m", RUN_NAME="sweep")
     assert sweep.returncode == 0 and sweep.stderr == "", sweep.stderr
     assert sweep.stdout.splitlines()[-1].endswith("-m trainer run_name='sweep' seed=1,2 -m"), sweep.stdout
+    sweep = launch_script("single_node.sh", "2", "--multirun", "seed=1,2", RUN_NAME="sweep")  # first, as -m
+    assert sweep.returncode == 0 and sweep.stderr == "", sweep.stderr
+    assert sweep.stdout.splitlines()[-1].endswith("-m trainer --multirun run_name='sweep' seed=1,2"), sweep.stdout
     refused = launch_script("single_node.sh", "2", "model.depth=0,2", "--multirun", RUN_NAME="sweep")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr == "error: sweep job 0 (model.depth=0): model.depth must be a positive integer, not 0\n"
@@ -1209,7 +1212,7 @@ def slurm_stand_ins(tmp_path: Path, calls: Path, srun: str) -> dict:
             "PYTHON": sys.executable}
 
 
-@pytest.mark.parametrize("sweep", [["-m"], []])
+@pytest.mark.parametrize("sweep", [["-m"], ["--multirun"], []])
 @pytest.mark.parametrize("trainer_exit", [0, 1, 128 + signal.SIGUSR1])
 def test_the_slurm_script_queues_itself_again_when_the_time_limits_signal_stopped_the_trainer(tmp_path, trainer_exit,
                                                                                                sweep):
