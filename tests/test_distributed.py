@@ -816,20 +816,22 @@ def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_b
 
 
 def test_the_multi_node_script_refuses_more_ranks_than_the_hosts_slots_before_the_build(tmp_path):
-    """17 ranks on two nodes of 8 slots went on to the check, the build and mpirun, which refused them then."""
+    """9 ranks on two nodes of 4 slots went on to the check, the build and mpirun, which refused them then."""
     calls, python = tmp_path / "python_calls.txt", tmp_path / "python"
     python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("# the allocation\nnode01 slots=8\n\nnode02 slots=8\n")
-    refused = launch_script("multi_node.sh", str(hosts), "17", "experiment=cpu_demo", PYTHON=str(python))
+    hosts.write_text("# the allocation\nnode01 slots=4\n\nnode02 slots=4\n")
+    refused = launch_script("multi_node.sh", str(hosts), "9", "experiment=cpu_demo", PYTHON=str(python))
     assert refused.returncode == 2 and refused.stdout == "" and not calls.exists(), refused.stdout + refused.stderr
-    assert refused.stderr == f"NUM_PROCESSES 17 is more than the 16 slots of {hosts} (2 host lines of slots=8)\n"
-    for fewer_or_as_many in ("4", "16"):
+    assert refused.stderr == f"NUM_PROCESSES 9 is more than the 8 slots of {hosts} (2 host lines of slots=4)\n"
+    for fewer_or_as_many in ("4", "8"):
         ran = launch_script("multi_node.sh", str(hosts), fewer_or_as_many, "experiment=cpu_demo",
                             "train.global_batch_size=16")
         assert ran.returncode == 0, ran.stderr
-        assert ran.stdout.splitlines()[-1].startswith(f"--hostfile {hosts} -np {fewer_or_as_many} "), ran.stdout
+        command = ran.stdout.splitlines()[-1]
+        assert command.startswith(f"--hostfile {hosts} -np {fewer_or_as_many} "), ran.stdout
+        assert " --map-by ppr:4:node " in command, command  # the hosts' slots: 4 ranks a node, not 8
 
 
 @pytest.mark.parametrize("overrides, refusal", [
