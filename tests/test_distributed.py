@@ -748,11 +748,12 @@ def launch_script(script: str, *arguments: str, **environment: str | None) -> su
 
 
 def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp_path):
-    ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", RUN_NAME="first try")
+    # Every character a run name may hold besides letters and digits.
+    ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", RUN_NAME="first try_v1.2+b@ib-0")
     command = ran.stdout.splitlines()[-1]
     assert ran.returncode == 0 and command.startswith("-np 2 --bind-to none "), ran.stderr
     # Quoted, so that Hydra keeps any name a string: unquoted, 1e5 named the run 100000.0 and null None.
-    assert command.endswith("-m trainer run_name='first try' experiment=cpu_demo")
+    assert command.endswith("-m trainer run_name='first try_v1.2+b@ib-0' experiment=cpu_demo")
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("# the allocation\n\nnode01 max_slots=8 slots=8\r\nnode02 slots=8\r\n")  # written on Windows
     # OpenMPI passes other nodes only the variables -x names: a user's TORCH_NCCL_* timeouts (which the trainer leaves
@@ -767,8 +768,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
     assert "-x TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" in command and "-x TORCH_EXTENSIONS_DIR" in command, command
     assert "-x GLOO_SOCKET_IFNAME" in command, command
-    sweep = launch_script("multi_node.sh", str(hosts), "16", "-m", "seed=1,2", RUN_NAME="sweep")
-    assert sweep.stdout.splitlines()[-1].endswith("-m trainer -m run_name='sweep' seed=1,2"), sweep.stderr
+    sweep = launch_script("multi_node.sh", str(hosts), "16", "-m", "seed=1,2", RUN_NAME="sweep_v1.2+b@ib-0")
+    assert sweep.stdout.splitlines()[-1].endswith("-m trainer -m run_name='sweep_v1.2+b@ib-0' seed=1,2"), sweep.stderr
     (tmp_path / "bare.txt").write_text("node01\n")
     for script in ["single_node.sh", "multi_node.sh"]:
         missing = launch_script(script, *(["2"] if script == "single_node.sh" else [str(hosts), "16"]),
