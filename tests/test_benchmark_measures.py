@@ -324,13 +324,15 @@ def test_the_support_table_writes_its_json_alone_on_stdout_for_dev_stdout(tmp_pa
     to_file = subprocess.run([*command, str(tmp_path / "table.json")], cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=600)
     assert to_file.returncode == 0 and "256 " in to_file.stdout, to_file.stderr[-2000:]
+    table, said = to_file.stdout.rsplit("wrote ", 1)
+    assert said == f"{tmp_path / 'table.json'}\n"
     written = json.loads((tmp_path / "table.json").read_text())
     redirected = tmp_path / "redirected.json"
     for path in ("/dev/stdout", str(redirected)):  # the file stdout is redirected to is stdout too
         with redirected.open("w") as stdout:
             to_stdout = subprocess.run([*command, path], cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE,
                                        text=True, timeout=600)
-        assert to_stdout.returncode == 0 and to_file.stdout in to_stdout.stderr, to_stdout.stderr[-2000:]
+        assert to_stdout.returncode == 0 and to_stdout.stderr == f"{table}wrote {path}\n", to_stdout.stderr[-2000:]
         assert json.loads(redirected.read_text())["rows"] == written["rows"]
 
 
