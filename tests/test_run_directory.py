@@ -124,6 +124,19 @@ def test_check_overrides_refuses_a_run_directory_with_a_link_in_place_of_a_file_
                                          "remove the link")
 
 
+def test_a_link_to_a_stream_in_place_of_a_log_or_the_jobs_record_is_taken(tmp_path):
+    """Written through, a character device or a pipe changes no file: the full-disk tests' links to /dev/full, a log
+    sent to /dev/stderr. Refused, they stopped those runs."""
+    from trainer.run_directory import linked_run_file
+
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "jobs.jsonl").symlink_to("/dev/full")
+    (tmp_path / "__main__.log").symlink_to(tmp_path / "pipe")
+    assert linked_run_file(tmp_path) is None
+    (tmp_path / "train.log").symlink_to(tmp_path / "pipe-to-be")  # nothing there: writing would make a file
+    assert linked_run_file(tmp_path).startswith(f"{tmp_path / 'train.log'} is a symbolic link to ")
+
+
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """Hydra's log file failed first, in a traceback of 32 lines and exit code 1. The tests run as root, whom
     permissions do not stop, so the system's answer is played: a read-only file system gives the same."""

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -93,13 +94,22 @@ WRITTEN_IN_PLACE = (RUN_LOCK, "jobs.jsonl", "multirun.yaml")
 def linked_run_file(directory: str | os.PathLike) -> str | None:
     """A line naming a symbolic link in `directory` in place of a file the run writes in place, or None: the run wrote
     through it, onto the file it links to outside the run directory (.lock -> ~/.bashrc emptied it), where a run
-    directory copied from elsewhere (tar, cp -a, rsync -a) held one."""
+    directory copied from elsewhere (tar, cp -a, rsync -a) held one. A link to a stream, a character device or a pipe
+    (__main__.log -> /dev/stderr), is taken: written through, it changes no file."""
     folder = Path(directory)
     for path in [*(folder / name for name in WRITTEN_IN_PLACE), *sorted(folder.glob("*.log"))]:
-        if path.is_symlink():
+        if path.is_symlink() and not _is_a_stream(path):
             return (f"{path} is a symbolic link to {os.readlink(path)}: the run writes {path.name} in place, so it "
                     "would write that file instead; remove the link")
     return None
+
+
+def _is_a_stream(path: Path) -> bool:
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # a link to nothing: writing creates its target
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
 MAX_FOLDER_NAME = 240  # bytes: file systems take names of at most 255
