@@ -60,14 +60,18 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
     for split in AN4_SPLITS:
         fileids = _require(source / "etc" / f"an4_{split}.fileids")
         transcription = _require(source / "etc" / f"an4_{split}.transcription")
-        manifest = out / f"an4_{split}.jsonl"
-        manifests[split] = manifest
+        manifest = manifests[split] = an4_manifest(out, split)
         if _an4_manifest_current(manifest, source, fileids, transcription):
             logger.info("%s is up to date", manifest)
             continue
         utterances, num_skipped = _an4_utterances(source, fileids, transcription)
         _write(f"an4 {split}", manifest, utterances, num_skipped)
     return manifests
+
+
+def an4_manifest(out: str | Path, split: str) -> Path:
+    """The manifest prepare_an4 writes in `out` for `split` (one of AN4_SPLITS)."""
+    return Path(out) / f"an4_{split}.jsonl"
 
 
 def an4_source_folder(source: str | Path) -> Path:

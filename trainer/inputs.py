@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from data.manifest import check_manifest_path
-from data.prepare import AN4_SPLITS, an4_source_folder
+from data.prepare import AN4_SPLITS, an4_manifest, an4_source_folder
 from trainer.resume import readable_resume
 
 
@@ -29,7 +29,7 @@ def check_inputs(cfg: DictConfig) -> None:
     if cfg.data.an4_source is not None:
         with naming_the_an4_source():
             an4_source_folder(cfg.data.an4_source)
-        written = {Path(cfg.data.manifest_dir, f"an4_{split}.jsonl").absolute() for split in AN4_SPLITS}
+        written = {an4_manifest(cfg.data.manifest_dir, split).absolute() for split in AN4_SPLITS}
     for manifest in [*cfg.data.train_manifests, cfg.data.eval_manifest]:
         if Path(manifest).absolute() not in written:  # another test set beside AN4 (data.eval_manifest=...) is read
             check_manifest_path(Path(manifest))
