@@ -289,6 +289,11 @@ def add_timeout_flag(parser: argparse.ArgumentParser) -> None:
                              "one ends the job")
 
 
+def add_seed_flag(parser: argparse.ArgumentParser) -> None:
+    """The seed of the benchmark's model and inputs, in the trainer's range."""
+    parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,7 +313,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
-    parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
+    add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="rank 0 writes the results, versions and full configuration here")

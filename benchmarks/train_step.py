@@ -31,13 +31,12 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_timeout_flag, compose_config, random_batch, summary,
-                                time_ms)
+from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout_flag, compose_config, random_batch,
+                                summary, time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
 from trainer.cli import EachOnce, int_at_least, json_output, positive_int, run_tool, say_written, write_output
-from trainer.config import MAX_SEED
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
 
@@ -135,7 +134,7 @@ def main(argv=None) -> int | None:
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per point")
     parser.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps before each point")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast, as the trainer's train.amp")
-    parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
+    add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the results, versions and configuration here")
