@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.cuda_graphs import collector_paused
 from prnn_kernels.persistent import (
     launch_plans,
     persistent_bidirectional_layer,
@@ -178,7 +179,7 @@ def graphed(fn):
             fn()
     torch.cuda.current_stream().wait_stream(side_stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         fn()
     return graph.replay
 

@@ -7,6 +7,9 @@ padded in time to a multiple of `pad_frames` (the model masks padding, so no val
 forward/backward pair is captured per (batch size, padded frames), the first time that shape comes. Everything
 after the model (CTC loss, clipping, the optimizer) stays eager.
 """
+import contextlib
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +37,22 @@ def _batch_run_at(module: nn.Module, batch_size: int) -> str:
     if module.batch_slice is None or batch_size <= module.batch_slice:
         return f"batch {batch_size}"
     return f"batch {module.batch_slice} (a batch of {batch_size} runs as slices of at most {module.batch_slice})"
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector held off inside the block, for a CUDA graph's capture. A graphed module left
+    behind sits in a reference cycle (make_graphed_callables makes one), so a collection may free its graphs at any
+    allocation, and freeing a graph during another's capture is a CUDA call that capture forbids: torch warns
+    "operation not permitted when stream is capturing" and the capture fails (cudaErrorStreamCaptureInvalidated).
+    torch.cuda.graph does not collect before it captures (torch 2.11 and 2.14 here)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _AutocastForward(nn.Module):
@@ -117,7 +136,7 @@ class CudaGraphed(nn.Module):
         saved = [buffer.clone() for buffer in self.model.buffers()]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast("cuda", enabled=False), collector_paused():
             graphed = torch.cuda.make_graphed_callables(
                 _AutocastForward(self.model, self.amp), (features, lengths), pool=self._pool
             )

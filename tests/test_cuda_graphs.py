@@ -1,6 +1,7 @@
 """Training steps with the model's passes replayed from CUDA graphs (models.cuda_graphs) against the same steps run
 eagerly, over batches whose shapes change from step to step."""
 import copy
+import gc
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from data.dataset import Sample, collate
 from data.text import NUM_CLASSES
-from models.cuda_graphs import CudaGraphed, check_capturable
+from models.cuda_graphs import CudaGraphed, check_capturable, collector_paused
 from prnn_kernels import GRU, relative_error
 from conftest import compose_config
 from trainer import build
@@ -132,6 +133,53 @@ def test_graphed_steps_match_eager_steps(amp, no_tf32):
 ], ids=lambda value: ",".join(value) if isinstance(value, list) else value)
 def test_graphed_steps_of_other_models_match_eager_steps(amp, model_overrides, no_tf32):
     assert_graphed_steps_match_eager_steps(amp, model_overrides)
+
+
+@pytest.mark.cuda
+def test_a_collection_due_during_a_capture_waits_for_its_end():
+    """A graphed model left behind (by an earlier test, or an earlier row of benchmarks.train_step) sits in the
+    reference cycle make_graphed_callables makes, which only the cyclic collector frees. A collection during the next
+    capture destroyed its graphs, which capture forbids, and that capture failed (cudaErrorStreamCaptureInvalidated,
+    once in this file's GPU run, torch warning "operation not permitted when stream is capturing")."""
+    device = torch.device("cuda")
+    cfg = compose_config(["model.depth=1", "model.hidden=32", "model.conv_channels=2", "model.backend=persistent",
+                          "data.features.kind=mel", f"data.features.n_mels={NUM_FEATURES}", "train.amp=none"])
+    env = DistEnv(0, 1, device)
+    batch = random_batch(torch.Generator().manual_seed(0), 2, 60)
+    model, optimizer, schedule = setup(cfg, device)
+    left_behind = [CudaGraphed(model, PAD_FRAMES, amp=False)]
+    assert train_step(left_behind[0], batch, optimizer, schedule, cfg, env)[0] == "ok"  # captures its graphs
+    model, optimizer, schedule = setup(cfg, device)
+    collector_enabled_in_capture = []
+
+    def drop_and_collect(module, inputs):
+        if torch.cuda.is_current_stream_capturing():
+            left_behind.clear()  # the last reference outside the graphs' cycle
+            collector_enabled_in_capture.append(gc.isenabled())
+            if gc.isenabled():  # as the collector does on its own, at any allocation
+                gc.collect()
+
+    model.register_forward_pre_hook(drop_and_collect)
+    outcome, loss, *_ = train_step(CudaGraphed(model, PAD_FRAMES, amp=False), batch, optimizer, schedule, cfg, env)
+    assert collector_enabled_in_capture == [False]
+    assert outcome == "ok" and math.isfinite(loss)
+
+
+def test_the_collector_is_paused_inside_the_block_and_as_the_caller_left_it_after():
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        raise KeyError("a capture that failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # the caller's own pause outlasts the block
+    finally:
+        gc.enable()
 
 
 def test_graphs_refuse_a_cudnn_layer_with_the_reason():

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.cuda_graphs import collector_paused
 import prnn_kernels
 from prnn_kernels import build, modules, persistent, products
 from prnn_kernels.persistent import (
@@ -831,7 +832,7 @@ def test_forward_and_backward_capture_in_a_cuda_graph(cell, hidden_size, dtype):
         outputs_and_gradients(persistent_layer, cell, leaves, lengths, True, upstream)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         captured = outputs_and_gradients(persistent_layer, cell, leaves, lengths, True, upstream)
 
     with torch.no_grad():  # fresh values in the captured input buffers
@@ -856,7 +857,7 @@ def test_timed_out_wait_in_a_cuda_graph_raises_after_replay(monkeypatch, check):
         with pytest.raises(RuntimeError, match="timed out"):
             persistent.raise_if_failed()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with collector_paused(), torch.cuda.graph(graph):
             persistent_layer("lstm", *arguments, lengths, False)
     persistent.raise_if_failed()  # capturing launched nothing
     graph.replay()

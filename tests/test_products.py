@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.cuda_graphs import collector_paused
 from prnn_kernels import products
 from prnn_kernels.reference import relative_error
 
@@ -211,7 +212,7 @@ def test_input_projection_replays_from_a_cuda_graph():
         output_and_gradients()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         captured = output_and_gradients()
     with torch.no_grad():  # fresh values in the captured input buffers
         for tensor in (*leaves, upstream):
