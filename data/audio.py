@@ -10,9 +10,12 @@ import soundfile
 import torch
 import torchaudio.transforms
 
+from data.manifest import printable
+
 
 class AudioError(ValueError):
-    """An audio file that cannot be used: unreadable, not audio, without samples, or with NaN/infinite samples."""
+    """An audio file that cannot be used: unreadable, not audio, without samples, or with NaN/infinite samples. Its
+    message names the file as data.manifest.printable writes it: the name comes from a manifest or a corpus's files."""
 
 
 # What a file's header may claim before anything is decoded. A corrupt header can claim 2^36 frames or a sample rate
@@ -60,7 +63,7 @@ def load_audio(path: str | os.PathLike, sample_rate: int = 16000, header=None) -
     from_rate = _rate_to_resample_from(path, header.samplerate, sample_rate)
     waveform = _resample(_mono_blocks(path, header.frames), from_rate, sample_rate, header.frames)
     if len(waveform) == 0:
-        raise AudioError(f"{path}: audio holds no samples")
+        raise AudioError(f"{printable(path)}: audio holds no samples")
     return waveform
 
 
@@ -84,7 +87,7 @@ def _mono_blocks(path: str | os.PathLike, frames: int) -> Iterator[torch.Tensor]
                 break
             mono = torch.from_numpy(samples).mean(dim=1)
             if not torch.isfinite(mono).all():
-                raise AudioError(f"{path}: audio holds NaN or infinite samples")
+                raise AudioError(f"{printable(path)}: audio holds NaN or infinite samples")
             decoded += len(samples)
             yield mono
 
@@ -139,8 +142,8 @@ def _rate_to_resample_from(path: str | os.PathLike, file_rate: int, sample_rate:
     rounded_rate = max(100, round(file_rate / 100) * 100)
     taps = _resampling_filter_taps(rounded_rate, sample_rate)
     if taps > MAX_RESAMPLING_TAPS:  # the model's own rate is the odd one
-        raise AudioError(f"{path}: resampling {rounded_rate} Hz to the model's {sample_rate} Hz would take a filter of "
-                         f"{taps} taps, more than {MAX_RESAMPLING_TAPS}: give the model a rate such as "
+        raise AudioError(f"{printable(path)}: resampling {rounded_rate} Hz to the model's {sample_rate} Hz would take "
+                         f"a filter of {taps} taps, more than {MAX_RESAMPLING_TAPS}: give the model a rate such as "
                          f"{RATE_THAT_TAKES_ANY_FILE} Hz, which takes audio at any rate")
     return rounded_rate
 
@@ -160,18 +163,18 @@ def audio_header(path: str | os.PathLike):
     except Exception as error:
         raise _unreadable(path, error) from None
     if not MIN_SAMPLE_RATE <= header.samplerate <= MAX_SAMPLE_RATE:
-        raise AudioError(f"{path}: its header gives a sample rate of {header.samplerate} Hz, outside "
+        raise AudioError(f"{printable(path)}: its header gives a sample rate of {header.samplerate} Hz, outside "
                          f"{MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
     if not 1 <= header.channels <= MAX_CHANNELS:
-        raise AudioError(f"{path}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
+        raise AudioError(f"{printable(path)}: its header gives {header.channels} channels, outside 1-{MAX_CHANNELS}")
     if header.frames == 0:
-        raise AudioError(f"{path}: audio holds no samples")
+        raise AudioError(f"{printable(path)}: audio holds no samples")
     if header.frames == UNKNOWN_FRAMES:  # it would be decoded into an array of that length
-        raise AudioError(f"{path}: its header gives no length, as a FLAC written to a pipe leaves it: encode it again "
-                         "into a file")
+        raise AudioError(f"{printable(path)}: its header gives no length, as a FLAC written to a pipe leaves it: "
+                         "encode it again into a file")
     if header.frames > MAX_SECONDS * header.samplerate:
-        raise AudioError(f"{path}: its header gives {header.frames / header.samplerate:.0f} s of audio, more than "
-                         f"the {MAX_SECONDS} s a file may hold")
+        raise AudioError(f"{printable(path)}: its header gives {header.frames / header.samplerate:.0f} s of audio, "
+                         f"more than the {MAX_SECONDS} s a file may hold")
     return header
 
 
@@ -183,11 +186,11 @@ def _require_readable_file(path: str | os.PathLike) -> None:
         if stat.S_ISREG(mode):
             open(path, "rb").close()
     except (FileNotFoundError, NotADirectoryError):
-        raise AudioError(f"{path}: no such audio file") from None
+        raise AudioError(f"{printable(path)}: no such audio file") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
-        raise AudioError(f"{path}: cannot read audio ({error.strerror or error})") from None
+        raise AudioError(f"{printable(path)}: cannot read audio ({error.strerror or error})") from None
     if not stat.S_ISREG(mode):
-        raise AudioError(f"{path}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
+        raise AudioError(f"{printable(path)}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
                                         "not a file (a pipe, <(...), a device); save the audio to one and name that"))
 
 
@@ -201,4 +204,4 @@ def _resampling_filter_taps(from_rate: int, to_rate: int) -> int:
 
 def _unreadable(path: str | os.PathLike, error: Exception) -> AudioError:
     reason = getattr(error, "error_string", None) or str(error) or type(error).__name__
-    return AudioError(f"{path}: cannot read audio ({reason})")
+    return AudioError(f"{printable(path)}: cannot read audio ({reason})")

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
-from data.manifest import Utterance, file_identity, read_manifest
+from data.manifest import Utterance, file_identity, printable, read_manifest
 from data.sampler import epoch_seed
 from data.text import counted, encode, invalid_characters, normalize_text
 
@@ -183,7 +183,7 @@ class SpeechDataset(Dataset):
                 self.targets.append(targets)
         if first_repeat is not None:
             logger.warning("skipping %s whose audio file is listed before (the first: %s)",
-                           counted(self.skipped["audio listed before"], "utterance"), first_repeat)
+                           counted(self.skipped["audio listed before"], "utterance"), printable(first_repeat))
 
     def _trainable_targets(self, utterance: Utterance) -> list[int] | None:
         """The utterance's target ids, or None (counted in `skipped`) where it can never train."""
@@ -213,7 +213,7 @@ class SpeechDataset(Dataset):
 
     def _skip(self, utterance: Utterance, reason: str, detail: str) -> None:
         self.skipped[reason] += 1
-        logger.warning("skipping %s: %s", utterance.audio_filepath, detail)
+        logger.warning("skipping %s: %s", printable(utterance.audio_filepath), detail)
 
     def _too_long_detail(self, num_outputs: int, targets: list[int]) -> str:
         return (
@@ -261,7 +261,7 @@ class SpeechDataset(Dataset):
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
 
     def _unusable(self, index: int, detail: str, counted_as: str = UNREADABLE) -> Unusable:
-        return Unusable(index, f"skipping {self.utterances[index].audio_filepath}: {detail}", counted_as)
+        return Unusable(index, f"skipping {printable(self.utterances[index].audio_filepath)}: {detail}", counted_as)
 
     def warn_once(self, unusable: Sequence[Unusable]) -> None:
         """Logs the warning of each item not warned about before."""

@@ -5,8 +5,8 @@ segment of a longer file) is refused rather than ignored: the whole file would b
 
 Here too is what the readers of manifests and their audio paths share: numbered_lines, which reads lines of a bounded
 length (trainer.lm's text too); file_identity, which tells two names of one file from two files; control_character,
-which finds what a path printed on a line may not hold; printable_path and print_paths_printable, which print a path
-that is not UTF-8 in escapes.
+which finds what a path printed on a line may not hold; printable, which writes a path or transcript read from a file
+for a message, and print_paths_printable, which has a stream print a path that is not UTF-8 in escapes.
 """
 import codecs
 import json
@@ -162,18 +162,33 @@ def control_character(text: str) -> str | None:
                 None)
 
 
-def printable_path(path: str | os.PathLike) -> str:
-    """`path` with the bytes that are not UTF-8 as escapes ("\\xff"), which every console and log file can take."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+# Unicode's categories of what a message must not print as it is: control characters (ESC, CR, backspace, NUL, U+0085),
+# format characters (the bidirectional controls, zero-width ones, the soft hyphen), lone surrogates and the line and
+# paragraph separators.
+_NOT_PRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def printable(text: str | os.PathLike) -> str:
+    """`text`, a path or transcript read from a file (a manifest, a corpus's listing, a folder), as a message or log
+    line may quote it: what it does not print as itself in escapes, as Python's repr writes them without its quotes
+    ("\\x1b", "\\r", "\\u202e"), and a path's bytes that are not UTF-8 as "\\xff". Printed raw, one such character
+    cleared the screen, wrote over the line the user reads, or named another file than the one skipped."""
+    return "".join(_escape(char) if unicodedata.category(char) in _NOT_PRINTABLE else char for char in os.fspath(text))
+
+
+def _escape(char: str) -> str:
+    if "\udc80" <= char <= "\udcff":  # a byte of a name that is not UTF-8, as os.fsdecode holds b"\xff"
+        return f"\\x{ord(char) - 0xdc00:02x}"
+    return repr(char)[1:-1]
 
 
 def _escape_as_printable_path(error: UnicodeError) -> tuple[str, int]:
     """A codec error handler: the bytes of a path that are not UTF-8 (which Python holds as surrogate escapes,
-    "\\udcff") as printable_path writes them; other text it cannot encode as backslashreplace writes it."""
+    "\\udcff") as printable writes them; other text it cannot encode as backslashreplace writes it."""
     if isinstance(error, UnicodeEncodeError):
         unencodable = error.object[error.start : error.end]
         if all("\udc80" <= char <= "\udcff" for char in unencodable):
-            return printable_path(unencodable), error.end
+            return printable(unencodable), error.end
     return codecs.backslashreplace_errors(error)
 
 
@@ -181,7 +196,7 @@ codecs.register_error("printable_path", _escape_as_printable_path)
 
 
 def print_paths_printable(*streams) -> None:
-    """Has `streams` (a tool's stdout and stderr) print a path that is not UTF-8 as printable_path writes it: stderr's
+    """Has `streams` (a tool's stdout and stderr) print a path that is not UTF-8 as printable writes it: stderr's
     own "\\udcff" for b"\\xff" named no byte, and stdout's strict UTF-8 (en_US.UTF-8) ended the tool in a traceback.
     A stream the tool started without (`>&-`), which Python gives as None and print() skips, is left so."""
     for stream in streams:

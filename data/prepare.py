@@ -34,7 +34,7 @@ from data.cli import (
     INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
 )
 from data.files import came_of_writing, write_error_line
-from data.manifest import (Utterance, control_character, print_paths_printable, printable_path, read_manifest,
+from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
                            write_manifest)
 from data.text import normalize_text
 
@@ -127,14 +127,15 @@ def _librispeech_transcripts(source: Path) -> list[Path]:
                 continue
             path = Path(folder) / name
             if not path.exists():  # os.walk lists a link to nothing among the files, whatever it once led to
-                logger.warning("skipping %s: a symbolic link to %s, which does not exist", path, os.readlink(path))
+                logger.warning("skipping %s: a symbolic link to %s, which does not exist", printable(path),
+                               printable(os.readlink(path)))
             elif name.endswith(".trans.txt"):
                 transcripts.append(path)
     return sorted(transcripts)
 
 
 def _warn_unlistable_folder(error: OSError) -> None:
-    logger.warning("skipping %s: cannot list the folder (%s)", error.filename, error.strerror)
+    logger.warning("skipping %s: cannot list the folder (%s)", printable(error.filename), error.strerror)
 
 
 def _chapter_utterances(transcript: Path) -> tuple[list[Utterance], int]:
@@ -179,7 +180,8 @@ def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[l
     for fileid, (line_number, line) in zip(ids, lines):
         match = _AN4_LINE.match(line)
         if match is None or match["id"] != Path(fileid).name:
-            raise ValueError(f"{transcription}:{line_number}: expected 'TEXT ({Path(fileid).name})', got {line!r}")
+            raise ValueError(f"{transcription}:{line_number}: expected 'TEXT ({printable(Path(fileid).name)})', "
+                             f"got {line!r}")
         # The fileid's folder is the speaker: an4_clstk/fash/an251-fash-b -> fash.
         speaker = Path(fileid).parent.name
         utterance = _utterance(source / "wav" / fileid, AN4_AUDIO_SUFFIXES, normalize_text(match["text"]), speaker)
@@ -195,15 +197,14 @@ def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: 
     naming the file) when there is no such file or it cannot be read."""
     audio = _audio_file(audio_stem, suffixes)
     if audio is None:
-        logger.warning("skipping %s: no %s file", audio_stem, " / ".join(suffixes))
+        logger.warning("skipping %s: no %s file", printable(audio_stem), " / ".join(suffixes))
         return None
     if not _is_utf8(audio):
-        logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)",
-                       printable_path(audio))
+        logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)", printable(audio))
         return None
     if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
-        logger.warning("skipping %r: its path holds the control character %r (U+%04X), which would break or reorder "
-                       "the lines naming it (rename it)", str(audio), control, ord(control))
+        logger.warning("skipping %s: its path holds the control character %r (U+%04X), which would break or reorder "
+                       "the lines naming it (rename it)", printable(audio), control, ord(control))
         return None
     try:
         duration = audio_header(audio).duration
@@ -233,7 +234,7 @@ def _read_utf8(path: Path) -> str:
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         line = path.read_bytes()[: error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 ({error.reason})") from None
+        raise ValueError(f"{printable(path)}:{line}: not UTF-8 ({error.reason})") from None
 
 
 def _write(label: str, manifest: Path, utterances: list[Utterance], num_skipped: int) -> None:
@@ -256,7 +257,7 @@ def _require(path: Path, folder: bool = False) -> Path:
 
 def _require_utf8(source: Path) -> Path:
     if not _is_utf8(source):
-        raise ValueError(f"{printable_path(source)}: the path is not UTF-8, which a manifest's audio paths must be "
+        raise ValueError(f"{printable(source)}: the path is not UTF-8, which a manifest's audio paths must be "
                          "(rename it)")
     return source
 

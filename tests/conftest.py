@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,11 @@ def error_without_root_privilege(function: str, error: str, path: Path) -> str:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def raw_control_characters(text: str) -> list[str]:
+    """What data.manifest.printable escapes in a message, left in `text` as it is."""
+    return [char for char in text if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp")]
 
 
 def wait_for_text(path: Path, text: str, job: subprocess.Popen, timeout_s: float = 600) -> None:

@@ -9,6 +9,7 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import raw_control_characters
 from data.dataset import (
     LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, Unusable, collate, min_ctc_frames,
 )
@@ -117,6 +118,30 @@ def test_a_repeat_whose_own_transcript_cannot_train_is_counted_as_a_repeat_and_n
     assert dataset.skipped == Counter({"audio listed before": 2})
     assert [record.getMessage() for record in caplog.records] == [
         f"skipping 2 utterances whose audio file is listed before (the first: {tmp_path / 'a.wav'})"]
+
+
+def test_warnings_quote_paths_and_transcripts_from_a_manifest_in_escapes(tmp_path, caplog):
+    """The manifest's reader refuses a path with a terminal's escape or a line break, but not the other format
+    characters: a soft hyphen or a zero-width one, printed raw, is invisible, and "skipping a.wav" named a file that
+    is there and trains."""
+    write_noise(tmp_path / "a.wav", 1.0)
+    (tmp_path / "c\u2060.wav").symlink_to(tmp_path / "a.wav")
+    (tmp_path / "m.jsonl").write_text(
+        '{"audio_filepath": "a.wav", "duration": 1.0, "text": "YES"}\n'
+        '{"audio_filepath": "a\\u200b.wav", "duration": 1.0, "text": "NO"}\n'
+        '{"audio_filepath": "b\\u00ad.wav", "duration": 1.0, "text": "\\u001b[2J\\u0007YES\\u202e"}\n'
+        '{"audio_filepath": "c\\u2060.wav", "duration": 1.0, "text": "YES"}\n', encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
+        dataset.warn_once([dataset[1]])
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == [
+        f"skipping {tmp_path}/b\\xad.wav: its transcript has characters outside the alphabet: "
+        "['\\x07', '\\x1b', '2', '[', '\\u202e']",
+        f"skipping 1 utterance whose audio file is listed before (the first: {tmp_path}/c\\u2060.wav)",
+        f"skipping {tmp_path}/a\\u200b.wav: no such audio file",
+    ]
+    assert not any(raw_control_characters(message) for message in messages)
 
 
 def test_an_audio_file_listed_again_through_another_folder_is_a_repeat(tmp_path):

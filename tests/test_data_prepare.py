@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from conftest import REPO_ROOT, without_root_privilege
+from conftest import REPO_ROOT, raw_control_characters, without_root_privilege
 from data.manifest import Utterance, read_manifest
 from data.prepare import main, prepare_an4, prepare_librispeech
 
@@ -290,10 +290,11 @@ def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, 
     with caplog.at_level(logging.WARNING):
         manifest = prepare_librispeech(source, tmp_path / "out")
     assert read_manifest(manifest) == []
-    assert (f"skipping {str(escape)!r}: its path holds the control character '\\x1b' (U+001B), which would break or "
-            "reorder the lines naming it (rename it)") in caplog.text
-    assert (f"skipping {str(reversing)!r}: its path holds the control character '\\u202e' (U+202E), which would "
-            "break or reorder the lines naming it (rename it)") in caplog.text
+    chapter = f"{source}/84/121123"
+    assert (f"skipping {chapter}/84-121123-0000\\x1b[2J.flac: its path holds the control character '\\x1b' (U+001B), "
+            "which would break or reorder the lines naming it (rename it)") in caplog.text
+    assert (f"skipping {chapter}/84-121123-0001\\u202ecalf.flac: its path holds the control character '\\u202e' "
+            "(U+202E), which would break or reorder the lines naming it (rename it)") in caplog.text
     latin1 = tmp_path / os.fsdecode(b"an4 \xe9t\xe9")
     tiny_an4.rename(latin1)
     for corpus in ("an4", "librispeech"):
@@ -302,6 +303,46 @@ def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, 
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == (f"python -m data.prepare: error: {tmp_path}/an4 \\xe9t\\xe9: the path is "
                                            "not UTF-8, which a manifest's audio paths must be (rename it)\n")
+
+
+def test_an4_names_read_from_its_etc_files_are_quoted_in_escapes(tiny_an4, tmp_path, caplog, capsys):
+    """A fileid is read from etc/*.fileids: one holding a terminal's escape cleared the screen where its missing audio
+    was named, and a bidirectional control printed the rest of the line backwards."""
+    etc = tiny_an4 / "etc"
+    with (etc / "an4_train.fileids").open("a") as fileids:
+        fileids.write("an4_clstk/fash/an9\x1b[2J\x07-fash-b\n")
+    with (etc / "an4_train.transcription").open("a") as transcription:
+        transcription.write("<s> GONE </s> (an9\x1b[2J\x07-fash-b)\n")
+    with caplog.at_level(logging.WARNING):
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "out")])
+    missing = f"{tiny_an4}/wav/an4_clstk/fash/an9\\x1b[2J\\x07-fash-b"
+    assert f"skipping {missing}: no .flac / .wav / .sph file" in caplog.text
+    assert not raw_control_characters("".join(caplog.messages))
+    (etc / "an4_test.fileids").write_text("an4test_clstk/fcaw/an406\u202e-fcaw-b\n")
+    (etc / "an4_test.transcription").write_text("RUBOUT (an999-fcaw-b)\n")
+    with pytest.raises(SystemExit):
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert error.endswith("an4_test.transcription:1: expected 'TEXT (an406\\u202e-fcaw-b)', got "
+                          "'RUBOUT (an999-fcaw-b)'\n"), error
+    assert not raw_control_characters(error.removesuffix("\n"))
+
+
+def test_librispeech_names_read_from_its_files_and_folders_are_quoted_in_escapes(tmp_path, caplog):
+    """Utterance ids come from the *.trans.txt files, and links from the tree's listing: printed raw, one retitled
+    the terminal (ESC ] 0 ; ... BEL) or wrote over the line naming it (a carriage return)."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    chapter = source / "84" / "121123"
+    with (chapter / "84-121123.trans.txt").open("a") as transcript:
+        transcript.write("84-121123-0009\x1b]0;pwned\x07 GONE\n")
+    (source / "84" / "\r\x08gone").symlink_to(tmp_path / "unmounted\u202e")
+    with caplog.at_level(logging.WARNING):
+        main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out")])
+    assert f"skipping {chapter}/84-121123-0009\\x1b]0;pwned\\x07: no .flac file" in caplog.text
+    assert (f"skipping {source}/84/\\r\\x08gone: a symbolic link to {tmp_path}/unmounted\\u202e, which does not "
+            "exist") in caplog.text
+    assert not raw_control_characters("".join(caplog.messages))
 
 
 def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, capsys):

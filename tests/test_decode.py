@@ -566,6 +566,17 @@ def test_a_language_model_counts_an_audio_files_transcript_once(tmp_path, monkey
     assert printed.out.endswith("a 2-gram model of 2 transcripts; 5 whose audio file is listed before left out\n")
 
 
+def test_a_language_model_quotes_the_first_repeats_path_in_escapes(tmp_path, capsys):
+    # A zero-width character (U+2060), which the manifest's reader lets through, named another file than the repeat.
+    (tmp_path / "a.wav").write_bytes(b"")
+    (tmp_path / "a\u2060.wav").symlink_to(tmp_path / "a.wav")
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes"}\n'
+                                      '{"audio_filepath": "a\\u2060.wav", "duration": 1.0, "text": "yes"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert capsys.readouterr().err == ("skipping 1 transcript whose audio file is listed before (the first: "
+                                       f"{tmp_path}/a\\u2060.wav)\n")
+
+
 def test_a_language_model_counts_a_repeat_whose_own_transcript_is_unspellable_as_a_repeat(tmp_path, capsys):
     # As training counts it (data.dataset): the repeat was counted among the unspellable transcripts.
     (tmp_path / "a.wav").write_bytes(b"")

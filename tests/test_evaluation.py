@@ -127,6 +127,16 @@ def test_transcribe_prints_the_transcripts_in_the_order_the_files_are_given(tmp_
     assert err.startswith(f"{paths[2]}\terror: ")
 
 
+def test_transcribe_names_a_file_it_cannot_use_once_whatever_the_name_holds(tmp_path, capsys):
+    # The reason's line names the file as given, then why: the error, which quotes the name in escapes
+    # (data.manifest.printable), is not to name it a second time.
+    from trainer import transcribe
+    gone = tmp_path / "gone\u200b\x1b[2J.wav"
+    assert transcribe.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                            str(gone)]) == 1
+    assert capsys.readouterr().err == f"{gone}\terror: no such audio file\n"
+
+
 def test_transcribe_names_a_file_of_more_than_five_minutes_on_stderr_before_transcribing_it(tmp_path, capsys):
     # A half-hour recording kept it silent for 4 minutes on a CPU; stdout, which users pipe, holds transcripts alone.
     from trainer import transcribe

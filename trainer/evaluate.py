@@ -137,6 +137,9 @@ def main(argv=None) -> int:
               "above name them)", file=sys.stderr)
         return 1
     if args.out:
+        # Written as they are, not as messages quote them (data.manifest.printable): the table names each file to find
+        # it by, read_manifest refuses a path that would break or reorder a row, and the texts hold only the alphabet
+        # (the dataset leaves out a transcript with any other character; a hypothesis is decoded from it).
         lines = ["audio_filepath\tword_errors\tchar_errors\treference\thypothesis\n"]
         lines += ["{audio_filepath}\t{word_errors}\t{char_errors}\t{reference}\t{hypothesis}\n".format(**row)
                   for row in sorted(rows, key=lambda row: row["audio_filepath"])]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data.cli import input_path
-from data.manifest import file_identity, numbered_lines, print_paths_printable, read_manifest
+from data.manifest import file_identity, numbered_lines, print_paths_printable, printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
 from trainer.cli import check_not_an_input, lines_stream, output_file, positive_int, run_tool, write_output
 
@@ -258,7 +258,7 @@ def read_transcripts(manifests: list[str]) -> tuple[list[list[str]], int, list[s
             spellable.append(text.split())
     if repeats:
         print(f"skipping {counted(len(repeats), 'transcript')} whose audio file is listed before (the first: "
-              f"{repeats[0]})", file=sys.stderr, flush=True)
+              f"{printable(repeats[0])})", file=sys.stderr, flush=True)
     if not spellable:
         raise ValueError(f"no words to count: the transcripts of {', '.join(manifests)} are empty or have characters "
                          "outside the alphabet")

@@ -15,7 +15,7 @@ import torch
 from data.audio import AudioError, load_audio
 from data.cli import input_path
 from data.features import non_finite_detail
-from data.manifest import print_paths_printable
+from data.manifest import print_paths_printable, printable
 from trainer import decode
 from trainer.cli import run_tool
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
@@ -44,9 +44,9 @@ def main(argv=None) -> int:
                 waveform = load_audio(path, features.sample_rate)
                 feats = features(waveform)
                 if detail := non_finite_detail(feats, waveform):
-                    raise AudioError(f"{path}: {detail}")
+                    raise AudioError(f"{printable(path)}: {detail}")
             except (AudioError, FileNotFoundError) as error:
-                print(f"{path}\terror: {str(error).removeprefix(f'{path}: ')}", file=sys.stderr, flush=True)
+                print(f"{path}\terror: {str(error).removeprefix(f'{printable(path)}: ')}", file=sys.stderr, flush=True)
                 failures += 1
                 continue
             seconds = len(waveform) / features.sample_rate
