@@ -42,10 +42,11 @@ def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Ut
     `audio_needed=False` (transcripts alone are wanted) takes a pipe's relative audio paths too, relative to its
     folder as a file's are (/dev/fd for `<(...)`, which holds none of them).
 
-    Raises FileNotFoundError when `path` does not exist and ValueError naming the file and line number for a
-    line that is not UTF-8 or longer than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no
-    control character in it, and absolute where `path` is a pipe and `audio_needed`) and `text` and a `duration`
-    from 0 to MAX_DURATION (and no `offset` other than 0). A byte-order mark before the first line is skipped.
+    Raises FileNotFoundError when `path` does not exist, ValueError naming it where check_manifest_path refuses it
+    (a folder, an empty file), and ValueError naming the file and line number for a line that is not UTF-8 or longer
+    than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no control character in it, and
+    absolute where `path` is a pipe and `audio_needed`) and `text` and a `duration` from 0 to MAX_DURATION (and no
+    `offset` other than 0). A byte-order mark before the first line is skipped.
     """
     path = Path(path)
     check_manifest_path(path)
@@ -66,8 +67,8 @@ def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Ut
 
 def check_manifest_path(path: Path) -> None:
     """FileNotFoundError or ValueError naming a manifest path that read_manifest cannot read: nothing there, a folder,
-    or a file this process may not open. Its lines unread: trainer.check_overrides asks it of every manifest before a
-    job starts, a large corpus's too."""
+    a file this process may not open, or an empty file. Its lines unread: trainer.check_overrides asks it of every
+    manifest before a job starts, a large corpus's too."""
     if path.is_dir():
         raise ValueError(f"manifest {path} is a folder, not a file")
     if not path.exists():  # not is_file(): a pipe (evaluate --manifest <(...)) reads as well
@@ -77,6 +78,10 @@ def check_manifest_path(path: Path) -> None:
             path.open("rb").close()
         except OSError as error:  # no permission (to the file or a folder on its way)
             raise ValueError(f"cannot open manifest {path}: {error.strerror or error}") from None
+        # A step that wrote nothing there (a filter that matched no line, a copy to a full disk): the run started
+        # every rank to find it held no utterance. A pipe's size is 0 whatever it holds.
+        if path.stat().st_size == 0:
+            raise ValueError(f"manifest {path} is empty (0 bytes)")
 
 
 def numbered_lines(file: BinaryIO, path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:

@@ -206,9 +206,9 @@ def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError,
                        match=r"no usable utterance in .*blank.jsonl: skipped 1 utterance \(empty transcript\)$"):
         make_dataset(tmp_path / "blank.jsonl")
-    write_manifest(tmp_path / "empty.jsonl", [])
-    with pytest.raises(ValueError, match="the manifest is empty"):
-        make_dataset(tmp_path / "empty.jsonl")
+    (tmp_path / "blank_lines.jsonl").write_text("\n\n")  # a 0-byte one is refused before (data.manifest)
+    with pytest.raises(ValueError, match=r"blank_lines.jsonl: skipped none, the manifest is empty$"):
+        make_dataset(tmp_path / "blank_lines.jsonl")
 
 
 def test_unreadable_empty_or_too_short_audio_is_unusable_and_warned_about_once(manifest, caplog):

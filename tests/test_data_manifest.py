@@ -117,6 +117,18 @@ def test_missing_manifest_names_the_file(tmp_path):
     assert str(error.value) == f"manifest {tmp_path / 'manifests'} is a folder, not a file"
 
 
+def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
+    """A 0-byte manifest passed trainer.check_overrides, then every rank started to find no utterance in it. A pipe's
+    size is 0 whatever it holds, and blank lines are the reader's to skip: neither is refused."""
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(ValueError) as error:
+        read_manifest(tmp_path / "empty.jsonl")
+    assert str(error.value) == f"manifest {tmp_path / 'empty.jsonl'} is empty (0 bytes)"
+    assert read_through_a_pipe(tmp_path, []) == []
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    assert read_manifest(tmp_path / "blank.jsonl") == []
+
+
 @pytest.mark.parametrize(
     "bad_line, complaint",
     [

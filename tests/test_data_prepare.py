@@ -289,7 +289,7 @@ def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, 
         "84-121123-0000\x1b[2J GO\n84-121123-0001\u202ecalf GO\n")
     with caplog.at_level(logging.WARNING):
         manifest = prepare_librispeech(source, tmp_path / "out")
-    assert read_manifest(manifest) == []
+    assert manifest.read_bytes() == b""  # both left out (read_manifest refuses a manifest of 0 bytes)
     chapter = f"{source}/84/121123"
     assert (f"skipping {chapter}/84-121123-0000\\x1b[2J.flac: its path holds the control character '\\x1b' (U+001B), "
             "which would break or reorder the lines naming it (rename it)") in caplog.text

@@ -471,6 +471,17 @@ def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys)
     assert capsys.readouterr().err == f"error: manifest {tmp_path / 'typo.jsonl'} does not exist\n"
 
 
+def test_evaluate_refuses_an_empty_manifest_file_in_one_line(tmp_path, capsys):
+    """In the words trainer.check_overrides and the run give it, where it said 'no usable utterance in ...: skipped
+    none, the manifest is empty'."""
+    from trainer.evaluate import main
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                 "--manifest", str(tmp_path / "empty.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: manifest {tmp_path / 'empty.jsonl'} is empty (0 bytes)\n"
+
+
 def test_evaluate_help_says_what_the_tool_does(capsys):
     from trainer.evaluate import main
     with pytest.raises(SystemExit) as exited:

@@ -501,15 +501,19 @@ def test_check_overrides_refuses_features_the_run_would_refuse(overrides, refusa
 
 @pytest.mark.parametrize("sweep", [[], ["-m", "seed=1,2"]])
 def test_check_overrides_refuses_a_manifest_the_run_cannot_open(sweep, tmp_path, capsys):
-    """README, What is checked before a job starts: a missing manifest passed the check, the build and every rank's
-    start, then each rank failed reading it. Its words are the run's own (data.manifest.read_manifest's)."""
+    """README, What is checked before a job starts: a missing manifest, or an empty one, passed the check, the build
+    and every rank's start, then each rank failed reading it. Its words are the run's own (data.manifest's)."""
     from trainer.check_overrides import main
 
     manifest = tmp_path / "train.jsonl"
-    manifest.write_text("")  # its lines are the run's to read: an empty one passes the check
+    manifest.write_text("not JSON\n")  # its lines are the run's to read: one it would refuse passes the check
+    (tmp_path / "empty.jsonl").write_bytes(b"")  # its size is read: every rank started to find no utterance in it
     job = "sweep job 0 (seed=1): " if sweep else ""
-    for eval_manifest, refusal in [(tmp_path / "absent.jsonl", f"manifest {tmp_path / 'absent.jsonl'} does not exist"),
-                                   (tmp_path, f"manifest {tmp_path} is a folder, not a file")]:
+    for eval_manifest, refusal in [
+        (tmp_path / "absent.jsonl", f"manifest {tmp_path / 'absent.jsonl'} does not exist"),
+        (tmp_path, f"manifest {tmp_path} is a folder, not a file"),
+        (tmp_path / "empty.jsonl", f"manifest {tmp_path / 'empty.jsonl'} is empty (0 bytes)"),
+    ]:
         assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest}]",
                      f"data.eval_manifest={eval_manifest}"]) == 2
         assert capsys.readouterr().err == f"error: {job}{refusal}\n"

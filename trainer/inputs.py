@@ -23,8 +23,8 @@ def naming_the_an4_source():
 
 def check_inputs(cfg: DictConfig) -> None:
     """FileNotFoundError or ValueError, in the run's own words, naming the first file the run would fail to read: a
-    manifest that is missing, a folder or cannot be opened; AN4's folder where the run writes its manifests from it
-    (they need not be there yet); a checkpoint train.resume=PATH names that is no file it can open."""
+    manifest that is missing, a folder, cannot be opened or is empty; AN4's folder where the run writes its manifests
+    from it (they need not be there yet); a checkpoint train.resume=PATH names that is no file it can open."""
     written = set()
     if cfg.data.an4_source is not None:
         with naming_the_an4_source():
