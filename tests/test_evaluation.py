@@ -471,6 +471,17 @@ def test_evaluate_reads_its_manifest_before_the_language_model(tmp_path, capsys)
     assert capsys.readouterr().err == f"error: manifest {tmp_path / 'typo.jsonl'} does not exist\n"
 
 
+def test_evaluate_checks_its_manifest_before_it_reads_the_checkpoint(tmp_path, capsys):
+    # A large model's checkpoint takes minutes to read: a mistyped --manifest was told only after it.
+    from trainer.evaluate import main
+
+    not_a_checkpoint = tmp_path / "model.pt"
+    not_a_checkpoint.write_text("not a checkpoint\n")
+    assert main(["--checkpoint", str(not_a_checkpoint), "--device", "cpu", "--manifest",
+                 str(tmp_path / "typo.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: manifest {tmp_path / 'typo.jsonl'} does not exist\n"
+
+
 def test_evaluate_refuses_an_empty_manifest_file_in_one_line(tmp_path, capsys):
     """In the words trainer.check_overrides and the run give it, where it said 'no usable utterance in ...: skipped
     none, the manifest is empty'."""

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from data.cli import input_path, shows_a_progress_bar
 from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, collate, count_reasons
-from data.manifest import print_paths_printable
+from data.manifest import check_manifest_path, print_paths_printable
 from data.sampler import eval_shards
 from data.text import counted, normalize_text
 from trainer import build, decode
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     try:
         # Before the checkpoint and the language model are read: a large model takes minutes.
         check_not_an_input(args.out, [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)])
+        if args.manifest:
+            check_manifest_path(Path(args.manifest))
         model, features, cfg, device = load_model(args)
         manifest = args.manifest or cfg.data.eval_manifest
         if not args.manifest:  # the run's, which only its checkpoint names
