@@ -726,6 +726,64 @@ def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not
     assert "frame #" not in stderr and "Exception raised from" not in stderr, stderr
 
 
+# A rank without mpi4py, rank 0's address and port from MASTER_ADDR and MASTER_PORT; rank 0 calls init once the test
+# says so on its stdin. Each says when it began init, and its first collective's sum, rank 0 `argv[2]` s after init.
+RANK_STARTED_BY_THE_TEST = textwrap.dedent("""
+    import logging, sys, time
+    sys.modules["mpi4py"] = None
+    import torch
+    from trainer import distributed
+    logging.basicConfig(format="%(created)f %(message)s")
+    timeout_s, collective_after_s = float(sys.argv[1]), float(sys.argv[2])
+    if distributed.launcher_rank() == 0:
+        sys.stdin.readline()
+    print(f"{time.time()} init", flush=True)
+    distributed.init("cpu", timeout_s)
+    time.sleep(collective_after_s if distributed.launcher_rank() == 0 else 0)
+    print(f"summed {int(distributed.all_reduce_sum(torch.ones(1)))}", flush=True)
+""")
+
+
+def late_rendezvous(world_size: int, timeout_s: float, late_s: float, collective_after_s: float = 0.0) -> list[str]:
+    """The output of ranks 0 and 1 of `world_size` (any others never start), RANK_STARTED_BY_THE_TEST's: rank 0
+    begins init, and opens its rendezvous's port, `late_s` after rank 1 began its wait for that port."""
+    environment = {name: value for name, value in JOB_ENV.items()
+                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+    environment |= {"PMI_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(distributed._free_port())}
+    rank_0, rank_1 = (subprocess.Popen(
+        [sys.executable, "-c", RANK_STARTED_BY_THE_TEST, str(timeout_s), str(collective_after_s)], cwd=REPO_ROOT,
+        env=environment | {"PMI_RANK": str(rank)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in (0, 1))
+    rank_1_began = ""
+    while "init" not in rank_1_began and rank_1.poll() is None:
+        rank_1_began += rank_1.stdout.readline()
+    time.sleep(late_s)
+    rank_0.stdin.write("\n")
+    rank_0.stdin.flush()
+    return [finish_job(rank_0, FAILURE_TIMEOUT_S)[1], rank_1_began + finish_job(rank_1, FAILURE_TIMEOUT_S)[1]]
+
+
+def test_a_rank_waits_for_rank_0s_port_and_the_rendezvous_within_the_timeout_together():
+    """Rank 1 waited up to the timeout for rank 0's port, then the rendezvous the whole timeout again: where rank 0
+    opened its port late and rank 2 never came, rank 1 ended the job after about twice the timeout (7 s of 4 s)."""
+    rank_0, rank_1 = late_rendezvous(3, timeout_s=4, late_s=2.5)
+    began = float(re.search(r"^([\d.]+) init$", rank_1, re.M)[1])
+    ended = re.search(r"^([\d.]+) (error on rank 1: the process group's rendezvous did not complete within "
+                      r"distributed.timeout_s \(4 s\).*)$", rank_1, re.M)
+    assert ended and "timed out connecting" not in ended[2], rank_1  # rank 0's port answered; the rendezvous ran out
+    assert float(ended[1]) - began < 4 + distributed.LEAST_RENDEZVOUS_WAIT_S, rank_1
+    assert "error on rank 0: the process group's rendezvous did not complete" in rank_0, rank_0
+
+
+def test_a_late_rendezvous_leaves_the_collectives_the_whole_timeout():
+    """The rendezvous gets what is left of the timeout after rank 0's port answered (1.5 s of 4 s), but
+    init_process_group's timeout is its collectives' too: rank 1's first collective, waiting 2.5 s for rank 0's, would
+    have timed out with it."""
+    rank_0, rank_1 = late_rendezvous(2, timeout_s=4, late_s=2.5, collective_after_s=2.5)
+    assert "summed 2" in rank_0 and "summed 2" in rank_1, rank_0 + rank_1
+
+
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
     """A sweep's later jobs find MPI started: a fork then makes OpenMPI warn, and InfiniBand's registered memory may
     not survive it."""

@@ -357,6 +357,7 @@ def ranks_sharing_gpu(gpu: int, ranks_on_node: int, num_gpus: int) -> int:
 # it (int64 nanoseconds end at 9.2e9 s), and 1e300 s overflowed timedelta in a traceback.
 MAX_TIMEOUT_S = 1e9
 DEFAULT_TIMEOUT_S = 300.0  # of init and shutdown, where the caller names none (the benchmarks' --timeout-s default)
+LEAST_RENDEZVOUS_WAIT_S = 1.0  # of a rendezvous whose rank 0 opened its port just in time (rendezvous_wait_s)
 
 
 def end_nccl_timeouts_promptly(timeout_s: float) -> None:
@@ -403,6 +404,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
         # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
     try:
+        deadline = time.monotonic() + timeout_s
         if rank != 0:
             wait_for_rank_0s_rendezvous(address, port, timeout_s)
         dist.init_process_group(
@@ -410,7 +412,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
             init_method=f"tcp://{address}:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=rendezvous_wait_s(deadline, timeout_s)),
             device_id=rank_device if backend == "nccl" else None,
         )
     except (dist.DistStoreError, dist.DistNetworkError) as error:
@@ -420,10 +422,21 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
                   "(%s)", rank, _within(timeout_s, timeout_setting), rendezvous_missed_by(address, port),
                   " ".join(str(error).split()))
         abort_job(1)
+    # init_process_group's timeout, the rendezvous's, is the collectives' too, which each get the whole of it.
+    dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout_s))
     # The process and host too: where a rank dies, MPICH's mpiexec names its PID and host, not its rank.
     log.info("rank %d of %d (local rank %d) on %s over %s, rendezvous %s:%d, process %d on %s", rank, world_size,
              local_rank, rank_device, dist.get_backend(), address, port, os.getpid(), socket.gethostname())
     return DistEnv(rank, world_size, rank_device, ranks_on_device)
+
+
+def rendezvous_wait_s(deadline: float, timeout_s: float) -> float:
+    """What the process group's rendezvous may wait: what is left until `deadline` (time.monotonic()), `timeout_s`
+    after a rank began its wait for rank 0's port, so that the two waits end within `timeout_s`, where each took the
+    whole of it and a rank whose rank 0 opened its port late waited up to twice it. At least LEAST_RENDEZVOUS_WAIT_S
+    (or `timeout_s`, where that is shorter): a rendezvous of ranks that are all there takes a moment, which a port
+    that answered just in time would leave it none of."""
+    return max(deadline - time.monotonic(), min(LEAST_RENDEZVOUS_WAIT_S, timeout_s))
 
 
 def wait_for_rank_0s_rendezvous(address: str, port: int, timeout_s: float) -> None:
