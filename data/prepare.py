@@ -11,7 +11,8 @@ listed, or a link to nothing, is skipped with a warning naming it.
 Utterances whose audio is missing, whose header cannot be read, or whose path is not UTF-8 (a manifest is UTF-8) or
 holds a control character are skipped with a warning naming the file, and counted (audio that is damaged past its
 header is found when training reads it). An utterance with an empty transcript is written as it is: the dataset leaves
-it out, names it and counts it.
+it out, names it and counts it. A split left with no utterance is an error naming its fileids or source folder and
+how many were skipped and why; its manifest is not written, an earlier one left as it was.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -24,6 +25,7 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from data.audio import AudioError, audio_header
 from data.cli import (
     INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
 )
+from data.dataset import count_reasons
 from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
                            write_manifest)
@@ -53,7 +56,8 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
 
     Returns: {"train": path, "test": path}.
     Raises: FileNotFoundError naming a missing folder or file; ValueError naming the file and line of a
-    transcription that does not match its fileids, or naming a source whose path is not UTF-8.
+    transcription that does not match its fileids, naming a source whose path is not UTF-8, or naming the fileids of
+    a split with no usable utterance (see _write).
     """
     source, out = an4_source_folder(source), Path(out)
     manifests = {}
@@ -64,8 +68,8 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
         if _an4_manifest_current(manifest, source, fileids, transcription):
             logger.info("%s is up to date", manifest)
             continue
-        utterances, num_skipped = _an4_utterances(source, fileids, transcription)
-        _write(f"an4 {split}", manifest, utterances, num_skipped)
+        utterances, skipped = _an4_utterances(source, fileids, transcription)
+        _write(f"an4 {split}", str(fileids), manifest, utterances, skipped)
     return manifests
 
 
@@ -87,13 +91,13 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     """Write NAME.jsonl (NAME defaults to the source folder's name, e.g. dev-clean) from every *.trans.txt.
 
     Raises: FileNotFoundError naming the source when it is missing or holds no *.trans.txt file; ValueError naming
-    it when its path is not UTF-8.
+    it when its path is not UTF-8 or its transcripts list no usable utterance (see _write).
     """
     source = _require_utf8(_require(Path(source).resolve(), folder=True))
     transcripts = _librispeech_transcripts(source)
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
-    utterances, num_skipped = [], 0
+    utterances, skipped = [], Counter()
     # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
     logger.info("reading the %d chapters under %s", len(transcripts), source)
     on_terminal = shows_a_progress_bar(sys.stderr)
@@ -102,11 +106,9 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         if not on_terminal and time.perf_counter() - last_line >= PROGRESS_LINE_S:  # a SLURM or nohup log
             last_line = time.perf_counter()
             logger.info("read %d of %d chapters", number, len(transcripts))
-        chapter, chapter_skipped = _chapter_utterances(transcript)
-        utterances += chapter
-        num_skipped += chapter_skipped
+        utterances += _chapter_utterances(transcript, skipped)
     manifest = Path(out) / f"{(name or source.name).removesuffix('.jsonl')}.jsonl"
-    _write(f"librispeech {source.name}", manifest, utterances, num_skipped)
+    _write(f"librispeech {source.name}", f"the *.trans.txt files under {source}", manifest, utterances, skipped)
     return manifest
 
 
@@ -138,21 +140,19 @@ def _warn_unlistable_folder(error: OSError) -> None:
     logger.warning("skipping %s: cannot list the folder (%s)", printable(error.filename), error.strerror)
 
 
-def _chapter_utterances(transcript: Path) -> tuple[list[Utterance], int]:
-    """The utterances of one LibriSpeech chapter's SPEAKER-CHAPTER.trans.txt, and how many were skipped."""
-    utterances, num_skipped = [], 0
+def _chapter_utterances(transcript: Path, skipped: Counter[str]) -> list[Utterance]:
+    """The utterances of one LibriSpeech chapter's SPEAKER-CHAPTER.trans.txt; those skipped counted in `skipped`."""
+    utterances = []
     # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
     for line in _read_utf8(transcript).split("\n"):
         if not line.strip():
             continue
         utterance_id, text = (line.split(maxsplit=1) + [""])[:2]  # a tab after the id separates it too
         audio_stem = transcript.parent / utterance_id
-        utterance = _utterance(audio_stem, (".flac",), normalize_text(text), speaker=utterance_id.split("-")[0])
-        if utterance is None:
-            num_skipped += 1
-        else:
+        utterance = _utterance(audio_stem, (".flac",), normalize_text(text), utterance_id.split("-")[0], skipped)
+        if utterance is not None:
             utterances.append(utterance)
-    return utterances, num_skipped
+    return utterances
 
 
 def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcription: Path) -> bool:
@@ -170,13 +170,14 @@ def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcrip
     return listed <= present and not any(_header_readable(Path(audio)) for audio in present - listed)
 
 
-def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], int]:
+def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], Counter[str]]:
+    """The utterances of one AN4 split, and how many were skipped by reason."""
     ids = _read_utf8(fileids).split()
     lines = [(number, line) for number, line in enumerate(_read_utf8(transcription).split("\n"), start=1)
              if line.strip()]
     if len(ids) != len(lines):
         raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
-    utterances, num_skipped = [], 0
+    utterances, skipped = [], Counter()
     for fileid, (line_number, line) in zip(ids, lines):
         match = _AN4_LINE.match(line)
         if match is None or match["id"] != Path(fileid).name:
@@ -184,32 +185,36 @@ def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[l
                              f"got {line!r}")
         # The fileid's folder is the speaker: an4_clstk/fash/an251-fash-b -> fash.
         speaker = Path(fileid).parent.name
-        utterance = _utterance(source / "wav" / fileid, AN4_AUDIO_SUFFIXES, normalize_text(match["text"]), speaker)
-        if utterance is None:
-            num_skipped += 1
-        else:
+        utterance = _utterance(source / "wav" / fileid, AN4_AUDIO_SUFFIXES, normalize_text(match["text"]), speaker,
+                               skipped)
+        if utterance is not None:
             utterances.append(utterance)
-    return utterances, num_skipped
+    return utterances, skipped
 
 
-def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str) -> Utterance | None:
+def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str,
+               skipped: Counter[str]) -> Utterance | None:
     """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (with a warning
-    naming the file) when there is no such file or it cannot be read."""
+    naming the file, counted in `skipped` by reason) when there is no such file or it cannot be read."""
     audio = _audio_file(audio_stem, suffixes)
     if audio is None:
         logger.warning("skipping %s: no %s file", printable(audio_stem), " / ".join(suffixes))
+        skipped["no audio file"] += 1
         return None
     if not _is_utf8(audio):
         logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)", printable(audio))
+        skipped["path not UTF-8"] += 1
         return None
     if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
         logger.warning("skipping %s: its path holds the control character %r (U+%04X), which would break or reorder "
                        "the lines naming it (rename it)", printable(audio), control, ord(control))
+        skipped["control character in path"] += 1
         return None
     try:
         duration = audio_header(audio).duration
     except AudioError as error:
         logger.warning("skipping %s", error)
+        skipped["unreadable"] += 1
         return None
     return Utterance(str(audio), duration, text, speaker)
 
@@ -237,12 +242,18 @@ def _read_utf8(path: Path) -> str:
         raise ValueError(f"{printable(path)}:{line}: not UTF-8 ({error.reason})") from None
 
 
-def _write(label: str, manifest: Path, utterances: list[Utterance], num_skipped: int) -> None:
+def _write(label: str, listing: str, manifest: Path, utterances: list[Utterance], skipped: Counter[str]) -> None:
+    """Writes `manifest`; where no utterance is left, ValueError naming `listing` (what lists them) and how many were
+    skipped by reason, the manifest not written: one of 0 bytes only failed the next step ("manifest PATH is empty"),
+    which cannot say why, and an earlier one stays as it was."""
+    if not utterances:
+        raise ValueError(f"no usable utterance in {listing}: skipped "
+                         f"{count_reasons(skipped) or 'none, none is listed'}")
     write_manifest(manifest, utterances)
     hours = sum(utterance.duration for utterance in utterances) / 3600
     logger.info(
         "%s: wrote %d utterances (%.2f h) to %s; skipped %d without usable audio",
-        label, len(utterances), hours, manifest, num_skipped,
+        label, len(utterances), hours, manifest, skipped.total(),
     )
 
 

@@ -117,6 +117,51 @@ def test_an4_audio_whose_header_claims_what_loading_refuses_is_skipped_and_named
     assert [u.text for u in read_manifest(tmp_path / "manifests" / "an4_train.jsonl")] == ["SIX TWO"]
 
 
+def test_an4_split_with_no_usable_audio_exits_2_naming_its_fileids_and_why(tiny_an4, tmp_path, caplog, capsys):
+    """Every file of a split left out wrote a manifest of 0 bytes, logged "wrote 0 utterances" and exited 0: the
+    trainer then refused the manifest as empty, which did not say why. Nothing is written, an earlier manifest kept."""
+    wav = tiny_an4 / "wav" / "an4_clstk"
+    (wav / "fash/an251-fash-b.flac").unlink()
+    (wav / "fash/an253-fash-b.wav").write_bytes(b"not audio at all" * 64)
+    (wav / "mgah/cen1-mgah-b.sph").unlink()
+    fresh, earlier = tmp_path / "fresh", tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "an4_train.jsonl").write_text(json.dumps({"audio_filepath": "/a.flac", "duration": 1.0, "text": "A"}))
+    for out in (fresh, earlier):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as exit_info:
+            main(["an4", "--source", str(tiny_an4), "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (f"python -m data.prepare: error: no usable utterance in {tiny_an4}/etc/"
+                                           "an4_train.fileids: skipped 3 utterances (no audio file), 1 utterance "
+                                           "(unreadable)\n")
+        assert f"skipping {wav}/mgah/cen1-mgah-b: no .flac / .wav / .sph file" in caplog.text  # each still named
+        assert f"skipping {wav}/fash/an253-fash-b.wav: cannot read audio (" in caplog.text
+    assert not fresh.exists() or list(fresh.iterdir()) == []
+    assert [u.audio_filepath for u in read_manifest(earlier / "an4_train.jsonl")] == ["/a.flac"]
+    assert list(earlier.iterdir()) == [earlier / "an4_train.jsonl"]
+
+
+@pytest.mark.parametrize("corpus", ["an4", "librispeech"])
+def test_a_split_that_lists_no_utterance_exits_2_naming_its_listing(tiny_an4, tmp_path, capsys, corpus):
+    """An empty etc/an4_test.fileids, or *.trans.txt files holding no line, wrote a manifest of 0 bytes, exit 0."""
+    if corpus == "an4":
+        source, listing = tiny_an4, f"{tiny_an4}/etc/an4_test.fileids"
+        for name in ("an4_test.fileids", "an4_test.transcription"):
+            (tiny_an4 / "etc" / name).write_text("\n")
+    else:
+        source = tmp_path / "dev-clean"
+        listing = f"the *.trans.txt files under {source}"
+        write_librispeech_chapter(source / "84", "121123", "GO")
+        (source / "84" / "121123" / "84-121123.trans.txt").write_text("\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main([corpus, "--source", str(source), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"python -m data.prepare: error: no usable utterance in {listing}: skipped "
+                                       "none, none is listed\n")
+    assert not (tmp_path / "out" / f"{'an4_test' if corpus == 'an4' else 'dev-clean'}.jsonl").exists()
+
+
 def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     manifests = prepare_an4(tiny_an4, tmp_path / "out")
     assert set(manifests) == {"train", "test"}
@@ -287,9 +332,11 @@ def test_audio_whose_path_is_not_utf8_is_skipped_or_refused_naming_it(tiny_an4, 
     write_audio(reversing, 0.5)
     (source / "84" / "121123" / "84-121123.trans.txt").write_text(
         "84-121123-0000\x1b[2J GO\n84-121123-0001\u202ecalf GO\n")
-    with caplog.at_level(logging.WARNING):
-        manifest = prepare_librispeech(source, tmp_path / "out")
-    assert manifest.read_bytes() == b""  # both left out (read_manifest refuses a manifest of 0 bytes)
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as error:
+        prepare_librispeech(source, tmp_path / "out")
+    assert str(error.value) == (f"no usable utterance in the *.trans.txt files under {source}: skipped 2 utterances "
+                                "(control character in path), 1 utterance (path not UTF-8)")
+    assert [u.audio_filepath for u in read_manifest(manifest)] == [str(source / "84/121123/84-121123-0000.flac")]
     chapter = f"{source}/84/121123"
     assert (f"skipping {chapter}/84-121123-0000\\x1b[2J.flac: its path holds the control character '\\x1b' (U+001B), "
             "which would break or reorder the lines naming it (rename it)") in caplog.text

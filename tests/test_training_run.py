@@ -1433,6 +1433,24 @@ def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, re
     assert "Traceback" not in result.output
 
 
+def test_an4_with_no_usable_audio_is_one_line_naming_its_fileids_before_training(tmp_path):
+    """AN4's etc/ files without their audio (wav/ not unpacked): the run wrote manifests of 0 bytes from them, then
+    refused those as empty, which did not say why."""
+    source = tmp_path / "an4"
+    (source / "etc").mkdir(parents=True)
+    for split in ("train", "test"):
+        (source / "etc" / f"an4_{split}.fileids").write_text("an4_clstk/fash/an251-fash-b\n")
+        (source / "etc" / f"an4_{split}.transcription").write_text("<s> YES </s> (an251-fash-b)\n")
+    manifests = tmp_path / "manifests"
+    result = run("trainer", ["data=an4", f"data.an4_source={source}", f"data.manifest_dir={manifests}",
+                             f"hydra.run.dir={tmp_path / 'run'}", *TINY], timeout=300)
+    assert result.returncode == 2, result.output[-2000:]
+    assert f"skipping {source}/wav/an4_clstk/fash/an251-fash-b: no .flac / .wav / .sph file" in result.output
+    assert result.output.rstrip().endswith(f"error on rank 0: no usable utterance in {source}/etc/an4_train.fileids: "
+                                           "skipped 1 utterance (no audio file)"), result.output[-2000:]
+    assert not manifests.exists() or list(manifests.iterdir()) == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the experiment runs")
 def test_a_gpu_experiment_on_a_cpu_says_which_experiment_runs_there(tmp_path):
     # It said only "device=cuda was asked for but no CUDA GPU is visible", which the user had not asked for by name.
