@@ -279,7 +279,8 @@ def test_masked_batch_norm_is_batch_norm_over_valid_frames(channel_dim):
         return tensor.permute(0, 2, 3, 1) if channel_dim == 1 else tensor
 
     valid_positions = channels_last(torch.broadcast_to(mask, x.shape))[..., 0]
-    for train in (True, False):
+    # Two training passes: the second's sums are taken about a running mean no longer zero, which its mean adds back.
+    for train in (True, True, False):
         masked.train(train)
         plain.train(train)
         x_masked, x_plain = x.clone().requires_grad_(), channels_last(x)[valid_positions].requires_grad_()
