@@ -380,22 +380,37 @@ def normalise(x, mask, upstream, sync_stats):
     }
 
 
+def rank_shard(rank):
+    """This rank's half of sync_batch()."""
+    shard = slice(rank * 2, rank * 2 + 2)
+    return [tensor[:, shard] for tensor in sync_batch()]
+
+
 def sync_worker(rank, directory):
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=SYNC_WORLD_SIZE)
     try:
-        shard = slice(rank * 2, rank * 2 + 2)
-        result = normalise(*(tensor[:, shard] for tensor in sync_batch()), sync_stats=True)
+        result = normalise(*rank_shard(rank), sync_stats=True)
         # The trainer's DDP sums parameter gradients across ranks; do the same here.
         for key in ("weight_grad", "bias_grad"):
             dist.all_reduce(result[key])
         torch.save(result, f"{directory}/rank{rank}.pt")
+        # In the same process group, sync_stats off (train.sync_batch_norm=false): this rank's frames alone.
+        torch.save(normalise(*rank_shard(rank), sync_stats=False), f"{directory}/rank{rank}_unsynced.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_sync_stats_matches_whole_batch(tmp_path):
-    torch.multiprocessing.spawn(sync_worker, args=(str(tmp_path),), nprocs=SYNC_WORLD_SIZE)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(SYNC_WORLD_SIZE)]
+@pytest.fixture(scope="module")
+def sync_ranks(tmp_path_factory):
+    """Each gloo rank's results of sync_worker, synced and not: one spawn for the tests that read them."""
+    directory = tmp_path_factory.mktemp("sync_stats")
+    torch.multiprocessing.spawn(sync_worker, args=(str(directory),), nprocs=SYNC_WORLD_SIZE)
+    return [{synced: torch.load(directory / f"rank{rank}{suffix}.pt", weights_only=True)
+             for synced, suffix in ((True, ""), (False, "_unsynced"))} for rank in range(SYNC_WORLD_SIZE)]
+
+
+def test_sync_stats_matches_whole_batch(sync_ranks):
+    ranks = [results[True] for results in sync_ranks]
     expected = normalise(*sync_batch(), sync_stats=False)
     for key in ("output", "input_grad"):
         actual = torch.cat([result[key] for result in ranks], dim=1)
@@ -403,6 +418,14 @@ def test_sync_stats_matches_whole_batch(tmp_path):
     for result in ranks:
         for key in ("weight_grad", "bias_grad", "running_mean", "running_var"):
             assert relative_error(result[key], expected[key]) < 1e-12, key
+
+
+def test_sync_stats_off_normalises_each_rank_by_its_own_frames(sync_ranks):
+    """With a process group up, as every multi-GPU run has, sync_stats off still takes no other rank's statistics."""
+    for rank, results in enumerate(sync_ranks):
+        expected = normalise(*rank_shard(rank), sync_stats=False)  # no process group in this process
+        for key, value in expected.items():
+            assert relative_error(results[False][key], value) < 1e-12, f"rank {rank}: {key}"
 
 
 def test_sync_batch_norm_switches_every_batch_norm_and_nothing_else():
