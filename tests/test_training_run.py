@@ -939,13 +939,16 @@ class MakesAFileWhenUnpickled:
 
 
 @pytest.mark.parametrize("module", ["trainer", "trainer.check_overrides"])
-def test_a_pickled_config_to_rerun_is_refused_unread(tmp_path, module):
+@pytest.mark.parametrize("spelling", [["--experimental-rerun", "{}"], ["--experimental={}"]],
+                         ids=["flag", "abbreviated"])
+def test_a_pickled_config_to_rerun_is_refused_unread(tmp_path, module, spelling):
     """Hydra's --experimental-rerun FILE unpickled FILE, which runs whatever call the file holds: the trainer made
-    the file this one names, then failed on what it loaded; the launch scripts' check passed it."""
+    the file this one names, then failed on what it loaded; the launch scripts' check passed it. Hydra's parser takes
+    an abbreviation of the flag, and FILE after "=", as the flag itself: refused too."""
     made = tmp_path / "made by the pickle"
     pickled = tmp_path / "config.pickle"
     pickled.write_bytes(pickle.dumps(MakesAFileWhenUnpickled(made)))
-    result = run(module, ["--experimental-rerun", str(pickled)], timeout=300, cwd=tmp_path)
+    result = run(module, [word.format(pickled) for word in spelling], timeout=300, cwd=tmp_path)
     assert result.returncode == 2, result.output[-4000:]
     assert result.stderr == (f"error: --experimental-rerun {pickled}: the trainer does not load pickled configs, whose "
                              "loading can run any code; continue a run with run_name=NAME train.resume=auto\n"
