@@ -177,19 +177,22 @@ def test_an_audio_file_listed_again_through_a_link_is_a_repeat_and_a_link_to_ano
     assert len(dataset[1].features) == 51  # elsewhere/a.wav's 0.5 s, not a.wav's 1 s
 
 
-def test_a_transcript_is_kept_while_the_output_frames_hold_it_and_no_longer(tmp_path):
-    """0.1 s at 16 kHz is 11 frames, 6 output frames at time stride 2: 6 characters fit, 7 do not, and a repeated
-    character needs a blank between (AAB..., one more). Whether the manifest's duration or the audio is read, the
-    count is the features' own, at the extractor's sample rate."""
+@pytest.mark.parametrize("sample_rate", [RATE, 8000])
+def test_a_transcript_is_kept_while_the_output_frames_hold_it_and_no_longer(tmp_path, sample_rate):
+    """0.1 s is 11 frames at any rate (a 10 ms hop), 6 output frames at time stride 2: 6 characters fit, 7 do not, and
+    a repeated character needs a blank between (AAB..., one more). Whether the manifest's duration or the audio is
+    read, the count is the features' own, at the extractor's sample rate: 16 kHz audio for an 8 kHz model is read
+    and its manifest duration counted at 8 kHz (counted at 16 kHz, 0.1 s made 21 frames and kept all four)."""
     fitting, too_long = ["ABCDEF", "AABCD"], ["ABCDEFG", "AABCDE"]
     for text in fitting + too_long:
         write_noise(tmp_path / f"{text}.wav", 0.1)
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / f"{text}.wav"), 0.1, text, "a")
                                           for text in fitting + too_long])
-    dataset = make_dataset(tmp_path / "m.jsonl")
+    dataset = SpeechDataset([tmp_path / "m.jsonl"], FeatureExtractor("spectrogram", sample_rate=sample_rate),
+                            time_stride=2)
     assert [utterance.text for utterance in dataset.utterances] == fitting
     assert dataset.skipped == Counter({"too long for stride": 2})
-    assert all(not isinstance(dataset[index], Unusable) for index in range(len(dataset)))
+    assert [dataset[index].features.shape for index in range(len(dataset))] == [(11, sample_rate // 100 + 1)] * 2
 
 
 def test_audio_up_to_a_second_past_max_duration_is_kept(tmp_path):
