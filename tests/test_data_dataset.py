@@ -195,13 +195,17 @@ def test_a_transcript_is_kept_while_the_output_frames_hold_it_and_no_longer(tmp_
     assert [dataset[index].features.shape for index in range(len(dataset))] == [(11, sample_rate // 100 + 1)] * 2
 
 
-def test_audio_up_to_a_second_past_max_duration_is_kept(tmp_path):
+def test_audio_up_to_a_second_past_max_duration_is_kept_and_no_longer(tmp_path):
     """A manifest's durations may be rounded or a little off: only audio more than a second past max_duration (20 s
     here) is unusable once read."""
     write_noise(tmp_path / "long.wav", 20.9)
-    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "long.wav"), 20.0, "LONG", "a")])
-    sample = make_dataset(tmp_path / "m.jsonl")[0]
+    write_noise(tmp_path / "longer.wav", 21.1)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / name), 20.0, "LONG", "a")
+                                          for name in ("long.wav", "longer.wav")])
+    dataset = make_dataset(tmp_path / "m.jsonl")
+    sample = dataset[0]
     assert not isinstance(sample, Unusable) and len(sample.features) == 2091
+    assert dataset[1].counted_as == LONGER_THAN_MAX_DURATION
 
 
 def test_a_manifest_with_no_usable_utterance_is_one_clear_error(tmp_path):
