@@ -5,6 +5,7 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 import tracemalloc
 
 import numpy as np
@@ -91,9 +92,19 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         "headerless.raw": "cannot read audio",
         "channels.wav": "its header gives 1024 channels, outside 1-16",
     }
-    for name, reason in reasons.items():
-        with pytest.raises(AudioError, match=f"{name}: {reason}"):
-            load_audio(tmp_path / name)
+    # A writer that comes and goes: a pipe handed to libsndfile then gives "cannot read audio", where it waited for
+    # a writer forever and hung the test instead of failing it. Opened for reading at the end until the writer is gone
+    # (the writer waits for a reader to open it after its own open began).
+    writer = threading.Thread(target=lambda: os.close(os.open(tmp_path / "pipe.wav", os.O_WRONLY)), daemon=True)
+    writer.start()
+    try:
+        for name, reason in reasons.items():
+            with pytest.raises(AudioError, match=f"{name}: {reason}"):
+                load_audio(tmp_path / name)
+    finally:
+        while writer.is_alive():
+            os.close(os.open(tmp_path / "pipe.wav", os.O_RDONLY | os.O_NONBLOCK))
+            writer.join(0.1)
     assert issubclass(AudioError, ValueError)
 
 
