@@ -79,6 +79,14 @@ def test_greedy_decode_collapses_repeats_and_removes_blanks():
     assert greedy_decode(one_hot_log_probs([" HI _ THERE "]), torch.tensor([13])) == ["HI THERE"]
 
 
+def test_beam_search_reads_each_utterances_frames_and_no_more():
+    # As greedy_decode (above): the frames past a length, a batch's padding, spell something here.
+    log_probs = one_hot_log_probs(["HHE_LL_LLO", "__NN_O___"])
+    search = BeamSearch(beam_width=4)
+    assert search(log_probs, torch.tensor([10, 9])) == ["HELLO", "NO"]
+    assert search(log_probs, torch.tensor([4, 5])) == ["HE", "N"]
+
+
 @pytest.mark.parametrize("chars", ["ABC", "AB "])
 @pytest.mark.parametrize("seed", range(6))
 def test_beam_search_finds_the_most_probable_transcript(seed, chars):
