@@ -87,6 +87,14 @@ def test_beam_search_reads_each_utterances_frames_and_no_more():
     assert search(log_probs, torch.tensor([4, 5])) == ["HE", "N"]
 
 
+def test_a_narrow_beam_drops_the_prefixes_past_its_width():
+    # After the first frame "A" 0.5 leads "B" 0.3 and "" 0.2; at the end "B" (B_, BB, _B) 0.42 leads "AB" 0.3 and
+    # "A" 0.2. One prefix kept loses "B"'s paths and ends in "AB"; three keep them all.
+    log_probs, lengths = log_probs_over([{"A": 0.5, "B": 0.3, "_": 0.2}, {"B": 0.6, "_": 0.4}]), torch.tensor([2])
+    assert BeamSearch(beam_width=1)(log_probs, lengths) == ["AB"]
+    assert BeamSearch(beam_width=3)(log_probs, lengths) == ["B"]
+
+
 @pytest.mark.parametrize("chars", ["ABC", "AB "])
 @pytest.mark.parametrize("seed", range(6))
 def test_beam_search_finds_the_most_probable_transcript(seed, chars):
