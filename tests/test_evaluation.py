@@ -282,6 +282,24 @@ def test_the_model_runs_on_a_gpu_by_default_where_one_is_visible_and_on_the_cpu_
         assert parser.parse_args(["--checkpoint", "x.pt"]).device == torch.device(device)
 
 
+def test_evaluate_puts_as_many_utterances_in_a_batch_as_batch_size_asks(tmp_path, monkeypatch, caplog):
+    # --batch-size read and then dropped decoded in batches of the default 16, which a user had lowered to fit memory.
+    from trainer import evaluate
+    noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
+    names = ["a.wav", "b.wav", "c.wav"]
+    for name in names:
+        soundfile.write(tmp_path / name, noise, 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / name), 1.0, "YES", name) for name in names])
+    monkeypatch.setattr(evaluate, "PROGRESS_LINE_S", 0)  # a progress line each batch, naming how many there are
+    caplog.set_level(logging.INFO)
+    arguments = ["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                 "--manifest", str(tmp_path / "m.jsonl")]
+    for batch_size, batches in [("2", 2), ("1", 3)]:
+        caplog.clear()
+        assert evaluate.main([*arguments, "--batch-size", batch_size]) == 0
+        assert f"evaluating: batch {batches} of {batches}" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_a_missing_best_pt_beside_a_last_pt_is_refused_naming_the_last_pt(tool, tmp_path, capsys):
     """A run stopped (train.max_steps) before its first evaluation has a last.pt and no best.pt, the file README's
