@@ -282,6 +282,22 @@ def test_the_model_runs_on_a_gpu_by_default_where_one_is_visible_and_on_the_cpu_
         assert parser.parse_args(["--checkpoint", "x.pt"]).device == torch.device(device)
 
 
+def test_transcribe_and_evaluate_give_a_file_the_same_transcript(tmp_path, capsys):
+    # Each tool turns a file into features and lengths its own way (evaluate through the dataset and a batch): a length
+    # cut short in one would decode part of the file. The beam search's transcript of this model grows with the audio.
+    from trainer import evaluate, transcribe
+    audio, table = tmp_path / "a.wav", tmp_path / "table.tsv"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(24000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.5, "YES", "a")])
+    torch.manual_seed(0)
+    common = ["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--beam", "4"]
+    assert transcribe.main([*common, str(audio)]) == 0
+    transcript = capsys.readouterr().out.rstrip("\n").split("\t")[1]
+    assert evaluate.main([*common, "--manifest", str(tmp_path / "m.jsonl"), "--out", str(table)]) == 0
+    assert table.read_text().splitlines()[1].split("\t")[-1] == transcript
+    assert len(transcript) > 10, transcript
+
+
 def test_evaluate_puts_as_many_utterances_in_a_batch_as_batch_size_asks(tmp_path, monkeypatch, caplog):
     # --batch-size read and then dropped decoded in batches of the default 16, which a user had lowered to fit memory.
     from trainer import evaluate
