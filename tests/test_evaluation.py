@@ -189,6 +189,7 @@ def test_evaluate_writes_its_table_a_row_an_utterance_by_file_name_reference_bef
              for name, seconds, text in utterances]
     (tmp_path / "m.jsonl").write_text("".join(lines))
     out = tmp_path / "table.tsv"
+    torch.manual_seed(1)  # a model whose errors give the words and the characters different rates (below)
     assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
                           "--manifest", str(tmp_path / "m.jsonl"), "--out", str(out)]) == 0, capsys.readouterr().err
     header, *rows = [line.split("\t") for line in out.read_text().splitlines()]
@@ -198,6 +199,11 @@ def test_evaluate_writes_its_table_a_row_an_utterance_by_file_name_reference_bef
     for _, word_errors, char_errors, reference, hypothesis in rows:
         assert int(word_errors) == edit_distance(reference.split(), hypothesis.split())
         assert int(char_errors) == edit_distance(list(reference), list(hypothesis))
+    # The summary's rates are the table's errors over the references' 5 words and 14 characters.
+    all_word_errors, all_char_errors = (sum(int(row[column]) for row in rows) for column in (1, 2))
+    assert capsys.readouterr().out == (f"WER {100 * all_word_errors / 5:.2f}%  CER {100 * all_char_errors / 14:.2f}%  "
+                                       "(3 utterances, 5 words)\n")
+    assert all_word_errors / 5 != all_char_errors / 14, rows  # which the swapped figures would not tell apart
 
 
 def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_not_as_unreadable(tmp_path, capsys):
