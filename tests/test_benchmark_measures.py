@@ -151,12 +151,15 @@ sys.argv[1:] = ["--cells", "gru", "--precisions", "fp32", "--hiddens", "128", *s
 @pytest.mark.parametrize("code", [*(FAKED_BENCHMARKS[name][0] for name in sorted(FAKED_BENCHMARKS)),
                                   FAKED_SUPPORT_TABLE], ids=[*sorted(FAKED_BENCHMARKS), "support_table"])
 def test_a_benchmark_ends_saying_where_it_wrote_its_json(tmp_path, code):
-    """rnn_kernels and support_table wrote their JSON without a word, where the other benchmarks end with its path."""
+    """rnn_kernels and support_table wrote their JSON without a word, where the other benchmarks end with its path.
+    The JSON names the device its figures were measured on: a result without it cannot be set in the README's tables
+    beside another GPU's."""
     path = tmp_path / "out.json"
     result = subprocess.run([sys.executable, "-c", code + "sys.exit(benchmark.main())", "--json", str(path)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(path.read_text())
+    devices = values_of("device", json.loads(path.read_text()))
+    assert len(devices) == 1 and isinstance(devices[0], str) and devices[0], devices
     assert result.stdout.endswith(f"\nwrote {path}\n"), result.stdout[-2000:]
 
 
@@ -408,3 +411,4 @@ def test_the_support_table_ends_a_reader_that_stops_early_and_a_ctrl_c_in_one_li
                                                             *MANY_HIDDENS], env={**os.environ, "FAKE_QUERY_S": "0.01"})
     assert "the most utterances" in first_line
     assert (code, stderr) == (130, "interrupted by Ctrl-C\n"), stderr[-2000:]
+
