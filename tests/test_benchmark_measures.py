@@ -412,3 +412,43 @@ def test_the_support_table_ends_a_reader_that_stops_early_and_a_ctrl_c_in_one_li
     assert "the most utterances" in first_line
     assert (code, stderr) == (130, "interrupted by Ctrl-C\n"), stderr[-2000:]
 
+
+def train_step_row(model, backend, batch, median_ms, cuda_graphs=False):
+    """A timed row as benchmarks.train_step.measure builds it (its GPU time a third below its median)."""
+    row = {"model": model, "backend": backend, "cuda_graphs": cuda_graphs, "batch": batch,
+           **scaling.summary([median_ms]), "gpu_ms": median_ms * 2 / 3, "parameters": 1000, "peak_memory_gb": 0.5,
+           "samples_per_s": batch / median_ms * 1e3}
+    if backend == "persistent":
+        row["persistent"] = {"supported": True, "reason": "", "directions_in_one_launch": True}
+    return row
+
+
+def test_a_train_step_speedup_is_cudnns_time_over_the_rows_at_its_own_model_and_batch(capsys):
+    """speedup_over_cudnn divides cuDNN's median step by the row's, cuDNN's of the same model and batch: no test ran
+    it with a row to compare (the fakes ran cuDNN alone), so a ratio inverted, or cuDNN's row of another batch or
+    model taken, gave the README's speed-ups unseen; nor did the table's columns have values told apart."""
+    rows = [train_step_row("an4", "cudnn", 1, 10.0), train_step_row("an4", "persistent", 1, 4.0),
+            train_step_row("an4", "persistent", 1, 2.0, cuda_graphs=True),
+            train_step_row("an4", "cudnn", 4, 20.0), train_step_row("an4", "persistent", 4, 16.0),
+            train_step_row("an4", "persistent", 8, 5.0),  # no cuDNN row at batch 8: no speed-up
+            train_step_row("deep", "cudnn", 1, 40.0), train_step_row("deep", "persistent", 1, 10.0),
+            {"model": "deep", "backend": "persistent", "cuda_graphs": False, "batch": 4,
+             "persistent": {"supported": False, "reason": "too large", "directions_in_one_launch": False}}]
+    train_step.add_speedups(rows)
+    assert [row.get("speedup_over_cudnn") for row in rows] == [None, 2.5, 5.0, None, 1.25, None, None, 4.0, None]
+    layer = {"depth": 5, "bidirectional": True, "cell": "gru", "hidden": 800}
+    train_step.print_table(rows, {"an4": layer, "deep": {**layer, "depth": 7, "hidden": 1152}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["an4: 5 x bi-GRU 800", "deep: 7 x bi-GRU 1152"]
+    assert lines[2].split() == ["model", "backend", "batch", "median", "ms", "GPU", "ms", "samples/s", "peak", "GB",
+                                "speed-up"]
+    assert [line.split() for line in lines[4:]] == [
+        ["an4", "cudnn", "1", "10.00", "6.67", "100.0", "0.50"],
+        ["an4", "persistent", "1", "4.00", "2.67", "250.0", "0.50", "2.50x"],
+        ["an4", "persistent", "+", "graphs", "1", "2.00", "1.33", "500.0", "0.50", "5.00x"],
+        ["an4", "cudnn", "4", "20.00", "13.33", "200.0", "0.50"],
+        ["an4", "persistent", "4", "16.00", "10.67", "250.0", "0.50", "1.25x"],
+        ["an4", "persistent", "8", "5.00", "3.33", "1600.0", "0.50"],
+        ["deep", "cudnn", "1", "40.00", "26.67", "25.0", "0.50"],
+        ["deep", "persistent", "1", "10.00", "6.67", "100.0", "0.50", "4.00x"],
+        ["deep", "persistent", "4", "refused:", "too", "large"]]
