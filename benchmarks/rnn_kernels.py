@@ -237,18 +237,25 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
             row[f"cudnn_{name}_fwd_graphed_us"] = per_step_us(median_ms(graphed(baseline.cudnn)))
             row[f"cudnn_{name}_fwdbwd_graphed_us"] = per_step_us(
                 median_ms(graphed(baseline.forward_backward(baseline.cudnn))))
-    reference, _ = cudnn_keys(precision)
-    num_directions = 2 if bidirectional else 1
-    for direction, backward in (("fwd", False), ("fwdbwd", True)):
-        if verdict.ok:
-            persistent_us = row[f"persistent_{direction}_us"]
-            gate_rows = NUM_GATES[cell] * hidden_size
-            work = num_directions * flops(NUM_STEPS, batch_size, gate_rows, hidden_size, hidden_size, backward)
-            row[f"persistent_{direction}_tflops"] = work / (persistent_us * NUM_STEPS * 1e-6) / 1e12
-            row[f"speedup_{direction}_over_{reference}"] = row[f"{reference}_{direction}_us"] / persistent_us
-            row[f"speedup_{direction}_graphed_over_{reference}"] = (
-                row[f"{reference}_{direction}_graphed_us"] / row[f"persistent_{direction}_graphed_us"])
+    if verdict.ok:
+        add_rates(row)
     return row
+
+
+def add_rates(row):
+    """The persistent layer's TFLOP/s and its speed-ups over its precision's reference cuDNN run, forward and forward
+    plus backward, from a supported row's times per step."""
+    reference, _ = cudnn_keys(row["precision"])
+    num_directions = 2 if row["bidirectional"] else 1
+    num_steps, hidden_size = row["num_steps"], row["hidden"]
+    gate_rows = NUM_GATES[row["cell"]] * hidden_size
+    for direction, backward in (("fwd", False), ("fwdbwd", True)):
+        persistent_us = row[f"persistent_{direction}_us"]
+        work = num_directions * flops(num_steps, row["batch"], gate_rows, hidden_size, hidden_size, backward)
+        row[f"persistent_{direction}_tflops"] = work / (persistent_us * num_steps * 1e-6) / 1e12
+        row[f"speedup_{direction}_over_{reference}"] = row[f"{reference}_{direction}_us"] / persistent_us
+        row[f"speedup_{direction}_graphed_over_{reference}"] = (
+            row[f"{reference}_{direction}_graphed_us"] / row[f"persistent_{direction}_graphed_us"])
 
 
 def cudnn_keys(precision):

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from benchmarks import scaling, support_table, train_step
+from benchmarks import rnn_kernels, scaling, support_table, train_step
 from conftest import REPO_ROOT
 from prnn_kernels.persistent import support
 
@@ -452,3 +452,48 @@ def test_a_train_step_speedup_is_cudnns_time_over_the_rows_at_its_own_model_and_
         ["deep", "cudnn", "1", "40.00", "26.67", "25.0", "0.50"],
         ["deep", "persistent", "1", "10.00", "6.67", "100.0", "0.50", "4.00x"],
         ["deep", "persistent", "4", "refused:", "too", "large"]]
+
+
+def rnn_kernels_row(precision, bidirectional, **times_us):
+    """A supported GRU row of benchmarks.rnn_kernels.measure at B = 4, H = 1024, before add_rates: each time per step
+    `times_us` names, the others 1 us."""
+    row = {"cell": "gru", "batch": 4, "hidden": 1024, "precision": precision, "bidirectional": bidirectional,
+           "num_steps": rnn_kernels.NUM_STEPS, "persistent_supported": True, "persistent_reason": ""}
+    runs = ["persistent", *rnn_kernels.cudnn_keys(precision)]
+    for run, direction, graphed in itertools.product(runs, ("fwd", "fwdbwd"), ("", "_graphed")):
+        row[f"{run}_{direction}{graphed}_us"] = times_us.get(f"{run}_{direction}{graphed}_us", 1.0)
+    return row
+
+
+def test_rnn_kernels_times_per_step_tflops_and_speedups_over_the_reference(capsys):
+    """The arithmetic of benchmarks.rnn_kernels, which ran on a GPU alone and no test checked: a millisecond call over
+    256 steps in us per step, 2 T B G H (I + H) FLOPs a direction forward and three times that with the backward, and
+    the speed-ups over the precision's reference (cuDNN fp32 for fp32, fp16 for bf16), not over the run beside it."""
+    assert rnn_kernels.per_step_us(25.6) == pytest.approx(100.0)
+    forward = 2 * 256 * 4 * (3 * 1024) * (1024 + 1024)  # GRU: three gates
+    assert rnn_kernels.flops(256, 4, 3 * 1024, 1024, 1024, backward=False) == forward
+    assert rnn_kernels.flops(256, 4, 3 * 1024, 1024, 1024, backward=True) == 3 * forward
+    fp32 = rnn_kernels_row("fp32", False, persistent_fwd_us=100.0, persistent_fwdbwd_us=400.0,
+                           persistent_fwd_graphed_us=50.0, persistent_fwdbwd_graphed_us=200.0,
+                           cudnn_fp32_fwd_us=300.0, cudnn_fp32_fwdbwd_us=600.0, cudnn_fp32_fwd_graphed_us=250.0,
+                           cudnn_fp32_fwdbwd_graphed_us=500.0, cudnn_tf32_fwd_us=30.0, cudnn_tf32_fwdbwd_us=40.0)
+    rnn_kernels.add_rates(fp32)
+    # 12.9 GFLOP in 256 steps of 100 us (25.6 ms) forward; three times as much in four times as long.
+    assert fp32["persistent_fwd_tflops"] == pytest.approx(forward / 25.6e-3 / 1e12)
+    assert fp32["persistent_fwdbwd_tflops"] == pytest.approx(3 * forward / 102.4e-3 / 1e12)
+    assert (fp32["speedup_fwd_over_cudnn_fp32"], fp32["speedup_fwdbwd_over_cudnn_fp32"],
+            fp32["speedup_fwd_graphed_over_cudnn_fp32"], fp32["speedup_fwdbwd_graphed_over_cudnn_fp32"]) == (
+        3.0, 1.5, 5.0, 2.5)
+    bf16 = rnn_kernels_row("bf16", True, persistent_fwd_us=100.0, cudnn_fp16_fwd_us=200.0, cudnn_bf16_fwd_us=700.0)
+    rnn_kernels.add_rates(bf16)
+    assert bf16["persistent_fwd_tflops"] == pytest.approx(2 * forward / 25.6e-3 / 1e12)  # both directions' work
+    assert bf16["speedup_fwd_over_cudnn_fp16"] == 2.0 and "speedup_fwd_over_cudnn_bf16" not in bf16
+    fp32["kernel_only_fwd_us"], fp32["matmul_loop_fwd_us"] = 80.0, 20.0
+    rnn_kernels.print_table([fp32])
+    lines = capsys.readouterr().out.splitlines()
+    tflops = [f"{fp32[f'persistent_{direction}_tflops']:.2f}" for direction in ("fwd", "fwdbwd")]
+    assert [line.split() for line in lines[3:5]] == [
+        ["gru", "1", "fp32", "4", "1024", "fwd", "|", "100.00", "50.00", "80.00", tflops[0], "|", "300.00", "250.00",
+         "30.00", "20.00", "|", "3.0x", "5.0x"],
+        ["gru", "1", "fp32", "4", "1024", "fwdbwd", "|", "400.00", "200.00", tflops[1], "|", "600.00", "500.00",
+         "40.00", "|", "1.5x", "2.5x"]]
