@@ -381,6 +381,7 @@ def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(to
     unreadable = tmp_path / "unreadable.pt"
     unreadable.write_text("not a checkpoint\n")
     common = ["--checkpoint", str(unreadable), "--device", "cpu"]
+    (tmp_path / "m.jsonl").write_text("{}\n")  # evaluate checks that its manifest is there before the checkpoint
     inputs = [str(tmp_path / "a.wav")] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
     assert main([*common, "--word-bonus", "1", *inputs]) == 2
     assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
