@@ -177,8 +177,10 @@ def printable(text: str | os.PathLike) -> str:
     """`text`, a path or transcript read from a file (a manifest, a corpus's listing, a folder), as a message or log
     line may quote it: what it does not print as itself in escapes, as Python's repr writes them without its quotes
     ("\\x1b", "\\r", "\\u202e"), and a path's bytes that are not UTF-8 as "\\xff". Printed raw, one such character
-    cleared the screen, wrote over the line the user reads, or named another file than the one skipped."""
-    return "".join(_escape(char) if unicodedata.category(char) in _NOT_PRINTABLE else char for char in os.fspath(text))
+    cleared the screen, wrote over the line the user reads, or named another file than the one skipped. A backslash is
+    doubled, as repr doubles it: a name holding the four characters "\\x1b" is not the one holding ESC."""
+    return "".join(_escape(char) if char == "\\" or unicodedata.category(char) in _NOT_PRINTABLE else char
+                   for char in os.fspath(text))
 
 
 def _escape(char: str) -> str:

@@ -5,11 +5,12 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
 
-from data.manifest import Utterance, read_manifest, write_manifest
+from data.manifest import Utterance, printable, read_manifest, write_manifest
 
 
 def test_write_then_read_gives_the_same_utterances(tmp_path):
@@ -115,6 +116,17 @@ def test_missing_manifest_names_the_file(tmp_path):
     with pytest.raises(ValueError) as error:
         read_manifest(tmp_path / "manifests")
     assert str(error.value) == f"manifest {tmp_path / 'manifests'} is a folder, not a file"
+
+
+def test_printable_names_each_path_by_escapes_no_other_path_writes_the_same_way(tmp_path):
+    """A name holding the four characters \\x1b was quoted as the one holding ESC, and one holding \\xff as the one
+    whose byte is not UTF-8: a warning could name the wrong one of two files. A backslash is doubled, as repr does."""
+    escape, backslashed = "a\x1b[2J.wav", "a\\x1b[2J.wav"
+    not_utf8, spelled_out = Path(os.fsdecode(b"b\xff.wav")), Path("b\\xff.wav")
+    assert printable(escape) == "a\\x1b[2J.wav" and printable(backslashed) == "a\\\\x1b[2J.wav"
+    assert printable(not_utf8) == "b\\xff.wav" and printable(spelled_out) == "b\\\\xff.wav"
+    assert printable("c\ud800.wav") == "c\\ud800.wav"  # a lone surrogate a JSON manifest may hold
+    assert printable(tmp_path / "plain d.wav") == str(tmp_path / "plain d.wav")
 
 
 def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
