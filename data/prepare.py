@@ -195,7 +195,8 @@ def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[l
 def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str,
                skipped: Counter[str]) -> Utterance | None:
     """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (with a warning
-    naming the file, counted in `skipped` by reason) when there is no such file or it cannot be read."""
+    naming the file, counted in `skipped` by reason) when there is no such file, its path is not UTF-8 or holds a
+    control character, or its header cannot be read."""
     audio = _audio_file(audio_stem, suffixes)
     if audio is None:
         logger.warning("skipping %s: no %s file", printable(audio_stem), " / ".join(suffixes))
@@ -247,8 +248,8 @@ def _write(label: str, listing: str, manifest: Path, utterances: list[Utterance]
     skipped by reason, the manifest not written: one of 0 bytes only failed the next step ("manifest PATH is empty"),
     which cannot say why, and an earlier one stays as it was."""
     if not utterances:
-        raise ValueError(f"no usable utterance in {listing}: skipped "
-                         f"{count_reasons(skipped) or 'none, none is listed'}")
+        why = f"skipped {count_reasons(skipped)}" if skipped else "none is listed there"
+        raise ValueError(f"no usable utterance in {listing}: {why}")
     write_manifest(manifest, utterances)
     hours = sum(utterance.duration for utterance in utterances) / 3600
     logger.info(

@@ -157,8 +157,8 @@ def test_a_split_that_lists_no_utterance_exits_2_naming_its_listing(tiny_an4, tm
     with pytest.raises(SystemExit) as exit_info:
         main([corpus, "--source", str(source), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (f"python -m data.prepare: error: no usable utterance in {listing}: skipped "
-                                       "none, none is listed\n")
+    assert capsys.readouterr().err == (f"python -m data.prepare: error: no usable utterance in {listing}: "
+                                       "none is listed there\n")
     assert not (tmp_path / "out" / f"{'an4_test' if corpus == 'an4' else 'dev-clean'}.jsonl").exists()
 
 
