@@ -111,7 +111,7 @@ def error_without_root_privilege(function: str, error: str, path: Path) -> str:
 
 def raw_control_characters(text: str) -> list[str]:
     """What data.manifest.printable escapes in a message, left in `text` as it is."""
-    return [char for char in text if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp")]
+    return [char for char in text if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
 
 
 def wait_for_text(path: Path, text: str, job: subprocess.Popen, timeout_s: float = 600) -> None:
