@@ -406,7 +406,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     try:
         deadline = time.monotonic() + timeout_s
         if rank != 0:
-            wait_for_rank_0s_rendezvous(address, port, timeout_s)
+            wait_for_rank_0s_rendezvous(address, port, deadline)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{address}:{port}",
@@ -439,14 +439,14 @@ def rendezvous_wait_s(deadline: float, timeout_s: float) -> float:
     return max(deadline - time.monotonic(), min(LEAST_RENDEZVOUS_WAIT_S, timeout_s))
 
 
-def wait_for_rank_0s_rendezvous(address: str, port: int, timeout_s: float) -> None:
+def wait_for_rank_0s_rendezvous(address: str, port: int, deadline: float) -> None:
     """Returns once rank 0's rendezvous at `address` and `port` accepts a connection, which its store closes without
-    a word; DistNetworkError saying it timed out where it did not within `timeout_s` (init's one line then says so).
+    a word; DistNetworkError saying it timed out where it did not by `deadline` (time.monotonic(); init's one line
+    then says so).
     Torch's own wait for it logged each of its tries that timed out with some 20 lines of C++ stack frames before that
     line, and TORCH_CPP_LOG_LEVEL, which hides them, is read as torch is imported and would hide every other C++
     warning and error too (NCCL's watchdog's). Any other error (a name that does not resolve) is left to the
     rendezvous, which says it."""
-    deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((address, port), timeout=max(deadline - time.monotonic(), 0.01)):
