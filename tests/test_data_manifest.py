@@ -69,6 +69,19 @@ def test_relative_audio_paths_resolve_against_the_manifest_folder(tmp_path):
     ]
 
 
+def test_relative_audio_paths_resolve_against_the_folder_the_manifest_is_named_in(tmp_path, monkeypatch):
+    """Read, a relative path is absolute (Utterance.audio_filepath), whatever the working folder becomes after: a
+    manifest named relative to the working folder, its folder taken as the working folder's. A symbolic link to a
+    manifest in another folder takes its audio from the link's folder, as README's Manifests section says."""
+    (tmp_path / "corpus" / "wav").mkdir(parents=True)
+    (tmp_path / "corpus" / "m.jsonl").write_text('{"audio_filepath": "wav/a.flac", "duration": 1.0, "text": "A"}\n')
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "m.jsonl").symlink_to(tmp_path / "corpus" / "m.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert [u.audio_filepath for u in read_manifest("corpus/m.jsonl")] == [str(tmp_path / "corpus" / "wav" / "a.flac")]
+    assert [u.audio_filepath for u in read_manifest("links/m.jsonl")] == [str(tmp_path / "links" / "wav" / "a.flac")]
+
+
 def read_through_a_pipe(tmp_path, records: list[dict], **kwargs) -> list[Utterance]:
     """read_manifest(**kwargs) of `records` written into a named pipe, as `<(...)` gives one."""
     pipe = tmp_path / "fifo"
