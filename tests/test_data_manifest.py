@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-from data.manifest import Utterance, printable, read_manifest, write_manifest
+from data.manifest import MAX_LINE_BYTES, Utterance, printable, read_manifest, write_manifest
 
 
 def test_write_then_read_gives_the_same_utterances(tmp_path):
@@ -118,6 +118,20 @@ def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(tmp_path
     for path in (tmp_path / "zeros.img", "/dev/zero"):
         with pytest.raises(ValueError, match=rf"^{path}:1: a line longer than 1,048,576 bytes: not a text file$"):
             read_manifest(path)
+
+
+def test_a_line_of_max_line_bytes_is_read_and_one_a_byte_longer_is_refused(tmp_path):
+    """The limit counts a line's bytes with its line break: a line of MAX_LINE_BYTES bytes is a manifest's line."""
+    def line_of(size: int) -> str:
+        start = '{"audio_filepath": "a.wav", "duration": 1.0, "text": "'
+        return start + "A" * (size - len(start) - len('"}\n')) + '"}\n'
+    good = json.dumps({"audio_filepath": "a.wav", "duration": 1.0, "text": "A"}) + "\n"
+    path = tmp_path / "m.jsonl"
+    path.write_text(good + line_of(MAX_LINE_BYTES))
+    assert len(path.read_bytes()) == len(good) + MAX_LINE_BYTES and len(read_manifest(path)) == 2
+    path.write_text(good + line_of(MAX_LINE_BYTES + 1))
+    with pytest.raises(ValueError, match=rf"^{path}:2: a line longer than 1,048,576 bytes: not a text file$"):
+        read_manifest(path)
 
 
 def test_missing_manifest_names_the_file(tmp_path):
