@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,21 @@ def test_malformed_line_names_file_and_line_number(tmp_path, bad_line, complaint
     path.write_text(f"{good}\n{bad_line}\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: .*{complaint}"):
         read_manifest(path)
+
+
+def test_each_bidirectional_control_in_an_audio_path_is_refused(tmp_path):
+    """Unicode's twelve Bidi_Control characters, by name: one left out of BIDI_CONTROLS printed the rest of a log line
+    reordered."""
+    names = ["ARABIC LETTER MARK", "LEFT-TO-RIGHT MARK", "RIGHT-TO-LEFT MARK", "LEFT-TO-RIGHT EMBEDDING",
+             "RIGHT-TO-LEFT EMBEDDING", "POP DIRECTIONAL FORMATTING", "LEFT-TO-RIGHT OVERRIDE",
+             "RIGHT-TO-LEFT OVERRIDE", "LEFT-TO-RIGHT ISOLATE", "RIGHT-TO-LEFT ISOLATE", "FIRST STRONG ISOLATE",
+             "POP DIRECTIONAL ISOLATE"]
+    path = tmp_path / "m.jsonl"
+    for control in map(unicodedata.lookup, names):
+        path.write_text(json.dumps({"audio_filepath": f"a{control}b.wav", "duration": 1.0, "text": "A"}) + "\n")
+        with pytest.raises(ValueError, match=r"m.jsonl:1: 'audio_filepath' holds the control character .* "
+                           rf"\(U\+{ord(control):04X}\)"):
+            read_manifest(path)
 
 
 def test_durations_at_the_ends_of_their_range_are_read_as_seconds(tmp_path):
