@@ -154,6 +154,9 @@ def test_printable_names_each_path_by_escapes_no_other_path_writes_the_same_way(
     assert printable(escape) == "a\\x1b[2J.wav" and printable(backslashed) == "a\\\\x1b[2J.wav"
     assert printable(not_utf8) == "b\\xff.wav" and printable(spelled_out) == "b\\\\xff.wav"
     assert printable("c\ud800.wav") == "c\\ud800.wav"  # a lone surrogate a JSON manifest may hold
+    # Each category it names: a control (NEL), format characters (U+202E, the soft hyphen), the line and paragraph
+    # separators.
+    assert printable("d\x85\u202e\xad\u2028\u2029.wav") == "d\\x85\\u202e\\xad\\u2028\\u2029.wav"
     assert printable(tmp_path / "plain d.wav") == str(tmp_path / "plain d.wav")
 
 
