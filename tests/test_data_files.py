@@ -33,14 +33,16 @@ def test_a_write_failing_part_way_leaves_the_earlier_file_whole_and_no_temporary
 
 
 def test_the_new_file_is_on_disk_before_it_is_renamed_over_the_target(tmp_path, monkeypatch):
-    """Without it, a power loss after the rename can leave the target empty on file systems that delay writes."""
+    """Without it, a power loss after the rename can leave the target empty on file systems that delay writes. What
+    is synced is the whole text: Python's buffer, not flushed first, reached the file only as it closed, unsynced."""
     events, real_fsync, real_replace = [], os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"),
+                                                                os.fstat(fd).st_size)), real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda source, target: (events.append(("replace", str(source))),
                                                                real_replace(source, target)))
     files.replace_whole(tmp_path / "config.yaml", "seed: 1\n")
-    assert [name for name, _ in events] == ["fsync", "replace"] and events[0][1] == events[1][1], events
+    assert [event[0] for event in events] == ["fsync", "replace"] and events[0][1] == events[1][1], events
+    assert events[0][2] == len("seed: 1\n"), events
 
 
 def test_a_full_disk_leaves_the_earlier_file_whole_and_the_error_names_it(tmp_path):
