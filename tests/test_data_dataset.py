@@ -165,15 +165,17 @@ def test_an_audio_file_listed_again_through_a_link_is_a_repeat_and_a_link_to_ano
     (tmp_path / "elsewhere" / "inner").mkdir(parents=True)
     write_noise(tmp_path / "elsewhere" / "a.wav", 0.5)
     (tmp_path / "linked").symlink_to(tmp_path / "elsewhere" / "inner")
-    # A file that cannot be examined is compared by name, and is unusable when read: two such names, two files.
-    listings = ["a.wav", "symbolic.wav", "hard.wav", "linked/../a.wav", "missing.wav", "./missing.wav", "absent.wav"]
+    # A file that cannot be examined is compared by name, `..` folded, and is unusable when read: two such names, two
+    # files.
+    listings = ["a.wav", "symbolic.wav", "hard.wav", "linked/../a.wav", "missing.wav", "./missing.wav",
+                "gone/../missing.wav", "absent.wav"]
     (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "A"}}\n'
                                               for name in listings))
     dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
     assert [utterance.audio_filepath for utterance in dataset.utterances] == [
         str(tmp_path / "a.wav"), str(tmp_path / "linked/../a.wav"), str(tmp_path / "missing.wav"),
         str(tmp_path / "absent.wav")]
-    assert dataset.skipped == Counter({"audio listed before": 3})
+    assert dataset.skipped == Counter({"audio listed before": 4})
     assert len(dataset[1].features) == 51  # elsewhere/a.wav's 0.5 s, not a.wav's 1 s
 
 
