@@ -1,6 +1,7 @@
 """Writing a file whole or not at all (data.files), which every writer of the project does through it."""
 import errno
 import os
+import shutil
 import subprocess
 import sys
 
@@ -112,4 +113,6 @@ def test_the_space_left_is_said_where_the_file_system_says_it_and_left_out_where
     """The checkpoint's and the run records' full-disk lines both take it from here: one wording of the space left."""
     said = files.space_left(tmp_path, "on its file system")
     assert said.startswith("; ") and said.endswith(" MiB free on its file system"), said
+    # In MiB as it says (other writers may change the free space a little meanwhile).
+    assert float(said.split()[1]) == pytest.approx(shutil.disk_usage(tmp_path).free / 2**20, rel=0.01, abs=64), said
     assert files.space_left(tmp_path / "removed", f"in {tmp_path / 'removed'}") == ""
