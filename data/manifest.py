@@ -193,9 +193,10 @@ def _escape_as_printable_path(error: UnicodeError) -> tuple[str, int]:
     """A codec error handler: the bytes of a path that are not UTF-8 (which Python holds as surrogate escapes,
     "\\udcff") as printable writes them; other text it cannot encode as backslashreplace writes it."""
     if isinstance(error, UnicodeEncodeError):
-        unencodable = error.object[error.start : error.end]
-        if all("\udc80" <= char <= "\udcff" for char in unencodable):
-            return printable(unencodable), error.end
+        # printable's escapes for the bytes, then backslashreplace's for what is left: an ASCII stream refuses a
+        # name's "é" in one run with the bytes beside it.
+        escaped = printable(error.object[error.start : error.end])
+        return escaped.encode("ascii", "backslashreplace").decode("ascii"), error.end
     return codecs.backslashreplace_errors(error)
 
 

@@ -1,5 +1,6 @@
 """Reading and writing JSONL manifests."""
 import errno
+import io
 import json
 import os
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-from data.manifest import MAX_LINE_BYTES, Utterance, printable, read_manifest, write_manifest
+from data.manifest import (MAX_LINE_BYTES, Utterance, print_paths_printable, printable, read_manifest,
+                           write_manifest)
 
 
 def test_write_then_read_gives_the_same_utterances(tmp_path):
@@ -158,6 +160,21 @@ def test_printable_names_each_path_by_escapes_no_other_path_writes_the_same_way(
     # separators.
     assert printable("d\x85\u202e\xad\u2028\u2029.wav") == "d\\x85\\u202e\\xad\\u2028\\u2029.wav"
     assert printable(tmp_path / "plain d.wav") == str(tmp_path / "plain d.wav")
+
+
+def test_a_stream_prints_each_byte_of_a_name_that_is_not_utf8_once_in_escapes_whatever_its_encoding():
+    """print_paths_printable: a Cyrillic name in CP1251 is bytes UTF-8 refuses one after another, each written once.
+    An ASCII stream (PYTHONIOENCODING=ascii) refuses a name's "é" in the same run as the bytes beside it: that run
+    was written by backslashreplace, which named the bytes "\\udccf", as if the stream printed paths as Python holds
+    them."""
+    name = os.fsdecode("/d/café".encode() + b"\xcf\xf0\xe8.wav")
+    for encoding, printed in [("utf-8", "/d/café\\xcf\\xf0\\xe8.wav\n".encode()),
+                              ("ascii", b"/d/caf\\xe9\\xcf\\xf0\\xe8.wav\n")]:
+        written = io.BytesIO()
+        stream = io.TextIOWrapper(written, encoding=encoding)
+        print_paths_printable(stream)
+        print(name, file=stream, flush=True)
+        assert written.getvalue() == printed, encoding
 
 
 def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
