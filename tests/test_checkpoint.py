@@ -412,11 +412,20 @@ def test_a_checkpoint_whose_weights_were_stored_in_another_precision_runs_as_tra
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
     good = checkpoint.load(small_checkpoint(tmp_path / "good.pt"))
     wider = checkpoint.load(small_checkpoint(tmp_path / "wider.pt", "model.hidden=32"))
+    first_weight, *others = good["model"]
+    # Loaded with strict=False, a state dict lacking a weight failed in torch's words (a RuntimeError on the meta
+    # device, naming neither), and one holding an extra weight loaded: every test passed.
+    missing_weight = {key: good["model"][key] for key in others}
+    extra_weight = {**good["model"], "extra.weight": torch.ones(2)}
     cases = {
         "empty": {"model": {}, "config": {}},
         "unknown_key": {**good, "config": {**good["config"], "model": {**good["config"]["model"], "dropout": 0.1}}},
+        # A reason past 300 characters is cut short: uncut, the test passed, as no other reason here was that long.
+        "long_key": {**good, "config": {**good["config"], "model": {**good["config"]["model"], "x" * 400: 1}}},
         "tensor_model": {**good, "model": torch.ones(3)},
         "other_shapes": {**good, "model": wider["model"]},
+        "missing_weight": {**good, "model": missing_weight},
+        "extra_weight": {**good, "model": extra_weight},
     }
     for name, saved in cases.items():
         checkpoint.save(tmp_path / f"{name}.pt", saved)
@@ -427,6 +436,11 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
             "\n" not in message and len(message) < 300 + len(str(tmp_path)) + 60, (name, message)
         if name == "other_shapes":  # which tensor does not fit, not torch's heading alone
             assert "size mismatch for layers.0.rnn.weight_ih_l0" in message, message
+        if name == "long_key":
+            assert message.endswith("...)"), message
+        if name in ("missing_weight", "extra_weight"):
+            assert (f'Missing key(s) in state_dict: "{first_weight}"' if name == "missing_weight" else
+                    'Unexpected key(s) in state_dict: "extra.weight"') in message, message
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on nested tensors and on validating sparse ones
