@@ -95,6 +95,9 @@ def test_entries_not_finite_names_each_nan_or_infinity_and_no_large_finite_value
         model["c"].weight[150, 299] = -math.inf
         model["c"].bias[0] = math.inf
     assert build.entries_not_finite(model) == "a.bias, c.weight, c.bias"
+    with torch.no_grad():
+        model["b"].weight[0, 0] = math.nan
+    assert build.entries_not_finite(model) == "a.bias, b.weight, c.weight and 1 more"
 
 
 def test_entries_not_finite_allocates_no_copy_of_the_weights():
@@ -276,6 +279,15 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
         deep = {"a": deep}
     torch.save({"model": {}, "config": deep}, tmp_path / "deep.pt")
     with pytest.raises(ValueError, match=r"deep.pt .*: its config(\.a)+ nests deeper than 16 levels"):
+        checkpoint.load(tmp_path / "deep.pt")
+    # 16 levels are taken, 17 are not: with the limit compared by >= or one level off, only 100 were refused.
+    deep = {}
+    for _ in range(checkpoint.MAX_CONFIG_DEPTH):
+        deep = {"a": deep}
+    torch.save({"model": {}, "config": deep}, tmp_path / "deep.pt")
+    assert checkpoint.load(tmp_path / "deep.pt")["config"] == deep
+    torch.save({"model": {}, "config": {"a": deep}}, tmp_path / "deep.pt")
+    with pytest.raises(ValueError, match=r"deep.pt .*: its config(\.a){17} nests deeper than 16 levels"):
         checkpoint.load(tmp_path / "deep.pt")
     # Nor what OmegaConf holds no type of: a resume said it without the file, a key of None over three lines.
     torch.save({"model": {}, "config": {"data": {"kind": torch.zeros(2)}}}, tmp_path / "tensor_config.pt")
