@@ -316,6 +316,30 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
         checkpoint.load(tmp_path / "yaml.pt")
 
 
+def test_a_checkpoint_whose_lists_recur_many_times_over_is_read_or_refused_at_once(tmp_path):
+    """A pickle stores a list once however often it recurs: in a kilobyte, lists that each hold the next ten times
+    over are 10**16 entries to walk, and a list inside itself never ends. Outside the config each is looked at once
+    (looked at each time, the walk never ended, and every test passed); a config, which OmegaConf copies entry by
+    entry, of more than MAX_CONFIG_ENTRIES is refused (10**8 took hours). In a process of its own, so that a walk
+    that does not end fails the test rather than hangs it."""
+    recurring = "x"
+    for _ in range(checkpoint.MAX_CONFIG_DEPTH):
+        recurring = [recurring] * 10
+    looped = []
+    looped.append(looped)
+    torch.save({"model": {}, "config": {}, "train_state": {"recurring": recurring, "looped": looped}},
+               tmp_path / "state.pt")
+    torch.save({"model": {}, "config": {"data": recurring[0][0][0][0][0][0][0][0]}}, tmp_path / "config.pt")
+    script = ("import sys\nfrom trainer import checkpoint\nfor path in sys.argv[1:]:\n    try:\n"
+              "        checkpoint.load(path)\n        print('loaded')\n    except ValueError as error:\n"
+              "        print(error)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state.pt"), str(tmp_path / "config.pt")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines() == [
+        "loaded", f"{tmp_path / 'config.pt'} is not a checkpoint written by python -m trainer: its config holds more "
+                  "than 10,000 entries, which the trainer's resolved config never holds"], result.stderr
+
+
 def test_a_checkpoint_whose_bytes_changed_after_it_was_written_is_refused_naming_the_entry(tmp_path):
     """torch.load does not check the CRC-32 that torch.save writes for each zip entry: a checkpoint with bytes of a
     weight changed on disk loaded, and a resume trained on from the wrong weights until they diverged."""

@@ -275,15 +275,23 @@ def _odd_tensor(saved: dict) -> str | None:
 
 
 MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
+# The trainer's configs hold about 100 entries. A pickle stores a list once however often it recurs: a kilobyte of
+# lists each holding the next many times over spelled 10**16 entries, which were walked and given to OmegaConf for
+# hours.
+MAX_CONFIG_ENTRIES = 10_000
 
 
 def _unresolved(config: dict) -> str | None:
     """What in a stored config OmegaConf would not take as plain data, named with its key: its missing value `???`,
-    nesting past MAX_CONFIG_DEPTH, or a value or key of a type it holds none of (a tensor, a key of None), which a
-    resume said without the file, over three lines where no key was named; else None."""
-    pending = [("config", config, 0)]
+    nesting past MAX_CONFIG_DEPTH, more than MAX_CONFIG_ENTRIES entries, or a value or key of a type it holds none of
+    (a tensor, a key of None), which a resume said without the file, over three lines where no key was named; else
+    None."""
+    pending, entries = [("config", config, 0)], 0
     while pending:
         key, value, depth = pending.pop()
+        entries += 1
+        if entries > MAX_CONFIG_ENTRIES:
+            return f"config holds more than {MAX_CONFIG_ENTRIES:,} entries"
         if depth > MAX_CONFIG_DEPTH:
             return f"{key} nests deeper than {MAX_CONFIG_DEPTH} levels"
         if isinstance(value, str) and value == "???":
