@@ -515,6 +515,9 @@ def test_a_pipe_given_as_a_checkpoint_is_said_to_be_no_file_not_missing(tmp_path
     os.mkfifo(pipe)  # no writer: opening it would wait for one
     with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(pipe))} is not a file \\(a pipe"):
         checkpoint.load(pipe)
+    # A folder is said to be one: only a slow test of the whole trainer said so.
+    with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(tmp_path))} is a folder; name a .pt file in it$"):
+        checkpoint.load(tmp_path)
 
 
 def test_a_checkpoint_that_cannot_be_read_is_said_so_not_called_damaged(tmp_path):

@@ -143,13 +143,19 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
     # The resume's own path checks too: torch's load_state_dict takes a float64 state, casting it.
     with pytest.raises(ValueError, match=r"its state 'exp_avg' of parameter 0 is a torch.float64 tensor"):
         load_optimizer_state(optimizer, edited)
+    # State of a parameter the optimizer has none of: without its check, an AttributeError on None's shape.
+    with pytest.raises(ValueError, match=r"its state 'exp_avg' of parameter 7 is a torch.float32 tensor of shape "
+                                         r"\(2, 3\), not its parameter's \(none\)"):
+        checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 7: saved["state"][0]}}, optimizer)
     with pytest.raises(ValueError, match="its state of parameter 0 is an int, not a mapping"):
         checkpoint.check_optimizer_state({**saved, "state": {0: 5}}, optimizer)
     with pytest.raises(ValueError, match="its state is a list, not a mapping of parameters to their state"):
         checkpoint.check_optimizer_state({**saved, "state": list(saved["state"].values())}, optimizer)
     # Adam's count of updates: a negative one turned every weight to NaN at the first step, which the run then called
     # diverged; a vector ended the first step in a traceback.
+    # Infinity and True passed for counts where the finite and bool checks were left out, and every test passed.
     for step, described in ((torch.tensor(-1.0), "-1.0"), (torch.tensor(math.nan), "nan"), (-2, "-2"),
+                            (torch.tensor(math.inf), "inf"), (True, "a bool"),
                             (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), ("3", "a str")):
         edited = {**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}}
         with pytest.raises(ValueError, match=rf"^its state 'step' of parameter 1 is {described}, not a count of up"):
