@@ -17,7 +17,7 @@ import torchaudio.functional
 from conftest import REPO_ROOT, error_without_root_privilege
 from data.audio import (MAX_CHANNELS, MAX_RESAMPLING_TAPS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, RATE_THAT_TAKES_ANY_FILE,
                         AudioError, _resample, _resampling_filter_taps, audio_header, load_audio)
-from data.features import FeatureExtractor, SpecAugment
+from data.features import MAX_WINDOW_MS, FeatureExtractor, SpecAugment
 
 
 def tone(frequency: float, seconds: float, rate: int) -> np.ndarray:
@@ -414,6 +414,7 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
 @pytest.mark.parametrize("settings, complaint", [
     (dict(kind="mel", n_mels=0), "n_mels=0 must be a positive integer"),
     (dict(kind="mel", n_mels=2.5), "n_mels=2.5 must be a positive integer"),
+    (dict(kind="mel", n_mels=True), "n_mels=True must be a positive integer"),  # an int to isinstance
     # 128 bands over a 512-point FFT leave the lowest between two bins; more bands than bins leave many.
     (dict(kind="mel", n_mels=128), "n_mels=128 at 16000 Hz and window_ms=20 (an FFT of 512 points) gives mel bands "
                                    "that hold no FFT bin, features that never change: at most 114 bands work there"),
@@ -443,6 +444,17 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
 def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):
     with pytest.raises(ValueError, match=re.escape(complaint)):
         FeatureExtractor(**settings)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(window_ms=20, hop_ms=20), dict(window_ms=MAX_WINDOW_MS, hop_ms=MAX_WINDOW_MS),
+    dict(sample_rate=MIN_SAMPLE_RATE), dict(sample_rate=MAX_SAMPLE_RATE, kind="mel"),
+])
+def test_feature_settings_at_the_ends_of_their_ranges_are_taken(settings):
+    """Only settings past the ends were tried: a hop as long as the window, a window of MAX_WINDOW_MS or the lowest
+    rate refused passed every test."""
+    extractor = FeatureExtractor(**settings)
+    assert extractor(torch.zeros(4000)).shape == (extractor.num_frames(4000), extractor.num_features)
 
 
 @pytest.mark.parametrize("sample_rate, most", [(16000, 114), (8000, 86)])
