@@ -360,6 +360,10 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
     lm = NGramLM.from_arpa(path)
     assert lm.log10_prob(("FOO",), "YES") == pytest.approx(-0.05)  # an unknown history word is <unk> too
     assert lm.log10_prob(("FOO",), "NO") == pytest.approx(-0.7)  # <unk> has no backoff weight here
+    # A byte-order mark (as Notepad saves UTF-8) on the \data\ line itself, which the preamble above hid: a reader
+    # that kept it would find no \data\ line.
+    path.write_text("\ufeff" + ARPA)
+    assert NGramLM.from_arpa(path).tables == NGramLM.from_arpa_text(ARPA).tables
     # "<UNK>", as some models spell it (KenLM reads it as <unk>): it was refused as a model without <unk>.
     path.write_text(ARPA.replace("<unk>", "<UNK>"))
     assert NGramLM.from_arpa(path).log10_prob(("YES",), "MAYBE") == pytest.approx(-0.3 - 1.0)
