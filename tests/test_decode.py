@@ -378,6 +378,10 @@ def test_arpa_reader_takes_an_order_its_header_declares_empty():
     assert NGramLM.from_arpa_text(empty_trigrams).tables == NGramLM.from_arpa_text(ARPA).tables
     with pytest.raises(ValueError, match=r"declares 5 1-grams, 2 2-grams, 1 3-grams, its sections hold 5 1-grams, 2 2"):
         NGramLM.from_arpa_text(empty_trigrams.replace("ngram 3=0", "ngram 3=1"))
+    # A section the header does not declare at all is as much at odds with it as one it declares of another size.
+    undeclared_trigrams = ARPA.replace("\\end\\", "\\3-grams:\n-0.1\t<s> yes no\n\n\\end\\")
+    with pytest.raises(ValueError, match=r"declares 5 1-grams, 2 2-grams, its sections hold 5 1-grams, 2 2-grams, 1 3"):
+        NGramLM.from_arpa_text(undeclared_trigrams)
 
 
 def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
