@@ -386,9 +386,10 @@ def test_arpa_reader_takes_an_order_its_header_declares_empty():
 
 def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad = tmp_path / "bad.arpa"
-    bad.write_text(ARPA.replace("-0.2\tyes no", "minus-one yes no"))
-    with pytest.raises(ValueError, match=rf"{bad}:13: not an ARPA 2-gram line"):
-        NGramLM.from_arpa(bad)
+    for edited in ("minus-one yes no", "-0.2\tyes no\t-0.1\t-0.3"):  # a number where a word goes, one number too many
+        bad.write_text(ARPA.replace("-0.2\tyes no", edited))
+        with pytest.raises(ValueError, match=rf"{bad}:13: not an ARPA 2-gram line"):
+            NGramLM.from_arpa(bad)
     bad.write_text(ARPA.replace("\\2-grams:", "\\two-grams:"))
     with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header"):
         NGramLM.from_arpa(bad)
