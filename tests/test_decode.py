@@ -448,9 +448,12 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
             bad.write_text(edited)  # line 7: a backoff weight; 8: a probability
             with pytest.raises(ValueError, match=rf"{bad}:{line}: not an ARPA 1-gram line"):
                 NGramLM.from_arpa(bad)
-    bad.write_text(ARPA.replace("-0.7\tno", "1.5\tno"))  # was read as P(NO) = 31.6
-    with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability above 0 \(a probability above 1\): '1.5"):
-        NGramLM.from_arpa(bad)
+    for value in ("1.5", "0.01"):  # 1.5 was read as P(NO) = 31.6
+        bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
+        with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability above 0 \(a probability above 1\): "
+                                             rf"'{value}"):
+            NGramLM.from_arpa(bad)
+    assert NGramLM.from_arpa_text(ARPA.replace("-0.7\tno", "0\tno")).log10_prob((), "NO") == 0.0  # P = 1 is one
     compressed = tmp_path / "model.arpa.gz"
     compressed.write_bytes(gzip.compress(ARPA.encode()))
     with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 of line 1 is not UTF-8 \(a"):
