@@ -537,6 +537,14 @@ def test_a_language_model_counts_a_word_in_any_case_as_the_one_the_model_spells(
     assert model.log10_prob(("<s>",), "YES") > model.log10_prob(("<s>",), "NO")  # seen twice, once
 
 
+def test_a_language_model_counts_a_typographic_apostrophe_as_the_one_the_model_spells(tmp_path, capsys):
+    # As training reads a transcript (normalize_text): a builder that only upper-cased left "don’t" out as unspellable.
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "don\u2019t go"}\n')
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert capsys.readouterr().out.endswith("a 1-gram model of 1 transcript\n")
+    assert ("DON'T",) in lm.NGramLM.from_arpa(tmp_path / "m.arpa").tables
+
+
 def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
     # KenLM refuses a model without <s>, and any model of order 1 ("assumes at least a bigram model"): --order 1
     # wrote one it refused on both counts.
