@@ -655,8 +655,9 @@ def test_the_decoder_options_reach_the_beam_search(tmp_path):
     lm = ["--lm", str(tmp_path / "lm.arpa")]
     search = decode.from_arguments(parser.parse_args([*lm, "--beam", "3", "--lm-weight", "2", "--word-bonus", "-1"]))
     assert (search.beam_width, search.lm.order, search.lm_weight, search.word_bonus) == (3, 2, 2.0, -1.0)
+    # --lm alone: a beam search with that model, of the width and weights --help gives
     defaults = decode.from_arguments(parser.parse_args(lm))
-    assert (defaults.beam_width, defaults.lm_weight, defaults.word_bonus) == (16, 0.5, 1.0)  # as --help gives them
+    assert (defaults.beam_width, defaults.lm.order, defaults.lm_weight, defaults.word_bonus) == (16, 2, 0.5, 1.0)
     assert decode.from_arguments(parser.parse_args([])) is greedy_decode
 
 
