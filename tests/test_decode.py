@@ -624,6 +624,15 @@ def test_a_language_model_counts_a_repeat_whose_own_transcript_is_unspellable_as
                                             "left out\n")
 
 
+def test_a_language_model_refuses_to_write_over_a_manifest_it_reads(tmp_path, capsys):
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    assert lm.main(["--manifest", str(manifest), "--out", str(manifest)]) == 2
+    assert capsys.readouterr().err == (f"error: {manifest} is also an input of this command: writing it would "
+                                       "destroy it\n")
+    assert manifest.read_text() == '{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'
+
+
 def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "blank.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": " "}\n')
     assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
