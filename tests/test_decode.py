@@ -643,6 +643,8 @@ def test_a_language_model_of_no_words_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--order", "0", "--out", str(tmp_path / "x.arpa")])
     assert refused.value.code == 2 and "argument --order: must be at least 1, not 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^order must be at least 1, not 0$"):  # and by build_arpa, for its callers
+        lm.build_arpa([["YES"]], 0)
 
 
 @pytest.mark.parametrize("option", ["--lm-weight", "--word-bonus"])
