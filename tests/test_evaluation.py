@@ -245,6 +245,25 @@ def test_the_model_tools_decode_with_the_beam_search_that_beam_asks_for(tool, tm
 
 
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
+def test_the_model_tools_refuse_a_language_model_they_cannot_read_in_one_line(tool, tmp_path, capsys):
+    # The language model is read after the checkpoint: a decoder built outside the tools' handling of the model's
+    # errors would end in a traceback, which only the slow AN4 run (a missing --lm) checked.
+    main = importlib.import_module(f"trainer.{tool}").main
+    audio = tmp_path / "a.wav"
+    soundfile.write(audio, 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(audio), 1.0, "YES", "a")])
+    common = ["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu"]
+    inputs = [str(audio)] if tool == "transcribe" else ["--manifest", str(tmp_path / "m.jsonl")]
+    word_list, absent = tmp_path / "words.txt", tmp_path / "absent.arpa"
+    word_list.write_text("YES\nNO\n")
+    for model, complaint in [(word_list, f"{word_list} is not an ARPA file: it has no \\data\\ line"),
+                             (absent, f"language model not found: {absent}")]:
+        assert main([*common, "--lm", str(model), *inputs]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == f"error: {complaint}\n", err
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_model_that_is_not_finite_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main
     audio = tmp_path / "a.wav"
