@@ -295,6 +295,8 @@ def test_a_gpu_the_machine_lacks_is_refused_counting_those_it_has(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(argparse.ArgumentTypeError, match=r"^'cuda:2': this machine has 2 CUDA GPUs$"):
         inference.device_argument("cuda:2")
+    # The last GPU is one it has: a check that took only cuda:0 (or cuda) passed every refusal above.
+    assert inference.device_argument("cuda:1") == torch.device("cuda", 1)
 
 
 def test_the_model_runs_on_a_gpu_by_default_where_one_is_visible_and_on_the_cpu_where_none_is(monkeypatch):
