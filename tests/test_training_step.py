@@ -17,7 +17,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, compose_config
-from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, Unusable, collate
+from data.dataset import (
+    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, Unusable, collate,
+)
+from data.features import SpecAugment
+from data.manifest import Utterance, write_manifest
 from data.text import encode
 from prnn_kernels import relative_error
 from trainer import build, distributed
@@ -28,8 +32,8 @@ from trainer.stop import (
     start_data_workers,
 )
 from trainer.train import (
-    NON_FINITE, EpochTally, StepResult, count_skipped, evaluation_batches, refuse_if_nothing_trained, skipped_step,
-    train_loader, train_step, unusable_utterances, utterances_per_second,
+    NON_FINITE, EpochTally, StepResult, count_skipped, datasets, evaluation_batches, refuse_if_nothing_trained,
+    skipped_step, train_loader, train_step, unusable_utterances, utterances_per_second,
 )
 
 
@@ -431,6 +435,35 @@ def test_a_step_whose_gradient_overflows_to_infinity_is_skipped_as_one_whose_los
     outcome, loss, *_ = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
     assert (outcome, schedule.last_epoch) == (NON_FINITE, 0) and math.isnan(loss)
     assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values()))
+
+
+def test_only_the_training_set_is_augmented_and_cut_at_max_duration_each_from_its_own_manifests(tmp_path):
+    """The run's two sets as it builds them. A test set augmented or cut at data.max_duration, a training set not
+    augmented (or augmented with data.augment.enabled=false) or its masks seeded with 0 rather than the run's seed,
+    and either set deaf to the model's time stride each passed the trainer's runs on a test set of their own: their
+    figures do not show it."""
+    def utterances(*listed):  # manifests are read, not their audio
+        return [Utterance(str(tmp_path / f"{text}.wav"), duration, text, "s") for duration, text in listed]
+
+    # 0.4 s: 41 frames, 21 outputs at the model's time stride of 2, too few for a transcript of 26 letters (26 outputs
+    # at least), which a stride of 1 (41 outputs) would keep.
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    write_manifest(tmp_path / "train.jsonl", utterances((1.0, "YES"), (4.0, "NO"), (0.4, alphabet)))
+    write_manifest(tmp_path / "test.jsonl", utterances((1.0, "GO"), (4.0, "STOP"), (0.4, alphabet[::-1])))
+    cfg = compose_config(["data=manifest", f"data.train_manifests=[{tmp_path / 'train.jsonl'}]",
+                          f"data.eval_manifest={tmp_path / 'test.jsonl'}", "data.features.kind=mel",
+                          "data.features.n_mels=40", "data.augment.enabled=true", "data.max_duration=2", "seed=7",
+                          "model.depth=1", "model.hidden=16", "model.conv_channels=2"])
+    features = build.features(cfg.data)
+    time_stride = build.model(cfg.model, features.num_features).time_stride
+    assert time_stride == 2
+    train_set, test_set = datasets(cfg, features, time_stride)
+    assert [utterance.text for utterance in train_set.utterances] == ["YES"]
+    assert train_set.skipped == Counter({LONGER_THAN_MAX_DURATION: 1, TOO_LONG_FOR_STRIDE: 1})
+    assert [utterance.text for utterance in test_set.utterances] == ["GO", "STOP"]
+    assert test_set.skipped == Counter({TOO_LONG_FOR_STRIDE: 1})
+    assert isinstance(train_set.augment, SpecAugment) and test_set.augment is None
+    assert train_set.seed == 7
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

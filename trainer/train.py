@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from data.cli import shows_a_progress_bar
 from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, SpeechDataset, collate, count_reasons
+from data.features import FeatureExtractor
 from data.files import errors_naming, replace_whole
 from data.prepare import prepare_an4
 from data.sampler import BucketBatchSampler, epoch_seed, eval_shards
@@ -553,6 +554,18 @@ def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -
     return shards[env.rank] + [[]] * (max(map(len, shards)) - len(shards[env.rank]))
 
 
+def datasets(cfg: DictConfig, features: FeatureExtractor, time_stride: int) -> tuple[SpeechDataset, SpeechDataset]:
+    """The training set and the test set of a model whose outputs are `time_stride` frames apart. Only the training
+    set is SpecAugmented (data.augment) and left without utterances past data.max_duration: each evaluation scores
+    every test utterance as it sounds. Its masks are drawn from the run's seed (with the epoch and the item: the same
+    whichever rank or worker loads it)."""
+    augment = build.spec_augment(cfg.data, features.num_features)
+    train_set = SpeechDataset(
+        list(cfg.data.train_manifests), features, augment, time_stride, cfg.data.max_duration, seed=cfg.seed
+    )
+    return train_set, SpeechDataset([cfg.data.eval_manifest], features, None, time_stride)
+
+
 def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
@@ -582,7 +595,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
 
     features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
-    augment = build.spec_augment(cfg.data, features.num_features)
     # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
     # take its share out of the memory another rank's check divides among all of them.
     build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
@@ -590,10 +602,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
     with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
-        train_set = SpeechDataset(
-            list(cfg.data.train_manifests), features, augment, model.time_stride, cfg.data.max_duration, seed=cfg.seed
-        )
-        eval_set = SpeechDataset([cfg.data.eval_manifest], features, None, model.time_stride)
+        train_set, eval_set = datasets(cfg, features, model.time_stride)
     train_fingerprint = train_set.fingerprint()
     test_fingerprint = eval_set.fingerprint()
     distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
