@@ -3,6 +3,7 @@ jobs.jsonl, metrics.jsonl and TensorBoard events on a full disk, and which error
 import errno
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -306,7 +307,9 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
     commit = source_commit()
     assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", commit), commit
-    assert versions(torch.device("cpu"))["commit"] == commit
+    # Each a record of a CPU job holds, and no GPU's (their versions are those of libraries a CPU job does not use).
+    assert versions(torch.device("cpu")) == {"python": platform.python_version(), "torch": torch.__version__,
+                                             "commit": commit}
     assert source_commit(tmp_path) is None  # no git checkout there
     # An installed copy inside a checkout (pip install . into its .venv) is not that checkout's code: it gave the
     # checkout's commit.
