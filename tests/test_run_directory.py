@@ -520,6 +520,12 @@ def test_check_overrides_refuses_a_manifest_the_run_cannot_open(sweep, tmp_path,
         assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest}]",
                      f"data.eval_manifest={eval_manifest}"]) == 2
         assert capsys.readouterr().err == f"error: {job}{refusal}\n"
+    # Every training manifest is checked, the second of two too: a check of the test set's alone (or of the first
+    # training manifest) passed each refusal above.
+    absent = tmp_path / "absent.jsonl"
+    assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest},{absent}]",
+                 f"data.eval_manifest={manifest}"]) == 2
+    assert capsys.readouterr().err == f"error: {job}manifest {absent} does not exist\n"
     assert main([*sweep, "data=manifest", f"data.train_manifests=[{manifest}]", f"data.eval_manifest={manifest}"]) == 0
 
 
