@@ -1051,9 +1051,12 @@ def test_test_audio_too_short_for_its_transcript_is_counted_under_that_reason(an
         template.__class__(str(tmp_path / "corrupt.flac"), 1.0, "YES", "x"),
         template.__class__(str(tmp_path / "short.wav"), 1.0, "NO", "x"),
     ])
-    result = train(tmp_path / "run", good, f"data.eval_manifest={test_set}", "model.hidden=32", "train.epochs=1")
+    result = train(tmp_path / "run", good, f"data.eval_manifest={test_set}", "model.hidden=32", "train.epochs=1",
+                   "train.eval_batch_size=1", "train.progress_line_s=0")
     assert ("the test WER is over 2 of the test set's 4 utterances: left out 1 utterance (unreadable), 1 utterance "
             "(too long for stride)" in result.output), result.output[-3000:]
+    # In batches of train.eval_batch_size, not of the training's 8: the evaluation took either, and no test could tell.
+    assert "evaluating: batch 4 of 4" in result.output, result.output[-3000:]
     _, epochs = read_metrics(tmp_path / "run")
     assert epochs[0]["eval_unreadable"] == 2
 

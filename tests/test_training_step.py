@@ -464,6 +464,8 @@ def test_only_the_training_set_is_augmented_and_cut_at_max_duration_each_from_it
     assert test_set.skipped == Counter({TOO_LONG_FOR_STRIDE: 1})
     assert isinstance(train_set.augment, SpecAugment) and test_set.augment is None
     assert train_set.seed == 7
+    cfg.data.augment.enabled = False
+    assert datasets(cfg, features, time_stride)[0].augment is None
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
