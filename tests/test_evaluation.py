@@ -212,7 +212,9 @@ def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_no
     from trainer import evaluate
     noise = 0.1 * np.random.default_rng(0).standard_normal(16000)
     soundfile.write(tmp_path / "a.wav", noise, 16000)
-    soundfile.write(tmp_path / "short.wav", noise[:1], 16000)  # one sample: one output frame
+    # 160 samples: 2 frames, 1 output frame at the model's time stride of 2, too few for "NO"'s 2; a dataset built
+    # without the model's stride (1) decoded it.
+    soundfile.write(tmp_path / "short.wav", noise[:160], 16000)
     (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
     utterances = [("a.wav", "A"), ("short.wav", "NO"), ("corrupt.flac", "GO")]
     (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
