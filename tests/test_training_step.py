@@ -33,7 +33,7 @@ from trainer.stop import (
 )
 from trainer.train import (
     NON_FINITE, EpochTally, StepResult, count_skipped, datasets, evaluation_batches, refuse_if_nothing_trained,
-    skipped_step, train_loader, train_step, unusable_utterances, utterances_per_second,
+    skipped_step, train_loader, training_batches, train_step, unusable_utterances, utterances_per_second,
 )
 
 
@@ -466,6 +466,30 @@ def test_only_the_training_set_is_augmented_and_cut_at_max_duration_each_from_it
     assert train_set.seed == 7
     cfg.data.augment.enabled = False
     assert datasets(cfg, features, time_stride)[0].augment is None
+
+
+def test_the_training_batches_follow_the_runs_seed_and_sortagrad_each_rank_taking_its_share_of_each():
+    """A sampler given none of the run's seed (or the default 0) or data.sortagrad passed every test: the runs' figures
+    do not show their batches' order, and the log's line on SortaGrad reads the config. Nor did a run test the
+    refusal of a training set too small for a global batch."""
+    train_set = argparse.Namespace(durations=[float(duration) for duration in range(16, 0, -1)])
+
+    def batches(epoch: int, *overrides: str, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+        cfg = compose_config(["train.global_batch_size=4", *overrides])
+        sampler = training_batches(train_set, cfg, DistEnv(rank, world_size, torch.device("cpu")))
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    shortest_first = [[15, 14, 13, 12], [11, 10, 9, 8], [7, 6, 5, 4], [3, 2, 1, 0]]
+    assert batches(0, "data.sortagrad=true") == shortest_first
+    assert batches(0, "data.sortagrad=false", "seed=1") != shortest_first
+    assert batches(1, "seed=1") != batches(1, "seed=2")
+    halves = [batches(1, "seed=1", rank=rank, world_size=2) for rank in (0, 1)]
+    assert [first + second for first, second in zip(*halves)] == batches(1, "seed=1")
+    # The sampler's refusal of a set too small for one global batch names the key that sets it.
+    with pytest.raises(ValueError, match=r"^train\.global_batch_size=32: 16 utterances do not fill one global batch "
+                                         r"of global_batch_size 32$"):
+        training_batches(train_set, compose_config(["train.global_batch_size=32"]), DistEnv(0, 1, torch.device("cpu")))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

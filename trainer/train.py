@@ -566,6 +566,17 @@ def datasets(cfg: DictConfig, features: FeatureExtractor, time_stride: int) -> t
     return train_set, SpeechDataset([cfg.data.eval_manifest], features, None, time_stride)
 
 
+def training_batches(train_set: SpeechDataset, cfg: DictConfig, env: DistEnv) -> BucketBatchSampler:
+    """This rank's share of each global batch of the training set, in the order the run's seed and data.sortagrad
+    give; ValueError naming train.global_batch_size where the set cannot fill one."""
+    try:
+        return BucketBatchSampler(
+            train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
+        )
+    except ValueError as error:
+        raise global_batch_refusal(cfg, error) from None
+
+
 def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
@@ -606,12 +617,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     train_fingerprint = train_set.fingerprint()
     test_fingerprint = eval_set.fingerprint()
     distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
-    try:
-        sampler = BucketBatchSampler(
-            train_set.durations, cfg.train.global_batch_size, env.rank, env.world_size, cfg.seed, cfg.data.sortagrad
-        )
-    except ValueError as error:
-        raise global_batch_refusal(cfg, error) from None
+    sampler = training_batches(train_set, cfg, env)
     eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
     if env.is_main:
         log.info(
