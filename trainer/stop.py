@@ -338,12 +338,12 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
         # shutdown of its workers (as the iterator goes) sends SIGTERM, which they ignore, and Python's exit then
         # waited for a stopped one for ever.
         _kill_and_reap(workers)
-        del batches
+        batches = None
         if died or not stopped:
             raise died or failure
     except GeneratorExit:  # the consumer wanted no more (train.max_steps, a stop signal); a worker may be stuck
         _kill_and_reap(workers)
-        del batches
+        batches = None
         raise
     finally:
         threading.excepthook = print_thread_error
