@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import (REPO_ROOT, compose_config, error_without_root_privilege, small_checkpoint,
                       without_root_privilege)
 from data import files
 from prnn_kernels import relative_error
 from trainer import build, checkpoint
-from trainer.config import check_resumable
+from trainer.config import MAX_TRAIN_MANIFESTS, SET_MANIFESTS, check_config, check_resumable
 from trainer.resume import checkpoint_to_resume
 
 
@@ -314,6 +315,24 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": 'data: {kind: "\\u0024{oc.env:HOME}"}'}, tmp_path / "yaml.pt")
     with pytest.raises(ValueError, match=r"yaml.pt is not a checkpoint .*: its config is a str, not a mapping$"):
         checkpoint.load(tmp_path / "yaml.pt")
+
+
+def test_the_most_training_manifests_a_run_takes_load_back_from_its_checkpoint(tmp_path):
+    """A checkpoint's config of more than MAX_CONFIG_ENTRIES is refused, one entry a training manifest: a run of
+    10,000 manifests was taken, and wrote checkpoints that its resume and trainer.evaluate refused."""
+    cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "data=manifest",
+                          "data.eval_manifest=/corpus/test.jsonl"])
+    cfg.data.train_manifests = [f"/corpus/{index:05d}.jsonl" for index in range(10_000)]
+    with pytest.raises(ValueError) as error:
+        check_config(cfg)
+    assert str(error.value).startswith("data.train_manifests must be a list of 1 to 5,000 manifest paths"
+                                       f"{SET_MANIFESTS}, not [")
+    cfg.data.train_manifests = cfg.data.train_manifests[:MAX_TRAIN_MANIFESTS]
+    check_config(cfg)
+    network = build.model(cfg.model, build.features(cfg.data).num_features)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    checkpoint.save(tmp_path / "last.pt", {"model": network.state_dict(), "config": config})
+    assert len(checkpoint.load(tmp_path / "last.pt")["config"]["data"]["train_manifests"]) == MAX_TRAIN_MANIFESTS
 
 
 def test_a_checkpoint_whose_lists_recur_many_times_over_is_read_or_refused_at_once(tmp_path):

@@ -138,8 +138,8 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("seed=1.5", "seed must be an integer from 0 to 2**32 - 1, not 1.5"),
     ("seed=100000000000000", "seed must be an integer from 0 to 2**32 - 1, not 100000000000000"),
     ("data.train_manifests=a.jsonl",
-     f"data.train_manifests must be a list of one or more manifest paths{SET_MANIFESTS}, not 'a.jsonl'"),
-    ("data.train_manifests=[]", f"data.train_manifests must be a list of one or more manifest paths{SET_MANIFESTS}, "
+     f"data.train_manifests must be a list of 1 to 5,000 manifest paths{SET_MANIFESTS}, not 'a.jsonl'"),
+    ("data.train_manifests=[]", f"data.train_manifests must be a list of 1 to 5,000 manifest paths{SET_MANIFESTS}, "
                                 "not []"),
     ("data=manifest data.train_manifests=[a.jsonl]",  # no eval_manifest: AN4's test set must not stand in for it
      f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not None"),
@@ -213,9 +213,9 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("optim.betas=[0.9,1.0]", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not [0.9, 1.0]" + PICK),
     ("optim=sgd optim.momentum=1", MOMENTUM + " for optim.name=sgd, not 1" + PICK),
     ("data.max_duration=0", "data.max_duration must be a positive number of seconds or null, not 0"),
-    ("data.train_manifests=[a.jsonl,'']", "data.train_manifests must be a list of one or more manifest paths"
+    ("data.train_manifests=[a.jsonl,'']", "data.train_manifests must be a list of 1 to 5,000 manifest paths"
                                           f"{SET_MANIFESTS}, not ['a.jsonl', '']"),
-    ("data.train_manifests=[a.jsonl,1]", "data.train_manifests must be a list of one or more manifest paths"
+    ("data.train_manifests=[a.jsonl,1]", "data.train_manifests must be a list of 1 to 5,000 manifest paths"
                                          f"{SET_MANIFESTS}, not ['a.jsonl', 1]"),
     ("data.eval_manifest=''", f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not ''"),
     ("data.features.sample_rate=999", "data.features.sample_rate must be an integer number of Hz from 1000 to "
@@ -239,7 +239,7 @@ def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
 
 
 @pytest.mark.parametrize("override, complaint", [
-    ("data.train_manifests=[a.jsonl,' ']", "data.train_manifests must be a list of one or more manifest paths"
+    ("data.train_manifests=[a.jsonl,' ']", "data.train_manifests must be a list of 1 to 5,000 manifest paths"
                                            f"{SET_MANIFESTS}, not ['a.jsonl', ' ']"),
     ("data.eval_manifest=' '", f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not ' '"),
     ("train.resume=' '", "train.resume must be null, auto or a checkpoint's path, not ' '"),

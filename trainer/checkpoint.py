@@ -275,9 +275,9 @@ def _odd_tensor(saved: dict) -> str | None:
 
 
 MAX_CONFIG_DEPTH = 16  # the trainer's configs nest 4 deep
-# The trainer's configs hold about 100 entries. A pickle stores a list once however often it recurs: a kilobyte of
-# lists each holding the next many times over spelled 10**16 entries, which were walked and given to OmegaConf for
-# hours.
+# The trainer's configs hold about 60 entries and one per training manifest (at most 5,000: trainer.config). A pickle
+# stores a list once however often it recurs: a kilobyte of lists each holding the next many times over spelled 10**16
+# entries, which were walked and given to OmegaConf for hours.
 MAX_CONFIG_ENTRIES = 10_000
 
 

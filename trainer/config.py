@@ -34,6 +34,9 @@ OPTIMIZER_KEYS = {
 }
 # The largest seed the trainer takes: the benchmarks' --seed and --seeds refuse one above it before they start.
 MAX_SEED = 2**32 - 1
+# A checkpoint's config holds at most checkpoint.MAX_CONFIG_ENTRIES entries, one a training manifest and some 60 the
+# rest: a run of more manifests wrote checkpoints that its resume and trainer.evaluate refused.
+MAX_TRAIN_MANIFESTS = checkpoint.MAX_CONFIG_ENTRIES // 2
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
@@ -66,9 +69,9 @@ CONFIG_RULES = (
     ("optim.name", lambda v: v in OPTIMIZER_KEYS, f"one of {', '.join(OPTIMIZER_KEYS)}, as optim=NAME picks it with "
      "its settings"),
     ("data.max_duration", lambda v: v is None or is_number(v) and v > 0, "a positive number of seconds or null"),
-    ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str) and len(v) > 0
-     and all(isinstance(path, str) and path.strip() for path in v), "a list of one or more manifest paths"
-     + SET_MANIFESTS),
+    ("data.train_manifests", lambda v: isinstance(v, Sequence) and not isinstance(v, str)
+     and 0 < len(v) <= MAX_TRAIN_MANIFESTS and all(isinstance(path, str) and path.strip() for path in v),
+     f"a list of 1 to {MAX_TRAIN_MANIFESTS:,} manifest paths" + SET_MANIFESTS),
     ("data.eval_manifest", lambda v: isinstance(v, str) and v.strip() != "", "a manifest's path" + SET_MANIFESTS),
     # Its message names PRNN_AN4: an empty one (PRNN_AN4= in a script) comes here as a value the user never typed.
     ("data.an4_source", lambda v: v is None or isinstance(v, str) and v.strip() != "",
