@@ -479,7 +479,7 @@ def test_refuses_unsupported_shapes(cell, hidden_size, batch_size, dtype, messag
 @pytest.mark.parametrize("batch_slice", [4, 20])
 def test_batch_above_the_kernels_limit_runs_as_slices(batch_slice, no_tf32):
     """A bidirectional 2-layer GRU at 40 sequences, more than one launch takes: refused whole, and as slices of
-    `batch_slice` (the last one short at 20: 20 + 20, at 4: ten of 4) the same outputs and gradients as the
+    `batch_slice` (at 20: two of 20, at 4: ten of 4) the same outputs and gradients as the
     reference."""
     import prnn_kernels
 
