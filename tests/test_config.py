@@ -185,6 +185,9 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("data.an4_source=123", "data.an4_source must be null or AN4's folder (PRNN_AN4 sets its default), not 123"),
     ("data.manifest_dir=null", "data.manifest_dir must be a folder's path, not None"),
     ("data.features.kind=mfcc", "data.features.kind must be one of spectrogram, mel, not 'mfcc'"),
+    # Refused by distributed.init alone, the launch scripts' check and a sweep's let it through to the ranks' start.
+    ("device=tpu", "device must be one of auto, cpu, cuda, not 'tpu'"),
+    ("device=cuda:0", "device must be one of auto, cpu, cuda, not 'cuda:0'"),
     ("data.features.window_ms=1e9", "data.features.window_ms must be a number of milliseconds in (0, 1000], not "
                                     "1000000000.0"),  # a 64 GB window
     ("data.features.hop_ms=abc", "data.features.hop_ms must be a number of milliseconds in (0, 1000], not 'abc'"),

@@ -53,6 +53,7 @@ CONFIG_RULES = (
     ("train.num_workers", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
     ("train.graph_pad_frames", lambda v: is_int(v) and v >= 1, "a positive integer"),
     ("train.progress_line_s", lambda v: is_number(v) and v >= 0, "a non-negative number of seconds"),
+    ("device", lambda v: v in distributed.DEVICES, f"one of {', '.join(distributed.DEVICES)}"),
     ("model.cell", lambda v: v in CELLS, f"one of {', '.join(CELLS)}"),
     ("model.backend", lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
     ("model.batch_slice", lambda v: v is None or is_int(v) and v >= 1, "a positive integer or null"),

@@ -370,6 +370,9 @@ def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
+DEVICES = ("auto", "cpu", "cuda")  # init's, as the config's `device` names them (auto: this rank's GPU, if any)
+
+
 def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus: bool = False,
          timeout_setting: str = TRAINER_TIMEOUT_SETTING) -> DistEnv:
     """Starts the process group when launched by MPI; picks this rank's device.
@@ -378,7 +381,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     share_gpus: let more ranks than GPUs run on a node, several to a GPU (module docstring).
     timeout_setting: what sets `timeout_s` for the caller's user, which the lines of a wait that ran out name.
     """
-    if device not in ("auto", "cpu", "cuda"):
+    if device not in DEVICES:
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda (experiment=an4_gpu and deep100 set it) was asked for, but no CUDA GPU is "

@@ -446,7 +446,7 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
     before its last epoch's end. continue_with: what continues the run where train.max_steps or a stop signal stops
     it, for the log (a sweep's job: the sweep run again)."""
-    check_config(cfg)  # before the distributed start, which takes two of its values
+    check_config(cfg)  # before the distributed start, which takes three of its values
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
     with StopSignals() as stop_signals:
