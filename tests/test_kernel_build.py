@@ -331,7 +331,8 @@ def test_if_gpu_on_a_machine_without_a_gpu_the_kernels_run_on_builds_nothing_and
 
 def test_a_build_another_process_finished_while_this_one_waited_is_imported_not_built_again(tmp_path, monkeypatch):
     """The ranks of a job on one machine wait on the build lock for the first one's build; each must then import that
-    build, not build it again (a minute each, in the folder the others are importing from)."""
+    build, not build it again (a minute each, in the folder the others are importing from). A build for another
+    architecture is not that one: its library holds code for its own architecture only."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
     @contextlib.contextmanager
@@ -344,3 +345,7 @@ def test_a_build_another_process_finished_while_this_one_waited_is_imported_not_
     monkeypatch.setattr(build, "_import_built", lambda name, directory: ("imported", name, directory))
     imported, name, directory = build.load_extension.__wrapped__("90a")
     assert imported == "imported" and directory == build.build_root() / name
+    # A name without the architecture would give a Blackwell machine sharing a home folder with a Hopper one the
+    # Hopper build, whose kernels do not run there.
+    assert [build.load_extension.__wrapped__(arch)[1] for arch in ("90a", "100a")] == [
+        f"prnn_kernels_{build.build_hash()}_sm90a", f"prnn_kernels_{build.build_hash()}_sm100a"]
