@@ -36,7 +36,9 @@ def test_support_without_cuda_says_why():
     # What no GPU would run is named first, with or without one.
     assert "is not one of" in support("conv", 256, 4, torch.float32, "cpu").reason
     assert "batch size 33" in support("relu", 256, 33, torch.float32, "cpu").reason
-    assert "dtype" in support("gru", 256, 4, torch.float16, "cpu").reason
+    # float64 too: answered as fp32, "auto" would take the kernel for a float64 layer, which its binding refuses.
+    for dtype in (torch.float16, torch.float64, torch.int32):
+        assert support("gru", 256, 4, dtype, "cpu").reason == f"dtype {dtype} is unsupported (float32 or bfloat16)"
 
 
 @pytest.mark.parametrize("hidden_size, batch_size, reason", [
