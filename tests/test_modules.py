@@ -351,6 +351,16 @@ def test_auto_warns_once_for_a_layer_whatever_batch_sizes_it_falls_back_on(monke
     ]
 
 
+def test_auto_runs_the_persistent_kernel_silently_where_the_support_query_says_it_can(monkeypatch):
+    """The query's answer is played, as without a GPU it is always no: an "auto" that never took the kernel passed
+    every test that runs without one."""
+    persistent = pytest.importorskip("prnn_kernels.persistent")
+    monkeypatch.setattr(persistent, "support", lambda cell, hidden, batch, dtype, device: persistent.Support(True, ""))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert prnn_kernels.GRU(4, 8).backend_for(4, torch.float32, "cuda") == "persistent"
+
+
 @pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
 @pytest.mark.parametrize("backend", ["reference", "cudnn", "auto", "persistent"])  # persistent: nothing to run
 def test_an_empty_batch_with_lengths_gives_empty_outputs(cell, backend):
