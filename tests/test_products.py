@@ -1,6 +1,8 @@
 """The layers' fp32 products on 3xTF32 tensor cores (prnn_kernels.products) against float64: the product over many
 shapes, layouts and alignments, the input projection's output and gradients, its fall-backs, and graph capture; and,
 without a GPU, that every variant compiles for Hopper with the parameters the extension passes."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,15 +228,20 @@ def test_input_projection_replays_from_a_cuda_graph():
 
 
 def test_a_product_that_cannot_be_compiled_here_leaves_the_gemms_to_cublas(monkeypatch):
-    """Whatever keeps the products from a device (Triton's own compilation errors, an unwritable cache) falls back."""
+    """Whatever keeps the products from a device (Triton's own compilation errors, an unwritable cache) falls back;
+    a GPU before Hopper, which lacks the TMA the product reads its operands with, does so without trying."""
     def unwritable_cache(capability):
         raise PermissionError("[Errno 13] Permission denied: '/home/user/.triton/cache'")
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(products, "compile_products", unwritable_cache)
     products._loaded.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="run on cuBLAS, not as 3xTF32 products: .*Permission denied"):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a compilation tried would warn
             assert products._loaded(0) is None
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        with pytest.warns(UserWarning, match="run on cuBLAS, not as 3xTF32 products: .*Permission denied"):
+            assert products._loaded(1) is None
     finally:
         products._loaded.cache_clear()
