@@ -29,6 +29,16 @@ def test_the_product_compiles_for_hopper_with_the_extensions_parameters(has_bias
     assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in kernel.asm["ptx"]
 
 
+def test_compile_products_compiles_every_variant_the_extension_launches(monkeypatch):
+    """products.cpp refuses every product on a device where a variant is missing (with and without a bias, in both
+    tilings), so the layers' GEMMs would fail on a GPU; each compilation, checked by the test above, is played here."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(products, "compile_product", lambda target, has_bias, tiling: (target.arch, has_bias, tiling))
+    variants = [(has_bias, name, tiling) for has_bias in (False, True) for name, tiling in products.TILINGS.items()]
+    assert products.compile_products(100) == {(has_bias, name): (100, has_bias, tiling)
+                                              for has_bias, name, tiling in variants}
+
+
 def test_a_triton_that_lays_the_parameters_out_otherwise_is_refused(monkeypatch):
     pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
