@@ -678,6 +678,19 @@ def test_refuses_a_launch_whose_step_counts_would_wrap():
         persistent_layer("relu", input_proj, hx, weight_hh, None, lengths, False)
 
 
+def test_refuses_a_launch_whose_step_counts_would_wrap_on_the_plans_a_gpu_gives(monkeypatch):
+    """The CUDA test above, on plans played: without a GPU the support query says no before a plan is asked, so no
+    test run without one reached the check. Plans of 4,096 CTAs reach 2^32 in 2^20 steps, an input small enough to
+    copy where a broken check lets it through (the 2^29 steps of ReLU's 8 CTAs at H = 8 would be 16 GiB)."""
+    monkeypatch.setattr(persistent, "support", lambda *arguments: persistent.Support(True, ""))
+    monkeypatch.setattr(persistent, "launch_plans", lambda *arguments: [
+        {"ok": True, "one_cluster": False, "ctas_per_direction": 4096}] * 2)
+    input_proj = torch.zeros(1).expand(2**20 + 1, 1, 8)  # expanded: refused before it is read
+    hx, weight_hh, lengths = torch.zeros(1, 8), torch.zeros(8, 8), torch.tensor([1])
+    with pytest.raises(ValueError, match="T=1048577 steps x 4096 CTAs overflow the kernels' 32-bit step counts"):
+        persistent_layer("relu", input_proj, hx, weight_hh, None, lengths, False)
+
+
 def test_refuses_directions_that_are_not_two_before_asking_for_a_gpu():
     both, h0, c0 = torch.randn(5, 2, 2 * 4 * 64), torch.zeros(2, 64), torch.zeros(2, 64)
     weight_hh, bias_hh = torch.zeros(4 * 64, 64), torch.zeros(4 * 64)
