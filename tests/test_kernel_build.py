@@ -349,3 +349,13 @@ def test_a_build_another_process_finished_while_this_one_waited_is_imported_not_
     # Hopper build, whose kernels do not run there.
     assert [build.load_extension.__wrapped__(arch)[1] for arch in ("90a", "100a")] == [
         f"prnn_kernels_{build.build_hash()}_sm90a", f"prnn_kernels_{build.build_hash()}_sm100a"]
+
+
+def test_a_finished_build_is_imported_by_later_processes_not_built_again(tmp_path, monkeypatch):
+    """A build marks its folder finished; without the mark every later process would build again through torch's
+    loader (a minute each where the sources' paths or times differ from the last build's). The compiler is played
+    here, as building for real takes minutes; each call of the unwrapped load_extension is what a new process does."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_build", lambda name, directory, arch, verbose: "built")
+    monkeypatch.setattr(build, "_import_built", lambda name, directory: "imported")
+    assert [build.load_extension.__wrapped__("90a") for _ in range(2)] == ["built", "imported"]
