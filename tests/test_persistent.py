@@ -121,6 +121,15 @@ def test_a_gpu_that_cannot_run_the_kernels_is_named_before_the_extension_is_buil
     assert not hopper_without_its_extension  # no build tried
 
 
+def test_a_device_without_an_index_is_asked_about_as_the_current_gpu(hopper_without_its_extension, monkeypatch):
+    # A rank's "cuda" is the GPU it set current (torch.cuda.set_device), not cuda:0: here an older GPU.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0) if device == 1 else (8, 0))
+    assert support("gru", 16, 4, torch.float32, "cuda") == support("gru", 16, 4, torch.float32, "cuda:1") == (
+        persistent.Support(False, "its CUDA extension is unavailable: prnn_kernels: no CUDA toolkit found"))
+
+
 def test_lengths_out_of_range_are_refused_before_the_extension_is_built(hopper_without_its_extension):
     # They were checked after the support query, which builds the extension first: a minute's build before the
     # refusal, and where the build failed, "its CUDA extension is unavailable" instead of the lengths.
