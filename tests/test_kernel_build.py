@@ -208,8 +208,8 @@ def test_the_toolkit_is_cuda_home_then_cuda_path_then_the_nvcc_on_path(tmp_path,
 
 @pytest.fixture
 def broken_toolkit(tmp_path, monkeypatch):
-    """CUDA_HOME names a toolkit whose nvcc knows sm_90 but fails every compile, and whose include/ lacks the cuda.h
-    that the C++ sources include; the build cache is in tmp_path."""
+    """CUDA_HOME names a toolkit whose nvcc knows sm_90 and sm_100 but fails every compile, and whose include/ lacks
+    the cuda.h that the C++ sources include; the build cache is in tmp_path."""
     from torch.utils import cpp_extension
 
     toolkit = tmp_path / "toolkit"
@@ -217,7 +217,7 @@ def broken_toolkit(tmp_path, monkeypatch):
     (toolkit / "include").mkdir()
     (toolkit / "include" / "cuda_runtime.h").touch()
     nvcc = toolkit / "bin" / "nvcc"
-    nvcc.write_text('#!/bin/sh\n[ "$1" = --list-gpu-arch ] && echo compute_90 && exit 0\n'
+    nvcc.write_text('#!/bin/sh\n[ "$1" = --list-gpu-arch ] && printf "compute_90\\ncompute_100\\n" && exit 0\n'
                     'echo "rnn.cu(7): error: identifier undefined"; exit 1\n')
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(toolkit))
@@ -234,6 +234,10 @@ def test_a_failed_build_is_one_line_naming_its_first_error(broken_toolkit):
     message = str(failure.value)
     assert len(message.splitlines()) == 1 and len(message) < 800, message
     assert "error" in message.split("for sm_90a in ")[1] and "build --verbose` to see the compiler output" in message
+
+
+def test_the_architectures_the_toolkit_knows_are_read_from_its_nvcc(broken_toolkit):
+    assert build.nvcc_architectures(build.cuda_home()) == {"90", "100"}  # Blackwell's three digits too
 
 
 def test_a_build_without_its_cpp_compiler_names_the_missing_compiler(broken_toolkit, tmp_path, monkeypatch):
