@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,30 @@ def test_a_finished_build_is_imported_by_later_processes_not_built_again(tmp_pat
     monkeypatch.setattr(build, "_build", lambda name, directory, arch, verbose: "built")
     monkeypatch.setattr(build, "_import_built", lambda name, directory: "imported")
     assert [build.load_extension.__wrapped__("90a") for _ in range(2)] == ["built", "imported"]
+
+
+def test_the_build_compiles_the_products_for_its_arch_and_leaves_them_to_cublas_where_triton_fails(monkeypatch,
+                                                                                                    capsys):
+    """The products are compiled for the architecture built for (sm_100 for 100a), and a Triton that cannot compile
+    them, whose errors are no RuntimeError, is one line, not a traceback that ends the launch scripts. The extension's
+    build and Triton are played here, as compiling for real takes minutes."""
+    from prnn_kernels import products
+
+    class CompilationError(Exception):  # as Triton's own
+        pass
+
+    def triton_that_fails(capability):
+        raise CompilationError(f"at 1:0: no TMA for sm_{capability}")
+
+    monkeypatch.setattr(build, "load_extension", lambda arch, verbose: types.SimpleNamespace(
+        __name__=f"prnn_kernels_x_sm{arch}", __file__=f"/cache/prnn_kernels_x_sm{arch}.so"))
+    compiled = []
+    monkeypatch.setattr(products, "compile_products", compiled.append)
+    build.main(["--arch", "100a"])
+    assert compiled == [100]
+    assert capsys.readouterr().out.splitlines()[-1] == ("compiled the fp32 layers' 3xTF32 products for sm_100 into "
+                                                        "Triton's cache")
+    monkeypatch.setattr(products, "compile_products", triton_that_fails)
+    build.main(["--arch", "100a"])  # returns: exit code 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("the fp32 layers' GEMMs will run on cuBLAS, not as 3xTF32 "
+                                                        "products: at 1:0: no TMA for sm_100")
