@@ -392,6 +392,53 @@ def test_bidirectional_layer_matches_two_reference_directions(poisoned, cell, nu
     assert directions_run_together(cell, hidden_size, batch_size, dtype, CUDA) == together, "the planner changed"
 
 
+def launch_played_by_the_reference(cell, reverse, num_directions, input_proj, hx, cx, lengths, *parameters):
+    """_PersistentLayer.apply as reference_layer computes it, direction by direction, taking and giving what the
+    kernels' binding does: hx and cx (D, B, H), the D weight_hh then the D bias_hh or none; output (T, B, D*H), h_n
+    and c_n (D, B, H), c_n empty but for an LSTM. Direction 0 runs reversed if `reverse`, direction 1 the other way."""
+    weight_hh = parameters[:num_directions]
+    bias_hh = parameters[num_directions:] or (None,) * num_directions
+    width = input_proj.shape[2] // num_directions
+    outputs, finals = [], []
+    for direction in range(num_directions):
+        state = (hx[direction], cx[direction]) if cell == "lstm" else hx[direction]
+        output, final = reference_layer(cell, input_proj[..., direction * width:(direction + 1) * width], state,
+                                        weight_hh[direction], bias_hh[direction], lengths, reverse != (direction == 1))
+        outputs.append(output)
+        finals.append(final if cell == "lstm" else (final,))
+    c_n = torch.stack([final[1] for final in finals]) if cell == "lstm" else hx.new_empty(0)
+    return torch.cat(outputs, 2), torch.stack([final[0] for final in finals]), c_n
+
+
+@pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
+@pytest.mark.parametrize("bidirectional, bias", [(True, True), (False, True), (True, False)])
+def test_the_persistent_backend_composes_a_stack_as_the_reference_backend_does(cell, bidirectional, bias,
+                                                                                monkeypatch):
+    """The Python around the kernels (the modules' persistent branch, the layer's checks, each layer's directions
+    stacked into one launch and their final states split out of it) on a launch that reference_layer plays, and a
+    support query that says yes: every output and gradient is the reference backend's. No test run without a GPU
+    reached that code before."""
+    monkeypatch.setattr(persistent, "support", lambda *arguments: persistent.Support(True, ""))
+    monkeypatch.setattr(persistent._PersistentLayer, "apply", launch_played_by_the_reference)
+    torch.manual_seed(5)
+    kind = {"relu": prnn_kernels.RNN, "gru": prnn_kernels.GRU, "lstm": prnn_kernels.LSTM}[cell]
+    layer = kind(5, 6, num_layers=2, bidirectional=bidirectional, bias=bias, dtype=torch.float64,
+                 **({"nonlinearity": "relu"} if cell == "relu" else {}))
+    x = torch.randn(7, 3, 5, dtype=torch.float64, requires_grad=True)
+    states = [torch.randn(4 if bidirectional else 2, 3, 6, dtype=torch.float64, requires_grad=True)
+              for _ in range(2 if cell == "lstm" else 1)]
+    results = []
+    for backend in ("persistent", "reference"):
+        layer.backend = backend
+        output, final = layer(x, tuple(states) if cell == "lstm" else states[0], lengths=torch.tensor([7, 4, 1]))
+        values = [output, *(final if cell == "lstm" else (final,))]
+        loss = sum((value * torch.linspace(-1, 1, value.numel(), dtype=torch.float64).view_as(value)).sum()
+                   for value in values)
+        results.append([*values, *torch.autograd.grad(loss, [x, *states, *layer.parameters()])])
+    for on_persistent, on_reference in zip(*results, strict=True):
+        assert relative_error(on_persistent, on_reference) < 1e-12
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cell", ["gru", "lstm", "relu"])
 def test_model_on_persistent_backend_matches_reference_backend(cell, no_tf32):
