@@ -747,6 +747,20 @@ def test_refuses_a_launch_whose_step_counts_would_wrap_on_the_plans_a_gpu_gives(
         persistent_layer("relu", input_proj, hx, weight_hh, None, lengths, False)
 
 
+def test_directions_run_together_only_where_both_passes_launch_them_together(monkeypatch):
+    # benchmarks/support_table.py asks it of every shape, those the kernels refuse too, for which there is no plan.
+    assert not directions_run_together("relu", 256, 4, torch.float32, "cpu")
+    monkeypatch.setattr(persistent, "support", lambda *arguments: persistent.Support(True, ""))
+    for forward, backward in ((True, True), (True, False), (False, True)):
+        def plans(cell, hidden_size, batch_size, dtype, device, directions=1, forward=forward, backward=backward):
+            # Asked for one direction, every plan answers False (csrc/binding.cpp): a bidirectional layer's are wanted.
+            assert directions == 2
+            return [{"directions_in_one_launch": forward}, {"directions_in_one_launch": backward}]
+
+        monkeypatch.setattr(persistent, "launch_plans", plans)
+        assert directions_run_together("relu", 256, 4, torch.float32, "cuda") == (forward and backward)
+
+
 def test_refuses_directions_that_are_not_two_before_asking_for_a_gpu():
     both, h0, c0 = torch.randn(5, 2, 2 * 4 * 64), torch.zeros(2, 64), torch.zeros(2, 64)
     weight_hh, bias_hh = torch.zeros(4 * 64, 64), torch.zeros(4 * 64)
