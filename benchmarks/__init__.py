@@ -1,1 +1,1 @@
-"""Kernel and end-to-end benchmarks; each prints a table and can write JSON (python -m benchmarks.<name>)."""
+"""Kernel and end-to-end benchmarks; each that measures prints a table and writes JSON (python -m benchmarks.<name>)."""

@@ -59,7 +59,8 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import EachOnce, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import (DEFAULT_JSON, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
+                         write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 NUM_STEPS = 256
@@ -300,7 +301,7 @@ def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results and the full configuration to this file")
+                        help="write the results and the full configuration to this file" + DEFAULT_JSON)
     parser.add_argument("--cells", nargs="+", action=EachOnce, default=list(CELLS), choices=list(NUM_GATES))
     parser.add_argument("--batches", nargs="+", action=EachOnce, type=positive_int, help=f"default {BATCHES}")
     parser.add_argument("--hiddens", nargs="+", action=EachOnce, type=positive_int, help=f"default {HIDDENS}")
@@ -310,6 +311,7 @@ def main():
     args = parser.parse_args()
     if refuse_without_gpu("benchmarks.rnn_kernels"):
         return 2
+    args.json = json_file(args.json, __file__)
     torch.manual_seed(0)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     hiddens = args.hiddens or (QUICK_HIDDENS if args.quick else HIDDENS)
@@ -326,12 +328,11 @@ def main():
     for point in grid:
         rows.append(measure(*point))
         print(json.dumps(rows[-1]), flush=True)
-        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-            write_json(args.json, measured_on, rows, configuration, so_far=True)
+        # Rewritten after every row, so a run cut short keeps what it measured.
+        write_json(args.json, measured_on, rows, configuration, so_far=True)
     print_table(rows)
-    if args.json:
-        write_json(args.json, measured_on, rows, configuration)
-        say_written(args.json)
+    write_json(args.json, measured_on, rows, configuration)
+    say_written(args.json)
 
 
 def setting():

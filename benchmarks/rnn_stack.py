@@ -28,7 +28,8 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import EachOnce, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import (DEFAULT_JSON, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
+                         write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -138,12 +139,13 @@ def main():
     parser.add_argument("--dtypes", nargs="+", action=EachOnce, default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results and the configuration to this file")
+                        help="write the results and the configuration to this file" + DEFAULT_JSON)
     args = parser.parse_args()
     if len(args.depths) < 2:
         parser.error("argument --depths: give at least two depths to fit the per-layer cost")
     if refuse_without_gpu("benchmarks.rnn_stack"):
         return 2
+    args.json = json_file(args.json, __file__)
     torch.manual_seed(0)
     config = {"batch": args.batch, "num_steps": NUM_STEPS, "depths": args.depths, "bidirectional": True,
               "device": device_name(torch.device("cuda")), **versions(torch.device("cuda")),
@@ -163,11 +165,10 @@ def main():
                     print_table(cell, hidden_size, args.batch, rows, summary, args.depths)
                     results.append({"cell": cell, "hidden": hidden_size, "persistent_dtype": dtype_name, "rows": rows,
                                     "summary": summary})
-                if args.json:  # rewritten after every stack, so a run cut short keeps what it measured
-                    write_json(args.json, config, results, so_far=True)
-    if args.json:
-        write_json(args.json, config, results)
-        say_written(args.json)
+                # Rewritten after every stack, so a run cut short keeps what it measured.
+                write_json(args.json, config, results, so_far=True)
+    write_json(args.json, config, results)
+    say_written(args.json)
 
 
 def write_json(path, config, results, so_far=False):

@@ -54,8 +54,8 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import (EachOnce, check_not_an_input, int_at_least, json_output, positive_int, say_written,
-                         seconds_up_to, write_output)
+from trainer.cli import (DEFAULT_JSON, EachOnce, check_not_an_input, int_at_least, json_file, json_output,
+                         positive_int, say_written, seconds_up_to, write_output)
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
@@ -316,7 +316,7 @@ def main(argv=None) -> None:
     add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="rank 0 writes the results, versions and full configuration here")
+                        help="rank 0 writes the results, versions and full configuration here" + DEFAULT_JSON)
     parser.add_argument("--baseline", type=input_path,
                         help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
@@ -349,15 +349,15 @@ def main(argv=None) -> None:
     }
     baseline = read_baseline(args.baseline, config, device_name(device)) if args.baseline else None
     if env.is_main:
+        args.json = json_file(args.json, __file__)
         print(f"measuring the {args.model} model on {env.world_size} x {device_name(device)}, compute batches "
               f"{args.compute_batches}, global batch {args.global_batch}", flush=True)
 
     result = measure(args, env, cfg, config, baseline)
     if env.is_main:
         print_table(result)
-        if args.json:
-            write_output(args.json, json.dumps(result, indent=1) + "\n")
-            say_written(args.json)
+        write_output(args.json, json.dumps(result, indent=1) + "\n")
+        say_written(args.json)
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 

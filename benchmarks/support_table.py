@@ -22,7 +22,8 @@ import sys
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
-from trainer.cli import EachOnce, int_at_least, json_output, lines_stream, run_tool, say_written, write_output
+from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, lines_stream, run_tool,
+                         say_written, write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,10 +56,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=int_at_least(1, MAX_BATCH), default=16)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the table, the device and the reasons to PATH as JSON; of /dev/stdout (or the "
-                             "file stdout is redirected to), the JSON alone, the table then on stderr")
+                             "file stdout is redirected to), the JSON alone, the table then on stderr" + DEFAULT_JSON)
     args = parser.parse_args(argv)
     if refuse_without_gpu("benchmarks.support_table"):
         return 2
+    args.json = json_file(args.json, __file__)
     table_out = lines_stream(args.json)  # stderr where the JSON goes to stdout, which then holds it alone
     columns = [(cell, precision) for cell in args.cells for precision in args.precisions]
     cuda = torch.device("cuda")
@@ -79,10 +81,9 @@ def main(argv=None) -> int:
         print(f"{hidden:>5} " + " ".join(
             f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
             file=table_out, flush=True)
-    if args.json:
-        results = {**measured_on, "max_batch": args.max_batch, "command": command_line(), "rows": table}
-        write_output(args.json, json.dumps(results, indent=1) + "\n")
-        say_written(args.json)
+    results = {**measured_on, "max_batch": args.max_batch, "command": command_line(), "rows": table}
+    write_output(args.json, json.dumps(results, indent=1) + "\n")
+    say_written(args.json)
     return 0
 
 

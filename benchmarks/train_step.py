@@ -36,7 +36,8 @@ from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import EachOnce, int_at_least, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
+                         say_written, write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
 
@@ -137,12 +138,13 @@ def main(argv=None) -> int | None:
     add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results, versions and configuration here")
+                        help="write the results, versions and configuration here" + DEFAULT_JSON)
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
         parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     if refuse_without_gpu("benchmarks.train_step"):
         return 2
+    args.json = json_file(args.json, __file__)
     device = distributed.init("cuda", args.timeout_s, timeout_setting=TIMEOUT_FLAG).device
     torch.cuda.init()  # before the memory statistics are reset
     configs = {name: OmegaConf.to_container(compose_config(name, "cudnn", None, args.amp).model)
@@ -166,13 +168,12 @@ def main(argv=None) -> int | None:
                 torch.cuda.empty_cache()
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "times_ms"}), flush=True)
                 add_speedups(rows)
-                if args.json:  # rewritten after every row, so a run cut short keeps what it measured
-                    write_json(args, measured_on, rows, configs, so_far=True)
+                # Rewritten after every row, so a run cut short keeps what it measured.
+                write_json(args, measured_on, rows, configs, so_far=True)
     print(f"training step on {device_name(device)}, {args.frames} frames, amp {args.amp}")
     print_table(rows, configs)
-    if args.json:
-        write_json(args, measured_on, rows, configs)
-        say_written(args.json)
+    write_json(args, measured_on, rows, configs)
+    say_written(args.json)
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 
 

@@ -23,16 +23,16 @@ machine). Every run's row of the JSON lists the devices its jobs trained on, fro
 
 Prints each run's last and best test WER and its time (training and evaluation, over all its jobs), then per backend the
 mean and sample standard deviation of the last WER over the runs that finished, and each backend's difference from the
-first backend: the mean over the seeds both finished of the per-seed difference, with its standard error. The
-difference is paired because a seed gives every backend the same initial weights and data order, so what makes a seed
-hard or easy cancels. --at-epoch E compares every run as it stood at epoch E (its WER then, the best up to then): runs
-of a budget that ran out can be compared where all of them got to. Writes the same, with the command and versions, to
---json. A failed run is reported with its exit status and the last line of its output, and left out of the means (the
-command then exits 1), as is one that stopped short of the epochs its config.yaml sets (a run copied without it counts
-as it stands); the others still count. So is a run with a file that is not as the trainer writes it (a config.yaml
-that is no YAML, an evaluation or job line missing a field or holding another type, a file that cannot be read), in
-one line naming the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2,
-as does one that finds none of its runs in RUNS_DIR (a misspelt --name).
+first backend: the mean over the seeds both finished of the per-seed difference, with its standard error. The difference
+is paired because a seed gives every backend the same initial weights and data order, so what makes a seed hard or easy
+cancels. --at-epoch E compares every run as it stood at epoch E (its WER then, the best up to then): runs of a budget
+that ran out can be compared where all of them got to. Writes the same, with the command and versions, as JSON (to
+--json, else to a new file in benchmarks/results/). A failed run is reported with its exit status and the last line of
+its output, and left out of the means (the command then exits 1), as is one that stopped short of the epochs its
+config.yaml sets (a run copied without it counts as it stands); the others still count. So is a run with a file that is
+not as the trainer writes it (a config.yaml that is no YAML, an evaluation or job line missing a field or holding
+another type, a file that cannot be read), in one line naming the file and what is wrong; a --report whose every run is
+left out so reports nothing and exits 2, as does one that finds none of its runs in RUNS_DIR (a misspelt --name).
 """
 if __name__ == "__main__":  # first: a Ctrl-C during the imports below printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -60,7 +60,8 @@ from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
-from trainer.cli import EachOnce, int_at_least, json_output, positive_int, run_tool, say_written, write_output
+from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
+                         say_written, write_output)
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -363,7 +364,7 @@ def main(argv=None) -> None:
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the runs, the summary and the configuration here")
+                        help="write the runs, the summary and the configuration here" + DEFAULT_JSON)
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
                         help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
@@ -384,6 +385,7 @@ def main(argv=None) -> None:
     if args.graphs and args.ranks > 1:
         parser.error("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
                      "--ranks 1")
+    args.json = json_file(args.json, __file__)
     runs_dir = Path(args.runs_dir).resolve()
     jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
     if args.report:
@@ -412,14 +414,13 @@ def main(argv=None) -> None:
                 sys.exit(2)
         gpus = visible_gpus()
         # Before the runs: the checkout may be edited, or switched, during their hours of training.
-        measured_on = environment() if args.json else {}
+        measured_on = environment()
         rows = train_all(jobs, runs_dir, gpus, args)
     summary = summarize(rows, args.backends)
 
     print_runs(rows, runs_dir, args.at_epoch)
     print_summary(summary, args.backends[0])
-    if args.json:
-        write_json(args, argv, rows, summary, gpus, measured_on)
+    write_json(args, argv, rows, summary, gpus, measured_on)
     failed = [row for row in rows if row["returncode"] not in (0, None)]
     for row in failed:
         print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
@@ -467,7 +468,7 @@ def print_summary(summary: list[dict], first_backend: str) -> None:
 
 def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpus: list[str] | None,
                measured_on: dict) -> None:
-    """--json: the runs, the summary and the configuration, with the command as typed and `measured_on`, environment()
+    """The JSON: the runs, the summary and the configuration, with the command as typed and `measured_on`, environment()
     as the runs started. A report runs nothing here, and has none: this machine's GPU and versions would describe a
     training that did not happen (each run's own devices are in its row)."""
     config = {"command": shlex.join(["python", "-m", "benchmarks.wer_parity", *argv]),

@@ -1,13 +1,14 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
 finds a trainer's data-loading workers, how it runs a command that file permissions hold for, as root too, the
-trainer's config composed as Hydra composes it, a small checkpoint of an untrained model, and Ctrl-C taken however
-pytest was started."""
+trainer's config composed as Hydra composes it, a small checkpoint of an untrained model, Ctrl-C taken however
+pytest was started, and the benchmarks' JSON written outside the checkout."""
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import unicodedata
 from pathlib import Path
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 from data.manifest import read_manifest, write_manifest
 from data.prepare import prepare_an4
 from trainer import build, checkpoint
+from trainer.cli import RESULTS_FOLDER_VARIABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The test extra's MPICH installs mpiexec beside the interpreter, which need not be on PATH.
@@ -32,6 +34,17 @@ TINY = [
     "data.features.kind=mel", "data.features.n_mels=40", "train.amp=none", "train.num_workers=0",
     "train.progress_bar=false", "train.global_batch_size=8", "data.augment.enabled=false", "optim.warmup_steps=10",
 ]
+
+# A benchmark run without --json writes a new file into benchmarks/results/ of the checkout: the tests' go to a folder
+# of their own, removed at the end. Set here, as the tests are collected, not in a fixture: a test module's environment
+# for its jobs (test_distributed.JOB_ENV) is copied from os.environ as the module is imported.
+BENCHMARK_RESULTS = tempfile.mkdtemp(prefix="benchmark-results-")
+os.environ[RESULTS_FOLDER_VARIABLE] = BENCHMARK_RESULTS
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(BENCHMARK_RESULTS, ignore_errors=True)
+
 
 # As the trainer does on a CPU: oneDNN's convolution weight gradient corrupts memory on the model's small
 # frequency maps (torch 2.14), so CPU tests use ATen's own convolution.

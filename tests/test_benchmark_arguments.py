@@ -10,11 +10,13 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO_ROOT
+from trainer import cli
 
 
 @pytest.mark.parametrize("module, arguments, complaint", [
@@ -172,6 +174,52 @@ def test_a_json_path_in_a_missing_folder_has_it_made_before_measuring(tmp_path):
                              "--report", "--runs-dir", str(tmp_path / "no_runs")], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300)
     assert folder.is_dir(), result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_a_benchmark_without_json_writes_a_new_file_in_the_results_folder(tmp_path):
+    """Without --json a benchmark printed its table and wrote no JSON: a long GPU measurement run as the README gives
+    it was lost to a scrolled-away terminal."""
+    results = tmp_path / "results"  # made where missing
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING], cwd=REPO_ROOT,
+                            env={**os.environ, cli.RESULTS_FOLDER_VARIABLE: str(results)}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    written = list(results.iterdir()) if results.is_dir() else []
+    assert [re.fullmatch(r"scaling-\d{8}-\d{6}\.json", path.name) is not None for path in written] == [True], written
+    assert json.loads(written[0].read_text())["config"]["global_batch"] == 2
+    assert result.stdout.endswith(f"\nwrote {written[0]}\n"), result.stdout[-2000:]
+
+
+def test_the_default_json_file_is_beside_the_script_and_a_second_in_its_second_takes_another_name(tmp_path,
+                                                                                                  monkeypatch):
+    """Two runs started in the same second, each finding the file of that second's name free, would have written one
+    file, the later run's over the earlier's. Each takes its name as it starts; one that ends without a result leaves
+    no empty file behind. Without $PRNN_BENCHMARK_RESULTS the folder is results/ beside the script, wherever it runs
+    from."""
+    monkeypatch.delenv(cli.RESULTS_FOLDER_VARIABLE)
+    script = tmp_path / "package" / "tool.py"
+    take_two = ("import sys\nfrom trainer.cli import json_file\n"
+                "first = json_file(None, sys.argv[1])\nopen(first, 'w').write('{}')\n"
+                "print(first)\nprint(json_file(None, sys.argv[1]))")  # the second run, which ends without a result
+    result = subprocess.run([sys.executable, "-c", take_two, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = map(Path, result.stdout.split())
+    assert first.parent == second.parent == tmp_path / "package" / "results", result.stdout
+    assert re.fullmatch(r"tool-\d{8}-\d{6}\.json", first.name), first
+    if second.stem.startswith(first.stem):  # unless a second ended between them
+        assert second.stem == f"{first.stem}-2"
+    assert list(first.parent.iterdir()) == [first] and first.read_text() == "{}"
+    assert cli.json_file("given.json", str(script)) == "given.json"
+
+
+def test_a_results_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    taken = tmp_path / "results"
+    taken.write_text("")
+    monkeypatch.setenv(cli.RESULTS_FOLDER_VARIABLE, str(taken))
+    with pytest.raises(cli.CannotWrite, match=f"^cannot make the folder {taken}: File exists; --json PATH names a file "
+                                              "elsewhere$"):
+        cli.json_file(None, str(tmp_path / "tool.py"))
 
 
 def test_the_support_table_makes_a_missing_json_folder_and_refuses_one_it_cannot_make(tmp_path, monkeypatch, capsys):

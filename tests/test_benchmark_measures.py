@@ -18,6 +18,7 @@ import torch
 from benchmarks import rnn_kernels, scaling, support_table, train_step
 from conftest import REPO_ROOT
 from prnn_kernels.persistent import support
+from trainer.cli import RESULTS_FOLDER_VARIABLE
 
 
 def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch):
@@ -161,6 +162,22 @@ def test_a_benchmark_ends_saying_where_it_wrote_its_json(tmp_path, code):
     devices = values_of("device", json.loads(path.read_text()))
     assert len(devices) == 1 and isinstance(devices[0], str) and devices[0], devices
     assert result.stdout.endswith(f"\nwrote {path}\n"), result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", [*sorted(FAKED_BENCHMARKS), "support_table"])
+def test_a_benchmark_without_json_writes_a_new_file_named_after_it(tmp_path, name):
+    """Without --json these printed their table and wrote no JSON: a long GPU measurement run as the READMEs give it
+    was lost to a scrolled-away terminal."""
+    code = FAKED_BENCHMARKS[name][0] if name in FAKED_BENCHMARKS else FAKED_SUPPORT_TABLE
+    result = subprocess.run([sys.executable, "-c", code + "sys.exit(benchmark.main())"], cwd=REPO_ROOT,
+                            env={**os.environ, RESULTS_FOLDER_VARIABLE: str(tmp_path)}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = list(tmp_path.iterdir())
+    named = [re.fullmatch(rf"{name}-\d{{8}}-\d{{6}}\.json", path.name) is not None for path in written]
+    assert named == [True], written
+    assert len(values_of("device", json.loads(written[0].read_text()))) == 1
+    assert result.stdout.endswith(f"\nwrote {written[0]}\n"), result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name", sorted(FAKED_BENCHMARKS))

@@ -232,18 +232,30 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     assert visible_gpus() == []
 
 
-def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch, capsys):
-    commands = {}
+def runs_end_at_once(monkeypatch, started: list | None = None) -> None:
+    """Each run wer_parity starts (the trainer, or the launch script of a run of several ranks) ends at once, exit 0,
+    added to `started`; the other commands run: the device's name, from platform, and the versions' git query, for its
+    JSON."""
+    real_run = subprocess.run
 
     def run(command, **kwargs):
-        commands[next(part for part in command if part.startswith("seed="))
-                 + next(part for part in command if part.startswith("model.backend="))] = command
+        if command[1:3] != ["-m", "trainer"] and command[0] != "bash":
+            return real_run(command, **kwargs)
+        if started is not None:
+            started.append(command)
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(wer_parity.subprocess, "run", run)
+
+
+def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch, capsys):
+    started = []
+    runs_end_at_once(monkeypatch, started)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--runs-dir", str(tmp_path),
                      "--backend-overrides", "persistent", "model.batch_slice=4", "--", "train.epochs=3"])
+    commands = {next(part for part in command if part.startswith("seed="))
+                + next(part for part in command if part.startswith("model.backend=")): command for command in started}
     cudnn, persistent = commands["seed=1model.backend=cudnn"], commands["seed=1model.backend=persistent"]
     assert "train.epochs=3" in cudnn and "train.epochs=3" in persistent
     assert "model.batch_slice=4" in persistent and not any("batch_slice" in part for part in cudnn)
@@ -266,7 +278,7 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch,
 
 def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypatch, capsys):
     # It read "1 runs of 1 rank(s), 1 at once on 1 GPU(s)".
-    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    runs_end_at_once(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path)])
     assert capsys.readouterr().out.startswith(f"1 run of 1 rank, 1 at once on 1 GPU; output in {tmp_path}/wer-*.out\n")
@@ -277,7 +289,7 @@ def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypat
 
 def test_on_a_machine_without_a_gpu_the_plan_and_each_run_say_so(tmp_path, monkeypatch, capsys):
     # They read "1 at once on 0 GPUs" and "wer-reference-s1 (GPU None): exit 0, ...".
-    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    runs_end_at_once(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     wer_parity.main(["--backends", "reference", "--seeds", "1", "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -404,8 +416,7 @@ def test_a_seed_the_trainer_refuses_is_refused_before_any_run_starts(seed, tmp_p
     # The overrides are checked with each backend's first seed alone: a later one out of range failed its runs, each
     # in its own .out after the others had trained.
     started = []
-    monkeypatch.setattr(wer_parity.subprocess, "run",
-                        lambda command, **kwargs: started.append(command) or subprocess.CompletedProcess(command, 0))
+    runs_end_at_once(monkeypatch, started)
     with pytest.raises(SystemExit) as exited:
         wer_parity.main(["--backends", "reference", "--seeds", "1", seed, "--runs-dir", str(tmp_path)])
     err = capsys.readouterr().err
@@ -420,8 +431,7 @@ def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(t
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     commands = []
-    monkeypatch.setattr(wer_parity.subprocess, "run",
-                        lambda command, **kwargs: commands.append(command) or subprocess.CompletedProcess(command, 0))
+    runs_end_at_once(monkeypatch, commands)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     runs_dir = tmp_path / folder
     wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(runs_dir)])
@@ -431,7 +441,7 @@ def test_a_runs_dir_with_a_comma_quote_or_backslash_reaches_hydra_as_that_path(t
 
 def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     # Its runs trained in .../home /root/wer-cudnn-s1, where this script, reading .../home ${oc.env:HOME}, found none.
-    monkeypatch.setattr(wer_parity.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0))
+    runs_end_at_once(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(SystemExit) as exited:
         wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "home ${oc.env:HOME}")])

@@ -1,10 +1,12 @@
 """What the trainer's command-line tools share: argument types (argparse refuses a bad value, naming its argument,
 before any work starts), writing their output files, and how they end when interrupted."""
 import argparse
+import atexit
 import contextlib
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -102,6 +104,52 @@ def json_output(text: str) -> str:
     except OSError as error:
         raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {error.strerror or error}") from None
     return output_file(text)
+
+
+# Where a benchmark writes the JSON no --json names, in place of results/ beside the script: tests point it at a folder
+# of their own, and it moves the results of a checkout that cannot be written in.
+RESULTS_FOLDER_VARIABLE = "PRNN_BENCHMARK_RESULTS"
+# The end of each benchmark's --json help.
+DEFAULT_JSON = (f"; without it, a new file in benchmarks/results/ (or ${RESULTS_FOLDER_VARIABLE}) named after the "
+                "script and the UTC time")
+MAX_RUNS_A_SECOND = 1000  # of one script: past it, a refusal where a loop over taken names would seem to hang
+
+
+def json_file(given: str | None, script_file: str) -> str:
+    """Where a benchmark writes its JSON: the --json file `given`, else a new file in the results/ folder beside the
+    script (made where missing; $PRNN_BENCHMARK_RESULTS where set), named after the script and the UTC time,
+    `rnn_kernels-20261206-031500.json`, so that a measurement is not lost to a terminal's scrolled-away table. It is
+    created now, empty, to take the name: a second run in the same second takes `...-031500-2.json`, where it would
+    have found the name free and written over the first run's file. A run that ends before it writes anything removes
+    it. CannotWrite naming the folder or the file where either cannot be made."""
+    if given is not None:
+        return given
+    script = Path(script_file)
+    folder = Path(os.environ.get(RESULTS_FOLDER_VARIABLE) or script.resolve().parent / "results")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CannotWrite(f"cannot make the folder {folder}: {error.strerror or error}; --json PATH names a file "
+                          "elsewhere") from None
+    stem = f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    for count in range(1, MAX_RUNS_A_SECOND + 1):
+        path = folder / (f"{stem}.json" if count == 1 else f"{stem}-{count}.json")
+        try:
+            path.open("x").close()
+        except FileExistsError:
+            continue  # another run's, started in the same second
+        except OSError as error:
+            raise CannotWrite(f"cannot write {path}: {error.strerror or error}") from None
+        atexit.register(_remove_if_empty, path)
+        return str(path)
+    raise CannotWrite(f"cannot write {folder / stem}.json: it and {MAX_RUNS_A_SECOND - 1} more of that second exist")
+
+
+def _remove_if_empty(path: Path) -> None:
+    """A results file that json_file took and its run left empty (it ended before any result): nothing to keep."""
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
 
 
 class EachOnce(argparse.Action):
