@@ -88,6 +88,8 @@ def test_summary_pairs_each_backend_with_the_first_by_seed():
     # The sample standard deviation (n - 1), over the seeds: WERs 10, 12 and 20 square off 16 + 4 + 36 from 14.
     assert math.isclose(cudnn["std_wer"], math.sqrt(56 / 2))
     assert (persistent["runs"], persistent["mean_wer"], persistent["paired_seeds"]) == (2, 13.0, 2)
+    # Two runs give a standard deviation too: WERs 11 and 15 square off 4 + 4 from 13.
+    assert math.isclose(persistent["std_wer"], math.sqrt(8 / 1))
     # Per-seed differences 1 and 3.
     assert persistent["difference"] == 2.0 and math.isclose(persistent["difference_stderr"], 1.0)
 
