@@ -183,8 +183,9 @@ def test_a_run_short_of_its_epochs_or_with_a_half_written_line_is_read_as_it_sta
         (runs / name / "config.yaml").write_text("train:\n  epochs: 2\n  max_steps: null\n")
     with open(runs / "x-persistent-s2" / "metrics.jsonl", "a") as metrics:
         metrics.write('{"step": 31, "epoch": 1, "lo')  # the job killed mid-write
-    job = {"from_step": 0, "world_size": 8, "device": "GPU A"}
-    (runs / "x-persistent-s1" / "jobs.jsonl").write_text(json.dumps(job) + "\n")
+    # Its ranks are its last job's: resumed on 8 ranks after a first job on 2.
+    jobs = [{"from_step": 0, "world_size": 2, "device": "GPU A"}, {"from_step": 30, "world_size": 8, "device": "GPU A"}]
+    (runs / "x-persistent-s1" / "jobs.jsonl").write_text("".join(json.dumps(job) + "\n" for job in jobs))
     wer_parity.main(["--report", "--name", "x", "--seeds", "1", "2", "--runs-dir", str(runs),
                      "--json", str(tmp_path / "wer.json")])
     result = json.loads((tmp_path / "wer.json").read_text())
