@@ -198,6 +198,38 @@ def test_a_run_short_of_its_epochs_or_with_a_half_written_line_is_read_as_it_sta
     assert evaluations(runs / "x-persistent-s2", at_epoch=1)["last_wer"] == 85.0  # as it stood then, it counts
 
 
+def test_a_run_set_to_stop_at_max_steps_counts_as_it_stands(tmp_path):
+    """train.max_steps ends a run before its epochs: its config.yaml cannot tell when it ends, so a run stopped at
+    epoch 1 of 2 counts, where the same run without max_steps is unfinished. One read as unfinished whatever its
+    max_steps passed every test."""
+    write_metrics(tmp_path / "run", [60.0])
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  epochs: 2\n  max_steps: 30\n")
+    assert evaluations(tmp_path / "run")["unfinished"] is False
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  epochs: 2\n  max_steps: null\n")
+    assert evaluations(tmp_path / "run")["unfinished"] is True
+
+
+def test_the_tables_give_each_value_under_its_heading(tmp_path, capsys):
+    """The runs' and the backends' tables, value by value: last and best WER, or a backend's mean and standard
+    deviation, printed in each other's column, or the difference's standard error left out, passed every test."""
+    runs = tmp_path / "runs"
+    for name, wers in (("x-cudnn-s1", [80.0, 70.0, 72.0]), ("x-cudnn-s2", [60.0, 50.0]),
+                       ("x-persistent-s1", [75.0, 73.0]), ("x-persistent-s2", [58.0, 53.0])):
+        write_metrics(runs / name, wers)
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "2", "--runs-dir", str(runs)])
+    lines = capsys.readouterr().out.splitlines()
+    runs_header = lines.index(next(line for line in lines if line.startswith("run ")))
+    assert lines[runs_header].split() == ["run", "exit", "epochs", "last", "WER", "%", "best", "WER", "%", "last",
+                                          "CER", "%", "run", "s"]
+    assert lines[runs_header + 1].split() == ["x-cudnn-s1", "-", "3", "72.00", "70.00", "36.00", "15"]
+    backends_header = lines.index(next(line for line in lines if line.startswith("backend ")))
+    assert lines[backends_header].split() == ["backend", "runs", "mean", "WER", "%", "std", "vs", "cudnn,", "paired"]
+    # Last WERs 72 and 50 against 73 and 53: per-seed differences 1 and 3.
+    assert lines[backends_header + 1].split() == ["cudnn", "2", "61.00", f"{math.sqrt(2 * 11**2):.2f}"]
+    assert lines[backends_header + 2].split() == ["persistent", "2", "63.00", f"{math.sqrt(2 * 10**2):.2f}", "+2.00",
+                                                  "+-", "1.00", "(2", "seeds)"]
+
+
 def test_report_summarises_runs_where_they_stand_without_training(tmp_path, capsys):
     runs = tmp_path / "runs"
     write_metrics(runs / "x-cudnn-s1", [50.0, 40.0, 30.0])
