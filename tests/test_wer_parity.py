@@ -304,6 +304,13 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch,
         (["--backend-overrides", "persistent", "train.resume=null", "--", "+seed=3"],
          "seed, train.resume: set for each run by this script"),
         (["--seeds", "1", "1"], "argument --seeds: 1 is given more than once"),
+        # Each of these was accepted by a refusal one step off, and passed every test.
+        (["--", "train.progress_bar=true", "hydra.run.dir=elsewhere"],
+         "hydra.run.dir, train.progress_bar: set for each run by this script"),
+        (["--backend-overrides", "persistent", "--"], "--backend-overrides persistent : give one of --backends"),
+        (["--backend-overrides", "persistent", "model.batch_slice", "--"],
+         "--backend-overrides persistent model.batch_slice: give one of --backends"),
+        (["--graphs", "--ranks", "2"], "--graphs needs one GPU per rank (NCCL)"),
     ]:
         with pytest.raises(SystemExit) as exited:
             wer_parity.main(arguments)
