@@ -318,6 +318,30 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch,
         assert exited.value.code == 2 and f"error: {refusal}" in capsys.readouterr().err, arguments
 
 
+def test_graphs_reach_every_backend_but_cudnn_and_the_json_records_the_overrides(tmp_path, monkeypatch):
+    """--graphs given to cuDNN's runs too failed each of them (its packed sequences cannot be captured); the JSON
+    without its graphs, overrides or backend overrides passed every test, and named no recipe the runs trained."""
+    commands = {}
+
+    def run(command, **kwargs):
+        if command[1:3] != ["-m", "trainer"]:  # the versions' git query
+            return real_run(command, **kwargs)
+        commands[next(part for part in command if part.startswith("model.backend="))] = command
+        return subprocess.CompletedProcess(command, 0)
+
+    real_run = subprocess.run
+    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--graphs", "--runs-dir", str(tmp_path),
+                     "--json", str(tmp_path / "wer.json"), "--backend-overrides", "persistent", "model.batch_slice=4",
+                     "--", "train.epochs=3"])
+    assert "train.cuda_graphs=true" in commands["model.backend=persistent"]
+    assert not any("cuda_graphs" in part for part in commands["model.backend=cudnn"])
+    config = json.loads((tmp_path / "wer.json").read_text())["config"]
+    assert (config["graphs"], config["overrides"], config["backend_overrides"]) == (
+        True, ["train.epochs=3"], {"persistent": ["model.batch_slice=4"]})
+
+
 def test_the_plan_words_one_run_rank_and_gpu_in_the_singular(tmp_path, monkeypatch, capsys):
     # It read "1 runs of 1 rank(s), 1 at once on 1 GPU(s)".
     runs_end_at_once(monkeypatch)
