@@ -1967,6 +1967,20 @@ def test_scaling_benchmark_refuses_cuda_graphs_on_a_cpu(tmp_path):
     code, output = run_job(scaling_command(1, tmp_path / "graphs.json", "--cuda-graphs"), FAILURE_TIMEOUT_S)
     assert code == 2, output
     assert "error on rank 0: --cuda-graphs needs a GPU, this run is on cpu" in output, output
+    # Refused first, on any device: a refusal of --warmup 0 alone passed every test.
+    code, output = run_job(scaling_command(1, tmp_path / "graphs.json", "--cuda-graphs", "--warmup", 0),
+                           FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert "error on rank 0: --cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed" in output
+
+
+@needs_mpiexec
+def test_scaling_benchmark_refuses_a_global_batch_its_ranks_cannot_share(tmp_path):
+    # One not a multiple of the world size was measured at a per-rank batch rounded down, and passed every test.
+    code, output = run_job(scaling_command(2, tmp_path / "odd.json", "--global-batch", 3), FAILURE_TIMEOUT_S)
+    assert code == 2, output
+    assert "error on rank 0: --global-batch 3 must be a positive multiple of the world size 2" in output, output
+    assert not (tmp_path / "odd.json").exists()
 
 
 @needs_mpiexec
