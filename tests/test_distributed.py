@@ -2028,6 +2028,11 @@ def test_scaling_benchmark_measures_the_trainers_model(scaling_result):
     assert allreduce["bus_GBps"] == scaling.allreduce_bus_GBps(allreduce["bytes"], allreduce["median_ms"] * 1e-3, 2)
     efficiency = one["step"]["median_ms"] / (2 * two["step"]["median_ms"])
     assert two["baseline"]["strong_scaling_efficiency"] == pytest.approx(efficiency)
+    # The global batch's samples a second (a world of one, whose per-rank batch is the global batch, checked none), and
+    # the baseline as the efficiency read it.
+    assert two["step"]["samples_per_s"] == pytest.approx(2 / two["step"]["median_ms"] * 1e3)
+    assert two["baseline"]["step_ms"] == one["step"]["median_ms"]
+    assert two["baseline"]["path"] == str(scaling_result["path"].parent / "one.json")
     assert two["versions"]["torch"] == torch.__version__
 
 
