@@ -2043,6 +2043,64 @@ def test_the_allreduce_bus_bandwidth_is_nccl_tests(world_size, bus_per_algorithm
     assert scaling.allreduce_bus_GBps(6e9, 2.0, world_size) == pytest.approx(3.0 * bus_per_algorithm_bandwidth)
 
 
+def test_a_scaling_measure_is_the_median_of_its_times():
+    # The mean (11 ms) passed every test, whose measures were timed once or twice.
+    assert scaling.summary([2.0, 1.0, 30.0], bytes=8) == {"bytes": 8, "median_ms": 2.0, "times_ms": [2.0, 1.0, 30.0]}
+
+
+def time_slowest_worker(rank, directory):
+    """One of two gloo ranks timing a call that takes rank 0 0.1 s and rank 1 0.3 s."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    try:
+        times = scaling.time_ms(lambda: time.sleep(0.1 + 0.2 * rank), 0, 2, torch.device("cpu"))
+        Path(directory, f"rank{rank}.json").write_text(json.dumps(times))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_scaling_time_is_the_slowest_ranks(tmp_path):
+    """Each call's time is the slowest rank's, on every rank: rank 0's own time (0.1 s), or the ranks' sum or mean,
+    passed every test, whose ranks took about as long as each other."""
+    torch.multiprocessing.spawn(time_slowest_worker, args=(str(tmp_path),), nprocs=2)
+    times = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert times[0] == times[1] and len(times[0]) == 2, times
+    assert all(300 <= ms < 390 for ms in times[0]), times
+
+
+def scaling_result_of_two_ranks() -> dict:
+    """A result of benchmarks.scaling.measure on 2 ranks at global batch 8, against a baseline, in round numbers."""
+    return {
+        "world_size": 2, "device": "GPU X",
+        "config": {"model": "an4", "global_batch": 8, "frames": 300, "amp": True, "cuda_graphs": False,
+                   "backend": "cudnn",
+                   "model_config": {"depth": 5, "bidirectional": True, "cell": "gru", "hidden": 800}},
+        "model": {"parameters": 2_000_000, "gradient_bytes": 8_000_000},
+        "step": {"median_ms": 20.0, "per_rank_batch": 4}, "step_no_sync": {"median_ms": 16.0, "per_rank_batch": 4},
+        "exposed_communication_ms": 4.0, "allreduce": {"median_ms": 5.0, "bytes": 8_000_000, "bus_GBps": 1.6},
+        "compute": [{"per_rank_batch": 1, "median_ms": 10.0}, {"per_rank_batch": 4, "median_ms": 16.0}],
+        "baseline": {"path": "one.json", "step_ms": 32.0, "strong_scaling_efficiency": 0.8},
+    }
+
+
+def test_the_scaling_table_gives_each_measure_its_rate(capsys):
+    """The step's rate is the global batch's samples a second, each compute row's its own batch's; the efficiency line
+    gives t(1), the baseline's step. The per-rank batch's rate for the step, or this run's step for t(1), passed every
+    test, none of which read the table."""
+    scaling.print_table(scaling_result_of_two_ranks())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("DeepSpeech2 an4 (5 x bi-GRU 800, 2.0M parameters, 8.0 MB of gradients), backend cudnn, "
+                        "2 x GPU X, global batch 8, 300 frames, bf16")
+    assert [line.split() for line in lines[3:]] == [
+        ["step", "4", "20.000", "400.0"],
+        ["step", "no_sync", "4", "16.000", "500.0"],
+        ["exposed", "comm", "4.000"],
+        ["allreduce", "(flat)", "5.000", "bus", "1.6", "GB/s"],
+        ["compute,", "one", "rank", "alone", "1", "10.000", "100.0"],
+        ["compute,", "one", "rank", "alone", "4", "16.000", "250.0"],
+        ["strong-scaling", "efficiency", "t(1)", "/", "(2", "t(2)):", "0.800", "(t(1)", "=", "32.000", "ms)"],
+    ]
+
+
 @needs_mpiexec
 def test_scaling_model_projects_a_measurement(scaling_result, tmp_path):
     assert scaling_model.main(["--measured", str(scaling_result["path"]), "--out", str(tmp_path)]) == 0
