@@ -2163,6 +2163,9 @@ def test_scaling_model_names_the_compute_line_of_two_measured_batches_once(tmp_p
     assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path)]) == 0
     markdown = (tmp_path / "scaling_projection.md").read_text()
     assert markdown.count("8.00 ms + 2.000 ms per utterance through batches [1, 4]") == 1
+    # A measurement from one process has no overlap of its own: the projection draws 0, 0.5 and 1.
+    rows = json.loads((tmp_path / "scaling_projection.json").read_text())["rows"]
+    assert sorted({row["overlap"] for row in rows}) == [0.0, 0.5, 1.0]
 
 
 def test_scaling_model_arithmetic(tmp_path):
@@ -2207,6 +2210,15 @@ def test_scaling_model_arithmetic(tmp_path):
                                  overlap=0.5, backward_share=2 / 3)
     expected = [(num_bytes / 100e9 + 2e-6) * 1e3 for num_bytes in (64, 4, 24, 120, 80)]
     assert graphed["small_collectives_ms"] == pytest.approx(sum(expected))
+    # 60 MiB of gradients: two full buckets and one of 10 MiB, where the 50 MiB above filled two (every bucket taken
+    # as full passed every test). Compute measured in the order --compute-batches gave it, 4 before 1 and 2, is read
+    # sorted: at batch 3, halfway between 2 and 4.
+    path = write_measurement(tmp_path / "unsorted.json", {4: 16.0, 1: 10.0, 2: 11.0}, gradient_bytes=60 * mebibyte,
+                             ddp_bucket_cap_mb=25, sync_batch_norm_channels=[])
+    unsorted = scaling_model.Measurement(str(path))
+    assert unsorted.compute_ms(3) == pytest.approx(13.5)
+    row = scaling_model.step(unsorted, cluster, global_batch=16, num_gpus=2, overlap=0.5, backward_share=2 / 3)
+    assert row["gradient_allreduce_ms"] == pytest.approx(2 * bucket_ms + (10 * mebibyte / 100e9 + 2e-6) * 1e3)
 
 
 def test_scaling_model_checks_itself_at_the_overlap_the_measurement_shows(tmp_path):
