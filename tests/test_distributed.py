@@ -2241,6 +2241,37 @@ def test_scaling_model_checks_itself_at_the_overlap_the_measurement_shows(tmp_pa
                                                                                   - hidden["step_ms"]))
     assert check["modelled_efficiency"] == pytest.approx(measurement.compute_ms(8) / (2 * check["modelled_step_ms"]))
     assert (check["measured_efficiency"], check["measured_step_ms"], check["measured_bus_GBps"]) == (0.4, 20.0, 10.0)
+    # Timing noise: a step that exposed more than the whole flat allreduce hid none of it, one faster than its no_sync
+    # step all of it (unclamped, -0.5 and 1.25, and passed every test).
+    for exposed_ms, overlap in ((6.0, 0.0), (-1.0, 1.0)):
+        path.write_text(json.dumps({**data, "exposed_communication_ms": exposed_ms}))
+        assert scaling_model.Measurement(str(path)).measured_overlap() == overlap
+
+
+def test_scaling_model_writes_each_value_in_its_column(tmp_path):
+    """The Markdown's rows against the JSON's, column by column, and what the JSON adds: the exposed allreduce in the
+    gradient allreduce's column, the star on measured batches rather than extrapolated ones, the per-GPU batch's
+    samples a second, no samples a second at all, the left-out pairs unlisted, or each GPU's inter-node ring given a
+    node's NICs to itself, each passed every test."""
+    measured = write_measurement(tmp_path / "measured.json", gradient_bytes=50 * 2**20, ddp_bucket_cap_mb=25,
+                                 sync_batch_norm_channels=[])
+    assert scaling_model.main(["--measured", str(measured), "--out", str(tmp_path), "--global-batch", "16", "--gpus",
+                               "2", "3", "16", "--overlap", "0.5", "1"]) == 0
+    projection = json.loads((tmp_path / "scaling_projection.json").read_text())
+    markdown = (tmp_path / "scaling_projection.md").read_text().splitlines()
+    # Batches 1 and 4 measured: 8 per GPU is extrapolated, 1 is not.
+    for num_gpus, per_gpu_batch, star in ((2, 8, "*"), (16, 1, "")):
+        half, whole = [row for row in projection["rows"] if row["gpus"] == num_gpus]
+        assert (half["per_gpu_batch"], half["compute_extrapolated"]) == (per_gpu_batch, star == "*")
+        assert half["exposed_allreduce_ms"] < half["gradient_allreduce_ms"]
+        assert half["samples_per_s"] == pytest.approx(16 / half["step_ms"] * 1e3)
+        assert (f"| {num_gpus} | {per_gpu_batch}{star} | {half['compute_ms']:.2f} | "
+                f"{half['small_collectives_ms']:.3f} | {half['gradient_allreduce_ms']:.3f} | "
+                f"{half['efficiency']:.3f} | {whole['efficiency']:.3f} |" in markdown)
+    assert "Left out (global batch not divisible by the GPU count): G=16 on 3" in markdown
+    # 8 NICs of 400 Gb/s a node, shared by its 8 GPUs' inter-node rings: 50 GB/s each.
+    assert projection["assumptions"]["network_GBps_per_gpu_ring"] == 50.0
+    assert any("8 x 400 Gb/s NICs per node, 50 GB/s for each GPU's inter-node ring" in line for line in markdown)
 
 
 def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
