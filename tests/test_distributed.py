@@ -2301,6 +2301,10 @@ def test_scaling_model_never_extends_a_noisy_dip_to_negative_time(tmp_path):
     (["--global-batch", "-128"], "--global-batch values must be at least 1, got [-128]"),
     (["--backward-share", "-5"], "--backward-share must lie in [0, 1], got -5.0"),
     (["--gpus-per-node", "4"], "the measured run's 6 GPUs are not whole nodes of --gpus-per-node 4"),
+    # Each of these was accepted by a check one step off, and passed every test.
+    (["--backward-share", "1.5"], "--backward-share must lie in [0, 1], got 1.5"),
+    (["--overlap", "0.5", "1.5"], "--overlap values must lie in [0, 1], got [0.5, 1.5]"),
+    (["--gpus", "8", "12"], "--gpus 12 must be at most --gpus-per-node 8 or a multiple of it"),
 ])
 def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, capsys, arguments, complaint):
     measured = write_measurement(tmp_path / "measured.json", gradient_bytes=1000, ddp_bucket_cap_mb=25,
@@ -2321,6 +2325,10 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
     (lambda data: data["compute"][0].update(median_ms=0.0), ": the compute times must be positive and finite"),
     (lambda data: data["compute"][0].update(median_ms=math.nan), ": the compute times must be positive and finite"),
     (lambda data: data["model"].update(ddp_bucket_cap_mb=0), ": model.ddp_bucket_cap_mb must be positive, got 0"),
+    (lambda data: data.update(compute=data["compute"][:1]),
+     ": the compute measure needs at least two distinct per-rank batches"),
+    (lambda data: data.update(compute=[data["compute"][0]] * 2),
+     ": the compute measure needs at least two distinct per-rank batches"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
                               baseline={"strong_scaling_efficiency": 0.5}, step={"median_ms": 20.0},
                               config={**data["config"], "global_batch": 7}),
