@@ -81,6 +81,20 @@ def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measur
         result.stderr[-2000:])
 
 
+def test_scaling_asks_the_backend_for_the_steps_per_rank_batch_too_before_measuring():
+    """The step's per-rank batch, which --compute-batches need not name, is asked with theirs, the smallest first: left
+    out, a batch the kernels cannot run ended the run after the compute measures, unwritten, and only the cuda test
+    above, whose batch was among --compute-batches, checked the question. On a CPU every batch is refused, so the one
+    named first is the smallest asked."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--backend", "persistent", "--device", "cpu",
+                             "--model", "cpu_demo", "--global-batch", "1", "--compute-batches", "2", "--steps", "1",
+                             "--warmup", "0", "--frames", "50"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "error on rank 0: per-rank batch 1: prnn_kernels.GRU: backend='persistent' cannot run" in result.stderr, (
+        result.stderr[-2000:])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
 @pytest.mark.parametrize("module", ["benchmarks.rnn_kernels", "benchmarks.rnn_stack", "benchmarks.train_step",
                                     "benchmarks.support_table"])
