@@ -260,6 +260,18 @@ def test_report_summarises_runs_where_they_stand_without_training(tmp_path, caps
     assert capsys.readouterr().err == f"--report: none of the runs y-BACKEND-sSEED is in {runs}\n"
 
 
+def test_a_report_summarises_the_runs_it_finds_where_others_are_missing(tmp_path):
+    """A backend's runs not copied over yet, or not started: the others are reported, and the missing one has no WER.
+    A report that needed every run (all for any) exited 2 here, and passed every test."""
+    write_metrics(tmp_path / "runs" / "x-cudnn-s1", [50.0, 40.0])
+    wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(tmp_path / "runs"), "--json",
+                     str(tmp_path / "wer.json")])
+    result = json.loads((tmp_path / "wer.json").read_text())
+    assert [(run["run"], run["epochs"], run["last_wer"]) for run in result["runs"]] == [
+        ("x-cudnn-s1", 2, 40.0), ("x-persistent-s1", 0, None)]
+    assert [entry["runs"] for entry in result["summary"]] == [1, 0]
+
+
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-8f1c,")
     assert visible_gpus() == ["2", "GPU-8f1c"]
