@@ -2440,6 +2440,14 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
             read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
     (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": 12.5}}))
     assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
+    # A CPU's name ends in its threads per rank, which the world size changes; a baseline from before --cuda-graphs has
+    # no cuda_graphs, and ran without. Compared as they stood, each was refused, and passed every test.
+    cpu = {**h100, "step": {"median_ms": 12.5}, "device": "CPU x86_64 (2 threads per rank)",
+           "config": {key: value for key, value in config.items() if key != "cuda_graphs"}}
+    (tmp_path / "cpu.json").write_text(json.dumps(cpu))
+    assert read_baseline(str(tmp_path / "cpu.json"), config, "CPU x86_64 (1 thread per rank)")["world_size"] == 1
+    with pytest.raises(ValueError, match="cpu.json has cuda_graphs=False, this run True"):
+        read_baseline(str(tmp_path / "cpu.json"), {**config, "cuda_graphs": True}, "CPU x86_64 (1 thread per rank)")
 
 
 @pytest.mark.parametrize("key, other", [("model_config", {"depth": 7}), ("global_batch", 16), ("frames", 600),
