@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, without_root_privilege
 from trainer import cli
 
 
@@ -231,9 +231,24 @@ def test_a_results_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     taken = tmp_path / "results"
     taken.write_text("")
     monkeypatch.setenv(cli.RESULTS_FOLDER_VARIABLE, str(taken))
-    with pytest.raises(cli.CannotWrite, match=f"^cannot make the folder {taken}: File exists; --json PATH names a file "
-                                              "elsewhere$"):
+    with pytest.raises(cli.CannotWrite, match=f"^cannot make the folder {taken}: File exists; --json PATH or "
+                                              "PRNN_BENCHMARK_RESULTS=DIR puts the JSON elsewhere$"):
         cli.json_file(None, str(tmp_path / "tool.py"))
+
+
+def test_a_results_folder_that_cannot_be_written_in_is_refused_saying_where_else_to_write(tmp_path):
+    """A read-only checkout's results/, which exists, refused every benchmark in a line naming the file alone, where
+    --json or $PRNN_BENCHMARK_RESULTS would have let it run."""
+    results = tmp_path / "results"
+    results.mkdir(mode=0o555)
+    take = ("from trainer.cli import CannotWrite, json_file\ntry:\n    json_file(None, 'tool.py')\n"
+            "except CannotWrite as error:\n    print(error, end='')\n")
+    result = subprocess.run(without_root_privilege([sys.executable, "-c", take]), cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, cli.RESULTS_FOLDER_VARIABLE: str(results)})
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"cannot write {re.escape(str(results))}/tool-\d{{8}}-\d{{6}}\.json: Permission denied; "
+                        r"--json PATH or PRNN_BENCHMARK_RESULTS=DIR puts the JSON elsewhere", result.stdout), \
+        result.stdout
 
 
 def test_the_support_table_makes_a_missing_json_folder_and_refuses_one_it_cannot_make(tmp_path, monkeypatch, capsys):

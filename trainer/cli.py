@@ -112,6 +112,9 @@ RESULTS_FOLDER_VARIABLE = "PRNN_BENCHMARK_RESULTS"
 # The end of each benchmark's --json help.
 DEFAULT_JSON = (f"; without it, a new file in benchmarks/results/ (or ${RESULTS_FOLDER_VARIABLE}) named after the "
                 "script and the UTC time")
+# The end of json_file's refusals: where the results folder cannot be written in (a read-only checkout), how to
+# run the benchmark all the same.
+JSON_ELSEWHERE = f"; --json PATH or {RESULTS_FOLDER_VARIABLE}=DIR puts the JSON elsewhere"
 MAX_RUNS_A_SECOND = 1000  # of one script: past it, a refusal where a loop over taken names would seem to hang
 
 
@@ -129,8 +132,7 @@ def json_file(given: str | None, script_file: str) -> str:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise CannotWrite(f"cannot make the folder {folder}: {error.strerror or error}; --json PATH names a file "
-                          "elsewhere") from None
+        raise CannotWrite(f"cannot make the folder {folder}: {error.strerror or error}{JSON_ELSEWHERE}") from None
     stem = f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     for count in range(1, MAX_RUNS_A_SECOND + 1):
         path = folder / (f"{stem}.json" if count == 1 else f"{stem}-{count}.json")
@@ -139,10 +141,11 @@ def json_file(given: str | None, script_file: str) -> str:
         except FileExistsError:
             continue  # another run's, started in the same second
         except OSError as error:
-            raise CannotWrite(f"cannot write {path}: {error.strerror or error}") from None
+            raise CannotWrite(f"cannot write {path}: {error.strerror or error}{JSON_ELSEWHERE}") from None
         atexit.register(_remove_if_empty, path)
         return str(path)
-    raise CannotWrite(f"cannot write {folder / stem}.json: it and {MAX_RUNS_A_SECOND - 1} more of that second exist")
+    raise CannotWrite(f"cannot write {folder / stem}.json: it and {MAX_RUNS_A_SECOND - 1} more of that second exist"
+                      f"{JSON_ELSEWHERE}")
 
 
 def _remove_if_empty(path: Path) -> None:
