@@ -124,7 +124,8 @@ def json_file(given: str | None, script_file: str) -> str:
     `rnn_kernels-20261206-031500.json`, so that a measurement is not lost to a terminal's scrolled-away table. It is
     created now, empty, to take the name: a second run in the same second takes `...-031500-2.json`, where it would
     have found the name free and written over the first run's file. A run that ends before it writes anything removes
-    it. CannotWrite naming the folder or the file where either cannot be made."""
+    it, at exit: one that a signal kills, or MPI aborts, leaves it empty. CannotWrite naming the folder or the file
+    where either cannot be made."""
     if given is not None:
         return given
     script = Path(script_file)
