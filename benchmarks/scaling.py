@@ -310,7 +310,7 @@ def main(argv=None) -> None:
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                         help="per-rank batches of the compute-only measure (the projection's range)")
     parser.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast on a GPU; a CPU runs fp32")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=distributed.DEVICES, default="auto")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the step as train.cuda_graphs=true runs it (a GPU, the persistent backend, NCCL)")
     add_seed_flag(parser)
