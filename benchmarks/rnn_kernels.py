@@ -59,7 +59,7 @@ from prnn_kernels.persistent import (
 )
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
-from trainer.cli import (DEFAULT_JSON, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
                          write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
@@ -301,7 +301,7 @@ def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rnn_kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results and the full configuration to this file" + DEFAULT_JSON)
+                        help="write the results and the full configuration to this file" + DEFAULT_JSON_HELP)
     parser.add_argument("--cells", nargs="+", action=EachOnce, default=list(CELLS), choices=list(NUM_GATES))
     parser.add_argument("--batches", nargs="+", action=EachOnce, type=positive_int, help=f"default {BATCHES}")
     parser.add_argument("--hiddens", nargs="+", action=EachOnce, type=positive_int, help=f"default {HIDDENS}")

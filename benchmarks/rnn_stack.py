@@ -28,7 +28,7 @@ from torch import nn
 import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
-from trainer.cli import (DEFAULT_JSON, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
                          write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
@@ -139,7 +139,7 @@ def main():
     parser.add_argument("--dtypes", nargs="+", action=EachOnce, default=["float32", "bfloat16"], choices=sorted(DTYPES))
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results and the configuration to this file" + DEFAULT_JSON)
+                        help="write the results and the configuration to this file" + DEFAULT_JSON_HELP)
     args = parser.parse_args()
     if len(args.depths) < 2:
         parser.error("argument --depths: give at least two depths to fit the per-layer cost")

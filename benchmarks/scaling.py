@@ -54,7 +54,7 @@ from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
-from trainer.cli import (DEFAULT_JSON, EachOnce, check_not_an_input, int_at_least, json_file, json_output,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, check_not_an_input, int_at_least, json_file, json_output,
                          positive_int, say_written, seconds_up_to, write_output)
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
@@ -316,7 +316,7 @@ def main(argv=None) -> None:
     add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="rank 0 writes the results, versions and full configuration here" + DEFAULT_JSON)
+                        help="rank 0 writes the results, versions and full configuration here" + DEFAULT_JSON_HELP)
     parser.add_argument("--baseline", type=input_path,
                         help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
-from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, lines_stream, run_tool,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, lines_stream, run_tool,
                          say_written, write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=int_at_least(1, MAX_BATCH), default=16)
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the table, the device and the reasons to PATH as JSON; of /dev/stdout (or the "
-                             "file stdout is redirected to), the JSON alone, the table then on stderr" + DEFAULT_JSON)
+                             "file stdout is redirected to), the JSON alone, the table then on stderr"
+                             + DEFAULT_JSON_HELP)
     args = parser.parse_args(argv)
     if refuse_without_gpu("benchmarks.support_table"):
         return 2

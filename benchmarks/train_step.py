@@ -36,7 +36,7 @@ from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
-from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_output)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
@@ -138,7 +138,7 @@ def main(argv=None) -> int | None:
     add_seed_flag(parser)
     add_timeout_flag(parser)
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the results, versions and configuration here" + DEFAULT_JSON)
+                        help="write the results, versions and configuration here" + DEFAULT_JSON_HELP)
     args = parser.parse_args(argv)
     if args.cuda_graphs and args.warmup < 1:
         parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")

@@ -60,7 +60,7 @@ from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
-from trainer.cli import (DEFAULT_JSON, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_output)
 from trainer.config import MAX_SEED
 
@@ -364,7 +364,7 @@ def main(argv=None) -> None:
     parser.add_argument("--at-epoch", type=positive_int, help="compare the runs as they stood after this epoch")
     parser.add_argument("--report", action="store_true", help="train nothing: summarise the runs in --runs-dir")
     parser.add_argument("--json", metavar="PATH", type=json_output,
-                        help="write the runs, the summary and the configuration here" + DEFAULT_JSON)
+                        help="write the runs, the summary and the configuration here" + DEFAULT_JSON_HELP)
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
                         help="trainer overrides for that backend's runs alone (repeat for another backend)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
