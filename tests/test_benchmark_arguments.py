@@ -227,6 +227,20 @@ def test_the_default_json_file_is_beside_the_script_and_a_second_in_its_second_t
     assert cli.json_file("given.json", str(script)) == "given.json"
 
 
+def test_the_default_json_files_are_git_ignored_and_one_renamed_to_keep_is_not(tmp_path, monkeypatch):
+    """The names json_file takes stay out of `git status`, a second run's `-2` too; one renamed to say what it
+    measured, the time kept (`...-031500-h100.json`), was ignored too, and `git add -A` passed it over."""
+    monkeypatch.setenv(cli.RESULTS_FOLDER_VARIABLE, str(tmp_path))
+    taken = [Path(cli.json_file(None, str(REPO_ROOT / "benchmarks" / "rnn_kernels.py"))) for _ in range(2)]
+    taken.append(taken[0].with_name(f"{taken[0].stem}-1000.json"))  # the last name json_file takes in a second
+    renamed = [taken[0].with_name(f"{taken[0].stem}-h100.json"), taken[0].with_name(f"{taken[0].stem}_h100.json")]
+    asked = [f"benchmarks/results/{path.name}" for path in [*taken, *renamed]]
+    result = subprocess.run(["git", "check-ignore", "--no-index", *asked], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode in (0, 1), result.stderr
+    assert result.stdout.split() == asked[:len(taken)]
+
+
 def test_a_results_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     taken = tmp_path / "results"
     taken.write_text("")
