@@ -452,6 +452,12 @@ def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch)
     assert distributed.launched_by_mpi()
 
 
+def test_init_refuses_a_device_it_does_not_take_in_the_config_rules_words():
+    """The config refuses it first (CONFIG_RULES); the benchmarks and a program of the user's call init directly."""
+    with pytest.raises(ValueError, match=r"^device must be one of auto, cpu, cuda, not 'cuda:0'$"):
+        distributed.init("cuda:0")
+
+
 def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
     """`export OMPI_COMM_WORLD_SIZE=` (or a container's `-e NAME=`) clears a variable: the trainer ended in int()'s
     traceback, "invalid literal for int() with base 10: ''"."""

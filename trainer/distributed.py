@@ -382,7 +382,7 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
     timeout_setting: what sets `timeout_s` for the caller's user, which the lines of a wait that ran out name.
     """
     if device not in DEVICES:
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")  # as the config's rule says
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda (experiment=an4_gpu and deep100 set it) was asked for, but no CUDA GPU is "
                          "visible: on a CPU, train experiment=cpu_demo, or set device=cpu")
