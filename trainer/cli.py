@@ -110,8 +110,8 @@ def json_output(text: str) -> str:
 # of their own, and it moves the results of a checkout that cannot be written in.
 RESULTS_FOLDER_VARIABLE = "PRNN_BENCHMARK_RESULTS"
 # The end of each benchmark's --json help.
-DEFAULT_JSON_HELP = (f"; without it, a new file in benchmarks/results/ (or ${RESULTS_FOLDER_VARIABLE}) named after the "
-                "script and the UTC time")
+DEFAULT_JSON_HELP = (f"; without it, a new file in benchmarks/results/ (or ${RESULTS_FOLDER_VARIABLE}) named after "
+                     "the script and the UTC time")
 # The end of json_file's refusals: where the results folder cannot be written in (a read-only checkout), how to
 # run the benchmark all the same.
 JSON_ELSEWHERE = f"; --json PATH or {RESULTS_FOLDER_VARIABLE}=DIR puts the JSON elsewhere"
