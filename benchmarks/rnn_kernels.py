@@ -268,33 +268,36 @@ def print_table(rows):
     header = (f"{'cell':>4} {'dirs':>4} {'prec':>4} {'B':>3} {'H':>5} {'pass':>6} | {'persist':>8} {'graphed':>8} "
               f"{'kernel':>7} {'TFLOP/s':>7} | {'cuDNN':>7} {'graphed':>8} {'cuDNN alt':>10} {'mm loop':>7} | "
               f"{'speed-up':>8} {'graphed':>8}")
-    print("us per timestep (T = 256, one layer); cuDNN: fp32 for fp32 rows, fp16 for bf16 rows (the speed-ups' "
-          "reference), called from Python and replayed as a CUDA graph; cuDNN alt: TF32 for fp32 rows, bf16 for bf16 "
-          "rows; speed-ups: called from Python, and graphed over graphed")
+    print(f"us per timestep (T = {NUM_STEPS}, one layer); cuDNN: fp32 for fp32 rows, fp16 for bf16 rows (the "
+          "speed-ups' reference), called from Python and replayed as a CUDA graph; cuDNN alt: TF32 for fp32 rows, bf16 "
+          "for bf16 rows; speed-ups: called from Python, and graphed over graphed")
     print(header)
     print("-" * len(header))
     for row in rows:
         reference, alternative = cudnn_keys(row["precision"])
         directions = "2" + ("*" if row.get("directions_in_one_launch") else "") if row["bidirectional"] else "1"
         for direction in ("fwd", "fwdbwd"):
-            def cell(key, width, digits=2):
-                value = row.get(key)
-                return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-
-            kernel = cell("kernel_only_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
-            loop = cell("matmul_loop_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
+            kernel = table_entry(row, "kernel_only_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
+            loop = table_entry(row, "matmul_loop_fwd_us", 7) if direction == "fwd" else f"{'':>7}"
             print(f"{row['cell']:>4} {directions:>4} {row['precision']:>4} {row['batch']:>3} {row['hidden']:>5} "
-                  f"{direction:>6} | {cell(f'persistent_{direction}_us', 8)} "
-                  f"{cell(f'persistent_{direction}_graphed_us', 8)} {kernel} "
-                  f"{cell(f'persistent_{direction}_tflops', 7)} | {cell(f'{reference}_{direction}_us', 7)} "
-                  f"{cell(f'{reference}_{direction}_graphed_us', 8)} "
-                  f"{cell(f'{alternative}_{direction}_us', 10)} {loop} | "
-                  f"{cell(f'speedup_{direction}_over_{reference}', 7, 1)}x "
-                  f"{cell(f'speedup_{direction}_graphed_over_{reference}', 7, 1)}x")
+                  f"{direction:>6} | {table_entry(row, f'persistent_{direction}_us', 8)} "
+                  f"{table_entry(row, f'persistent_{direction}_graphed_us', 8)} {kernel} "
+                  f"{table_entry(row, f'persistent_{direction}_tflops', 7)} | "
+                  f"{table_entry(row, f'{reference}_{direction}_us', 7)} "
+                  f"{table_entry(row, f'{reference}_{direction}_graphed_us', 8)} "
+                  f"{table_entry(row, f'{alternative}_{direction}_us', 10)} {loop} | "
+                  f"{table_entry(row, f'speedup_{direction}_over_{reference}', 7, 1)}x "
+                  f"{table_entry(row, f'speedup_{direction}_graphed_over_{reference}', 7, 1)}x")
         if not row["persistent_supported"]:
             print(f"     persistent kernel refused {row['cell']} B={row['batch']} H={row['hidden']} "
                   f"{row['precision']}: {row['persistent_reason']}")
     print("dirs 2*: both directions in one launch")
+
+
+def table_entry(row, key, width, digits=2):
+    """row[key] right-aligned in `width` characters; "-" where the row has none (a shape the kernel refused)."""
+    value = row.get(key)
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
 def main():
