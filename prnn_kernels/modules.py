@@ -163,13 +163,12 @@ class _BackendChoice:
     def _stacked_forward(self, backend, input, hx, lengths):
         """The stack as torch.nn composes it, layer by layer on the "reference" or "persistent" backend."""
         num_directions = 2 if self.bidirectional else 1
-        if hx is None:
-            batch_size = input.shape[0 if self.batch_first else 1]
-            zeros = input.new_zeros(self.num_layers * num_directions, batch_size, self.hidden_size)
-            hx = (zeros, zeros) if self.cell == "lstm" else zeros
         if self.batch_first:
             input = input.transpose(0, 1)
         num_steps, batch_size, _ = input.shape
+        if hx is None:
+            zeros = input.new_zeros(self.num_layers * num_directions, batch_size, self.hidden_size)
+            hx = (zeros, zeros) if self.cell == "lstm" else zeros
         if lengths is None:
             lengths = torch.full((batch_size,), num_steps, dtype=torch.int64, device=input.device)
         else:
