@@ -159,9 +159,9 @@ def over_the_whole_test_set(evaluation: dict) -> bool:
     return not evaluation.get("eval_unreadable") and is_number(evaluation["eval_wer"])
 
 
-def devices(run_dir: Path) -> list[str]:
-    """The devices the run's jobs trained on (rank 0's), each once, in order: from the run's jobs.jsonl."""
-    return list(dict.fromkeys(job["device"] for job in run_jobs(run_dir)))
+def devices(jobs: list[dict]) -> list[str]:
+    """The devices a run's jobs (run_jobs) trained on (rank 0's), each once, in order."""
+    return list(dict.fromkeys(job["device"] for job in jobs))
 
 
 def visible_gpus() -> list[str]:
@@ -182,7 +182,7 @@ def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_ep
     try:
         jobs = run_jobs(runs_dir / name)
         return {**row, "ranks": jobs[-1].get("world_size") or ranks if jobs else ranks,
-                "devices": devices(runs_dir / name), **evaluations(runs_dir / name, at_epoch)}
+                "devices": devices(jobs), **evaluations(runs_dir / name, at_epoch)}
     except DamagedFile as error:
         return {**row, "devices": [], "epochs": None, "last_wer": None, "last_cer": None, "best_wer": None,
                 "elapsed_s": None, "partial_epochs": [], "damaged": str(error)}
