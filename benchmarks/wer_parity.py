@@ -94,6 +94,8 @@ def read_jsonl(path: Path) -> list[dict]:
 EVALUATION_FIELDS = (("epoch", "a count", False), ("eval_cer", "a number", True),
                      ("elapsed_s", "a finite number", False))
 JOB_FIELDS = (("device", "a string", False), ("world_size", COUNT, True))
+# A run's row where it has no evaluation to give, or a damaged file keeps the report from reading one.
+NO_EVALUATION = {"last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None}
 
 
 def checked(path: Path, record: dict, fields: tuple, within: str) -> dict:
@@ -145,8 +147,7 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     partial = [line["epoch"] for line in evaluated if not over_the_whole_test_set(line)]
     evaluated = [line for line in evaluated if over_the_whole_test_set(line)]
     if not evaluated:
-        return {"epochs": epochs, "last_wer": None, "last_cer": None, "best_wer": None, "elapsed_s": None,
-                "partial_epochs": partial, **unfinished}
+        return {"epochs": epochs, **NO_EVALUATION, "partial_epochs": partial, **unfinished}
     last = evaluated[-1]
     return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"],
@@ -184,8 +185,7 @@ def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_ep
         return {**row, "ranks": jobs[-1].get("world_size") or ranks if jobs else ranks,
                 "devices": devices(jobs), **evaluations(runs_dir / name, at_epoch)}
     except DamagedFile as error:
-        return {**row, "devices": [], "epochs": None, "last_wer": None, "last_cer": None, "best_wer": None,
-                "elapsed_s": None, "partial_epochs": [], "damaged": str(error)}
+        return {**row, "devices": [], "epochs": None, **NO_EVALUATION, "partial_epochs": [], "damaged": str(error)}
 
 
 def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
