@@ -38,8 +38,8 @@ from pathlib import Path
 
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
-from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output
 from data.dataset import UNUSABLE_REASONS
+from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output
 from trainer.stop import STOP_SIGNALS
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
