@@ -403,6 +403,33 @@ def plot(path: Path, rows: list, overlaps: list, assumed: dict) -> None:
     pyplot.close(figure)
 
 
+def checked_cluster(args) -> Cluster:
+    """The Cluster of the options; ValueError naming an option whose value no machine has."""
+    cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
+                      args.nics_per_node, args.network_latency_us)
+    # An infinite one (an ideal network, say) made the times infinite, and 0 x infinity NaN, in a projection that
+    # strict JSON readers refuse: 1e9 GB/s or 0 us serves.
+    for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):
+        if not 0 < getattr(cluster, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(cluster, name)}")
+    for name in ("nvlink_latency_us", "network_latency_us"):
+        if not 0 <= getattr(cluster, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be finite and not negative, got "
+                             f"{getattr(cluster, name)}")
+    return cluster
+
+
+def check_projection_arguments(args, cluster: Cluster) -> None:
+    """ValueError naming a --global-batch, --backward-share, --gpus or --overlap value the projection cannot take."""
+    if any(batch < 1 for batch in args.global_batch):
+        raise ValueError(f"--global-batch values must be at least 1, got {args.global_batch}")
+    if not 0 <= args.backward_share <= 1:
+        raise ValueError(f"--backward-share must lie in [0, 1], got {args.backward_share}")
+    check_gpu_counts(args.gpus, cluster)
+    if not all(0 <= overlap <= 1 for overlap in args.overlap or []):  # NaN too, as --backward-share
+        raise ValueError(f"--overlap values must lie in [0, 1], got {args.overlap}")
+
+
 def main(argv=None) -> int:
     defaults = Cluster()
     parser = argparse.ArgumentParser(
@@ -435,25 +462,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        cluster = Cluster(args.gpus_per_node, args.nvlink_GBps, args.nvlink_latency_us, args.nic_Gbps,
-                          args.nics_per_node, args.network_latency_us)
-        # An infinite one (an ideal network, say) made the times infinite, and 0 x infinity NaN, in a projection that
-        # strict JSON readers refuse: 1e9 GB/s or 0 us serves.
-        for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):
-            if not 0 < getattr(cluster, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive and finite, got "
-                                 f"{getattr(cluster, name)}")
-        for name in ("nvlink_latency_us", "network_latency_us"):
-            if not 0 <= getattr(cluster, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} must be finite and not negative, got "
-                                 f"{getattr(cluster, name)}")
-        if any(batch < 1 for batch in args.global_batch):
-            raise ValueError(f"--global-batch values must be at least 1, got {args.global_batch}")
-        if not 0 <= args.backward_share <= 1:
-            raise ValueError(f"--backward-share must lie in [0, 1], got {args.backward_share}")
-        check_gpu_counts(args.gpus, cluster)
-        if not all(0 <= overlap <= 1 for overlap in args.overlap or []):  # NaN too, as --backward-share
-            raise ValueError(f"--overlap values must lie in [0, 1], got {args.overlap}")
+        cluster = checked_cluster(args)
+        check_projection_arguments(args, cluster)
         measurement = Measurement(args.measured)
         if measurement.world_size > cluster.gpus_per_node and measurement.world_size % cluster.gpus_per_node:
             raise ValueError(f"the measured run's {measurement.world_size} GPUs are not whole nodes of "
