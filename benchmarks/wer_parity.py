@@ -370,6 +370,33 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    check_arguments(parser, args, argv)
+    args.json = json_file(args.json, __file__)
+    runs_dir = Path(args.runs_dir).resolve()
+    jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
+    if args.report:
+        gpus, measured_on = None, {}
+        rows = reported_rows(args, runs_dir, jobs)
+    else:
+        check_before_training(parser, args, runs_dir, jobs)
+        gpus = visible_gpus()
+        # Before the runs: the checkout may be edited, or switched, during their hours of training.
+        measured_on = environment()
+        rows = train_all(jobs, runs_dir, gpus, args)
+    summary = summarize(rows, args.backends)
+
+    print_runs(rows, runs_dir, args.at_epoch)
+    print_summary(summary, args.backends[0])
+    write_json(args, argv, rows, summary, gpus, measured_on)
+    failed = [row for row in rows if row["returncode"] not in (0, None)]
+    for row in failed:
+        print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
+
+
+def check_arguments(parser: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """Ends in a usage error (exit 2) where --backend-overrides, the overrides or --graphs with --ranks cannot run."""
     if args.backend_overrides and "--" not in argv:  # else the common overrides went to the last backend alone
         parser.error("--backend-overrides takes every word after it up to --: end it with --, then the overrides "
                      "common to every backend (none: end with --)")
@@ -385,47 +412,39 @@ def main(argv=None) -> None:
     if args.graphs and args.ranks > 1:
         parser.error("--graphs needs one GPU per rank (NCCL), and --ranks puts a run's ranks on one GPU (gloo): use "
                      "--ranks 1")
-    args.json = json_file(args.json, __file__)
-    runs_dir = Path(args.runs_dir).resolve()
-    jobs = [(f"{args.name}-{backend}-s{seed}", backend, seed) for backend in args.backends for seed in args.seeds]
-    if args.report:
-        if not any((runs_dir / name).is_dir() for name, _, _ in jobs):  # a misspelt --name or --runs-dir
-            nothing_to_report(f"none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
-        gpus, measured_on = None, {}
-        rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
-        if all(row.get("damaged") or not (runs_dir / row["run"]).is_dir() for row in rows):
-            for row in rows:
-                if row.get("damaged"):
-                    print(f"{row['run']}: {row['damaged']}", file=sys.stderr)
-            nothing_to_report(f"nothing to report: every run of {args.name}-BACKEND-sSEED in {runs_dir} has a file "
-                              "it cannot read")
-    else:
-        if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
-            parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
-                         "that variable's value), whatever the escape, and train elsewhere; name a folder without one")
-        try:
-            runs_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # a file of that name: a traceback, where a usage error belongs
-            parser.error(f"--runs-dir {runs_dir}: {error.strerror or error}")
-        for name, backend, seed in jobs[::len(args.seeds)]:  # each backend's overrides, as its first run gets them
-            # Else a misspelt key or a sweep's value (model.cell=gru,lstm) failed every run, each after its start.
-            settings = run_settings(runs_dir / name, backend, seed, overrides_of(args, backend), args.graphs)
-            if check_overrides.main([f"run_name={name}", *settings]):
-                sys.exit(2)
-        gpus = visible_gpus()
-        # Before the runs: the checkout may be edited, or switched, during their hours of training.
-        measured_on = environment()
-        rows = train_all(jobs, runs_dir, gpus, args)
-    summary = summarize(rows, args.backends)
 
-    print_runs(rows, runs_dir, args.at_epoch)
-    print_summary(summary, args.backends[0])
-    write_json(args, argv, rows, summary, gpus, measured_on)
-    failed = [row for row in rows if row["returncode"] not in (0, None)]
-    for row in failed:
-        print(f"{row['run']} failed (exit {row['returncode']}): {last_line(Path(row['output']))}", file=sys.stderr)
-    if failed:
-        sys.exit(1)
+
+def reported_rows(args, runs_dir: Path, jobs: list[tuple[str, str, int]]) -> list[dict]:
+    """--report's rows, each run as it stands in runs_dir; ends with exit 2 where none of the runs is there, or every
+    one there has a file the report cannot read."""
+    if not any((runs_dir / name).is_dir() for name, _, _ in jobs):  # a misspelt --name or --runs-dir
+        nothing_to_report(f"none of the runs {args.name}-BACKEND-sSEED is in {runs_dir}")
+    rows = [report(runs_dir, name, backend, seed, args.ranks, args.at_epoch) for name, backend, seed in jobs]
+    if all(row.get("damaged") or not (runs_dir / row["run"]).is_dir() for row in rows):
+        for row in rows:
+            if row.get("damaged"):
+                print(f"{row['run']}: {row['damaged']}", file=sys.stderr)
+        nothing_to_report(f"nothing to report: every run of {args.name}-BACKEND-sSEED in {runs_dir} has a file "
+                          "it cannot read")
+    return rows
+
+
+def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path,
+                          jobs: list[tuple[str, str, int]]) -> None:
+    """Makes runs_dir, and ends in a usage error (exit 2) where it cannot be made or Hydra would misread it, or where
+    the trainer refuses a backend's overrides: found before any run starts, not in each run's output."""
+    if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
+        parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
+                     "that variable's value), whatever the escape, and train elsewhere; name a folder without one")
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file of that name: a traceback, where a usage error belongs
+        parser.error(f"--runs-dir {runs_dir}: {error.strerror or error}")
+    for name, backend, seed in jobs[::len(args.seeds)]:  # each backend's overrides, as its first run gets them
+        # Else a misspelt key or a sweep's value (model.cell=gru,lstm) failed every run, each after its start.
+        settings = run_settings(runs_dir / name, backend, seed, overrides_of(args, backend), args.graphs)
+        if check_overrides.main([f"run_name={name}", *settings]):
+            sys.exit(2)
 
 
 def print_runs(rows: list[dict], runs_dir: Path, at_epoch: int | None) -> None:
