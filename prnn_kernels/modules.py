@@ -36,8 +36,8 @@ class _BackendChoice:
     forward(input, hx=None, lengths=None):
         input: (T, B, F), or (B, T, F) with batch_first.
         hx: (num_layers * num_directions, B, H), for LSTM a tuple (h0, c0); zeros if None.
-        lengths: (B,) integer tensor of valid steps per sample, 1 <= lengths[b] <= T, on any device; None means
-            every sample has T steps.
+        lengths: (B,) integers, the valid steps per sample, 1 <= lengths[b] <= T: a tensor on any device or a
+            sequence (prnn_kernels.checked_lengths); None means every sample has T steps.
     Returns (output, h_n) as torch.nn does: output (T, B, num_directions * H) (batch-first if batch_first), zero at
     t >= lengths[b]; h_n the state after each sample's last valid step, for LSTM a tuple (h_n, c_n).
     With batch_slice=N, a batch of more than N runs as consecutive slices of at most N (see the module docstring).
