@@ -212,7 +212,9 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
 
 
 def run_settings(run_dir: Path, backend: str, seed: int, overrides: list[str], graphs: bool) -> list[str]:
-    """The trainer's overrides for one run: the user's, then what this script sets (RUN_KEYS)."""
+    """The trainer's overrides for one run: the user's, then what this script sets (RUN_KEYS, but for run_name, which
+    its callers add: the launch script of --ranks sets it from RUN_NAME), and train.cuda_graphs=true under --graphs
+    for every backend but cuDNN."""
     settings = [*overrides, f"model.backend={backend}", f"seed={seed}", f"hydra.run.dir={hydra_quoted(run_dir)}",
                 "train.resume=auto", "train.progress_bar=false"]
     return settings + ["train.cuda_graphs=true"] if graphs and backend != "cudnn" else settings
