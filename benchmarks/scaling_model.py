@@ -29,6 +29,7 @@ all-gather inside the node; the in-node reduce-scatter plus all-gather cost exac
 """
 import argparse
 import bisect
+import importlib
 import json
 import math
 import shlex
@@ -456,7 +457,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         # The plot's, asked for before any work: without it the run ended in a traceback after the other two files.
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError:
         print("error: the plot needs matplotlib, which the bench extra installs: pip install -e '.[bench]'",
               file=sys.stderr)
