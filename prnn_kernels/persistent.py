@@ -38,8 +38,9 @@ MAX_BATCH = 32
 MAX_SEQUENCE_ROWS = 2**30
 # The waits compare a direction's step count, steps x CTAs, in 32 bits (csrc/sync.cuh): past that it would wrap and a
 # wait pass early. ReLU at H = 8 runs on 8 CTAs, so 2^29 steps (a 16 GiB input) reach it; no plan has 2^12 CTAs, so
-# only a sequence past 2^20 steps needs its plan asked.
+# only a sequence past STEPS_SAFE_ON_ANY_PLAN = 2^20 steps needs its plan asked.
 MAX_STEP_COUNT = 2**32 - 1
+STEPS_SAFE_ON_ANY_PLAN = 2**20
 # Bound on each spin-wait inside the kernel; a step takes microseconds, so seconds mean a launch that cannot progress.
 SPIN_TIMEOUT_S = 4.0
 # Fill outputs with NaN before each launch so that elements the kernel fails to write show up (tests set this).
@@ -213,7 +214,7 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     if not verdict.ok:
         raise ValueError(f"persistent_layer cannot run cell={cell!r}, hidden {hidden_size}, batch {batch_size}, "
                          f"{input_proj.dtype} on {input_proj.device}: {verdict.reason}")
-    if num_steps > 2**20:
+    if num_steps > STEPS_SAFE_ON_ANY_PLAN:
         plans = launch_plans(cell, hidden_size, batch_size, input_proj.dtype, input_proj.device, num_directions)
         # Each direction counts its own CTAs; the cluster engine hands steps off through shared memory, uncounted.
         ctas = max((plan["ctas_per_direction"] for plan in plans if plan["ok"] and not plan["one_cluster"]), default=0)
