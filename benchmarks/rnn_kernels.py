@@ -60,7 +60,7 @@ from prnn_kernels.persistent import (
 from prnn_kernels.products import input_projection
 from prnn_kernels.reference import NUM_GATES
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
-                         write_output)
+                         write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 NUM_STEPS = 256
@@ -355,7 +355,7 @@ def setting():
 
 def write_json(path, measured_on, rows, configuration, so_far=False):
     result = {**measured_on, "config": configuration, "rows": rows}
-    write_output(path, json.dumps(result, indent=2) + "\n", so_far)
+    write_results(path, result, so_far)
 
 
 if __name__ == "__main__":

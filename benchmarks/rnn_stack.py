@@ -19,7 +19,6 @@ if __name__ == "__main__":  # first: the imports below take seconds (torch), in 
     end_at_once_on_ctrl_c()
 
 import argparse
-import json
 import sys
 
 import torch
@@ -29,7 +28,7 @@ import prnn_kernels
 from benchmarks.rnn_kernels import BASELINES, NUM_STEPS, cudnn_allowing_tf32, graphed, median_ms
 from prnn_kernels.persistent import support
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, json_file, json_output, positive_int, run_tool, say_written,
-                         write_output)
+                         write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 MODULES = {"relu": (prnn_kernels.RNN, nn.RNN), "gru": (prnn_kernels.GRU, nn.GRU), "lstm": (prnn_kernels.LSTM, nn.LSTM)}
@@ -172,7 +171,7 @@ def main():
 
 
 def write_json(path, config, results, so_far=False):
-    write_output(path, json.dumps({"config": config, "results": results}, indent=1) + "\n", so_far)
+    write_results(path, {"config": config, "results": results}, so_far)
 
 
 if __name__ == "__main__":

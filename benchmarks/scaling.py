@@ -55,7 +55,7 @@ from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, check_not_an_input, int_at_least, json_file, json_output,
-                         positive_int, say_written, seconds_up_to, write_output)
+                         positive_int, say_written, seconds_up_to, write_results)
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
     result = measure(args, env, cfg, config, baseline)
     if env.is_main:
         print_table(result)
-        write_output(args.json, json.dumps(result, indent=1) + "\n")
+        write_results(args.json, result)
         say_written(args.json)
     distributed.shutdown(args.timeout_s, TIMEOUT_FLAG)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from benchmarks.fields import COUNT, field
 from data.cli import input_path
 from data.dataset import UNUSABLE_REASONS
-from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output
+from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output, write_results
 from trainer.stop import STOP_SIGNALS
 
 # The allreduces of trainer.train.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
@@ -505,8 +505,7 @@ def main(argv=None) -> int:
         print(f"error: --out {out}: {error}", file=sys.stderr)
         return 2
     # Each whole or not at all: a disk filling up left them cut short.
-    write_output(str(out / "scaling_projection.json"),
-                 json.dumps({"assumptions": assumed, "model_check": check, "rows": rows}, indent=1) + "\n")
+    write_results(str(out / "scaling_projection.json"), {"assumptions": assumed, "model_check": check, "rows": rows})
     write_markdown(out / "scaling_projection.md", assumed, rows, left_out, check, overlaps)
     plot(out / "scaling_projection.png", rows, overlaps, assumed)
     print((out / "scaling_projection.md").read_text())

@@ -16,14 +16,13 @@ if __name__ == "__main__":  # first: the imports below take seconds (torch), in 
     end_at_once_on_ctrl_c()
 
 import argparse
-import json
 import sys
 
 import torch
 
 from prnn_kernels.persistent import CELLS, MAX_BATCH, directions_run_together, support
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, lines_stream, run_tool,
-                         say_written, write_output)
+                         say_written, write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
             f"{counts(shape['batches']) + ' (' + counts(shape['together']) + ')':>13}" for shape in row.values()),
             file=table_out, flush=True)
     results = {**measured_on, "max_batch": args.max_batch, "command": command_line(), "rows": table}
-    write_output(args.json, json.dumps(results, indent=1) + "\n")
+    write_results(args.json, results)
     say_written(args.json)
     return 0
 

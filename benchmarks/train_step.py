@@ -37,7 +37,7 @@ from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
-                         say_written, write_output)
+                         say_written, write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
 from trainer.train import train_step
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int | None:
 def write_json(args, measured_on: dict, rows: list[dict], configs: dict, so_far: bool = False) -> None:
     result = {**measured_on, "config": {**vars(args), "model_configs": configs, "command": command_line()},
               "rows": rows}
-    write_output(args.json, json.dumps(result, indent=1) + "\n", so_far)
+    write_results(args.json, result, so_far)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from data.cli import input_path
 from data.text import counted
 from trainer import check_overrides
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
-                         say_written, write_output)
+                         say_written, write_results)
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -497,7 +497,7 @@ def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpu
               "ranks": args.ranks, "overrides": args.overrides, "backend_overrides": backend_overrides(args),
               "at_epoch": args.at_epoch, "gpus": gpus,
               "report": args.report, **measured_on}
-    write_output(args.json, json.dumps({"config": config, "runs": rows, "summary": summary}, indent=1) + "\n")
+    write_results(args.json, {"config": config, "runs": rows, "summary": summary})
     say_written(args.json)
 
 

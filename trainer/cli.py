@@ -3,6 +3,7 @@ before any work starts), writing their output files, and how they end when inter
 import argparse
 import atexit
 import contextlib
+import json
 import math
 import os
 import sys
@@ -199,6 +200,11 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
                 stream.write(text)
         else:
             replace_whole(Path(path).resolve(), text)
+
+
+def write_results(path: str, value, so_far: bool = False) -> None:
+    """A benchmark's results as JSON, written as write_output writes text, in the one layout every script's file has."""
+    write_output(path, json.dumps(value, indent=1) + "\n", so_far)
 
 
 def write_binary_output(path: str, write_into: Callable[[BinaryIO], object]) -> None:
