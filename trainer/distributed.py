@@ -102,6 +102,59 @@ def launched_by_mpi() -> bool:
     return _launcher_variables() is not None
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 without one); readable before and after the process group."""
+    names = _launcher_variables()
+    return _rank_of_launch(*names[:2]) if names else 0
+
+
+def launcher_world_size() -> int:
+    """How many ranks the launcher started (1 without one), as launcher_rank reads its rank: before MPI starts, for
+    what a job's every rank must be checked against before it begins (a sweep's global batch sizes)."""
+    names = _launcher_variables()
+    return _launcher_count(names[1]) if names else 1
+
+
+def _rank_of_launch(rank_name: str, size_name: str) -> int:
+    """This process's rank in variable `rank_name`, where `size_name` says a launcher started it as one of several;
+    ValueError naming both where it holds none."""
+    if not os.environ.get(rank_name, "").strip():
+        raise ValueError(f"{rank_name} is unset or empty, where {size_name}={os.environ[size_name].strip()} says a "
+                         f"launcher started this process as one of several: unset {size_name}, or start the processes "
+                         "with launch/single_node.sh N (mpirun) or srun")
+    return _launcher_number(rank_name, 0)
+
+
+def rank_tag() -> str:
+    """"[rank N] " on a rank other than 0, as its log lines are tagged (trainer.__main__.leave_the_log_to_rank_0), for
+    the lines a rank prints before its log is set up: every rank refuses a bad override alike, and rank 1's line read
+    as a second refusal of the job's. "" on rank 0 and without a launcher."""
+    rank = launcher_rank()
+    return f"[rank {rank}] " if rank else ""
+
+
+def _ranks_from_launcher() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
+    node, at least this one and those of lower local rank do."""
+    rank_name, size_name, local_name, local_size_name = _launcher_variables()
+    rank, size = _rank_of_launch(rank_name, size_name), _launcher_count(size_name)
+    local_rank, local_size = _launcher_number(local_name, 0), _launcher_count(local_size_name)
+    _check_rank_within(rank_name, rank, size_name, size)
+    if local_size is None:
+        return rank, size, local_rank, local_rank + 1
+    _check_rank_within(local_name, local_rank, local_size_name, local_size)
+    return rank, size, local_rank, local_size
+
+
+def _check_rank_within(rank_name: str, rank: int, size_name: str, size: int) -> None:
+    """ValueError naming both variables where rank `rank` is none of the `size` a launcher numbers 0 to size - 1: no
+    launcher sets that, and without mpi4py the rank waited out the rendezvous's timeout for a world it is not in."""
+    if rank >= size:
+        raise ValueError(f"{rank_name}={rank} is no rank of {size_name}={size} processes, which a launcher numbers 0 "
+                         f"to {size - 1}: they are left over from a launcher that did not start this process, or set "
+                         "by hand; unset them, or start the processes with launch/single_node.sh N (mpirun) or srun")
+
+
 def check_not_one_of_torchruns_ranks() -> None:
     """ValueError where torchrun's WORLD_SIZE (or a hand-made one) says this process is one of several but no MPI
     launcher's variables do: the ranks come from MPI alone, and each such process trained as a world of one, every
@@ -197,59 +250,6 @@ def _broadcast_json(world, value):
     received = bytearray(encoded) if world.Get_rank() == 0 else bytearray(length[0])
     world.Bcast([received, MPI.BYTE], root=0)
     return json.loads(received)
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 without one); readable before and after the process group."""
-    names = _launcher_variables()
-    return _rank_of_launch(*names[:2]) if names else 0
-
-
-def launcher_world_size() -> int:
-    """How many ranks the launcher started (1 without one), as launcher_rank reads its rank: before MPI starts, for
-    what a job's every rank must be checked against before it begins (a sweep's global batch sizes)."""
-    names = _launcher_variables()
-    return _launcher_count(names[1]) if names else 1
-
-
-def _rank_of_launch(rank_name: str, size_name: str) -> int:
-    """This process's rank in variable `rank_name`, where `size_name` says a launcher started it as one of several;
-    ValueError naming both where it holds none."""
-    if not os.environ.get(rank_name, "").strip():
-        raise ValueError(f"{rank_name} is unset or empty, where {size_name}={os.environ[size_name].strip()} says a "
-                         f"launcher started this process as one of several: unset {size_name}, or start the processes "
-                         "with launch/single_node.sh N (mpirun) or srun")
-    return _launcher_number(rank_name, 0)
-
-
-def rank_tag() -> str:
-    """"[rank N] " on a rank other than 0, as its log lines are tagged (trainer.__main__.leave_the_log_to_rank_0), for
-    the lines a rank prints before its log is set up: every rank refuses a bad override alike, and rank 1's line read
-    as a second refusal of the job's. "" on rank 0 and without a launcher."""
-    rank = launcher_rank()
-    return f"[rank {rank}] " if rank else ""
-
-
-def _ranks_from_launcher() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
-    node, at least this one and those of lower local rank do."""
-    rank_name, size_name, local_name, local_size_name = _launcher_variables()
-    rank, size = _rank_of_launch(rank_name, size_name), _launcher_count(size_name)
-    local_rank, local_size = _launcher_number(local_name, 0), _launcher_count(local_size_name)
-    _check_rank_within(rank_name, rank, size_name, size)
-    if local_size is None:
-        return rank, size, local_rank, local_rank + 1
-    _check_rank_within(local_name, local_rank, local_size_name, local_size)
-    return rank, size, local_rank, local_size
-
-
-def _check_rank_within(rank_name: str, rank: int, size_name: str, size: int) -> None:
-    """ValueError naming both variables where rank `rank` is none of the `size` a launcher numbers 0 to size - 1: no
-    launcher sets that, and without mpi4py the rank waited out the rendezvous's timeout for a world it is not in."""
-    if rank >= size:
-        raise ValueError(f"{rank_name}={rank} is no rank of {size_name}={size} processes, which a launcher numbers 0 "
-                         f"to {size - 1}: they are left over from a launcher that did not start this process, or set "
-                         "by hand; unset them, or start the processes with launch/single_node.sh N (mpirun) or srun")
 
 
 def _free_port() -> int:
