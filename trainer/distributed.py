@@ -370,6 +370,22 @@ def end_nccl_timeouts_promptly(timeout_s: float) -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
+def _device_and_backend(use_cuda: bool, local_rank: int, ranks_on_node: int, share_gpus: bool
+                        ) -> tuple[torch.device, int, str]:
+    """This rank's device (its GPU made the current one), how many ranks share its memory (DistEnv.ranks_on_device),
+    and the process group's backend: NCCL where each of the node's ranks has a GPU of its own, else gloo (CPUs, and
+    GPUs shared under share_gpus, which NCCL refuses)."""
+    if not use_cuda:
+        # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        return torch.device("cpu"), ranks_on_node, "gloo"
+    num_gpus = torch.cuda.device_count()
+    rank_device = torch.device("cuda", rank_gpu(local_rank, ranks_on_node, num_gpus, share_gpus))
+    torch.cuda.set_device(rank_device)
+    backend = "nccl" if ranks_on_node <= num_gpus else "gloo"
+    return rank_device, ranks_sharing_gpu(rank_device.index, ranks_on_node, num_gpus), backend
+
+
 DEVICES = ("auto", "cpu", "cuda")  # init's, as the config's `device` names them (auto: this rank's GPU, if any)
 
 
@@ -393,19 +409,9 @@ def init(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, share_gpus:
         return DistEnv(0, 1, torch.device("cuda", 0) if use_cuda else torch.device("cpu"))
 
     rank, world_size, local_rank, ranks_on_node, address, port = _ranks_and_rendezvous(timeout_s, timeout_setting)
-    backend = "gloo"
-    if use_cuda:
-        num_gpus = torch.cuda.device_count()
-        rank_device = torch.device("cuda", rank_gpu(local_rank, ranks_on_node, num_gpus, share_gpus))
-        ranks_on_device = ranks_sharing_gpu(rank_device.index, ranks_on_node, num_gpus)
-        torch.cuda.set_device(rank_device)
-        if ranks_on_node <= num_gpus:  # otherwise ranks share GPUs, which NCCL refuses
-            backend = "nccl"
-            end_nccl_timeouts_promptly(timeout_s)
-    else:
-        rank_device, ranks_on_device = torch.device("cpu"), ranks_on_node
-        # Share the node's cores: more compute threads than cores make OpenMP's spin-waits crawl.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+    rank_device, ranks_on_device, backend = _device_and_backend(use_cuda, local_rank, ranks_on_node, share_gpus)
+    if backend == "nccl":
+        end_nccl_timeouts_promptly(timeout_s)
     try:
         deadline = time.monotonic() + timeout_s
         if rank != 0:
