@@ -771,9 +771,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 append_metrics(metrics_file, record)
                 writer.add_scalar("train/loss", step.loss, state["step"])
                 writer.add_scalar("train/lr", learning_rate, state["step"])
+            # Inside the epoch only (stops_at_max_steps): at its last step the evaluation comes first, and the epoch's
+            # end below stops there.
             if stops_at_max_steps(max_steps, state, len(sampler)):
-                stopped_by = "train.max_steps"  # at the epoch's last step, after its evaluation (below)
-            if stopped_by:
+                stopped_by = "train.max_steps"
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
