@@ -442,10 +442,11 @@ class EpochTally:
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
-    """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", "step"}), with
-    "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a signal) stopped it
-    before its last epoch's end. continue_with: what continues the run where train.max_steps or a stop signal stops
-    it, for the log (a sweep's job: the sweep run again)."""
+    """Trains as the config says; returns the last evaluation's figures ({"wer", "cer", "epoch", "step"}, where this
+    job made one), with "stop_signal" where a stop signal ended it and "stopped_at_step" where train.max_steps (or a
+    signal) stopped it before its last epoch's end; {} where the checkpoint it resumed had nothing left to train.
+    continue_with: what continues the run where train.max_steps or a stop signal stops it, for the log (a sweep's
+    job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes three of its values
     # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
     # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
