@@ -500,6 +500,15 @@ def evaluate_unless_stopped(model, eval_set: SpeechDataset, eval_batches: list, 
     return None if cut_short else counts
 
 
+def record_step(step: int, epoch: int, loss: float, learning_rate: float, writer: SummaryWriter, metrics_file) -> None:
+    """On rank 0, a trained step's line of metrics.jsonl and its TensorBoard scalars, as record_epoch records an epoch.
+    learning_rate: the one the step trained at."""
+    # The epoch counted from 1, as the log and the evaluations' lines count it.
+    append_metrics(metrics_file, {"step": step, "epoch": epoch + 1, "loss": loss})
+    writer.add_scalar("train/loss", loss, step)
+    writer.add_scalar("train/lr", learning_rate, step)
+
+
 def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[float, float] | None,
                  eval_set: SpeechDataset, step: int, steps_per_epoch: int, run_started: float, writer: SummaryWriter,
                  metrics_file) -> None:
@@ -767,11 +776,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                     last_progress_line = now
                     log.info("epoch %d: step %d of %d, loss %.3f, %s utterances/s", epoch + 1,
                              state["epoch_step"], len(sampler), step.loss, rate)
-                # The epoch counted from 1, as the log and the evaluations' lines count it.
-                record = {"step": state["step"], "epoch": epoch + 1, "loss": step.loss}
-                append_metrics(metrics_file, record)
-                writer.add_scalar("train/loss", step.loss, state["step"])
-                writer.add_scalar("train/lr", learning_rate, state["step"])
+                record_step(state["step"], epoch, step.loss, learning_rate, writer, metrics_file)
             # Inside the epoch only (stops_at_max_steps): at its last step the evaluation comes first, and the epoch's
             # end below stops there.
             if stops_at_max_steps(max_steps, state, len(sampler)):
