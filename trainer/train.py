@@ -587,6 +587,20 @@ def training_batches(train_set: SpeechDataset, cfg: DictConfig, env: DistEnv) ->
         raise global_batch_refusal(cfg, error) from None
 
 
+def model_to_train(model: torch.nn.Module, cfg: DictConfig, env: DistEnv) -> torch.nn.Module:
+    """`model` as train_step runs it: in CUDA graphs where train.cuda_graphs says so, and over several ranks in DDP,
+    its batch norms averaging their statistics over the ranks where train.sync_batch_norm says so. The evaluations and
+    the checkpoints take `model` itself."""
+    if env.world_size > 1:
+        model.sync_batch_norm(cfg.train.sync_batch_norm)
+    wrapped = model
+    if cfg.train.cuda_graphs:
+        wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
+    if env.world_size > 1:
+        wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
+    return wrapped
+
+
 def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
@@ -676,13 +690,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         if start.best is not None:  # afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one)
             settle_best(run_dir, start.best, test_fingerprint)
 
-    if env.world_size > 1:
-        model.sync_batch_norm(cfg.train.sync_batch_norm)
-    wrapped = model
-    if cfg.train.cuda_graphs:
-        wrapped = CudaGraphed(model, cfg.train.graph_pad_frames, build.uses_amp(cfg.train.amp, env.device))
-    if env.world_size > 1:
-        wrapped = distributed.data_parallel(wrapped, env.device, graphed=cfg.train.cuda_graphs)
+    wrapped = model_to_train(model, cfg, env)
     writer, metrics_file = None, None
     if env.is_main:
         # So that each step is listed once: the events and lines of the steps this job trains again are dropped from
