@@ -167,10 +167,10 @@ KEEP_FINITE = "a lower optim.lr or train.grad_clip_norm may keep the model finit
 class StepResult(NamedTuple):
     """What one train_step did, the same on every rank."""
     outcome: str  # "ok", STOPPED, or why the step was skipped
-    loss: float  # mean loss per utterance of the global batch; nan for a skipped step
+    loss: float  # mean loss per utterance of the global batch; nan for a step skipped or stopped
     utterances: int  # in the global batch, over all ranks
     unusable: Counter  # reason (UNUSABLE_REASONS) -> utterances of the global batch the ranks' loaders dropped
-    stop_requests: dict  # stop signal -> the ranks it reached (trainer.stop), where the outcome is STOPPED
+    stop_requests: dict  # stop signal -> how many ranks received it (trainer.stop.stop_requests); {} unless STOPPED
 
 
 def train_step(model, batch: Batch | None, optimizer, scheduler, cfg: DictConfig, env: DistEnv,
