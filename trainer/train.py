@@ -601,7 +601,7 @@ def model_to_train(model: torch.nn.Module, cfg: DictConfig, env: DistEnv) -> tor
     return wrapped
 
 
-def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
+def check_cuda_graphs_can_run(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
         raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device} "
@@ -617,7 +617,7 @@ def check_device_and_backend(cfg: DictConfig, env: DistEnv) -> None:
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
     checkpoint_every = cfg.train.checkpoint_every_steps
     max_steps = cfg.train.max_steps
-    check_device_and_backend(cfg, env)
+    check_cuda_graphs_can_run(cfg, env)
     if env.device.type == "cpu":
         # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
         # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
