@@ -368,10 +368,6 @@ def note_stop(result: dict, step: int, where: str, stopped_by: str, continue_wit
              what_continues, run_dir / "checkpoints" / "last.pt")
 
 
-def finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def stop_for(requests: dict, world_size: int, result: dict) -> str:
     """Why the run stops, for the log, from {signal: how many ranks received it}; the signal most ranks received
     gives every rank's exit code (result["stop_signal"], trainer/__main__.py)."""
@@ -390,9 +386,6 @@ def stop_requests_of_all_ranks(stop_signals: StopSignals, env: DistEnv) -> dict:
     every rank alike (its evaluation too, where the others would evaluate their whole shard while it waited)."""
     return stop_requests(distributed.all_reduce_sum(torch.tensor(
         received_counts(stop_signals.received), dtype=torch.float64, device=env.device)).tolist())
-
-
-CONTINUE_RUN = "train.resume=auto under the same run_name"
 
 
 # An epoch counts what it skipped under (noun, what): count_skipped words the count with its noun.
@@ -439,6 +432,9 @@ class EpochTally:
     @property
     def mean_loss(self) -> float:
         return sum(self.losses) / max(len(self.losses), 1)
+
+
+CONTINUE_RUN = "train.resume=auto under the same run_name"
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
@@ -507,6 +503,10 @@ def record_step(step: int, epoch: int, loss: float, learning_rate: float, writer
     append_metrics(metrics_file, {"step": step, "epoch": epoch + 1, "loss": loss})
     writer.add_scalar("train/loss", loss, step)
     writer.add_scalar("train/lr", learning_rate, step)
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[float, float] | None,
