@@ -29,14 +29,18 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     assert str(error.value).startswith(f"cannot resume from {tmp_path / 'last.pt'}: it was written by a run with "
                                        "other settings (model.hidden=64 there, 32 here; ")
     assert "; optim.name='adamw' there, 'sgd' here;" in str(error.value)
+    # The run's own overrides, which a resume given only run_name and train.resume leaves out, are in jobs.jsonl.
+    assert str(error.value).endswith("here); a resume takes its settings from the command line, not the checkpoint: "
+                                     "give the overrides its run was started with (its run directory's jobs.jsonl "
+                                     "records each job's command)"), error.value
     # The optimizer's state would bring back the checkpoint's rate, while config.yaml said the new one was used.
-    with pytest.raises(ValueError, match=r"settings \(optim.lr=0.001 there, 0.5 here\)$"):
+    with pytest.raises(ValueError, match=r"settings \(optim.lr=0.001 there, 0.5 here\); a resume takes"):
         check_resumable(saved, compose_config(["model.hidden=64", "optim.lr=0.5"]), tmp_path / "last.pt")
     # The lookahead convolution is the unidirectional model's alone.
     check_resumable(saved, compose_config(["model.hidden=64", "model.lookahead=5"]), tmp_path / "last.pt")
     unidirectional = OmegaConf.to_container(compose_config(["model.hidden=64", "model.bidirectional=false"]),
                                             resolve=True)
-    with pytest.raises(ValueError, match=r"settings \(model.lookahead=20 there, 5 here\)$"):
+    with pytest.raises(ValueError, match=r"settings \(model.lookahead=20 there, 5 here\); a resume takes"):
         check_resumable(unidirectional, compose_config(["model.hidden=64", "model.bidirectional=false",
                                                         "model.lookahead=5"]), tmp_path / "last.pt")
     # Its sampler position counts global batches of its own size, order and utterances.
@@ -48,14 +52,15 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     moved = compose_config(["model.hidden=64", "data=manifest", "data.train_manifests=[/elsewhere/an4_train.jsonl]",
                             "data.eval_manifest=manifests/an4_test.jsonl"])
     with pytest.raises(ValueError, match=r"settings \(data.train_manifests=\['manifests/an4_train.jsonl'\] there, "
-                                         r"\['/elsewhere/an4_train.jsonl'\] here\)$"):
+                                         r"\['/elsewhere/an4_train.jsonl'\] here\); a resume takes"):
         check_resumable(saved, moved, tmp_path / "last.pt")
     assert "data.train_manifests=['manifests/an4_train.jsonl'] there, ['/elsewhere/an4_train.jsonl'] here" in (
         check_resumable(saved, moved, tmp_path / "last.pt", holds_train_set=True))
     # A config of another program's, without the keys the trainer's holds: one line naming them (it was
     # omegaconf's ConfigAttributeError, "Missing key bidirectional", with a traceback).
     del saved["model"]["bidirectional"]
-    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=\(not set\) there, true here\)$"):
+    with pytest.raises(ValueError,
+                       match=r"settings \(model.bidirectional=\(not set\) there, true here\); a resume takes"):
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
 
 
@@ -82,7 +87,8 @@ def test_a_resume_refuses_a_change_of_each_setting_it_must_keep(key, tmp_path):
     base = ["model.hidden=64", "model.bidirectional=false"]
     saved = OmegaConf.to_container(compose_config(base), resolve=True)
     override = CHANGE_OF_EACH_KEPT_SETTING[key]
-    with pytest.raises(ValueError, match=rf"other settings \({re.escape(override.split('=')[0])}=.* there, .* here\)$"):
+    with pytest.raises(ValueError, match=rf"other settings \({re.escape(override.split('=')[0])}=.* there, .* "
+                                         r"here\); a resume takes"):
         check_resumable(saved, compose_config([*base, override]), tmp_path / "last.pt")
 
 
@@ -102,7 +108,8 @@ def test_a_refused_resume_names_each_value_as_an_override_gives_it_back(tmp_path
     """The values a refusal names are the ones to resume with: it said None, which given back (data.max_duration=None)
     is Hydra's string 'None', refused by the config rules, where null was meant."""
     saved = OmegaConf.to_container(compose_config(["data.max_duration=null"]), resolve=True)
-    with pytest.raises(ValueError, match=r"settings \((data.max_duration=\S+) there, 20.0 here\)$") as error:
+    with pytest.raises(ValueError,
+                       match=r"settings \((data.max_duration=\S+) there, 20.0 here\); a resume takes") as error:
         check_resumable(saved, compose_config([]), tmp_path / "last.pt")
     given_back = compose_config([re.search(r"\((\S+) there", str(error.value))[1]])
     check_config(given_back)

@@ -182,6 +182,14 @@ RESUME_MUST_MATCH = ("model.depth", "model.hidden", "model.cell", "model.bidirec
                      "seed", "data.sortagrad", "data.train_manifests", "data.max_duration")
 
 
+# A run's settings are its command line's, not its directory's: a resume given only run_name and train.resume (as the
+# stop line words it) is the default config, refused for its model's every setting, so the refusal says where the
+# run's own overrides are.
+RESUME_TAKES_THE_COMMAND_LINE = ("a resume takes its settings from the command line, not the checkpoint: give the "
+                                 "overrides its run was started with (its run directory's jobs.jsonl records each "
+                                 "job's command)")
+
+
 # Keys whose values differ between the jobs of one run without changing its training (run_name: each job's start
 # time where hydra.run.dir names the directory), left out of the settings a resume logs as changed.
 RESUME_UNLOGGED = ("run_name", "train.resume")
@@ -203,7 +211,7 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train
               for difference in _differences(saved, cfg, key)]
     if differ:
         raise ValueError(f"cannot resume from {path}: it was written by a run with other settings "
-                         f"({'; '.join(differ)})")
+                         f"({'; '.join(differ)}); {RESUME_TAKES_THE_COMMAND_LINE}")
     unlogged = tuple(f"{key}=" for key in RESUME_UNLOGGED)
     return [difference for key in sorted(set(saved) | set(cfg)) for difference in _differences(saved, cfg, key)
             if not difference.startswith(unlogged)]
