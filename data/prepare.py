@@ -39,7 +39,7 @@ from data.dataset import count_reasons
 from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
                            write_manifest)
-from data.text import normalize_text
+from data.text import counted, normalize_text
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
     utterances, skipped = [], Counter()
     # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
-    logger.info("reading the %d chapters under %s", len(transcripts), source)
+    logger.info("reading the %s under %s", counted(len(transcripts), "chapter"), source)
     on_terminal = shows_a_progress_bar(sys.stderr)
     last_line = time.perf_counter()
     for number, transcript in enumerate(tqdm(transcripts, desc=source.name, unit=" chapters", disable=not on_terminal)):
@@ -253,8 +253,8 @@ def _write(label: str, listing: str, manifest: Path, utterances: list[Utterance]
     write_manifest(manifest, utterances)
     hours = sum(utterance.duration for utterance in utterances) / 3600
     logger.info(
-        "%s: wrote %d utterances (%.2f h) to %s; skipped %d without usable audio",
-        label, len(utterances), hours, manifest, skipped.total(),
+        "%s: wrote %s (%.2f h) to %s; skipped %d without usable audio",
+        label, counted(len(utterances), "utterance"), hours, manifest, skipped.total(),
     )
 
 

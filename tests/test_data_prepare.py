@@ -392,6 +392,16 @@ def test_librispeech_names_read_from_its_files_and_folders_are_quoted_in_escapes
     assert not raw_control_characters("".join(caplog.messages))
 
 
+def test_the_log_words_a_count_of_one_in_the_singular(tmp_path, caplog):
+    """A corpus of one chapter of one utterance: it said "reading the 1 chapters" and "wrote 1 utterances"."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    with caplog.at_level(logging.INFO):
+        main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out")])
+    assert f"reading the 1 chapter under {source}" in caplog.text, caplog.text
+    assert "librispeech dev-clean: wrote 1 utterance (0.00 h) to " in caplog.text, caplog.text
+
+
 def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(SystemExit) as exit_info:
