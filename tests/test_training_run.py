@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, wait_for_text, write_slice
 from data.manifest import read_manifest
+from trainer.train import left_out_of_each_epoch
 
 def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
     """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there), with
@@ -331,10 +332,17 @@ def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
     """One utterance, in global batches of one: each count of the log's lines is 1, and its noun singular."""
     utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
     result = train(tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")
-    for line in (f"1 utterance from {utterance}; skipped none", "1 step per epoch, leaving out 0 utterances of each",
+    for line in (f"1 utterance from {utterance}; skipped none", "1 step per epoch, leaving out 0 utterances of each\n",
                  "(plain PyTorch): 1 utterance a rank, fp32"):
         assert line in result.output, result.output[-3000:]
     assert re.search(r"epoch 1: loss [\d.]+, 1 utterance in \d+ s", result.output), result.output[-3000:]
+
+
+def test_the_log_says_which_utterances_an_epoch_leaves_out_only_where_it_leaves_some():
+    assert left_out_of_each_epoch(4, sortagrad=True) == (
+        "4 utterances (the longest in a SortaGrad epoch, a random choice after it)")
+    assert left_out_of_each_epoch(1, sortagrad=False) == "1 utterance (a random choice)"
+    assert left_out_of_each_epoch(0, sortagrad=True) == "0 utterances"  # it named "the longest" of none
 
 
 @pytest.mark.slow

@@ -455,6 +455,15 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     return result
 
 
+def left_out_of_each_epoch(count: int, sortagrad: bool) -> str:
+    """The utterances each epoch leaves out (the training set's remainder modulo the global batch) and which they are;
+    the count alone where it is 0 (it said "0 utterances of each (the longest in a SortaGrad epoch, ...)")."""
+    if not count:
+        return counted(count, "utterance")
+    which = "the longest in a SortaGrad epoch, a random choice after it" if sortagrad else "a random choice"
+    return f"{counted(count, 'utterance')} ({which})"
+
+
 def steps_from_the_resume(first_step: int, steps: int) -> str:
     """For an epoch's log line, the steps of an epoch of `steps` that this job trained, from `first_step` (the steps
     done before its resume) on: "" where it trained them all."""
@@ -645,11 +654,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
     if env.is_main:
         log.info(
-            "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each (%s)",
+            "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
             sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set),
-            counted(len(sampler), "step"), counted(len(train_set) - len(sampler) * cfg.train.global_batch_size,
-                                                   "utterance"),
-            "the longest in a SortaGrad epoch, a random choice after it" if cfg.data.sortagrad else "a random choice",
+            counted(len(sampler), "step"),
+            left_out_of_each_epoch(len(train_set) - len(sampler) * cfg.train.global_batch_size, cfg.data.sortagrad),
         )
         slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
         log.info("recurrent layers on %s: %s a rank%s, %s",
