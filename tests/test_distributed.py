@@ -1857,7 +1857,8 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
     assert "[rank 1] SIGUSR1 received: stopping when the training step or evaluation in progress ends" in output, (
         output)
     assert f"stopped at step {stopped_at} (SIGUSR1 on 1 of 2 ranks)" in output or \
-        "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name continues it" in output, output
+        "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name and overrides continues it" in output, (
+            output)
     assert "Traceback" not in output, output
 
 

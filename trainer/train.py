@@ -434,7 +434,8 @@ class EpochTally:
         return sum(self.losses) / max(len(self.losses), 1)
 
 
-CONTINUE_RUN = "train.resume=auto under the same run_name"
+# The overrides too: a resume's settings are its command line's, and without them it is the default config, refused.
+CONTINUE_RUN = "train.resume=auto under the same run_name and overrides"
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
