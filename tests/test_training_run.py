@@ -22,9 +22,10 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO_ROOT, TINY, data_loading_workers, wait_for_file, wait_for_text, write_slice
+from conftest import REPO_ROOT, TINY, compose_config, data_loading_workers, wait_for_file, wait_for_text, write_slice
 from data.manifest import read_manifest
-from trainer.train import left_out_of_each_epoch
+from trainer import build
+from trainer.train import cpu_size_warning, left_out_of_each_epoch
 
 def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
     """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there), with
@@ -336,6 +337,19 @@ def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
                  "(plain PyTorch): 1 utterance a rank, fp32"):
         assert line in result.output, result.output[-3000:]
     assert re.search(r"epoch 1: loss [\d.]+, 1 utterance in \d+ s", result.output), result.output[-3000:]
+
+
+def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
+    def parameters(overrides):
+        cfg = compose_config(overrides)
+        return sum(p.numel() for p in build.model(cfg.model, build.features(cfg.data).num_features).parameters())
+
+    default, demo = parameters([]), parameters(["experiment=cpu_demo"])
+    assert cpu_size_warning(default, torch.device("cpu")) == (
+        f"training a {default / 1e6:.1f}M-parameter model on the CPU: its epochs will be slow "
+        "(experiment=cpu_demo is the model sized for a CPU)")
+    assert cpu_size_warning(default, torch.device("cuda")) is None
+    assert cpu_size_warning(demo, torch.device("cpu")) is None
 
 
 def test_the_log_says_which_utterances_an_epoch_leaves_out_only_where_it_leaves_some():

@@ -300,6 +300,20 @@ def recurrent_backend_name(backend: str, device: torch.device) -> str:
     return {"persistent": "the persistent kernels", "reference": "the reference recurrence (plain PyTorch)"}[backend]
 
 
+# Past this many parameters a model trained on the CPU gets a warning: experiment=cpu_demo's 1.3M train there in
+# minutes an epoch, the default 41M were sized for a GPU.
+LARGE_FOR_A_CPU = 10_000_000
+
+
+def cpu_size_warning(parameters: int, device: torch.device) -> str | None:
+    """The warning for a model far larger than the CPU demo's trained on the CPU, or None: on a machine without a GPU
+    `python -m trainer` takes the GPU recipe's model, and nothing said why its epochs crawled."""
+    if device.type != "cpu" or parameters < LARGE_FOR_A_CPU:
+        return None
+    return (f"training a {parameters / 1e6:.1f}M-parameter model on the CPU: its epochs will be slow "
+            "(experiment=cpu_demo is the model sized for a CPU)")
+
+
 def peak_gpu_memory_gib(device: torch.device) -> tuple[float, float] | None:
     """The most GPU memory any rank's allocator held since the last reset, (allocated by tensors, reserved from the
     GPU) in GiB, or None off the GPU: logged each epoch, so that a deeper or wider model's headroom shows before it
@@ -654,9 +668,10 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     sampler = training_batches(train_set, cfg, env)
     eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
     if env.is_main:
+        parameters = sum(p.numel() for p in model.parameters())
         log.info(
             "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
-            sum(p.numel() for p in model.parameters()) / 1e6, len(train_set), len(eval_set),
+            parameters / 1e6, len(train_set), len(eval_set),
             counted(len(sampler), "step"),
             left_out_of_each_epoch(len(train_set) - len(sampler) * cfg.train.global_batch_size, cfg.data.sortagrad),
         )
@@ -664,6 +679,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         log.info("recurrent layers on %s: %s a rank%s, %s",
                  recurrent_backend_name(recurrent_backend, env.device), counted(per_rank_batch, "utterance"), slices,
                  "bf16" if recurrent_dtype == torch.bfloat16 else "fp32")
+        if warning := cpu_size_warning(parameters, env.device):
+            log.warning(warning)
 
     optimizer = build.optimizer(cfg.optim, model.parameters())
     scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
