@@ -281,8 +281,10 @@ def test_a_record_that_cannot_be_written_is_named_as_a_write_in_one_line(refused
                             capture_output=True, text=True, timeout=300)
     tmp_path.chmod(0o755)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+    # The resume the stop line words: train.resume=auto alone, the default config, is refused (check_resumable).
     assert result.stdout == (f"cannot write {tmp_path / written}: {reason}; checkpoints are written whole or not at "
-                             "all, so once it can be written train.resume=auto continues from the last one\n")
+                             "all, so once it can be written train.resume=auto under the same run_name and overrides "
+                             "continues from the last one\n")
 
 
 def test_only_what_the_user_fixes_is_a_one_line_error():
@@ -290,6 +292,9 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
         "model.depth must be a positive integer")
     assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r")).startswith(
         "cannot write r/config.yaml: Disk quota exceeded")
+    sweep = "the same sweep (python -m trainer -m, its overrides) with run_name=sw train.resume=auto"
+    assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r"),
+                              sweep).endswith(f"so once there is space {sweep} continues from the last one")
     # A file named in the config that cannot be opened (a manifest: no permission, a name too long) got a traceback.
     assert user_error_message(PermissionError(errno.EACCES, "Permission denied", "m.jsonl"), Path("r")) == (
         "cannot open m.jsonl: Permission denied")

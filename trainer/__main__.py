@@ -79,11 +79,12 @@ def sweep_exit_code() -> int:
 UNUSABLE_PATH = (errno.EACCES, errno.EPERM, errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EROFS)
 
 
-def user_error_message(error: Exception, run_dir: Path) -> str | None:
+def user_error_message(error: Exception, run_dir: Path, continues: str = CONTINUE_RUN) -> str | None:
     """One line for what the user fixes (a missing file, one that cannot be opened or written, a value refused, a full
-    disk), or None for anything else, which gets its traceback."""
+    disk), or None for anything else, which gets its traceback. continues: what continues the run once a write that
+    failed can be made (continue_with's)."""
     if isinstance(error, OSError) and (error.errno in FULL_DISK or refused_write(error)):
-        return write_error_message(error, run_dir)
+        return write_error_message(error, run_dir, continues)
     if isinstance(error, FileNotFoundError | ValueError):
         return config_error_line(error)
     if isinstance(error, OSError) and error.errno in UNUSABLE_PATH and error.filename:
@@ -97,13 +98,13 @@ def refused_write(error: OSError) -> bool:
     return came_of_writing(error) and error.errno in (*UNUSABLE_PATH, errno.ENOENT)
 
 
-def write_error_message(error: OSError, run_dir: Path) -> str:
+def write_error_message(error: OSError, run_dir: Path, continues: str) -> str:
     full_disk = error.errno in FULL_DISK
     free = space_left(run_dir, f"in {run_dir}") if full_disk else ""
     if error.errno == errno.EFBIG:
         free += file_size_limit()
     return (f"{write_error_line(error)}{free}; checkpoints are written whole or not at all, so once "
-            f"{'there is space' if full_disk else 'it can be written'} train.resume=auto continues from the last one")
+            f"{'there is space' if full_disk else 'it can be written'} {continues} continues from the last one")
 
 
 def continue_with(cfg: DictConfig) -> str:
@@ -187,7 +188,7 @@ def main(cfg: DictConfig) -> None:
         log.error("error on rank %d: %s", distributed.launcher_rank(), message)
         end_job(1, message)
     except Exception as error:
-        message = user_error_message(error, run_dir)
+        message = user_error_message(error, run_dir, continue_with(cfg))
         if message is not None:
             log.error("error on rank %d: %s", distributed.launcher_rank(), message)
             end_job(2, message)
