@@ -352,6 +352,16 @@ def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     assert cpu_size_warning(demo, torch.device("cpu")) is None
 
 
+@pytest.mark.slow
+def test_a_run_of_a_model_past_10m_parameters_on_the_cpu_warns_in_its_log(an4_train, tmp_path):
+    """The warning reaches the log, not cpu_size_warning alone: TINY's model at the default's 800 units a layer (12M
+    parameters), one utterance of one step."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    result = train(tmp_path / "run", utterance, "model.hidden=800", "train.global_batch_size=1", "train.epochs=1")
+    assert re.search(r"\[WARNING\] - training a 12\.0M-parameter model on the CPU: its epochs will be slow "
+                     r"\(experiment=cpu_demo is the model sized for a CPU\)", result.output), result.output[-3000:]
+
+
 def test_the_log_says_which_utterances_an_epoch_leaves_out_only_where_it_leaves_some():
     assert left_out_of_each_epoch(4, sortagrad=True) == (
         "4 utterances (the longest in a SortaGrad epoch, a random choice after it)")
