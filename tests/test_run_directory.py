@@ -485,6 +485,7 @@ def test_check_overrides_refuses_a_global_batch_the_rank_count_does_not_divide(s
 
     overrides = [*sweep, "experiment=cpu_demo", "train.global_batch_size=3"]
     assert main(["--world-size", "3", *overrides]) == 0
+    assert capsys.readouterr() == ("", "")  # a command it passes prints nothing (its --help and README say so)
     assert main(["--world-size", "2", *overrides]) == 2
     assert capsys.readouterr().err == (f"error: {refusal}global_batch_size 3 must be a positive multiple of "
                                        "world_size 2\n")
