@@ -38,7 +38,8 @@ def pickled_config_refusal(rerun_file: str | None) -> str | None:
     if rerun_file is None:
         return None
     return (f"--experimental-rerun {rerun_file}: the trainer does not load pickled configs, whose loading can run any "
-            "code; continue a run with run_name=NAME train.resume=auto")
+            "code; continue a run with run_name=NAME train.resume=auto and the overrides it was started with (its run "
+            "directory's jobs.jsonl records each job's command)")
 
 
 def refuse_a_pickled_config(arguments: list[str]) -> None:
