@@ -7,7 +7,7 @@
 
 Each rank trains on global_batch / N random utterances of AN4's shape (--frames frames of the recipe's features,
 lengths ragged between 80% and 100% of that, about 12 characters a second of random targets). The step is the
-trainer's own (trainer.train.train_step) on the trainer's own model, optimizer and config (conf/ composed by Hydra:
+trainer's own (trainer.step.train_step) on the trainer's own model, optimizer and config (conf/ composed by Hydra:
 --model an4 is experiment=an4_gpu, 5 bidirectional GRU layers of 800 over 161 spectrogram features; deep the same
 with 7 layers of 1152; deep100 experiment=deep100, 100 residual bidirectional GRU layers of 512; cpu_demo the small
 model of experiment=cpu_demo, sized for a CPU smoke test). --cuda-graphs
@@ -59,7 +59,7 @@ from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, check_not_an_input, int_at
 from trainer.config import MAX_SEED
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
-from trainer.train import train_step
+from trainer.step import train_step
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 # --model: the conf/experiment/ preset and further overrides.

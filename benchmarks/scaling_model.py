@@ -43,7 +43,7 @@ from data.dataset import UNUSABLE_REASONS
 from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output, write_results
 from trainer.stop import STOP_SIGNALS
 
-# The allreduces of trainer.train.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
+# The allreduces of trainer.step.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
 # received it (float64 numbers: the shard's utterances, whether it is empty, its unusable ones by reason, then one a
 # signal) and the loss (one float32), and under CUDA graphs the shards' shape (three float64 numbers) besides.
 STEP_ALLREDUCE_BYTES = (8 * (2 + len(UNUSABLE_REASONS) + len(STOP_SIGNALS)), 4)

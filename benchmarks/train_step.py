@@ -4,7 +4,7 @@
         [--batches 1 4 8 16 32] [--cuda-graphs] [--frames 300] [--steps 20] [--warmup 5] [--amp bf16|none]
         [--seed 1234] [--timeout-s 300] [--json PATH]
 
-The step is the trainer's own (trainer.train.train_step: forward under --amp's autocast, CTC, backward, gradient
+The step is the trainer's own (trainer.step.train_step: forward under --amp's autocast, CTC, backward, gradient
 clipping, AdamW) on the trainer's own model and config, as benchmarks.scaling builds them: --models an4 is
 experiment=an4_gpu (5 bidirectional GRU layers of 800), deep the same with 7 layers of 1152, deep100 is
 experiment=deep100 (100 residual bidirectional GRU layers of 512), cpu_demo experiment=cpu_demo's small model (on the
@@ -39,7 +39,7 @@ from trainer import build, distributed
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
-from trainer.train import train_step
+from trainer.step import train_step
 
 
 def persistent_verdict(cfg, batch_size: int, device) -> dict:

@@ -14,7 +14,7 @@ from prnn_kernels import GRU, relative_error
 from conftest import compose_config
 from trainer import build
 from trainer.distributed import DistEnv
-from trainer.train import train_step
+from trainer.step import train_step
 
 NUM_FEATURES = 20
 PAD_FRAMES = 50

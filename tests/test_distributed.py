@@ -31,7 +31,7 @@ from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
 from data.text import encode
 from trainer import build, distributed
-from trainer.train import train_step
+from trainer.step import train_step
 
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
 # NVIDIA_TF32_OVERRIDE=0 keeps cuDNN's convolutions in fp32 on GPUs: TF32 rounds differently at each batch size.
@@ -2140,10 +2140,10 @@ def write_measurement(path: Path, compute_ms: dict = {1: 10.0, 4: 16.0}, **model
 
 
 def test_scaling_model_counts_the_allreduces_a_training_step_makes(monkeypatch):
-    """STEP_ALLREDUCE_BYTES against trainer.train.train_step's own all-reduces on one CPU rank: the step's counts grew
+    """STEP_ALLREDUCE_BYTES against trainer.step.train_step's own all-reduces on one CPU rank: the step's counts grew
     by the stop signals' (ff9eb78), and the model counted three float64 numbers where the step sends six."""
     from benchmarks.scaling import compose_config, random_batch
-    from trainer.train import train_step
+    from trainer.step import train_step
 
     reduced = []
 

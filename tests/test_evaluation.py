@@ -609,7 +609,8 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
     import types
 
     from data.dataset import SpeechDataset
-    from trainer.train import EpochTally, record_epoch
+    from trainer.step import EpochTally
+    from trainer.train import record_epoch
 
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
                                           Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX", "x")])

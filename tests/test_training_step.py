@@ -27,14 +27,15 @@ from prnn_kernels import relative_error
 from trainer import build, distributed
 from trainer.distributed import DistEnv
 from trainer.resume import position_in_epochs
+from trainer.step import (
+    NON_FINITE, EpochTally, StepResult, count_skipped, refuse_if_nothing_trained, skipped_step, train_step,
+    unusable_utterances,
+)
 from trainer.stop import (
     STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, keep_early_stop_signal, received_counts,
     start_data_workers,
 )
-from trainer.train import (
-    NON_FINITE, EpochTally, StepResult, count_skipped, datasets, evaluation_batches, refuse_if_nothing_trained,
-    skipped_step, train_loader, training_batches, train_step, unusable_utterances, utterances_per_second,
-)
+from trainer.train import datasets, evaluation_batches, train_loader, training_batches, utterances_per_second
 
 
 def test_a_runs_position_is_told_in_epochs_counted_from_1():

@@ -3,7 +3,7 @@ in progress and write checkpoints/last.pt, so that train.resume=auto continues i
 before they preempt a job (SLURM also SIGUSR1 ahead of its time limit with --signal); MPICH's mpiexec passes all three
 on to every rank; under OpenMPI's mpirun, which kills the ranks a second after it passes a signal on, the launch
 scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training). Ranks agree on the step
-they stop after (trainer.train.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
+they stop after (trainer.step.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
 does: there is nothing to save yet."""
 import contextlib
 import logging
@@ -273,7 +273,7 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
     train.max_steps), the workers are killed and reaped too, so that a stuck one cannot hold up Python's exit.
 
     Where `stopping()` (a training run's stop signal, given) is true, or turns true while a batch is awaited, the
-    workers are killed and None comes instead of the batch, which its step would not train (trainer.train.train_step)
+    workers are killed and None comes instead of the batch, which its step would not train (trainer.step.train_step)
     nor its evaluation decode (trainer.evaluate.evaluate): a worker stuck meanwhile held the run, and every rank
     waiting on this one, for `timeout_s`."""
     if loader.num_workers > 0:
