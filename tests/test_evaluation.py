@@ -610,7 +610,7 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
 
     from data.dataset import SpeechDataset
     from trainer.step import EpochTally
-    from trainer.train import record_epoch
+    from trainer.records import record_epoch
 
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
                                           Utterance(str(tmp_path / "gone.flac"), 2.0, "SIX", "x")])

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 from conftest import compose_config
 from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
+from trainer.records import open_metrics, steps_from_the_resume
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
     load_optimizer_state, restore, resumed_train_state, run_started_from, settle_best,
 )
-from trainer.train import open_metrics, steps_from_the_resume
 
 
 def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_backend(tmp_path):

@@ -22,9 +22,9 @@ import trainer.__main__ as trainer_main
 from trainer.__main__ import user_error_message
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, source_commit, versions
+from trainer.records import record_job
 from trainer.resume import recorded_run_id
 from trainer.run_directory import MAX_FOLDER_NAME, hold_run_directory, job_folder
-from trainer.train import record_job
 
 
 def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
@@ -171,7 +171,7 @@ def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_lin
         "import resource\n"
         "from pathlib import Path\n"
         "from trainer.__main__ import user_error_message\n"
-        "from trainer.train import open_metrics\n"
+        "from trainer.records import open_metrics\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
         "try:\n"
         f"    open_metrics(Path({str(path)!r}), {{'epoch': 0, 'step': 30}})\n"
@@ -188,7 +188,7 @@ def test_metrics_the_disk_cannot_hold_stay_as_they_were_and_the_error_is_one_lin
 def test_tensorboard_events_the_disk_cannot_hold_are_one_error_in_the_main_thread_and_no_thread_traceback(tmp_path):
     script = (
         "import resource\n"
-        "from trainer.train import tensorboard_writer\n"
+        "from trainer.records import tensorboard_writer\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
         f"writer = tensorboard_writer({str(tmp_path)!r}, None)\n"
         "try:\n"
@@ -225,7 +225,7 @@ def test_a_record_the_disk_cannot_hold_mid_run_is_named_in_the_error_line(writte
         "import torch\n"
         "from trainer.__main__ import user_error_message\n"
         "from trainer.distributed import DistEnv\n"
-        "from trainer.train import append_metrics, open_metrics, record_job, tensorboard_writer\n"
+        "from trainer.records import append_metrics, open_metrics, record_job, tensorboard_writer\n"
         f"run_dir = Path({str(tmp_path)!r})\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
         "try:\n"
@@ -270,7 +270,7 @@ def test_a_record_that_cannot_be_written_is_named_as_a_write_in_one_line(refused
         "import torch\n"
         "from trainer.__main__ import user_error_message\n"
         "from trainer.distributed import DistEnv\n"
-        "from trainer.train import open_metrics, record_job, tensorboard_writer\n"
+        "from trainer.records import open_metrics, record_job, tensorboard_writer\n"
         f"run_dir = Path({str(tmp_path)!r})\n"
         "try:\n"
         f"    {write}\n"
@@ -371,7 +371,7 @@ def test_each_job_of_a_run_adds_where_it_ran_and_a_fresh_run_starts_anew(tmp_pat
     path = tmp_path / "jobs.jsonl"
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
     path.write_text('{"from_step": 0, "device": "an earlier run"}\n')
-    with caplog.at_level("INFO", logger="trainer.train"):
+    with caplog.at_level("INFO", logger="trainer.records"):
         record_job(path, "run-a", 0, env, resumed=False)
         record_job(path, "run-a", 40, env, resumed=True)
     jobs = [json.loads(line) for line in path.read_text().splitlines()]

@@ -22,7 +22,7 @@ from conftest import REPO_ROOT, small_checkpoint
 from data.cli import ctrl_c_raises_keyboard_interrupt, end_at_once_on_ctrl_c, shows_a_progress_bar
 from data.manifest import Utterance, write_manifest
 from trainer import checkpoint, cli
-from trainer.train import open_metrics
+from trainer.records import open_metrics
 
 
 def test_a_progress_bar_shows_on_a_terminal_that_has_a_width_only(tmp_path):

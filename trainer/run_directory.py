@@ -85,9 +85,9 @@ def make_or_exit(directory: str) -> None:
 
 
 RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
-# The files a run or sweep opens in place in its directory, Hydra's log files (*.log) besides: its lock, trainer.train's
-# jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others it writes
-# (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
+# The files a run or sweep opens in place in its directory, Hydra's log files (*.log) besides: its lock,
+# trainer.records' jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others
+# it writes (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
 WRITTEN_IN_PLACE = (RUN_LOCK, "jobs.jsonl", "multirun.yaml")
 
 
