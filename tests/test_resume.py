@@ -96,7 +96,7 @@ def test_a_resume_names_the_settings_it_changes(tmp_path):
     saved = OmegaConf.to_container(compose_config(["model.hidden=64", "train.resume=null"]), resolve=True)
     # Nothing changed but the resume itself.
     assert check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto"]), tmp_path / "last.pt") == []
-    # They were taken without a word (trainer.train logs these), and config.yaml, written anew, holds only this job's.
+    # They were taken without a word (trainer.resume logs these), and config.yaml, written anew, holds only this job's.
     changed = check_resumable(saved, compose_config(["model.hidden=64", "train.resume=auto", "train.grad_clip_norm=5",
                                                      "data.augment.enabled=false", "train.max_steps=9"]),
                               tmp_path / "last.pt")
