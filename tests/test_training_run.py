@@ -25,7 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import REPO_ROOT, TINY, compose_config, data_loading_workers, wait_for_file, wait_for_text, write_slice
 from data.manifest import read_manifest
 from trainer import build
-from trainer.train import cpu_size_warning, left_out_of_each_epoch
+from trainer.train import LARGE_FOR_A_CPU, cpu_size_warning, left_out_of_each_epoch
 
 def run(module: str, args: list[str], timeout: float = 900, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
     """`python -m module args` on this checkout's code, in `cwd` (relative outputs such as runs/ land there), with
@@ -180,7 +180,7 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     assert "final test WER" not in whole_run.stdout
     first = train(tmp_path / "split", utterances, *common, "train.max_steps=3")
     assert "stopped at step 3 (train.max_steps), before this job's first evaluation" in first.stdout, first.stdout
-    assert ("stopped at step 3 (train.max_steps); train.resume=auto under the same run_name and overrides and a "
+    assert ("stopped at step 3 (train.max_steps); train.resume=auto under the same run_name and overrides but a "
             "higher train.max_steps (or null) continues it from") in first.output  # the same limit again trains nothing
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")
@@ -350,6 +350,8 @@ def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
         "(experiment=cpu_demo is the model sized for a CPU)")
     assert cpu_size_warning(default, torch.device("cuda")) is None
     assert cpu_size_warning(demo, torch.device("cpu")) is None
+    assert cpu_size_warning(LARGE_FOR_A_CPU, torch.device("cpu")) is None  # past it, as the README says
+    assert cpu_size_warning(LARGE_FOR_A_CPU + 1, torch.device("cpu")) is not None
 
 
 @pytest.mark.slow
@@ -1366,7 +1368,7 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
         # Named by its overrides, less those that do not change what it trains (run again below: a higher max_steps).
         assert folder.parent == tmp_path / "runs" / "sw" and "train.max_steps" not in folder.name, folder
         hint = ("the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) "
-                "with run_name=sw train.resume=auto and a higher train.max_steps (or null) continues it from "
+                "with run_name=sw train.resume=auto but a higher train.max_steps (or null) continues it from "
                 f"{folder / 'checkpoints' / 'last.pt'}")  # the same train.max_steps again trains nothing
         assert hint in first.output
 

@@ -136,7 +136,7 @@ LARGE_FOR_A_CPU = 10_000_000
 def cpu_size_warning(parameters: int, device: torch.device) -> str | None:
     """The warning for a model far larger than the CPU demo's trained on the CPU, or None: on a machine without a GPU
     `python -m trainer` takes the GPU recipe's model, and nothing said why its epochs crawled."""
-    if device.type != "cpu" or parameters < LARGE_FOR_A_CPU:
+    if device.type != "cpu" or parameters <= LARGE_FOR_A_CPU:
         return None
     return (f"training a {parameters / 1e6:.1f}M-parameter model on the CPU: its epochs will be slow "
             "(experiment=cpu_demo is the model sized for a CPU)")
@@ -178,7 +178,7 @@ def how_to_continue(continue_with: str, stopped_by: str) -> str:
     """What continues a stopped run, for its last log line: where train.max_steps stopped it, the same limit again
     trains nothing."""
     if stopped_by == "train.max_steps":
-        return f"{continue_with} and a higher train.max_steps (or null)"
+        return f"{continue_with} but a higher train.max_steps (or null)"
     return continue_with
 
 
