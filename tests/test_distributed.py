@@ -323,11 +323,12 @@ def test_a_sweep_under_mpiexec_whose_global_batch_its_ranks_cannot_split_is_refu
 
 @needs_mpiexec
 def test_a_bad_value_the_distributed_start_takes_is_one_line_on_every_rank(an4_slice, tmp_path):
-    code, output = run_job(trainer_command(an4_slice, tmp_path, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
-    assert code != 0 and "Traceback" not in output, output
-    for rank in ("error on rank 0: ", "[rank 1] error on rank 1: "):  # each rank's own line
-        refusal = "distributed.timeout_s must be a positive number of seconds up to 1e+09, not 'abc'"
-        assert f"{rank}{refusal}" in output, output
+    run_dir = tmp_path / "run"
+    code, output = run_job(trainer_command(an4_slice, run_dir, 2, "distributed.timeout_s=abc"), FAILURE_TIMEOUT_S)
+    assert code == 2 and "Traceback" not in output, output
+    refusal = "error: distributed.timeout_s must be a positive number of seconds up to 1e+09, not 'abc'"
+    assert output.count(refusal) == 2 and f"[rank 1] {refusal}" in output, output  # each rank's own line
+    assert not run_dir.exists(), output  # refused on every rank before the run's folder was made
 
 
 def assert_gpu_ranks_train_as_one_gpu(an4_slice, run_dir: Path, *overrides: str) -> str:

@@ -937,6 +937,18 @@ def test_a_sweep_with_a_job_the_trainer_refuses_is_refused_before_any_job_runs_l
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["optim.lr=abc"], "optim.lr must be a positive number, not 'abc'"),
+    (["run_name=x", "model.depth=0"], "model.depth must be a positive integer, not 0"),
+])
+def test_a_single_run_the_trainer_refuses_is_refused_before_its_folder_is_made(tmp_path, overrides, refusal):
+    """Hydra made the run's folder before the trainer refused the config: each refused attempt left a runs/<its start
+    time>/ (or runs/x/) holding only Hydra's log, where a refused sweep leaves nothing."""
+    result = run("trainer", ["experiment=cpu_demo", *overrides], timeout=300, cwd=tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {refusal}\n"), result.output[-4000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hydra_full_error_still_gives_hydras_trace_of_an_override_it_refuses(tmp_path):
     result = run("trainer", ["model.depht=3"], timeout=300, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode == 1 and "Traceback" in result.stderr, result.output[-4000:]
@@ -1450,19 +1462,19 @@ def test_a_sweep_stopped_by_a_signal_still_names_the_jobs_that_failed_before(an4
      "cannot read checkpoint TMP/" + "x" * 300 + ": File name too long (train.resume)"),
     (["data.train_manifests=[TMP/" + "x" * 300 + "]"], 2,  # a manifest that cannot be opened ended in a traceback
      "error on rank 0: cannot open TMP/" + "x" * 300 + ": File name too long"),
-    (["model.hidden=${nope}"], 2, "error on rank 0: model.hidden: Interpolation key 'nope' not found"),  # 3 lines
+    (["model.hidden=${nope}"], 2, "error: model.hidden: Interpolation key 'nope' not found"),  # 3 lines
     # Named under its group (it was 'hop_ms=1000 ...'), and before the corpus is read (preparing it takes minutes).
     (["data.features.hop_ms=1000", "data.an4_source=NO_AN4"], 2,
-     "error on rank 0: data.features: hop_ms=1000 is longer than window_ms=20"),
+     "error: data.features: hop_ms=1000 is longer than window_ms=20"),
     # Over 13 mel bands the default mask width of 15 zeroed every feature of a quarter of the training utterances.
     (["data.features.n_mels=13", "data.augment.enabled=true", "data.an4_source=NO_AN4"], 2,
-     "error on rank 0: data.augment.masks.freq_mask=15 must be at most the 13 features of a frame "
+     "error: data.augment.masks.freq_mask=15 must be at most the 13 features of a frame "
      "(data.features.kind=mel): a wider mask can zero them all"),
     (["model.depht=3"], 2, "error: unknown config key model.depht (did you mean model.depth?)"),  # Hydra refused it
     # A quoted shell variable that is unset but for a space: taken as a relative folder named " ".
-    (["data.an4_source=' '"], 2, "error on rank 0: data.an4_source must be null or AN4's folder (PRNN_AN4 sets its "
+    (["data.an4_source=' '"], 2, "error: data.an4_source must be null or AN4's folder (PRNN_AN4 sets its "
                                   "default), not ' '"),
-    (["data.manifest_dir=' '"], 2, "error on rank 0: data.manifest_dir must be a folder's path, not ' '"),
+    (["data.manifest_dir=' '"], 2, "error: data.manifest_dir must be a folder's path, not ' '"),
 ])
 def test_a_user_error_is_one_clear_error_before_training(tmp_path, overrides, returncode, message):
     overrides = [override.replace("NO_AN4", str(tmp_path / "no_an4")).replace("TMP", str(tmp_path))

@@ -27,9 +27,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
 from trainer.cli import positive_int, run_tool
-from trainer.config import CONF_DIR, config_error_line
+from trainer.config import CONF_DIR
 from trainer.override_errors import pickled_config_refusal, refused_in_one_line
-from trainer.run_directory import check_job_config, check_run_name, linked_run_file, sweep_refusal
+from trainer.run_directory import check_run_name, linked_run_file, run_refusal, sweep_refusal
 
 
 def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | None:
@@ -40,11 +40,7 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
         check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
             return linked_run_file(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size, inputs=True)
-        try:
-            check_job_config(cfg, world_size, inputs=True)
-        except (FileNotFoundError, ValueError) as error:
-            return config_error_line(error)
-        return linked_run_file(cfg.hydra.run.dir)
+        return run_refusal(cfg, world_size, inputs=True) or linked_run_file(cfg.hydra.run.dir)
 
 
 # Hydra's flags that choose another primary config: the trainer would compose it, this check composes train.yaml, and

@@ -7,9 +7,10 @@ trainer's other user errors are. A run_name that is no folder of runs/ (empty, `
 the run wrote into runs/ itself or the working directory. So is a sweep one of whose jobs the trainer or Hydra would
 refuse (model.depth=0,2; a misspelt key; a global batch its launcher's ranks cannot split), or two of whose jobs
 would share a folder: as a refused run, it leaves nothing behind, where Hydra's sweeper wrote runs/NAME/multirun.yaml
-first and the jobs before the refused one ran.
-trainer.check_overrides runs these checks (check_run_name, sweep_refusal, check_job_config) before the launch scripts'
-build.
+first and the jobs before the refused one ran. A single run whose config the trainer would refuse is refused the same
+way, before its folder is made (run_refusal): Hydra made it first, and each refused attempt left a folder holding only
+Hydra's log. trainer.check_overrides runs these checks (check_run_name, sweep_refusal, run_refusal) before the launch
+scripts' build.
 
 Once the job runs, rank 0 holds the directory (hold_run_directory) so that no second job writes there meanwhile.
 A sweep job's folder is named by its overrides (job_folder, the resolver conf/train.yaml's hydra.sweep.subdir calls).
@@ -171,6 +172,15 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
     return None
 
 
+def run_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False) -> str | None:
+    """What the trainer would refuse in a single run's config, in one line naming it, or None (check_job_config)."""
+    try:
+        check_job_config(config, world_size, inputs)
+    except (FileNotFoundError, ValueError) as error:
+        return config_error_line(error)
+    return None
+
+
 def check_job_config(job: DictConfig, world_size: int = 1, inputs: bool = False) -> None:
     """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
     ${hydra:...} as in the job; `job` itself keeps it. Its global batch too, as `world_size` ranks split it: the
@@ -206,6 +216,10 @@ def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> 
 class MakeRunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config)
+        # Every rank checks the same config against the same count of ranks, so all of them refuse it alike.
+        if refused := run_refusal(config, distributed.launcher_world_size()):
+            print_refusal(refused)
+            sys.exit(2)
         make_or_exit(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
