@@ -250,6 +250,19 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     assert [json.loads(line)["from_step"] for line in (attempt / "jobs.jsonl").read_text().splitlines()] == [3]
 
 
+def test_a_run_train_resume_auto_started_afresh_says_so_in_its_job_line(an4_train, tmp_path):
+    """A run_name mistyped under train.resume=auto starts a new run: the one line that said so came before the
+    config's 60 lines and scrolled away. The job's line, after them, says it; a job that continues does not."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    common = ["model.hidden=16", "train.global_batch_size=4", "train.resume=auto"]  # 2 steps an epoch
+    run_dir = tmp_path / "run"
+    first = train(run_dir, utterances, *common, "train.max_steps=1")
+    assert (f"this job: from step 0 (a new run: train.resume=auto found no checkpoint in {run_dir}), world size 1, "
+            "rank 0 on CPU") in first.output, first.output[-4000:]
+    again = train(run_dir, utterances, *common, "train.max_steps=2")
+    assert "this job: from step 1, world size 1, rank 0 on CPU" in again.output, again.output[-4000:]
+
+
 @pytest.mark.slow
 def test_a_resume_with_nothing_to_train_leaves_the_runs_records_as_they_were(an4_train, tmp_path):
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])

@@ -74,9 +74,12 @@ def open_metrics(path: Path, resumed: dict | None):
     return open(path, "a", buffering=1)  # line by line, so that `tail -f` and a killed job see every step
 
 
-def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: bool) -> None:
+def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: bool,
+               auto_found_no_checkpoint: bool = False) -> None:
     """Logs where this job runs and adds it to the run's jobs.jsonl, one line per job: a resumed run may go on on other
-    hardware or software, or with other overrides, and its figures should say so. A fresh run starts the file anew."""
+    hardware or software, or with other overrides, and its figures should say so. A fresh run starts the file anew.
+    auto_found_no_checkpoint: train.resume=auto found none to continue, which the line says: a run_name mistyped
+    started a new run, and checkpoint_to_resume's line saying so scrolled away above the config."""
     software = versions(env.device)
     job = {"run_id": run_id, "from_step": from_step, "world_size": env.world_size, "device": device_name(env.device),
            **software, "command": command_line()}
@@ -84,8 +87,10 @@ def record_job(path: Path, run_id: str, from_step: int, env: DistEnv, resumed: b
     with errors_naming(path), open(path, "a" if resumed else "w") as jobs:
         # A job killed or a disk filling up while it wrote its line left half of one: this one would be glued to it.
         jobs.write("\n" * torn + json.dumps(job) + "\n")
-    log.info("this job: from step %d, world size %d, rank 0 on %s; %s", from_step, env.world_size, job["device"],
-             ", ".join(f"{name} {version}" for name, version in software.items()))
+    new_run = (f" (a new run: train.resume=auto found no checkpoint in {path.parent})" if auto_found_no_checkpoint
+               else "")
+    log.info("this job: from step %d%s, world size %d, rank 0 on %s; %s", from_step, new_run, env.world_size,
+             job["device"], ", ".join(f"{name} {version}" for name, version in software.items()))
 
 
 def steps_from_the_resume(first_step: int, steps: int) -> str:

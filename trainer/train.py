@@ -405,7 +405,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
         # Whole or not at all: a job killed while writing it left the run's readers (wer_parity --report) half a file.
         replace_whole(run_dir / "config.yaml",
                       OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
-        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues)
+        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues,
+                   auto_found_no_checkpoint=cfg.train.resume == "auto" and resume is None)
         if start.best is not None:  # afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one)
             settle_best(run_dir, start.best, test_fingerprint)
 
