@@ -753,7 +753,7 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert ("stopped after epoch 1's training, before its evaluation ended (SIGTERM); train.resume=auto under the same "
-            "run_name continues it with that evaluation from") in output, output[-4000:]
+            "run_name and overrides continues it with that evaluation from") in output, output[-4000:]
     steps, epochs = read_metrics(run_dir)
     assert sorted(steps) == [1, 2, 3, 4] and epochs == [], epochs
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
