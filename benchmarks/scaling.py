@@ -45,7 +45,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from benchmarks.fields import is_number
+from benchmarks.fields import COUNT, DamagedFile, field, is_number
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.dataset import Batch
 from data.text import NUM_CLASSES
@@ -133,19 +133,33 @@ def allreduce_bus_GBps(num_bytes: int, seconds: float, world_size: int) -> float
     return 2 * (world_size - 1) / world_size * num_bytes / seconds / 1e9
 
 
+def read_result(path: str) -> dict:
+    """A JSON that this script wrote, read from `path`, with the world_size and config every reader takes from it;
+    DamagedFile in one line naming the file where it cannot be read, is not JSON or is not this script's. The one reader
+    of the format: --baseline and benchmarks.scaling_model's --measured refused the same bad file in other words."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as error:  # a folder, a missing file: its own text was "[Errno 21] Is a directory: 'PATH'"
+        raise DamagedFile(f"{path}: {error.strerror or error}") from None
+    except ValueError as error:  # not JSON (or not UTF-8): its own text names no file
+        raise DamagedFile(f"{path} is not JSON: {error}") from None
+    if not isinstance(result, dict) or result.get("benchmark") != "scaling":
+        raise DamagedFile(f'{path} is not a benchmarks.scaling JSON (no "benchmark": "scaling")')
+    field(path, result, "world_size", kind=COUNT)
+    field(path, result, "config", kind="an object")
+    return result
+
+
 # Settings a baseline must share with the run it is compared with.
 COMPARABLE = ("model_config", "global_batch", "frames", "amp", "num_features", "cuda_graphs")
 
 
 def read_baseline(path: str, config: dict, device: str) -> dict:
     """A world-of-one JSON of this script with the same COMPARABLE settings as `config`, on `device` (device_name)."""
-    try:
-        baseline = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:  # missing, a folder, not JSON: named, where the error's text would not
-        raise ValueError(f"--baseline {path}: {getattr(error, 'strerror', None) or error}") from None
-    if not isinstance(baseline, dict) or baseline.get("benchmark") != "scaling" or baseline.get("world_size") != 1 \
-            or not isinstance(baseline.get("config"), dict):
-        raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process")
+    baseline = read_result(path)
+    if baseline["world_size"] != 1:
+        raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process, not "
+                         f"{baseline['world_size']}")
     baseline["config"].setdefault("cuda_graphs", False)  # JSONs from before --cuda-graphs ran without
     for key in COMPARABLE:
         if baseline["config"].get(key) != config[key]:

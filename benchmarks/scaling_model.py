@@ -30,7 +30,6 @@ all-gather inside the node; the in-node reduce-scatter plus all-gather cost exac
 import argparse
 import bisect
 import importlib
-import json
 import math
 import shlex
 import sys
@@ -38,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.fields import COUNT, field
+from benchmarks.scaling import read_result
 from data.cli import input_path
 from data.dataset import UNUSABLE_REASONS
 from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output, write_results
@@ -106,24 +106,16 @@ class Measurement:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as error:  # a folder, a missing file: its own text was "[Errno 21] Is a directory: 'PATH'"
-            raise ValueError(f"{path}: {error.strerror or error}") from None
-        except ValueError as error:  # not JSON (or not UTF-8): its own text names no file
-            raise ValueError(f"{path} is not JSON: {error}") from None
-        if not isinstance(data, dict) or data.get("benchmark") != "scaling":
-            raise ValueError(f"{path} is not a benchmarks.scaling JSON (no \"benchmark\": \"scaling\")")
-        self.data = data
+        self.data = data = read_result(path)
         num_points = len(self.list_field("compute", kind="an object"))
         points = sorted((self.field("compute", index, "per_rank_batch", kind=COUNT),
                          self.field("compute", index, "median_ms", kind="a number")) for index in range(num_points))
         self.gradient_bytes = self.field("model", "gradient_bytes", kind=COUNT)
         self.batch_norm_channels = self.list_field("model", "sync_batch_norm_channels", kind=COUNT)
         self.bucket_bytes = self.field("model", "ddp_bucket_cap_mb", kind="a number") * 1024 * 1024
-        self.world_size = self.field("world_size", kind=COUNT)
+        self.world_size = data["world_size"]
         # A measurement from before CUDA graphs were measured has no config.cuda_graphs: it ran without.
-        graphed = "cuda_graphs" in self.field("config", kind="an object")
+        graphed = "cuda_graphs" in data["config"]
         self.cuda_graphs = graphed and self.field("config", "cuda_graphs", kind="true or false")
         self.batches = [batch for batch, _ in points]
         self.compute_times_ms = [ms for _, ms in points]

@@ -293,7 +293,8 @@ def test_a_measurement_or_baseline_that_is_not_json_is_named(tmp_path, capsys):
     result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", *SMALL_CPU_SCALING, "--baseline",
                              str(truncated)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert f"error on rank 0: --baseline {truncated}: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
+    # It said "--baseline PATH: Expecting ',' delimiter", where benchmarks.scaling_model said the file is not JSON.
+    assert f"error on rank 0: {truncated} is not JSON: Expecting ',' delimiter" in result.stderr, result.stderr[-2000:]
 
 
 

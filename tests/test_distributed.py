@@ -2427,10 +2427,13 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
 
     config = {"model_config": {}, "global_batch": 8, "frames": 300, "amp": True, "num_features": 161,
               "cuda_graphs": False}
-    for name, content in (("list", [1, 2]), ("bare", {"benchmark": "scaling"}),
-                          ("no_config", {"benchmark": "scaling", "world_size": 1})):
+    for name, content, complaint in (
+        ("list", [1, 2], "is not a benchmarks.scaling JSON"),
+        ("bare", {"benchmark": "scaling"}, "lacks world_size, which must be a whole number of at least 1"),
+        ("no_config", {"benchmark": "scaling", "world_size": 1}, "lacks config, which must be an object"),
+    ):
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
-        with pytest.raises(ValueError, match=f"--baseline .*{name}.json must be a benchmarks.scaling JSON"):
+        with pytest.raises(ValueError, match=f"{name}.json {complaint}"):
             read_baseline(str(tmp_path / f"{name}.json"), config, "NVIDIA H200")
     (tmp_path / "old.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": {"frames": 300}}))
     with pytest.raises(ValueError, match="has model_config=None, this run {}"):
@@ -2477,6 +2480,33 @@ def test_scaling_refuses_a_baseline_of_other_settings_or_several_ranks(tmp_path,
     (tmp_path / "two.json").write_text(json.dumps({**baseline, "world_size": 2, "config": config}))
     with pytest.raises(ValueError, match="two.json must be a benchmarks.scaling JSON from one process"):
         read_baseline(str(tmp_path / "two.json"), config, "NVIDIA H200")
+
+
+@pytest.mark.parametrize("content, complaint", [
+    (None, ": Is a directory"),
+    ('{"benchmark": "scaling"\n', " is not JSON: Expecting ',' delimiter"),
+    ("[1, 2]", ' is not a benchmarks.scaling JSON (no "benchmark": "scaling")'),
+    ('{"benchmark": "scaling", "config": {}}', " lacks world_size, which must be a whole number of at least 1"),
+    ('{"benchmark": "scaling", "world_size": "1", "config": {}}',
+     ": world_size must be a whole number of at least 1, got '1'"),
+    ('{"benchmark": "scaling", "world_size": 1, "config": []}', ": config must be an object, got []"),
+])
+def test_a_scaling_json_is_refused_in_the_same_words_as_a_baseline_and_as_a_measurement(tmp_path, content, complaint):
+    """benchmarks.scaling's --baseline and benchmarks.scaling_model's --measured read the one JSON that
+    benchmarks.scaling writes, each with its own checks and words: a truncated file was "--baseline PATH: Expecting ','
+    delimiter" to one and "PATH is not JSON: Expecting ',' delimiter" to the other, a world_size of "1" "must be a
+    benchmarks.scaling JSON from one process" to one and the field named to the other."""
+    path = tmp_path
+    if content is not None:
+        path = tmp_path / "scaling.json"
+        path.write_text(content)
+    refusals = []
+    for read in (lambda: scaling.read_baseline(str(path), {}, "NVIDIA H200"),
+                 lambda: scaling_model.Measurement(str(path))):
+        with pytest.raises(ValueError) as refused:
+            read()
+        refusals.append(str(refused.value))
+    assert refusals[0] == refusals[1] and refusals[0].startswith(f"{path}{complaint}"), refusals
 
 
 def test_ranks_that_share_a_gpu_are_counted_on_it():
