@@ -40,7 +40,8 @@ from benchmarks.fields import COUNT, field
 from benchmarks.scaling import read_result
 from data.cli import input_path
 from data.dataset import UNUSABLE_REASONS
-from trainer.cli import EachOnce, output_file, run_tool, write_binary_output, write_output, write_results
+from trainer.cli import (EachOnce, output_file, positive_int, run_tool, write_binary_output, write_output,
+                         write_results)
 from trainer.stop import STOP_SIGNALS
 
 # The allreduces of trainer.step.train_step, in bytes: the utterance counts and each stop signal's count of ranks that
@@ -92,8 +93,6 @@ def allreduce_s(num_bytes: float, num_gpus: int, cluster: Cluster) -> float:
 
 def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
     for num_gpus in gpu_counts:
-        if num_gpus < 1:
-            raise ValueError(f"--gpus {num_gpus} must be at least 1")
         if num_gpus > cluster.gpus_per_node and num_gpus % cluster.gpus_per_node:
             raise ValueError(
                 f"--gpus {num_gpus} must be at most --gpus-per-node {cluster.gpus_per_node} or a multiple of it"
@@ -402,7 +401,7 @@ def checked_cluster(args) -> Cluster:
                       args.nics_per_node, args.network_latency_us)
     # An infinite one (an ideal network, say) made the times infinite, and 0 x infinity NaN, in a projection that
     # strict JSON readers refuse: 1e9 GB/s or 0 us serves.
-    for name in ("gpus_per_node", "nvlink_GBps", "nic_Gbps", "nics_per_node"):
+    for name in ("nvlink_GBps", "nic_Gbps"):
         if not 0 < getattr(cluster, name) < math.inf:
             raise ValueError(f"--{name.replace('_', '-')} must be positive and finite, got {getattr(cluster, name)}")
     for name in ("nvlink_latency_us", "network_latency_us"):
@@ -413,9 +412,7 @@ def checked_cluster(args) -> Cluster:
 
 
 def check_projection_arguments(args, cluster: Cluster) -> None:
-    """ValueError naming a --global-batch, --backward-share, --gpus or --overlap value the projection cannot take."""
-    if any(batch < 1 for batch in args.global_batch):
-        raise ValueError(f"--global-batch values must be at least 1, got {args.global_batch}")
+    """ValueError naming a --backward-share, --gpus or --overlap value the projection cannot take."""
     if not 0 <= args.backward_share <= 1:
         raise ValueError(f"--backward-share must lie in [0, 1], got {args.backward_share}")
     check_gpu_counts(args.gpus, cluster)
@@ -431,18 +428,18 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--measured", type=input_path, required=True, help="a JSON written by benchmarks.scaling")
     parser.add_argument("--out", type=input_path, required=True, help="folder for scaling_projection.{png,md,json}")
-    parser.add_argument("--global-batch", type=int, nargs="+", action=EachOnce, default=[128, 512])
-    parser.add_argument("--gpus", type=int, nargs="+", action=EachOnce, default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--global-batch", type=positive_int, nargs="+", action=EachOnce, default=[128, 512])
+    parser.add_argument("--gpus", type=positive_int, nargs="+", action=EachOnce, default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--overlap", type=float, nargs="+", action=EachOnce,
                         help="fractions of gradient allreduce hidden behind backward (default: the measured one if "
                              "the JSON is from several GPUs, then 0 and 1; else 0, 0.5 and 1)")
     parser.add_argument("--backward-share", type=float, default=2 / 3, help="backward's share of compute time")
-    parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    parser.add_argument("--gpus-per-node", type=positive_int, default=defaults.gpus_per_node)
     parser.add_argument("--nvlink-GBps", type=float, default=defaults.nvlink_GBps,
                         help="NVLink GB/s per GPU and direction (NVLink 4: 18 links x 25 GB/s)")
     parser.add_argument("--nvlink-latency-us", type=float, default=defaults.nvlink_latency_us)
     parser.add_argument("--nic-Gbps", type=float, default=defaults.nic_Gbps, help="gigabits per second of one NIC")
-    parser.add_argument("--nics-per-node", type=int, default=defaults.nics_per_node,
+    parser.add_argument("--nics-per-node", type=positive_int, default=defaults.nics_per_node,
                         help="NICs per node, shared by its GPUs' inter-node rings")
     parser.add_argument("--network-latency-us", type=float, default=defaults.network_latency_us)
     argv = sys.argv[1:] if argv is None else argv
