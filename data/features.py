@@ -17,12 +17,12 @@ FEATURE_KINDS = ("spectrogram", "mel")
 MAX_WINDOW_MS = 1000
 
 
-def _is_number(value) -> bool:
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass, and true is no count
+
+
+def is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _has_empty_mel_band(sample_rate: int, n_fft: int, n_mels: int) -> bool:
@@ -46,7 +46,7 @@ def _most_mel_bands(sample_rate: int, n_fft: int) -> int:
 
 def _check_n_mels(n_mels, sample_rate: int, n_fft: int, window_ms: float) -> None:
     """ValueError where `n_mels` is not a positive integer or leaves a mel band without an FFT bin."""
-    if not (_is_integer(n_mels) and n_mels >= 1):
+    if not (is_int(n_mels) and n_mels >= 1):
         raise ValueError(f"n_mels={n_mels!r} must be a positive integer")
     if n_mels > n_fft // 2 + 1 or _has_empty_mel_band(sample_rate, n_fft, n_mels):
         raise ValueError(f"n_mels={n_mels} at {sample_rate} Hz and window_ms={window_ms} (an FFT of {n_fft} points) "
@@ -57,9 +57,9 @@ def _check_n_mels(n_mels, sample_rate: int, n_fft: int, window_ms: float) -> Non
 def _window_and_hop_lengths(sample_rate, window_ms, hop_ms) -> tuple[int, int]:
     """The window and the hop in samples; ValueError where the rate or either length is unusable."""
     # An integer rate: audio at other rates is resampled to it, which takes whole numbers of Hz.
-    if not (_is_integer(sample_rate) and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
-            and _is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
-            and _is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
+    if not (is_int(sample_rate) and MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE
+            and is_number(window_ms) and 0 < window_ms <= MAX_WINDOW_MS
+            and is_number(hop_ms) and 0 < hop_ms <= MAX_WINDOW_MS):
         raise ValueError(f"sample_rate={sample_rate!r} must be an integer number of Hz from {MIN_SAMPLE_RATE} to "
                          f"{MAX_SAMPLE_RATE}, window_ms={window_ms!r} and hop_ms={hop_ms!r} numbers of "
                          f"milliseconds in (0, {MAX_WINDOW_MS}]")

@@ -2,7 +2,6 @@
 trainer would take as it comes (a negative clip norm, a string batch size) naming its key; check_resumable compares a
 checkpoint's config with this run's; rank_settings is what every rank of a job must agree on."""
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,18 +10,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
-from data.features import FEATURE_KINDS, MAX_WINDOW_MS
+from data.features import FEATURE_KINDS, MAX_WINDOW_MS, is_int, is_number
 from data.sampler import shard_size
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass, and true is no count
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # Each optimizer's own key (its config group sets it; the other group has none), and what its value must be.

@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
+from data.features import is_int
 from trainer import checkpoint, distributed
-from trainer.config import check_resumable, is_int, noting_what_does_nothing_here
+from trainer.config import check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
 from trainer.metrics import scores_better
 
