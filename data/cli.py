@@ -8,6 +8,9 @@ import sys
 
 INTERRUPTED = "interrupted by Ctrl-C"
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+# Without a bar (a pipe, a SLURM or nohup log), a tool logs a line on its progress this often: as training's
+# evaluations do every train.progress_line_s (60 by default too).
+PROGRESS_LINE_S = 60
 
 
 def input_path(text: str) -> str:

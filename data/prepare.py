@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
 from data.cli import (
-    INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path, shows_a_progress_bar,
+    INTERRUPTED, INTERRUPTED_EXIT_CODE, PROGRESS_LINE_S, ctrl_c_raises_keyboard_interrupt, input_path,
+    shows_a_progress_bar,
 )
 from data.dataset import count_reasons
 from data.files import came_of_writing, write_error_line
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 AN4_SPLITS = ("train", "test")
 AN4_AUDIO_SUFFIXES = (".flac", ".wav", ".sph")
-PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often, as trainer.evaluate logs its own
 
 # "<s> YES </s> (an251-fash-b)" in train, "RUBOUT G M E F THREE NINE (an406-fcaw-b)" in test.
 _AN4_LINE = re.compile(r"^\s*(?:<s>)?(?P<text>.*?)(?:</s>)?\s*\((?P<id>[^()]+)\)\s*$")

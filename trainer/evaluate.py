@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from data.cli import input_path, shows_a_progress_bar
+from data.cli import PROGRESS_LINE_S, input_path, shows_a_progress_bar
 from data.dataset import TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, collate, count_reasons
 from data.manifest import check_manifest_path, print_paths_printable
 from data.sampler import eval_shards
@@ -32,8 +32,6 @@ from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
 
 log = logging.getLogger(__name__)
-
-PROGRESS_LINE_S = 60  # without a terminal, a line on the progress this often (the trainer's train.progress_line_s)
 
 
 @torch.no_grad()
