@@ -127,6 +127,22 @@ class Lookahead(nn.Module):
         return self.conv(x).permute(2, 0, 1)
 
 
+def _check_arguments(cell: str, sizes: dict[str, object], flags: dict[str, object]) -> None:
+    """ValueError naming the argument where `cell` is not one of CELLS, a size is not an integer of at least 1 (0 for
+    lookahead) or a flag is not True or False. Checked here, by the names a caller gave: torch.nn names a zero
+    conv_channels or num_features input_size, and takes a float size or a string flag ("no" is true) deep inside a
+    layer, or not at all."""
+    if cell not in CELLS:
+        raise ValueError(f"DeepSpeech2: cell={cell!r} is not one of {CELLS}")
+    for name, value in sizes.items():
+        least = 0 if name == "lookahead" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"DeepSpeech2: {name}={value!r} must be an integer of at least {least}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"DeepSpeech2: {name}={value!r} must be True or False")
+
+
 class DeepSpeech2(nn.Module):
     """Conv front end -> `depth` recurrent layers -> lookahead conv (unidirectional only) -> Linear to classes.
 
@@ -164,20 +180,9 @@ class DeepSpeech2(nn.Module):
         batch_slice: int | None = None,
     ):
         super().__init__()
-        if cell not in CELLS:
-            raise ValueError(f"DeepSpeech2: cell={cell!r} is not one of {CELLS}")
-        # Checked here, by the names a caller gave: torch.nn names a zero conv_channels or num_features input_size,
-        # and takes a float size or a string flag ("no" is true) deep inside a layer, or not at all.
-        sizes = dict(num_features=num_features, num_classes=num_classes, depth=depth, hidden=hidden,
-                     conv_channels=conv_channels, lookahead=lookahead)
-        for name, value in sizes.items():
-            least = 0 if name == "lookahead" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"DeepSpeech2: {name}={value!r} must be an integer of at least {least}")
-        flags = dict(bidirectional=bidirectional, residual=residual, batch_norm=batch_norm)
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"DeepSpeech2: {name}={value!r} must be True or False")
+        _check_arguments(cell, sizes=dict(num_features=num_features, num_classes=num_classes, depth=depth,
+                                          hidden=hidden, conv_channels=conv_channels, lookahead=lookahead),
+                         flags=dict(bidirectional=bidirectional, residual=residual, batch_norm=batch_norm))
         self.residual = residual
         self.num_features = num_features
         self.front_end = ConvFrontEnd(num_features, conv_channels, batch_norm)
