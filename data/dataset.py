@@ -201,13 +201,12 @@ class SpeechDataset(Dataset):
             return None
         targets = encode(text)
         num_samples = round(utterance.duration * self.features.sample_rate)
-        num_outputs = math.ceil(self.features.num_frames(num_samples) / self.time_stride)
-        if num_outputs < min_ctc_frames(targets):
+        if too_long := self._too_long_detail(self.features.num_frames(num_samples), targets):
             if utterance.duration == 0:  # the transcript is not what is wrong
                 self._skip(utterance, "duration 0", "its manifest gives a duration of 0 s (empty audio, or a duration "
                            "not filled in)")
             else:
-                self._skip(utterance, TOO_LONG_FOR_STRIDE, self._too_long_detail(num_outputs, targets))
+                self._skip(utterance, TOO_LONG_FOR_STRIDE, too_long)
             return None
         return targets
 
@@ -215,7 +214,12 @@ class SpeechDataset(Dataset):
         self.skipped[reason] += 1
         logger.warning("skipping %s: %s", printable(utterance.audio_filepath), detail)
 
-    def _too_long_detail(self, num_outputs: int, targets: list[int]) -> str:
+    def _too_long_detail(self, num_frames: int, targets: list[int]) -> str | None:
+        """Why `targets` cannot be trained on from `num_frames` feature frames, or None where the model's output
+        frames for them, `time_stride` feature frames apart, are enough for CTC."""
+        num_outputs = math.ceil(num_frames / self.time_stride)
+        if num_outputs >= min_ctc_frames(targets):
+            return None
         return (
             f"the model has {counted(num_outputs, 'output frame')} for it at time stride {self.time_stride}, "
             f"fewer than the {min_ctc_frames(targets)} its {len(targets)}-character transcript needs"
@@ -248,9 +252,8 @@ class SpeechDataset(Dataset):
         features = self.features(waveform)  # (T, F)
         if detail := non_finite_detail(features, waveform):
             return self._unusable(index, detail)
-        num_outputs = math.ceil(len(features) / self.time_stride)
-        if num_outputs < min_ctc_frames(targets):
-            return self._unusable(index, self._too_long_detail(num_outputs, targets), TOO_LONG_FOR_STRIDE)
+        if too_long := self._too_long_detail(len(features), targets):
+            return self._unusable(index, too_long, TOO_LONG_FOR_STRIDE)
         if self.augment is not None:
             # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
             # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
