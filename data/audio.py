@@ -14,7 +14,8 @@ from data.manifest import printable
 
 
 class AudioError(ValueError):
-    """An audio file that cannot be used: unreadable, not audio, without samples, or with NaN/infinite samples. Its
+    """An audio file that cannot be used, for a reason audio_header or load_audio gives: unreadable, not audio, without
+    samples or with NaN/infinite ones, a header past this module's limits, or a rate too costly to resample. Its
     message names the file as data.manifest.printable writes it: the name comes from a manifest or a corpus's files."""
 
 

@@ -45,8 +45,9 @@ def read_manifest(path: str | os.PathLike, audio_needed: bool = True) -> list[Ut
     Raises FileNotFoundError when `path` does not exist, ValueError naming it where check_manifest_path refuses it
     (a folder, an empty file), and ValueError naming the file and line number for a line that is not UTF-8 or longer
     than MAX_LINE_BYTES, or not a JSON object with a string `audio_filepath` (no control character in it, and
-    absolute where `path` is a pipe and `audio_needed`) and `text` and a `duration` from 0 to MAX_DURATION (and no
-    `offset` other than 0). A byte-order mark before the first line is skipped.
+    absolute where `path` is a pipe and `audio_needed`) and `text`, a `duration` from 0 to MAX_DURATION, a `speaker`
+    (where given) that is a string or an integer, no half of a UTF-16 surrogate pair in those strings, and no `offset`
+    other than 0. A byte-order mark before the first line is skipped.
     """
     path = Path(path)
     check_manifest_path(path)

@@ -21,10 +21,9 @@ class _BatchStatisticsNorm(torch.autograd.Function):
     forward(x, mask, weight, bias, shift, eps, channel_dim, sync) -> (y in x's dtype, and per channel the mean, the
     biased variance and the count of valid positions); statistics and normalisation in at least float32, the sums
     taken of x - shift (the running mean: near the batch's, so that the variance, the mean square less the squared
-    mean, keeps its digits where a channel's mean is far from zero). With sync, the
-    sums behind the statistics and, in the backward, the sums behind the input's gradient are all-reduced, so every
-    rank computes the global batch's function. Padded positions of y and of the input's gradient are zero, and their
-    values never reach a sum.
+    mean, keeps its digits where a channel's mean is far from zero). With sync, the sums behind the statistics and, in
+    the backward, the sums behind the input's gradient are all-reduced, so every rank computes the global batch's
+    function. Padded positions of y and of the input's gradient are zero, and their values never reach a sum.
     """
 
     @staticmethod
