@@ -115,7 +115,7 @@ class SpeechDataset(Dataset):
         augment: applied to the features of every item (pass it for training data only).
         time_stride: how many feature frames the model merges into one output frame.
         max_duration: seconds; longer utterances are dropped. None keeps all.
-        seed: with `set_epoch`, fixes the augmentation of each item (see `__getitem__`).
+        seed: with `set_epoch`, fixes the augmentation of each item (see `_augmented`).
     """
 
     def __init__(
@@ -255,13 +255,17 @@ class SpeechDataset(Dataset):
         if too_long := self._too_long_detail(len(features), targets):
             return self._unusable(index, too_long, TOO_LONG_FOR_STRIDE)
         if self.augment is not None:
-            # Masks drawn from a generator seeded by (seed, epoch, item): the same whichever worker loads the
-            # item, so a run resumed mid-epoch augments exactly as the uninterrupted run did.
-            with torch.random.fork_rng(devices=[]):
-                # Wrapped into the 64 bits a seed may take: a date such as 20240101 as the run's seed overflows them.
-                torch.manual_seed((epoch_seed(self.seed, self.epoch) * 1_000_033 + index) % 2**64)
-                features = self.augment(features)
+            features = self._augmented(features, index)
         return Sample(features, torch.tensor(targets, dtype=torch.int64), index)
+
+    def _augmented(self, features: torch.Tensor, index: int) -> torch.Tensor:
+        """Item `index`'s features masked by `augment`, the masks drawn from a generator seeded by (seed, epoch, item):
+        the same whichever worker loads the item, so a run resumed mid-epoch augments exactly as the uninterrupted run
+        did."""
+        with torch.random.fork_rng(devices=[]):
+            # Wrapped into the 64 bits a seed may take: a date such as 20240101 as the run's seed overflows them.
+            torch.manual_seed((epoch_seed(self.seed, self.epoch) * 1_000_033 + index) % 2**64)
+            return self.augment(features)
 
     def _unusable(self, index: int, detail: str, counted_as: str = UNREADABLE) -> Unusable:
         return Unusable(index, f"skipping {printable(self.utterances[index].audio_filepath)}: {detail}", counted_as)
