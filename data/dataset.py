@@ -37,10 +37,10 @@ UNUSABLE_REASONS = (UNREADABLE, TOO_LONG_FOR_STRIDE, LONGER_THAN_MAX_DURATION)  
 
 @dataclass(frozen=True)
 class Unusable:
-    """What the dataset gives for an item whose audio cannot train: its position, the warning naming why, and the
-    reason it is counted under: the one `skipped` counts where the manifest's duration already shows it."""
+    """What the dataset gives for an item whose audio cannot train: its position, the warning naming the file and why,
+    and the reason it is counted under: the one `skipped` counts where the manifest's duration already shows it."""
     index: int
-    reason: str
+    warning: str
     counted_as: str = UNREADABLE
 
 
@@ -275,7 +275,7 @@ class SpeechDataset(Dataset):
         for item in unusable:
             if item.index not in self._warned:
                 self._warned.add(item.index)
-                logger.warning(item.reason)
+                logger.warning(item.warning)
 
 
 def collate(samples: Sequence[Sample | Unusable]) -> Batch:

@@ -263,7 +263,7 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unus
     dataset = make_dataset(tmp_path / "m.jsonl")
     items = [dataset[index] for index in range(3)]
     assert [isinstance(item, Unusable) for item in items] == [False, True, True]
-    lecture, loud = (item.reason for item in items[1:])
+    lecture, loud = (item.warning for item in items[1:])
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in lecture
     assert "loud.wav: its features are not finite (its largest sample is 3e+38)" in loud
     # Counted by reason in the training log's summary: the lecture as the choice max_duration makes, not a fault.
@@ -285,7 +285,7 @@ def test_audio_longer_than_its_manifest_says_is_refused_from_its_header_without_
     # Decoding it took up to an hour of audio (and gigabytes resampled) every epoch in every loader process.
     assert decoded == ["good.wav"]
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in \
-        batch.unusable[0].reason
+        batch.unusable[0].warning
     assert len(batch.indices) == 1 and batch.num_unusable_as(LONGER_THAN_MAX_DURATION) == 1 == batch.num_unusable
 
 
