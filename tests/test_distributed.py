@@ -2325,7 +2325,11 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
 
 @pytest.mark.parametrize("edit, complaint", [
     (lambda data: data["config"].pop("model_config"), " lacks config.model_config, which must be an object"),
-    (lambda data: data.pop("device"), " lacks 'device', which benchmarks.scaling writes"),
+    # These two were refused in other words than every other field ("lacks 'device', which benchmarks.scaling writes",
+    # from a KeyError), and a device of 5 or a depth of "x" not at all.
+    (lambda data: data.pop("device"), " lacks device, which must be a string"),
+    (lambda data: data["config"]["model_config"].pop("depth"),
+     " lacks config.model_config.depth, which must be a whole number of at least 1"),
     (lambda data: data.update(world_size=2), " lacks exposed_communication_ms, which must be a number"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 0.0}),
      ": allreduce.median_ms must be positive and exposed_communication_ms finite, got 0.0 and 1.0"),
@@ -2369,6 +2373,13 @@ def test_scaling_model_refuses_a_measurement_it_cannot_project_before_writing(tm
     (lambda data: data.update(world_size=0), ": world_size must be a whole number of at least 1, got 0"),
     (lambda data: data["config"].update(cuda_graphs="yes"), ": config.cuda_graphs must be true or false, got 'yes'"),
     (lambda data: data["config"].update(model_config="gru"), ": config.model_config must be an object, got 'gru'"),
+    # Read only for the projection's title and assumptions, and printed as they stood: an amp of "no" as bf16.
+    (lambda data: data["config"]["model_config"].update(depth="x"),
+     ": config.model_config.depth must be a whole number of at least 1, got 'x'"),
+    (lambda data: data.update(device=5), ": device must be a string, got 5"),
+    (lambda data: data["config"].update(amp="no"), ": config.amp must be true or false, got 'no'"),
+    (lambda data: data["config"].update(frames=300.5),
+     ": config.frames must be a whole number of at least 1, got 300.5"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce=3),
      ": allreduce must be an object, got 3"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
