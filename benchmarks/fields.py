@@ -24,9 +24,13 @@ def is_count(value) -> bool:
 # What a field may hold, by the words a refusal says it in. A COUNT is 1 or more: a world size or a batch of 0 divided
 # by zero, and one below it was projected from a step of no utterances.
 COUNT = "a whole number of at least 1"
+# A time or a rate a measure took: a 0 divided by zero, and a NaN (which Python's reader takes) was printed and written
+# as it stood.
+POSITIVE = "a positive finite number"
 KINDS = {
     "a number": is_real,
     "a finite number": is_number,
+    POSITIVE: lambda value: is_number(value) and value > 0,
     "a count": is_count,
     COUNT: lambda value: is_count(value) and value >= 1,
     "true or false": lambda value: isinstance(value, bool),

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from benchmarks.fields import COUNT, DamagedFile, field, is_number
+from benchmarks.fields import COUNT, POSITIVE, DamagedFile, field
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.dataset import Batch
 from data.text import NUM_CLASSES
@@ -168,10 +168,8 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
     if str(baseline.get("device")).split(" (")[0] != device.split(" (")[0]:
         raise ValueError(f"--baseline {path} ran on {baseline.get('device')}, this run on {device}: an efficiency "
                          "compares one kind of device")
-    # Read after every measure: without it the run ended in a traceback there, its results not written.
-    step_ms = baseline["step"].get("median_ms") if isinstance(baseline.get("step"), dict) else None
-    if not (is_number(step_ms) and step_ms > 0):
-        raise ValueError(f"--baseline {path} has no positive step time (step.median_ms), the efficiency's t(1)")
+    # The efficiency's t(1), read after every measure: without it the run ended in a traceback there, unwritten.
+    field(path, baseline, "step", "median_ms", kind=POSITIVE)
     return baseline
 
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.fields import COUNT, field
+from benchmarks.fields import COUNT, POSITIVE, field
 from benchmarks.scaling import read_result
 from data.cli import input_path
 from data.dataset import UNUSABLE_REASONS
@@ -236,11 +236,11 @@ def model_check(measurement: Measurement, cluster: Cluster, backward_share: floa
     return {
         "global_batch": global_batch,
         "gpus": num_gpus,
-        "measured_efficiency": measurement.field("baseline", "strong_scaling_efficiency", kind="a number"),
+        "measured_efficiency": measurement.field("baseline", "strong_scaling_efficiency", kind=POSITIVE),
         "modelled_efficiency": modelled["efficiency"],
-        "measured_step_ms": measurement.field("step", "median_ms", kind="a number"),
+        "measured_step_ms": measurement.field("step", "median_ms", kind=POSITIVE),
         "modelled_step_ms": modelled["step_ms"],
-        "measured_bus_GBps": measurement.field("allreduce", "bus_GBps", kind="a number"),
+        "measured_bus_GBps": measurement.field("allreduce", "bus_GBps", kind=POSITIVE),
     }
 
 

@@ -2384,7 +2384,15 @@ def test_scaling_model_refuses_a_measurement_it_cannot_project_before_writing(tm
      ": allreduce must be an object, got 3"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
                               baseline={"strong_scaling_efficiency": "0.5"}, step={"median_ms": 20.0}),
-     ": baseline.strong_scaling_efficiency must be a number, got '0.5'"),
+     ": baseline.strong_scaling_efficiency must be a positive finite number, got '0.5'"),
+    # A NaN (which json reads) was set beside the model's in the Markdown as "nan" and in the JSON as non-standard NaN,
+    # where read_baseline refused the same step time.
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
+                              baseline={"strong_scaling_efficiency": 0.5}, step={"median_ms": math.nan}),
+     ": step.median_ms must be a positive finite number, got nan"),
+    (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 0},
+                              baseline={"strong_scaling_efficiency": 0.5}, step={"median_ms": 20.0}),
+     ": allreduce.bus_GBps must be a positive finite number, got 0"),
 ])
 def test_scaling_model_refuses_a_field_of_the_wrong_type_naming_it(tmp_path, capsys, edit, complaint):
     """A string where a number belongs, a list where an object does, ended the run in a TypeError traceback (one read
@@ -2452,12 +2460,13 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
     with pytest.raises(ValueError, match="ran on NVIDIA H100 80GB HBM3, this run on NVIDIA H200: an efficiency"):
         read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H200")
     # Its step time is read after every measure, where a baseline without one ended the run in a KeyError, unwritten.
-    with pytest.raises(ValueError, match="h100.json has no positive step time"):
+    with pytest.raises(ValueError, match="h100.json lacks step.median_ms, which must be a positive finite number"):
         read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
     h100 = json.loads((tmp_path / "h100.json").read_text())
     for step_ms in (0.0, math.nan, True):  # true was taken for 1 ms
         (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": step_ms}}))
-        with pytest.raises(ValueError, match="h100.json has no positive step time"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"h100.json: step.median_ms must be a positive finite number, got {step_ms!r}")):
             read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")
     (tmp_path / "h100.json").write_text(json.dumps({**h100, "step": {"median_ms": 12.5}}))
     assert read_baseline(str(tmp_path / "h100.json"), config, "NVIDIA H100 80GB HBM3")["world_size"] == 1
