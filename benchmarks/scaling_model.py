@@ -108,10 +108,10 @@ class Measurement:
         self.data = data = read_result(path)
         num_points = len(self.list_field("compute", kind="an object"))
         points = sorted((self.field("compute", index, "per_rank_batch", kind=COUNT),
-                         self.field("compute", index, "median_ms", kind="a number")) for index in range(num_points))
+                         self.field("compute", index, "median_ms", kind=POSITIVE)) for index in range(num_points))
         self.gradient_bytes = self.field("model", "gradient_bytes", kind=COUNT)
         self.batch_norm_channels = self.list_field("model", "sync_batch_norm_channels", kind=COUNT)
-        self.bucket_bytes = self.field("model", "ddp_bucket_cap_mb", kind="a number") * 1024 * 1024
+        self.bucket_bytes = self.field("model", "ddp_bucket_cap_mb", kind=POSITIVE) * 1024 * 1024
         self.world_size = data["world_size"]
         # A measurement from before CUDA graphs were measured has no config.cuda_graphs: it ran without.
         graphed = "cuda_graphs" in data["config"]
@@ -120,12 +120,6 @@ class Measurement:
         self.compute_times_ms = [ms for _, ms in points]
         if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
             raise ValueError(f"{path}: the compute measure needs at least two distinct per-rank batches")
-        # A zero time divides the efficiency by zero, and a NaN (which json reads) would fill the projection with NaN.
-        if not all(0 < ms < math.inf for ms in self.compute_times_ms):
-            raise ValueError(f"{path}: the compute times must be positive and finite, got {self.compute_times_ms} ms")
-        if not self.bucket_bytes > 0:
-            raise ValueError(f"{path}: model.ddp_bucket_cap_mb must be positive, got "
-                             f"{data['model']['ddp_bucket_cap_mb']}")
 
     def field(self, *keys: str | int, kind: str):
         """The measurement's value at `keys`, which must be `kind`, as benchmarks.fields.field refuses it (a string
@@ -164,12 +158,8 @@ class Measurement:
         """The fraction of the flat allreduce's time that DDP hid in the measured step, from a run on several GPUs."""
         if self.world_size == 1:
             return None
-        exposed_ms = self.field("exposed_communication_ms", kind="a number")
-        allreduce_ms = self.field("allreduce", "median_ms", kind="a number")
-        if not (0 < allreduce_ms < math.inf and math.isfinite(exposed_ms)):
-            raise ValueError(f"{self.path}: allreduce.median_ms must be positive and exposed_communication_ms finite, "
-                             f"got {allreduce_ms} and {exposed_ms}")
-        hidden = 1 - exposed_ms / allreduce_ms
+        exposed_ms = self.field("exposed_communication_ms", kind="a finite number")
+        hidden = 1 - exposed_ms / self.field("allreduce", "median_ms", kind=POSITIVE)
         return min(max(hidden, 0.0), 1.0)
 
 
