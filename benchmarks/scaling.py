@@ -165,8 +165,8 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
         if baseline["config"].get(key) != config[key]:
             raise ValueError(f"--baseline {path} has {key}={baseline['config'].get(key)!r}, this run {config[key]!r}")
     # A CPU's name ends in its threads per rank, which the world size changes.
-    if str(baseline.get("device")).split(" (")[0] != device.split(" (")[0]:
-        raise ValueError(f"--baseline {path} ran on {baseline.get('device')}, this run on {device}: an efficiency "
+    if field(path, baseline, "device", kind="a string").split(" (")[0] != device.split(" (")[0]:
+        raise ValueError(f"--baseline {path} ran on {baseline['device']}, this run on {device}: an efficiency "
                          "compares one kind of device")
     # The efficiency's t(1), read after every measure: without it the run ended in a traceback there, unwritten.
     field(path, baseline, "step", "median_ms", kind=POSITIVE)

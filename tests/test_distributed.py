@@ -2464,6 +2464,10 @@ def test_scaling_refuses_a_baseline_that_is_not_its_own_json(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": {"frames": 300}}))
     with pytest.raises(ValueError, match="has model_config=None, this run {}"):
         read_baseline(str(tmp_path / "old.json"), config, "NVIDIA H200")
+    # Without a device it "ran on None", where benchmarks.scaling_model names the field as every other.
+    (tmp_path / "nameless.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": config}))
+    with pytest.raises(ValueError, match="nameless.json lacks device, which must be a string"):
+        read_baseline(str(tmp_path / "nameless.json"), config, "NVIDIA H200")
     (tmp_path / "h100.json").write_text(json.dumps({"benchmark": "scaling", "world_size": 1, "config": config,
                                                    "device": "NVIDIA H100 80GB HBM3"}))
     with pytest.raises(ValueError, match="ran on NVIDIA H100 80GB HBM3, this run on NVIDIA H200: an efficiency"):
