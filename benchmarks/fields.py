@@ -1,24 +1,15 @@
 """A field of a file a benchmark reads (a run's metrics.jsonl or config.yaml, a benchmarks.scaling JSON), checked
 against what its writer writes there: another value (a hand edit, a copy cut short) is refused in one line naming the
 file, the field and what it must be, where it ended in a TypeError or KeyError traceback."""
-import math
+from data.values import is_int, is_number, is_real
 
 
 class DamagedFile(ValueError):
     """A file that is not as its writer writes it, in one line naming the file and what is wrong."""
 
 
-def is_real(value) -> bool:
-    """A number of JSON's (NaN among them, which Python's reader takes), not true or false."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return is_real(value) and math.isfinite(value)
-
-
 def is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 # What a field may hold, by the words a refusal says it in. A COUNT is 1 or more: a world size or a batch of 0 divided

@@ -56,9 +56,10 @@ from typing import NoReturn
 
 import yaml
 
-from benchmarks.fields import COUNT, DamagedFile, field, is_number
+from benchmarks.fields import COUNT, DamagedFile, field
 from data.cli import input_path
 from data.text import counted
+from data.values import is_number
 from trainer import check_overrides
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_results)

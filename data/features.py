@@ -2,7 +2,6 @@
 
 Features are time-major, (T, F): T frames of F features.
 """
-import math
 import warnings
 
 import torch
@@ -10,19 +9,12 @@ import torchaudio.transforms
 from torch import nn
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from data.values import is_int, is_number
 
 FEATURE_KINDS = ("spectrogram", "mel")
 # A window or hop longer than this is a mistake: a window of 1e9 ms would take 64 GB. Checked here, and not only in the
 # trainer's config, because a checkpoint's stored settings build an extractor too (trainer.evaluate, transcribe).
 MAX_WINDOW_MS = 1000
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass, and true is no count
-
-
-def is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _has_empty_mel_band(sample_rate: int, n_fft: int, n_mels: int) -> bool:

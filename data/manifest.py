@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from data.files import write_whole
+from data.values import is_int, is_real
 
 # Seconds; a larger duration is a mistake (a day is 86400 s), and past about 1e304 it overflows a sample count.
 MAX_DURATION = 1e6
@@ -110,8 +111,7 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
     audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
-    # bool is an int subclass, and True is no duration.
-    if isinstance(duration, bool) or not isinstance(duration, int | float) or not 0 <= duration <= MAX_DURATION:
+    if not (is_real(duration) and 0 <= duration <= MAX_DURATION):
         raise ValueError(f"{where}: 'duration' must be a number of seconds from 0 to {MAX_DURATION:g}, "
                          f"got {duration!r}")
     if record.get("offset") not in (None, 0):
@@ -141,7 +141,7 @@ def _speaker(record: dict, where: str) -> str:
     speaker = record.get("speaker")
     if speaker is None:
         return ""
-    if isinstance(speaker, int) and not isinstance(speaker, bool):
+    if is_int(speaker):
         return str(speaker)
     if not isinstance(speaker, str):
         raise ValueError(f"{where}: 'speaker' must be a string or an integer, got {speaker!r}")

@@ -9,6 +9,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
+from data.values import is_int
+
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """One seed for each (seed, epoch): seed + epoch gave seed s's epoch e + 1 the order of seed s + 1's epoch e."""
@@ -115,7 +117,7 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from `state`: the next iteration starts with global batch `position` of `epoch`."""
-        if not all(isinstance(state[key], int) and not isinstance(state[key], bool) for key in ("epoch", "position")):
+        if not all(is_int(state[key]) for key in ("epoch", "position")):
             raise ValueError(f"sampler epoch and position must be integers, got {state['epoch']!r} and "
                              f"{state['position']!r}")
         if state["epoch"] < 0:

@@ -3,7 +3,6 @@
 A checkpoint holds only state dicts, tensors and plain data (the resolved config as a dict), so loading one
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
-import math
 import os
 import pickle
 import random
@@ -20,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.files import (FULL_DISK, file_size_limit, remove_leftover_temporaries, space_left, temporary_beside,
                         write_whole)
+from data.values import is_number, is_real
 
 
 def rng_state(device: torch.device) -> dict:
@@ -334,9 +334,9 @@ def _check_update_count(value, index) -> None:
     """ValueError unless an optimizer state's "step" (Adam raises its betas to it to correct its moments) is one finite
     number, 0 or more: a negative one turned every weight to NaN at the first step, a vector ended it in a traceback."""
     count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-    if isinstance(count, int | float) and not isinstance(count, bool) and math.isfinite(count) and count >= 0:
+    if is_number(count) and count >= 0:
         return
-    if isinstance(count, int | float) and not isinstance(count, bool):
+    if is_real(count):
         found = repr(count)
     elif isinstance(value, torch.Tensor):
         found = f"a {value.dtype} tensor of shape {tuple(value.shape)}"

@@ -10,8 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
-from data.features import FEATURE_KINDS, MAX_WINDOW_MS, is_int, is_number
+from data.features import FEATURE_KINDS, MAX_WINDOW_MS
 from data.sampler import shard_size
+from data.values import is_int, is_number
 from models.deepspeech2 import BACKENDS, CELLS
 from trainer import build, checkpoint, distributed
 

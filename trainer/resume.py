@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from data.features import is_int
+from data.values import is_int, is_real
 from trainer import checkpoint, distributed
 from trainer.config import check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
@@ -197,7 +197,7 @@ def resumed_train_state(state: dict, saved_state: dict) -> dict:
     def fits(key, value):
         if isinstance(state[key], int):
             return is_int(value) and value >= 0
-        return (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+        return (is_real(value) and value >= 0
                 and (math.isfinite(value) or math.isinf(state[key])))
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
