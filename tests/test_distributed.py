@@ -432,7 +432,7 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
         with monkeypatch.context() as scope:
             for name, value in variables.items():
                 scope.setenv(name, value)
-            assert distributed._ranks_from_launcher() == expected
+            assert distributed.ranks_from_launcher() == expected
             # The rank in the job, not on the node: it picks the rank that writes the log (leave_the_log_to_rank_0)
             assert distributed.launcher_rank() == expected[0], variables
             # The job's size, as a sweep is checked before MPI starts (trainer.run_directory)
@@ -552,7 +552,7 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_naming_it(monkeypa
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        distributed._ranks_from_launcher()
+        distributed.ranks_from_launcher()
 
 
 @pytest.mark.parametrize("program", PROGRAMS_THAT_START_RANKS)
@@ -611,7 +611,7 @@ def test_a_launchers_rank_past_its_count_is_refused_naming_both(monkeypatch, var
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        distributed._ranks_from_launcher()
+        distributed.ranks_from_launcher()
 
 
 def test_a_launchers_rank_past_its_count_is_refused_in_one_line_before_anything_is_written(tmp_path):

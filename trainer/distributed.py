@@ -133,7 +133,7 @@ def rank_tag() -> str:
     return f"[rank {rank}] " if rank else ""
 
 
-def _ranks_from_launcher() -> tuple[int, int, int, int]:
+def ranks_from_launcher() -> tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this node); where the launcher does not say how many ranks share the
     node, at least this one and those of lower local rank do."""
     rank_name, size_name, local_name, local_size_name = _launcher_variables()
@@ -180,7 +180,7 @@ def refuse_unusable_launch() -> None:
     try:
         check_not_one_of_torchruns_ranks()
         if launched_by_mpi():
-            _ranks_from_launcher()
+            ranks_from_launcher()
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -291,7 +291,7 @@ def _ranks_and_rendezvous(timeout_s: float, timeout_setting: str) -> tuple[int, 
             address, port = _broadcast_json(world, [_main_address(), _free_port()] if rank == 0 else None)
         check_reachable_from_other_nodes(address, on_rank_0s_node)  # MPI knows which ranks share rank 0's node
     except ImportError:
-        rank, world_size, local_rank, ranks_on_node = _ranks_from_launcher()
+        rank, world_size, local_rank, ranks_on_node = ranks_from_launcher()
         address, port = rendezvous_from_environment()
     return rank, world_size, local_rank, ranks_on_node, address, port
 
@@ -302,7 +302,7 @@ def check_mpi_sees_the_launchers_ranks(rank: int, world_size: int) -> None:
     matches) the rank the log and the error lines go by (launcher_rank) is not the process group's, and two ranks
     wrote the log as rank 0."""
     rank_name, size_name = _launcher_variables()[:2]
-    launched_rank, launched_size = _ranks_from_launcher()[:2]
+    launched_rank, launched_size = ranks_from_launcher()[:2]
     if world_size != launched_size:
         raise ValueError(
             f"MPI sees {world_size} process(es) where the launcher started {launched_size} "
