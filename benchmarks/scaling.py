@@ -53,7 +53,7 @@ from models import MaskedBatchNorm
 from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
-from trainer import build, distributed
+from trainer import build, distributed, launch_ranks
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, check_not_an_input, int_at_least, json_file, json_output,
                          positive_int, say_written, seconds_up_to, write_results)
 from trainer.config import MAX_SEED
@@ -374,16 +374,16 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    distributed.refuse_unusable_launch()
+    launch_ranks.refuse_unusable_launch()
     try:
         ctrl_c_raises_keyboard_interrupt()
         main()
     except (FileNotFoundError, ValueError) as error:
-        print(f"error on rank {distributed.launcher_rank()}: {error}", file=sys.stderr)
+        print(f"error on rank {launch_ranks.launcher_rank()}: {error}", file=sys.stderr)
         distributed.abort_job(2)
     except KeyboardInterrupt:  # its results are written once, at the end: none yet
-        print(f"{INTERRUPTED} on rank {distributed.launcher_rank()}", file=sys.stderr)
+        print(f"{INTERRUPTED} on rank {launch_ranks.launcher_rank()}", file=sys.stderr)
         distributed.abort_job(INTERRUPTED_EXIT_CODE)
     except Exception:
-        print(f"benchmark failed on rank {distributed.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
+        print(f"benchmark failed on rank {launch_ranks.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
         distributed.abort_job(1)

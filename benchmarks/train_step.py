@@ -35,7 +35,7 @@ from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout
                                 summary, time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
-from trainer import build, distributed
+from trainer import build, distributed, launch_ranks
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_results)
 from trainer.environment import command_line, device_name, refuse_without_gpu, versions
@@ -184,5 +184,5 @@ def write_json(args, measured_on: dict, rows: list[dict], configs: dict, so_far:
 
 
 if __name__ == "__main__":
-    distributed.refuse_unusable_launch()
+    launch_ranks.refuse_unusable_launch()
     sys.exit(run_tool(main))

@@ -30,7 +30,7 @@ from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, find_an4, needs_m
 from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
 from data.text import encode
-from trainer import build, distributed
+from trainer import build, distributed, launch_ranks
 from trainer.step import train_step
 
 # One thread per rank: two ranks share CI's two cores. The OMPI_* variables let OpenMPI's mpiexec run as root too.
@@ -400,21 +400,30 @@ def test_two_ranks_sharing_one_gpu_train_exactly_as_one_gpu(an4_slice, tmp_path,
 
 def clear_launcher_variables(monkeypatch) -> None:
     """No MPI launcher's variables in this process, whatever the shell that runs the tests holds."""
-    for names in distributed.LAUNCHER_VARIABLES:
+    for names in launch_ranks.LAUNCHER_VARIABLES:
         for name in names:
             monkeypatch.delenv(name, raising=False)
 
 
+def test_the_launchers_ranks_are_read_without_torch_or_mpi():
+    """trainer.launch_ranks answers before any process group exists (the trainer's first checks, Hydra's refusals,
+    the run directory's callback): importing it loads neither torch nor mpi4py, which init alone starts."""
+    loaded = subprocess.run([sys.executable, "-c", "import sys, trainer.launch_ranks; "
+                             "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'mpi4py'}))"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert loaded.stdout == "[]\n", loaded.stdout + loaded.stderr
+
+
 def test_ranks_take_their_own_gpu_or_share_them_when_allowed():
-    assert [distributed.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
-    assert [distributed.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
-    assert [distributed.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
+    assert [launch_ranks.rank_gpu(rank, 4, 8, share_gpus=False) for rank in range(4)] == [0, 1, 2, 3]
+    assert [launch_ranks.rank_gpu(rank, 2, 2, share_gpus=False) for rank in range(2)] == [0, 1]  # as many as GPUs
+    assert [launch_ranks.rank_gpu(rank, 5, 2, share_gpus=True) for rank in range(5)] == [0, 1, 0, 1, 0]
     # A Slurm user who asked for fewer GPUs than launch/slurm.sbatch (--gpus-per-node=4) still has its 8 tasks a node.
     with pytest.raises(ValueError, match=r"8 ranks on this node but 4 GPUs visible, .* per node \(sbatch and srun: "
                                          r"--ntasks-per-node=4, which launch/slurm.sbatch sets to 8\)"):
-        distributed.rank_gpu(0, 8, 4, share_gpus=False)
+        launch_ranks.rank_gpu(0, 8, 4, share_gpus=False)
     with pytest.raises(ValueError, match="2 ranks on this node but 1 GPU visible, .* start at most 1 rank per node"):
-        distributed.rank_gpu(0, 2, 1, share_gpus=False)
+        launch_ranks.rank_gpu(0, 2, 1, share_gpus=False)
 
 
 def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_rank(monkeypatch):
@@ -432,11 +441,11 @@ def test_ranks_on_the_node_are_read_from_each_launcher_or_bounded_by_the_local_r
         with monkeypatch.context() as scope:
             for name, value in variables.items():
                 scope.setenv(name, value)
-            assert distributed.ranks_from_launcher() == expected
+            assert launch_ranks.ranks_from_launcher() == expected
             # The rank in the job, not on the node: it picks the rank that writes the log (leave_the_log_to_rank_0)
-            assert distributed.launcher_rank() == expected[0], variables
+            assert launch_ranks.launcher_rank() == expected[0], variables
             # The job's size, as a sweep is checked before MPI starts (trainer.run_directory)
-            assert distributed.launcher_world_size() == expected[1], variables
+            assert launch_ranks.launcher_world_size() == expected[1], variables
 
 
 def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch):
@@ -447,10 +456,10 @@ def test_a_lone_process_inside_a_slurm_allocation_is_a_world_of_one(monkeypatch)
     for name, value in {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                         "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)
-    assert not distributed.launched_by_mpi() and distributed.launcher_world_size() == 1
+    assert not launch_ranks.launched_by_mpi() and launch_ranks.launcher_world_size() == 1
     assert distributed.init("cpu").world_size == 1
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")  # what srun sets in each task it starts
-    assert distributed.launched_by_mpi()
+    assert launch_ranks.launched_by_mpi()
 
 
 def test_init_refuses_a_device_it_does_not_take_in_the_config_rules_words():
@@ -462,11 +471,11 @@ def test_init_refuses_a_device_it_does_not_take_in_the_config_rules_words():
 def test_a_launcher_count_cleared_to_empty_is_a_world_of_one(monkeypatch):
     """`export OMPI_COMM_WORLD_SIZE=` (or a container's `-e NAME=`) clears a variable: the trainer ended in int()'s
     traceback, "invalid literal for int() with base 10: ''"."""
-    for names in distributed.LAUNCHER_VARIABLES:
+    for names in launch_ranks.LAUNCHER_VARIABLES:
         for name in names:
             monkeypatch.setenv(name, "")
-    assert not distributed.launched_by_mpi() and distributed.launcher_rank() == 0
-    assert distributed.launcher_world_size() == 1
+    assert not launch_ranks.launched_by_mpi() and launch_ranks.launcher_rank() == 0
+    assert launch_ranks.launcher_world_size() == 1
     assert distributed.init("cpu").world_size == 1
 
 
@@ -501,8 +510,8 @@ def test_a_world_size_beside_an_mpi_launchers_variables_is_left_alone(monkeypatc
     clear_launcher_variables(monkeypatch)
     for name, value in (("PMI_SIZE", "2"), ("PMI_RANK", "1"), ("WORLD_SIZE", size)):
         monkeypatch.setenv(name, value)
-    distributed.check_not_one_of_torchruns_ranks()
-    distributed.refuse_unusable_launch()
+    launch_ranks.check_not_one_of_torchruns_ranks()
+    launch_ranks.refuse_unusable_launch()
 
 
 # The programs whose first step refuses a launch it cannot take ranks from (refuse_unusable_launch).
@@ -514,7 +523,7 @@ PROGRAMS_THAT_START_RANKS = [["trainer", "experiment=cpu_demo", "train.max_steps
 def refused_launch(tmp_path, program: list[str], launch: dict) -> list[str]:
     """The stderr lines of `program` (PROGRAMS_THAT_START_RANKS') started with the `launch` variables and no launcher's
     others, which refuses it with exit code 2 before it writes anything (its run directory under tmp_path)."""
-    launchers = {name for names in distributed.LAUNCHER_VARIABLES for name in names}
+    launchers = {name for names in launch_ranks.LAUNCHER_VARIABLES for name in names}
     env = {name: value for name, value in JOB_ENV.items() if name not in launchers}
     ran = subprocess.run([sys.executable, "-m", *(part.format(run=tmp_path / "run") for part in program)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=FAILURE_TIMEOUT_S,
@@ -552,7 +561,7 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_naming_it(monkeypa
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        distributed.ranks_from_launcher()
+        launch_ranks.ranks_from_launcher()
 
 
 @pytest.mark.parametrize("program", PROGRAMS_THAT_START_RANKS)
@@ -566,7 +575,7 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before
 
 
 # Each launcher's size at 0, then a node's count at 0 where the launch's size says the process is one of several.
-COUNTS_OF_0 = [*({names[1]: "0"} for names in distributed.LAUNCHER_VARIABLES),
+COUNTS_OF_0 = [*({names[1]: "0"} for names in launch_ranks.LAUNCHER_VARIABLES),
                {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "00"}]
 
 
@@ -584,7 +593,7 @@ def test_a_launchers_count_of_0_is_refused_naming_it(monkeypatch, capsys, variab
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as refused:
-        distributed.refuse_unusable_launch()
+        launch_ranks.refuse_unusable_launch()
     assert refused.value.code == 2
     assert capsys.readouterr().err.splitlines() == [count_of_0_refusal(variables)]
 
@@ -611,7 +620,7 @@ def test_a_launchers_rank_past_its_count_is_refused_naming_both(monkeypatch, var
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(refusal)):
-        distributed.ranks_from_launcher()
+        launch_ranks.ranks_from_launcher()
 
 
 def test_a_launchers_rank_past_its_count_is_refused_in_one_line_before_anything_is_written(tmp_path):
@@ -625,7 +634,7 @@ def test_a_launchers_rank_past_its_count_is_refused_in_one_line_before_anything_
 def test_an_mpi_that_does_not_see_the_launchers_ranks_is_one_clear_error(tmp_path):
     """srun with the wrong --mpi starts each task as an MPI world of one: each would train alone, all into one run."""
     environment = {name: value for name, value in os.environ.items()
-                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+                   if not any(name in names for names in launch_ranks.LAUNCHER_VARIABLES)}
     environment |= {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1"}
     result = subprocess.run([sys.executable, "-c", "from trainer import distributed; distributed.init('cpu')"],
                             cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120)
@@ -643,7 +652,7 @@ def test_a_launchers_rank_other_than_mpis_is_one_clear_error(tmp_path):
     """OpenMPI's variables left in the shell of an MPICH job, their count its own: both ranks took the launcher's
     rank 0, so both wrote the log as rank 0 and rank 1's errors said "error on rank 0"."""
     environment = {name: value for name, value in JOB_ENV.items()
-                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+                   if not any(name in names for names in launch_ranks.LAUNCHER_VARIABLES)}
     environment |= {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
     started = ("from trainer import distributed\n"
                "try:\n"
@@ -739,14 +748,14 @@ RANK_STARTED_BY_THE_TEST = textwrap.dedent("""
     import logging, sys, time
     sys.modules["mpi4py"] = None
     import torch
-    from trainer import distributed
+    from trainer import distributed, launch_ranks
     logging.basicConfig(format="%(created)f %(message)s")
     timeout_s, collective_after_s = float(sys.argv[1]), float(sys.argv[2])
-    if distributed.launcher_rank() == 0:
+    if launch_ranks.launcher_rank() == 0:
         sys.stdin.readline()
     print(f"{time.time()} init", flush=True)
     distributed.init("cpu", timeout_s)
-    time.sleep(collective_after_s if distributed.launcher_rank() == 0 else 0)
+    time.sleep(collective_after_s if launch_ranks.launcher_rank() == 0 else 0)
     print(f"summed {int(distributed.all_reduce_sum(torch.ones(1)))}", flush=True)
 """)
 
@@ -755,7 +764,7 @@ def late_rendezvous(world_size: int, timeout_s: float, late_s: float, collective
     """The output of ranks 0 and 1 of `world_size` (any others never start), RANK_STARTED_BY_THE_TEST's: rank 0
     begins init, and opens its rendezvous's port, `late_s` after rank 1 began its wait for that port."""
     environment = {name: value for name, value in JOB_ENV.items()
-                   if not any(name in names for names in distributed.LAUNCHER_VARIABLES)}
+                   if not any(name in names for names in launch_ranks.LAUNCHER_VARIABLES)}
     environment |= {"PMI_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(distributed._free_port())}
     rank_0, rank_1 = (subprocess.Popen(
@@ -1685,7 +1694,7 @@ def rank_process(rank: int, run_dir: Path) -> int:
             environment = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue  # not a process, or one that has ended
-        rank_settings = {f"{names[0]}={rank}".encode() for names in distributed.LAUNCHER_VARIABLES}
+        rank_settings = {f"{names[0]}={rank}".encode() for names in launch_ranks.LAUNCHER_VARIABLES}
         if f"hydra.run.dir={run_dir}".encode() in command_line and rank_settings.intersection(environment):
             return int(entry.name)
     raise LookupError(f"no process of rank {rank} for {run_dir}")
@@ -2541,9 +2550,9 @@ def test_a_scaling_json_is_refused_in_the_same_words_as_a_baseline_and_as_a_meas
 
 
 def test_ranks_that_share_a_gpu_are_counted_on_it():
-    assert [distributed.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
-    assert [distributed.ranks_sharing_gpu(gpu, 5, 2) for gpu in range(2)] == [3, 2]  # rank_gpu's 0, 1, 0, 1, 0
-    assert distributed.ranks_sharing_gpu(0, 8, 1) == 8
+    assert [launch_ranks.ranks_sharing_gpu(gpu, 4, 8) for gpu in range(4)] == [1, 1, 1, 1]
+    assert [launch_ranks.ranks_sharing_gpu(gpu, 5, 2) for gpu in range(2)] == [3, 2]  # rank_gpu's 0, 1, 0, 1, 0
+    assert launch_ranks.ranks_sharing_gpu(0, 8, 1) == 8
 
 
 def settings_check_worker(rank, directory):

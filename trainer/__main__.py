@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
-from trainer import distributed
+from trainer import distributed, launch_ranks
 from trainer.cli import log_above_progress_bars
 from trainer.config import config_error_line
 from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
@@ -52,7 +52,7 @@ def end_job(exit_code: int, summary: str) -> None:
     sweep_exit_code reports this one at the end; a single run, or any job under MPI, ends the process (every rank)
     with exit_code."""
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and not distributed.launched_by_mpi():
+    if hydra_cfg.mode == RunMode.MULTIRUN and not launch_ranks.launched_by_mpi():
         log.error("sweep job %d failed; the jobs after it still run, and the sweep ends non-zero", hydra_cfg.job.num)
         _failed_sweep_jobs.append((f"sweep job {hydra_cfg.job.num} ({hydra_cfg.runtime.output_dir}): {summary}",
                                    exit_code))
@@ -173,7 +173,7 @@ def main(cfg: DictConfig) -> None:
     # progress shown on stderr since, or be lost with the job.
     sys.stdout.reconfigure(line_buffering=True)
     print_paths_printable(sys.stdout, sys.stderr)  # a path that is not UTF-8 as the tools and the log file name it
-    leave_the_log_to_rank_0(distributed.launcher_rank())
+    leave_the_log_to_rank_0(launch_ranks.launcher_rank())
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -185,34 +185,34 @@ def main(cfg: DictConfig) -> None:
         stop_now("interrupted by Ctrl-C", signal.SIGINT, run_dir)
     except (DataWorkersTimedOut, DataWorkerDied) as error:  # no user error (exit 1), as a rank killed is none
         message = f"{data_workers_failure(error, cfg)}; {continue_with(cfg)} continues the run from its last checkpoint"
-        log.error("error on rank %d: %s", distributed.launcher_rank(), message)
+        log.error("error on rank %d: %s", launch_ranks.launcher_rank(), message)
         end_job(1, message)
     except Exception as error:
         message = user_error_message(error, run_dir, continue_with(cfg))
         if message is not None:
-            log.error("error on rank %d: %s", distributed.launcher_rank(), message)
+            log.error("error on rank %d: %s", launch_ranks.launcher_rank(), message)
             end_job(2, message)
         else:
             answers = distributed.other_ranks_answers(error) or {}
             if failed := [rank for rank, said in answers.items() if said == distributed.ENDED_ON_ITS_OWN_ERROR]:
                 summary = (f"{', '.join(f'rank {rank}' for rank in failed)} ended the job on an error of its own, "
                            "which its line gives; this rank's collective failed with it")
-                log.error("error on rank %d: %s", distributed.launcher_rank(), summary)
+                log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
                 end_job(1, summary)
                 return
-            log.error("training failed on rank %d:\n%s", distributed.launcher_rank(), traceback.format_exc())
+            log.error("training failed on rank %d:\n%s", launch_ranks.launcher_rank(), traceback.format_exc())
             summary = f"{type(error).__name__}: {error} (its traceback is above)"
             if silent := distributed.silent_ranks_waited_for(error, answers):
                 summary = (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective "
                            "waited distributed.timeout_s for them, and they did not say since that one of theirs had "
                            "timed out too (stopped, hung, or busy elsewhere)")
-                log.error("error on rank %d: %s", distributed.launcher_rank(), summary)
+                log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
             end_job(1, summary)
     else:
         if "stop_signal" in result:
             name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
             sys.exit(128 + result["stop_signal"])
-        if result and distributed.launcher_rank() == 0:  # every rank holds the same figures; one line says them
+        if result and launch_ranks.launcher_rank() == 0:  # every rank holds the same figures; one line says them
             print(summary_line(result))
 
 
@@ -231,14 +231,14 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
     node whose conf/ differs) while the others wait for it in MPI_Init, where MPICH's mpiexec leaves them for ever:
     it starts MPI too and ends the job with its exit code."""
     code = leaving.code if isinstance(leaving.code, int) or leaving.code is None else 1  # sys.exit("message"): 1
-    if code and distributed.launched_by_mpi() and "mpi4py.MPI" not in sys.modules:
+    if code and launch_ranks.launched_by_mpi() and "mpi4py.MPI" not in sys.modules:
         distributed.abort_job(code)
 
 
 if __name__ == "__main__":
-    distributed.refuse_unusable_launch()
+    launch_ranks.refuse_unusable_launch()
     report_command_line_errors_in_one_line()
-    leave_the_log_to_rank_0(distributed.launcher_rank())
+    leave_the_log_to_rank_0(launch_ranks.launcher_rank())
     try:
         refuse_a_pickled_config(sys.argv[1:])
         main()

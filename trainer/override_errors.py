@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from trainer.config import CONF_DIR
-from trainer.distributed import rank_tag
+from trainer.launch_ranks import rank_tag
 
 COMMAND_LINE_ERRORS = (ConfigCompositionException, OverrideParseException, SearchPathException)
 

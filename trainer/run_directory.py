@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import distributed
+from trainer import launch_ranks
 from trainer.config import check_config, config_error_line, per_rank_batch_size
 from trainer.inputs import check_inputs
 from trainer.override_errors import print_refusal, refused_in_one_line
@@ -217,7 +217,7 @@ class MakeRunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config)
         # Every rank checks the same config against the same count of ranks, so all of them refuse it alike.
-        if refused := run_refusal(config, distributed.launcher_world_size()):
+        if refused := run_refusal(config, launch_ranks.launcher_world_size()):
             print_refusal(refused)
             sys.exit(2)
         make_or_exit(config.hydra.run.dir)
@@ -225,7 +225,7 @@ class MakeRunDirectory(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_run_name(config)
         # Hydra's callbacks take an exception for a warning and go on: the sweep would start, so it ends here.
-        if refused := sweep_refusal(config, distributed.launcher_world_size()):
+        if refused := sweep_refusal(config, launch_ranks.launcher_world_size()):
             print_refusal(f"{refused}; no job of the sweep ran")
             sys.exit(2)
         make_or_exit(config.hydra.sweep.dir)
