@@ -1,8 +1,8 @@
 """Shared pytest set-up: the `cuda` marker skips on machines without a GPU, the AN4 corpus and manifests cut from it,
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
-finds a trainer's data-loading workers, how it runs a command that file permissions hold for, as root too, the
-trainer's config composed as Hydra composes it, a small checkpoint of an untrained model, Ctrl-C taken however
-pytest was started, and the benchmarks' JSON written outside the checkout."""
+finds a trainer's data-loading workers and whether a process still runs, how it runs a command that file permissions
+hold for, as root too, the trainer's config composed as Hydra composes it, a small checkpoint of an untrained model,
+Ctrl-C taken however pytest was started, and the benchmarks' JSON written outside the checkout."""
 import os
 import shutil
 import signal
@@ -143,6 +143,15 @@ def data_loading_workers(pid: int) -> set[int]:
     """The pids of trainer process `pid`'s children: its data-loading workers."""
     listed = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], capture_output=True, text=True).stdout
     return {int(child) for child in listed.split()}
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` has not ended: a zombie has, only its exit status left for its parent to read."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks import scaling, scaling_model
-from conftest import MPIEXEC, REPO_ROOT, data_loading_workers, find_an4, needs_mpiexec, wait_for_file, wait_for_text
+from conftest import (
+    MPIEXEC, REPO_ROOT, data_loading_workers, find_an4, needs_mpiexec, running, wait_for_file, wait_for_text,
+)
 from data.dataset import Sample, Unusable, collate
 from data.prepare import prepare_an4
 from data.text import encode
@@ -1733,15 +1735,6 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     if signal_number == signal.SIGSTOP and not overrides:  # gloo's timeout names no rank: the trainer asks them
         assert "training failed on rank 0:" in output, output
         assert "error on rank 0: no answer from rank 1: this rank's collective waited distributed" in output, output
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` has not ended: a zombie has, only its exit status left for its parent to read."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def workers_once_logged(job: subprocess.Popen, log_file: Path, text: str, run_dir: Path) -> dict[int, set[int]]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from conftest import REPO_ROOT, compose_config
+from conftest import REPO_ROOT, compose_config, running
 from data.dataset import (
     LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, Unusable, collate,
 )
@@ -312,7 +312,7 @@ def test_a_data_worker_says_nothing_of_a_handover_the_training_process_broke_off
 
 
 BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD = """
-import itertools, os, signal, sys, threading, time
+import itertools, multiprocessing, os, signal, sys, threading, time
 from torch.utils.data import DataLoader
 from trainer.stop import StopSignals, ignore_in_data_workers, start_data_workers
 
@@ -343,6 +343,9 @@ elif ending == "a stop signal":  # a scheduler's, as the third batch is waited o
         stop.listen()
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
         print(next(batches))
+elif ending == "the training process killed":  # by the out-of-memory killer, as the worker reads the third batch
+    print(*(worker.pid for worker in multiprocessing.active_children()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 else:  # as a training loop's break at train.max_steps or on a stop signal lets the batches go
     batches.close()
 """
@@ -367,6 +370,26 @@ def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, e
             "checkpoints/last.pt")
     last = {"a second Ctrl-C": ["interrupted"], "a stop signal": [said, "None"], "no more batches wanted": []}[ending]
     assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *last], output
+
+
+def test_a_data_worker_dies_with_its_training_process():
+    """A rank killed outright (the out-of-memory killer, kill -9) left its workers to torch's check of their parent,
+    every 5 s, and one stuck reading a file for ever: they held the rank's output and connections open, so the other
+    ranks waited on their collective and MPICH's mpiexec, waiting for that output to close, never ended the job."""
+    job = subprocess.Popen([sys.executable, "-c", BATCHES_FROM_A_WORKER_STUCK_AT_THE_THIRD, "cpu",
+                            "the training process killed"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        output = [job.stdout.readline() for _ in range(3)]  # not to its end: the worker holds the pipe open too
+        assert job.wait(timeout=60) == -signal.SIGKILL and output[:2] == ["[0, 1]\n", "[2, 3]\n"], output
+        (worker,) = map(int, output[2].split())
+        deadline = time.monotonic() + 2
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not running(worker), f"data-loading worker {worker} outlived its training process by 2 s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
 
 
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():

@@ -6,6 +6,7 @@ scripts pass them on themselves (launch/mpi_job.sh; README, Multi-GPU training).
 they stop after (trainer.step.train_step). A second Ctrl-C interrupts at once, as a stop signal before training began
 does: there is nothing to save yet."""
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import signal
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # torch takes seconds to import, and keep_early_stop_signal m
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _early_signal: list[signal.Signals] = []  # the stop signal keep_early_stop_signal kept, until StopSignals takes it
 
 
@@ -142,9 +144,11 @@ class StopSignals:
 def ignore_in_data_workers(worker_id: int) -> None:
     """A DataLoader's worker_init_fn: its workers leave stop signals to the training process (one Ctrl-C or scheduler
     signal reaches every process of the job). torch's workers die on SIGTERM, and the training process then fails on
-    the dead worker before it can write its checkpoint. A worker whose training process has gone ends by itself. A
-    signal that came before this ran waited, blocked since the worker's start (start_data_workers), and is dropped
-    here: ignoring a signal discards one pending (POSIX), though the block stays.
+    the dead worker before it can write its checkpoint. A signal that came before this ran waited, blocked since the
+    worker's start (start_data_workers), and is dropped here: ignoring a signal discards one pending (POSIX), though
+    the block stays.
+
+    A worker dies with its training process (die_with_training_process).
 
     A stop signal while the training process awaits a batch breaks off the handover of its tensors (start_data_workers
     kills the workers then): the worker's handover thread, multiprocessing's resource sharer, printed the broken
@@ -152,6 +156,19 @@ def ignore_in_data_workers(worker_id: int) -> None:
     for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
     sys.excepthook = _quiet_where_a_handover_broke(sys.excepthook)
+    die_with_training_process()
+
+
+def die_with_training_process() -> None:
+    """Has the kernel kill this data-loading worker as soon as its training process dies (Linux's PR_SET_PDEATHSIG).
+    A rank killed outright (the out-of-memory killer, kill -9) left its workers to torch's check of their parent,
+    every 5 s, and one stuck (reading from a file system that stopped answering) for ever. They held the rank's output
+    and its connections to the other ranks open, so the job ended only once they did: MPICH's mpiexec ends it once a
+    rank's output closes, and the other ranks waited on their collective meanwhile (with a worker stuck, until
+    distributed.timeout_s, then blamed a rank that did not answer, and mpiexec waited on). A training process that
+    died before this ran leaves the worker to torch's check."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _quiet_where_a_handover_broke(print_error: Callable) -> Callable:
