@@ -392,6 +392,44 @@ def test_a_data_worker_dies_with_its_training_process():
             os.killpg(job.pid, signal.SIGKILL)
 
 
+A_WORKER_STARTED_AS_ITS_TRAINING_PROCESS_DIES = """
+import multiprocessing, os, signal, time
+from torch.utils.data import DataLoader
+from trainer.stop import ignore_in_data_workers
+
+TRAINING_PROCESS = os.getpid()
+
+def once_the_training_process_died(worker_id):  # killed between the worker's fork and its worker_init_fn
+    while os.getppid() == TRAINING_PROCESS:
+        time.sleep(0.01)
+    ignore_in_data_workers(worker_id)
+    time.sleep(3600)  # stuck, as on a file system that stopped answering
+
+loader = DataLoader(range(4), batch_size=2, num_workers=1, worker_init_fn=once_the_training_process_died)
+batches = iter(loader)
+print(*(worker.pid for worker in multiprocessing.active_children()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_data_worker_whose_training_process_died_before_its_start_ends():
+    """PR_SET_PDEATHSIG asked for once the parent is gone signals nothing (the kernel sends it when the parent dies,
+    not after): a training process killed between a worker's fork and its worker_init_fn left the worker to torch's
+    check of its parent, which a worker stuck on a read never reaches."""
+    job = subprocess.Popen([sys.executable, "-c", A_WORKER_STARTED_AS_ITS_TRAINING_PROCESS_DIES], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        (worker,) = map(int, job.stdout.readline().split())
+        assert job.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 2
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not running(worker), f"data-loading worker {worker} outlived its training process by 2 s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+
+
 def test_an_utterance_ctc_cannot_align_costs_its_loss_not_the_step():
     cfg, model, optimizer, schedule, _ = tiny_setup(nan_in_features=False, optimizer_name="sgd")
     features = torch.randn(2, 60, 20)

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -165,10 +166,17 @@ def die_with_training_process() -> None:
     every 5 s, and one stuck (reading from a file system that stopped answering) for ever. They held the rank's output
     and its connections to the other ranks open, so the job ended only once they did: MPICH's mpiexec ends it once a
     rank's output closes, and the other ranks waited on their collective meanwhile (with a worker stuck, until
-    distributed.timeout_s, then blamed a rank that did not answer, and mpiexec waited on). A training process that
-    died before this ran leaves the worker to torch's check."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    distributed.timeout_s, then blamed a rank that did not answer, and mpiexec waited on).
+
+    The kernel signals a parent's death, not one before the request: a training process killed between the worker's
+    fork and this call left it to torch's check, which a worker stuck on a read never reaches. Such a worker, its
+    parent no longer the training process, kills itself here."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    training_process = multiprocessing.parent_process()  # None in a process multiprocessing did not start
+    if training_process is not None and os.getppid() != training_process.pid:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _quiet_where_a_handover_broke(print_error: Callable) -> Callable:
