@@ -1860,9 +1860,9 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step_with_its
     assert steps == list(range(1, stopped_at + 1)), (steps, stopped_at)
     assert "[rank 1] SIGUSR1 received: stopping when the training step or evaluation in progress ends" in output, (
         output)
-    assert f"stopped at step {stopped_at} (SIGUSR1 on 1 of 2 ranks)" in output or \
-        "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name and overrides continues it" in output, (
-            output)
+    assert f"stopped at step {stopped_at} (SIGUSR1 on 1 of 2 ranks)" in output or (
+        "(SIGUSR1 on 1 of 2 ranks); train.resume=auto under the same run_name (RUN_NAME in the launch scripts) and "
+        "overrides continues it" in output), output
     assert "Traceback" not in output, output
 
 

@@ -314,7 +314,7 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
                                              rf"checkpoints/\), and {re.escape(str(outside))} is not one of its "
                                              r"checkpoints .* would overwrite them; continue the run there with "
                                              r"train.resume=auto \(the same command run again, a requeued job\), or "
-                                             r"give this run another run_name$"):
+                                             r"give this run another run_name \(RUN_NAME in the launch scripts\)$"):
             continued_run_id(saved, outside, run_dir)
 
 

@@ -43,7 +43,9 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
                            text=True, start_new_session=True)
     try:
         assert job.stdout.readline() == "held\n"
-        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on "):
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on .*; wait for it "
+                                             r"to end, or give this run another run_name \(RUN_NAME in the launch "
+                                             r"scripts\)$"):
             with hold_run_directory(tmp_path, is_main=True):
                 pass
         job.kill()  # the job alone: its forked child holds the lock's file still
@@ -283,8 +285,8 @@ def test_a_record_that_cannot_be_written_is_named_as_a_write_in_one_line(refused
     assert result.returncode == 0 and result.stderr == "", result.stderr
     # The resume the stop line words: train.resume=auto alone, the default config, is refused (check_resumable).
     assert result.stdout == (f"cannot write {tmp_path / written}: {reason}; checkpoints are written whole or not at "
-                             "all, so once it can be written train.resume=auto under the same run_name and overrides "
-                             "continues from the last one\n")
+                             "all, so once it can be written train.resume=auto under the same run_name (RUN_NAME in "
+                             "the launch scripts) and overrides continues from the last one\n")
 
 
 def test_only_what_the_user_fixes_is_a_one_line_error():

@@ -180,8 +180,9 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     assert "final test WER" not in whole_run.stdout
     first = train(tmp_path / "split", utterances, *common, "train.max_steps=3")
     assert "stopped at step 3 (train.max_steps), before this job's first evaluation" in first.stdout, first.stdout
-    assert ("stopped at step 3 (train.max_steps); train.resume=auto under the same run_name and overrides but a "
-            "higher train.max_steps (or null) continues it from") in first.output  # the same limit again trains nothing
+    # The same limit again trains nothing.
+    assert ("stopped at step 3 (train.max_steps); train.resume=auto under the same run_name (RUN_NAME in the launch "
+            "scripts) and overrides but a higher train.max_steps (or null) continues it from") in first.output
     checkpoint_path = tmp_path / "split" / "checkpoints" / "last.pt"
     shutil.copy(checkpoint_path, tmp_path / "step3.pt")
     resumed = train(tmp_path / "split", utterances, *common, "train.max_steps=6", f"train.resume={checkpoint_path}")
@@ -509,7 +510,8 @@ def test_killed_or_signalled_runs_resume_exactly_where_their_checkpoints_stopped
     assert 1 <= stopped_at < 12, stopped_at
     assert "SIGTERM received: stopping when the training step or evaluation in progress ends" in output, (
         output[-4000:])
-    assert "(SIGTERM); train.resume=auto under the same run_name and overrides continues it from" in output, (
+    assert ("(SIGTERM); train.resume=auto under the same run_name (RUN_NAME in the launch scripts) and overrides "
+            "continues it from") in output, (
         output[-4000:])
     assert "final test WER" not in output and "Traceback" not in output, output[-4000:]
     assert sorted(read_metrics(signalled)[0]) == list(range(1, stopped_at + 1))  # the checkpoint's step is the last
@@ -576,7 +578,8 @@ def test_a_data_loading_worker_that_stops_answering_ends_the_run_in_one_line(an4
     assert the_one_error_line(output).endswith(
         "error on rank 0: no batch came from the data-loading workers within 5 s (distributed.timeout_s): one is stuck "
         "(on a file system that stopped answering, or stopped) or far too slow, and they were killed; "
-        "train.resume=auto under the same run_name and overrides continues the run from its last checkpoint"), (
+        "train.resume=auto under the same run_name (RUN_NAME in the launch scripts) and overrides continues the run "
+        "from its last checkpoint"), (
         output[-4000:])
     assert waited < 30, waited
     with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
@@ -633,8 +636,8 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
     assert the_one_error_line(output).endswith(
         f"error on rank 0: data-loading worker (pid {killed}) was killed by SIGKILL, which the kernel's out-of-memory "
         f"killer sends: fewer train.num_workers ({num_workers} here), a smaller train.global_batch_size or "
-        "train.eval_batch_size, or more memory may keep it alive; train.resume=auto under the same run_name and "
-        "overrides continues the run from its last checkpoint"), output[-4000:]
+        "train.eval_batch_size, or more memory may keep it alive; train.resume=auto under the same run_name "
+        "(RUN_NAME in the launch scripts) and overrides continues the run from its last checkpoint"), output[-4000:]
     for worker in workers:  # the others killed too, and every one reaped
         with pytest.raises(ProcessLookupError):
             os.kill(worker, 0)
@@ -753,7 +756,8 @@ def test_a_signal_during_an_evaluation_ends_it_and_the_resume_makes_it(an4_train
     output = job.communicate(timeout=300)[0]
     assert job.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert ("stopped after epoch 1's training, before its evaluation ended (SIGTERM); train.resume=auto under the same "
-            "run_name and overrides continues it with that evaluation from") in output, output[-4000:]
+            "run_name (RUN_NAME in the launch scripts) and overrides continues it with that evaluation from"
+            ) in output, output[-4000:]
     steps, epochs = read_metrics(run_dir)
     assert sorted(steps) == [1, 2, 3, 4] and epochs == [], epochs
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
@@ -809,8 +813,8 @@ def test_a_signal_during_an_evaluations_last_batch_lets_the_finished_evaluation_
     output = stopped.output
     assert stopped.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert re.search(r" - epoch 1: loss .* test WER", output), output[-4000:]
-    assert ("stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name and overrides continues it "
-            "from") in output, output[-4000:]
+    assert ("stopped after epoch 1 (SIGTERM); train.resume=auto under the same run_name (RUN_NAME in the launch "
+            "scripts) and overrides continues it from") in output, output[-4000:]
     steps, epochs = read_metrics(run_dir)
     assert sorted(steps) == [1, 2, 3, 4] and [line["epoch"] for line in epochs] == [1], epochs
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from data.values import is_int, is_real
 from trainer import checkpoint, distributed
-from trainer.config import check_resumable, noting_what_does_nothing_here
+from trainer.config import RUN_NAME_SETTING, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
 from trainer.metrics import scores_better
 
@@ -41,7 +41,7 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     if held:  # under auto: none is last.pt or best.pt, which auto would take (a checkpoint saved by another name)
         remedy = "train.resume=PATH" if resume == "auto" else "train.resume=auto (or train.resume=PATH)"
         raise ValueError(f"{held}, which starting afresh would overwrite: continue it with {remedy}, or give this run "
-                         "another run_name")
+                         f"another {RUN_NAME_SETTING}")
     if resume == "auto":
         log.info("train.resume=auto: no %s yet, starting afresh", last)
     return None
@@ -145,7 +145,7 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
         # start over from `path`, leaving this run's steps since behind.
         raise ValueError(f"{held}, and {path} is not one of its checkpoints (run {theirs} against {ours}): resuming "
                          "from it there would overwrite them; continue the run there with train.resume=auto (the same "
-                         "command run again, a requeued job), or give this run another run_name")
+                         f"command run again, a requeued job), or give this run another {RUN_NAME_SETTING}")
     # Said here, once the checkpoint is known to be no copy of this run's (whose metrics.jsonl goes on) and the resume
     # is not refused, rather than for every path outside checkpoints/.
     log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its metrics.jsonl from "

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer import launch_ranks
-from trainer.config import check_config, config_error_line, per_rank_batch_size
+from trainer.config import RUN_NAME_SETTING, check_config, config_error_line, per_rank_batch_size
 from trainer.inputs import check_inputs
 from trainer.override_errors import print_refusal, refused_in_one_line
 
@@ -272,7 +272,7 @@ def hold_run_directory(run_dir: Path, is_main: bool):
             lock.seek(0)
             raise ValueError(f"{run_dir} is in use by another job ({lock.read().strip() or 'its process unknown'}): "
                              "two jobs there would overwrite each other's checkpoints and metrics; wait for it to end, "
-                             "or give this run another run_name") from None
+                             f"or give this run another {RUN_NAME_SETTING}") from None
         except OSError as error:  # a file system without locks: run as before, unguarded
             log.warning("cannot lock %s (%s): nothing stops a second job in this run directory", lock.name,
                         error.strerror)

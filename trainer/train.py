@@ -28,7 +28,7 @@ from data.sampler import BucketBatchSampler, epoch_seed, eval_shards
 from data.text import counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
-from trainer.config import check_config, global_batch_refusal, per_rank_batch_size, rank_settings
+from trainer.config import RUN_NAME_SETTING, check_config, global_batch_refusal, per_rank_batch_size, rank_settings
 from trainer.distributed import DistEnv
 from trainer.evaluate import evaluate
 from trainer.inputs import naming_the_an4_source
@@ -212,7 +212,7 @@ def stop_requests_of_all_ranks(stop_signals: StopSignals, env: DistEnv) -> dict:
 
 
 # The overrides too: a resume's settings are its command line's, and without them it is the default config, refused.
-CONTINUE_RUN = "train.resume=auto under the same run_name and overrides"
+CONTINUE_RUN = f"train.resume=auto under the same {RUN_NAME_SETTING} and overrides"
 
 
 def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> dict:
