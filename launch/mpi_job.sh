@@ -84,3 +84,9 @@ help_if_asked() {
         exit 0
     fi
 }
+
+# `counted COUNT NOUN`: '1 host line', '2 host lines', a count and its noun as the Python side words one
+# (data.text.counted).
+counted() {
+    if (( $1 == 1 )); then echo "$1 $2"; else echo "$1 $2s"; fi
+}

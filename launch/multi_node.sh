@@ -41,8 +41,8 @@ bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]
 host_lines=$(tr -d '\r' < "$hostfile" | grep -c -v -E '^[[:space:]]*(#|$)')
 slots_in_all=$(( host_lines * ${first_slots#slots=} ))
 (( num_processes <= slots_in_all )) || {
-    echo "NUM_PROCESSES $num_processes is more than the $slots_in_all slots of $hostfile ($host_lines host lines of" \
-         "$first_slots)" >&2; exit 2; }
+    echo "NUM_PROCESSES $num_processes is more than the $(counted "$slots_in_all" slot) of $hostfile" \
+         "($(counted "$host_lines" "host line") of $first_slots)" >&2; exit 2; }
 export MASTER_ADDR=${MASTER_ADDR:-$first_host}
 require_launcher
 # The options below are OpenMPI's: MPICH's mpiexec (which pip's mpich installs as mpirun too) stops on them with a

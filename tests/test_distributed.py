@@ -902,6 +902,13 @@ def test_the_multi_node_script_refuses_more_ranks_than_the_hosts_slots_before_th
     refused = launch_script("multi_node.sh", str(hosts), "9", "experiment=cpu_demo", PYTHON=str(python))
     assert refused.returncode == 2 and refused.stdout == "" and not calls.exists(), refused.stdout + refused.stderr
     assert refused.stderr == f"NUM_PROCESSES 9 is more than the 8 slots of {hosts} (2 host lines of slots=4)\n"
+    # A count of one in the singular, as the trainer's messages word one (data.text.counted): "1 host lines".
+    for line, refusal in [("node01 slots=4", "the 4 slots of {} (1 host line of slots=4)"),
+                          ("node01 slots=1", "the 1 slot of {} (1 host line of slots=1)")]:
+        one_host = tmp_path / "one_host.txt"
+        one_host.write_text(f"{line}\n")
+        refused = launch_script("multi_node.sh", str(one_host), "5", "experiment=cpu_demo")
+        assert (refused.returncode, refused.stderr) == (2, f"NUM_PROCESSES 5 is more than {refusal.format(one_host)}\n")
     for fewer_or_as_many in ("4", "8"):
         ran = launch_script("multi_node.sh", str(hosts), fewer_or_as_many, "experiment=cpu_demo",
                             "train.global_batch_size=16")
