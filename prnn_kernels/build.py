@@ -272,4 +272,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the tools' line and exit code (data.cli's, which prnn_kernels does not import)
+        print("interrupted by Ctrl-C", file=sys.stderr)
+        sys.exit(130)

@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -78,6 +79,31 @@ def test_a_wait_for_the_build_lock_names_the_lock_and_the_lock_dies_with_its_hol
         holder.wait()
     with build.build_lock(tmp_path, timeout_s=60):  # a killed holder leaves nothing behind that blocks
         pass
+
+
+def test_a_ctrl_c_in_the_build_ends_it_in_one_line(tmp_path):
+    """`python -m prnn_kernels.build` (the launch scripts' build step) ends on a terminal's Ctrl-C as the tools do, in
+    one line and exit code 130, not in a traceback from inside the build: here as it waits for another process's
+    build (a minute of nvcc on a GPU node, where a Ctrl-C is likeliest)."""
+    directory = tmp_path / "prnn_kernels" / f"prnn_kernels_{build.build_hash()}_sm90a"
+    directory.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(directory)], stdout=subprocess.PIPE, text=True)
+    builder = None
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        builder = subprocess.Popen([sys.executable, "-m", "prnn_kernels.build", "--arch", "90a"], cwd=REPO_ROOT,
+                                   env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        waiting = builder.stderr.readline()
+        assert waiting.startswith("prnn_kernels: waiting for another process building"), waiting
+        os.killpg(builder.pid, signal.SIGINT)  # as a terminal's Ctrl-C, to the whole foreground group
+        stderr = builder.communicate(timeout=60)[1]
+    finally:
+        holder.kill()
+        holder.wait()
+        if builder is not None and builder.poll() is None:
+            builder.kill()
+    assert (builder.returncode, stderr) == (130, "interrupted by Ctrl-C\n"), stderr
 
 
 def test_the_readme_names_every_flag_of_the_build(capsys):
