@@ -45,7 +45,12 @@ def checked_lengths(name, lengths, batch_size, num_steps, shortest=1):
     """`lengths` (a tensor or a sequence) as an int64 tensor, refused with a message naming `name` unless it holds one
     integer per sample in [shortest, T]; the range is checked on CPU lengths only, as reading GPU ones would wait for
     the GPU (and break a graph's capture)."""
-    lengths = torch.as_tensor(lengths)
+    # torch's own refusal of a None, a string or an integer past int64 ("Could not infer dtype of NoneType") names
+    # neither the argument nor the layer.
+    try:
+        lengths = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{name}: lengths must be integers, got {lengths!r} ({error})") from None
     # A float would be cast: 2.5 would run two steps on one backend and three on another.
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise ValueError(f"{name}: lengths must be integers, got {lengths.dtype}")

@@ -183,6 +183,9 @@ def test_arguments_torch_would_misread_are_refused_naming_them(backend):
     refusals = [
         (lambda: gru(x, lengths=torch.tensor([3])), r"GRU: lengths must have shape \(2,\), one per sample, got \(1,\)"),
         (lambda: gru(x, lengths=torch.tensor([3.5, 5.0])), "lengths must be integers, got torch.float32"),
+        (lambda: gru(x, lengths=[5, None]), r"GRU: lengths must be integers, got \[5, None\]"),
+        (lambda: gru(x, lengths=[5, "3"]), r"GRU: lengths must be integers, got \[5, '3'\]"),
+        (lambda: gru(x, lengths=[5, 2**70]), rf"GRU: lengths must be integers, got \[5, {2**70}\]"),
         (lambda: gru(x, lengths=torch.tensor([9, 5])), r"lengths must lie in \[1, T=5\], got \[9, 5\]"),
         (lambda: gru(x, lengths=torch.tensor([0, 5])), r"lengths must lie in \[1, T=5\], got \[0, 5\]"),
         (lambda: gru(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])), "a PackedSequence is not taken"),
