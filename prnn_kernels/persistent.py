@@ -236,7 +236,10 @@ def _run_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
 
 def raise_if_failed(device=None) -> None:
     """Waits for the launches so far on `device`, on every stream, CUDA-graph replays included, and raises
-    RuntimeError if one of them failed."""
+    RuntimeError if one of them failed. Off a GPU (a CPU device, a machine without CUDA) no launch ran: it returns."""
+    # Code that runs on whichever device there is calls it there too: it raised torch's "Found no NVIDIA driver".
+    if not torch.cuda.is_available() or device is not None and torch.device(device).type != "cuda":
+        return
     status = _LaunchStatus.of(device)
     torch.cuda.synchronize(status.word.device)  # launches on other streams than the caller's
     status.after_launch()  # a fresh copy of the word: launches replayed from a graph made none of their own

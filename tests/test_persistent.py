@@ -41,6 +41,14 @@ def test_support_without_cuda_says_why():
         assert support("gru", 256, 4, dtype, "cpu").reason == f"dtype {dtype} is unsupported (float32 or bfloat16)"
 
 
+def test_raise_if_failed_off_a_gpu_has_no_launch_to_check():
+    # A loop that trains on whichever device there is calls it there too: it raised "Found no NVIDIA driver".
+    persistent.raise_if_failed("cpu")
+    persistent.raise_if_failed(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        persistent.raise_if_failed()
+
+
 @pytest.mark.parametrize("hidden_size, batch_size, reason", [
     (0, 4, "hidden size 0 is out of range (at least 1)"), (-5, 4, "hidden size -5 is out of range (at least 1)"),
     (256.0, 4, "hidden size 256.0 is not an integer"), (256, 2.5, "batch size 2.5 is not an integer"),
