@@ -372,6 +372,13 @@ def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, e
     assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *last], output
 
 
+def assert_ends_soon_after_its_training_process(worker: int) -> None:
+    deadline = time.monotonic() + 2
+    while running(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not running(worker), f"data-loading worker {worker} outlived its training process by 2 s"
+
+
 def test_a_data_worker_dies_with_its_training_process():
     """A rank killed outright (the out-of-memory killer, kill -9) left its workers to torch's check of their parent,
     every 5 s, and one stuck reading a file for ever: they held the rank's output and connections open, so the other
@@ -383,10 +390,7 @@ def test_a_data_worker_dies_with_its_training_process():
         output = [job.stdout.readline() for _ in range(3)]  # not to its end: the worker holds the pipe open too
         assert job.wait(timeout=60) == -signal.SIGKILL and output[:2] == ["[0, 1]\n", "[2, 3]\n"], output
         (worker,) = map(int, output[2].split())
-        deadline = time.monotonic() + 2
-        while running(worker) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not running(worker), f"data-loading worker {worker} outlived its training process by 2 s"
+        assert_ends_soon_after_its_training_process(worker)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
@@ -421,10 +425,7 @@ def test_a_data_worker_whose_training_process_died_before_its_start_ends():
     try:
         (worker,) = map(int, job.stdout.readline().split())
         assert job.wait(timeout=60) == -signal.SIGKILL
-        deadline = time.monotonic() + 2
-        while running(worker) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not running(worker), f"data-loading worker {worker} outlived its training process by 2 s"
+        assert_ends_soon_after_its_training_process(worker)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
