@@ -279,7 +279,8 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
 
     (run_dir / "checkpoints" / "step3.pt").write_bytes(b"")  # a copy the user saved: auto cannot take it
     with pytest.raises(ValueError, match=r"\(step3.pt in checkpoints/\), which starting afresh would overwrite: "
-                                         r"continue it with train.resume=PATH, or give"):
+                                         r"continue it with train.resume=PATH, or give this run another run_name "
+                                         r"\(RUN_NAME in the launch scripts\)$"):
         checkpoint_to_resume("auto", run_dir)
     (run_dir / "checkpoints" / "step3.pt").unlink()
     (run_dir / "checkpoints" / "best.pt").write_bytes(b"")  # a first last.pt whose save did not finish
