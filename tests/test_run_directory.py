@@ -294,7 +294,7 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
         "model.depth must be a positive integer")
     assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r")).startswith(
         "cannot write r/config.yaml: Disk quota exceeded")
-    sweep = "the same sweep (python -m trainer -m, its overrides) with run_name=sw train.resume=auto"
+    sweep = "the same sweep (its -m and overrides) with train.resume=auto under the same run_name, sw,"
     assert user_error_message(OSError(errno.EDQUOT, "Disk quota exceeded", "r/config.yaml"), Path("r"),
                               sweep).endswith(f"so once there is space {sweep} continues from the last one")
     # A file named in the config that cannot be opened (a manifest: no permission, a name too long) got a traceback.

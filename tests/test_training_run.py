@@ -1396,8 +1396,10 @@ def test_a_sweep_run_again_with_resume_auto_continues_each_job_in_its_own_folder
     for folder in jobs.values():
         # Named by its overrides, less those that do not change what it trains (run again below: a higher max_steps).
         assert folder.parent == tmp_path / "runs" / "sw" and "train.max_steps" not in folder.name, folder
-        hint = ("the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) "
-                "with run_name=sw train.resume=auto but a higher train.max_steps (or null) continues it from "
+        # Its run_name as a launch-script user sets it too: the stop line of a run says so.
+        hint = ("the same sweep (its -m and overrides; train.max_steps and train.epochs may change) with "
+                "train.resume=auto under the same run_name (RUN_NAME in the launch scripts), sw, but a higher "
+                "train.max_steps (or null) continues it from "
                 f"{folder / 'checkpoints' / 'last.pt'}")  # the same train.max_steps again trains nothing
         assert hint in first.output
 

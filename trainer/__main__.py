@@ -37,7 +37,7 @@ from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, 
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
 from trainer.cli import log_above_progress_bars
-from trainer.config import config_error_line
+from trainer.config import RUN_NAME_SETTING, config_error_line
 from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
@@ -111,8 +111,9 @@ def continue_with(cfg: DictConfig) -> str:
     """What continues a run that train.max_steps or a stop signal stopped, for the trainer's log line."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         return CONTINUE_RUN
-    return (f"the same sweep (python -m trainer -m, its overrides; train.max_steps and train.epochs may change) with "
-            f"run_name={cfg.run_name} train.resume=auto")
+    # Its run_name by value: the launch scripts' default RUN_NAME is the time they started.
+    return (f"the same sweep (its -m and overrides; train.max_steps and train.epochs may change) with "
+            f"train.resume=auto under the same {RUN_NAME_SETTING}, {cfg.run_name},")
 
 
 def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied, cfg: DictConfig) -> str:
