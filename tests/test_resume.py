@@ -515,6 +515,10 @@ def test_only_a_resume_that_starts_a_new_run_says_it_is_another_runs_checkpoint(
         assert new_run not in caplog.text
         assert continued_run_id({"run_id": "b"}, outside, tmp_path / "fresh") is None
     assert caplog.text.count(new_run) == 1
+    # How to continue that run instead, as a launch-script user sets its name too.
+    assert (f"{new_run} {tmp_path / 'fresh'}, its metrics.jsonl from the checkpoint's next step on and its best.pt "
+            "from its own evaluations (train.resume=auto under that run's run_name (RUN_NAME in the launch scripts) "
+            "continues it in its own directory)\n") in caplog.text
 
 
 def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(tmp_path, caplog):

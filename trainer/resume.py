@@ -149,8 +149,8 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
     # Said here, once the checkpoint is known to be no copy of this run's (whose metrics.jsonl goes on) and the resume
     # is not refused, rather than for every path outside checkpoints/.
     log.info("train.resume=%s is another run directory's checkpoint: this run writes to %s, its metrics.jsonl from "
-             "the checkpoint's next step on and its best.pt from its own evaluations (run_name=NAME "
-             "train.resume=auto continues run NAME in its own directory)", path, run_dir)
+             "the checkpoint's next step on and its best.pt from its own evaluations (train.resume=auto under that "
+             "run's %s continues it in its own directory)", path, run_dir, RUN_NAME_SETTING)
     return None
 
 
