@@ -1016,9 +1016,9 @@ def test_a_pickled_config_to_rerun_is_refused_unread(tmp_path, module, spelling)
     result = run(module, [word.format(pickled) for word in spelling], timeout=300, cwd=tmp_path)
     assert result.returncode == 2, result.output[-4000:]
     assert result.stderr == (f"error: --experimental-rerun {pickled}: the trainer does not load pickled configs, whose "
-                             "loading can run any code; continue a run with run_name=NAME train.resume=auto and "
-                             "the overrides it was started with (its run directory's jobs.jsonl records each job's "
-                             "command)\n"), result.output[-4000:]
+                             "loading can run any code; continue a run with train.resume=auto under its run_name "
+                             "(RUN_NAME in the launch scripts) and the overrides it was started with (its run "
+                             "directory's jobs.jsonl records each job's command)\n"), result.output[-4000:]
     assert not made.exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["config.pickle"]
 

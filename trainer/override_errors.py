@@ -14,7 +14,7 @@ from hydra.errors import (ConfigCompositionException, MissingConfigException, Ov
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from trainer.config import CONF_DIR
+from trainer.config import CONF_DIR, RUN_NAME_SETTING
 from trainer.launch_ranks import rank_tag
 
 COMMAND_LINE_ERRORS = (ConfigCompositionException, OverrideParseException, SearchPathException)
@@ -38,8 +38,8 @@ def pickled_config_refusal(rerun_file: str | None) -> str | None:
     if rerun_file is None:
         return None
     return (f"--experimental-rerun {rerun_file}: the trainer does not load pickled configs, whose loading can run any "
-            "code; continue a run with run_name=NAME train.resume=auto and the overrides it was started with (its run "
-            "directory's jobs.jsonl records each job's command)")
+            f"code; continue a run with train.resume=auto under its {RUN_NAME_SETTING} and the overrides it was "
+            "started with (its run directory's jobs.jsonl records each job's command)")
 
 
 def refuse_a_pickled_config(arguments: list[str]) -> None:
