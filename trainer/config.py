@@ -29,7 +29,8 @@ MAX_SEED = 2**32 - 1
 # A checkpoint's config holds at most checkpoint.MAX_CONFIG_ENTRIES entries, one a training manifest and some 60 the
 # rest: a run of more manifests wrote checkpoints that its resume and trainer.evaluate refused.
 MAX_TRAIN_MANIFESTS = checkpoint.MAX_CONFIG_ENTRIES // 2
-# run_name where a message asks for it: the launch scripts' users set it as RUN_NAME (launch/*.sh pass it on).
+# run_name where a message asks for it: the launch scripts' users set it as RUN_NAME (single_node.sh, multi_node.sh and
+# slurm.sbatch pass run_name= from it).
 RUN_NAME_SETTING = "run_name (RUN_NAME in the launch scripts)"
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
