@@ -25,6 +25,8 @@ from data.values import is_int, is_real
 MAX_DURATION = 1e6
 # Bytes; far past any line of a manifest (an hour's transcript is some 50 kB) or of a language model.
 MAX_LINE_BYTES = 2**20
+# Of a line that lacks a required field, the keys named in the error: a line of a manifest holds five or so.
+MAX_KEYS_NAMED = 8
 # Unicode's Bidi_Control characters: printed, they reorder the text after them on the line (U+202E writes it backwards).
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
@@ -108,6 +110,7 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
         raise ValueError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    _check_fields_present(record, where)
     audio_filepath, duration, text = record.get("audio_filepath"), record.get("duration"), record.get("text")
     if not isinstance(audio_filepath, str) or not audio_filepath:
         raise ValueError(f"{where}: 'audio_filepath' must be a non-empty string, got {audio_filepath!r}")
@@ -134,6 +137,16 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
                          "has no folder to take it from: give absolute paths, or the manifest as a file")
     audio_path = Path(audio_filepath) if audio_folder is None else audio_folder / audio_filepath
     return Utterance(str(audio_path), float(duration), text, speaker)
+
+
+def _check_fields_present(record: dict, where: str) -> None:
+    """ValueError naming the first required field the line lacks and the keys it has: a manifest from another toolkit
+    (`"transcript"`, `"path"`) was told its text was None, as if the line held `"text": null`."""
+    missing = next((key for key in ("audio_filepath", "duration", "text") if key not in record), None)
+    if missing is not None:
+        keys = ", ".join(repr(key) for key in list(record)[:MAX_KEYS_NAMED])
+        more = f" and {len(record) - MAX_KEYS_NAMED:,} more" if len(record) > MAX_KEYS_NAMED else ""
+        raise ValueError(f"{where}: no {missing!r} field (the line's keys: {keys or 'none'}{more})")
 
 
 def _speaker(record: dict, where: str) -> str:

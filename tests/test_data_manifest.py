@@ -214,7 +214,18 @@ def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
         ('{"audio_filepath": "", "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got ''"),
         ('{"audio_filepath": 7, "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got 7"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": 7}', "'text'"),
-        ('{"audio_filepath": "a.wav", "duration": 1.0}', "'text' must be a string, got None$"),
+        # A line without a field says so and shows the keys it has (another toolkit's "transcript"), where it was
+        # told its text was None; a field given as null is still a value of the wrong type.
+        ('{"audio_filepath": "a.wav", "duration": 1.0}',
+         r"no 'text' field \(the line's keys: 'audio_filepath', 'duration'\)$"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "transcript": "A"}',
+         r"no 'text' field \(the line's keys: 'audio_filepath', 'duration', 'transcript'\)$"),
+        ('{"path": "a.wav", "duration": 1.0, "text": "A"}', r"no 'audio_filepath' field \(the line's keys: 'path', "),
+        ('{"audio_filepath": "a.wav", "text": "A"}', r"no 'duration' field"),
+        ("{}", r"no 'audio_filepath' field \(the line's keys: none\)$"),
+        ('{"\\u001b[2J": 1}', r"no 'audio_filepath' field \(the line's keys: '\\x1b\[2J'\)$"),
+        ("{" + ", ".join(f'"k{i}": {i}' for i in range(10)) + "}", r"keys: 'k0', .*, 'k7' and 2 more\)$"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "text": null}', "'text' must be a string, got None$"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": true}', "'speaker' must be a string or"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": [1]}', "'speaker' must be a string or"),
         # A speaker 1.0 would be another speaker than the 1 that names it elsewhere ("1.0", "1").
