@@ -180,19 +180,21 @@ def audio_header(path: str | os.PathLike):
 
 
 def _require_readable_file(path: str | os.PathLike) -> None:
-    """AudioError naming `path` where it is missing, cannot be opened or is not a regular file. libsndfile reports the
-    first two as "System error", which says neither, and would wait on a pipe for a writer."""
+    """AudioError naming `path` where it is missing, cannot be opened, is not a regular file or is empty. libsndfile
+    reports the first two as "System error", which says neither, and would wait on a pipe for a writer."""
     try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISREG(mode):
+        status = os.stat(path)
+        if stat.S_ISREG(status.st_mode):
             open(path, "rb").close()
     except (FileNotFoundError, NotADirectoryError):
         raise AudioError(f"{printable(path)}: no such audio file") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
         raise AudioError(f"{printable(path)}: cannot read audio ({error.strerror or error})") from None
-    if not stat.S_ISREG(mode):
-        raise AudioError(f"{printable(path)}: " + ("a folder, not an audio file" if stat.S_ISDIR(mode) else
+    if not stat.S_ISREG(status.st_mode):
+        raise AudioError(f"{printable(path)}: " + ("a folder, not an audio file" if stat.S_ISDIR(status.st_mode) else
                                         "not a file (a pipe, <(...), a device); save the audio to one and name that"))
+    if status.st_size == 0:  # a download or copy that wrote nothing, which libsndfile calls an unknown format
+        raise AudioError(f"{printable(path)}: an empty file (0 bytes), not audio")
 
 
 def _resampling_filter_taps(from_rate: int, to_rate: int) -> int:

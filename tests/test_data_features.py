@@ -57,6 +57,7 @@ def test_audio_whose_file_name_is_not_utf8_is_read(tmp_path):
 def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
     (tmp_path / "corrupt.flac").write_bytes(b"this is not audio" * 100)
     soundfile.write(tmp_path / "empty.wav", np.zeros(0, np.float32), 16000)
+    (tmp_path / "zero-bytes.flac").touch()  # a download or copy that wrote nothing: it was "Format not recognised."
     soundfile.write(tmp_path / "nan.wav", np.array([0.1, np.nan, 0.2] * 100, np.float32), 16000, subtype="FLOAT")
     soundfile.write(tmp_path / "inf.wav", np.array([0.1, -np.inf, 0.2] * 100, np.float32), 16000, subtype="FLOAT")
     soundfile.write(tmp_path / "slow.wav", tone(100, 0.2, 999), 999)
@@ -83,6 +84,7 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         "slow.wav": "its header gives a sample rate of 999 Hz, outside 1000-384000 Hz",
         "corrupt.flac": "cannot read audio",
         "empty.wav": "audio holds no samples",
+        "zero-bytes.flac": r"an empty file \(0 bytes\), not audio$",
         "missing.wav": "no such audio file",
         "folder.wav": "a folder, not an audio file",
         "pipe.wav": r"not a file \(a pipe, <\(...\), a device\); save the audio to one and name that",
