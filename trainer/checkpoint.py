@@ -180,6 +180,9 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
         raise ValueError(f"cannot load checkpoint {path}: it is empty (0 bytes)")
     try:
         archived = zipfile.is_zipfile(path)  # torch.save's format since torch 1.6; only it can be mapped
+        if not archived and _starts_a_zip(path):  # torch said so in 400 characters of miniz's words and advice
+            raise ValueError("it is cut short (a copy, transfer or save interrupted): its zip archive lacks the "
+                             "directory of its entries, which torch.save writes at its end")
         if archived:
             with zipfile.ZipFile(path) as archive:
                 compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
@@ -213,6 +216,12 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
     if odd_tensor:
         raise ValueError(f"{not_the_trainers}: its {odd_tensor}, where the trainer writes dense tensors with values")
     return saved
+
+
+def _starts_a_zip(path: Path) -> bool:
+    """Whether the file begins as a zip archive does (a local file header), as torch.save's first bytes do."""
+    with open(path, "rb") as file:
+        return file.read(4) == b"PK\x03\x04"
 
 
 def _changed_entry(archive: zipfile.ZipFile, record_only: bool) -> str | None:
