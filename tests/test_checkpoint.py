@@ -270,9 +270,9 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     with pytest.raises(ValueError, match="weights.pt .* it has no optimizer, scheduler, sampler, train_state, rng$"):
         checkpoint.load(tmp_path / "weights.pt", checkpoint.TRAINING_PARTS)
     # Cut short, it was refused in torch's 400 characters of miniz's words and advice.
-    with pytest.raises(ValueError, match=r"cannot load checkpoint .*half.pt: not a complete checkpoint .*\(ValueError: "
-                                         r"it is cut short \(a copy, transfer or save interrupted\): its zip archive "
-                                         r"lacks the directory of its entries, which torch.save writes at its end\)$"):
+    with pytest.raises(ValueError, match=r"^cannot load checkpoint .*half.pt: it is cut short \(a copy, transfer or "
+                                         r"save interrupted\): its zip archive lacks the directory of its entries, "
+                                         r"which torch.save writes at its end$"):
         checkpoint.load(tmp_path / "half.pt")
     # Nor a missing value, which OmegaConf raises on when it is read, nor nesting past any config's.
     torch.save({"model": {}, "config": {"model": {"backend": "???"}}}, tmp_path / "missing.pt")
@@ -307,7 +307,7 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
             tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as deflated:
         for entry in original.infolist():
             deflated.writestr(entry.filename, original.read(entry))
-    with pytest.raises(ValueError, match="deflated.pt: .*it holds compressed entries, which torch.save never writes"):
+    with pytest.raises(ValueError, match="deflated.pt: it holds compressed entries, which torch.save never writes$"):
         checkpoint.load(tmp_path / "deflated.pt")
     damaged = bytearray((tmp_path / "weights.pt").read_bytes())  # its central directory's last entry overwritten
     last_entry = damaged.rindex(b"PK\x01\x02")
@@ -370,8 +370,8 @@ def test_a_checkpoint_whose_bytes_changed_after_it_was_written_is_refused_naming
     weights = damaged.index(torch.arange(1000.0).numpy().tobytes())
     damaged[weights + 100:weights + 104] = b"\xff\xff\xff\xff"
     (tmp_path / "last.pt").write_bytes(bytes(damaged))
-    with pytest.raises(ValueError, match=r"cannot load checkpoint .*last.pt: .*its entry last/data/0 does not match "
-                                         r"its CRC-32 checksum"):
+    with pytest.raises(ValueError, match=r"cannot load checkpoint .*last.pt: its entry last/data/0 does not match "
+                                         r"its CRC-32 checksum: its bytes changed after torch.save wrote them$"):
         checkpoint.load(tmp_path / "last.pt")
 
 

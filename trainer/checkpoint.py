@@ -169,6 +169,10 @@ def _last_instead(missing: Path) -> str:
     return f" (a run writes best.pt at its first evaluation; {last} holds its latest checkpoint)"
 
 
+class DamagedArchive(ValueError):
+    """A checkpoint's zip archive that is not as torch.save wrote it, for a reason load finds itself."""
+
+
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bool = False) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else.
     `record_only`: for its plain data alone (a best.pt's WER and test set), its tensors mapped from the file rather
@@ -181,7 +185,7 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
     try:
         archived = zipfile.is_zipfile(path)  # torch.save's format since torch 1.6; only it can be mapped
         if not archived and _starts_a_zip(path):  # torch said so in 400 characters of miniz's words and advice
-            raise ValueError("it is cut short (a copy, transfer or save interrupted): its zip archive lacks the "
+            raise DamagedArchive("it is cut short (a copy, transfer or save interrupted): its zip archive lacks the "
                              "directory of its entries, which torch.save writes at its end")
         if archived:
             with zipfile.ZipFile(path) as archive:
@@ -190,15 +194,17 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
                 # as wrong weights, which a resume trained on.
                 changed = None if compressed else _changed_entry(archive, record_only)
             if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
-                raise ValueError("it holds compressed entries, which torch.save never writes")
+                raise DamagedArchive("it holds compressed entries, which torch.save never writes")
             if changed is not None:
-                raise ValueError(f"its entry {changed} does not match its CRC-32 checksum: its bytes changed after "
+                raise DamagedArchive(f"its entry {changed} does not match its CRC-32 checksum: its bytes changed after "
                                  "torch.save wrote them")
         with warnings.catch_warnings():
             # A pickle that torch.save did not write (pickle.dump's protocol) drew torch's warning over two lines
             # before the one line that refuses it, or that says what it lacks.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=record_only and archived)
+    except DamagedArchive as error:  # its own reason alone, not the guesses at what torch's error meant
+        raise ValueError(f"cannot load checkpoint {path}: {error}") from None
     except Exception as error:  # torch raises several types for a bad or unsafe file; name the file in one message
         raise ValueError(f"cannot load checkpoint {path}: not a complete checkpoint that torch.save wrote, or one "
                          f"holding more than tensors and plain data ({type(error).__name__}: {_reason(error)})"
