@@ -186,7 +186,7 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
         archived = zipfile.is_zipfile(path)  # torch.save's format since torch 1.6; only it can be mapped
         if not archived and _starts_a_zip(path):  # torch said so in 400 characters of miniz's words and advice
             raise DamagedArchive("it is cut short (a copy, transfer or save interrupted): its zip archive lacks the "
-                             "directory of its entries, which torch.save writes at its end")
+                                 "directory of its entries, which torch.save writes at its end")
         if archived:
             with zipfile.ZipFile(path) as archive:
                 compressed = any(entry.compress_type != zipfile.ZIP_STORED for entry in archive.infolist())
@@ -196,8 +196,8 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
             if compressed:  # torch.save stores its entries as they are; a compressed one could unpack to any size
                 raise DamagedArchive("it holds compressed entries, which torch.save never writes")
             if changed is not None:
-                raise DamagedArchive(f"its entry {changed} does not match its CRC-32 checksum: its bytes changed after "
-                                 "torch.save wrote them")
+                raise DamagedArchive(f"its entry {changed} does not match its CRC-32 checksum: its bytes changed "
+                                     "after torch.save wrote them")
         with warnings.catch_warnings():
             # A pickle that torch.save did not write (pickle.dump's protocol) drew torch's warning over two lines
             # before the one line that refuses it, or that says what it lacks.
