@@ -1617,9 +1617,8 @@ def test_a_rank_stopped_at_the_jobs_start_or_end_ends_the_job_after_the_timeout(
     code, output = run_job([MPIEXEC, "-n", 1, *rank_0, ":", "-n", 1, *rank_1], FAILURE_TIMEOUT_S)
     assert code != 0, output
     assert line in output, output
-    if "init_process_group" in stops_in:
-        assert "Traceback" not in output, output
-    else:
+    assert "Traceback" not in output, output
+    if "init_process_group" not in stops_in:
         assert (tmp_path / "checkpoints" / "last.pt").exists(), output
 
 
@@ -1741,8 +1740,8 @@ def test_a_rank_killed_or_stopped_mid_training_ends_the_job(an4_slice, tmp_path,
     # it, which is why only the start line is checked); the start line ties that pid to rank 1.
     assert re.search(rf"\[rank 1\] rank 1 of 2 \(local rank 1\) on .*, process {rank_1} on ", output), output
     if signal_number == signal.SIGSTOP and not overrides:  # gloo's timeout names no rank: the trainer asks them
-        assert "training failed on rank 0:" in output, output
         assert "error on rank 0: no answer from rank 1: this rank's collective waited distributed" in output, output
+        assert "Traceback" not in output, output  # gloo's, which named no rank, in place of that one line
 
 
 def workers_once_logged(job: subprocess.Popen, log_file: Path, text: str, run_dir: Path) -> dict[int, set[int]]:

@@ -2,11 +2,11 @@
 
 A user error (an input missing or unreadable, a bad config value, a full disk) prints one line and exits 2. Any other
 exception on any rank prints that rank's traceback and ends the whole MPI job, so no rank is left waiting on a
-collective; a rank whose collective failed as another rank ended the job on an error says so in one line instead. A run
-stopped by a signal (trainer.stop) writes its checkpoint and exits 128 + the signal's number on every rank, as a process
-the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143 SIGTERM), so that a script or scheduler sees it unfinished; a sweep
-stops there too, naming the jobs that failed before. A signal before training began, with nothing to save, ends the run
-so at once.
+collective; a rank whose collective failed as another rank ended the job on an error, or stopped answering (over gloo,
+whose error names no rank), says so in one line instead. A run stopped by a signal (trainer.stop) writes its checkpoint
+and exits 128 + the signal's number on every rank, as a process the signal ended would (130 Ctrl-C, 138 SIGUSR1, 143
+SIGTERM), so that a script or scheduler sees it unfinished; a sweep stops there too, naming the jobs that failed before.
+A signal before training began, with nothing to save, ends the run so at once.
 
 A sweep (`python -m trainer -m key=a,b ...`) runs each job in runs/<run_name>/<its overrides>, so the same sweep run
 again with train.resume=auto continues each job in its own folder. A job whose config is refused, or whose folder
@@ -128,6 +128,21 @@ def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied, cfg: DictC
     return str(error)
 
 
+def other_ranks_failure(error: Exception) -> str | None:
+    """One line for a gloo collective that failed for want of other ranks, which its error and traceback do not name:
+    those that ended the job on an error of their own, or those that did not answer (stopped, hung). None for any
+    other error, which gets its traceback."""
+    answers = distributed.other_ranks_answers(error) or {}
+    if failed := [rank for rank, said in answers.items() if said == distributed.ENDED_ON_ITS_OWN_ERROR]:
+        return (f"{', '.join(f'rank {rank}' for rank in failed)} ended the job on an error of its own, which its line "
+                "gives; this rank's collective failed with it")
+    if silent := distributed.silent_ranks_waited_for(error, answers):
+        return (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective waited "
+                "distributed.timeout_s for them, and they did not say since that one of theirs had timed out too "
+                "(stopped, hung, or busy elsewhere)")
+    return None
+
+
 def summary_line(result: dict) -> str:
     """The job's last line on stdout: the run's final test WER, or where train.max_steps stopped it before its end,
     the step it stopped at and the last evaluation's figures (inside an epoch, not the saved model's)."""
@@ -193,22 +208,12 @@ def main(cfg: DictConfig) -> None:
         if message is not None:
             log.error("error on rank %d: %s", launch_ranks.launcher_rank(), message)
             end_job(2, message)
-        else:
-            answers = distributed.other_ranks_answers(error) or {}
-            if failed := [rank for rank, said in answers.items() if said == distributed.ENDED_ON_ITS_OWN_ERROR]:
-                summary = (f"{', '.join(f'rank {rank}' for rank in failed)} ended the job on an error of its own, "
-                           "which its line gives; this rank's collective failed with it")
-                log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
-                end_job(1, summary)
-                return
-            log.error("training failed on rank %d:\n%s", launch_ranks.launcher_rank(), traceback.format_exc())
-            summary = f"{type(error).__name__}: {error} (its traceback is above)"
-            if silent := distributed.silent_ranks_waited_for(error, answers):
-                summary = (f"no answer from {', '.join(f'rank {rank}' for rank in silent)}: this rank's collective "
-                           "waited distributed.timeout_s for them, and they did not say since that one of theirs had "
-                           "timed out too (stopped, hung, or busy elsewhere)")
-                log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
+        elif summary := other_ranks_failure(error):
+            log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
             end_job(1, summary)
+        else:
+            log.error("training failed on rank %d:\n%s", launch_ranks.launcher_rank(), traceback.format_exc())
+            end_job(1, f"{type(error).__name__}: {error} (its traceback is above)")
     else:
         if "stop_signal" in result:
             name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
