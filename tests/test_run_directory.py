@@ -83,6 +83,19 @@ def test_a_run_directory_under_a_symbolic_link_to_nothing_names_the_link_and_its
                                        "not exist\n")
 
 
+@pytest.mark.parametrize("file", ["runs", "runs/name"])
+def test_a_file_in_the_way_of_the_run_directory_is_named(file, tmp_path, capsys):
+    """A file named runs (or named as the run): mkdir said only 'Not a directory' (or 'File exists') of the run
+    directory, not which file was in its way."""
+    (tmp_path / file).parent.mkdir(exist_ok=True)
+    (tmp_path / file).write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(str(tmp_path / "runs" / "name"))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"error: cannot make the run directory {tmp_path / 'runs' / 'name'}: "
+                                       f"{tmp_path / file} is a file, not a folder\n")
+
+
 def test_a_run_directory_with_a_link_in_place_of_its_lock_or_log_is_refused_and_the_linked_files_stay(tmp_path):
     """A run directory copied from elsewhere (tar, cp -a) may hold links where the run writes in place: its .lock,
     opened and emptied for the job's pid, and Hydra's log, appended to, emptied and wrote into the files they linked

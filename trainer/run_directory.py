@@ -16,6 +16,7 @@ Once the job runs, rank 0 holds the directory (hold_run_directory) so that no se
 A sweep job's folder is named by its overrides (job_folder, the resolver conf/train.yaml's hydra.sweep.subdir calls).
 """
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -67,15 +68,29 @@ def link_to_nothing(path: str | os.PathLike) -> str | None:
     return None
 
 
+def file_in_the_way(directory: str) -> Path | None:
+    """`directory` itself or the folder on its way that is a file (a file named runs), of which mkdir said only 'Not a
+    directory' or 'File exists', naming the run directory."""
+    for path in (Path(directory), *Path(directory).parents):
+        if path.exists() and not path.is_dir():
+            return path
+    return None
+
+
+def why_not_made(error: OSError, directory: str) -> str:
+    if isinstance(error, FileExistsError) and (reason := link_to_nothing(error.filename)):
+        return reason
+    if error.errno in (errno.ENOTDIR, errno.EEXIST) and (in_the_way := file_in_the_way(directory)):
+        return f"{in_the_way} is a file, not a folder"
+    return f"{error.strerror or error}" + (
+        f" ({error.filename})" if error.filename and str(error.filename) != directory else "")
+
+
 def make_or_exit(directory: str) -> None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        reason = link_to_nothing(error.filename) if isinstance(error, FileExistsError) else None
-        if reason is None:
-            reason = f"{error.strerror or error}" + (
-                f" ({error.filename})" if error.filename and str(error.filename) != directory else "")
-        print_refusal(f"cannot make the run directory {directory}: {reason}")
+        print_refusal(f"cannot make the run directory {directory}: {why_not_made(error, directory)}")
         sys.exit(2)
     if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
         print_refusal(f"cannot write in the run directory {directory}")
