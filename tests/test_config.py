@@ -383,7 +383,7 @@ def test_a_mistyped_huge_depth_is_refused_at_once(optim, need):
     cfg = compose_config(["experiment=cpu_demo", f"optim={optim}", "model.depth=100000", "model.hidden=800"])
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"^the model \(model.depth=100000 model.hidden=800 model.cell=gru "
-                                         r"model.bidirectional=true .*\) has 769,116.6M parameters, whose weights, "
+                                         r"model.bidirectional=true .*\) has 769.1B parameters, whose weights, "
                                          rf"gradients and {optim} state need {need} GiB, more than the "):
         build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
     assert time.monotonic() - started < 30

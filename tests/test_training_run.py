@@ -366,6 +366,7 @@ def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     assert cpu_size_warning(demo, torch.device("cpu")) is None
     assert cpu_size_warning(LARGE_FOR_A_CPU, torch.device("cpu")) is None  # past it, as the README says
     assert cpu_size_warning(LARGE_FOR_A_CPU + 1, torch.device("cpu")) is not None
+    assert cpu_size_warning(2_000_000_000, torch.device("cpu")).startswith("training a 2.0B-parameter model")
 
 
 @pytest.mark.slow

@@ -82,6 +82,13 @@ def device_memory(device: torch.device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def millions_or_billions(count: int, decimals: int = 1) -> str:
+    """A parameter count as it reads: 1.3M, 41.2M, 769.1B, where a mistyped model's 769,116.6M read as a sum."""
+    if count >= 1e9:
+        return f"{count / 1e9:,.{decimals}f}B"
+    return f"{count / 1e6:,.{decimals}f}M"
+
+
 def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, device: torch.device,
                      ranks_on_device: int = 1) -> None:
     """Raises ValueError naming the model's size settings where its weights, their gradients and the optimizer's state
@@ -98,7 +105,7 @@ def check_model_fits(model_cfg: DictConfig, optim_name: str, num_features: int, 
         sizes += f" model.bidirectional={str(model_cfg.bidirectional).lower()}"
         sizes += f" model.conv_channels={model_cfg.conv_channels}"
         sizes += "" if model_cfg.bidirectional else f" model.lookahead={model_cfg.lookahead}"
-        raise ValueError(f"the model ({sizes}) has {count / 1e6:,.1f}M parameters, whose weights, gradients "
+        raise ValueError(f"the model ({sizes}) has {millions_or_billions(count)} parameters, whose weights, gradients "
                          f"and {optim_name} state need {needed / 2**30:,.1f} GiB, more than the "
                          f"{available / 2**30:,.1f} GiB {device} has for it{shared}")
 

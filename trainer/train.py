@@ -138,7 +138,7 @@ def cpu_size_warning(parameters: int, device: torch.device) -> str | None:
     `python -m trainer` takes the GPU recipe's model, and nothing said why its epochs crawled."""
     if device.type != "cpu" or parameters <= LARGE_FOR_A_CPU:
         return None
-    return (f"training a {parameters / 1e6:.1f}M-parameter model on the CPU: its epochs will be slow "
+    return (f"training a {build.millions_or_billions(parameters)}-parameter model on the CPU: its epochs will be slow "
             "(experiment=cpu_demo is the model sized for a CPU)")
 
 
@@ -363,8 +363,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     if env.is_main:
         parameters = sum(p.numel() for p in model.parameters())
         log.info(
-            "model: %.2fM parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
-            parameters / 1e6, len(train_set), len(eval_set),
+            "model: %s parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
+            build.millions_or_billions(parameters, decimals=2), len(train_set), len(eval_set),
             counted(len(sampler), "step"),
             left_out_of_each_epoch(len(train_set) - len(sampler) * cfg.train.global_batch_size, cfg.data.sortagrad),
         )
