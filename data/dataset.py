@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
+from data.files import write_whole
 from data.manifest import Utterance, file_identity, printable, read_manifest
 from data.sampler import epoch_seed
 from data.text import counted, encode, invalid_characters, normalize_text
@@ -85,6 +86,45 @@ def min_ctc_frames(targets: Sequence[int]) -> int:
     return len(targets) + num_repeats
 
 
+# A corpus of 281k utterances with a few % unusable named thousands of files before training started, burying the rest
+# of the log: past this many of one reason, the log counts them, and a list where one is kept names every one.
+NAMED_PER_REASON = 5
+
+
+class SkipWarnings:
+    """The utterances left out, each counted by reason in `counts` and named in a warning, the first NAMED_PER_REASON
+    of each reason alone; `close` says how many more of each were left out and writes every one, named or not, to
+    `list_path` (one JSON object a line: the file, the reason, why), where one is given."""
+
+    def __init__(self, log: logging.Logger, counts: Counter[str], list_path: str | os.PathLike | None = None):
+        self.log = log
+        self.counts = counts
+        self.list_path = list_path
+        self.listed: list[dict[str, str]] = []
+        self.named: Counter[str] = Counter()
+        self.unnamed: Counter[str] = Counter()
+
+    def warn(self, audio_filepath: str | os.PathLike, reason: str, detail: str) -> None:
+        self.counts[reason] += 1
+        self.listed.append({"audio_filepath": str(audio_filepath), "reason": reason, "detail": detail})
+        if self.named[reason] < NAMED_PER_REASON:
+            self.named[reason] += 1
+            self.log.warning("skipping %s: %s", printable(audio_filepath), detail)
+        else:
+            self.unnamed[reason] += 1
+
+    def close(self) -> None:
+        if self.list_path is not None and self.listed:
+            # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.
+            write_whole(Path(self.list_path), lambda out: out.writelines(
+                (json.dumps(entry) + "\n").encode() for entry in self.listed))
+        elif self.list_path is not None:  # an earlier one would name files since mended or removed
+            Path(self.list_path).unlink(missing_ok=True)
+        where = f"all of them are listed in {printable(self.list_path)}" if self.list_path else "not named one by one"
+        for reason, count in self.unnamed.items():
+            self.log.warning("... and %s skipped as %s; %s", counted(count, "more utterance"), reason, where)
+
+
 def count_reasons(counts: Counter) -> str:
     """'2 utterances (too long for stride), 1 utterance (empty transcript)': the log's and tools' way of saying how
     many were left out and why ('' for none)."""
@@ -94,13 +134,14 @@ def count_reasons(counts: Counter) -> str:
 class SpeechDataset(Dataset):
     """The utterances of one or more manifests, as Samples of features and target ids.
 
-    Utterances that can never train are dropped at construction, each named in a warning and counted by
-    reason in `skipped`: an empty transcript, characters outside the alphabet, or a transcript with more
-    characters than the model's output frames can hold (estimated from the manifest's duration). Utterances
-    longer than `max_duration` seconds are dropped too, counted but not named one by one: that is a choice,
-    not a fault in the data. So is a later listing of an audio file already kept (a manifest given twice, corpora
-    that share files, or one file under another name through a symbolic or hard link), which would train twice an
-    epoch and count twice in a WER: one warning counts them and names the first.
+    Utterances that can never train are dropped at construction, counted by reason in `skipped` and named in
+    warnings (SkipWarnings: the first few of each reason, every one in `skip_list` where given): an empty transcript,
+    characters outside the alphabet, or a transcript with more characters than the model's output frames can hold
+    (estimated from the manifest's duration). Utterances longer than `max_duration` seconds are dropped too, counted
+    but not named one by one: that is a choice, not a fault in the data. So is a later listing of an audio file
+    already kept (a manifest given twice, corpora that share files, or one file under another name through a symbolic
+    or hard link), which would train twice an epoch and count twice in a WER: one warning counts them and names the
+    first.
 
     Audio is read when an item is asked for; `__getitem__` returns an Unusable naming the file and why when it
     cannot be read, has no samples, gives non-finite features (float samples near the float range's end), turns
@@ -116,6 +157,8 @@ class SpeechDataset(Dataset):
         time_stride: how many feature frames the model merges into one output frame.
         max_duration: seconds; longer utterances are dropped. None keeps all.
         seed: with `set_epoch`, fixes the augmentation of each item (see `_augmented`).
+        skip_list: a JSONL file to list every utterance left out at construction in, with why (not written where
+            none is).
     """
 
     def __init__(
@@ -126,6 +169,7 @@ class SpeechDataset(Dataset):
         time_stride: int = 1,
         max_duration: float | None = None,
         seed: int = 0,
+        skip_list: str | os.PathLike | None = None,
     ):
         if isinstance(manifest_paths, str | os.PathLike):
             manifest_paths = [manifest_paths]  # a lone path would otherwise be read as a list of characters
@@ -141,7 +185,7 @@ class SpeechDataset(Dataset):
         self.targets: list[list[int]] = []
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
-        self._read(manifest_paths)
+        self._read(manifest_paths, SkipWarnings(logger, self.skipped, skip_list))
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
@@ -162,7 +206,7 @@ class SpeechDataset(Dataset):
             digest.update(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
         return f"{len(self.utterances)} utterances, sha256 {digest.hexdigest()[:16]}"
 
-    def _read(self, manifest_paths: Sequence[str | os.PathLike]) -> None:
+    def _read(self, manifest_paths: Sequence[str | os.PathLike], skip_warnings: SkipWarnings) -> None:
         """Keeps each utterance that can train, at its audio file's first listing; counts and warns about the rest."""
         kept_files: set[tuple[int, int] | str] = set()
         first_repeat = None
@@ -175,44 +219,42 @@ class SpeechDataset(Dataset):
                     self.skipped["audio listed before"] += 1
                     first_repeat = first_repeat or utterance.audio_filepath
                     continue
-                targets = self._trainable_targets(utterance)
+                targets = self._trainable_targets(utterance, skip_warnings)
                 if targets is None:
                     continue
                 kept_files.add(audio_file)
                 self.utterances.append(utterance)
                 self.targets.append(targets)
+        skip_warnings.close()
         if first_repeat is not None:
             logger.warning("skipping %s whose audio file is listed before (the first: %s)",
                            counted(self.skipped["audio listed before"], "utterance"), printable(first_repeat))
 
-    def _trainable_targets(self, utterance: Utterance) -> list[int] | None:
-        """The utterance's target ids, or None (counted in `skipped`) where it can never train."""
+    def _trainable_targets(self, utterance: Utterance, skip_warnings: SkipWarnings) -> list[int] | None:
+        """The utterance's target ids, or None (counted in `skipped`, most through `skip_warnings`) where it can never
+        train."""
         if self.max_duration is not None and utterance.duration > self.max_duration:
             self.skipped[LONGER_THAN_MAX_DURATION] += 1
             return None
         text = normalize_text(utterance.text)
         if not text:
-            self._skip(utterance, "empty transcript", "its transcript is empty")
+            skip_warnings.warn(utterance.audio_filepath, "empty transcript", "its transcript is empty")
             return None
         bad = invalid_characters(text)
         if bad:
             detail = f"its transcript has characters outside the alphabet: {bad}"
-            self._skip(utterance, "characters outside the alphabet", detail)
+            skip_warnings.warn(utterance.audio_filepath, "characters outside the alphabet", detail)
             return None
         targets = encode(text)
         num_samples = round(utterance.duration * self.features.sample_rate)
         if too_long := self._too_long_detail(self.features.num_frames(num_samples), targets):
             if utterance.duration == 0:  # the transcript is not what is wrong
-                self._skip(utterance, "duration 0", "its manifest gives a duration of 0 s (empty audio, or a duration "
-                           "not filled in)")
+                skip_warnings.warn(utterance.audio_filepath, "duration 0", "its manifest gives a duration of 0 s "
+                                   "(empty audio, or a duration not filled in)")
             else:
-                self._skip(utterance, TOO_LONG_FOR_STRIDE, too_long)
+                skip_warnings.warn(utterance.audio_filepath, TOO_LONG_FOR_STRIDE, too_long)
             return None
         return targets
-
-    def _skip(self, utterance: Utterance, reason: str, detail: str) -> None:
-        self.skipped[reason] += 1
-        logger.warning("skipping %s: %s", printable(utterance.audio_filepath), detail)
 
     def _too_long_detail(self, num_frames: int, targets: list[int]) -> str | None:
         """Why `targets` cannot be trained on from `num_frames` feature frames, or None where the model's output

@@ -36,7 +36,7 @@ from data.cli import (
     INTERRUPTED, INTERRUPTED_EXIT_CODE, PROGRESS_LINE_S, ctrl_c_raises_keyboard_interrupt, input_path,
     shows_a_progress_bar,
 )
-from data.dataset import count_reasons
+from data.dataset import SkipWarnings, count_reasons
 from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
                            write_manifest)
@@ -68,8 +68,9 @@ def prepare_an4(source: str | Path, out: str | Path) -> dict[str, Path]:
         if _an4_manifest_current(manifest, source, fileids, transcription):
             logger.info("%s is up to date", manifest)
             continue
-        utterances, skipped = _an4_utterances(source, fileids, transcription)
-        _write(f"an4 {split}", str(fileids), manifest, utterances, skipped)
+        skip_warnings = _skip_warnings(manifest)
+        utterances = _an4_utterances(source, fileids, transcription, skip_warnings)
+        _write(f"an4 {split}", str(fileids), manifest, utterances, skip_warnings)
     return manifests
 
 
@@ -97,7 +98,8 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
     transcripts = _librispeech_transcripts(source)
     if not transcripts:
         raise FileNotFoundError(f"no *.trans.txt transcript files under {source}")
-    utterances, skipped = [], Counter()
+    manifest = Path(out) / f"{(name or source.name).removesuffix('.jsonl')}.jsonl"
+    utterances, skip_warnings = [], _skip_warnings(manifest)
     # Every utterance's audio header is read: LibriSpeech's 960 hours are 281k files, minutes of work.
     logger.info("reading the %s under %s", counted(len(transcripts), "chapter"), source)
     on_terminal = shows_a_progress_bar(sys.stderr)
@@ -106,9 +108,8 @@ def prepare_librispeech(source: str | Path, out: str | Path, name: str | None = 
         if not on_terminal and time.perf_counter() - last_line >= PROGRESS_LINE_S:  # a SLURM or nohup log
             last_line = time.perf_counter()
             logger.info("read %d of %d chapters", number, len(transcripts))
-        utterances += _chapter_utterances(transcript, skipped)
-    manifest = Path(out) / f"{(name or source.name).removesuffix('.jsonl')}.jsonl"
-    _write(f"librispeech {source.name}", f"the *.trans.txt files under {source}", manifest, utterances, skipped)
+        utterances += _chapter_utterances(transcript, skip_warnings)
+    _write(f"librispeech {source.name}", f"the *.trans.txt files under {source}", manifest, utterances, skip_warnings)
     return manifest
 
 
@@ -140,8 +141,8 @@ def _warn_unlistable_folder(error: OSError) -> None:
     logger.warning("skipping %s: cannot list the folder (%s)", printable(error.filename), error.strerror)
 
 
-def _chapter_utterances(transcript: Path, skipped: Counter[str]) -> list[Utterance]:
-    """The utterances of one LibriSpeech chapter's SPEAKER-CHAPTER.trans.txt; those skipped counted in `skipped`."""
+def _chapter_utterances(transcript: Path, skip_warnings: SkipWarnings) -> list[Utterance]:
+    """The utterances of one LibriSpeech chapter's SPEAKER-CHAPTER.trans.txt; those skipped told to `skip_warnings`."""
     utterances = []
     # Lines end at "\n" only: str.splitlines would also end one at U+0085 or U+2028 inside a transcript.
     for line in _read_utf8(transcript).split("\n"):
@@ -149,7 +150,8 @@ def _chapter_utterances(transcript: Path, skipped: Counter[str]) -> list[Utteran
             continue
         utterance_id, text = (line.split(maxsplit=1) + [""])[:2]  # a tab after the id separates it too
         audio_stem = transcript.parent / utterance_id
-        utterance = _utterance(audio_stem, (".flac",), normalize_text(text), utterance_id.split("-")[0], skipped)
+        utterance = _utterance(audio_stem, (".flac",), normalize_text(text), utterance_id.split("-")[0],
+                               skip_warnings)
         if utterance is not None:
             utterances.append(utterance)
     return utterances
@@ -170,14 +172,14 @@ def _an4_manifest_current(manifest: Path, source: Path, fileids: Path, transcrip
     return listed <= present and not any(_header_readable(Path(audio)) for audio in present - listed)
 
 
-def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[list[Utterance], Counter[str]]:
-    """The utterances of one AN4 split, and how many were skipped by reason."""
+def _an4_utterances(source: Path, fileids: Path, transcription: Path, skip_warnings: SkipWarnings) -> list[Utterance]:
+    """The utterances of one AN4 split; those skipped told to `skip_warnings`."""
     ids = _read_utf8(fileids).split()
     lines = [(number, line) for number, line in enumerate(_read_utf8(transcription).split("\n"), start=1)
              if line.strip()]
     if len(ids) != len(lines):
         raise ValueError(f"{fileids} has {len(ids)} ids but {transcription} has {len(lines)} transcripts")
-    utterances, skipped = [], Counter()
+    utterances = []
     for fileid, (line_number, line) in zip(ids, lines):
         match = _AN4_LINE.match(line)
         if match is None or match["id"] != Path(fileid).name:
@@ -186,36 +188,37 @@ def _an4_utterances(source: Path, fileids: Path, transcription: Path) -> tuple[l
         # The fileid's folder is the speaker: an4_clstk/fash/an251-fash-b -> fash.
         speaker = Path(fileid).parent.name
         utterance = _utterance(source / "wav" / fileid, AN4_AUDIO_SUFFIXES, normalize_text(match["text"]), speaker,
-                               skipped)
+                               skip_warnings)
         if utterance is not None:
             utterances.append(utterance)
-    return utterances, skipped
+    return utterances
+
+
+def _skip_warnings(manifest: Path) -> SkipWarnings:
+    """Where the utterances left out of `manifest` are told: every one listed beside it, in NAME.skipped.jsonl."""
+    return SkipWarnings(logger, Counter(), manifest.with_name(f"{manifest.stem}.skipped.jsonl"))
 
 
 def _utterance(audio_stem: Path, suffixes: tuple[str, ...], text: str, speaker: str,
-               skipped: Counter[str]) -> Utterance | None:
-    """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (with a warning
-    naming the file, counted in `skipped` by reason) when there is no such file, its path is not UTF-8 or holds a
+               skip_warnings: SkipWarnings) -> Utterance | None:
+    """The utterance whose audio is `audio_stem` + the first suffix that exists, or None (told to `skip_warnings`,
+    which names the file and counts it by reason) when there is no such file, its path is not UTF-8 or holds a
     control character, or its header cannot be read."""
     audio = _audio_file(audio_stem, suffixes)
     if audio is None:
-        logger.warning("skipping %s: no %s file", printable(audio_stem), " / ".join(suffixes))
-        skipped["no audio file"] += 1
+        skip_warnings.warn(audio_stem, "no audio file", f"no {' / '.join(suffixes)} file")
         return None
     if not _is_utf8(audio):
-        logger.warning("skipping %s: its path is not UTF-8, which a manifest cannot hold (rename it)", printable(audio))
-        skipped["path not UTF-8"] += 1
+        skip_warnings.warn(audio, "path not UTF-8", "its path is not UTF-8, which a manifest cannot hold (rename it)")
         return None
     if (control := control_character(str(audio))) is not None:  # the manifest's reader refuses it
-        logger.warning("skipping %s: its path holds the control character %r (U+%04X), which would break or reorder "
-                       "the lines naming it (rename it)", printable(audio), control, ord(control))
-        skipped["control character in path"] += 1
+        skip_warnings.warn(audio, "control character in path", f"its path holds the control character {control!r} "
+                           f"(U+{ord(control):04X}), which would break or reorder the lines naming it (rename it)")
         return None
     try:
         duration = audio_header(audio).duration
     except AudioError as error:
-        logger.warning("skipping %s", error)
-        skipped["unreadable"] += 1
+        skip_warnings.warn(audio, "unreadable", str(error).removeprefix(f"{printable(audio)}: "))
         return None
     return Utterance(str(audio), duration, text, speaker)
 
@@ -243,14 +246,17 @@ def _read_utf8(path: Path) -> str:
         raise ValueError(f"{printable(path)}:{line}: not UTF-8 ({error.reason})") from None
 
 
-def _write(label: str, listing: str, manifest: Path, utterances: list[Utterance], skipped: Counter[str]) -> None:
-    """Writes `manifest`; where no utterance is left, ValueError naming `listing` (what lists them) and how many were
-    skipped by reason, the manifest not written: one of 0 bytes only failed the next step ("manifest PATH is empty"),
-    which cannot say why, and an earlier one stays as it was."""
+def _write(label: str, listing: str, manifest: Path, utterances: list[Utterance], skip_warnings: SkipWarnings) -> None:
+    """Writes `manifest`, and beside it the list of those `skip_warnings` was told of; where no utterance is left,
+    ValueError naming `listing` (what lists them) and how many were skipped by reason, nothing written: a manifest of 0
+    bytes only failed the next step ("manifest PATH is empty"), which cannot say why, and an earlier one stays as it
+    was."""
+    skipped = skip_warnings.counts
     if not utterances:
         why = f"skipped {count_reasons(skipped)}" if skipped else "none is listed there"
         raise ValueError(f"no usable utterance in {listing}: {why}")
     write_manifest(manifest, utterances)
+    skip_warnings.close()
     hours = sum(utterance.duration for utterance in utterances) / 3600
     logger.info(
         "%s: wrote %s (%.2f h) to %s; skipped %d without usable audio",

@@ -1,4 +1,5 @@
 """SpeechDataset: what it drops, what it returns, and how samples are collated."""
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -118,6 +119,40 @@ def test_a_repeat_whose_own_transcript_cannot_train_is_counted_as_a_repeat_and_n
     assert dataset.skipped == Counter({"audio listed before": 2})
     assert [record.getMessage() for record in caplog.records] == [
         f"skipping 2 utterances whose audio file is listed before (the first: {tmp_path / 'a.wav'})"]
+
+
+def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_one(tmp_path, caplog):
+    """A punctuated corpus ("YES.") left out 104 of 200 utterances with one warning each: a LibriSpeech-size one with a
+    few % unusable buried the log in thousands of lines before training. Past the first 5 of a reason, the log counts
+    them, and the list file names every one."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    punctuated = [f"said{number}.wav" for number in range(8)]
+    listings = [("good.wav", "YES"), *((name, "YES.") for name in punctuated), ("blank.wav", "")]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in listings), encoding="utf-8")
+    skip_list = tmp_path / "skipped.jsonl"
+    with caplog.at_level(logging.WARNING):
+        dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
+    assert dataset.skipped == Counter({"characters outside the alphabet": 8, "empty transcript": 1})
+    assert [record.getMessage() for record in caplog.records] == [
+        *(f"skipping {tmp_path / name}: its transcript has characters outside the alphabet: ['.']"
+          for name in punctuated[:5]),
+        f"skipping {tmp_path / 'blank.wav'}: its transcript is empty",
+        f"... and 3 more utterances skipped as characters outside the alphabet; all of them are listed in {skip_list}"]
+    listed = [json.loads(line) for line in skip_list.read_text().splitlines()]
+    assert [(Path(entry["audio_filepath"]).name, entry["reason"]) for entry in listed] == [
+        *((name, "characters outside the alphabet") for name in punctuated), ("blank.wav", "empty transcript")]
+    assert listed[-1]["detail"] == "its transcript is empty"
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # nowhere to list them
+        SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
+    assert caplog.records[-1].getMessage() == (
+        "... and 3 more utterances skipped as characters outside the alphabet; not named one by one")
+
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # mended
+    SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
+    assert not skip_list.exists()  # it would name files no longer left out
 
 
 def test_warnings_quote_paths_and_transcripts_from_a_manifest_in_escapes(tmp_path, caplog):

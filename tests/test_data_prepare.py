@@ -117,6 +117,32 @@ def test_an4_audio_whose_header_claims_what_loading_refuses_is_skipped_and_named
     assert [u.text for u in read_manifest(tmp_path / "manifests" / "an4_train.jsonl")] == ["SIX TWO"]
 
 
+def test_a_corpus_with_many_files_missing_names_a_few_and_lists_every_one_beside_the_manifest(tmp_path, caplog):
+    """LibriSpeech's 281k utterances with a few % of their audio missing gave one warning each, thousands of lines:
+    past the first 5 of a reason the log counts them, and NAME.skipped.jsonl beside the manifest names every one. A
+    corpus prepared again with none left out removes it."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO ON")
+    chapter = source / "84" / "121123"
+    missing = [f"84-121123-{number:04d}" for number in range(1, 8)]
+    with (chapter / "84-121123.trans.txt").open("a") as transcript:
+        transcript.writelines(f"{utterance} NO AUDIO\n" for utterance in missing)
+    with caplog.at_level(logging.WARNING):
+        manifest = prepare_librispeech(source, tmp_path / "out")
+    skip_list = tmp_path / "out" / "dev-clean.skipped.jsonl"
+    assert [record.getMessage() for record in caplog.records] == [
+        *(f"skipping {chapter / utterance}: no .flac file" for utterance in missing[:5]),
+        f"... and 2 more utterances skipped as no audio file; all of them are listed in {skip_list}"]
+    assert [json.loads(line) for line in skip_list.read_text().splitlines()] == [
+        {"audio_filepath": str(chapter / utterance), "reason": "no audio file", "detail": "no .flac file"}
+        for utterance in missing]
+    assert len(read_manifest(manifest)) == 1
+
+    (chapter / "84-121123.trans.txt").write_text("84-121123-0000 GO ON\n")
+    prepare_librispeech(source, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["dev-clean.jsonl"]
+
+
 def test_an4_split_with_no_usable_audio_exits_2_naming_its_fileids_and_why(tiny_an4, tmp_path, caplog, capsys):
     """Every file of a split left out wrote a manifest of 0 bytes, logged "wrote 0 utterances" and exited 0: the
     trainer then refused the manifest as empty, which did not say why. Nothing is written, an earlier manifest kept."""

@@ -3,6 +3,7 @@ trainer.transcribe."""
 import argparse
 import functools
 import importlib
+import json
 import logging
 import math
 import os
@@ -227,6 +228,29 @@ def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_no
     # The utterances and words the WER is over are those decoded: a.wav's alone.
     summary = "(1 utterance, 1 word; left out: 1 utterance (unreadable), 1 utterance (too long for stride))"
     assert summary in capsys.readouterr().out
+
+
+def test_evaluate_names_a_few_of_a_test_set_left_out_and_skipped_lists_every_one(tmp_path, capsys, caplog):
+    """A test set of punctuated transcripts ("YES.") gave one warning line each at the start: 104 lines for a manifest
+    of 200. The first 5 of a reason are named, the rest counted; --skipped lists every one."""
+    from trainer import evaluate
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    punctuated = [f"said{number}.wav" for number in range(7)]
+    listings = [("a.wav", "A"), *((name, "YES.") for name in punctuated)]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in listings))
+    skip_list = tmp_path / "skipped.jsonl"
+    with caplog.at_level(logging.WARNING):
+        assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                              "--manifest", str(tmp_path / "m.jsonl"), "--skipped", str(skip_list)]) == 0
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert [warning.split(":")[0] for warning in warnings[:-1]] == [
+        f"skipping {tmp_path / name}" for name in punctuated[:5]]
+    assert warnings[-1] == ("... and 2 more utterances skipped as characters outside the alphabet; all of them are "
+                            f"listed in {skip_list}")
+    assert [json.loads(line)["audio_filepath"] for line in skip_list.read_text().splitlines()] == [
+        str(tmp_path / name) for name in punctuated]
+    assert "left out: 7 utterances (characters outside the alphabet)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])

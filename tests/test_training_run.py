@@ -1128,6 +1128,24 @@ def test_test_audio_too_short_for_its_transcript_is_counted_under_that_reason(an
     assert epochs[0]["eval_unreadable"] == 2
 
 
+def test_a_training_set_with_many_left_out_names_a_few_and_lists_every_one_in_the_run_directory(an4_train, tmp_path):
+    """A punctuated corpus ("YES.") gave a warning for each utterance left out before training: thousands of lines
+    for one of LibriSpeech's size. The log names the first 5 of a reason and counts the rest; skipped_train.jsonl in
+    the run directory lists every one."""
+    good = [u for u in an4_train if u.duration < 2.5][:8]
+    punctuated = [good[0].__class__(str(tmp_path / f"said{number}.wav"), 1.0, "YES.", "x") for number in range(7)]
+    training_set = write_slice(tmp_path / "train.jsonl", good + punctuated)
+    result = train(tmp_path / "run", training_set, f"data.eval_manifest={write_slice(tmp_path / 'test.jsonl', good)}",
+                   "model.hidden=32", "train.epochs=1", "train.global_batch_size=8")
+    assert [line.split(" - ")[1].split(": ")[0] for line in result.output.splitlines() if " - skipping " in line] == [
+        f"skipping {utterance.audio_filepath}" for utterance in punctuated[:5]], result.output[-3000:]
+    assert result.output.count("... and 2 more utterances skipped as characters outside the alphabet; all of them "
+                               f"are listed in {tmp_path / 'run' / 'skipped_train.jsonl'}") == 1, result.output[-3000:]
+    listed = [json.loads(line) for line in (tmp_path / "run" / "skipped_train.jsonl").read_text().splitlines()]
+    assert [entry["audio_filepath"] for entry in listed] == [utterance.audio_filepath for utterance in punctuated]
+    assert not (tmp_path / "run" / "skipped_test.jsonl").exists()
+
+
 def test_training_audio_left_out_when_loaded_is_counted_by_reason_in_each_epochs_line(an4_train, tmp_path):
     """A corrupt file, audio too short for its transcript and audio longer than data.max_duration, each hidden by its
     manifest duration: the epoch's line counts each under its own reason, in evaluation's words, where it lumped them

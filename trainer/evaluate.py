@@ -1,7 +1,7 @@
 """WER and CER over a corpus; `python -m trainer.evaluate` decodes a manifest with a saved checkpoint and prints them.
 
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
-        [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
+        [--skipped skipped.jsonl] [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
@@ -100,12 +100,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=output_file,
                         help="write a tab-separated table, a header, then one line per utterance: file, word "
                              "errors, character errors, reference, hypothesis")
+    parser.add_argument("--skipped", type=output_file,
+                        help="list every utterance of the manifest left out before decoding (its transcript empty, "
+                             "unspellable or too long), one JSON object a line: file, reason, why; the log names the "
+                             "first 5 of each reason")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="utterances a batch (default: 16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         # Before the checkpoint and the language model are read: a large model takes minutes.
-        check_not_an_input(args.out, [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)])
+        inputs = [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)]
+        for output in (args.out, args.skipped):
+            check_not_an_input(output, inputs)
         if args.manifest:
             check_manifest_path(Path(args.manifest))
         model, features, cfg, device = load_model(args)
@@ -118,8 +124,9 @@ def main(argv=None) -> int:
             if Path(manifest).exists() and not Path(manifest).is_file():
                 raise ValueError(f"the run's data.eval_manifest {manifest} is not a file (a pipe, a device, a folder): "
                                  "give --manifest")
-            check_not_an_input(args.out, [manifest])
-        dataset = SpeechDataset([manifest], features, None, model.time_stride)
+            for output in (args.out, args.skipped):
+                check_not_an_input(output, [manifest])
+        dataset = SpeechDataset([manifest], features, None, model.time_stride, skip_list=args.skipped)
         decoder = decode.from_arguments(args)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

@@ -281,16 +281,22 @@ def evaluation_batches(eval_set: SpeechDataset, env: DistEnv, batch_size: int) -
     return shards[env.rank] + [[]] * (max(map(len, shards)) - len(shards[env.rank]))
 
 
-def datasets(cfg: DictConfig, features: FeatureExtractor, time_stride: int) -> tuple[SpeechDataset, SpeechDataset]:
+def datasets(cfg: DictConfig, features: FeatureExtractor, time_stride: int,
+             run_dir: Path | None = None) -> tuple[SpeechDataset, SpeechDataset]:
     """The training set and the test set of a model whose outputs are `time_stride` frames apart. Only the training
     set is SpecAugmented (data.augment) and left without utterances past data.max_duration: each evaluation scores
     every test utterance as it sounds. Its masks are drawn from the run's seed (with the epoch and the item: the same
-    whichever rank or worker loads it)."""
+    whichever rank or worker loads it). Each set's utterances left out at the start are listed in `run_dir`, where
+    given, as skipped_train.jsonl and skipped_test.jsonl."""
+    def skip_list(name: str) -> Path | None:
+        return run_dir / f"skipped_{name}.jsonl" if run_dir is not None else None
+
     augment = build.spec_augment(cfg.data, features.num_features)
     train_set = SpeechDataset(
-        list(cfg.data.train_manifests), features, augment, time_stride, cfg.data.max_duration, seed=cfg.seed
+        list(cfg.data.train_manifests), features, augment, time_stride, cfg.data.max_duration, seed=cfg.seed,
+        skip_list=skip_list("train"),
     )
-    return train_set, SpeechDataset([cfg.data.eval_manifest], features, None, time_stride)
+    return train_set, SpeechDataset([cfg.data.eval_manifest], features, None, time_stride, skip_list=skip_list("test"))
 
 
 def training_batches(train_set: SpeechDataset, cfg: DictConfig, env: DistEnv) -> BucketBatchSampler:
@@ -354,7 +360,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     prepare_manifests(cfg.data, env)
     model = build.model(cfg.model, features.num_features).to(env.device)
     with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
-        train_set, eval_set = datasets(cfg, features, model.time_stride)
+        train_set, eval_set = datasets(cfg, features, model.time_stride, run_dir if env.is_main else None)
     train_fingerprint = train_set.fingerprint()
     test_fingerprint = eval_set.fingerprint()
     distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
