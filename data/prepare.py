@@ -9,10 +9,11 @@ linked ones too, each with SPEAKER-CHAPTER.trans.txt of `ID TEXT` lines and ID.f
 listed, or a link to nothing, is skipped with a warning naming it.
 
 Utterances whose audio is missing, whose header cannot be read, or whose path is not UTF-8 (a manifest is UTF-8) or
-holds a control character are skipped with a warning naming the file, and counted (audio that is damaged past its
-header is found when training reads it). An utterance with an empty transcript is written as it is: the dataset leaves
-it out, names it and counts it. A split left with no utterance is an error naming its fileids or source folder and
-how many were skipped and why; its manifest is not written, an earlier one left as it was.
+holds a control character are skipped and counted, the first 5 of each reason named in a warning, every one listed in
+NAME.skipped.jsonl beside the manifest (audio that is damaged past its header is found when training reads it). An
+utterance with an empty transcript is written as it is: the dataset leaves it out, names it and counts it. A split
+left with no utterance is an error naming its fileids or source folder and how many were skipped and why; its manifest
+is not written, an earlier one left as it was.
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
     from data.cli import end_at_once_on_ctrl_c
