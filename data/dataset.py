@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
-from data.files import write_whole
+from data.files import errors_naming, write_whole
 from data.manifest import Utterance, file_identity, printable, read_manifest
 from data.sampler import epoch_seed
 from data.text import counted, encode, invalid_characters, normalize_text
@@ -114,15 +114,24 @@ class SkipWarnings:
             self.unnamed[reason] += 1
 
     def close(self) -> None:
-        if self.list_path is not None and self.listed:
-            # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.
-            write_whole(Path(self.list_path), lambda out: out.writelines(
-                (json.dumps(entry) + "\n").encode() for entry in self.listed))
-        elif self.list_path is not None:  # an earlier one would name files since mended or removed
-            Path(self.list_path).unlink(missing_ok=True)
+        if self.list_path is not None:
+            self._write_list(Path(self.list_path))
         where = f"all of them are listed in {printable(self.list_path)}" if self.list_path else "not named one by one"
         for reason, count in self.unnamed.items():
             self.log.warning("... and %s skipped as %s; %s", counted(count, "more utterance"), reason, where)
+
+    def _write_list(self, path: Path) -> None:
+        # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.
+        lines = b"".join((json.dumps(entry) + "\n").encode() for entry in self.listed)
+        if path.exists() and not path.is_file():
+            # A pipe or terminal (trainer.evaluate --skipped /dev/stdout): written into, even with nothing, which ends
+            # its reader. Renamed over or removed, the pipe's reader waited for ever and /dev/stdout was gone.
+            with errors_naming(path), open(path, "wb") as stream:
+                stream.write(lines)
+        elif not self.listed and not path.is_symlink():  # an earlier one would name files since mended or removed
+            path.unlink(missing_ok=True)
+        else:
+            write_whole(path.resolve(), lambda out: out.write(lines))  # a link's target, not the link, replaced
 
 
 def count_reasons(counts: Counter) -> str:

@@ -1,6 +1,8 @@
 """SpeechDataset: what it drops, what it returns, and how samples are collated."""
 import json
 import logging
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -153,6 +155,30 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # mended
     SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
     assert not skip_list.exists()  # it would name files no longer left out
+
+
+def test_a_skip_list_that_is_a_pipe_behind_a_link_is_written_into_never_renamed_over_or_removed(tmp_path):
+    """trainer.evaluate --skipped /dev/stdout, a link to a pipe or terminal: the list was renamed over the link (as
+    root, /dev/stdout became a file of the list, the pipe's reader waiting for ever) and, with none left out, the link
+    was removed."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"audio_filepath": "good.wav", "duration": 1.0, "text": "YES"}\n'
+                        '{"audio_filepath": "said.wav", "duration": 1.0, "text": "YES."}\n', encoding="utf-8")
+    pipe, link = tmp_path / "pipe", tmp_path / "stdout"
+    os.mkfifo(pipe)
+    link.symlink_to(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # the other end, as `| gzip` holds it
+    try:
+        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link)
+        assert link.is_symlink() and stat.S_ISFIFO(os.stat(pipe).st_mode)
+        assert json.loads(os.read(reader, 4096))["audio_filepath"] == str(tmp_path / "said.wav")
+
+        write_manifest(manifest, [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # none left out
+        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link)
+        assert link.is_symlink() and stat.S_ISFIFO(os.stat(pipe).st_mode)
+    finally:
+        os.close(reader)
 
 
 def test_warnings_quote_paths_and_transcripts_from_a_manifest_in_escapes(tmp_path, caplog):
