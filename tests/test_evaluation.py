@@ -537,6 +537,19 @@ def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tm
     assert model.read_text() == lm.build_arpa([["YES"]], 2)
 
 
+def test_evaluate_refuses_one_file_for_both_its_table_and_its_skip_list(tmp_path, capsys):
+    # --out X --skipped X wrote the list and then the table over it, exit code 0, the log saying the list held them.
+    from trainer.evaluate import main
+
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
+    both = tmp_path / "out.txt"
+    assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--manifest",
+                 str(tmp_path / "m.jsonl"), "--out", str(both), "--skipped", f"{tmp_path}/./out.txt"]) == 2
+    assert capsys.readouterr().err == f"error: --out and --skipped both name {both}: give each a file of its own\n"
+    assert not both.exists()
+
+
 @pytest.mark.parametrize("argument", ["--lm", "--manifest", "--checkpoint", "--out"])
 def test_evaluate_refuses_an_empty_path_it_would_take_as_none_given(argument, tmp_path, capsys):
     # --lm "$LM" with LM unset decoded without a language model (its --lm-weight ignored), and --manifest "" the run's

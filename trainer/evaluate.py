@@ -112,6 +112,9 @@ def main(argv=None) -> int:
         inputs = [args.checkpoint, *(path for path in (args.lm, args.manifest) if path)]
         for output in (args.out, args.skipped):
             check_not_an_input(output, inputs)
+        if args.out and args.skipped and Path(args.out).resolve() == Path(args.skipped).resolve():
+            # The table was written over the list, which the log had said held every utterance left out.
+            raise ValueError(f"--out and --skipped both name {args.out}: give each a file of its own")
         if args.manifest:
             check_manifest_path(Path(args.manifest))
         model, features, cfg, device = load_model(args)
