@@ -116,9 +116,10 @@ class SkipWarnings:
     def close(self) -> None:
         if self.list_path is not None:
             self._write_list(Path(self.list_path))
-        where = f"all of them are listed in {printable(self.list_path)}" if self.list_path else "not named one by one"
-        for reason, count in self.unnamed.items():
-            self.log.warning("... and %s skipped as %s; %s", counted(count, "more utterance"), reason, where)
+        where = (f"every one left out is listed in {printable(self.list_path)}" if self.list_path
+                 else "not named one by one")
+        for reason, count in self.unnamed.items():  # in the words of the lines before and of count_reasons
+            self.log.warning("skipping %s (%s); %s", counted(count, "more utterance"), reason, where)
 
     def _write_list(self, path: Path) -> None:
         # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.

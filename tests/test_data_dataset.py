@@ -140,7 +140,7 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
         *(f"skipping {tmp_path / name}: its transcript has characters outside the alphabet: ['.']"
           for name in punctuated[:5]),
         f"skipping {tmp_path / 'blank.wav'}: its transcript is empty",
-        f"... and 3 more utterances skipped as characters outside the alphabet; all of them are listed in {skip_list}"]
+        f"skipping 3 more utterances (characters outside the alphabet); every one left out is listed in {skip_list}"]
     listed = [json.loads(line) for line in skip_list.read_text().splitlines()]
     assert [(Path(entry["audio_filepath"]).name, entry["reason"]) for entry in listed] == [
         *((name, "characters outside the alphabet") for name in punctuated), ("blank.wav", "empty transcript")]
@@ -150,7 +150,7 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
     with caplog.at_level(logging.WARNING):  # nowhere to list them
         SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"))
     assert caplog.records[-1].getMessage() == (
-        "... and 3 more utterances skipped as characters outside the alphabet; not named one by one")
+        "skipping 3 more utterances (characters outside the alphabet); not named one by one")
 
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # mended
     SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)

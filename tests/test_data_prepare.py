@@ -132,7 +132,7 @@ def test_a_corpus_with_many_files_missing_names_a_few_and_lists_every_one_beside
     skip_list = tmp_path / "out" / "dev-clean.skipped.jsonl"
     assert [record.getMessage() for record in caplog.records] == [
         *(f"skipping {chapter / utterance}: no .flac file" for utterance in missing[:5]),
-        f"... and 2 more utterances skipped as no audio file; all of them are listed in {skip_list}"]
+        f"skipping 2 more utterances (no audio file); every one left out is listed in {skip_list}"]
     assert [json.loads(line) for line in skip_list.read_text().splitlines()] == [
         {"audio_filepath": str(chapter / utterance), "reason": "no audio file", "detail": "no .flac file"}
         for utterance in missing]

@@ -246,7 +246,7 @@ def test_evaluate_names_a_few_of_a_test_set_left_out_and_skipped_lists_every_one
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert [warning.split(":")[0] for warning in warnings[:-1]] == [
         f"skipping {tmp_path / name}" for name in punctuated[:5]]
-    assert warnings[-1] == ("... and 2 more utterances skipped as characters outside the alphabet; all of them are "
+    assert warnings[-1] == ("skipping 2 more utterances (characters outside the alphabet); every one left out is "
                             f"listed in {skip_list}")
     assert [json.loads(line)["audio_filepath"] for line in skip_list.read_text().splitlines()] == [
         str(tmp_path / name) for name in punctuated]
