@@ -903,7 +903,8 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, sw
     (tmp_path / "runs").write_text("")  # a file where runs/ should be
     result = run("trainer", [*sweep, "experiment=cpu_demo", "run_name=r"], timeout=300, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-4000:]
-    assert result.stderr == "error: cannot make the run directory runs/r: runs is a file, not a folder\n", result.output[-4000:]
+    assert result.stderr == "error: cannot make the run directory runs/r: runs is a file, not a folder\n", \
+        result.output[-4000:]
 
 
 @pytest.mark.parametrize("overrides, refusal", [
