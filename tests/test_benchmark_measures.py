@@ -55,6 +55,9 @@ def test_a_train_step_rows_peak_memory_leaves_out_the_rows_before_it(monkeypatch
     assert len(models) == 4
 
 
+RUN_AND_TOOL_FILES = ("metrics.jsonl", "jobs.jsonl", "skipped_train.jsonl", "skipped_test.jsonl", "skipped.jsonl")
+
+
 def test_every_results_file_the_documents_name_is_there():
     """The figures' sources: each JSON the READMEs and HISTORY.md quote, as written there ({a,b} for either, a leading
     ... for the name before it), is in benchmarks/results/."""
@@ -63,9 +66,10 @@ def test_every_results_file_the_documents_name_is_there():
     for document in ["README.md", "benchmarks/README.md", "benchmarks/HISTORY.md"]:
         for path in set(re.findall(r"[\w.{},*/-]+\.jsonl?\b", (REPO_ROOT / document).read_text())):
             folder, _, name = path.rpartition("/")
-            # A run's own files, and names standing for any file (ONE_GPU.json, M.jsonl, manifests/...): no results.
-            if folder not in ("", "benchmarks/results") or name in ("metrics.jsonl", "jobs.jsonl") \
-                    or re.fullmatch(r"[A-Z_]+\.jsonl?", name):
+            # A run's and the tools' own files, and names standing for any file (ONE_GPU.json, M.jsonl,
+            # NAME.skipped.jsonl, manifests/...): no results.
+            if folder not in ("", "benchmarks/results") or name in RUN_AND_TOOL_FILES \
+                    or re.fullmatch(r"[A-Z_]+(\.\w+)*\.jsonl?", name):
                 continue
             parts = re.split(r"\{([^}]*)\}", name.replace("...", "*"))
             alternatives = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
