@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
-from data.files import errors_naming, write_whole
+from data.files import is_stream, write_out
 from data.manifest import Utterance, file_identity, printable, read_manifest
 from data.sampler import epoch_seed
 from data.text import counted, encode, invalid_characters, normalize_text
@@ -122,17 +122,12 @@ class SkipWarnings:
             self.log.warning("skipping %s (%s); %s", counted(count, "more utterance"), reason, where)
 
     def _write_list(self, path: Path) -> None:
-        # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.
-        lines = b"".join((json.dumps(entry) + "\n").encode() for entry in self.listed)
-        if path.exists() and not path.is_file():
-            # A pipe or terminal (trainer.evaluate --skipped /dev/stdout): written into, even with nothing, which ends
-            # its reader. Renamed over or removed, the pipe's reader waited for ever and /dev/stdout was gone.
-            with errors_naming(path), open(path, "wb") as stream:
-                stream.write(lines)
-        elif not self.listed and not path.is_symlink():  # an earlier one would name files since mended or removed
-            path.unlink(missing_ok=True)
+        if not self.listed and not is_stream(path) and not path.is_symlink():
+            path.unlink(missing_ok=True)  # an earlier list would name files since mended or removed
         else:
-            write_whole(path.resolve(), lambda out: out.write(lines))  # a link's target, not the link, replaced
+            # ASCII JSON: a path that is not UTF-8 (its bytes as surrogates) is written as escapes a reader gives back.
+            # Into a pipe even with nothing: that ends its reader.
+            write_out(path, b"".join((json.dumps(entry) + "\n").encode() for entry in self.listed))
 
 
 def count_reasons(counts: Counter) -> str:

@@ -9,6 +9,7 @@ import os
 import resource
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -88,6 +89,47 @@ def replace_whole(target: Path, text: str) -> None:
     """write_whole for text; a file name in `text` that is not UTF-8 (b"\\xff.wav", which Python holds as "\\udcff.wav")
     is written as its own bytes."""
     write_whole(target, lambda file: file.write(text.encode("utf-8", errors="surrogateescape")))
+
+
+def write_out(path: str | Path, data: bytes) -> None:
+    """`data` into `path`, the way a tool writes its output file: through this process's own stdout or stderr where
+    `path` is the file it writes to, straight into a pipe or terminal (one renamed over or removed, its reader waited
+    for ever and /dev/stdout was gone), else whole or not at all (write_whole; a link's target, not the link,
+    replaced). An OSError names `path`; a BrokenPipeError is let through."""
+    own_stream = standard_stream_writing_to(path)
+    with errors_naming(path):
+        if own_stream is not None:
+            own_stream.flush()  # the tool's own lines before, in order
+            own_stream.buffer.write(data)
+            own_stream.buffer.flush()
+        elif is_stream(path):
+            with open(path, "wb") as stream:
+                stream.write(data)
+        else:
+            write_whole(Path(path).resolve(), lambda file: file.write(data))
+
+
+def is_stream(path: str | Path) -> bool:
+    """Whether write_out writes into `path` as it is, with no going back: a pipe, a terminal, or this process's own
+    stdout or stderr, not a file it can replace."""
+    return standard_stream_writing_to(path) is not None or (Path(path).exists() and not Path(path).is_file())
+
+
+def standard_stream_writing_to(path: str | Path):
+    """sys.stdout or sys.stderr where `path` is the file it writes to (/dev/stdout under a shell's `> file` or
+    `>> file`), else None. Such a file is written through the stream, at its position: renamed over, it lost what
+    `>>` had appended to and the tool's lines after it; opened again, the stream's own lines wrote over it."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return None
+    for stream in (stream for stream in (sys.stdout, sys.stderr) if stream is not None):  # None: closed as started
+        try:
+            if os.path.samestat(target, os.fstat(stream.fileno())):
+                return stream
+        except (OSError, ValueError):  # a stream without a file descriptor (io.UnsupportedOperation), or closed
+            continue
+    return None
 
 
 def temporary_beside(target: Path) -> Path:

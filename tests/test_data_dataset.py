@@ -3,6 +3,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import soundfile
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import raw_control_characters
+from conftest import REPO_ROOT, raw_control_characters
 from data.dataset import (
     LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, Unusable, collate, min_ctc_frames,
 )
@@ -179,6 +181,25 @@ def test_a_skip_list_that_is_a_pipe_behind_a_link_is_written_into_never_renamed_
         assert link.is_symlink() and stat.S_ISFIFO(os.stat(pipe).st_mode)
     finally:
         os.close(reader)
+
+
+def test_a_skip_list_written_to_stdout_under_a_shells_append_keeps_what_the_file_held(tmp_path):
+    """trainer.evaluate --skipped /dev/stdout >> log.txt: the list was written beside the file /dev/stdout led to and
+    renamed over it, losing what `>>` appended to, where `--out /dev/stdout` already wrote through the stream."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "good.wav", "duration": 1.0, "text": "YES"}\n'
+                                      '{"audio_filepath": "said.wav", "duration": 1.0, "text": "YES."}\n')
+    log = tmp_path / "log.txt"
+    log.write_text("an earlier line\n")
+    build = ("import sys; from data.dataset import SpeechDataset; from data.features import FeatureExtractor; "
+             "print('before', flush=True); "
+             "SpeechDataset(sys.argv[1], FeatureExtractor('spectrogram'), skip_list='/dev/stdout'); print('after')")
+    with open(log, "a") as stdout:
+        subprocess.run([sys.executable, "-c", build, str(tmp_path / "m.jsonl")], cwd=REPO_ROOT, stdout=stdout,
+                       check=True, timeout=120)
+    first, before, listed, after = log.read_text().splitlines()
+    assert (first, before, after) == ("an earlier line", "before", "after")
+    assert json.loads(listed)["audio_filepath"] == str(tmp_path / "said.wav")
 
 
 def test_warnings_quote_paths_and_transcripts_from_a_manifest_in_escapes(tmp_path, caplog):

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
-from data.files import FULL_DISK, replace_whole, write_whole
+from data.files import FULL_DISK, is_stream, standard_stream_writing_to, write_out, write_whole
 
 
 class _LineInOneWrite(tqdm):
@@ -186,20 +186,10 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
     (b"\\xff.wav", which Python holds as "\\udcff.wav") is written as its own bytes. `so_far`: the results up to now
     of a long run, which writes them all again when it ends; a file keeps them should the run be cut short, while a
     stream, which cannot take them back, is left for the last."""
-    own_stream = _standard_stream_writing_to(path)
-    into_a_stream = own_stream is not None or (Path(path).exists() and not Path(path).is_file())
-    if so_far and into_a_stream:
+    if so_far and is_stream(path):
         return
     with _cannot_write(path):
-        if own_stream is not None:
-            own_stream.flush()  # the tool's own lines before, in order
-            own_stream.buffer.write(text.encode("utf-8", errors="surrogateescape"))
-            own_stream.buffer.flush()
-        elif into_a_stream:
-            with open(path, "w", encoding="utf-8", errors="surrogateescape") as stream:
-                stream.write(text)
-        else:
-            replace_whole(Path(path).resolve(), text)
+        write_out(path, text.encode("utf-8", errors="surrogateescape"))
 
 
 def write_results(path: str, value, so_far: bool = False) -> None:
@@ -228,7 +218,7 @@ def _cannot_write(path: str):
 def lines_stream(out: str | None):
     """Where a tool prints its own lines (what it does, what it wrote): stdout, or stderr where its output file `out`
     is stdout (--out /dev/stdout | gzip), whose reader would find them in the middle of the file."""
-    written_to_stdout = out is not None and sys.stdout is not None and _standard_stream_writing_to(out) is sys.stdout
+    written_to_stdout = out is not None and sys.stdout is not None and standard_stream_writing_to(out) is sys.stdout
     return sys.stderr if written_to_stdout else sys.stdout
 
 
@@ -236,23 +226,6 @@ def say_written(path: str) -> None:
     """A tool's last line, "wrote PATH", once its output file is written: on its lines_stream, so that a JSON written
     to stdout ends it."""
     print(f"wrote {path}", file=lines_stream(path))
-
-
-def _standard_stream_writing_to(path: str):
-    """sys.stdout or sys.stderr where `path` is the file it writes to (/dev/stdout under a shell's `> file` or
-    `>> file`), else None. Such a file is written through the stream, at its position: renamed over, it lost what
-    `>>` had appended to and the tool's lines after it; opened again, the stream's own lines wrote over it."""
-    try:
-        target = os.stat(path)
-    except OSError:
-        return None
-    for stream in (stream for stream in (sys.stdout, sys.stderr) if stream is not None):  # None: closed as started
-        try:
-            if os.path.samestat(target, os.fstat(stream.fileno())):
-                return stream
-        except (OSError, ValueError):  # a stream without a file descriptor (io.UnsupportedOperation), or closed
-            continue
-    return None
 
 
 def run_tool(main: Callable[[], int]) -> int:
