@@ -178,7 +178,7 @@ def print_table(result: dict) -> None:
     print(
         f"DeepSpeech2 {config['model']} ({config['model_config']['depth']} x "
         f"{'bi-' if config['model_config']['bidirectional'] else ''}{config['model_config']['cell'].upper()} "
-        f"{config['model_config']['hidden']}, {model['parameters'] / 1e6:.1f}M parameters, "
+        f"{config['model_config']['hidden']}, {build.millions_or_billions(model['parameters'])} parameters, "
         f"{model['gradient_bytes'] / 1e6:.1f} MB of gradients), backend {config['backend']}"
         f"{' + CUDA graphs' if config['cuda_graphs'] else ''}, "
         f"{result['world_size']} x {result['device']}, global batch {config['global_batch']}, "
