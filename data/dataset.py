@@ -153,7 +153,7 @@ class SpeechDataset(Dataset):
     out too short for its transcript after all, or lasts more than a second beyond `max_duration` whatever the
     manifest said (its header says so, before it is decoded). `collate` sets these aside in `Batch.unusable`, and
     `warn_once` (called where the batches arrive: loader processes start from a fresh copy of the dataset every epoch,
-    and would warn every epoch) logs each once.
+    and would warn every epoch) logs each once, the first few of each reason alone.
 
     Args:
         manifest_paths: JSONL manifests (see data.manifest), read in order.
@@ -190,6 +190,7 @@ class SpeechDataset(Dataset):
         self.targets: list[list[int]] = []
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
+        self._warned_per_reason: Counter[str] = Counter()
         self._read(manifest_paths, SkipWarnings(logger, self.skipped, skip_list))
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
@@ -318,11 +319,19 @@ class SpeechDataset(Dataset):
         return Unusable(index, f"skipping {printable(self.utterances[index].audio_filepath)}: {detail}", counted_as)
 
     def warn_once(self, unusable: Sequence[Unusable]) -> None:
-        """Logs the warning of each item not warned about before."""
+        """Logs the warning of each item not warned about before, the first NAMED_PER_REASON of each reason alone (as
+        SkipWarnings names those left out at construction), then one line saying the rest are counted, not named: a
+        corpus with thousands of files that cannot be decoded named each of them, on every rank."""
         for item in unusable:
-            if item.index not in self._warned:
-                self._warned.add(item.index)
+            if item.index in self._warned:
+                continue
+            self._warned.add(item.index)
+            self._warned_per_reason[item.counted_as] += 1
+            if self._warned_per_reason[item.counted_as] <= NAMED_PER_REASON:
                 logger.warning(item.warning)
+            elif self._warned_per_reason[item.counted_as] == NAMED_PER_REASON + 1:
+                logger.warning("skipping more utterances (%s) without naming them; the counts of those left out "
+                               "include them", item.counted_as)
 
 
 def collate(samples: Sequence[Sample | Unusable]) -> Batch:

@@ -320,6 +320,31 @@ def test_unreadable_empty_or_too_short_audio_is_unusable_and_warned_about_once(m
     assert dataset._too_long_detail(1, [1, 2, 3]).startswith("the model has 1 output frame for it at time stride 2,")
 
 
+def test_past_the_first_few_of_a_reason_audio_that_cannot_be_used_is_counted_not_named(tmp_path, caplog):
+    """A corpus with thousands of files that cannot be decoded named each of them while training, on every rank."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    write_noise(tmp_path / "short.wav", 0.1)
+    corrupt = [f"corrupt{number}.flac" for number in range(8)]
+    for name in corrupt:
+        (tmp_path / name).write_bytes(b"not audio at all" * 64)
+    write_manifest(tmp_path / "m.jsonl", [*(Utterance(str(tmp_path / name), 1.0, "YES", "a")
+                                            for name in ("good.wav", *corrupt)),
+                                          Utterance(str(tmp_path / "short.wav"), 3.0, "ABCDEFGHIJ", "b")])
+    dataset = make_dataset(tmp_path / "m.jsonl")
+    unusable = [dataset[index] for index in range(1, len(dataset))]
+    with caplog.at_level(logging.WARNING):
+        dataset.warn_once(unusable[:3])
+        dataset.warn_once(unusable[3:])
+        dataset.warn_once(unusable)  # a later epoch
+    messages = [record.getMessage() for record in caplog.records]
+    assert [message.split(":")[0] for message in messages[:5]] == [
+        f"skipping {tmp_path / name}" for name in corrupt[:5]]
+    assert messages[5:] == [
+        "skipping more utterances (unreadable) without naming them; the counts of those left out include them",
+        f"skipping {tmp_path / 'short.wav'}: the model has 6 output frames for it at time stride 2, fewer than the 10 "
+        "its 10-character transcript needs"]
+
+
 def test_loader_processes_warn_about_nothing_and_each_unusable_file_is_warned_about_once(manifest, caplog):
     dataset = make_dataset(manifest)
     caplog.clear()

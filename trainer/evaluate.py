@@ -143,8 +143,8 @@ def main(argv=None) -> int:
         print(f"error: {args.checkpoint}: {error}", file=sys.stderr)
         return 2
     if not rows:  # before --out is written: an earlier table there stays
-        print(f"error: none of the {counted(len(dataset), 'utterance')} of {manifest} could be decoded (the warnings "
-              "above name them)", file=sys.stderr)
+        print(f"error: none of the {counted(len(dataset), 'utterance')} of {manifest} could be decoded (warned about "
+              "above)", file=sys.stderr)
         return 1
     if args.out:
         # Written as they are, not as messages quote them (data.manifest.printable): the table names each file to find

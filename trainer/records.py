@@ -144,13 +144,13 @@ def record_epoch(tally: EpochTally, counts: ErrorCounts, peak_memory: tuple[floa
         record["peak_gpu_allocated_gib"] = round(allocated, 2)
         record["peak_gpu_reserved_gib"] = round(reserved, 2)
     if counts.not_decoded == len(eval_set):
-        log.warning("epoch %d: none of the test set's %s could be decoded (named above): no test WER",
+        log.warning("epoch %d: none of the test set's %s could be decoded (warned about above): no test WER",
                     epoch + 1, counted(len(eval_set), "utterance"))
     elif reasons := left_out(eval_set, counts):
         # Those no model could transcribe (a transcript longer than its output frames) are left out as those
         # that could not be read are: a WER over fewer utterances than the manifest holds says so.
-        log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (named "
-                    "above)", epoch + 1, len(eval_set) - counts.not_decoded,
+        log.warning("epoch %d: the test WER is over %d of the test set's %d utterances: left out %s (warned "
+                    "about above)", epoch + 1, len(eval_set) - counts.not_decoded,
                     len(eval_set) + eval_set.skipped.total(), count_reasons(reasons))
     if counts.not_decoded:  # the key's meaning since it was written: every test utterance the evaluation left out
         record["eval_unreadable"] = counts.not_decoded
