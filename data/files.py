@@ -1,7 +1,8 @@
 """Writing a file whole or not at all, the one way every writer of the project does it (manifests, checkpoints, a run's
-config.yaml and metrics.jsonl, the tools' and benchmarks' outputs), and the user's words for a write that failed (a full
-disk among them: FULL_DISK, space_left, file_size_limit): here in data, which imports no other part of the project, so
-that data.manifest can use it too."""
+config.yaml and metrics.jsonl, the tools' and benchmarks' outputs), or into a stream where a tool's output file is one
+(write_out: /dev/stdout, a pipe), and the user's words for a write that failed (a full disk among them: FULL_DISK,
+space_left, file_size_limit): here in data, which imports no other part of the project, so that data.manifest and the
+dataset's skip lists can use it too."""
 import contextlib
 import errno
 import glob
