@@ -658,3 +658,20 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
                      metrics)
     assert "epoch 1: none of the test set's 2 utterances could be decoded (warned about above): no test WER" in caplog.text
     assert "WER is over" not in caplog.text
+
+
+def test_evaluate_skipped_to_stdout_leaves_stdout_to_the_list(tmp_path, monkeypatch, capsys):
+    # --skipped /dev/stdout | jq: the WER line came after the list on stdout, which then held a line that is no JSON.
+    from trainer.evaluate import main
+
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a"),
+                                          Utterance(str(tmp_path / "b.wav"), 1.0, "YES.", "b")])
+    stdout_file = tmp_path / "stdout.txt"
+    with open(stdout_file, "w") as stdout:  # what a shell's `> stdout.txt` gives; /dev/stdout is then that file
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--manifest",
+                     str(tmp_path / "m.jsonl"), "--skipped", str(stdout_file)]) == 0
+    assert [json.loads(line)["audio_filepath"] for line in stdout_file.read_text().splitlines()] == [
+        str(tmp_path / "b.wav")]
+    assert capsys.readouterr().err.startswith("WER ")

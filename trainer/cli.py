@@ -215,10 +215,12 @@ def _cannot_write(path: str):
         raise CannotWrite(f"cannot write {path}: {error.strerror or error}") from None
 
 
-def lines_stream(out: str | None):
-    """Where a tool prints its own lines (what it does, what it wrote): stdout, or stderr where its output file `out`
-    is stdout (--out /dev/stdout | gzip), whose reader would find them in the middle of the file."""
-    written_to_stdout = out is not None and sys.stdout is not None and standard_stream_writing_to(out) is sys.stdout
+def lines_stream(*outputs: str | None):
+    """Where a tool prints its own lines (what it does, what it wrote): stdout, or stderr where one of its output files
+    `outputs` (None: not given) is stdout (--out /dev/stdout | gzip), whose reader would find them in the middle of
+    the file."""
+    written_to_stdout = sys.stdout is not None and any(
+        out is not None and standard_stream_writing_to(out) is sys.stdout for out in outputs)
     return sys.stderr if written_to_stdout else sys.stdout
 
 

@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     reasons = count_reasons(left_out(dataset, counts))
     reasons = f"; left out: {reasons}" if reasons else ""
     print(f"WER {counts.wer:.2f}%  CER {counts.cer:.2f}%  "
-          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{reasons})", file=lines_stream(args.out))
+          f"({counted(len(rows), 'utterance')}, {counted(counts.words, 'word')}{reasons})",
+          file=lines_stream(args.out, args.skipped))
     return 0
 
 
