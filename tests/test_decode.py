@@ -702,3 +702,10 @@ def test_a_beam_width_past_the_maximum_is_refused_as_the_arguments_are_read(caps
     assert widest.beam_width == decode.MAX_BEAM_WIDTH
     with pytest.raises(ValueError, match=f"beam width must be at most {decode.MAX_BEAM_WIDTH}, not 100000000"):
         decode.BeamSearch(beam_width=100_000_000)
+
+
+def test_a_language_model_from_manifests_of_blank_lines_says_they_list_no_utterance(tmp_path, capsys):
+    # It was told its transcripts were empty or held characters outside the alphabet, sent to look for them.
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    assert lm.main(["--manifest", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "x.arpa")]) == 2
+    assert capsys.readouterr().err == f"error: no words to count: {tmp_path / 'blank.jsonl'} lists no utterance\n"

@@ -259,6 +259,9 @@ def read_transcripts(manifests: list[str]) -> tuple[list[list[str]], int, list[s
     if repeats:
         print(f"skipping {counted(len(repeats), 'transcript')} whose audio file is listed before (the first: "
               f"{printable(repeats[0])})", file=sys.stderr, flush=True)
+    if not spellable and not unspellable:  # blank lines alone (a repeat follows a kept one): no transcript to blame
+        raise ValueError(f"no words to count: {', '.join(manifests)} list{'s' if len(manifests) == 1 else ''} no "
+                         "utterance")
     if not spellable:
         raise ValueError(f"no words to count: the transcripts of {', '.join(manifests)} are empty or have characters "
                          "outside the alphabet")
