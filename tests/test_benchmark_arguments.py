@@ -163,7 +163,7 @@ def test_a_json_path_of_a_dash_is_refused_not_written_as_a_file_so_named(tmp_pat
                             text=True, timeout=300)
     assert result.returncode == 2 and not (tmp_path / "-").exists(), result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stderr.endswith(
-        "argument --json: '-' is no file name here: /dev/stdout writes the JSON to stdout\n"), result.stderr[-2000:]
+        "argument --json: '-' is no file name here: /dev/stdout writes to stdout\n"), result.stderr[-2000:]
 
 
 def test_a_json_to_dev_stdout_under_a_redirection_follows_the_table(tmp_path):

@@ -352,3 +352,17 @@ def test_the_readme_names_the_package_a_python_without_the_virtualenv_lacks(tool
     readme = (REPO_ROOT / "README.md").read_text()
     bullet = readme.split("- A Python without the virtualenv ")[1].split("\n- ")[0]
     assert f"'{missing}'" in bullet, (missing, bullet)
+
+
+@pytest.mark.parametrize("argument", ["--out", "--skipped"])
+def test_an_output_of_a_dash_is_refused_not_written_as_a_file_so_named(argument, tmp_path, monkeypatch, capsys):
+    # `trainer.lm --out - | gzip` wrote a file named "-" and gzip an empty archive, as the benchmarks' --json - did.
+    from trainer import evaluate, lm
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    tool = lm if argument == "--out" else evaluate
+    with pytest.raises(SystemExit) as refused:
+        tool.main(["--manifest", "m.jsonl", argument, "-", *(["--checkpoint", "c.pt"] if tool is evaluate else [])])
+    assert refused.value.code == 2 and not (tmp_path / "-").exists()
+    assert capsys.readouterr().err.endswith(f"argument {argument}: '-' is no file name here: /dev/stdout writes to "
+                                            "stdout\n")

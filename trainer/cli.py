@@ -70,7 +70,11 @@ def seconds_up_to(maximum: float) -> Callable[[str], float]:
 def output_file(text: str) -> str:
     """A file to write, in a folder that exists and takes it: found out before the work whose result it would hold.
     A symbolic link is judged by its target, which is what gets written. An empty one (an unset shell variable) is
-    refused as such, where it read as the current folder ("is a folder; name a file in it")."""
+    refused as such, where it read as the current folder ("is a folder; name a file in it"). "-", which other
+    programs take for stdout, is refused rather than taken for a file of that name (`--out - | gzip` gzipped
+    nothing)."""
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' is no file name here: /dev/stdout writes to stdout")
     check_names_no_folder(input_path(text))
     path = Path(text).resolve()
     try:
@@ -95,10 +99,7 @@ def check_names_no_folder(text: str) -> None:
 def json_output(text: str) -> str:
     """The benchmarks' --json: an output_file whose missing folders are made now, so that neither a folder named in its
     place nor one that cannot be made is found out only after the measurements the file would hold. "-", which other
-    programs take for stdout, is refused rather than taken for a file of that name."""
-    if text == "-":
-        # Not "after the table": support_table's JSON goes there alone, its table to stderr.
-        raise argparse.ArgumentTypeError("'-' is no file name here: /dev/stdout writes the JSON to stdout")
+    programs take for stdout, is refused as output_file refuses it."""
     check_names_no_folder(text)  # before its folders are made
     try:
         Path(text).resolve().parent.mkdir(parents=True, exist_ok=True)
