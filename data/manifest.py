@@ -233,8 +233,11 @@ def write_manifest(path: str | os.PathLike, utterances: list[Utterance]) -> None
     truncated manifest that looks newer than its sources, and ranks preparing at once don't collide.
     """
     path = Path(path)
-    if path.parent.exists() and not path.parent.is_dir():
-        raise ValueError(f"{path.parent} is a file, not a folder to write the manifest {path.name} into")
+    # The nearest folder on the way that exists (a link to nothing does not: mkdir names it below). A file there, not
+    # only as the manifest's own folder, ended in mkdir's "[Errno 20] Not a directory" naming another path.
+    nearest = next(folder for folder in path.parents if folder.exists())
+    if not nearest.is_dir():
+        raise ValueError(f"{nearest} is a file, not a folder to write the manifest {path.relative_to(nearest)} into")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError as error:  # a symbolic link to nothing on the way (a scratch disk not mounted)

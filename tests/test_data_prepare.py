@@ -439,6 +439,17 @@ def test_an_out_that_cannot_be_written_exits_2_naming_it(tiny_an4, tmp_path, cap
     assert f"{tmp_path / 'a_file'} is not a folder" in capsys.readouterr().err and exit_info.value.code == 2
 
 
+def test_an_out_under_a_file_exits_2_naming_the_file(tiny_an4, tmp_path, capsys):
+    # A file further up than --out's own folder: "[Errno 20] Not a directory: '.../a_file/sub'" from data.prepare,
+    # "cannot open .../a_file/sub: Not a directory" from the trainer, where --out a_file itself was named as a file.
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["an4", "--source", str(tiny_an4), "--out", str(tmp_path / "a_file" / "sub")])
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'a_file'} is a file, not a folder to write the "
+                                            "manifest sub/an4_train.jsonl into\n")
+    assert exit_info.value.code == 2
+
+
 @pytest.mark.parametrize(
     "corpus, missing",
     [("an4", "nowhere"), ("an4", "etc/an4_train.fileids"), ("librispeech", "nowhere"), ("librispeech", ".")],
