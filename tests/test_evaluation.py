@@ -675,3 +675,16 @@ def test_evaluate_skipped_to_stdout_leaves_stdout_to_the_list(tmp_path, monkeypa
     assert [json.loads(line)["audio_filepath"] for line in stdout_file.read_text().splitlines()] == [
         str(tmp_path / "b.wav")]
     assert capsys.readouterr().err.startswith("WER ")
+
+
+def test_evaluate_with_stdout_closed_gives_its_wer_on_stderr(tmp_path, monkeypatch, capsys):
+    # `python -m trainer.evaluate ... >&-` (a cron job): Python gives a closed stdout as None, print() dropped the WER
+    # line into it, and the tool ended with exit code 0 and no result.
+    from trainer.evaluate import main
+
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--manifest",
+                 str(tmp_path / "m.jsonl")]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("WER ")
