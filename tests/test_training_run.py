@@ -917,6 +917,10 @@ def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, sw
                               "the options of experiment: an4_gpu, cpu_demo, deep100"),
     (["+foo"], "cannot parse the override +foo: missing EQUAL at '<EOF>'; See "
                "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+    # Hydra's defaults list raised a ValueError of its own: a traceback and exit code 1.
+    (["experiment=null"], "Config group override must be a string or a list. Got NoneType: a config group (data, "
+                          "experiment, model, optim) takes the name of one of its options (experiment's default is "
+                          "none: leave it out)"),
     # Hydra's line under the override put a ^ under the character it stopped at.
     (["data.eval_manifest=/corpus ü/test.jsonl"], "cannot parse the override data.eval_manifest=/corpus ü/test.jsonl: "
      "LexerNoViableAltException: data.eval_manifest=/corpus ü/test.jsonl (at 'ü'); See "

@@ -7,6 +7,7 @@ full trace still.
 import difflib
 import os
 import sys
+import traceback
 
 import hydra._internal.utils as hydra_utils
 from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
@@ -56,11 +57,21 @@ def refused_in_one_line(step):
     """step's result, or where Hydra refuses the command line in it, one line and exit code 2."""
     try:
         return step()
-    except COMMAND_LINE_ERRORS as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # as Hydra reads it
+    except (*COMMAND_LINE_ERRORS, ValueError) as error:
+        if not refused_by_hydra(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":  # as Hydra reads it
             raise
         print_refusal(command_line_error_line(error))
         sys.exit(2)
+
+
+def refused_by_hydra(error: Exception) -> bool:
+    """Whether Hydra refused the command line: its own errors, or the ValueError its defaults list raises for a config
+    group given no option's name (model=null, experiment=null), which Hydra printed as a traceback and exit code 1. A
+    ValueError raised anywhere else (the job's own) is not the command line's."""
+    if isinstance(error, COMMAND_LINE_ERRORS):
+        return True
+    *_, (frame, _) = traceback.walk_tb(error.__traceback__)
+    return isinstance(error, ValueError) and frame.f_globals.get("__name__") == "hydra._internal.defaults_list"
 
 
 def print_refusal(line: str) -> None:
@@ -78,6 +89,9 @@ def command_line_error_line(error: Exception) -> str:
         return missing_option_line(error.missing_cfg_file, error.options, str(error).splitlines()[0])
     if isinstance(error, OverrideParseException):
         return f"cannot parse the override {error.override}: {parser_complaint(str(error))}"
+    if not isinstance(error, COMMAND_LINE_ERRORS):  # refused_by_hydra's ValueError, which names no override
+        return (f"{str(error).rstrip('.')}: a config group ({', '.join(config_groups())}) takes the name of one of its "
+                "options (experiment's default is none: leave it out)")
     lines = [line.strip().rstrip(".") for line in str(error).splitlines() if line.strip()]
     if cause is not None:
         lines.append(str(cause).splitlines()[0])
@@ -100,12 +114,16 @@ def parser_complaint(message: str) -> str:
 def unknown_key_line(key: str, beside: list[str]) -> str:
     """beside: the keys of the key's parent. A name at the top may be a config group's misspelt (experiments=...)."""
     parent, _, name = key.rpartition(".")
-    groups = [] if parent else sorted(folder.name for folder in CONF_DIR.iterdir() if folder.is_dir())
+    groups = [] if parent else config_groups()
     if close := difflib.get_close_matches(name, beside + groups, n=1):
         return f"unknown config key {key} (did you mean {parent + '.' if parent else ''}{close[0]}?)"
     if not beside:
         return f"unknown config key {key}"
     return f"unknown config key {key}: {parent or 'the config'} has {', '.join(beside)}"
+
+
+def config_groups() -> list[str]:
+    return sorted(folder.name for folder in CONF_DIR.iterdir() if folder.is_dir())
 
 
 def missing_option_line(missing: str, options: list[str], hydra_line: str) -> str:
