@@ -157,6 +157,9 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("model.batch_slice=0", "model.batch_slice must be a positive integer or null, not 0"),
     ("train.progress_line_s=-1", "train.progress_line_s must be a non-negative number of seconds, not -1"),
     ("train.cuda_graphs=no", "train.cuda_graphs must be true or false, not 'no'"),
+    # Refused by the run on any machine, once every rank had started: the launch scripts' check passed it.
+    ("train.cuda_graphs=true", "train.cuda_graphs=true needs a CUDA device, this run is on cpu "
+                               "(train.cuda_graphs=false runs it without them)"),
     ("data.augment.enabled=off", "data.augment.enabled must be true or false, not 'off'"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
     ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds up to 1e+09, not -5"),

@@ -34,6 +34,8 @@ MAX_TRAIN_MANIFESTS = checkpoint.MAX_CONFIG_ENTRIES // 2
 RUN_NAME_SETTING = "run_name (RUN_NAME in the launch scripts)"
 SET_MANIFESTS = (" (data=manifest takes them from the command line: data.train_manifests=[a.jsonl,b.jsonl] "
                  "data.eval_manifest=c.jsonl)")
+CUDA_GRAPHS_NEED_A_GPU = ("train.cuda_graphs=true needs a CUDA device, this run is on {device} "
+                          "(train.cuda_graphs=false runs it without them)")
 # Values the trainer would otherwise take as they come: a negative clip norm flips the gradient, a string batch size
 # fails deep inside the sampler. Each entry: key, test, what the value must be.
 CONFIG_RULES = (
@@ -161,6 +163,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError("train.cuda_graphs=true cannot run with model.backend=cudnn, whose packed sequences need "
                          "their lengths on the host, which a graph cannot capture; use model.backend=persistent or "
                          "train.cuda_graphs=false")
+    if cfg.train.cuda_graphs and cfg.device == "cpu":  # device=auto off a GPU is trainer.train's to refuse
+        raise ValueError(CUDA_GRAPHS_NEED_A_GPU.format(device="cpu"))
     # Values each in range that cannot work together (a mel band with no FFT bin, a hop longer than the window, a
     # frequency mask wider than the features), refused as the run builds them: here too, so that a sweep and the
     # launch scripts' check (trainer.check_overrides) refuse them before any job, build or rank starts.

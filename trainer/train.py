@@ -28,7 +28,8 @@ from data.sampler import BucketBatchSampler, epoch_seed, eval_shards
 from data.text import counted
 from models.cuda_graphs import CudaGraphed, check_capturable
 from trainer import build, checkpoint, distributed
-from trainer.config import RUN_NAME_SETTING, check_config, global_batch_refusal, per_rank_batch_size, rank_settings
+from trainer.config import (CUDA_GRAPHS_NEED_A_GPU, RUN_NAME_SETTING, check_config, global_batch_refusal,
+                            per_rank_batch_size, rank_settings)
 from trainer.distributed import DistEnv
 from trainer.evaluate import evaluate
 from trainer.inputs import naming_the_an4_source
@@ -327,8 +328,7 @@ def model_to_train(model: torch.nn.Module, cfg: DictConfig, env: DistEnv) -> tor
 def check_cuda_graphs_can_run(cfg: DictConfig, env: DistEnv) -> None:
     """ValueError where train.cuda_graphs=true cannot run on this job: off a GPU, or over a backend other than NCCL."""
     if cfg.train.cuda_graphs and env.device.type != "cuda":
-        raise ValueError(f"train.cuda_graphs=true needs a CUDA device, this run is on {env.device} "
-                         "(train.cuda_graphs=false runs it without them)")
+        raise ValueError(CUDA_GRAPHS_NEED_A_GPU.format(device=env.device))
     if cfg.train.cuda_graphs and env.world_size > 1 and distributed.backend() != "nccl":
         raise ValueError(
             f"train.cuda_graphs=true in a job of {env.world_size} ranks needs NCCL, one GPU per rank: these ranks "
