@@ -150,7 +150,8 @@ def evaluations(run_dir: Path, at_epoch: int | None = None) -> dict:
     if not evaluated:
         return {"epochs": epochs, **NO_EVALUATION, "partial_epochs": partial, **unfinished}
     last = evaluated[-1]
-    return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last["eval_cer"],
+    # EVALUATION_FIELDS lets eval_cer be null or missing: last["eval_cer"] ended the report in a KeyError.
+    return {"epochs": last["epoch"], "last_wer": last["eval_wer"], "last_cer": last.get("eval_cer"),
             "best_wer": min(line["eval_wer"] for line in evaluated), "elapsed_s": last["elapsed_s"],
             "partial_epochs": partial, **unfinished}
 

@@ -120,6 +120,15 @@ def test_evaluations_give_the_last_and_best(tmp_path):
     assert evaluations(tmp_path / "missing")["epochs"] == 0
 
 
+def test_an_evaluation_without_a_cer_gives_its_wer(tmp_path):
+    """eval_cer may be null or missing (EVALUATION_FIELDS): a line without it passed the check, then ended the report
+    in a KeyError traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"epoch": 1, "eval_wer": 30.0, "elapsed_s": 5.0}\n')
+    assert evaluations(tmp_path / "run") == {"epochs": 1, "last_wer": 30.0, "last_cer": None, "best_wer": 30.0,
+                                             "elapsed_s": 5.0, "partial_epochs": [], "unfinished": False}
+
+
 def test_evaluations_leave_out_those_over_part_of_the_test_set(tmp_path):
     write_metrics(tmp_path / "run", [80.0, 70.0, 72.0])
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
