@@ -119,7 +119,9 @@ class Measurement:
         self.batches = [batch for batch, _ in points]
         self.compute_times_ms = [ms for _, ms in points]
         if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
-            raise ValueError(f"{path}: the compute measure needs at least two distinct per-rank batches")
+            raise ValueError(f"{path}: the compute measure needs at least two distinct per-rank batches, and has "
+                             f"{', '.join(map(str, self.batches))}: measure them with benchmarks.scaling "
+                             "--compute-batches (1 2 4, say)")
 
     def field(self, *keys: str | int, kind: str):
         """The measurement's value at `keys`, which must be `kind`, as benchmarks.fields.field refuses it (a string

@@ -2354,9 +2354,10 @@ def test_scaling_model_refuses_a_cluster_or_batch_it_cannot_model(tmp_path, caps
     (lambda data: data["model"].update(ddp_bucket_cap_mb=math.inf),
      ": model.ddp_bucket_cap_mb must be a positive finite number, got inf"),
     (lambda data: data.update(compute=data["compute"][:1]),
-     ": the compute measure needs at least two distinct per-rank batches"),
+     ": the compute measure needs at least two distinct per-rank batches, and has 1: measure them with "
+     "benchmarks.scaling --compute-batches (1 2 4, say)"),
     (lambda data: data.update(compute=[data["compute"][0]] * 2),
-     ": the compute measure needs at least two distinct per-rank batches"),
+     ": the compute measure needs at least two distinct per-rank batches, and has 1, 1"),
     (lambda data: data.update(world_size=2, exposed_communication_ms=1.0, allreduce={"median_ms": 2.0, "bus_GBps": 1},
                               baseline={"strong_scaling_efficiency": 0.5}, step={"median_ms": 20.0},
                               config={**data["config"], "global_batch": 7}),
