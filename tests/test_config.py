@@ -160,6 +160,8 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     # Refused by the run on any machine, once every rank had started: the launch scripts' check passed it.
     ("train.cuda_graphs=true", "train.cuda_graphs=true needs a CUDA device, this run is on cpu "
                                "(train.cuda_graphs=false runs it without them)"),
+    ("model.backend=persistent", "model.backend=persistent: prnn_kernels.GRU: backend='persistent' cannot run: needs a "
+                                 "CUDA GPU (compute capability 9.0, Hopper, or newer)"),
     ("data.augment.enabled=off", "data.augment.enabled must be true or false, not 'off'"),
     ("optim.lr=nan", "optim.lr must be a positive number, not nan"),
     ("distributed.timeout_s=-5", "distributed.timeout_s must be a positive number of seconds up to 1e+09, not -5"),

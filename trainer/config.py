@@ -168,7 +168,22 @@ def check_config(cfg: DictConfig) -> None:
     # Values each in range that cannot work together (a mel band with no FFT bin, a hop longer than the window, a
     # frequency mask wider than the features), refused as the run builds them: here too, so that a sweep and the
     # launch scripts' check (trainer.check_overrides) refuse them before any job, build or rank starts.
-    build.spec_augment(cfg.data, build.features(cfg.data).num_features)
+    num_features = build.features(cfg.data).num_features
+    build.spec_augment(cfg.data, num_features)
+    if cfg.device == "cpu":  # the backend's answer on a GPU depends on the batch and the GPU: trainer.train asks it there
+        refuse_backend_off_a_gpu(cfg, num_features)
+
+
+def refuse_backend_off_a_gpu(cfg: DictConfig, num_features: int) -> None:
+    """ValueError where model.backend cannot run on the CPU (persistent, which needs a GPU), in the words the run's
+    start would use: so that the launch scripts' check and a sweep refuse it before any rank starts."""
+    cpu = torch.device("cpu")
+    with torch.device("meta"):  # the layers share cell, size and backend: one answers for all
+        one_layer = build.model(cfg.model, num_features, depth=1)
+    try:
+        one_layer.recurrent_backend(1, build.compute_dtype(cfg.train.amp, cpu), cpu)
+    except ValueError as error:
+        raise ValueError(f"model.backend={cfg.model.backend}: {error}") from None
 
 
 # What a checkpoint's run must share with this one: for its weights and optimizer state to fit, and for its sampler
