@@ -382,8 +382,8 @@ def main(argv=None) -> None:
         gpus, measured_on = None, {}
         rows = reported_rows(args, runs_dir, jobs)
     else:
-        check_before_training(parser, args, runs_dir, jobs)
         gpus = visible_gpus()
+        check_before_training(parser, args, runs_dir, jobs, gpus)
         # Before the runs: the checkout may be edited, or switched, during their hours of training.
         measured_on = environment()
         rows = train_all(jobs, runs_dir, gpus, args)
@@ -433,10 +433,11 @@ def reported_rows(args, runs_dir: Path, jobs: list[tuple[str, str, int]]) -> lis
     return rows
 
 
-def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path,
-                          jobs: list[tuple[str, str, int]]) -> None:
-    """Makes runs_dir, and ends in a usage error (exit 2) where it cannot be made or Hydra would misread it, or where
-    the trainer refuses a backend's overrides: found before any run starts, not in each run's output."""
+def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path, jobs: list[tuple[str, str, int]],
+                          gpus: list[str]) -> None:
+    """Makes runs_dir, and ends in a usage error (exit 2) where it cannot be made or Hydra would misread it, where
+    the trainer refuses a backend's overrides, or where a run needs a GPU and `gpus` is empty: found before any run
+    starts, not in each run's output."""
     if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
         parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
                      "that variable's value), whatever the escape, and train elsewhere; name a folder without one")
@@ -449,6 +450,12 @@ def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path,
         settings = run_settings(runs_dir / name, backend, seed, overrides_of(args, backend), args.graphs)
         if check_overrides.main([f"run_name={name}", *settings]):
             sys.exit(2)
+    # The overrides' check passes device=auto, which each run would resolve to the CPU, and refuse there.
+    if not gpus:
+        if "persistent" in args.backends:
+            parser.error("--backends persistent needs a CUDA GPU, and none is visible")
+        if args.graphs and set(args.backends) != {"cudnn"}:
+            parser.error("--graphs needs a CUDA GPU, and none is visible")
 
 
 def print_runs(rows: list[dict], runs_dir: Path, at_epoch: int | None) -> None:

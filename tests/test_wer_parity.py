@@ -307,7 +307,7 @@ def runs_end_at_once(monkeypatch, started: list | None = None) -> None:
 def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch, capsys):
     started = []
     runs_end_at_once(monkeypatch, started)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--runs-dir", str(tmp_path),
                      "--backend-overrides", "persistent", "model.batch_slice=4", "--", "train.epochs=3"])
     commands = {next(part for part in command if part.startswith("seed="))
@@ -352,7 +352,7 @@ def test_graphs_reach_every_backend_but_cudnn_and_the_json_records_the_overrides
 
     real_run = subprocess.run
     monkeypatch.setattr(wer_parity.subprocess, "run", run)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--graphs", "--runs-dir", str(tmp_path),
                      "--json", str(tmp_path / "wer.json"), "--backend-overrides", "persistent", "model.batch_slice=4",
                      "--", "train.epochs=3"])
@@ -384,6 +384,21 @@ def test_on_a_machine_without_a_gpu_the_plan_and_each_run_say_so(tmp_path, monke
     assert "None" not in out
 
 
+@pytest.mark.parametrize("arguments, refusal", [
+    (["--backends", "cudnn", "persistent"], "--backends persistent needs a CUDA GPU, and none is visible"),
+    (["--backends", "reference", "--graphs"], "--graphs needs a CUDA GPU, and none is visible"),
+])
+def test_runs_that_need_a_gpu_are_refused_before_any_starts_where_none_is_visible(tmp_path, monkeypatch, capsys,
+                                                                                arguments, refusal):
+    """Under device=auto each such run started, then refused itself: one line a run in its .out file, exit 1."""
+    started = []
+    runs_end_at_once(monkeypatch, started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as exited:
+        wer_parity.main([*arguments, "--seeds", "1", "--runs-dir", str(tmp_path)])
+    assert exited.value.code == 2 and f"error: {refusal}\n" in capsys.readouterr().err and not started
+
+
 def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkeypatch, capsys):
     """The runs' output goes to files: the one line that says why a run failed reaches the terminal, and the exit
     status says a run failed. --json into a folder not made yet is made first, not after the training."""
@@ -396,7 +411,7 @@ def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkey
 
     real_run = subprocess.run
     monkeypatch.setattr(wer_parity.subprocess, "run", run)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     json_path = tmp_path / "not" / "made" / "wer.json"
     with pytest.raises(SystemExit) as stopped:
         wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--runs-dir", str(tmp_path / "runs"),
