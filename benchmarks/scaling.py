@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 from benchmarks.fields import COUNT, POSITIVE, DamagedFile, field
 from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
 from data.dataset import Batch
-from data.text import NUM_CLASSES
+from data.text import NUM_CLASSES, counted
 from models import MaskedBatchNorm
 from models.cuda_graphs import CudaGraphed
 from models.deepspeech2 import CELLS
@@ -235,12 +235,17 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     # otherwise end the run after the smaller batches' measures, with nothing written.
     per_rank_batch = args.global_batch // env.world_size
     dtype = build.compute_dtype(cfg.train.amp, device)
+    try:
+        model.recurrent_backend(1, dtype, device)
+    except ValueError as error:  # refused whatever the batch (on a CPU, say): no batch option is why
+        raise ValueError(f"--backend {args.backend}: {error}") from None
     for batch_size in sorted({*args.compute_batches, per_rank_batch}):
         try:
             model.recurrent_backend(batch_size, dtype, device)
         except ValueError as error:
-            raise ValueError(f"per-rank batch {batch_size}: {error} (--compute-batches names the batches measured)"
-                             ) from None
+            given_by = ("--compute-batches names the batches measured" if batch_size in args.compute_batches else
+                        f"the step's: --global-batch {args.global_batch} over {counted(env.world_size, 'rank')}")
+            raise ValueError(f"per-rank batch {batch_size}: {error} ({given_by})") from None
 
     # Compute alone first, while the model is not yet wrapped: each rank on its own, as in a world of one.
     alone = graphed(model)

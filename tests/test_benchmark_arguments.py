@@ -95,18 +95,31 @@ def test_scaling_refuses_a_batch_the_persistent_kernels_cannot_run_before_measur
         result.stderr[-2000:])
 
 
+@pytest.mark.cuda
 def test_scaling_asks_the_backend_for_the_steps_per_rank_batch_too_before_measuring():
-    """The step's per-rank batch, which --compute-batches need not name, is asked with theirs, the smallest first: left
-    out, a batch the kernels cannot run ended the run after the compute measures, unwritten, and only the cuda test
-    above, whose batch was among --compute-batches, checked the question. On a CPU every batch is refused, so the one
-    named first is the smallest asked."""
+    """The step's per-rank batch, which --compute-batches need not name, is asked with theirs: left out, a batch the
+    kernels cannot run ended the run after the compute measures, unwritten. Named as the step's, from --global-batch:
+    the line pointed at --compute-batches, which did not name it."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--backend", "persistent", "--global-batch",
+                             "4096", "--compute-batches", "2", "--steps", "1", "--warmup", "0", "--frames", "50"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "error on rank 0: per-rank batch 4096: prnn_kernels.GRU: backend='persistent' cannot run" in result.stderr, (
+        result.stderr[-2000:])
+    assert "(the step's: --global-batch 4096 over 1 rank)" in result.stderr, result.stderr[-2000:]
+
+
+def test_scaling_names_the_backend_where_no_batch_would_run():
+    """On a CPU the persistent backend refuses every batch: the line blamed the smallest and pointed at
+    --compute-batches, which no value of would help."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--backend", "persistent", "--device", "cpu",
                              "--model", "cpu_demo", "--global-batch", "1", "--compute-batches", "2", "--steps", "1",
                              "--warmup", "0", "--frames", "50"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "error on rank 0: per-rank batch 1: prnn_kernels.GRU: backend='persistent' cannot run" in result.stderr, (
-        result.stderr[-2000:])
+    assert ("error on rank 0: --backend persistent: prnn_kernels.GRU: backend='persistent' cannot run: needs a CUDA "
+            "GPU") in result.stderr, result.stderr[-2000:]
+    assert "per-rank batch" not in result.stderr and "--compute-batches" not in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would measure")
