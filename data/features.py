@@ -9,6 +9,7 @@ import torchaudio.transforms
 from torch import nn
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from data.text import counted
 from data.values import is_int, is_number
 
 FEATURE_KINDS = ("spectrogram", "mel")
@@ -57,8 +58,11 @@ def _window_and_hop_lengths(sample_rate, window_ms, hop_ms) -> tuple[int, int]:
                          f"milliseconds in (0, {MAX_WINDOW_MS}]")
     window_length = round(sample_rate * window_ms / 1000)
     hop_length = round(sample_rate * hop_ms / 1000)
-    if window_length < 2 or hop_length < 1:
-        raise ValueError(f"window_ms={window_ms} and hop_ms={hop_ms} are too short at {sample_rate} Hz")
+    for what, milliseconds, length, shortest in (("window", window_ms, window_length, 2),
+                                                 ("hop", hop_ms, hop_length, 1)):
+        if length < shortest:
+            raise ValueError(f"{what}_ms={milliseconds} is too short at {sample_rate} Hz: {counted(length, 'sample')}, "
+                             f"and a {what} takes at least {shortest}")
     if hop_length > window_length:  # frames would skip the audio between them
         raise ValueError(f"hop_ms={hop_ms} is longer than window_ms={window_ms}")
     return window_length, hop_length

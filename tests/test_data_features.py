@@ -432,8 +432,9 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
     (dict(hop_ms=30), "hop_ms=30 is longer than window_ms=20"),
     # A window of one sample (0.8 rounded) has no spectrum to speak of: with only an empty window refused, the test
     # passed.
-    (dict(window_ms=0.05), "window_ms=0.05 and hop_ms=10 are too short at 16000 Hz"),
-    (dict(hop_ms=0.01), "window_ms=20 and hop_ms=0.01 are too short at 16000 Hz"),
+    (dict(window_ms=0.05), "window_ms=0.05 is too short at 16000 Hz: 1 sample, and a window takes at least 2"),
+    # Each named alone: the line named both whichever was short, and a user shortened the one that was not.
+    (dict(hop_ms=0.01), "hop_ms=0.01 is too short at 16000 Hz: 0 samples, and a hop takes at least 1"),
     (dict(sample_rate=-16000), "sample_rate=-16000 must be an integer number of Hz from 1000 to 384000, window_ms=20 "
                                "and hop_ms=10 numbers of milliseconds in (0, 1000]"),
     (dict(sample_rate=16000.0), "sample_rate=16000.0 must be an integer"),  # resampling takes whole Hz
