@@ -436,6 +436,11 @@ def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(to
     assert main([*common, "--word-bonus", "1", *inputs]) == 2
     assert capsys.readouterr().err == ("error: --lm-weight and --word-bonus weigh a language model's score: give --lm "
                                        "too\n")
+    # A mistyped --lm was told only after the checkpoint had been read, which takes minutes for a large model.
+    for model, complaint in [(tmp_path / "absent.arpa", f"language model not found: {tmp_path / 'absent.arpa'}"),
+                             (tmp_path, f"language model {tmp_path} is a folder, not an ARPA file")]:
+        assert main([*common, "--lm", str(model), *inputs]) == 2
+        assert capsys.readouterr().err == f"error: {complaint}\n"
     if tool == "evaluate":
         for output in (unreadable, tmp_path / "words.arpa", tmp_path / "m.jsonl"):
             assert main([*common, "--lm", str(tmp_path / "words.arpa"), *inputs, "--out", str(output)]) == 2

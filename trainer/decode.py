@@ -16,7 +16,7 @@ import torch
 from data.cli import input_path
 from data.text import ALPHABET, BLANK, decode
 from trainer.cli import finite_float, int_at_least
-from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM
+from trainer.lm import SENTENCE_END, SENTENCE_START, NGramLM, check_arpa_path
 
 SPACE = ALPHABET.index(" ")
 LN_10 = math.log(10)
@@ -205,9 +205,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError for a language model's weight without one (it would be ignored): found before anything loads."""
+    """ValueError for a language model's weight without one (it would be ignored), FileNotFoundError / ValueError for
+    an --lm that is missing or a folder: found before anything loads."""
     if args.lm is None and (args.lm_weight is not None or args.word_bonus is not None):
         raise ValueError("--lm-weight and --word-bonus weigh a language model's score: give --lm too")
+    if args.lm is not None:
+        check_arpa_path(args.lm)
 
 
 def from_arguments(args: argparse.Namespace):

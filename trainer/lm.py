@@ -57,11 +57,7 @@ class NGramLM:
     @classmethod
     def from_arpa(cls, path: str | Path) -> "NGramLM":
         """Reads the file a line at a time: a model's text is several times the size of its tables."""
-        path = Path(path)
-        if path.is_dir():
-            raise ValueError(f"language model {path} is a folder, not an ARPA file")
-        if not path.exists():  # not is_file(): a pipe (--lm <(zcat model.arpa.gz)) reads as well
-            raise FileNotFoundError(f"language model not found: {path}")
+        path = check_arpa_path(path)
         with path.open("rb") as file:
             return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
 
@@ -149,6 +145,17 @@ class NGramLM:
                 return backoff + entry[0]
             backoff += self.tables.get(history, (0.0, 0.0))[1]
             history = history[1:]
+
+
+def check_arpa_path(path: str | Path) -> Path:
+    """`path` where it can be a language model to read; FileNotFoundError where it is missing, ValueError where it is a
+    folder. The tools ask before they read a checkpoint, which can take minutes."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"language model {path} is a folder, not an ARPA file")
+    if not path.exists():  # not is_file(): a pipe (--lm <(zcat model.arpa.gz)) reads as well
+        raise FileNotFoundError(f"language model not found: {path}")
+    return path
 
 
 def _utf8_lines(file: BinaryIO, path: Path) -> Iterator[str]:
