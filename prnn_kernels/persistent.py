@@ -108,6 +108,13 @@ def _cuda_support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dty
         return Support(False, f"its CUDA extension is unavailable: {error}")
     with torch.cuda.device(device_index):
         ok, reason = extension.support(cell, hidden_size, batch_size, dtype == torch.bfloat16)
+    if not ok and batch_size > 1 and _cuda_support(cell, hidden_size, 1, dtype, device_index).ok:
+        # The kernels' reason leads with the weights, which more utterances' vectors leave less room on chip, and does
+        # not say that fewer run: where they do, it is the batch to change, not the layer.
+        fewer = next(size for size in range(batch_size - 1, 0, -1)
+                     if _cuda_support(cell, hidden_size, size, dtype, device_index).ok)
+        reason = (f"batch size {batch_size} does not fit on this device, {fewer} does (the modules' batch_slice runs "
+                  f"a larger batch as slices): {reason}")
     return Support(ok, reason)
 
 

@@ -138,6 +138,42 @@ def test_a_device_without_an_index_is_asked_about_as_the_current_gpu(hopper_with
         persistent.Support(False, "its CUDA extension is unavailable: prnn_kernels: no CUDA toolkit found"))
 
 
+class _ExtensionRunningBatchesUpTo:
+    """The extension's support query as a GPU answers it for a shape that runs up to `largest` utterances (the fp32 GRU
+    at 1280 runs 1 to 12 on an H100 and an H200), refused above it with the reason an H100 gave at 13."""
+
+    def __init__(self, largest):
+        self.largest = largest
+
+    def support(self, cell, hidden_size, batch_size, bf16):
+        if batch_size <= self.largest:
+            return True, ""
+        return False, (f"backward: weights of a GRU of hidden size {hidden_size} (fp32, 19.7 MB) do not fit on chip on "
+                       "this device (132 SMs): no tiling fits one SM's registers and shared memory with batch "
+                       f"{batch_size}")
+
+
+def test_a_batch_refused_where_fewer_utterances_run_is_named_as_the_reason(hopper_without_its_extension,
+                                                                           monkeypatch):
+    # The kernels' reason leads with the weights, 19.7 MB that "do not fit on chip", and says neither that fewer
+    # utterances run nor how many: 12, which batch_slice=12 gives a larger batch.
+    extension = _ExtensionRunningBatchesUpTo(12)
+    monkeypatch.setattr(build, "load_extension", lambda: extension)
+    weights = extension.support("gru", 1280, 13, False)[1]
+    assert support("gru", 1280, 13, torch.float32, "cuda") == persistent.Support(
+        False, "batch size 13 does not fit on this device, 12 does (the modules' batch_slice runs a larger batch as "
+               f"slices): {weights}")
+    assert support("gru", 1280, 12, torch.float32, "cuda").ok
+    monkeypatch.setattr(modules, "_warned_fallbacks", set())
+    with pytest.warns(UserWarning, match="runs on cuDNN, not the persistent kernel: batch size 16 does not fit on this "
+                                         "device, 12 does"):
+        prnn_kernels.GRU(8, 1280).backend_for(16, torch.float32, "cuda")
+    # Where one utterance is refused too, the batch is not why, and the reason is the kernels' own.
+    extension.largest = 0
+    persistent._cuda_support.cache_clear()
+    assert support("gru", 1280, 13, torch.float32, "cuda") == persistent.Support(False, weights)
+
+
 def test_lengths_out_of_range_are_refused_before_the_extension_is_built(hopper_without_its_extension):
     # They were checked after the support query, which builds the extension first: a minute's build before the
     # refusal, and where the build failed, "its CUDA extension is unavailable" instead of the lengths.
