@@ -1473,22 +1473,34 @@ class SilentWorld:
     Irecv = Isend
 
 
-@pytest.mark.parametrize("failure, waited_s", [
-    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 500ms for recv operation to complete", 0.5),
-    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3600000ms for recv", 2.0),  # at most the longest
-    ("[gloo/transport/tcp/pair.cc:561] Connection reset by peer [127.0.0.1]:26512", 0.3),  # the abort's grace
-    ("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:26512", 0.3),
+@pytest.mark.parametrize("failure, timeout_s, waited_s", [
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 500ms for recv operation to complete", 0.5, 0.5),
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3600000ms for recv", 3600, 2.0),  # capped
+    # Another collective of this rank's timed out first (DDP's bucket, beside sync batch norm's): no ms in the error.
+    ("[gloo/transport/tcp/unbound_buffer.cc:81] Application timeout caused pair closure", 0.5, 0.5),
+    ("[gloo/transport/tcp/pair.cc:561] Connection reset by peer [127.0.0.1]:26512", 0.5, 0.3),  # the abort's grace
+    ("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:26512", 0.5, 0.3),
 ])
-def test_a_failed_collective_waits_for_the_other_ranks_answers_as_long_as_it_says(monkeypatch, failure, waited_s):
-    """A timeout of gloo's waits that timeout (in ms) for the other ranks to say theirs timed out too, at most
+def test_a_failed_collective_waits_for_the_other_ranks_answers_as_long_as_it_says(monkeypatch, failure, timeout_s,
+                                                                                   waited_s):
+    """A timeout of gloo's waits the collectives' timeout for the other ranks to say theirs timed out too, at most
     LONGEST_ANSWER_WAIT_S; a peer gone waits the grace a failing rank gives its line."""
     monkeypatch.setattr(distributed, "LONGEST_ANSWER_WAIT_S", 2.0)
     monkeypatch.setattr(distributed, "ABORT_GRACE_S", 0.3)
     monkeypatch.setattr(distributed, "_mpi_of_a_gloo_job", lambda: SilentWorld(3, longest_s=waited_s + 1))
     start = time.monotonic()
-    assert distributed.other_ranks_answers(RuntimeError(failure)) == {1: None, 2: None}
+    assert distributed.other_ranks_answers(RuntimeError(failure), timeout_s) == {1: None, 2: None}
     assert waited_s <= time.monotonic() - start < waited_s + 1
-    assert distributed.other_ranks_answers(RuntimeError("CUDA out of memory")) is None
+    assert distributed.other_ranks_answers(RuntimeError("CUDA out of memory"), timeout_s) is None
+
+
+def test_a_collective_failed_by_another_of_its_ranks_timeouts_names_the_silent_rank():
+    """gloo closes a rank's connections as one of its collectives times out, and another collective of that rank
+    waiting beside it (sync batch norm's all-reduce in the backward, DDP's bucket timed out first) fails on the
+    closure, in words that named no timeout: two ranks of experiment=cpu_demo, rank 1 stopped, ended on gloo's
+    traceback, not the line naming rank 1."""
+    closed_here = RuntimeError("Application timeout caused pair closure")
+    assert distributed.silent_ranks_waited_for(closed_here, {1: None}) == [1]
 
 
 @needs_mpiexec

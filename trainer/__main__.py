@@ -128,11 +128,11 @@ def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied, cfg: DictC
     return str(error)
 
 
-def other_ranks_failure(error: Exception) -> str | None:
+def other_ranks_failure(error: Exception, timeout_s: float) -> str | None:
     """One line for a gloo collective that failed for want of other ranks, which its error and traceback do not name:
-    those that ended the job on an error of their own, or those that did not answer (stopped, hung). None for any
-    other error, which gets its traceback."""
-    answers = distributed.other_ranks_answers(error) or {}
+    those that ended the job on an error of their own, or those that did not answer (stopped, hung) within the
+    collectives' `timeout_s`. None for any other error, which gets its traceback."""
+    answers = distributed.other_ranks_answers(error, timeout_s) or {}
     if failed := [rank for rank, said in answers.items() if said == distributed.ENDED_ON_ITS_OWN_ERROR]:
         return (f"{', '.join(f'rank {rank}' for rank in failed)} ended the job on an error of its own, which its line "
                 "gives; this rank's collective failed with it")
@@ -208,7 +208,7 @@ def main(cfg: DictConfig) -> None:
         if message is not None:
             log.error("error on rank %d: %s", launch_ranks.launcher_rank(), message)
             end_job(2, message)
-        elif summary := other_ranks_failure(error):
+        elif summary := other_ranks_failure(error, cfg.distributed.timeout_s):
             log.error("error on rank %d: %s", launch_ranks.launcher_rank(), summary)
             end_job(1, summary)
         else:

@@ -37,7 +37,10 @@ from trainer.launch_ranks import (check_mpi_sees_the_launchers_ranks, check_not_
 log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 2.0
-GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms")  # gloo's words for a collective that waited its timeout
+# gloo's words for a collective that waited its timeout, and for one that failed as another of this rank's timed
+# out: gloo then closes every connection of this rank, and a collective waiting beside it (sync batch norm's in the
+# backward, beside DDP's asynchronous bucket all-reduce, which timed out first) fails on the closure.
+GLOO_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Application timeout caused pair closure")
 GLOO_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer")  # gloo's words for a peer whose process ended
 ANSWER_TAG = 0x5052  # the MPI tag of other_ranks_answers' messages, which no other message of the trainer's has
 TIMED_OUT_TOO, ENDED_ON_ITS_OWN_ERROR = 0, 1  # what a rank says to the others under ANSWER_TAG
@@ -422,14 +425,14 @@ def _mpi_of_a_gloo_job():
     return sys.modules.get("mpi4py.MPI") if backend() == "gloo" else None
 
 
-def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
+def other_ranks_answers(error: Exception, timeout_s: float) -> dict[int, int | None] | None:
     """Where `error` is a gloo collective's failure in a job MPI started, {rank: what each other rank said}:
     TIMED_OUT_TOO from each rank whose collective timed out too (said here), ENDED_ON_ITS_OWN_ERROR from one that
     ends the job on an error of its own (tell_others_this_rank_failed), None from one that said nothing. A timeout
-    waits for them for that timeout (at most LONGEST_ANSWER_WAIT_S): those that stay silent are the ones the
-    collectives waited for (stopped, hung, or busy elsewhere), which gloo's error does not name. A connection a peer
-    closed waits ABORT_GRACE_S, the time a failing rank gives its line before it ends the job, having said so first.
-    None for any other error. Over MPI, not the process group, whose collectives wait for every rank."""
+    waits for them for the collectives' `timeout_s` (at most LONGEST_ANSWER_WAIT_S): those that stay silent are the
+    ones the collectives waited for (stopped, hung, or busy elsewhere), which gloo's error does not name. A connection
+    a peer closed waits ABORT_GRACE_S, the time a failing rank gives its line before it ends the job, having said so
+    first. None for any other error. Over MPI, not the process group, whose collectives wait for every rank."""
     timed_out = GLOO_TIMEOUT.search(str(error))
     mpi = _mpi_of_a_gloo_job()
     if mpi is None or (timed_out is None and not GLOO_PEER_GONE.search(str(error))):
@@ -439,7 +442,7 @@ def other_ranks_answers(error: Exception) -> dict[int, int | None] | None:
     unsaid = [world.Isend([bytearray([TIMED_OUT_TOO]), mpi.BYTE], dest=rank, tag=ANSWER_TAG) for rank in others]
     answers = {rank: bytearray(1) for rank in others}
     unheard = {rank: world.Irecv([answers[rank], mpi.BYTE], source=rank, tag=ANSWER_TAG) for rank in others}
-    wait_s = min(int(timed_out[1]) / 1000, LONGEST_ANSWER_WAIT_S) if timed_out else ABORT_GRACE_S
+    wait_s = min(timeout_s, LONGEST_ANSWER_WAIT_S) if timed_out else ABORT_GRACE_S
     unfinished = _unfinished([*unsaid, *unheard.values()], wait_s)
     return {rank: None if any(unheard[rank] is request for request in unfinished) else answer[0]
             for rank, answer in answers.items()}
