@@ -1666,6 +1666,27 @@ def test_the_watchdog_of_mpis_start_never_runs_on_into_the_trainers_code():
     assert ran.returncode == 0 and ran.stdout.count("ran on in") == 1, (ran.stdout, ran.stderr)
 
 
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=lambda number: number.name)
+def test_the_watchdog_of_mpis_start_outlives_a_stop_signal(stop_signal):
+    """MPICH's mpiexec passes a stop signal on to each rank's process group, the watchdog ended_past forks among it.
+    The rank's handler (StopSignals': it raises before training) ended the watchdog, while the rank, inside MPI_Init,
+    could not run it: a job whose other rank never started MPI (stopped, or ended before MPI, not by the trainer: a
+    failed import) waited for ever, SIGTERM after SIGTERM. The rank here sleeps as in MPI_Init."""
+    code = textwrap.dedent(f"""
+        import os, signal, time
+        from trainer.distributed import ended_past
+        from trainer.stop import StopSignals
+        with StopSignals(), ended_past(2, 0):
+            time.sleep(0.5)
+            child = int(open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()[0])
+            os.kill(child, {int(stop_signal)})
+            time.sleep(20)
+    """)
+    ran = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == -signal.SIGKILL, (ran.stdout, ran.stderr)
+    assert "error on rank 0: MPI did not start within distributed.timeout_s (2 s)" in ran.stderr, ran.stderr
+
+
 @needs_mpiexec
 @pytest.mark.parametrize("rank_1_override, difference", [
     ("seed=99", "rank 1 has seed=99 where rank 0 has 1234"),

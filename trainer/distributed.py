@@ -87,6 +87,12 @@ def ended_past(timeout_s: float, rank: int, timeout_setting: str = TRAINER_TIMEO
     watchdog = os.fork()
     if watchdog == 0:
         try:  # whatever happens here (a Ctrl-C's KeyboardInterrupt), this copy never runs on into the trainer's code
+            # MPICH's mpiexec passes a stop signal on to the rank's process group, this copy among it: the rank's
+            # handlers (StopSignals' raise) would end it, leaving the rank in MPI_Init for ever. They are the rank's
+            # to run, once MPI_Init returns.
+            for number in signal.valid_signals():
+                if callable(signal.getsignal(number)):
+                    signal.signal(number, signal.SIG_IGN)
             os.close(write_end)
             if not select.select([read_end], [], [], timeout_s)[0]:
                 os.write(2, refusal.encode())
