@@ -74,15 +74,20 @@ launcher_version() {
     "$1" --version 2> /dev/null || true
 }
 
-# `help_if_asked "$usage" "$@"`: where the script's first argument is -h or --help, its usage and its header comment
+# `help_if_asked "$usage" "$@"`: where any of the script's arguments is -h or --help, its usage and its header comment
 # (an example, the settings it reads from the environment) on stdout, and exit 0, before a count's check takes the
-# flag for a count.
+# flag for a count. Among the overrides too: the check of the overrides answered it with its own help, exit code 0, and
+# every rank of the job then printed the trainer's.
 help_if_asked() {
-    if [[ ${2-} == -h || ${2-} == --help ]]; then
-        echo "$1"
-        sed -n '2,/^set /s/^# \{0,1\}//p' "$0"
-        exit 0
-    fi
+    local usage=$1 argument
+    shift
+    for argument in "$@"; do
+        if [[ $argument == -h || $argument == --help ]]; then
+            echo "$usage"
+            sed -n '2,/^set /s/^# \{0,1\}//p' "$0"
+            exit 0
+        fi
+    done
 }
 
 # `counted COUNT NOUN`: '1 host line', '2 host lines', a count and its noun as the Python side words one

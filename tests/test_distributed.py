@@ -1023,12 +1023,14 @@ def test_the_launch_scripts_check_a_sweep_leaving_nothing_behind(tmp_path):
 
 def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
     """`launch/single_node.sh --help` was refused as a count, "NUM_GPUS must be a positive integer, not '--help'",
-    exit code 2, and the settings the scripts read from the environment were written only in their source."""
+    exit code 2, and the settings the scripts read from the environment were written only in their source. Among the
+    overrides (`single_node.sh 2 experiment=cpu_demo --help`), the check of the overrides printed its own help, exit
+    code 0, then the script built and started the job, every rank printing the trainer's help."""
     for script, settings in [("single_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME"]),
                              ("multi_node.sh", ["PYTHON", "MPIRUN", "RUN_NAME", "MASTER_ADDR", "MASTER_PORT",
                                                 "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "GLOO_SOCKET_IFNAME"])]:
-        for flag in ("--help", "-h"):
-            ran = launch_script(script, flag)
+        for arguments in (["--help"], ["-h"], ["2", "experiment=cpu_demo", "--help"]):
+            ran = launch_script(script, *arguments)
             assert ran.returncode == 0 and ran.stderr == "", ran.stderr
             assert ran.stdout.startswith(f"usage: launch/{script} "), ran.stdout
             assert all(setting in ran.stdout for setting in settings), ran.stdout
