@@ -1037,6 +1037,20 @@ def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
             assert "#" not in ran.stdout and "-np " not in ran.stdout, ran.stdout  # no comment marks, nothing launched
 
 
+@pytest.mark.parametrize("arguments", [["--help"], ["-m", "experiment=an4_gpu", "-h"]])
+def test_the_slurm_script_answers_help_with_its_usage_and_starts_nothing(tmp_path, arguments):
+    """Outside an allocation `launch/slurm.sbatch --help` was refused as not a batch job; inside one, among the
+    overrides, the check of the overrides printed its own help, then srun built and started every rank."""
+    ran = subprocess.run(["bash", str(REPO_ROOT / "launch" / "slurm.sbatch"), *arguments], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_JOB_ID": ""})
+    assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+    assert ran.stdout.startswith("usage: sbatch [options] launch/slurm.sbatch "), ran.stdout
+    assert all(setting in ran.stdout for setting in ("PYTHON", "RUN_NAME", "SRUN_MPI", "MASTER_ADDR")), ran.stdout
+    assert not any(line.startswith("#") for line in ran.stdout.splitlines()), ran.stdout  # comment marks taken off
+    ran, recorded = slurm_script(tmp_path, *arguments)
+    assert ran.returncode == 0 and ran.stdout.startswith("usage: ") and recorded == [], (ran.stdout, recorded)
+
+
 def test_the_multi_node_script_forwards_only_the_variables_that_are_set(tmp_path):
     """OpenMPI's mpirun warns of each -x name it does not find (`Warning: could not find environment variable
     "PRNN_AN4"`, OpenMPI 4.1.6), which every start without PRNN_AN4 or PYTHONPATH set printed."""
