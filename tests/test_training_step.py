@@ -372,6 +372,34 @@ def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, e
     assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *last], output
 
 
+A_DATA_WORKER_THAT_FAILS = """
+from torch.utils.data import DataLoader
+from trainer.stop import ignore_in_data_workers, start_data_workers
+
+def fails(samples):  # as data.dataset.collate's move of a batch into shared memory where /dev/shm is full
+    raise RuntimeError("a worker's own error")
+
+loader = DataLoader(range(8), batch_size=2, num_workers=2, collate_fn=fails, worker_init_fn=ignore_in_data_workers)
+try:
+    next(start_data_workers(loader))
+except RuntimeError as error:
+    print(str(error).splitlines()[-1])
+"""
+
+
+def test_a_data_workers_own_error_reaches_the_training_process_which_then_ends():
+    """The error was raised, its traceback printed, and the process then never ended: Python's exit waited for the
+    workers, which ignore torch's SIGTERM."""
+    job = subprocess.Popen([sys.executable, "-c", A_DATA_WORKER_THAT_FAILS], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output = job.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0 and output.splitlines() == ["RuntimeError: a worker's own error"], output
+
+
 def assert_ends_soon_after_its_training_process(worker: int) -> None:
     deadline = time.monotonic() + 2
     while running(worker) and time.monotonic() < deadline:

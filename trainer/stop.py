@@ -356,7 +356,10 @@ def start_data_workers(loader: "DataLoader", timeout_s: float | None = None,
                 failure = DataWorkersTimedOut(f"no batch came from the data-loading workers within {timeout_s:g} s")
             except Exception:
                 failure = died or _death(workers, DYING_S)
-                if failure is None:
+                if failure is None:  # a worker's own error, which torch raises here
+                    # The workers ignore the SIGTERM of torch's shutdown, and Python's exit then waited for them for
+                    # ever, after the error's traceback.
+                    _kill_and_reap(workers)
                     raise
             else:
                 yield batch
