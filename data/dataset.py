@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from data.audio import AudioError, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
@@ -347,7 +347,7 @@ def collate(samples: Sequence[Sample | Unusable]) -> Batch:
     for row, sample in enumerate(usable):
         features[row, : len(sample.features)] = sample.features
     targets = [sample.targets for sample in usable]
-    return Batch(
+    batch = Batch(
         features=features,
         feature_lengths=feature_lengths,
         targets=torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64),
@@ -355,3 +355,10 @@ def collate(samples: Sequence[Sample | Unusable]) -> Batch:
         indices=torch.tensor([sample.index for sample in usable], dtype=torch.int64),
         unusable=tuple(sample for sample in samples if isinstance(sample, Unusable)),
     )
+    if get_worker_info() is None:
+        return batch
+    # A worker hands its batch over in shared memory (/dev/shm). Moved there here, not by the queue's feeder thread as
+    # it sends the batch, a failure (/dev/shm full, a file size limit) is the worker's error, which reaches the training
+    # process: in the feeder thread it was printed there and the batch lost, the training process waiting for it until
+    # its timeout and then blaming a stuck worker. torch's default_collate allocates in shared memory too.
+    return batch._map(torch.Tensor.share_memory_)

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, raw_control_characters
 from data.dataset import (
-    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, SpeechDataset, Unusable, collate, min_ctc_frames,
+    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, Sample, SpeechDataset, Unusable, collate,
+    min_ctc_frames,
 )
 from data.features import FeatureExtractor, SpecAugment
 from data.manifest import Utterance, write_manifest
@@ -432,6 +433,22 @@ def test_collate_of_only_unusable_samples_is_an_empty_batch():
     batch = collate([Unusable(3, "skipping a"), Unusable(5, "skipping b")])
     assert batch.features.shape[0] == 0 and batch.targets.numel() == 0 and batch.indices.numel() == 0
     assert batch.num_unusable == 2 and [item.index for item in batch.unusable] == [3, 5]
+
+
+def with_a_file_size_limit_of_4_kib(worker_id: int) -> None:
+    """A DataLoader's worker_init_fn: the worker's shared memory (files in /dev/shm) fails as a full /dev/shm does."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_a_batch_that_shared_memory_cannot_take_is_its_workers_error():
+    """The queue's feeder thread moved the batch into shared memory as it sent it: its failure was printed there and
+    the batch lost, and the training process waited for it until distributed.timeout_s, then blamed a stuck worker."""
+    samples = [Sample(torch.ones(100, 40), torch.tensor([1]), index) for index in range(4)]  # 16 KB of features each
+    loader = DataLoader(samples, batch_size=2, collate_fn=collate, num_workers=1, timeout=10,
+                        worker_init_fn=with_a_file_size_limit_of_4_kib)
+    with pytest.raises(RuntimeError, match="File too large"):
+        next(iter(loader))
 
 
 def test_augment_masks_the_training_features(manifest):
