@@ -16,7 +16,7 @@ from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, not
 from trainer.records import open_metrics, steps_from_the_resume
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_optimizer_state, restore, resumed_train_state, run_started_from, settle_best,
+    load_finite_model, load_optimizer_state, restore, resumed_train_state, run_started_from, settle_best,
 )
 
 
@@ -209,7 +209,8 @@ def test_a_checkpoint_of_another_training_set_is_refused():
 def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_path):
     path = tmp_path / "last.pt"
     state = {"epoch": 0, "step": 0, "best_wer": math.inf, "elapsed_s": 0.0}
-    loaders = {"model": torch.nn.Linear(2, 3).load_state_dict,
+    model = torch.nn.Linear(2, 3)
+    loaders = {"model": lambda saved_model: load_finite_model(model, saved_model),
                "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
                "rng": lambda states: checkpoint.set_rng_state(states[0], torch.device("cpu"))}
     good = {"model": torch.nn.Linear(2, 3).state_dict(), "train_state": {"epoch": 2, "step": 9, "best_wer": 50.0},
@@ -220,6 +221,9 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
     assert resumed_train_state({**state, "best_wer": math.inf}, none_evaluated)["best_wer"] == math.inf
     cases = [
         ("model", torch.nn.Linear(2, 4).state_dict(), "size mismatch for weight"),
+        # Resumed, a model edited to hold NaN skipped every step of its epoch, then was refused for want of a lower lr.
+        ("model", {**good["model"], "bias": torch.tensor([0.0, math.nan, 0.0])},
+         r"its weights hold values that are not finite, in bias\)$"),
         ("train_state", {"epoch": 2, "step": "9"},
          "no number from 0 up, or no count where one belongs, for step='9', best_wer=None"),
         ("train_state", {"epoch": 2.0, "step": -1, "best_wer": 1},

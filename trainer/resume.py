@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from data.values import is_int, is_real
-from trainer import checkpoint, distributed
+from trainer import build, checkpoint, distributed
 from trainer.config import RUN_NAME_SETTING, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
 from trainer.metrics import scores_better
@@ -157,6 +157,14 @@ def continued_run_id(saved: dict, path: Path, run_dir: Path) -> str | None:
 # How an optimizer runs, not what it computes: the optimizer as built keeps its own. Checkpoints from before both
 # optimizers were fused (2026-11-27) hold fused=None, which took torch's unfused step, and that refuses found_inf.
 IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_finite_model(model: torch.nn.Module, saved: dict) -> None:
+    model.load_state_dict(saved)
+    # The trainer saves no such model (trainer.train.refuse_if_diverged): edited by hand, or written by other code.
+    # Resumed, it skipped every step of an epoch, which then ended in advice on optim.lr.
+    if not_finite := build.entries_not_finite(model):
+        raise ValueError(f"its weights hold values that are not finite, in {not_finite}")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:

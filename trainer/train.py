@@ -36,7 +36,8 @@ from trainer.inputs import naming_the_an4_source
 from trainer.metrics import ErrorCounts
 from trainer.records import open_metrics, record_epoch, record_job, record_step, tensorboard_writer
 from trainer.resume import (
-    checkpoint_to_resume, known_entries, load_optimizer_state, position_in_epochs, resume_into, settle_best,
+    checkpoint_to_resume, known_entries, load_finite_model, load_optimizer_state, position_in_epochs, resume_into,
+    settle_best,
 )
 from trainer.run_directory import hold_run_directory
 from trainer.step import KEEP_FINITE, STOPPED, EpochTally, train_step
@@ -391,7 +392,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
              "elapsed_s": 0.0}
     # The parts a checkpoint restores besides the training state and the RNGs, as save() below writes them.
     start = resume_into(resume, state, cfg, run_dir, env, train_fingerprint, test_fingerprint, {
-        "model": model.load_state_dict,
+        "model": lambda saved_model: load_finite_model(model, saved_model),
         "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
         "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
             known_entries(saved_scheduler, scheduler.state_dict())),
