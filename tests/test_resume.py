@@ -147,6 +147,10 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         edited = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": broken}}}
         with pytest.raises(ValueError, match=rf"its state 'exp_avg' of parameter 0 is a .*{re.escape(described)}"):
             checkpoint.check_optimizer_state(edited, optimizer)
+    # Resumed, a NaN moment turned every weight to NaN at the first step.
+    not_finite = {0: {**saved["state"][0], "exp_avg_sq": torch.full((2, 3), math.nan)}}
+    with pytest.raises(ValueError, match=r"^its state 'exp_avg_sq' of parameter 0 holds values that are not finite$"):
+        checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], **not_finite}}, optimizer)
     # The resume's own path checks too: torch's load_state_dict takes a float64 state, casting it.
     with pytest.raises(ValueError, match=r"its state 'exp_avg' of parameter 0 is a torch.float64 tensor"):
         load_optimizer_state(optimizer, edited)

@@ -3,6 +3,7 @@
 A checkpoint holds only state dicts, tensors and plain data (the resolved config as a dict), so loading one
 never runs code: torch.load(..., weights_only=True) refuses anything else.
 """
+import math
 import os
 import pickle
 import random
@@ -323,7 +324,8 @@ def _unresolved(config: dict) -> str | None:
 def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None:
     """ValueError unless each tensor of a saved optimizer's per-parameter state (Adam's moments, SGD's momentum) is a
     whole tensor of its parameter's shape and dtype: a fused step writes its parameter's size into each, whatever
-    theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume); and each "step" a count."""
+    theirs (a smaller one corrupted memory, an expanded one took gigabytes on resume), and finite; and each "step" a
+    count."""
     saved_ids = [index for group in saved["param_groups"] for index in group["params"]]
     parameters = dict(zip(saved_ids, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
     if not isinstance(saved["state"], dict):  # torch's own loader would end in an AttributeError
@@ -343,6 +345,12 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None
                 expected = f"{parameter.dtype} {tuple(parameter.shape)}" if parameter is not None else "(none)"
                 raise ValueError(f"its state {name!r} of parameter {index} is a {value.dtype} tensor of shape "
                                  f"{tuple(value.shape)}, not its parameter's {expected}")
+            # The trainer saves no such state (its weights are checked finite first, and a step whose gradient is
+            # not finite is skipped): resumed, it turned the weights to NaN at the first step, and the epoch was then
+            # refused as if a lower optim.lr could help.
+            if value.is_floating_point() and value.numel() and not math.isfinite(
+                    torch.linalg.vector_norm(value, ord=math.inf)):
+                raise ValueError(f"its state {name!r} of parameter {index} holds values that are not finite")
 
 
 def _check_update_count(value, index) -> None:
