@@ -47,6 +47,9 @@ def test_global_batch_must_split_evenly_across_ranks():
         BucketBatchSampler(DURATIONS, 8, rank=4, world_size=4)
     with pytest.raises(ValueError, match="^3 utterances do not fill one global batch of global_batch_size 4$"):
         BucketBatchSampler([1.0, 2.0, 3.0], 4)
+    # 0 splits evenly across any world, into shards of none: it reached len() and divided by zero.
+    with pytest.raises(ValueError, match="^global_batch_size 0 must be a positive multiple of world_size 1$"):
+        BucketBatchSampler(DURATIONS, 0)
     # The smallest settings each check lets through: a batch of one, and utterances that fill exactly one batch.
     assert list(BucketBatchSampler([1.0], 1)) == [[0]]
     assert sorted(sum(BucketBatchSampler([1.0, 2.0, 3.0, 4.0], 4, rank=1, world_size=2).global_batches(0), [])) == [
@@ -169,6 +172,18 @@ def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
     for state in ({"epoch": 0, "position": 0.5}, {"epoch": 1.0, "position": 0}, {"epoch": -1, "position": 0}):
         with pytest.raises(ValueError, match="must be integers|is negative"):  # a checkpoint edited by hand
             sampler.load_state_dict(state)
+    # Taken, position -1 would train the epoch's last global batch first and then the whole epoch.
+    with pytest.raises(ValueError, match="^sampler position -1 is outside an epoch of 12 global batches$"):
+        sampler.load_state_dict({"epoch": 0, "position": -1})
+
+
+def test_equal_durations_keep_their_manifest_order():
+    # Every rank sorts for itself, and the ranks agree because ties keep the manifest's order: torch's unstable argsort
+    # reorders equal values from about 50 of them up, as its implementation happens to.
+    durations = [1.0 + index % 3 for index in range(60)]
+    manifest_order = sorted(range(60), key=durations.__getitem__)
+    assert sum(BucketBatchSampler(durations, 4).global_batches(0), []) == manifest_order
+    assert eval_shards(durations, 2, batch_size=30) == [[manifest_order[0::2]], [manifest_order[1::2]]]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
