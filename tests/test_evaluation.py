@@ -93,6 +93,9 @@ def test_the_best_checkpoint_is_chosen_among_evaluations_that_read_the_most():
     assert whole.beats(math.inf, math.inf) and part.beats(math.inf, math.inf)
     assert whole.beats(part.unreadable, part.wer) and not part.beats(whole.unreadable, whole.wer)
     assert not whole.beats(0, 10.0) and whole.beats(0, 10.5)
+    # Audio too short for its transcript is left out as unreadable audio is: 5 % over part of the set is not better.
+    short = ErrorCounts(1, 20, 1, 60, too_long_for_stride=4)
+    assert not short.beats(whole.not_decoded, whole.wer) and whole.beats(short.not_decoded, short.wer)
 
 
 def test_transcribe_reads_audio_at_the_models_rate_and_skips_what_it_cannot_use(tmp_path, monkeypatch, capsys):
