@@ -88,11 +88,11 @@ def test_beam_search_reads_each_utterances_frames_and_no_more():
 
 
 def test_a_narrow_beam_drops_the_prefixes_past_its_width():
-    # After the first frame "A" 0.5 leads "B" 0.3 and "" 0.2; at the end "B" (B_, BB, _B) 0.42 leads "AB" 0.3 and
-    # "A" 0.2. One prefix kept loses "B"'s paths and ends in "AB"; three keep them all.
-    log_probs, lengths = log_probs_over([{"A": 0.5, "B": 0.3, "_": 0.2}, {"B": 0.6, "_": 0.4}]), torch.tensor([2])
-    assert BeamSearch(beam_width=1)(log_probs, lengths) == ["AB"]
-    assert BeamSearch(beam_width=3)(log_probs, lengths) == ["B"]
+    # After the first frame "A" 0.5 leads "B" 0.28 and "" 0.22; at the end "B" (B_, BB, _B) 0.412 leads "AB" 0.3 and
+    # "A" 0.2. One prefix kept loses "B"'s paths and ends in "AB"; two keep B_ and BB, 0.28, still short of "AB"; three
+    # keep them all. So each width is kept exactly: one prefix more than asked turns 2's "AB" into "B".
+    log_probs, lengths = log_probs_over([{"A": 0.5, "B": 0.28, "_": 0.22}, {"B": 0.6, "_": 0.4}]), torch.tensor([2])
+    assert [BeamSearch(beam_width=width)(log_probs, lengths) for width in (1, 2, 3)] == [["AB"], ["AB"], ["B"]]
 
 
 @pytest.mark.parametrize("chars", ["ABC", "AB "])
