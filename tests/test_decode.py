@@ -234,6 +234,16 @@ def test_a_transcript_scores_ctc_plus_weighted_language_model_plus_word_bonus():
     assert search._rank(prefix, paths) == pytest.approx(expected - 0.7 * (-0.7 - 0.4) * ln, rel=1e-12)
 
 
+def test_an_empty_transcript_scores_the_end_of_the_sentence_right_after_its_start():
+    # Silence is "<s> </s>": its end scored after a word of no letters (<unk>) scores a bigram model's P(</s>) 0.39
+    # instead of P(</s> | <s>) 0.19, and weighs silence against every word the audio might hold with the wrong number.
+    lm = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=2))
+    search = BeamSearch(lm=lm, lm_weight=0.7, word_bonus=0.3)
+    silence = Prefix(context=search._history((), "<s>"))
+    expected = -1.25 + 0.7 * lm.log10_prob(("<s>",), "</s>") * math.log(10)
+    assert search._rank(silence, Paths(blank=-1.25), final=True) == pytest.approx(expected, rel=1e-12)
+
+
 def test_a_transcript_that_ends_in_a_space_scores_its_last_word_once():
     # CTC: "A" 0.6 (A, then a space that ends it), "AB" 0.4. With the language model "A" wins, ln 0.6 + ln P(A) +
     # ln P(</s>) = -2.81 against -3.44; scoring A's word twice (as the space and again at the end) would give -4.19.
