@@ -43,8 +43,9 @@ def test_rank_shards_tile_each_global_batch_without_overlap(world_size, epoch):
 def test_global_batch_must_split_evenly_across_ranks():
     with pytest.raises(ValueError, match="global_batch_size 6 .* world_size 4"):
         BucketBatchSampler(DURATIONS, 6, rank=0, world_size=4)
-    with pytest.raises(ValueError, match=r"^rank 4 is not in a world of size 4$"):
-        BucketBatchSampler(DURATIONS, 8, rank=4, world_size=4)
+    for rank in (4, -1):  # rank -1 took the empty slice [-2:0] of every global batch
+        with pytest.raises(ValueError, match=rf"^rank {rank} is not in a world of size 4$"):
+            BucketBatchSampler(DURATIONS, 8, rank=rank, world_size=4)
     with pytest.raises(ValueError, match="^3 utterances do not fill one global batch of global_batch_size 4$"):
         BucketBatchSampler([1.0, 2.0, 3.0], 4)
     # 0 splits evenly across any world, into shards of none: it reached len() and divided by zero.
