@@ -230,7 +230,7 @@ def test_a_long_recording_among_short_ones_is_evaluated_in_a_batch_of_its_own():
     # CPU instead of 13 s and 1.0 GB.
     durations = [2.0, 600.0, 1.5, 3.0, 2.5, 1.0]
     assert eval_shards(durations, 1, batch_size=16) == [[[5, 2, 0, 4, 3], [1]]]
-    at_the_limit = [1.0, EVAL_LENGTH_SPREAD, EVAL_LENGTH_SPREAD + 0.5, 2.0]
+    at_the_limit = [1.0, 4.0, 4.5, 2.0]  # four times the shortest, as README says, and no more
     assert eval_shards(at_the_limit, 1, batch_size=16) == [[[0, 3, 1], [2]]]
     assert eval_shards(at_the_limit, 1, batch_size=2) == [[[0, 3], [1, 2]]]
 
