@@ -664,7 +664,8 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
     with open(tmp_path / "metrics.jsonl", "w") as metrics:
         record_epoch(EpochTally(0, 0), counts, None, eval_set, 1, 1, 0.0, types.SimpleNamespace(add_scalar=print),
                      metrics)
-    assert "epoch 1: none of the test set's 2 utterances could be decoded (warned about above): no test WER" in caplog.text
+    assert ("epoch 1: none of the test set's 2 utterances could be decoded (warned about above): no test WER"
+            in caplog.text)
     assert "WER is over" not in caplog.text
 
 

@@ -219,7 +219,8 @@ def _cannot_write(path: str):
 def lines_stream(*outputs: str | None):
     """Where a tool prints its own lines (what it does, what it wrote, trainer.evaluate's WER): stdout, or stderr where
     one of its output files `outputs` (None: not given) is stdout (--out /dev/stdout | gzip), whose reader would find
-    them in the middle of the file, or where stdout is closed (>&-: Python's None, into which print() dropped the WER)."""
+    them in the middle of the file, or where stdout is closed (>&-: Python's None, into which print() dropped the
+    WER)."""
     if sys.stdout is None:
         return sys.stderr
     written_to_stdout = any(out is not None and standard_stream_writing_to(out) is sys.stdout for out in outputs)

@@ -170,7 +170,7 @@ def check_config(cfg: DictConfig) -> None:
     # launch scripts' check (trainer.check_overrides) refuse them before any job, build or rank starts.
     num_features = build.features(cfg.data).num_features
     build.spec_augment(cfg.data, num_features)
-    if cfg.device == "cpu":  # the backend's answer on a GPU depends on the batch and the GPU: trainer.train asks it there
+    if cfg.device == "cpu":  # on a GPU the backend's answer depends on the batch and the GPU: trainer.train asks there
         refuse_backend_off_a_gpu(cfg, num_features)
 
 
