@@ -94,7 +94,8 @@ NAMED_PER_REASON = 5
 class SkipWarnings:
     """The utterances left out, each counted by reason in `counts` and named in a warning, the first NAMED_PER_REASON
     of each reason alone; `close` says how many more of each were left out and writes every one, named or not, to
-    `list_path` (one JSON object a line: the file, the reason, why), where one is given."""
+    `list_path` (one JSON object a line: the file, the reason, why), where one is given: `say_the_rest`, then
+    `write_list`, which a caller that must not write yet calls later."""
 
     def __init__(self, log: logging.Logger, counts: Counter[str], list_path: str | os.PathLike | None = None):
         self.log = log
@@ -114,14 +115,19 @@ class SkipWarnings:
             self.unnamed[reason] += 1
 
     def close(self) -> None:
-        if self.list_path is not None:
-            self._write_list(Path(self.list_path))
+        self.write_list()
+        self.say_the_rest()
+
+    def say_the_rest(self) -> None:
         where = (f"every one left out is listed in {printable(self.list_path)}" if self.list_path
                  else "not named one by one")
         for reason, count in self.unnamed.items():  # in the words of the lines before and of count_reasons
             self.log.warning("skipping %s (%s); %s", counted(count, "more utterance"), reason, where)
 
-    def _write_list(self, path: Path) -> None:
+    def write_list(self) -> None:
+        if self.list_path is None:
+            return
+        path = Path(self.list_path)
         if not self.listed and not is_stream(path) and not path.is_symlink():
             path.unlink(missing_ok=True)  # an earlier list would name files since mended or removed
         else:
@@ -162,8 +168,8 @@ class SpeechDataset(Dataset):
         time_stride: how many feature frames the model merges into one output frame.
         max_duration: seconds; longer utterances are dropped. None keeps all.
         seed: with `set_epoch`, fixes the augmentation of each item (see `_augmented`).
-        skip_list: a JSONL file to list every utterance left out at construction in, with why (not written where
-            none is).
+        skip_list: a JSONL file that `write_skip_list` lists every utterance left out at construction in, with why
+            (removed where none is); the warnings name it.
     """
 
     def __init__(
@@ -191,7 +197,8 @@ class SpeechDataset(Dataset):
         self.skipped: Counter[str] = Counter()
         self._warned: set[int] = set()
         self._warned_per_reason: Counter[str] = Counter()
-        self._read(manifest_paths, SkipWarnings(logger, self.skipped, skip_list))
+        self._skip_warnings = SkipWarnings(logger, self.skipped, skip_list)
+        self._read(manifest_paths, self._skip_warnings)
         if not self.utterances:
             raise ValueError(f"no usable utterance in {', '.join(map(str, manifest_paths))}: skipped "
                              f"{count_reasons(self.skipped) or 'none, the manifest is empty'}")
@@ -201,6 +208,11 @@ class SpeechDataset(Dataset):
             ", ".join(map(str, manifest_paths)),
             count_reasons(self.skipped) or "none",
         )
+
+    def write_skip_list(self) -> None:
+        """Writes the construction's `skip_list`, where one was given: a training job writes it only once it goes on,
+        so that one refused, or with nothing to train, leaves its run directory's list as it was."""
+        self._skip_warnings.write_list()
 
     def fingerprint(self) -> str:
         """The utterances kept, in order, as a count and a digest of their file names, durations and transcripts:
@@ -231,7 +243,7 @@ class SpeechDataset(Dataset):
                 kept_files.add(audio_file)
                 self.utterances.append(utterance)
                 self.targets.append(targets)
-        skip_warnings.close()
+        skip_warnings.say_the_rest()
         if first_repeat is not None:
             logger.warning("skipping %s whose audio file is listed before (the first: %s)",
                            counted(self.skipped["audio listed before"], "utterance"), printable(first_repeat))

@@ -138,6 +138,7 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
     skip_list = tmp_path / "skipped.jsonl"
     with caplog.at_level(logging.WARNING):
         dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
+    dataset.write_skip_list()
     assert dataset.skipped == Counter({"characters outside the alphabet": 8, "empty transcript": 1})
     assert [record.getMessage() for record in caplog.records] == [
         *(f"skipping {tmp_path / name}: its transcript has characters outside the alphabet: ['.']"
@@ -156,7 +157,7 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
         "skipping 3 more utterances (characters outside the alphabet); not named one by one")
 
     write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # mended
-    SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
+    SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list).write_skip_list()
     assert not skip_list.exists()  # it would name files no longer left out
 
 
@@ -173,12 +174,12 @@ def test_a_skip_list_that_is_a_pipe_behind_a_link_is_written_into_never_renamed_
     link.symlink_to(pipe)
     reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # the other end, as `| gzip` holds it
     try:
-        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link)
+        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link).write_skip_list()
         assert link.is_symlink() and stat.S_ISFIFO(os.stat(pipe).st_mode)
         assert json.loads(os.read(reader, 4096))["audio_filepath"] == str(tmp_path / "said.wav")
 
         write_manifest(manifest, [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])  # none left out
-        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link)
+        SpeechDataset(manifest, FeatureExtractor("spectrogram"), skip_list=link).write_skip_list()
         assert link.is_symlink() and stat.S_ISFIFO(os.stat(pipe).st_mode)
     finally:
         os.close(reader)
@@ -194,7 +195,8 @@ def test_a_skip_list_written_to_stdout_under_a_shells_append_keeps_what_the_file
     log.write_text("an earlier line\n")
     build = ("import sys; from data.dataset import SpeechDataset; from data.features import FeatureExtractor; "
              "print('before', flush=True); "
-             "SpeechDataset(sys.argv[1], FeatureExtractor('spectrogram'), skip_list='/dev/stdout'); print('after')")
+             "SpeechDataset(sys.argv[1], FeatureExtractor('spectrogram'), skip_list='/dev/stdout').write_skip_list(); "
+             "print('after')")
     with open(log, "a") as stdout:
         subprocess.run([sys.executable, "-c", build, str(tmp_path / "m.jsonl")], cwd=REPO_ROOT, stdout=stdout,
                        check=True, timeout=120)

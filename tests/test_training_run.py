@@ -1152,6 +1152,28 @@ def test_a_training_set_with_many_left_out_names_a_few_and_lists_every_one_in_th
     assert not (tmp_path / "run" / "skipped_test.jsonl").exists()
 
 
+@pytest.mark.slow
+def test_a_job_that_leaves_the_run_directory_as_it_was_leaves_its_skip_lists_too(an4_train, tmp_path):
+    """The lists were written as the corpus was read, before the resume's checks: a resume refused, or one with
+    nothing to train (whose log says the run directory is left as it was), under another test set removed the run's
+    skipped_test.jsonl, the list of what its recorded evaluations left out."""
+    good = [u for u in an4_train if u.duration < 2.5][:8]
+    unspellable = good[0].__class__(str(tmp_path / "said.wav"), 1.0, "YES.", "x")
+    run_dir, training_set = tmp_path / "run", write_slice(tmp_path / "train.jsonl", good)
+    common = ["model.hidden=32", "train.epochs=1", "train.global_batch_size=4"]
+    test_set = write_slice(tmp_path / "test.jsonl", good + [unspellable])
+    train(run_dir, training_set, *common, f"data.eval_manifest={test_set}")
+    listed = (run_dir / "skipped_test.jsonl").read_text()
+    assert json.loads(listed)["audio_filepath"] == unspellable.audio_filepath
+    another_test_set = f"data.eval_manifest={write_slice(tmp_path / 'other.jsonl', good)}"
+    refused = train(run_dir, training_set, *common, another_test_set, "train.resume=auto", "model.hidden=48",
+                    check=False)
+    assert refused.returncode == 2 and "model.hidden=32 there, 48 here" in refused.output, refused.output[-3000:]
+    nothing = train(run_dir, training_set, *common, another_test_set, "train.resume=auto")
+    assert "the run directory is left as it was" in nothing.output, nothing.output[-3000:]
+    assert (run_dir / "skipped_test.jsonl").read_text() == listed
+
+
 def test_training_audio_left_out_when_loaded_is_counted_by_reason_in_each_epochs_line(an4_train, tmp_path):
     """A corrupt file, audio too short for its transcript and audio longer than data.max_duration, each hidden by its
     manifest duration: the epoch's line counts each under its own reason, in evaluation's words, where it lumped them

@@ -130,6 +130,7 @@ def main(argv=None) -> int:
             for output in (args.out, args.skipped):
                 check_not_an_input(output, [manifest])
         dataset = SpeechDataset([manifest], features, None, model.time_stride, skip_list=args.skipped)
+        dataset.write_skip_list()
         decoder = decode.from_arguments(args)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)

@@ -288,8 +288,8 @@ def datasets(cfg: DictConfig, features: FeatureExtractor, time_stride: int,
     """The training set and the test set of a model whose outputs are `time_stride` frames apart. Only the training
     set is SpecAugmented (data.augment) and left without utterances past data.max_duration: each evaluation scores
     every test utterance as it sounds. Its masks are drawn from the run's seed (with the epoch and the item: the same
-    whichever rank or worker loads it). Each set's utterances left out at the start are listed in `run_dir`, where
-    given, as skipped_train.jsonl and skipped_test.jsonl."""
+    whichever rank or worker loads it). Each set's utterances left out at the start are to be listed in `run_dir`,
+    where given, as skipped_train.jsonl and skipped_test.jsonl (SpeechDataset.write_skip_list)."""
     def skip_list(name: str) -> Path | None:
         return run_dir / f"skipped_{name}.jsonl" if run_dir is not None else None
 
@@ -414,6 +414,8 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                       OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
         record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues,
                    auto_found_no_checkpoint=cfg.train.resume == "auto" and resume is None)
+        train_set.write_skip_list()
+        eval_set.write_skip_list()
         if start.best is not None:  # afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one)
             settle_best(run_dir, start.best, test_fingerprint)
 
