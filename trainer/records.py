@@ -60,7 +60,8 @@ def open_metrics(path: Path, resumed: dict | None):
     are written beside it, then renamed over it: a full disk leaves the file as it was."""
     kept = []
     if resumed is not None and path.exists():
-        for line in path.read_text().splitlines():
+        # A line that is not UTF-8 (a note added by hand) is none of the trainer's, whose lines are ASCII: it goes.
+        for line in path.read_text(errors="surrogateescape").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
