@@ -353,6 +353,24 @@ def test_the_log_words_a_count_of_one_in_the_singular(an4_train, tmp_path):
     assert re.search(r"epoch 1: loss [\d.]+, 1 utterance in \d+ s", result.output), result.output[-3000:]
 
 
+@pytest.mark.slow
+def test_a_console_whose_reader_ends_leaves_the_run_to_finish_in_its_log(an4_train, tmp_path):
+    """python -m trainer ... | head: every log line after head ended printed logging's traceback on stderr, and the run,
+    trained to its end, then failed on its last line with exit code 1. The log file has every line."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *train_arguments(tmp_path / "run", utterance, "model.hidden=32",
+                                                           "train.global_batch_size=1", "train.epochs=1")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": python_path})
+    job.stdout.readline()
+    job.stdout.close()  # as head does once it has its lines
+    errors = job.stderr.read()
+    assert job.wait(timeout=600) == 0 and "Traceback" not in errors, errors[-3000:]
+    assert "final test WER" not in errors and "epoch 1: loss " in (tmp_path / "run" / "__main__.log").read_text()
+
+
 def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     def parameters(overrides):
         cfg = compose_config(overrides)

@@ -26,7 +26,14 @@ class _LineInOneWrite(tqdm):
 
     @classmethod
     def write(cls, s, file=None, end="\n", nolock=False):
-        super().write(s + end, file=file, end="", nolock=nolock)
+        try:
+            super().write(s + end, file=file, end="", nolock=nolock)
+        except BrokenPipeError:
+            # The console's reader ended (`| head`): logging printed a traceback for each later line, and the run's
+            # last line failed a finished run. The stream goes on into /dev/null; the run's log file keeps every line.
+            stream = file or sys.stdout
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), stream.fileno())
 
 
 def log_above_progress_bars():
