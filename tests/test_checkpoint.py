@@ -150,6 +150,21 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_one_whole(tmp_path, m
     assert [path.name for path in tmp_path.iterdir()] == ["c.pt"]  # the full-size temporary file removed
 
 
+def test_a_checkpoint_the_disk_has_no_space_for_is_one_line_giving_the_space_left(tmp_path, monkeypatch):
+    """A full disk's or a quota's error: the line gave 'OSError: [Errno 28] No space left on device: 'PATH'', the file
+    twice. The system's words, and the space left, which they do not say (a folder's refusal is its words alone)."""
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "replace", full)
+    path = tmp_path / "c.pt"
+    with pytest.raises(checkpoint.CheckpointWriteError) as error:
+        checkpoint.save(path, {"model": {"w": torch.ones(3)}, "config": {}})
+    assert re.fullmatch(rf"cannot write checkpoint {re.escape(str(path))} \(No space left on device; [\d.]+ MiB free "
+                        r"on its file system(, and this process may write files of at most [\d,]+ bytes \(ulimit -f\))?"
+                        r"\); c.pt there, if any, is as it was", str(error.value)), error.value
+
+
 def test_a_ctrl_c_during_a_checkpoint_write_stays_a_ctrl_c(tmp_path, monkeypatch):
     """torch's writer turns an exception in its write callback into a RuntimeError: a second Ctrl-C during a write
     read as a failed disk write (exit 2, and a sweep went on to its next job)."""

@@ -107,11 +107,13 @@ def _write_refusal(error: Exception, path: Path) -> str:
     """Why `path` could not be written: the system's words where its folder refuses it (Permission denied, Read-only
     file system), which the space left would only cloud. torch reports a failed write as "unexpected pos 206784 vs
     206672", without the reason: for it and a full disk, the space left, and the file size limit where there is one
-    (ulimit -f), which fails the write on a disk with space."""
-    if isinstance(error, OSError) and error.strerror and error.errno not in FULL_DISK:
+    (ulimit -f), which fails the write on a disk with space. The system's words alone, not its error's: that names
+    `path` (data.files.errors_naming), which the line names already."""
+    system = isinstance(error, OSError) and error.strerror
+    if system and error.errno not in FULL_DISK:
         return error.strerror
-    free = space_left(path.parent, "on its file system")
-    return f"{type(error).__name__}: {_reason(error)}{free}{file_size_limit()}"
+    reason = error.strerror if system else f"{type(error).__name__}: {_reason(error)}"
+    return f"{reason}{space_left(path.parent, 'on its file system')}{file_size_limit()}"
 
 
 def _interrupted(error: BaseException | None) -> bool:
