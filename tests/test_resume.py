@@ -13,10 +13,11 @@ from omegaconf import OmegaConf
 from conftest import compose_config
 from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
+from trainer.distributed import DistEnv
 from trainer.records import open_metrics, steps_from_the_resume
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_finite_model, load_optimizer_state, restore, resumed_train_state, run_started_from, settle_best,
+    load_finite_model, load_optimizer_state, restore, resume_into, resumed_train_state, run_started_from, settle_best,
 )
 
 
@@ -337,6 +338,11 @@ def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_o
                                              r"train.resume=auto \(the same command run again, a requeued job\), or "
                                              r"give this run another run_name \(RUN_NAME in the launch scripts\)$"):
             continued_run_id(saved, outside, run_dir)
+    # A run from before run ids, whose jobs.jsonl records none: a checkpoint that holds none is no more known as its
+    # own (the two missing ids are no match).
+    (run_dir / "jobs.jsonl").write_text(json.dumps({"from_step": 0}) + "\n")
+    with pytest.raises(ValueError, match="is not one of its checkpoints"):
+        continued_run_id({}, outside, run_dir)
 
 
 def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_checkpoints(tmp_path, caplog):
@@ -365,10 +371,13 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
     checkpoint.save(best.with_name("best-B.pt"), saved(6, 40.0, test_set="B"))
     assert best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B") == ({"best_unreadable": 0, "best_wer": 40.0},
                                                                           best.with_name("best-A.pt"), True)
-    checkpoint.save(best, saved(8, 30.0, test_set="../A"))  # edited: it would name a file in another folder
-    with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(best))}: its test_set '../A' is no test "
-                                         r"set's fingerprint \(the run's best.pt, whose evaluation"):
-        best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B")
+    # Edited: "../A" would name a file in another folder, "Ä" one no fingerprint's hex digest names.
+    for edited in ("../A", "8 utterances, sha256 \u00c41"):
+        checkpoint.save(best, saved(8, 30.0, test_set=edited))
+        with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(best))}: its test_set "
+                                             rf"{re.escape(repr(edited))} is no test set's fingerprint \(the run's "
+                                             r"best.pt, whose evaluation"):
+            best_to_beat(run_dir, earlier, saved(2, 80.0), state, "B")
     checkpoint.save(best, saved(8, 30.0))
     best.write_bytes(b"damaged")
     with pytest.raises(ValueError, match=rf"^cannot load checkpoint {re.escape(str(best))}: .* \(the run's best.pt, "
@@ -515,6 +524,8 @@ def test_a_resume_from_the_checkpoint_a_run_started_from_continues_that_run_and_
     assert run_started_from(run_dir / "checkpoints" / "best.pt", saved("parent", 3), run_dir) is None
     checkpoint.save(run_dir / "checkpoints" / "last.pt", saved("ft", 5))  # from before runs recorded their start
     assert run_started_from(start, saved("parent", 3), run_dir) is None
+    # A run started afresh records no start either: one from before run ids is no start of it, though neither names one.
+    assert run_started_from(start, saved(None, 3), run_dir) is None
 
 
 def test_only_a_resume_that_starts_a_new_run_says_it_is_another_runs_checkpoint(tmp_path, caplog):
@@ -558,3 +569,34 @@ def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(t
         assert "another run directory's checkpoint" not in caplog.text
     (tmp_path / "copy.pt").write_bytes(b"")
     assert not is_own_checkpoint(tmp_path / "copy.pt", run_dir)
+
+
+def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_is_the_runs_own(tmp_path):
+    """Where a job takes its run up decides whether metrics.jsonl and jobs.jsonl go on and which start the run's
+    checkpoints record. Only slow end-to-end tests checked it, and no test failed where a run's own last.pt from before
+    run ids started its records afresh (its metrics.jsonl emptied), or where a run started from another run's
+    checkpoint recorded its own last step as its start (the same command run again, as a requeued job runs it, was then
+    refused)."""
+    cfg = compose_config(["experiment=cpu_demo"])
+    env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
+    fresh = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+
+    def saved(path, **record):
+        checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
+                               "config": OmegaConf.to_container(cfg, resolve=True),
+                               "train_state": {**fresh, "epoch_step": 3, "step": 3},
+                               "rng": [checkpoint.rng_state(env.device)], **record})
+        return path
+
+    def start(path, run_dir):
+        return resume_into(path, dict(fresh), cfg, run_dir, env, "train set", "test set", {})
+
+    own = tmp_path / "run" / "checkpoints" / "last.pt"
+    before_run_ids = start(saved(own), own.parent.parent)
+    assert (before_run_ids.run_id, before_run_ids.continues, before_run_ids.started_from) == (None, True, None)
+    parent = {"run_id": "parent", "step": 3}
+    fine_tuned = start(saved(own, run_id="ft", started_from=parent), own.parent.parent)
+    assert (fine_tuned.run_id, fine_tuned.continues, fine_tuned.started_from) == ("ft", True, parent)
+    other = start(saved(tmp_path / "parent.pt", run_id="parent"), tmp_path / "new")
+    assert (other.run_id, other.continues, other.started_from) == (None, False, parent)
