@@ -7,6 +7,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,10 @@ from trainer.run_directory import MAX_FOLDER_NAME, hold_run_directory, job_folde
 
 def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
     """Data-loading workers are forked with the lock's file open: an flock, which they shared, stayed held until they
-    noticed their parent had died, and a job restarted at once was refused, naming a dead process."""
+    noticed their parent had died, and a job restarted at once was refused, naming a dead process. The refusal names
+    the job that holds it alone, not those before it (with the lock's file left uncleared, every test passed)."""
+    with hold_run_directory(tmp_path, is_main=True):  # an earlier job's, which left its line in the lock's file
+        pass
     script = ("import os, sys, time\n"
               "from pathlib import Path\n"
               "from trainer.run_directory import hold_run_directory\n"
@@ -43,9 +47,9 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
                            text=True, start_new_session=True)
     try:
         assert job.stdout.readline() == "held\n"
-        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on .*; wait for it "
-                                             r"to end, or give this run another run_name \(RUN_NAME in the launch "
-                                             r"scripts\)$"):
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by another job \(pid {job.pid} on "
+                                             rf"{re.escape(socket.gethostname())}\): .*; wait for it to end, or give "
+                                             r"this run another run_name \(RUN_NAME in the launch scripts\)$"):
             with hold_run_directory(tmp_path, is_main=True):
                 pass
         job.kill()  # the job alone: its forked child holds the lock's file still
