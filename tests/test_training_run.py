@@ -1639,10 +1639,12 @@ def test_persistent_backend_it_cannot_run_is_one_clear_error_before_training(an4
                                                    (36, "(40 utterances a rank, in slices of model.batch_slice=36): ")])
 def test_a_batch_the_persistent_kernels_refuse_names_the_setting_that_gives_it(an4_train, tmp_path, batch_slice,
                                                                                refused):
-    # The kernels take at most 32 utterances; their size check comes before the GPU's, so a CPU reaches it too.
+    # The kernels take at most 32 utterances; their size check comes before the GPU's, so a CPU reaches it too, under
+    # device=auto: device=cpu is refused with the config, for want of a GPU whatever the batch.
     utterances = write_slice(tmp_path / "slice.jsonl", an4_train[:40])
     result = train(tmp_path / "run", utterances, "model.backend=persistent", "train.global_batch_size=40",
-                   f"model.batch_slice={'null' if batch_slice is None else batch_slice}", check=False, timeout=300)
+                   "device=auto", f"model.batch_slice={'null' if batch_slice is None else batch_slice}", check=False,
+                   timeout=300)
     assert result.returncode == 2
     expected = (f"train.global_batch_size=40 {refused}prnn_kernels.GRU: backend='persistent' cannot run: batch size "
                 f"{batch_slice or 40} is out of range (1..32")
