@@ -54,6 +54,13 @@ def model(model_cfg: DictConfig, num_features: int, **changes) -> DeepSpeech2:
     return DeepSpeech2(num_features=num_features, num_classes=NUM_CLASSES, **settings)
 
 
+def backend_probe(model_cfg: DictConfig, num_features: int) -> DeepSpeech2:
+    """A one-layer copy of the model on the meta device, to ask recurrent_backend: the layers share cell, size and
+    backend, so one answers for all, and it holds no memory."""
+    with torch.device("meta"):
+        return model(model_cfg, num_features, depth=1)
+
+
 def num_parameters(model_cfg: DictConfig, num_features: int) -> int:
     """The model's parameter count, from models of one and two recurrent layers on the meta device: every layer after
     the first is alike, so each adds what the second does. Building the whole stack, even on the meta device, takes

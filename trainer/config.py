@@ -178,10 +178,8 @@ def refuse_backend_off_a_gpu(cfg: DictConfig, num_features: int) -> None:
     """ValueError where model.backend cannot run on the CPU (persistent, which needs a GPU), in the words the run's
     start would use: so that the launch scripts' check and a sweep refuse it before any rank starts."""
     cpu = torch.device("cpu")
-    with torch.device("meta"):  # the layers share cell, size and backend: one answers for all
-        one_layer = build.model(cfg.model, num_features, depth=1)
     try:
-        one_layer.recurrent_backend(1, build.compute_dtype(cfg.train.amp, cpu), cpu)
+        build.backend_probe(cfg.model, num_features).recurrent_backend(1, build.compute_dtype(cfg.train.amp, cpu), cpu)
     except ValueError as error:
         raise ValueError(f"model.backend={cfg.model.backend}: {error}") from None
 

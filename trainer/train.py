@@ -111,9 +111,7 @@ def checked_batches(cfg: DictConfig, env: DistEnv, num_features: int) -> tuple[i
     backend cannot run ends the job at once, saying why: the training batch, and the evaluation's, which would otherwise
     fail only after the first epoch. An uneven split too, which the sampler, built from the corpus, would refuse only
     after it (a resume on another number of GPUs), and whose rounded-down share the backend's check would judge."""
-    # The layers share cell, size and backend: one, on the meta device, answers for all.
-    with torch.device("meta"):
-        one_layer = build.model(cfg.model, num_features, depth=1)
+    one_layer = build.backend_probe(cfg.model, num_features)
     per_rank_batch = per_rank_batch_size(cfg, env.world_size)
     dtype = build.compute_dtype(cfg.train.amp, env.device)
     backend = checked_recurrent_backend(one_layer, cfg, "train.global_batch_size", per_rank_batch, dtype, env.device)
