@@ -64,10 +64,10 @@ def build_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def device_arch(device=None) -> str:
-    """The architecture to build for a CUDA device, as nvcc spells it: its compute capability, arch-specific ("a")
-    from Hopper on, e.g. "90a"."""
-    major, minor = torch.cuda.get_device_capability(device)
+def device_arch() -> str:
+    """The architecture to build for the current CUDA device, as nvcc spells it: its compute capability,
+    arch-specific ("a") from Hopper on, e.g. "90a"."""
+    major, minor = torch.cuda.get_device_capability()
     return f"{major}{minor}a" if major >= 9 else f"{major}{minor}"
 
 

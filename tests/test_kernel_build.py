@@ -325,7 +325,7 @@ def test_a_build_without_a_toolkit_ends_in_its_reason_and_under_if_gpu_lets_the_
     assert exit_info.value.code == "prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set " \
                                    "CUDA_HOME"  # printed alone to stderr by Python, exit code 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(build, "device_arch", lambda device=None: "90a")
+    monkeypatch.setattr(build, "device_arch", lambda: "90a")
     build.main(["--if-gpu"])  # returns: exit code 0
     assert capsys.readouterr().err.splitlines()[-2:] == [
         "prnn_kernels: no CUDA toolkit found (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME",
@@ -351,7 +351,7 @@ def test_if_gpu_on_a_machine_without_a_gpu_the_kernels_run_on_builds_nothing_and
     build.main(["--if-gpu"])  # returns: exit code 0
     assert capsys.readouterr().out == "prnn_kernels.build: no CUDA GPU is visible here, nothing to build\n"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(build, "device_arch", lambda device=None: "80")
+    monkeypatch.setattr(build, "device_arch", lambda: "80")
     build.main(["--if-gpu"])
     assert capsys.readouterr().out == ("prnn_kernels.build: this GPU (sm_80) is older than Hopper, which the "
                                        "persistent kernels need, nothing to build\n")
