@@ -19,6 +19,11 @@ from trainer.decode import BeamSearch, Paths, Prefix, greedy_decode
 from trainer.lm import NGramLM, build_arpa
 
 
+def arpa_model(text: str) -> NGramLM:
+    """The model an ARPA file of `text` holds, read as NGramLM.from_arpa reads a file's lines."""
+    return NGramLM.from_arpa_lines(text.splitlines(), "ARPA text")
+
+
 def log_probs_over(frames: list[dict[str, float]]) -> torch.Tensor:
     """(T, 1, V) log probabilities: each frame's given characters ("_" the blank) at those probabilities."""
     probs = torch.full((len(frames), 1, NUM_CLASSES), 1e-12, dtype=torch.float64)
@@ -113,7 +118,7 @@ def test_beam_search_with_a_language_model_finds_the_best_scoring_transcript(see
     lm_weight * ln P_lm(W, </s>) + word_bonus * |W|, the language model's score summed here word by word."""
     num_frames, lm_weight, word_bonus = 5, 0.8, 0.4
     log_probs = random_log_probs(seed, num_frames, "AB ")
-    lm = NGramLM.from_arpa_text(build_arpa([["A", "B"], ["AB", "A"], ["B"], ["A", "A", "B"], ["BA"]], order=3))
+    lm = arpa_model(build_arpa([["A", "B"], ["AB", "A"], ["B"], ["A", "A", "B"], ["BA"]], order=3))
 
     def score(transcript: str, ctc: float) -> float:
         words = transcript.split()
@@ -160,7 +165,7 @@ def test_language_model_settles_what_the_audio_leaves_open():
     frames = [{"A": 0.98, "_": 0.02}, {" ": 0.98, "_": 0.02}, {"B": 0.55, "C": 0.45}]
     log_probs, lengths = log_probs_over(frames), torch.tensor([3])
     assert BeamSearch(beam_width=8)(log_probs, lengths) == ["A B"]
-    lm = NGramLM.from_arpa_text(build_arpa([["A", "C"]] * 6 + [["A", "B"]], order=2))
+    lm = arpa_model(build_arpa([["A", "C"]] * 6 + [["A", "B"]], order=2))
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
 
 
@@ -170,7 +175,7 @@ def test_language_model_settles_a_word_that_a_space_completes():
     frames = [{"B": 0.55, "C": 0.45}, {" ": 1.0}, {"A": 1.0}]
     log_probs, lengths = log_probs_over(frames), torch.tensor([3])
     assert BeamSearch(beam_width=8)(log_probs, lengths) == ["B A"]
-    lm = NGramLM.from_arpa_text(UNIGRAMS.replace("ngram 1=5", "ngram 1=6").replace("-0.7\tAB", "-0.3\tC\n-2.0\tB"))
+    lm = arpa_model(UNIGRAMS.replace("ngram 1=5", "ngram 1=6").replace("-0.7\tAB", "-0.3\tC\n-2.0\tB"))
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["C A"]
 
 
@@ -179,13 +184,13 @@ def test_language_model_scores_each_word_after_the_words_before_it():
     # (a history the space after A never extended) or as a unigram, the second word would be B, as the audio leans.
     frames = [{"A": 0.98, "_": 0.02}, {" ": 0.98, "_": 0.02}, {"B": 0.55, "C": 0.45}]
     log_probs, lengths = log_probs_over(frames), torch.tensor([3])
-    lm = NGramLM.from_arpa_text(build_arpa([["B"]] * 6 + [["A", "C"]] * 2, order=2))
+    lm = arpa_model(build_arpa([["B"]] * 6 + [["A", "C"]] * 2, order=2))
     assert BeamSearch(beam_width=8, lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs, lengths) == ["A C"]
 
 
 def test_a_language_model_of_weight_zero_and_no_word_bonus_changes_nothing():
     generator = torch.Generator().manual_seed(0)
-    lm = NGramLM.from_arpa_text(build_arpa([["A", "B"], ["AB", "A"], ["B"]], order=3))
+    lm = arpa_model(build_arpa([["A", "B"], ["AB", "A"], ["B"]], order=3))
     for num_frames in [0, 1, 2, *range(3, 40, 4)]:
         logits = torch.full((num_frames, 1, NUM_CLASSES), -8.0)
         for char in "_AB ":
@@ -218,7 +223,7 @@ ngram 1=5
 
 
 def test_a_transcript_scores_ctc_plus_weighted_language_model_plus_word_bonus():
-    lm = NGramLM.from_arpa_text(UNIGRAMS)
+    lm = arpa_model(UNIGRAMS)
     search = BeamSearch(lm=lm, lm_weight=0.7, word_bonus=0.3)
     ln = math.log(10)
     # "A AB" without its last word scored yet (a prefix's lm holds its completed words), at the end of the audio:
@@ -237,7 +242,7 @@ def test_a_transcript_scores_ctc_plus_weighted_language_model_plus_word_bonus():
 def test_an_empty_transcript_scores_the_end_of_the_sentence_right_after_its_start():
     # Silence is "<s> </s>": its end scored after a word of no letters (<unk>) scores a bigram model's P(</s>) 0.39
     # instead of P(</s> | <s>) 0.19, and weighs silence against every word the audio might hold with the wrong number.
-    lm = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=2))
+    lm = arpa_model(build_arpa([["A"], ["A", "B"]], order=2))
     search = BeamSearch(lm=lm, lm_weight=0.7, word_bonus=0.3)
     silence = Prefix(context=search._history((), "<s>"))
     expected = -1.25 + 0.7 * lm.log10_prob(("<s>",), "</s>") * math.log(10)
@@ -248,7 +253,7 @@ def test_a_transcript_that_ends_in_a_space_scores_its_last_word_once():
     # CTC: "A" 0.6 (A, then a space that ends it), "AB" 0.4. With the language model "A" wins, ln 0.6 + ln P(A) +
     # ln P(</s>) = -2.81 against -3.44; scoring A's word twice (as the space and again at the end) would give -4.19.
     frames = [{"A": 1.0}, {" ": 0.6, "B": 0.4}]
-    lm = NGramLM.from_arpa_text(UNIGRAMS)
+    lm = arpa_model(UNIGRAMS)
     assert BeamSearch(lm=lm, lm_weight=1.0, word_bonus=0.0)(log_probs_over(frames), torch.tensor([2])) == ["A"]
 
 
@@ -257,7 +262,7 @@ def test_built_model_is_a_distribution_after_every_history(order):
     rng = random.Random(order)
     vocabulary = ["ONE", "TWO", "THREE", "FOUR", "FIVE"]
     sentences = [[rng.choice(vocabulary[: rng.randint(2, 5)]) for _ in range(rng.randint(1, 6))] for _ in range(40)]
-    lm = NGramLM.from_arpa_text(build_arpa(sentences, order))
+    lm = arpa_model(build_arpa(sentences, order))
     histories = [(), ("<s>",), ("ONE",), ("<s>", "TWO"), ("THREE", "FOUR"), ("NEVER", "SEEN"), ("FIVE", "FIVE")]
     # and histories of the longest order the sentences hold, at their starts and ends
     histories += [("<s>", *words)[: order - 1] for words in sentences[:10]] + [tuple(words[-4:]) for words in sentences]
@@ -273,16 +278,16 @@ def test_built_model_discounts_as_ney_and_backs_off_by_hand():
     # = 0.2, the 0.2 * 3 / 5 taken spread over A, B, </s> and <unk>: 0.03 each.  Bigrams: <s> A 2, A </s> 1, A B 1,
     # B </s> 1, discount 3 / (3 + 2) = 0.6; after <s>: A (2 - 0.6) / 2, backoff 0.6 / 2 / (1 - 0.39); after A: B
     # (1 - 0.6) / 2, backoff 0.6 / (1 - 0.58).
-    unigrams = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=1))
+    unigrams = arpa_model(build_arpa([["A"], ["A", "B"]], order=1))
     assert [10 ** unigrams.log10_prob((), word) for word in ("A", "B", "</s>", "NEVER")] == pytest.approx(
         [0.39, 0.19, 0.39, 0.03], abs=1e-8)
-    bigrams = NGramLM.from_arpa_text(build_arpa([["A"], ["A", "B"]], order=2))
+    bigrams = arpa_model(build_arpa([["A"], ["A", "B"]], order=2))
     assert [10 ** bigrams.log10_prob(history, word) for history, word in [
         (("<s>",), "A"), (("<s>",), "B"), (("A",), "B"), (("A",), "A"), (("A",), "NEVER")]] == pytest.approx(
         [0.7, 0.3 / 0.61 * 0.19, 0.2, 0.6 / 0.42 * 0.39, 0.6 / 0.42 * 0.03], abs=1e-8)
     # No unigram seen once ("A" twice: A 2, </s> 2 of 4): Ney's discount has no n1, and 0.5 is taken, 0.5 * 2 / 4
     # spread over A, </s> and <unk>: 1/12 each.
-    twice = NGramLM.from_arpa_text(build_arpa([["A"], ["A"]], order=1))
+    twice = arpa_model(build_arpa([["A"], ["A"]], order=1))
     assert [10 ** twice.log10_prob((), word) for word in ("A", "</s>", "NEVER")] == pytest.approx(
         [1.5 / 4 + 1 / 12, 1.5 / 4 + 1 / 12, 1 / 12], abs=1e-8)
 
@@ -360,7 +365,7 @@ ngram 3=2
     (("<s>", "NEVER"), "B", -0.5),
 ])
 def test_arpa_reader_backs_off_through_every_order_by_the_arpa_rule(history, word, expected):
-    assert NGramLM.from_arpa_text(KENLM_TRIGRAMS).log10_prob(history, word) == pytest.approx(expected, abs=1e-12)
+    assert arpa_model(KENLM_TRIGRAMS).log10_prob(history, word) == pytest.approx(expected, abs=1e-12)
 
 
 def test_arpa_reader_takes_what_other_tools_write(tmp_path):
@@ -373,7 +378,7 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
     # A byte-order mark (as Notepad saves UTF-8) on the \data\ line itself, which the preamble above hid: a reader
     # that kept it would find no \data\ line.
     path.write_text("\ufeff" + ARPA)
-    assert NGramLM.from_arpa(path).tables == NGramLM.from_arpa_text(ARPA).tables
+    assert NGramLM.from_arpa(path).tables == arpa_model(ARPA).tables
     # "<UNK>", as some models spell it (KenLM reads it as <unk>): it was refused as a model without <unk>.
     path.write_text(ARPA.replace("<unk>", "<UNK>"))
     assert NGramLM.from_arpa(path).log10_prob(("YES",), "MAYBE") == pytest.approx(-0.3 - 1.0)
@@ -385,13 +390,13 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
 def test_arpa_reader_takes_an_order_its_header_declares_empty():
     # As SRILM's change-lm-vocab can leave it, and as KenLM reads it: a model of no trigrams, not one cut short.
     empty_trigrams = ARPA.replace("ngram 2=2", "ngram 2=2\nngram 3=0").replace("\\end\\", "\\3-grams:\n\n\\end\\")
-    assert NGramLM.from_arpa_text(empty_trigrams).tables == NGramLM.from_arpa_text(ARPA).tables
+    assert arpa_model(empty_trigrams).tables == arpa_model(ARPA).tables
     with pytest.raises(ValueError, match=r"declares 5 1-grams, 2 2-grams, 1 3-grams, its sections hold 5 1-grams, 2 2"):
-        NGramLM.from_arpa_text(empty_trigrams.replace("ngram 3=0", "ngram 3=1"))
+        arpa_model(empty_trigrams.replace("ngram 3=0", "ngram 3=1"))
     # A section the header does not declare at all is as much at odds with it as one it declares of another size.
     undeclared_trigrams = ARPA.replace("\\end\\", "\\3-grams:\n-0.1\t<s> yes no\n\n\\end\\")
     with pytest.raises(ValueError, match=r"declares 5 1-grams, 2 2-grams, its sections hold 5 1-grams, 2 2-grams, 1 3"):
-        NGramLM.from_arpa_text(undeclared_trigrams)
+        arpa_model(undeclared_trigrams)
 
 
 def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
@@ -410,10 +415,10 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     # Without <s> or </s> each was read as <unk>: a sentence's first words scored as after an unknown word.
     without_start = UNIGRAMS.replace("-99\t<s>\n", "").replace("ngram 1=5", "ngram 1=4")
     with pytest.raises(ValueError, match="has no <s> unigram, so the start of a sentence cannot be scored"):
-        NGramLM.from_arpa_text(without_start)
+        arpa_model(without_start)
     without_end = ARPA.replace("-0.9\t</s>\n", "").replace("ngram 1=5", "ngram 1=4")
     with pytest.raises(ValueError, match="has no </s> unigram, so the end of a sentence cannot be scored"):
-        NGramLM.from_arpa_text(without_end)
+        arpa_model(without_end)
     # An n-gram with a word that is no unigram was kept but never scored (its word read as <unk>): without the <s>
     # unigram, every n-gram of a sentence's start.
     bad.write_text(ARPA.replace("-99\t<s>\t-0.2\n", "").replace("ngram 1=5", "ngram 1=4"))
@@ -463,7 +468,7 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
         with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability above 0 \(a probability above 1\): "
                                              rf"'{value}"):
             NGramLM.from_arpa(bad)
-    assert NGramLM.from_arpa_text(ARPA.replace("-0.7\tno", "0\tno")).log10_prob((), "NO") == 0.0  # P = 1 is one
+    assert arpa_model(ARPA.replace("-0.7\tno", "0\tno")).log10_prob((), "NO") == 0.0  # P = 1 is one
     compressed = tmp_path / "model.arpa.gz"
     compressed.write_bytes(gzip.compress(ARPA.encode()))
     with pytest.raises(ValueError, match=rf"{compressed} is not an ARPA text file: byte 1 of line 1 is not UTF-8 \(a"):
@@ -531,7 +536,7 @@ def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path
     out = capsys.readouterr().out
     assert "counting the 1-grams of 2 transcripts" in out  # before the work, which takes a minute at 100k
     assert "a 1-gram model of 2 transcripts; 1 empty or unspellable left out" in out
-    words = lm.NGramLM.from_arpa_text((tmp_path / "m.arpa").read_text()).tables
+    words = arpa_model((tmp_path / "m.arpa").read_text()).tables
     assert ("YES",) in words and ("MAYBE",) in words and ("OK",) not in words and ("CAFÉ",) not in words
 
 
@@ -543,7 +548,7 @@ def test_a_language_model_counts_a_word_in_any_case_as_the_one_the_model_spells(
     text = (tmp_path / "m.arpa").read_text()
     unigrams = [line.split("\t")[1] for line in text.split("\\1-grams:\n")[1].split("\n\n")[0].splitlines()]
     assert sorted(unigrams) == ["</s>", "<s>", "<unk>", "NO", "YES"]
-    model = lm.NGramLM.from_arpa_text(text)
+    model = arpa_model(text)
     assert model.log10_prob(("<s>",), "YES") > model.log10_prob(("<s>",), "NO")  # seen twice, once
 
 
@@ -572,7 +577,7 @@ def test_a_unigram_language_model_is_written_as_kenlm_reads_it(tmp_path):
 def test_a_word_never_seen_in_training_is_less_likely_than_every_word_seen():
     # All the mass the unigrams' discount took went to <unk>: 0.54 here against NO's 0.02, and on AN4's transcripts
     # <unk> outscored 62 of its 99 words, so the beam search took a string it could not spell for most words.
-    model = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES", "YES"]], 1))
+    model = arpa_model(lm.build_arpa([["YES", "NO", "YES", "YES"]], 1))
     unknown = model.log10_prob((), "NEVER")
     assert all(model.log10_prob((), word) > unknown for word in ("YES", "NO", "</s>")), model.tables
 
@@ -583,7 +588,7 @@ def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transc
     assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "6", "--out", str(tmp_path / "m.arpa")]) == 0
     assert "a 5-gram model of 1 transcript (--order 6: none is longer than 3 words)" in capsys.readouterr().out
     model = lm.NGramLM.from_arpa(tmp_path / "m.arpa")
-    five = lm.NGramLM.from_arpa_text(lm.build_arpa([["YES", "NO", "YES"]], 5))
+    five = arpa_model(lm.build_arpa([["YES", "NO", "YES"]], 5))
     assert model.order == 5 and model.tables == five.tables
     # by build_arpa too (main lowers the order it passes), and at once, not by a count over every order
     assert lm.build_arpa([["YES"]], 6) == lm.build_arpa([["YES"]], 3)

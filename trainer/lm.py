@@ -62,10 +62,6 @@ class NGramLM:
             return cls.from_arpa_lines(_utf8_lines(file, path), source=str(path))
 
     @classmethod
-    def from_arpa_text(cls, text: str, source: str = "ARPA text") -> "NGramLM":
-        return cls.from_arpa_lines(text.splitlines(), source)
-
-    @classmethod
     def from_arpa_lines(cls, lines: Iterable[str], source: str) -> "NGramLM":
         """Refuses a model whose sections hold other counts of n-grams than its header declares, or that has no
         \\end\\: a file cut short at a line's end would otherwise load as a smaller (or lower-order) model."""
