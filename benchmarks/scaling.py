@@ -311,6 +311,12 @@ def add_seed_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int_at_least(0, MAX_SEED), default=1234, help="0 to 2**32 - 1, as the trainer's")
 
 
+def refuse_graphs_without_warmup(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error where --cuda-graphs comes with --warmup 0: the graphs are captured in the first step."""
+    if args.cuda_graphs and args.warmup < 1:
+        parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -337,6 +343,7 @@ def main(argv=None) -> None:
     parser.add_argument("--baseline", type=input_path,
                         help="this script's JSON from one process: report strong-scaling efficiency")
     args = parser.parse_args(argv)
+    refuse_graphs_without_warmup(parser, args)
 
     if args.device == "cuda" and not torch.cuda.is_available():  # else the trainer's refusal, naming its settings
         raise ValueError("--device cuda: no CUDA GPU is visible; --device cpu measures on the CPU")
@@ -345,8 +352,6 @@ def main(argv=None) -> None:
         raise ValueError(
             f"--global-batch {args.global_batch} must be a positive multiple of the world size {env.world_size}"
         )
-    if args.cuda_graphs and args.warmup < 1:
-        raise ValueError("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
     # Written after the measures, it would replace the one-process JSON that this and every later efficiency needs.
     check_not_an_input(args.json, [args.baseline] if args.baseline else [])
     device = env.device

@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout_flag, compose_config, random_batch,
-                                summary, time_ms)
+                                refuse_graphs_without_warmup, summary, time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed, launch_ranks
@@ -140,8 +140,7 @@ def main(argv=None) -> int | None:
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the results, versions and configuration here" + DEFAULT_JSON_HELP)
     args = parser.parse_args(argv)
-    if args.cuda_graphs and args.warmup < 1:
-        parser.error("--cuda-graphs needs --warmup of at least 1: the graphs' capture would be timed")
+    refuse_graphs_without_warmup(parser, args)
     if refuse_without_gpu("benchmarks.train_step"):
         return 2
     args.json = json_file(args.json, __file__)

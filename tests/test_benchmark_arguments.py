@@ -71,7 +71,11 @@ def test_graphed_steps_are_timed_after_their_capture(module):
                             capture_output=True, text=True, timeout=300)
     # train_step exited 1 (sys.exit), where scaling exits 2 for the same, as for every other usage error.
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "--cuda-graphs needs --warmup of at least 1" in result.stderr, result.stderr[-2000:]
+    # Both as a usage error, before any rank starts: scaling said it as "error on rank 0" after its process group's
+    # start, in a check of its own beside train_step's.
+    complaint = (f"python -m {module}: error: --cuda-graphs needs --warmup of at least 1: the graphs' capture would "
+                 "be timed")
+    assert complaint in result.stderr, result.stderr[-2000:]
 
 
 def test_rnn_stack_with_one_depth_is_a_usage_error_before_it_looks_for_a_gpu():
