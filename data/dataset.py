@@ -93,9 +93,9 @@ NAMED_PER_REASON = 5
 
 class SkipWarnings:
     """The utterances left out, each counted by reason in `counts` and named in a warning, the first NAMED_PER_REASON
-    of each reason alone; `close` says how many more of each were left out and writes every one, named or not, to
-    `list_path` (one JSON object a line: the file, the reason, why), where one is given: `say_the_rest`, then
-    `write_list`, which a caller that must not write yet calls later."""
+    of each reason alone; `close` writes every one, named or not, to `list_path` (one JSON object a line: the file,
+    the reason, why), where one is given, then says how many more of each were left out, naming that list. A caller
+    that must not write yet calls `close` later, so that the count names a list only once it holds them."""
 
     def __init__(self, log: logging.Logger, counts: Counter[str], list_path: str | os.PathLike | None = None):
         self.log = log
@@ -210,9 +210,12 @@ class SpeechDataset(Dataset):
         )
 
     def write_skip_list(self) -> None:
-        """Writes the construction's `skip_list`, where one was given: a training job writes it only once it goes on,
-        so that one refused, or with nothing to train, leaves its run directory's list as it was."""
-        self._skip_warnings.write_list()
+        """Writes the construction's `skip_list`, where one was given, then counts those left out past the named ones,
+        naming the list: a training job writes it only once it goes on, so that one refused, or with nothing to
+        train, leaves its run directory's list as it was, and said before, the count named a list holding an earlier
+        job's files."""
+        if self._skip_warnings.list_path is not None:
+            self._skip_warnings.close()
 
     def fingerprint(self) -> str:
         """The utterances kept, in order, as a count and a digest of their file names, durations and transcripts:
@@ -243,7 +246,8 @@ class SpeechDataset(Dataset):
                 kept_files.add(audio_file)
                 self.utterances.append(utterance)
                 self.targets.append(targets)
-        skip_warnings.say_the_rest()
+        if skip_warnings.list_path is None:  # with a list: once it is written (write_skip_list)
+            skip_warnings.say_the_rest()
         if first_repeat is not None:
             logger.warning("skipping %s whose audio file is listed before (the first: %s)",
                            counted(self.skipped["audio listed before"], "utterance"), printable(first_repeat))

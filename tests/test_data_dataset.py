@@ -161,6 +161,27 @@ def test_a_corpus_with_many_unusable_names_a_few_of_each_reason_and_lists_every_
     assert not skip_list.exists()  # it would name files no longer left out
 
 
+def test_the_count_past_the_named_ones_names_the_skip_list_only_once_it_is_written(tmp_path, caplog):
+    """A training job writes its skip list only once it goes on: a resume refused (another model.hidden) said "skipping
+    3 more utterances ...; every one left out is listed in runs/NAME/skipped_train.jsonl", which still held the
+    earlier job's 7 files, not this attempt's 8."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    listings = [("good.wav", "YES"), *((f"said{number}.wav", "YES.") for number in range(8))]
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in listings), encoding="utf-8")
+    skip_list = tmp_path / "skipped.jsonl"
+    skip_list.write_text("an earlier job's list\n")
+    with caplog.at_level(logging.WARNING):
+        dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=skip_list)
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == [
+        f"skipping {tmp_path / f'said{number}.wav'}" for number in range(5)]  # a job refused here says no more
+    assert skip_list.read_text() == "an earlier job's list\n"
+    dataset.write_skip_list()
+    assert caplog.records[-1].getMessage() == (
+        f"skipping 3 more utterances (characters outside the alphabet); every one left out is listed in {skip_list}")
+    assert len(skip_list.read_text().splitlines()) == 8
+
+
 def test_a_skip_list_that_is_a_pipe_behind_a_link_is_written_into_never_renamed_over_or_removed(tmp_path):
     """trainer.evaluate --skipped /dev/stdout, a link to a pipe or terminal: the list was renamed over the link (as
     root, /dev/stdout became a file of the list, the pipe's reader waiting for ever) and, with none left out, the link
