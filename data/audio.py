@@ -19,6 +19,11 @@ class AudioError(ValueError):
     message names the file as data.manifest.printable writes it: the name comes from a manifest or a corpus's files."""
 
 
+class NoSuchAudioFile(AudioError):
+    """An audio file that is not there: where every file is, a manifest's relative paths taken from another folder or
+    a node without the corpus, rather than audio that cannot be used."""
+
+
 # What a file's header may claim before anything is decoded. A corrupt header can claim 2^36 frames or a sample rate
 # of a megahertz; decoding or resampling that would take hundreds of GiB instead of failing on the one file.
 MAX_SECONDS = 3600
@@ -187,7 +192,7 @@ def _require_readable_file(path: str | os.PathLike) -> None:
         if stat.S_ISREG(status.st_mode):
             open(path, "rb").close()
     except (FileNotFoundError, NotADirectoryError):
-        raise AudioError(f"{printable(path)}: no such audio file") from None
+        raise NoSuchAudioFile(f"{printable(path)}: no such audio file") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
         raise AudioError(f"{printable(path)}: cannot read audio ({error.strerror or error})") from None
     if not stat.S_ISREG(status.st_mode):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from data.audio import AudioError, audio_header, load_audio
+from data.audio import AudioError, NoSuchAudioFile, audio_header, load_audio
 from data.features import FeatureExtractor, SpecAugment, non_finite_detail
 from data.files import is_stream, write_out
 from data.manifest import Utterance, file_identity, printable, read_manifest
@@ -39,10 +39,12 @@ UNUSABLE_REASONS = (UNREADABLE, TOO_LONG_FOR_STRIDE, LONGER_THAN_MAX_DURATION)  
 @dataclass(frozen=True)
 class Unusable:
     """What the dataset gives for an item whose audio cannot train: its position, the warning naming the file and why,
-    and the reason it is counted under: the one `skipped` counts where the manifest's duration already shows it."""
+    and the reason it is counted under: the one `skipped` counts where the manifest's duration already shows it.
+    missing: the file is not there (NoSuchAudioFile), of those counted as UNREADABLE."""
     index: int
     warning: str
     counted_as: str = UNREADABLE
+    missing: bool = False
 
 
 @dataclass
@@ -312,7 +314,7 @@ class SpeechDataset(Dataset):
                                       LONGER_THAN_MAX_DURATION)
             waveform = load_audio(utterance.audio_filepath, self.features.sample_rate, header=header)
         except AudioError as error:
-            return Unusable(index, f"skipping {error}")
+            return Unusable(index, f"skipping {error}", missing=isinstance(error, NoSuchAudioFile))
         features = self.features(waveform)  # (T, F)
         if detail := non_finite_detail(features, waveform):
             return self._unusable(index, detail)

@@ -11,16 +11,19 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
+import soundfile
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from conftest import REPO_ROOT, compose_config, running
 from data.dataset import (
-    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, Unusable, collate,
+    LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, SpeechDataset, Unusable,
+    collate,
 )
-from data.features import SpecAugment
+from data.features import FeatureExtractor, SpecAugment
 from data.manifest import Utterance, write_manifest
 from data.text import encode
 from prnn_kernels import relative_error
@@ -72,7 +75,8 @@ def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
                                          r"may keep the model finite, and model.residual=true a deep stack's "
                                          r"gradients$"):
         refuse_if_nothing_trained(1, 3, 0, Counter({unusable_utterances(UNREADABLE): 1,
-                                                    skipped_step("non-finite loss or gradient"): 3}))
+                                                    skipped_step("non-finite loss or gradient"): 3}),
+                                  unreadable_here=Unusable(0, "skipping a.wav: no such audio file", missing=True))
     # Transcripts too long for their audio's frames: no reading of paths would help, so no word of them.
     with pytest.raises(ValueError, match=r"^epoch 1 trained nothing: each of its 1 step was skipped \(2 utterances "
                                          r"too long for stride, 1 step skipped: empty shard \(all its audio "
@@ -86,6 +90,28 @@ def test_an_epoch_whose_steps_were_all_skipped_trained_nothing():
     with pytest.raises(ValueError, match=r"^epoch 3 trained nothing: each of its 4 steps was skipped"):
         refuse_if_nothing_trained(2, 4, 0, skipped, overflows_pass=True)
     refuse_if_nothing_trained(2, 0, 0, Counter())  # none run yet (resumed at the epoch's end)
+
+
+def test_an_epoch_of_audio_refused_for_what_it_holds_is_told_why_not_of_relative_paths(tmp_path):
+    """Every file of the epoch refused for its sample rate (500 Hz) gave the advice on relative paths, which fits a
+    file that is not there alone: the line names the reason of the first this rank refused, one not there first."""
+    for name, rate in (("low.wav", 500), ("good.wav", 16000)):
+        soundfile.write(tmp_path / name, np.zeros(rate, np.float32), rate)
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "YES"}}\n'
+                                              for name in ("low.wav", "good.wav", "gone.wav")))
+    dataset = SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("mel", n_mels=20))
+    low, good, gone = (dataset[index] for index in range(3))
+    assert isinstance(good, Sample)
+    empty_shard = StepResult("empty shard (all its audio unreadable)", math.nan, 0, Counter({UNREADABLE: 1}), {})
+    tally = EpochTally(epoch=0, first_step=0)
+    tally.count(empty_shard, (low,))
+    with pytest.raises(ValueError) as refused:
+        tally.refuse_if_nothing_trained(1, overflows_pass=False)
+    assert str(refused.value).endswith(f"; the first on this rank: {tmp_path / 'low.wav'}: its header gives a sample "
+                                       "rate of 500 Hz, outside 1000-384000 Hz"), refused.value
+    tally.count(empty_shard, (low, gone))
+    with pytest.raises(ValueError, match="; a manifest's relative audio paths are taken relative to its own folder"):
+        tally.refuse_if_nothing_trained(2, overflows_pass=False)
 
 
 def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch
+from data.dataset import UNREADABLE, UNUSABLE_REASONS, Batch, Unusable
 from data.text import BLANK, counted
 from models.cuda_graphs import CudaGraphed
 from trainer import build, distributed
@@ -119,23 +119,35 @@ def train_step(model, batch: Batch | None, optimizer, scheduler, cfg: DictConfig
     return StepResult("ok", loss_value, global_count, unusable, requests)
 
 
-def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter, overflows_pass: bool = False
-                              ) -> None:
+def refuse_if_nothing_trained(epoch: int, steps: int, trained: int, skipped: Counter, overflows_pass: bool = False,
+                              unreadable_here: Unusable | None = None) -> None:
     """Before the epoch's steps so far are saved or evaluated: ValueError where each of them was skipped (audio no rank
     could use, or one rank could not: a corpus moved, relative paths taken from another folder, a node without the
     corpus; or losses that were not finite); saving would carry the run on as if it had trained. overflows_pass: at a
     checkpoint inside an epoch of a run that trained before it, steps skipped each for a loss that was not finite pass:
     the run goes on past such a step (one batch's overflow) with its weights as they were, where refusing would end it
-    there on every resume; the epoch's end still refuses an epoch whose every loss was not finite."""
+    there on every resume; the epoch's end still refuses an epoch whose every loss was not finite. unreadable_here:
+    an utterance this rank could not read (EpochTally.unreadable_here), which says why the unreadable ones were."""
     if steps == 0 or trained or overflows_pass and skipped[skipped_step(NON_FINITE)] == steps:
         return
-    hint = ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
-            "target's), and every rank must be able to read them" if skipped[unusable_utterances(UNREADABLE)] else "")
+    hint = unreadable_hint(unreadable_here) if skipped[unusable_utterances(UNREADABLE)] else ""
     # Without residual connections a deep stack's gradients can overflow at its initial weights, whatever the rate.
     hint += (f"; {KEEP_FINITE}, and model.residual=true a deep stack's gradients"
              if skipped[skipped_step(NON_FINITE)] else "")
     raise ValueError(f"epoch {epoch + 1} trained nothing: each of its {counted(steps, 'step')} was skipped "
                      f"({count_skipped(skipped)}){hint}")
+
+
+def unreadable_hint(unreadable_here: Unusable | None) -> str:
+    """What the line refusing an epoch says of its unreadable audio: for a file not there, how relative paths are read;
+    for one refused for what it holds (a sample rate out of bounds, not audio), which was given that advice too, the
+    file and why; where this rank read all of its own, that the others did not."""
+    if unreadable_here is None:
+        return "; other ranks could not read theirs: every rank must be able to read the manifests' audio files"
+    if unreadable_here.missing:
+        return ("; a manifest's relative audio paths are taken relative to its own folder (a symlink's, not its "
+                "target's), and every rank must be able to read them")
+    return f"; the first on this rank: {unreadable_here.warning.removeprefix('skipping ')}"
 
 
 # An epoch counts what it skipped under (noun, what): count_skipped words the count with its noun.
@@ -163,9 +175,15 @@ class EpochTally:
     losses: list[float] = field(default_factory=list)  # of the steps trained
     utterances: int = 0  # in the steps trained
     skipped: Counter = field(default_factory=Counter)  # (noun, what) -> count: count_skipped words it
+    unreadable_here: Unusable | None = None  # this rank's first unreadable utterance, or first one not there
 
-    def count(self, step: StepResult) -> None:
-        """Adds a step trained or skipped (not one stopped, which the run does not count)."""
+    def count(self, step: StepResult, unusable: tuple[Unusable, ...] = ()) -> None:
+        """Adds a step trained or skipped (not one stopped, which the run does not count), and what this rank's shard
+        of it could not use (Batch.unusable)."""
+        for item in unusable:  # one not there first: its advice (relative paths) is what mends most of them
+            kept = self.unreadable_here
+            if item.counted_as == UNREADABLE and (kept is None or item.missing and not kept.missing):
+                self.unreadable_here = item
         for reason, count in step.unusable.items():
             self.skipped[unusable_utterances(reason)] += count
         if step.outcome != "ok":
@@ -177,7 +195,7 @@ class EpochTally:
     def refuse_if_nothing_trained(self, epoch_step: int, overflows_pass: bool) -> None:
         """refuse_if_nothing_trained for this job's steps of the epoch, up to `epoch_step`."""
         refuse_if_nothing_trained(self.epoch, epoch_step - self.first_step, len(self.losses), self.skipped,
-                                  overflows_pass)
+                                  overflows_pass, self.unreadable_here)
 
     @property
     def mean_loss(self) -> float:

@@ -499,7 +499,7 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             state["step"] += 1
             state["epoch_step"] += 1
             progress.update()
-            tally.count(step)
+            tally.count(step, batch.unusable)
             if step.outcome != "ok":
                 if env.is_main:  # every rank skips it, for the same reason
                     log.warning("step %d skipped: %s", state["step"], step.outcome)
