@@ -47,6 +47,16 @@ class Unusable:
     missing: bool = False
 
 
+class SharedMemoryFull(RuntimeError):
+    """A data-loading worker's batch that shared memory (/dev/shm) could not take: full, or a file size limit. torch
+    raises it again in the process that asked for the batch, the worker's traceback as its message."""
+
+    @property
+    def reason(self) -> str:
+        """The worker's own words (torch's: `unable to write to file </torch_...>: No space left on device (28)`)."""
+        return str(self).splitlines()[-1].removeprefix(f"{__name__}.{type(self).__name__}: ")
+
+
 @dataclass
 class Batch:
     features: torch.Tensor  # (B, T_max, F) float32, zero after each utterance's end
@@ -379,4 +389,7 @@ def collate(samples: Sequence[Sample | Unusable]) -> Batch:
     # it sends the batch, a failure (/dev/shm full, a file size limit) is the worker's error, which reaches the training
     # process: in the feeder thread it was printed there and the batch lost, the training process waiting for it until
     # its timeout and then blaming a stuck worker. torch's default_collate allocates in shared memory too.
-    return batch._map(torch.Tensor.share_memory_)
+    try:
+        return batch._map(torch.Tensor.share_memory_)
+    except RuntimeError as error:
+        raise SharedMemoryFull(str(error)) from None

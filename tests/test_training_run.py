@@ -664,6 +664,31 @@ def test_a_data_loading_worker_killed_as_the_out_of_memory_killer_does_ends_the_
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
 
 
+SHARED_MEMORY_FULL = trainer_with(  # in the data-loading workers, which the training process forks
+    "import torch\n"
+    "def full(tensor):\n"
+    "    raise RuntimeError('unable to write to file </torch_1_2_0>: No space left on device (28)')\n"
+    "torch.Tensor.share_memory_ = full\n")
+
+
+def test_a_batch_that_shared_memory_cannot_take_ends_the_run_in_one_line(an4_train, tmp_path):
+    """/dev/shm full as a worker hands its batch over: the run ended in torch's traceback ("training failed on rank 0",
+    "Caught RuntimeError in DataLoader worker process 0"), where Bad input promises one line naming the cause and what
+    to try."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    result = subprocess.run([sys.executable, "-c", SHARED_MEMORY_FULL,
+                             *train_arguments(tmp_path / "run", utterances, "model.hidden=32", "train.num_workers=1")],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-4000:]
+    assert the_one_error_line(output).endswith(
+        "error on rank 0: a data-loading worker could not hand its batch over in shared memory (unable to write to "
+        "file </torch_1_2_0>: No space left on device (28)): /dev/shm is full, or a file size limit (ulimit -f) too "
+        "low; train.num_workers=0 (1 here: batches made in the training process itself) or a larger /dev/shm (docker "
+        "run --shm-size) may keep it from happening; train.resume=auto under the same run_name (RUN_NAME in the launch "
+        "scripts) and overrides continues the run from its last checkpoint"), output[-4000:]
+
+
 def test_periodic_checkpoints_come_every_k_steps_of_the_run_inside_epochs_only(an4_train, tmp_path):
     """train.checkpoint_every_steps=K writes last.pt at each K-th step of the run inside an epoch, the epoch's end
     writing its own. Each torch.save the trainer makes is recorded here with its step: writing at every step, at the

@@ -33,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
@@ -116,8 +117,13 @@ def continue_with(cfg: DictConfig) -> str:
             f"train.resume=auto under the same {RUN_NAME_SETTING}, {cfg.run_name},")
 
 
-def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied, cfg: DictConfig) -> str:
+def data_workers_failure(error: DataWorkersTimedOut | DataWorkerDied | SharedMemoryFull, cfg: DictConfig) -> str:
     """What befell the data-loading workers, and what may keep it from happening again."""
+    if isinstance(error, SharedMemoryFull):
+        return (f"a data-loading worker could not hand its batch over in shared memory ({error.reason}): /dev/shm is "
+                f"full, or a file size limit (ulimit -f) too low; train.num_workers=0 ({cfg.train.num_workers} here: "
+                "batches made in the training process itself) or a larger /dev/shm (docker run --shm-size) may keep "
+                "it from happening")
     if isinstance(error, DataWorkersTimedOut):
         return (f"{error} (distributed.timeout_s): one is stuck (on a file system that stopped answering, or stopped) "
                 "or far too slow, and they were killed")
@@ -199,7 +205,8 @@ def main(cfg: DictConfig) -> None:
         stop_now(str(stopped), stopped.signal, run_dir)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training began
         stop_now("interrupted by Ctrl-C", signal.SIGINT, run_dir)
-    except (DataWorkersTimedOut, DataWorkerDied) as error:  # no user error (exit 1), as a rank killed is none
+    except (DataWorkersTimedOut, DataWorkerDied, SharedMemoryFull) as error:
+        # No user error (exit 1), as a rank killed is none.
         message = f"{data_workers_failure(error, cfg)}; {continue_with(cfg)} continues the run from its last checkpoint"
         log.error("error on rank %d: %s", launch_ranks.launcher_rank(), message)
         end_job(1, message)
