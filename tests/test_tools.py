@@ -117,6 +117,20 @@ def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
     assert cli.run_tool(lambda: 3) == 3
 
 
+def test_a_tool_sent_sigterm_says_so_in_one_line():
+    """SIGTERM (kill, a scheduler ending the job) ended trainer.evaluate and the other tools without a word, where the
+    trainer names the signal and exits 128 + its number."""
+    terminated = ("import os, signal, sys, time\n"
+                  "from trainer import cli\n"
+                  "def main():\n"
+                  "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                  "    time.sleep(60)\n"
+                  "sys.exit(cli.run_tool(main))\n")
+    result = subprocess.run([sys.executable, "-c", terminated], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stdout, result.stderr) == (143, "", "terminated by SIGTERM\n"), result.stderr
+
+
 # Runs a tool as `python -m` does, sending it a real Ctrl-C as its first import of the module named in argv[1] begins.
 CTRL_C_WHILE_IMPORTING = """
 import builtins, os, runpy, signal, sys

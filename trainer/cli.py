@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -240,10 +241,21 @@ def say_written(path: str) -> None:
     print(f"wrote {path}", file=lines_stream(path))
 
 
+class Terminated(BaseException):
+    """SIGTERM to a tool (kill, a scheduler's end of a job), raised where the tool is as KeyboardInterrupt is for a
+    Ctrl-C: a BaseException, which a tool's `except Exception` lets through."""
+
+
+def _raise_terminated(number: int, frame) -> None:
+    raise Terminated
+
+
 def run_tool(main: Callable[[], int]) -> int:
-    """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback), a reader
-    that stops early (`| head`) quietly (exit 1), and an output file or a stdout on a full disk in one line (exit 2)."""
+    """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback), a SIGTERM too
+    (exit 143: Python's default ended it without a word), a reader that stops early (`| head`) quietly (exit 1), and
+    an output file or a stdout on a full disk in one line (exit 2)."""
     ctrl_c_raises_keyboard_interrupt()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return main()
     except CannotWrite as error:
@@ -252,6 +264,9 @@ def run_tool(main: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
+    except Terminated:
+        print("terminated by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         _discard_stdout()
         return 1
@@ -262,6 +277,8 @@ def run_tool(main: Callable[[], int]) -> int:
         print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
         _discard_stdout()
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _discard_stdout() -> None:
