@@ -594,6 +594,28 @@ def test_check_overrides_refuses_a_checkpoint_to_resume_from_that_is_not_there(s
     assert main(overrides) == 0
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_check_overrides_refuses_a_fresh_run_over_the_checkpoints_its_directory_holds(sweep, an4_source, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """RUN_NAME of a run that has checkpoints, without train.resume=auto: the check passed, then the build and every
+    rank's start, and only then did the ranks refuse it. train.resume=auto continues it, and passes."""
+    from trainer.check_overrides import main
+
+    run_dir = tmp_path / "experiment=cpu_demo,seed=1" if sweep else tmp_path
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"")
+    monkeypatch.setenv("PRNN_AN4", str(an4_source))  # not an override, which would name the sweep's job folders
+    overrides = [*(["-m", "seed=1,2", f"hydra.sweep.dir={tmp_path}"] if sweep else [f"hydra.run.dir={tmp_path}"]),
+                 "experiment=cpu_demo"]
+    assert main(overrides) == 2
+    job = "sweep job 0 (seed=1): " if sweep else ""
+    assert capsys.readouterr().err == (
+        f"error: {job}{run_dir} already holds a run (last.pt in checkpoints/), which starting afresh would overwrite: "
+        "continue it with train.resume=auto (or train.resume=PATH), or give this run another run_name (RUN_NAME in "
+        "the launch scripts)\n")
+    assert main([*overrides, "train.resume=auto"]) == 0
+
+
 def test_check_overrides_refuses_cuda_graphs_over_cudnn(capsys):
     """Refused by every rank at its start on any device, after the build: a graph cannot capture cuDNN's layers."""
     from trainer.check_overrides import main

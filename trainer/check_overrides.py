@@ -6,7 +6,8 @@ feature and SpecAugment settings that work together; that N ranks, default 1, sp
 evenly; and that the files it reads are there and open, trainer.inputs.check_inputs); a sweep's every job, as the
 trainer checks them before its first job (trainer.run_directory.sweep_refusal), and its files too; and the run's
 directory, that it holds no symbolic link where the run writes a file in place
-(trainer.run_directory.linked_run_file). A command that passes prints nothing, exit code 0. The first refusal is one
+(trainer.run_directory.linked_run_file), nor checkpoints that a fresh run would overwrite
+(trainer.resume.checkpoint_to_resume). A command that passes prints nothing, exit code 0. The first refusal is one
 line on stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,
 --config-path and --config-dir, which would compose another config than conf/train.yaml, the one checked; its flags
 that print instead of training (--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would

@@ -39,6 +39,7 @@ from trainer import launch_ranks
 from trainer.config import RUN_NAME_SETTING, check_config, config_error_line, per_rank_batch_size
 from trainer.inputs import check_inputs
 from trainer.override_errors import print_refusal, refused_in_one_line
+from trainer.resume import checkpoint_to_resume
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,10 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
         with open_dict(job):
             job.hydra.job.num = number  # as Hydra's launcher sets it: hydra.sweep.subdir and ${hydra:job.num} name it
         try:
-            claim_job_folder(job, number, folders)
+            folder = claim_job_folder(job, number, folders)
             check_job_config(job, world_size, inputs)
+            if inputs:
+                checkpoint_to_resume(job.train.resume, folder)
         except (FileNotFoundError, ValueError) as error:
             own = " ".join(override for override in overrides if not all(override in other for other in jobs))
             return f"sweep job {number}{f' ({own})' if own else ''}: {config_error_line(error)}"
@@ -188,9 +191,13 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
 
 
 def run_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False) -> str | None:
-    """What the trainer would refuse in a single run's config, in one line naming it, or None (check_job_config)."""
+    """What the trainer would refuse in a single run's config, in one line naming it, or None (check_job_config). With
+    `inputs` (trainer.check_overrides), a fresh run over the checkpoints its directory holds too, as the trainer's
+    trainer.resume.checkpoint_to_resume refuses it: there, only once every rank of the job has started."""
     try:
         check_job_config(config, world_size, inputs)
+        if inputs:
+            checkpoint_to_resume(config.train.resume, Path(config.hydra.run.dir))
     except (FileNotFoundError, ValueError) as error:
         return config_error_line(error)
     return None
@@ -212,11 +219,11 @@ def check_job_config(job: DictConfig, world_size: int = 1, inputs: bool = False)
         check_inputs(task)
 
 
-def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> None:
+def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> Path:
     """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
     took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
     names leave out (train.max_steps...). Refuses one whose folder holds a symbolic link in place of a file the job
-    writes in place (linked_run_file) too."""
+    writes in place (linked_run_file) too. Returns the job's folder."""
     folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
     if linked := linked_run_file(folder):
         raise ValueError(linked)
@@ -226,6 +233,7 @@ def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> 
         raise ValueError(f"{folder} is job {earlier}'s folder too: sweep job folders are named by the overrides less "
                          f"{excluded}, so a sweep over one of those puts its jobs in one folder (sweep over it in "
                          "separate runs, or set hydra.sweep.subdir, e.g. to ${hydra.job.num})")
+    return folder
 
 
 class MakeRunDirectory(Callback):
