@@ -689,6 +689,22 @@ def test_a_batch_that_shared_memory_cannot_take_ends_the_run_in_one_line(an4_tra
         "scripts) and overrides continues the run from its last checkpoint"), output[-4000:]
 
 
+def test_a_run_refused_once_started_leaves_its_log_and_the_corrected_run_starts_there(an4_train, tmp_path):
+    """A refusal that depends on the machine (AN4's folder missing on this node) comes once the run has started and
+    leaves the run directory holding its log: the corrected command under the same name must start there afresh,
+    neither refused as a run over another's nor taking the log for one."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    run_dir = tmp_path / "run"
+    refused = train(run_dir, utterances, "model.hidden=32", "train.max_steps=1",
+                    f"data.an4_source={tmp_path / 'not-here'}", check=False)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert sorted(path.name for path in run_dir.iterdir()) == [".lock", "__main__.log"]
+    assert f"folder {tmp_path / 'not-here'} does not exist" in (run_dir / "__main__.log").read_text()
+    train(run_dir, utterances, "model.hidden=32", "train.max_steps=1")
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+    assert "does not exist" in (run_dir / "__main__.log").read_text()  # appended to, not replaced
+
+
 def test_periodic_checkpoints_come_every_k_steps_of_the_run_inside_epochs_only(an4_train, tmp_path):
     """train.checkpoint_every_steps=K writes last.pt at each K-th step of the run inside an epoch, the epoch's end
     writing its own. Each torch.save the trainer makes is recorded here with its step: writing at every step, at the
