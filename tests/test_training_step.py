@@ -177,6 +177,18 @@ def test_train_step_counts_the_utterances_its_batch_dropped_by_reason():
     assert count_skipped(tally.skipped) == "1 utterance unreadable, 2 utterances too long for stride"
 
 
+def test_a_batch_whose_every_utterance_was_dropped_is_a_skipped_step():
+    """In one process too: only two ranks' runs under mpiexec tried it, and passed with the step going on to the
+    model, which refused the batch's (0, 0, 0) features and ended the run."""
+    cfg, model, optimizer, schedule, _ = tiny_setup(nan_in_features=False)
+    batch = collate([Unusable(0, "skipping a.wav: cannot read audio"), Unusable(1, "skipping b.wav: no samples")])
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")))
+    assert (step.outcome, step.utterances, step.unusable) == ("empty shard (all its audio unreadable)", 0,
+                                                              Counter({UNREADABLE: 2}))
+    assert all(torch.equal(b, t) for b, t in zip(before, model.state_dict().values())) and schedule.last_epoch == 0
+
+
 def test_an_epoch_counts_its_skipped_steps_and_the_utterances_its_batches_dropped_for_its_line():
     """The epoch's line says what it skipped: every other test read a skipped step's own warning only, and passed with
     the epoch counting none of its skipped steps."""
