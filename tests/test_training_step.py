@@ -196,9 +196,12 @@ def test_an_epoch_counts_its_skipped_steps_and_the_utterances_its_batches_droppe
     tally.count(StepResult("ok", 2.0, 3, Counter({UNREADABLE: 1}), {}))
     tally.count(StepResult(NON_FINITE, math.nan, 4, Counter({UNREADABLE: 2, TOO_LONG_FOR_STRIDE: 1}), {}))
     tally.count(StepResult(NON_FINITE, math.nan, 4, Counter(), {}))
+    # Skipped for another reason than its loss: skipped alike, its loss (nan) no part of the epoch's.
+    tally.count(StepResult("empty shard (all its audio unreadable)", math.nan, 2, Counter({UNREADABLE: 1}), {}))
     tally.count(StepResult("ok", 4.0, 4, Counter(), {}))
-    assert count_skipped(tally.skipped) == ("3 utterances unreadable, 1 utterance too long for stride, 2 steps "
-                                            "skipped: non-finite loss or gradient")
+    assert count_skipped(tally.skipped) == ("4 utterances unreadable, 1 utterance too long for stride, 2 steps "
+                                            "skipped: non-finite loss or gradient, 1 step skipped: empty shard (all "
+                                            "its audio unreadable)")
     assert (tally.mean_loss, tally.utterances) == (3.0, 7)  # of the steps trained only
 
 
