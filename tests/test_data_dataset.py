@@ -386,19 +386,24 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unus
     write_noise(tmp_path / "good.wav", 1.0)
     write_noise(tmp_path / "lecture.wav", 25.0)
     soundfile.write(tmp_path / "loud.wav", np.array([3e38, -3e38] * 8000, np.float32), RATE, subtype="FLOAT")
+    samples = np.zeros(RATE, np.float32)
+    samples[8000:8002] = 3e38  # overflows the spectrum in some bins only: features that are finite in part
+    soundfile.write(tmp_path / "click.wav", samples, RATE, subtype="FLOAT")
     write_manifest(tmp_path / "m.jsonl", [
         Utterance(str(tmp_path / "good.wav"), 1.0, "A", "a"),
         Utterance(str(tmp_path / "lecture.wav"), 1.0, "A", "a"),  # 25 s, past max_duration, listed as 1 s
         Utterance(str(tmp_path / "loud.wav"), 1.0, "A", "a"),  # finite samples whose spectrum overflows
+        Utterance(str(tmp_path / "click.wav"), 1.0, "A", "a"),
     ])
     dataset = make_dataset(tmp_path / "m.jsonl")
-    items = [dataset[index] for index in range(3)]
-    assert [isinstance(item, Unusable) for item in items] == [False, True, True]
-    lecture, loud = (item.warning for item in items[1:])
+    items = [dataset[index] for index in range(4)]
+    assert [isinstance(item, Unusable) for item in items] == [False, True, True, True]
+    lecture, loud, click = (item.warning for item in items[1:])
     assert "lecture.wav: its audio lasts 25.0 s, more than max_duration (20 s); the manifest says 1.0 s" in lecture
     assert "loud.wav: its features are not finite (its largest sample is 3e+38)" in loud
+    assert "click.wav: its features are not finite (its largest sample is 3e+38)" in click
     # Counted by reason in the training log's summary: the lecture as the choice max_duration makes, not a fault.
-    assert [item.counted_as for item in items[1:]] == [LONGER_THAN_MAX_DURATION, UNREADABLE]
+    assert [item.counted_as for item in items[1:]] == [LONGER_THAN_MAX_DURATION, UNREADABLE, UNREADABLE]
 
 
 def test_audio_longer_than_its_manifest_says_is_refused_from_its_header_without_being_decoded(tmp_path, monkeypatch):
