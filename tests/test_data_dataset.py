@@ -539,6 +539,12 @@ def test_the_fingerprint_tells_another_set_of_utterances_but_not_another_folder(
     assert len({dataset.fingerprint(), *fingerprints.values()}) == 4, fingerprints
 
 
+def test_a_time_stride_below_1_is_refused_naming_it(manifest):
+    # Without the check, a stride of 0 failed at the first utterance, dividing by zero.
+    with pytest.raises(ValueError, match=r"^time_stride must be at least 1, got 0$"):
+        SpeechDataset([manifest], FeatureExtractor("spectrogram"), time_stride=0)
+
+
 def test_a_lone_path_is_one_manifest(manifest):
     assert len(SpeechDataset(manifest, FeatureExtractor("mel"))) == 6  # no stride or length limit: 6 kept
 
