@@ -290,6 +290,12 @@ def test_built_model_discounts_as_ney_and_backs_off_by_hand():
     twice = arpa_model(build_arpa([["A"], ["A"]], order=1))
     assert [10 ** twice.log10_prob((), word) for word in ("A", "</s>", "NEVER")] == pytest.approx(
         [1.5 / 4 + 1 / 12, 1.5 / 4 + 1 / 12, 1 / 12], abs=1e-8)
+    # Seen three times is no n2: A 3, B 1, </s> 3 of 7, discount 1 / (1 + 2 * 0) capped at 0.9, the 0.9 * 3 / 7
+    # spread over A, B, </s> and <unk>.
+    thrice = arpa_model(build_arpa([["A"], ["A"], ["A", "B"]], order=1))
+    spread = 0.9 * 3 / 7 / 4
+    assert [10 ** thrice.log10_prob((), word) for word in ("A", "B", "NEVER")] == pytest.approx(
+        [2.1 / 7 + spread, 0.1 / 7 + spread, spread], abs=1e-8)
 
 
 ARPA = """\\data\\
@@ -455,9 +461,11 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     with pytest.raises(ValueError, match=rf"{bad}:11: not an ARPA section header: '\\\\0-grams:'"):
         NGramLM.from_arpa(bad)
     for value in ("nan", "1e400", "-inf"):
-        bad.write_text(ARPA.replace("-0.7\tno", f"{value}\tno"))
-        with pytest.raises(ValueError, match=rf"{bad}:8: a log10 probability or backoff weight that is not finite"):
-            NGramLM.from_arpa(bad)
+        for line, edited in ((7, ARPA.replace("-0.3", value)), (8, ARPA.replace("-0.7\tno", f"{value}\tno"))):
+            bad.write_text(edited)  # line 7: a backoff weight; 8: a probability
+            with pytest.raises(ValueError, match=rf"{bad}:{line}: a log10 probability or backoff weight that is not "
+                                                 "finite"):
+                NGramLM.from_arpa(bad)
     for value in ("-0_7", "-\u0660.\u0667"):  # read by float() as -7 and -0.7
         for line, edited in ((7, ARPA.replace("-0.3", value)), (8, ARPA.replace("-0.7\tno", f"{value}\tno"))):
             bad.write_text(edited)  # line 7: a backoff weight; 8: a probability
