@@ -197,6 +197,11 @@ def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     os.utime(train, (1e9, 1.2e9))  # newer than the sources
     prepare_an4(tiny_an4, tmp_path / "out")
     assert train.stat().st_mtime == 1.2e9
+    # As old as a source is no newer: a file system of whole seconds gives an edit a second after the manifest its time.
+    os.utime(tiny_an4 / "etc" / "an4_train.fileids", (1e9, 1.2e9))
+    prepare_an4(tiny_an4, tmp_path / "out")
+    assert train.stat().st_mtime != 1.2e9
+    os.utime(train, (1e9, 1.2e9))
     os.utime(tiny_an4 / "etc" / "an4_train.transcription", (1e9, 1.3e9))
     prepare_an4(tiny_an4, tmp_path / "out")
     assert train.stat().st_mtime != 1.2e9
@@ -280,6 +285,15 @@ def test_an4_transcripts_more_than_its_fileids_are_refused_naming_both_files(tin
     """zip would pair the first ids with the first transcripts and leave the rest out of the manifest without a word."""
     (tiny_an4 / "etc" / "an4_test.transcription").write_text("RUBOUT (an406-fcaw-b)\nYES (an407-fcaw-b)\n")
     with pytest.raises(ValueError, match=r"an4_test.fileids has 1 ids but .*an4_test.transcription has 2 transcripts"):
+        prepare_an4(tiny_an4, tmp_path / "out")
+
+
+def test_an4_transcripts_fewer_than_its_fileids_are_refused_naming_both_files(tiny_an4, tmp_path):
+    """A transcription cut short: zip would leave the last fileids out of the manifest without a word."""
+    train = tiny_an4 / "etc" / "an4_train.transcription"
+    train.write_text("\n".join(train.read_text().splitlines()[:-1]) + "\n")
+    with pytest.raises(ValueError, match=r"an4_train.fileids has 4 ids but .*an4_train.transcription has 3 "
+                                         "transcripts"):
         prepare_an4(tiny_an4, tmp_path / "out")
 
 
