@@ -356,6 +356,10 @@ def test_a_filter_of_the_most_taps_is_taken_and_an_odd_rate_rounds_to_the_neares
     for name in ("22050.wav", "44099.wav"):
         load_audio(tmp_path / name, sample_rate=16000)
     assert rates == [(22050, 16000), (44100, 16000)]
+    # and a rate rounded to whose filter takes the most taps: 44099 Hz as 44100 Hz
+    monkeypatch.setattr("data.audio.MAX_RESAMPLING_TAPS", _resampling_filter_taps(44100, 16000))
+    load_audio(tmp_path / "44099.wav", sample_rate=16000)
+    assert rates == [(22050, 16000), (44100, 16000), (44100, 16000)]
 
 def test_spectrogram_has_161_bins_100_frames_a_second_and_finds_the_tone():
     extractor = FeatureExtractor("spectrogram", normalize=False)
