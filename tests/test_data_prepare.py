@@ -482,6 +482,8 @@ def test_missing_source_exits_2_naming_the_path(tiny_an4, tmp_path, capsys, corp
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     assert str(named) in stderr and "Traceback" not in stderr
+    if missing == ".":  # not "none is listed there", as if its transcripts held no line
+        assert stderr.endswith(f"error: no *.trans.txt transcript files under {named}\n")
 
 
 @pytest.mark.parametrize("corpus, empty", [("an4", "--out"), ("librispeech", "--source"), ("librispeech", "--out")])
