@@ -388,6 +388,9 @@ def test_arpa_reader_takes_what_other_tools_write(tmp_path):
     # "<UNK>", as some models spell it (KenLM reads it as <unk>): it was refused as a model without <unk>.
     path.write_text(ARPA.replace("<unk>", "<UNK>"))
     assert NGramLM.from_arpa(path).log10_prob(("YES",), "MAYBE") == pytest.approx(-0.3 - 1.0)
+    # Numbers as writers other than KenLM may spell them: no digit before the point, an exponent.
+    path.write_text(ARPA.replace("-0.7\tno", "-.7\tno").replace("-0.3", "-3e-1"))
+    assert NGramLM.from_arpa(path).tables == arpa_model(ARPA).tables
     path.write_text(ARPA.replace("-0.7\tno", "-0.7\tno\n-3.0\tNO"))
     with pytest.raises(ValueError, match=rf"{path}:9: 'NO' is an n-gram the model already has \(n-grams are read"):
         NGramLM.from_arpa(path)
