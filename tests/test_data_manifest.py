@@ -94,7 +94,11 @@ def read_through_a_pipe(tmp_path, records: list[dict], **kwargs) -> list[Utteran
     try:
         return read_manifest(pipe, **kwargs)
     finally:
+        # A reader that refused the pipe without opening it left the writer waiting for one, and the test hung where
+        # it should fail: opened here, without waiting for a writer, the pipe lets the writer finish.
+        unblocking = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
         writer.join()
+        os.close(unblocking)
         pipe.unlink()
 
 
