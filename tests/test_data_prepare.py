@@ -320,6 +320,7 @@ def test_librispeech_layout(tmp_path, caplog):
     other.mkdir(parents=True)
     (other / "174-50561.trans.txt").write_text("174-50561-0000 FORGOTTEN TOO THE NAME OF GILLIAN\n")
     write_audio(other / "174-50561-0000.flac", 0.25)
+    (other / "notes.txt").write_text("read aloud in 2004\n")  # no *.trans.txt: not read as one
     with caplog.at_level(logging.INFO):
         main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out")])
     assert read_manifest(tmp_path / "out" / "dev-clean.jsonl") == [
