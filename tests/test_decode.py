@@ -652,6 +652,19 @@ def test_a_language_model_counts_a_repeat_whose_own_transcript_is_unspellable_as
                                             "left out\n")
 
 
+def test_a_language_model_counts_a_piped_manifests_transcripts_whatever_its_audio_paths(tmp_path):
+    # --manifest <(...): a pipe has no folder to take a relative audio path from, which the transcripts alone do not
+    # need (training refuses such a manifest).
+    reader, writer = os.pipe()
+    os.write(writer, b'{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
+    os.close(writer)
+    try:
+        assert lm.main(["--manifest", f"/dev/fd/{reader}", "--order", "1", "--out", str(tmp_path / "m.arpa")]) == 0
+    finally:
+        os.close(reader)
+    assert ("YES",) in lm.NGramLM.from_arpa(tmp_path / "m.arpa").tables
+
+
 def test_a_language_model_refuses_to_write_over_a_manifest_it_reads(tmp_path, capsys):
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n')
