@@ -344,6 +344,14 @@ def test_librispeech_layout(tmp_path, caplog):
         prepare_librispeech(source, tmp_path / "out")
 
 
+def test_librispeech_from_a_relative_source_lists_absolute_audio_paths(tmp_path, monkeypatch):
+    # A manifest's relative path is read from the manifest's folder (--out), not the folder prepare ran in.
+    write_librispeech_chapter(tmp_path / "dev-clean" / "84", "121123", "GO")
+    monkeypatch.chdir(tmp_path)
+    assert [u.audio_filepath for u in read_manifest(prepare_librispeech("dev-clean", "out"))] == [
+        str(tmp_path / "dev-clean" / "84" / "121123" / "84-121123-0000.flac")]
+
+
 def test_an_out_folder_that_is_not_utf8_is_named_as_its_skipped_audio_is(tmp_path):
     # Its "wrote" lines named b"\xff" as stderr's "\udcff", which names no byte, where the warning on audio of such a
     # path and the other tools name it "\xff".
