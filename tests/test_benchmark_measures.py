@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from benchmarks import rnn_kernels, scaling, support_table, train_step
+from benchmarks import rnn_kernels, rnn_stack, scaling, support_table, train_step
 from conftest import REPO_ROOT
 from prnn_kernels.persistent import support
 from trainer.cli import RESULTS_FOLDER_VARIABLE
@@ -518,3 +518,33 @@ def test_rnn_kernels_times_per_step_tflops_and_speedups_over_the_reference(capsy
          "30.00", "20.00", "|", "3.0x", "5.0x"],
         ["gru", "1", "fp32", "4", "1024", "fwdbwd", "|", "400.00", "200.00", tflops[1], "|", "600.00", "500.00",
          "40.00", "|", "1.5x", "2.5x"]]
+
+
+def test_rnn_stack_fits_each_stacks_fixed_and_per_layer_cost_and_gives_cudnns_over_the_persistent_one(capsys):
+    """The arithmetic of benchmarks.rnn_stack, which ran on a GPU alone and no test checked: the least-squares line
+    through (depth, time), its slope the "per added layer" cost and its value at depth 0 the "fixed" one, each depth's
+    time per layer, and the per-layer ratio cuDNN / persistent (the README's "x faster per layer")."""
+    # Through (1, 3), (2, 5), (4, 10): mean depth 7/3, mean time 6; slope 11 / (14/3) = 33/14; 6 - 33/14 x 7/3 = 0.5.
+    fixed, per_layer = rnn_stack.line_fit([1, 2, 4], [3.0, 5.0, 10.0])
+    assert (fixed, per_layer) == (pytest.approx(0.5), pytest.approx(33 / 14))
+    scales = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_graphed_ms": 0.5, "fwd_bwd_graphed_ms": 2.0}
+    lines = {("persistent", "fp32"): (1.0, 2.0), ("cudnn", "fp32"): (2.0, 6.0), ("cudnn", "tf32"): (0.5, 4.0)}
+    rows = [{"backend": backend, "precision": precision, "depth": depth,
+             **{name: scale * (fixed + per_layer * depth) for name, scale in scales.items()}}
+            for depth in (1, 2, 4) for (backend, precision), (fixed, per_layer) in lines.items()]
+    summary = rnn_stack.summarise(rows)
+    assert [(entry["backend"], entry["precision"]) for entry in summary] == list(lines)
+    for entry, (fixed, per_layer) in zip(summary, lines.values()):
+        for name, scale in scales.items():
+            assert entry[f"{name}_fixed"] == pytest.approx(scale * fixed)
+            assert entry[f"{name}_per_layer"] == pytest.approx(scale * per_layer)
+    rnn_stack.print_table("gru", 800, 4, rows, summary, [1, 2, 4])
+    printed = capsys.readouterr().out.splitlines()
+    # Each depth's time, then that time per layer; the slope, then the line at depth 0.
+    assert printed[3].split() == ["persistent", "fp32", "fwd", "3.00", "(", "3.00)", "5.00", "(", "2.50)", "9.00", "(",
+                                  "2.25)", "2.00", "1.00"]
+    assert printed[-2:] == [
+        "per added layer, cuDNN fp32 / persistent fp32: fwd 3.00x, fwd+bwd 3.00x, fwd graphed 3.00x, "
+        "fwd+bwd graphed 3.00x",
+        "per added layer, cuDNN tf32 / persistent fp32: fwd 2.00x, fwd+bwd 2.00x, fwd graphed 2.00x, "
+        "fwd+bwd graphed 2.00x"]
