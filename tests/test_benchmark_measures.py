@@ -548,3 +548,28 @@ def test_rnn_stack_fits_each_stacks_fixed_and_per_layer_cost_and_gives_cudnns_ov
         "fwd+bwd graphed 3.00x",
         "per added layer, cuDNN tf32 / persistent fp32: fwd 2.00x, fwd+bwd 2.00x, fwd graphed 2.00x, "
         "fwd+bwd graphed 2.00x"]
+
+
+def test_rnn_kernels_times_are_the_median_of_the_timed_calls_after_the_warm_up(monkeypatch):
+    """median_ms, which benchmarks.rnn_stack times with too: the median of REPEATS calls' CUDA-event times, the WARMUP
+    calls before them left out. A mean would move with one slow call, a warm-up counted with the first call's
+    set-up."""
+    clock, durations = [0.0], iter([1000.0] * rnn_kernels.WARMUP + [*range(1, rnn_kernels.REPEATS), 100.0])
+
+    class Event:  # a CUDA event on a clock that each call moves on by its duration
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def call():
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert rnn_kernels.median_ms(call) == (rnn_kernels.REPEATS + 1) // 2  # 1 .. 14 and 100: 8
+    assert next(durations, None) is None
