@@ -200,6 +200,14 @@ def per_step_us(milliseconds):
     return milliseconds * 1e3 / NUM_STEPS
 
 
+def kernel_only_split(long_ms, short_ms):
+    """The kernel's marginal cost per step and its prologue per call, in us, from its times at NUM_STEPS steps and at
+    SHORT_STEPS: a call costs prologue + steps x per-step, and two lengths separate them."""
+    step_ms = (long_ms - short_ms) / (NUM_STEPS - SHORT_STEPS)
+    return {"kernel_only_fwd_marginal_us": step_ms * 1e3,
+            "kernel_only_fwd_prologue_us": (short_ms - SHORT_STEPS * step_ms) * 1e3}
+
+
 def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
     """All timings of one (cell, batch, hidden, precision, directions) row; unsupported persistent shapes are
     recorded with why."""
@@ -223,11 +231,7 @@ def measure(cell, batch_size, hidden_size, precision, bidirectional=False):
         else:
             long_ms = median_ms(problem.kernel_only())
             row["kernel_only_fwd_us"] = per_step_us(long_ms)
-            # Per call = prologue + steps x per-step: two lengths separate them.
-            short_ms = median_ms(problem.kernel_only(SHORT_STEPS))
-            step_ms = (long_ms - short_ms) / (NUM_STEPS - SHORT_STEPS)
-            row["kernel_only_fwd_marginal_us"] = step_ms * 1e3
-            row["kernel_only_fwd_prologue_us"] = (short_ms - SHORT_STEPS * step_ms) * 1e3
+            row.update(kernel_only_split(long_ms, median_ms(problem.kernel_only(SHORT_STEPS))))
     if not bidirectional:
         row["matmul_loop_fwd_us"] = per_step_us(median_ms(problem.matmul_loop()))
     for name, baseline_dtype, tf32 in BASELINES[precision]:

@@ -573,3 +573,11 @@ def test_rnn_kernels_times_are_the_median_of_the_timed_calls_after_the_warm_up(m
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     assert rnn_kernels.median_ms(call) == (rnn_kernels.REPEATS + 1) // 2  # 1 .. 14 and 100: 8
     assert next(durations, None) is None
+
+
+def test_rnn_kernels_splits_the_kernels_time_into_a_prologue_and_a_cost_per_step():
+    """kernel_only_fwd_marginal_us and _prologue_us from the kernel's times at 256 and 64 steps: 200 us and 10 us a
+    step take 2.76 ms and 0.84 ms."""
+    assert (rnn_kernels.NUM_STEPS, rnn_kernels.SHORT_STEPS) == (256, 64)
+    assert rnn_kernels.kernel_only_split(2.76, 0.84) == {"kernel_only_fwd_marginal_us": pytest.approx(10.0),
+                                                          "kernel_only_fwd_prologue_us": pytest.approx(200.0)}
