@@ -581,3 +581,29 @@ def test_rnn_kernels_splits_the_kernels_time_into_a_prologue_and_a_cost_per_step
     assert (rnn_kernels.NUM_STEPS, rnn_kernels.SHORT_STEPS) == (256, 64)
     assert rnn_kernels.kernel_only_split(2.76, 0.84) == {"kernel_only_fwd_marginal_us": pytest.approx(10.0),
                                                           "kernel_only_fwd_prologue_us": pytest.approx(200.0)}
+
+
+def test_a_train_step_rows_gpu_time_is_its_kernels_time_per_call(monkeypatch):
+    """gpu_ms_per_call, the table's "GPU ms" (how much of a step the GPU was busy), ran on a GPU alone: the
+    profiler's CUDA time over all the calls, per call, in ms; its CPU events' time is the host's, not the GPU's."""
+    calls = []
+
+    class Profile:  # torch.profiler.profile, recording 3 ms of kernels a call and the host's time beside them
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exception):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, device_time_total=1000.0 * n)
+                    for n in (1, 2)] * len(calls) + [
+                types.SimpleNamespace(device_type=torch.autograd.DeviceType.CPU, device_time_total=5e6)]
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert train_step.gpu_ms_per_call(lambda: calls.append(None), 4) == pytest.approx(3.0)
+    assert len(calls) == 4
