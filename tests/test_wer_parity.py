@@ -105,6 +105,19 @@ def test_summary_pairs_by_seed_where_a_seed_finished_on_one_backend_alone():
     assert (persistent["paired_seeds"], persistent["difference"], persistent["difference_stderr"]) == (2, 1.0, 0.0)
 
 
+def test_summary_gives_the_mean_paired_difference_over_three_seeds_and_its_standard_error():
+    """The tests above paired two seeds, where a median is the mean: a paired difference taken as the median of the
+    per-seed ones passed them, and over three seeds or more (the module docstring's --seeds 1234 7 11) hides the
+    one that moved most."""
+    rows = [{"backend": backend, "seed": seed, "returncode": 0, "last_wer": wer}
+            for backend, seed, wer in [("cudnn", 1, 10.0), ("cudnn", 2, 10.0), ("cudnn", 3, 10.0),
+                                       ("persistent", 1, 11.0), ("persistent", 2, 12.0), ("persistent", 3, 16.0)]]
+    _, persistent = summarize(rows, ["cudnn", "persistent"])
+    # Differences 1, 2 and 6: mean 3; they square off 4 + 1 + 9 from it, a sample variance of 7, over sqrt(3) seeds.
+    assert (persistent["paired_seeds"], persistent["difference"]) == (3, 3.0)
+    assert math.isclose(persistent["difference_stderr"], math.sqrt(7 / 3))
+
+
 def write_metrics(run_dir, wers, elapsed_per_epoch=5.0):
     run_dir.mkdir(parents=True)
     lines = [{"step": 1, "epoch": 0, "loss": 9.0}]
