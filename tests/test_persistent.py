@@ -41,6 +41,15 @@ def test_support_without_cuda_says_why():
         assert support("gru", 256, 4, dtype, "cpu").reason == f"dtype {dtype} is unsupported (float32 or bfloat16)"
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)], ids=["current", "0", "1"])
+def test_support_for_a_cuda_device_on_a_machine_without_one_says_why(device, monkeypatch):
+    """A config or benchmark that names the GPU, run where there is none (faked here, so that a GPU machine asks the
+    same): the query answers why, not torch's "Found no NVIDIA driver" from asking which GPU is current."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    verdict = support("gru", 256, 4, torch.float32, device)
+    assert not verdict.ok and verdict.reason == "needs a CUDA GPU (compute capability 9.0, Hopper, or newer)"
+
+
 def test_raise_if_failed_off_a_gpu_has_no_launch_to_check():
     # A loop that trains on whichever device there is calls it there too: it raised "Found no NVIDIA driver".
     persistent.raise_if_failed("cpu")
