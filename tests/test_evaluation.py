@@ -669,6 +669,28 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
     assert "WER is over" not in caplog.text
 
 
+@pytest.mark.parametrize("unreadable", [0, 1])
+def test_an_epochs_metrics_line_counts_the_test_utterances_it_could_not_decode(tmp_path, unreadable):
+    """metrics.jsonl's eval_unreadable is the count of test utterances the evaluation left out, absent where it left
+    none: a line that left it out where one utterance was not decoded passed every test."""
+    import types
+
+    from data.dataset import SpeechDataset
+    from trainer.records import record_epoch
+    from trainer.step import EpochTally
+
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 2.0, "TWO", "x"),
+                                          Utterance(str(tmp_path / "b.wav"), 2.0, "SIX", "x")])
+    eval_set = SpeechDataset([tmp_path / "m.jsonl"], build.features(compose_config([]).data), None, 2)
+    counts = ErrorCounts(word_errors=1, words=2 - unreadable, char_errors=1, chars=6 - 3 * unreadable,
+                         unreadable=unreadable)
+    with open(tmp_path / "metrics.jsonl", "w") as metrics:
+        record_epoch(EpochTally(0, 0), counts, None, eval_set, 1, 1, 0.0,
+                     types.SimpleNamespace(add_scalar=lambda *args: None), metrics)
+    [line] = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert line.get("eval_unreadable") == (unreadable or None), line
+
+
 def test_evaluate_skipped_to_stdout_leaves_stdout_to_the_list(tmp_path, monkeypatch, capsys):
     # --skipped /dev/stdout | jq: the WER line came after the list on stdout, which then held a line that is no JSON.
     from trainer.evaluate import main
