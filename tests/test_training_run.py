@@ -285,6 +285,26 @@ def test_a_resume_with_nothing_to_train_leaves_the_runs_records_as_they_were(an4
     assert "nothing to train: " in again.output and "the run directory is left as it was" in again.output
 
 
+def test_a_run_whose_max_steps_ends_its_last_epoch_is_finished_with_nothing_to_resume(an4_train, tmp_path):
+    """train.max_steps reached at the last epoch's end leaves a finished run: its last line gives the final WER, not
+    "stopped at step" with a higher limit to continue it (a mutant saying so passed every test), and last.pt holds
+    that epoch's step, though the epoch improved the WER and wrote best.pt (one writing best.pt alone passed too). Run
+    again with train.resume=auto and no step limit (a requeue after its end), its train.epochs all trained, it has
+    nothing to train and leaves its records as they were: only a train.max_steps reached was tested, and a resume at
+    the last epoch's end passed for one with epochs left, adding a job to jobs.jsonl."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    common = ["model.hidden=16", "train.global_batch_size=4", "train.epochs=1", "train.resume=auto"]  # 2 steps
+    run_dir = tmp_path / "run"
+    first = train(run_dir, utterances, *common, "train.max_steps=2")
+    assert first.stdout.splitlines()[-1].startswith("final test WER"), first.output[-4000:]
+    assert "stopped " not in first.output, first.output[-4000:]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 2
+    records = {name: (run_dir / name).read_text() for name in ("metrics.jsonl", "jobs.jsonl", "config.yaml")}
+    again = train(run_dir, utterances, *common, "train.max_steps=null")
+    assert {name: (run_dir / name).read_text() for name in records} == records
+    assert "nothing to train: " in again.output and "train.epochs=1" in again.output, again.output[-4000:]
+
+
 @pytest.mark.slow
 def test_the_command_that_started_a_run_from_another_runs_checkpoint_run_again_continues_that_run(an4_train, tmp_path):
     """A requeued fine-tuning job (launch/slurm.sbatch: train.resume=auto, then the user's train.resume=PATH) was
