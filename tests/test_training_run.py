@@ -336,8 +336,9 @@ def test_in_a_pipe_the_progress_is_log_lines_not_a_bar(an4_train, tmp_path):
     """A batch job's log is a pipe or a file, where each redraw of a bar would land as a line of its own."""
     utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
     result = train(tmp_path / "run", utterances, "train.progress_bar=true", "train.progress_line_s=0",
-                   "train.global_batch_size=4", "train.epochs=1")
+                   "train.global_batch_size=4", "train.epochs=2")
     assert "\r" not in result.output and "epoch 1: step 1 of 2, loss " in result.output, result.output[-3000:]
+    assert "epoch 2: step 1 of 2, loss " in result.output, result.output[-3000:]  # the epoch's steps, not the run's
     assert "evaluating: batch 1 of " in result.output, result.output[-3000:]
     assert re.search(r"epoch 1: loss [\d.]+, 8 utterances in \d+ s, evaluated in \d+ s; test WER", result.output)
 
