@@ -714,8 +714,10 @@ def test_without_mpi4py_rank_0s_address_and_port_are_refused_before_the_rendezvo
     with pytest.raises(ValueError, match=re.escape(refusal)):
         distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING)
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
-    monkeypatch.setenv("MASTER_PORT", "29511")
-    assert distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING) == (1, 2, 0, 1, "192.0.2.7", 29511)
+    for port in (1, 29511, 65535):  # the highest port too, which a bound one short of it refused passing every test
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        assert distributed._ranks_and_rendezvous(5, distributed.TRAINER_TIMEOUT_SETTING) == (1, 2, 0, 1, "192.0.2.7",
+                                                                                             port)
 
 
 def test_without_mpi4py_a_rendezvous_that_ran_out_names_master_addr_and_port_not_mpi(monkeypatch, caplog, capfd):
@@ -792,6 +794,15 @@ def test_a_rank_waits_for_rank_0s_port_and_the_rendezvous_within_the_timeout_tog
     assert ended and "timed out connecting" not in ended[2], rank_1  # rank 0's port answered; the rendezvous ran out
     assert float(ended[1]) - began < 4 + distributed.LEAST_RENDEZVOUS_WAIT_S, rank_1
     assert "error on rank 0: the process group's rendezvous did not complete" in rank_0, rank_0
+
+
+def test_a_rendezvous_past_its_deadline_waits_a_second_or_the_whole_timeout_where_that_is_shorter():
+    """A timeout under LEAST_RENDEZVOUS_WAIT_S bounds the rendezvous's least wait too: one of a second whatever the
+    timeout passed every test, and distributed.timeout_s=0.5 would have waited twice its limit."""
+    past = time.monotonic() - 10
+    assert distributed.rendezvous_wait_s(past, 4) == distributed.LEAST_RENDEZVOUS_WAIT_S
+    assert distributed.rendezvous_wait_s(past, 0.5) == 0.5
+    assert 2 < distributed.rendezvous_wait_s(time.monotonic() + 3, 4) <= 3
 
 
 def test_a_late_rendezvous_leaves_the_collectives_the_whole_timeout():
@@ -1447,6 +1458,11 @@ def test_nccl_timeouts_end_the_process_within_the_timeout_unless_the_user_says_o
         monkeypatch.delenv(name)
     distributed.end_nccl_timeouts_promptly(10.4)
     assert [os.environ[name] for name in variables] == ["1", "10", "0"]
+    # Rounded down to 0 (no heartbeat wait at all, which a mutant gave passing every test), a timeout under half a
+    # second gets the monitor's least, 1 s.
+    monkeypatch.delenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+    distributed.end_nccl_timeouts_promptly(0.4)
+    assert os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "1"
     monkeypatch.setenv("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "900")
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     distributed.end_nccl_timeouts_promptly(300)
