@@ -35,8 +35,8 @@ from trainer.step import (
     unusable_utterances,
 )
 from trainer.stop import (
-    STOP_SIGNALS, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, keep_early_stop_signal, received_counts,
-    start_data_workers,
+    STOP_SIGNALS, DataWorkerDied, StopSignals, StoppedBeforeTraining, ignore_in_data_workers, keep_early_stop_signal,
+    received_counts, start_data_workers,
 )
 from trainer.train import datasets, evaluation_batches, train_loader, training_batches, utterances_per_second
 
@@ -145,6 +145,14 @@ def test_train_step_updates_weights():
     step = train_step(model, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu")), signal.SIGUSR1)
     assert step.outcome == "stopped" and step.stop_requests == {signal.SIGUSR1: 1} and schedule.last_epoch == 1
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_dead_data_loading_worker_is_named_with_the_signal_that_killed_it_or_its_exit_code():
+    """Signal 1 too (SIGHUP): a worker's exit code of -1 worded as 'exited with code -1' passed every test, which
+    killed workers with SIGKILL alone."""
+    assert str(DataWorkerDied(7, -1)) == "data-loading worker (pid 7) was killed by SIGHUP"
+    assert str(DataWorkerDied(7, -9)) == "data-loading worker (pid 7) was killed by SIGKILL"
+    assert str(DataWorkerDied(7, 1)) == "data-loading worker (pid 7) exited with code 1"
 
 
 def test_a_stop_signal_that_reached_another_rank_alone_stops_this_ranks_step_too(monkeypatch):
