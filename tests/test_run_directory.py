@@ -25,7 +25,7 @@ from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, source_commit, versions
 from trainer.records import record_job
 from trainer.resume import recorded_run_id
-from trainer.run_directory import MAX_FOLDER_NAME, hold_run_directory, job_folder
+from trainer.run_directory import LONG_VALUE, MAX_FOLDER_NAME, hold_run_directory, job_folder
 
 
 def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live_on(tmp_path):
@@ -457,6 +457,10 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
     assert name.startswith("data.eval_manifest=#") and name.endswith(",model.backend=reference,model.cell=gru"), name
     assert len(name.encode()) <= MAX_FOLDER_NAME and job_folder(f"{paths.replace('a.jsonl', 'b.jsonl')},model.cell=gru"
                                                                 ) != job_folder(f"{paths},model.cell=gru")
+    # A value of LONG_VALUE characters stays as it is, one longer gives way (at < LONG_VALUE a mutant passed).
+    kept, digested = "k" * LONG_VALUE, "d" * (LONG_VALUE + 1)
+    name = job_folder(f"data.eval_manifest=/tmp/{'x' * 250}/t.jsonl,model.note={kept},run_name={digested}")
+    assert name.startswith("data.eval_manifest=#") and f",model.note={kept},run_name=#" in name, name
 
 
 def test_run_names_hydra_parses_as_numbers_are_names_too():
