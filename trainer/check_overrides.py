@@ -3,7 +3,8 @@ trainer [-m] [overrides...]` without training, in seconds, so that the launch sc
 build and its ranks' start. The config the command would train is composed as Hydra composes it and checked as the
 trainer checks it (its run_name, then trainer.config.check_config: every key known, every value CONFIG_RULES takes,
 feature and SpecAugment settings that work together; that N ranks, default 1, split its train.global_batch_size
-evenly; and that the files it reads are there and open, trainer.inputs.check_inputs); a sweep's every job, as the
+evenly; and that the files it reads are there and open, trainer.inputs.check_inputs, and train.resume=PATH's
+checkpoint, trainer.resume.checkpoint_to_resume); a sweep's every job, as the
 trainer checks them before its first job (trainer.run_directory.sweep_refusal), and its files too; and the run's
 directory, that it holds no symbolic link where the run writes a file in place
 (trainer.run_directory.linked_run_file), nor checkpoints that a fresh run would overwrite

@@ -1,6 +1,7 @@
 """The files a job reads before it trains, each checked as there and open to this process before the job starts
-(check_inputs): its manifests, or under data.an4_source AN4's folder, from which the run writes them; and the
-checkpoint train.resume=PATH names. What they hold is the run's to read: a large corpus's manifests are not read here.
+(check_inputs): its manifests, or under data.an4_source AN4's folder, from which the run writes them. The checkpoint
+train.resume=PATH names is trainer.resume.checkpoint_to_resume's to check, which every caller asks next. What they hold
+is the run's to read: a large corpus's manifests are not read here.
 """
 import contextlib
 from pathlib import Path
@@ -9,7 +10,6 @@ from omegaconf import DictConfig
 
 from data.manifest import check_manifest_path
 from data.prepare import AN4_SPLITS, an4_manifest, an4_source_folder
-from trainer.resume import readable_resume
 
 
 @contextlib.contextmanager
@@ -24,7 +24,7 @@ def naming_the_an4_source():
 def check_inputs(cfg: DictConfig) -> None:
     """FileNotFoundError or ValueError, in the run's own words, naming the first file the run would fail to read: a
     manifest that is missing, a folder, cannot be opened or is empty; AN4's folder where the run writes its manifests
-    from it (they need not be there yet); a checkpoint train.resume=PATH names that is no file it can open."""
+    from it (they need not be there yet)."""
     written = set()
     if cfg.data.an4_source is not None:
         with naming_the_an4_source():
@@ -33,5 +33,3 @@ def check_inputs(cfg: DictConfig) -> None:
     for manifest in [*cfg.data.train_manifests, cfg.data.eval_manifest]:
         if Path(manifest).absolute() not in written:  # another test set beside AN4 (data.eval_manifest=...) is read
             check_manifest_path(Path(manifest))
-    if cfg.train.resume not in (None, "auto"):
-        readable_resume(cfg.train.resume)
