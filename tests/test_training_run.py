@@ -1395,6 +1395,28 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_though_a_checkpoint_follows_
 
 
 @pytest.mark.slow
+def test_a_resumed_jobs_non_finite_first_step_in_epoch_1_is_skipped_though_a_stop_follows_it(an4_train, tmp_path):
+    """As above inside epoch 1, which trained before this job's resume: its steps from before count as an earlier
+    epoch's would. A run that took only epochs before this one for training before (epoch > 0) passed every test, and
+    refused this job as an epoch that trained nothing, which every resume would meet again."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4", "train.epochs=1", "train.resume=auto"]  # 4 steps
+    train(tmp_path / "run", manifest, *common, "train.max_steps=1")
+    wrapper = tmp_path / "poisoned_trainer.py"
+    wrapper.write_text(POISONED_TRAINER)
+    result = subprocess.run(
+        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, *common, "train.max_steps=2")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "POISONED_STEPS": "1", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "trained nothing" not in output, output[-3000:]
+    assert "step 2 skipped: non-finite loss or gradient" in output, output[-3000:]
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["train_state"]["step"] == 2
+
+
+@pytest.mark.slow
 def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations_on_it(an4_train, tmp_path):
     """And keeps the best.pt of the first test set beside it, which the first evaluation on the other replaced for
     good; a resume back on the first test set makes that one best.pt again, keeping the other's."""
