@@ -1417,6 +1417,25 @@ def test_a_resumed_jobs_non_finite_first_step_in_epoch_1_is_skipped_though_a_sto
 
 
 @pytest.mark.slow
+def test_an_epoch_after_the_first_whose_every_loss_is_not_finite_ends_the_run_at_its_end(an4_train, tmp_path):
+    """Steps skipped for a non-finite loss pass at a checkpoint inside an epoch of a run that trained before, not at an
+    epoch's end: a run whose second epoch skipped every step was evaluated and saved as if it had trained (a mutant
+    that let them pass there too passed every test)."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    wrapper = tmp_path / "poisoned_trainer.py"
+    wrapper.write_text(POISONED_TRAINER)
+    result = subprocess.run(  # 2 steps an epoch: epoch 2 is steps 3 and 4
+        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, "model.hidden=32",
+                                                       "train.global_batch_size=4", "train.epochs=2")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "POISONED_STEPS": "3,4", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "epoch 2 trained nothing: each of its 2 steps was skipped" in output, output[-3000:]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 2
+
+
+@pytest.mark.slow
 def test_a_run_resumed_on_another_test_set_chooses_best_pt_among_the_evaluations_on_it(an4_train, tmp_path):
     """And keeps the best.pt of the first test set beside it, which the first evaluation on the other replaced for
     good; a resume back on the first test set makes that one best.pt again, keeping the other's."""
