@@ -422,6 +422,11 @@ def test_a_job_after_one_that_left_half_a_line_in_jobs_jsonl_records_itself_and_
     lines = path.read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[-1])["from_step"] == 40, lines
     assert recorded_run_id(tmp_path) == "run-a"
+    # A fresh run starts the file anew, with no line break first for the torn line it replaces (a mutant wrote one).
+    with open(path, "a") as jobs:
+        jobs.write('{"run_id": "run-a", "from_st')
+    record_job(path, "run-b", 0, env, resumed=False)
+    assert [json.loads(line)["run_id"] for line in path.read_text().split("\n")[:-1]] == ["run-b"]
 
 
 def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
