@@ -466,9 +466,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
     show_progress_bar = env.is_main and cfg.train.progress_bar and shows_a_progress_bar(sys.stderr)
     # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
     stop_signals.listen()
+    # No epoch starts past train.max_steps: a resume whose checkpoint reached it returned above (nothing to train), and
+    # the epoch's end that reaches it stops below.
     for epoch in range(state["epoch"], cfg.train.epochs):
-        if stops_at_max_steps(max_steps, state, len(sampler)):
-            break
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
         train_set.set_epoch(epoch)
