@@ -1,6 +1,7 @@
 """The real entry points end to end on CPU: `python -m trainer` on real AN4 speech, resume, bad input, user errors,
 sweeps (`-m`), then `python -m trainer.evaluate` and `python -m trainer.transcribe` on what it wrote."""
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -10,8 +11,11 @@ import resource
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -361,6 +365,37 @@ def test_on_a_terminal_of_no_width_the_progress_is_log_lines(an4_train, tmp_path
         os.close(controller)
     assert job.returncode == 0, job.stdout[-3000:]
     assert "epoch 1: step 1 of 2, loss " in job.stdout and "evaluating: batch 1 of " in job.stdout, job.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_resumed_runs_progress_bar_counts_on_from_the_step_it_resumed_at(an4_train, tmp_path):
+    """On a terminal that has a width, the epoch's bar starts at the step the job resumed from: one started at 0
+    passed every test, and a job resumed at step 1 of 4 ended its epoch's bar at 3/4."""
+    utterances = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=16", "train.global_batch_size=4", "train.epochs=1", "train.resume=auto",
+              "train.progress_bar=true"]  # 4 steps an epoch
+    train(tmp_path / "run", utterances, *common, "train.max_steps=1")
+    controller, terminal = os.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    drawn = []
+
+    def read_the_terminal():  # as the job writes, so that a full terminal buffer cannot stop it
+        with contextlib.suppress(OSError):  # EIO once the job, the terminal's last writer, has ended
+            while chunk := os.read(controller, 4096):
+                drawn.append(chunk.decode(errors="replace"))
+
+    reader = threading.Thread(target=read_the_terminal)
+    reader.start()
+    try:
+        job = subprocess.run([sys.executable, "-m", "trainer", *train_arguments(tmp_path / "run", utterances, *common)],
+                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=terminal, text=True, timeout=600)
+    finally:
+        os.close(terminal)
+        reader.join(timeout=60)
+        os.close(controller)
+    bars = "".join(drawn)
+    assert job.returncode == 0, job.stdout[-3000:] + bars[-3000:]
+    assert re.search(r"epoch 1/1:[^\r\n]* 4/4 ", bars) and not re.search(r"epoch 1/1:[^\r\n]* 0/4 ", bars), bars
 
 
 @pytest.mark.slow
@@ -1431,7 +1466,8 @@ def test_an_epoch_after_the_first_whose_every_loss_is_not_finite_ends_the_run_at
         env={**os.environ, "POISONED_STEPS": "3,4", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 2 and "epoch 2 trained nothing: each of its 2 steps was skipped" in output, output[-3000:]
+    assert result.returncode == 2, output[-3000:]
+    assert "epoch 2 trained nothing: each of its 2 steps was skipped" in output, output[-3000:]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 2
 
 
