@@ -670,9 +670,10 @@ def test_an_epoch_that_decodes_none_of_the_test_set_says_so_whatever_left_each_o
 
 
 @pytest.mark.parametrize("unreadable", [0, 1])
-def test_an_epochs_metrics_line_counts_the_test_utterances_it_could_not_decode(tmp_path, unreadable):
+def test_an_epochs_metrics_line_counts_the_test_utterances_it_could_not_decode(tmp_path, unreadable, caplog):
     """metrics.jsonl's eval_unreadable is the count of test utterances the evaluation left out, absent where it left
-    none: a line that left it out where one utterance was not decoded passed every test."""
+    none: a line that left it out where one utterance was not decoded passed every test. The warning says the WER is
+    over the one decoded, not that none was (a mutant that took one decoded for none passed too)."""
     import types
 
     from data.dataset import SpeechDataset
@@ -689,6 +690,8 @@ def test_an_epochs_metrics_line_counts_the_test_utterances_it_could_not_decode(t
                      types.SimpleNamespace(add_scalar=lambda *args: None), metrics)
     [line] = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert line.get("eval_unreadable") == (unreadable or None), line
+    assert "could be decoded" not in caplog.text
+    assert ("epoch 1: the test WER is over 1 of the test set's 2 utterances" in caplog.text) == bool(unreadable)
 
 
 def test_evaluate_skipped_to_stdout_leaves_stdout_to_the_list(tmp_path, monkeypatch, capsys):
