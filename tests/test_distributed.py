@@ -805,6 +805,31 @@ def test_a_rendezvous_past_its_deadline_waits_a_second_or_the_whole_timeout_wher
     assert 2 < distributed.rendezvous_wait_s(time.monotonic() + 3, 4) <= 3
 
 
+def test_a_rank_whose_rank_0_never_opens_its_port_stops_waiting_at_its_deadline():
+    """wait_for_rank_0s_rendezvous gives up at its deadline: one that waited 5 s past it passed every test."""
+    with socket.socket() as held:  # bound, not listening: it refuses connections, and no other process takes it
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        began = time.monotonic()
+        with pytest.raises(torch.distributed.DistNetworkError, match=f"timed out connecting to 127.0.0.1:{port}"):
+            distributed.wait_for_rank_0s_rendezvous("127.0.0.1", port, began + 0.5)
+        assert 0.5 <= time.monotonic() - began < 2
+
+
+def test_cpu_ranks_share_their_nodes_cores(monkeypatch):
+    """Each of a node's CPU ranks takes its share of the cores, at least one: one that took them all passed every
+    test, and more compute threads than cores make OpenMP's spin-waits crawl."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        assert distributed._device_and_backend(False, 0, 2, False) == (torch.device("cpu"), 2, "gloo")
+        assert torch.get_num_threads() == 4
+        distributed._device_and_backend(False, 0, 16, False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_late_rendezvous_leaves_the_collectives_the_whole_timeout():
     """The rendezvous gets what is left of the timeout after rank 0's port answered (1.5 s of 4 s), but
     init_process_group's timeout is its collectives' too: rank 1's first collective, waiting 2.5 s for rank 0's, would
