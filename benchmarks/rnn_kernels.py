@@ -35,10 +35,11 @@ rows say whether the two directions ran in one launch. Each supported row's JSON
 (`persistent_launch_plans`: CTAs, threads, thread-block cluster size, units per CTA, shared memory, and how much of
 it holds weights).
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import contextlib

@@ -13,10 +13,11 @@ Per depth the table gives the stack's time in ms and its time per layer; "per ad
 least-squares line through (depth, time), the marginal cost of one more layer, and "fixed" is that line at depth 0.
 Shapes the persistent kernel refuses are reported with its reason and skipped.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import sys

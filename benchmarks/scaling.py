@@ -26,10 +26,11 @@ and is the slowest rank's time for that step:
 Strong-scaling efficiency, with --baseline (this script's JSON from one GPU of the same kind, same settings):
 t(1) / (N * t(N)).
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import json
@@ -46,7 +47,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.fields import COUNT, POSITIVE, DamagedFile, field
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
+from data.cli import Terminated, input_path, signals_raise, stopped_line
 from data.dataset import Batch
 from data.text import NUM_CLASSES, counted
 from models import MaskedBatchNorm
@@ -386,14 +387,15 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
     try:
-        ctrl_c_raises_keyboard_interrupt()
+        signals_raise()
         main()
     except (FileNotFoundError, ValueError) as error:
         print(f"error on rank {launch_ranks.launcher_rank()}: {error}", file=sys.stderr)
         distributed.abort_job(2)
-    except KeyboardInterrupt:  # its results are written once, at the end: none yet
-        print(f"{INTERRUPTED} on rank {launch_ranks.launcher_rank()}", file=sys.stderr)
-        distributed.abort_job(INTERRUPTED_EXIT_CODE)
+    except (KeyboardInterrupt, Terminated) as stopped:  # its results are written once, at the end: none yet
+        line, code = stopped_line(stopped)
+        print(f"{line} on rank {launch_ranks.launcher_rank()}", file=sys.stderr)
+        distributed.abort_job(code)
     except Exception:
         print(f"benchmark failed on rank {launch_ranks.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
         distributed.abort_job(1)

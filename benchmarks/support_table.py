@@ -10,10 +10,11 @@ asked at each count: the table says so where a larger count runs and a smaller d
 shows "-", and the JSON gives the query's reason at one utterance. `--json /dev/stdout` writes the JSON alone on
 stdout and the table on stderr. Building the extension, the first time, takes a minute or two.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import sys

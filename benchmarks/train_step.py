@@ -17,10 +17,11 @@ sequences a graph cannot hold), the same step with the model's forward and backw
 train.cuda_graphs=true trains (models.cuda_graphs). The persistent kernels run at most 32 utterances, fewer for large
 layers; a shape they refuse is recorded with the reason, not timed.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import gc

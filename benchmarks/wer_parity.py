@@ -34,10 +34,11 @@ not as the trainer writes it (a config.yaml that is no YAML, an evaluation or jo
 another type, a file that cannot be read), in one line naming the file and what is wrong; a --report whose every run is
 left out so reports nothing and exits 2, as does one that finds none of its runs in RUNS_DIR (a misspelt --name).
 """
-if __name__ == "__main__":  # first: a Ctrl-C during the imports below printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: during the imports below a Ctrl-C printed a traceback, and a
+    # SIGTERM ended the tool without a word
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import json

@@ -1,6 +1,7 @@
 """What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
-project (trainer.cli holds the rest): how a Ctrl-C ends a tool, in one line, exit code 130 (128 + SIGINT), not a
-traceback, the paths it is given, and whether its progress shows as a bar or as lines."""
+project (trainer.cli holds the rest): how a Ctrl-C or a SIGTERM ends a tool, in one line, exit code 130 (128 + SIGINT)
+or 143 (128 + SIGTERM), not a traceback or nothing at all, the paths it is given, and whether its progress shows as a
+bar or as lines."""
 import argparse
 import os
 import signal
@@ -8,6 +9,8 @@ import sys
 
 INTERRUPTED = "interrupted by Ctrl-C"
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+TERMINATED = "terminated by SIGTERM"
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
 # Without a bar (a pipe, a SLURM or nohup log), a tool logs a line on its progress this often: as training's
 # evaluations do every train.progress_line_s (60 by default too).
 PROGRESS_LINE_S = 60
@@ -28,12 +31,13 @@ def shows_a_progress_bar(stream) -> bool:
     return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
 
 
-def end_at_once_on_ctrl_c() -> None:
+def end_at_once_on_a_signal() -> None:
     """A tool calls this before its imports (torch's take seconds), in which a Ctrl-C printed a traceback from inside
-    them: it ends the tool there in the tools' line and exit code, until ctrl_c_raises_keyboard_interrupt. A tool
-    started with Ctrl-C ignored keeps ignoring it (ctrl_c_ignored)."""
+    them and a SIGTERM ended the tool without a word: either ends it there in the tools' line and exit code, until
+    signals_raise. A tool started with Ctrl-C ignored keeps ignoring it (ctrl_c_ignored)."""
     if not ctrl_c_ignored():
-        signal.signal(signal.SIGINT, _interrupted_while_importing)
+        signal.signal(signal.SIGINT, _ended_while_importing)
+    signal.signal(signal.SIGTERM, _ended_while_importing)
 
 
 def ctrl_c_ignored() -> bool:
@@ -44,13 +48,32 @@ def ctrl_c_ignored() -> bool:
     return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
-def _interrupted_while_importing(number: int, frame) -> None:
-    print(INTERRUPTED, file=sys.stderr, flush=True)
-    os._exit(INTERRUPTED_EXIT_CODE)  # not SystemExit: code in the middle of an import could catch it and go on
+def _ended_while_importing(number: int, frame) -> None:
+    print(INTERRUPTED if number == signal.SIGINT else TERMINATED, file=sys.stderr, flush=True)
+    os._exit(128 + number)  # not SystemExit: code in the middle of an import could catch it and go on
 
 
-def ctrl_c_raises_keyboard_interrupt() -> None:
-    """Once the imports are done: a Ctrl-C raises KeyboardInterrupt again, for the tool to end in its own way (the
-    manifest or the results so far kept as they were)."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+class Terminated(BaseException):
+    """SIGTERM to a tool (kill, a scheduler's end of a job), raised where the tool is as KeyboardInterrupt is for a
+    Ctrl-C: a BaseException, which a tool's `except Exception` lets through."""
+
+
+def raise_terminated(number: int, frame) -> None:
+    raise Terminated
+
+
+def signals_raise() -> None:
+    """Once the imports are done, where the tool took the signals over (end_at_once_on_a_signal): a Ctrl-C raises
+    KeyboardInterrupt again, and a SIGTERM Terminated, for the tool to end in its own way (the manifest or the results
+    so far kept as they were), in the line stopped_line gives."""
+    if signal.getsignal(signal.SIGINT) is _ended_while_importing:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is _ended_while_importing:
+        signal.signal(signal.SIGTERM, raise_terminated)
+
+
+def stopped_line(stopped: KeyboardInterrupt | Terminated) -> tuple[str, int]:
+    """The line a tool ends on, and its exit code, where a Ctrl-C or a SIGTERM stopped it (signals_raise)."""
+    if isinstance(stopped, Terminated):
+        return TERMINATED, TERMINATED_EXIT_CODE
+    return INTERRUPTED, INTERRUPTED_EXIT_CODE

@@ -15,10 +15,11 @@ utterance with an empty transcript is written as it is: the dataset leaves it ou
 left with no utterance is an error naming its fileids or source folder and how many were skipped and why; its manifest
 is not written, an earlier one left as it was.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import logging
@@ -33,10 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.cli import (
-    INTERRUPTED, INTERRUPTED_EXIT_CODE, PROGRESS_LINE_S, ctrl_c_raises_keyboard_interrupt, input_path,
-    shows_a_progress_bar,
-)
+from data.cli import PROGRESS_LINE_S, Terminated, input_path, shows_a_progress_bar, signals_raise, stopped_line
 from data.dataset import SkipWarnings, count_reasons
 from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
@@ -316,9 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     for corpus in (an4, librispeech):
         corpus.add_argument("--source", type=input_path, required=True, help="the corpus folder")
         corpus.add_argument("--out", type=input_path, required=True, help="folder for the manifests")
-    ctrl_c_raises_keyboard_interrupt()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    signals_raise()  # until here they end the tool at once, as during its imports: there is nothing to keep yet
     try:
         if args.corpus == "an4":
             prepare_an4(args.source, args.out)
@@ -326,8 +324,10 @@ def main(argv: list[str] | None = None) -> None:
             prepare_librispeech(args.source, args.out, args.name)
     except (OSError, ValueError) as error:  # OSError: an --out that cannot be written (a file, no permission)
         parser.exit(2, f"{parser.prog}: error: {write_error_line(error) if came_of_writing(error) else error}\n")
-    except KeyboardInterrupt:  # minutes into a large corpus; the manifest being written is left as it was
-        parser.exit(INTERRUPTED_EXIT_CODE, f"{INTERRUPTED}\n")
+    except (KeyboardInterrupt, Terminated) as stopped:
+        # Minutes into a large corpus: the manifest being written is left as it was.
+        line, code = stopped_line(stopped)
+        parser.exit(code, f"{line}\n")
 
 
 if __name__ == "__main__":

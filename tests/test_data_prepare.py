@@ -633,6 +633,33 @@ def test_ctrl_c_ends_prepare_in_one_line_leaving_the_manifest_as_it_was(tmp_path
     assert manifest.read_bytes() == before and os.listdir(tmp_path / "out") == ["dev-clean.jsonl"]
 
 
+# `python -m data.prepare ARGS...` as the shell runs it, sent SIGTERM as it reads its first audio file.
+TERMINATED_WHILE_READING = """
+import os, runpy, signal, sys, time
+import data.audio
+def terminated(path):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+data.audio.audio_header = terminated
+sys.argv = ["data.prepare", *sys.argv[1:]]
+runpy.run_module("data.prepare", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_sigterm_ends_prepare_in_one_line_leaving_the_manifest_as_it_was(tmp_path):
+    """data.prepare ran outside run_tool, and SIGTERM (kill, a scheduler ending the job) ended it without a word."""
+    source = tmp_path / "dev-clean"
+    write_librispeech_chapter(source / "84", "121123", "GO")
+    manifest = prepare_librispeech(source, tmp_path / "out")
+    before = manifest.read_bytes()
+    write_librispeech_chapter(source / "85", "121123", "GO")
+    result = subprocess.run([sys.executable, "-c", TERMINATED_WHILE_READING, "librispeech", "--source", str(source),
+                             "--out", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert (result.returncode, result.stderr.splitlines()[-1:]) == (143, ["terminated by SIGTERM"]), result.stderr
+    assert manifest.read_bytes() == before and os.listdir(tmp_path / "out") == ["dev-clean.jsonl"]
+
+
 def test_without_a_terminal_prepare_says_how_far_it_has_read(tmp_path, monkeypatch, caplog):
     """LibriSpeech's 281k files take minutes to read; under SLURM or nohup, with no progress bar, the log said
     nothing between its first line and its last."""

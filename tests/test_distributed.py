@@ -2018,13 +2018,14 @@ def test_a_stop_signal_before_training_began_ends_the_job_saying_so(an4_source, 
 
 
 def starting_with_stop_signals_taken(pid: int) -> bool:
-    """Whether process `pid` has a handler for SIGTERM (its SigCgt mask) and has not yet loaded torch."""
+    """Whether process `pid` has a handler for SIGUSR1 (its SigCgt mask), which keep_early_stop_signal takes with
+    SIGTERM (data.cli's, before it, takes SIGTERM alone), and has not yet loaded torch."""
     try:
         status, maps = Path(f"/proc/{pid}/status").read_text(), Path(f"/proc/{pid}/maps").read_text()
     except OSError:  # it has ended
         return False
     caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
-    return bool(caught >> (signal.SIGTERM - 1) & 1) and "libtorch" not in maps
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1) and "libtorch" not in maps
 
 
 @needs_mpiexec

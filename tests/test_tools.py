@@ -19,7 +19,7 @@ import wave
 import pytest
 
 from conftest import REPO_ROOT, small_checkpoint
-from data.cli import ctrl_c_raises_keyboard_interrupt, end_at_once_on_ctrl_c, shows_a_progress_bar
+from data.cli import end_at_once_on_a_signal, raise_terminated, shows_a_progress_bar, signals_raise
 from data.manifest import Utterance, write_manifest
 from trainer import checkpoint, cli
 from trainer.records import open_metrics
@@ -131,15 +131,17 @@ def test_a_tool_sent_sigterm_says_so_in_one_line():
     assert (result.returncode, result.stdout, result.stderr) == (143, "", "terminated by SIGTERM\n"), result.stderr
 
 
-# Runs a tool as `python -m` does, sending it a real Ctrl-C as its first import of the module named in argv[1] begins.
-CTRL_C_WHILE_IMPORTING = """
+# Runs a tool as `python -m` does, sending it a real signal (argv[3], Ctrl-C where none is named) as its first import
+# of the module named in argv[2] begins.
+SIGNAL_WHILE_IMPORTING = """
 import builtins, os, runpy, signal, sys
 tool, interrupted_at = sys.argv[1:3]
+number = getattr(signal, sys.argv[3]) if len(sys.argv) > 3 else signal.SIGINT
 real_import = builtins.__import__
 def importing(name, *args, **kwargs):
     if name == interrupted_at:
         builtins.__import__ = real_import
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), number)
     return real_import(name, *args, **kwargs)
 builtins.__import__ = importing
 sys.argv = [tool, "--help"]
@@ -147,19 +149,24 @@ runpy.run_module(tool, run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.parametrize("signal_name, line, code", [("SIGINT", "interrupted by Ctrl-C", 130),
+                                                     ("SIGTERM", "terminated by SIGTERM", 143)])
 @pytest.mark.parametrize("tool, interrupted_at", [
     ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
     ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
     ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
-    ("trainer.check_overrides", "hydra"),
+    ("trainer.check_overrides", "hydra"), ("trainer", "tqdm"),
 ])
-def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool, interrupted_at):
+def test_a_tool_stopped_by_a_signal_while_it_imports_says_so_in_one_line(tool, interrupted_at, signal_name, line,
+                                                                          code):
     """A Ctrl-C in the seconds a tool imports torch, before run_tool takes it, printed a traceback from inside them
-    (benchmarks.scaling, benchmarks.wer_parity and data.prepare still did, until they shared data.cli)."""
-    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300,
+    (benchmarks.scaling, benchmarks.wer_parity and data.prepare still did, until they shared data.cli), and a SIGTERM
+    ended it without a word; the trainer's first tenth of a second, as trainer.stop imports tqdm before it takes the
+    signals, did either."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_IMPORTING, tool, interrupted_at, signal_name],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    assert (result.returncode, result.stdout, result.stderr) == (130, "", "interrupted by Ctrl-C\n"), result.stderr
+    assert (result.returncode, result.stdout, result.stderr) == (code, "", f"{line}\n"), result.stderr
 
 
 @pytest.mark.parametrize("tool, interrupted_at", [
@@ -169,7 +176,7 @@ def test_a_tool_interrupted_by_ctrl_c_while_it_imports_says_so_in_one_line(tool,
 def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupted_at):
     """A non-interactive shell starts `tool &` with SIGINT ignored, so that a Ctrl-C for the foreground job (the
     terminal's, to the whole process group) leaves it running: the tools took SIGINT over and ended on it."""
-    result = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_IMPORTING, tool, interrupted_at], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
@@ -177,21 +184,23 @@ def test_a_tool_started_with_ctrl_c_ignored_runs_on_through_one(tool, interrupte
     assert result.stdout.startswith("usage:"), result.stdout
 
 
-def test_ctrl_c_raises_keyboard_interrupt_after_the_imports_only_where_the_tool_took_it_over():
+def test_signals_raise_after_the_imports_only_where_the_tool_took_it_over():
     """A tool started with Ctrl-C ignored (`tool &` in a script) keeps ignoring it once its imports are done too: the
     test above sends its Ctrl-C during the imports, and passed with SIGINT's handler set after them whatever it was."""
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        end_at_once_on_ctrl_c()
-        ctrl_c_raises_keyboard_interrupt()
+        end_at_once_on_a_signal()
+        signals_raise()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is raise_terminated
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        end_at_once_on_ctrl_c()
-        ctrl_c_raises_keyboard_interrupt()
+        end_at_once_on_a_signal()
+        signals_raise()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def test_an_output_file_is_written_whole_and_never_over_an_input(tmp_path, monkeypatch):

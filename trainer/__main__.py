@@ -16,6 +16,9 @@ and error, and exits 2 where every failure was a user error, 1 otherwise. Under 
 MPI job (its other ranks would wait on it).
 """
 if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a stop signal killed each rank
+    from data.cli import end_at_once_on_a_signal
+
+    end_at_once_on_a_signal()  # until keep_early_stop_signal: trainer.stop's imports (tqdm) take a tenth of a second
     from trainer.stop import keep_early_stop_signal
 
     keep_early_stop_signal()

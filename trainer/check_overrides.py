@@ -14,10 +14,11 @@ line on stderr, as the trainer's, and exit code 2; nothing is written. So is an 
 that print instead of training (--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would
 print; and --experimental-rerun, which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
 """
-if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which a signal printed
+    # a traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import sys

@@ -16,7 +16,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import INTERRUPTED, INTERRUPTED_EXIT_CODE, ctrl_c_raises_keyboard_interrupt, input_path
+from data.cli import Terminated, input_path, raise_terminated, signals_raise, stopped_line
 from data.files import FULL_DISK, is_stream, standard_stream_writing_to, write_out, write_whole
 
 
@@ -241,32 +241,22 @@ def say_written(path: str) -> None:
     print(f"wrote {path}", file=lines_stream(path))
 
 
-class Terminated(BaseException):
-    """SIGTERM to a tool (kill, a scheduler's end of a job), raised where the tool is as KeyboardInterrupt is for a
-    Ctrl-C: a BaseException, which a tool's `except Exception` lets through."""
-
-
-def _raise_terminated(number: int, frame) -> None:
-    raise Terminated
-
-
 def run_tool(main: Callable[[], int]) -> int:
     """A tool's exit code from its `main`, which a Ctrl-C ends in one line (exit 130, not a traceback), a SIGTERM too
     (exit 143: Python's default ended it without a word), a reader that stops early (`| head`) quietly (exit 1), and
     an output file or a stdout on a full disk in one line (exit 2)."""
-    ctrl_c_raises_keyboard_interrupt()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.getsignal(signal.SIGTERM)  # end_at_once_on_a_signal's, where the tool took it over at its start
+    signals_raise()
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         return main()
     except CannotWrite as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
-    except Terminated:
-        print("terminated by SIGTERM", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except (KeyboardInterrupt, Terminated) as stopped:
+        line, code = stopped_line(stopped)
+        print(line, file=sys.stderr)
+        return code
     except BrokenPipeError:
         _discard_stdout()
         return 1

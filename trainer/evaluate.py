@@ -3,10 +3,11 @@
     python -m trainer.evaluate --checkpoint runs/NAME/checkpoints/best.pt [--manifest M.jsonl] [--out errors.tsv]
         [--skipped skipped.jsonl] [--beam 16] [--lm words.arpa --lm-weight 0.5 --word-bonus 1.0]
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import logging

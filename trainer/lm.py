@@ -9,10 +9,11 @@ once), and the mass taken from a history goes to the words it was never followed
 lower-order probabilities; the unigrams' is spread evenly over the vocabulary and <unk>, as KenLM's lmplz does. Words
 are upper case, as the model spells them; a word never seen in training scores as <unk>.
 """
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import math

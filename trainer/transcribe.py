@@ -2,10 +2,11 @@
 (greedy; `--beam` and `--lm` as for python -m trainer.evaluate). A file it cannot use is named on stderr with why, the
 others transcribed, and the exit code is then 1; a checkpoint or decoder option it refuses, 2. A file of more than
 five minutes is named on stderr, with its length, before it is transcribed; stdout holds the transcripts alone."""
-if __name__ == "__main__":  # first: the imports below take seconds (torch), in which Ctrl-C printed a traceback
-    from data.cli import end_at_once_on_ctrl_c
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
 
-    end_at_once_on_ctrl_c()
+    end_at_once_on_a_signal()
 
 import argparse
 import sys
