@@ -287,6 +287,31 @@ def test_each_writer_puts_its_file_on_disk_before_the_rename_and_leaves_nothing_
     assert path.read_text() == "earlier\n" and [file.name for file in tmp_path.iterdir()] == ["file"]
 
 
+@pytest.mark.parametrize("command, unbuffered", [
+    ("trainer --help", ""), ("trainer --help", "1"), ("trainer --cfg job", ""), ("trainer --cfg job", "1"),
+    ("trainer.check_overrides --help", ""), ("trainer.evaluate --help", ""),
+])
+def test_a_help_into_a_reader_that_stopped_early_ends_quietly(command, unbuffered):
+    """`| head -1`: what a tool left in stdout's buffer was written at Python's exit, which printed "Exception ignored
+    ... BrokenPipeError" with exit code 120; under PYTHONUNBUFFERED=1 the trainer's --help (Hydra's, which prints it
+    and its newline apart) and --cfg ended in a BrokenPipeError's traceback. (argparse's --help, unbuffered, ignores a
+    failed write and exits 0.)"""
+    tool = f"{shlex.quote(sys.executable)} -m {command}"
+    piped = subprocess.run(["bash", "-c", f"{tool} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+    assert (piped.returncode, piped.stderr) == (1, ""), piped.stderr
+
+
+def test_a_help_left_in_stdouts_buffer_on_a_full_disk_says_so_in_one_line():
+    # Written at Python's exit, past run_tool: "Exception ignored ... OSError: [Errno 28]", exit code 120.
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "trainer.check_overrides", "--help"], cwd=REPO_ROOT,
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                                env={**os.environ, "PYTHONUNBUFFERED": ""})
+    assert (result.returncode, result.stderr) == (2, "error: cannot write stdout: No space left on device\n")
+
+
 def test_a_tools_output_into_a_reader_that_stopped_early_ends_it_quietly(tmp_path):
     # `trainer.lm --out /dev/stdout | head -1`: write_output took the closed pipe for an unwritable file, exit 2 and
     # "error: cannot write /dev/stdout: Broken pipe", where run_tool ends a tool whose reader stopped early quietly.

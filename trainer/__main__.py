@@ -40,7 +40,7 @@ from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
-from trainer.cli import log_above_progress_bars
+from trainer.cli import log_above_progress_bars, quiet_where_stdouts_reader_stops
 from trainer.config import RUN_NAME_SETTING, config_error_line
 from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
@@ -255,10 +255,12 @@ if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
     report_command_line_errors_in_one_line()
     leave_the_log_to_rank_0(launch_ranks.launcher_rank())
-    try:
-        refuse_a_pickled_config(sys.argv[1:])
-        main()
-    except SystemExit as leaving:
-        end_job_before_mpi(leaving)
-        raise
+    # Hydra's --help and --info print outside run_and_report (report_command_line_errors_in_one_line).
+    with quiet_where_stdouts_reader_stops():
+        try:
+            refuse_a_pickled_config(sys.argv[1:])
+            main()
+        except SystemExit as leaving:
+            end_job_before_mpi(leaving)
+            raise
     sys.exit(sweep_exit_code())

@@ -249,7 +249,8 @@ def run_tool(main: Callable[[], int]) -> int:
     signals_raise()
     signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        return main()
+        with quiet_where_stdouts_reader_stops():
+            return main()
     except CannotWrite as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -257,9 +258,6 @@ def run_tool(main: Callable[[], int]) -> int:
         line, code = stopped_line(stopped)
         print(line, file=sys.stderr)
         return code
-    except BrokenPipeError:
-        _discard_stdout()
-        return 1
     except OSError as error:
         # A file the tool opens is named in its error; a print's write() names none, and so one is stdout's.
         if error.filename is not None or error.errno not in FULL_DISK:
@@ -269,6 +267,23 @@ def run_tool(main: Callable[[], int]) -> int:
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def quiet_where_stdouts_reader_stops():
+    """Ends the process in silence, exit code 1, where stdout's reader stops early (`| head`) as the block prints. What
+    the block leaves in stdout's buffer is written as it ends, a SystemExit's included (argparse's and Hydra's
+    --help): at Python's exit, a reader gone by then was "Exception ignored ... BrokenPipeError", exit code 120, and a
+    full disk's OSError one line too late for run_tool to say."""
+    try:
+        try:
+            yield
+        finally:
+            if sys.stdout is not None:  # None: closed as the process started (>&-)
+                sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        sys.exit(1)
 
 
 def _discard_stdout() -> None:

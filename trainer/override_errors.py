@@ -15,6 +15,7 @@ from hydra.errors import (ConfigCompositionException, MissingConfigException, Ov
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from trainer.cli import quiet_where_stdouts_reader_stops
 from trainer.config import CONF_DIR, RUN_NAME_SETTING
 from trainer.launch_ranks import rank_tag
 
@@ -28,7 +29,11 @@ def report_command_line_errors_in_one_line() -> None:
     report = hydra_utils.run_and_report
 
     def run_and_report(step):
-        return report(lambda: refused_in_one_line(step))
+        def reported():
+            # Hydra reported a BrokenPipeError as any error, a traceback: --cfg job | head -1
+            with quiet_where_stdouts_reader_stops():
+                return refused_in_one_line(step)
+        return report(reported)
 
     hydra_utils.run_and_report = run_and_report
 
