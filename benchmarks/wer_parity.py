@@ -50,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,7 +59,7 @@ from typing import NoReturn
 import yaml
 
 from benchmarks.fields import COUNT, DamagedFile, field
-from data.cli import input_path
+from data.cli import Terminated, input_path, stopped_line
 from data.text import counted
 from data.values import is_number
 from trainer import check_overrides
@@ -191,10 +192,39 @@ def report(runs_dir: Path, name: str, backend: str, seed: int, ranks: int, at_ep
         return {**row, "devices": [], "epochs": None, **NO_EVALUATION, "partial_epochs": [], "damaged": str(error)}
 
 
-def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool, ranks: int,
-          gpu: str | None, at_epoch: int | None) -> dict:
+class Runs:
+    """Starts the trainer's runs and keeps those in progress, to pass on a SIGTERM sent to this script alone (a
+    terminal's Ctrl-C reaches them itself): each stops at its checkpoint, and no run starts after it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in_progress: set[subprocess.Popen] = set()
+        self.terminated = False
+
+    def run_to_end(self, command: list[str], env: dict, log) -> int | None:
+        """The run's exit status, its output into `log`; None where a SIGTERM came before it could start."""
+        with self.lock:
+            if self.terminated:
+                return None
+            process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.in_progress.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self.lock:
+                self.in_progress.discard(process)
+
+    def terminate(self) -> None:
+        with self.lock:
+            self.terminated = True
+            for process in self.in_progress:
+                process.send_signal(signal.SIGTERM)
+
+
+def train(runs: Runs, runs_dir: Path, name: str, backend: str, seed: int, overrides: list[str], graphs: bool,
+          ranks: int, gpu: str | None, at_epoch: int | None) -> dict | None:
     """One trainer run of `ranks` ranks to the end (or its continuation) on the given GPU (None: as inherited);
-    returns how it ended and what it evaluated (up to at_epoch, if given)."""
+    returns how it ended and what it evaluated (up to at_epoch, if given), or None where it was not started."""
     run_dir = runs_dir / name
     settings = run_settings(run_dir, backend, seed, overrides, graphs)
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
@@ -208,7 +238,9 @@ def train(runs_dir: Path, name: str, backend: str, seed: int, overrides: list[st
     output = runs_dir / f"{name}.out"
     started = time.perf_counter()
     with open(output, "a") as log:
-        returncode = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        returncode = runs.run_to_end(command, env, log)
+    if returncode is None:
+        return None
     wall_s = round(time.perf_counter() - started, 1)
     return {**report(runs_dir, name, backend, seed, ranks, at_epoch), "gpu": gpu, "returncode": returncode,
             "wall_s": wall_s}
@@ -261,18 +293,19 @@ def gpu_named(gpu: str | None) -> str:
 
 def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str], args) -> list[dict]:
     """Trains (or continues) every job, --parallel at once, and returns their rows in the order of `jobs`. A stop signal
-    (a Ctrl-C reaches the runs as well as this script) lets the runs in progress stop at their checkpoints, starts no
-    more and exits with the signal's code."""
+    (a Ctrl-C reaches the runs as well as this script; a SIGTERM to this script alone it passes on) lets the runs in
+    progress stop at their checkpoints, starts no more and exits with the signal's code."""
     print(f"{counted(len(jobs), 'run')} of {counted(args.ranks, 'rank')}, {min(args.parallel, len(jobs))} at once on "
           f"{counted(len(gpus), 'GPU') if gpus else 'no GPU'}; "
           f"output in {runs_dir}/{args.name}-*.out", flush=True)
     stopped_by = []  # the exit codes of runs a stop signal ended: the jobs queued after them are not started
+    runs = Runs()
 
     def train_unless_stopped(*job):
         if stopped_by:  # else, the signal having reached this script too late, a Ctrl-C for every queued run
             return None
-        row = train(*job)
-        if row["returncode"] in STOPPED_BY_SIGNAL:
+        row = train(runs, *job)
+        if row is not None and row["returncode"] in STOPPED_BY_SIGNAL:
             stopped_by.append(STOPPED_BY_SIGNAL[row["returncode"]])
         return row
 
@@ -292,9 +325,11 @@ def train_all(jobs: list[tuple[str, str, int]], runs_dir: Path, gpus: list[str],
                     outcome = row.get("damaged") or f"{row['epochs']} epochs, last WER {percent(row['last_wer'])} %"
                     print(f"{row['run']} ({gpu_named(row['gpu'])}): exit {row['returncode']}, {outcome}, "
                           f"{row['wall_s']:.0f} s", flush=True)
-        except KeyboardInterrupt:
-            stopped_by.append(128 + signal.SIGINT)
-            pool.shutdown(cancel_futures=True)  # waits for the runs in progress, which the Ctrl-C stops too
+        except (KeyboardInterrupt, Terminated) as stopped:
+            stopped_by.append(stopped_line(stopped)[1])
+            if isinstance(stopped, Terminated):
+                runs.terminate()
+            pool.shutdown(cancel_futures=True)  # waits for the runs in progress, which the signal stops too
     if stopped_by:
         not_started = sum(future.cancelled() or future.result() is None for future in futures)
         print(f"stopped by a signal: the runs in progress stopped at their checkpoints and "

@@ -303,18 +303,13 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
 
 def runs_end_at_once(monkeypatch, started: list | None = None) -> None:
     """Each run wer_parity starts (the trainer, or the launch script of a run of several ranks) ends at once, exit 0,
-    added to `started`; the other commands run: the device's name, from platform, and the versions' git query, for its
-    JSON."""
-    real_run = subprocess.run
-
-    def run(command, **kwargs):
-        if command[1:3] != ["-m", "trainer"] and command[0] != "bash":
-            return real_run(command, **kwargs)
+    added to `started`."""
+    def run_to_end(runs, command, env, log):
         if started is not None:
             started.append(command)
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
-    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setattr(wer_parity.Runs, "run_to_end", run_to_end)
 
 
 def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch, capsys):
@@ -357,14 +352,11 @@ def test_graphs_reach_every_backend_but_cudnn_and_the_json_records_the_overrides
     without its graphs, overrides or backend overrides passed every test, and named no recipe the runs trained."""
     commands = {}
 
-    def run(command, **kwargs):
-        if command[1:3] != ["-m", "trainer"]:  # the versions' git query
-            return real_run(command, **kwargs)
+    def run_to_end(runs, command, env, log):
         commands[next(part for part in command if part.startswith("model.backend="))] = command
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
-    real_run = subprocess.run
-    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setattr(wer_parity.Runs, "run_to_end", run_to_end)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     wer_parity.main(["--backends", "cudnn", "persistent", "--seeds", "1", "--graphs", "--runs-dir", str(tmp_path),
                      "--json", str(tmp_path / "wer.json"), "--backend-overrides", "persistent", "model.batch_slice=4",
@@ -415,15 +407,12 @@ def test_runs_that_need_a_gpu_are_refused_before_any_starts_where_none_is_visibl
 def test_a_failed_run_fails_the_comparison_naming_its_last_line(tmp_path, monkeypatch, capsys):
     """The runs' output goes to files: the one line that says why a run failed reaches the terminal, and the exit
     status says a run failed. --json into a folder not made yet is made first, not after the training."""
-    def run(command, stdout=None, **kwargs):
-        if command[1:3] != ["-m", "trainer"]:  # the versions' git query
-            return real_run(command, stdout=stdout, **kwargs)
+    def run_to_end(runs, command, env, log):
         failing = "model.backend=persistent" in command
-        stdout.write("error on rank 0: backend='persistent' cannot run: needs a CUDA GPU\n\n" if failing else "ok\n")
-        return subprocess.CompletedProcess(command, 2 if failing else 0)
+        log.write("error on rank 0: backend='persistent' cannot run: needs a CUDA GPU\n\n" if failing else "ok\n")
+        return 2 if failing else 0
 
-    real_run = subprocess.run
-    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setattr(wer_parity.Runs, "run_to_end", run_to_end)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     json_path = tmp_path / "not" / "made" / "wer.json"
     with pytest.raises(SystemExit) as stopped:
@@ -440,14 +429,11 @@ def test_the_json_names_the_commit_the_runs_started_on(tmp_path, monkeypatch):
     another branch, during their hours of training was named as the code that had trained."""
     checkout = {"commit": "started"}
 
-    def run(command, **kwargs):
-        if command[1:3] != ["-m", "trainer"]:  # the device's name, from platform
-            return real_run(command, **kwargs)
+    def run_to_end(runs, command, env, log):
         checkout["commit"] = "edited"
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
-    real_run = subprocess.run
-    monkeypatch.setattr(wer_parity.subprocess, "run", run)
+    monkeypatch.setattr(wer_parity.Runs, "run_to_end", run_to_end)
     monkeypatch.setattr("trainer.environment.versions", lambda device: dict(checkout))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "runs"),
@@ -456,17 +442,19 @@ def test_the_json_names_the_commit_the_runs_started_on(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "wer.json").read_text())["config"]["commit"] == "started"
 
 
-def test_a_ctrl_c_stops_the_runs_in_progress_and_starts_no_more(tmp_path):
+@pytest.mark.parametrize("number, to_the_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_stop_signal_stops_the_runs_in_progress_and_starts_no_more(tmp_path, number, to_the_group):
     """A Ctrl-C stopped the run in progress, which gets it too, and then the thread pool's shutdown started each
-    queued run, to train for hours: one Ctrl-C per queued run. Here each run's MPI job is a stand-in that runs until a
-    stop signal, which it answers as the trainer does."""
+    queued run, to train for hours: one Ctrl-C per queued run. A SIGTERM to the script alone (`kill PID`) reached no
+    run: the one in progress and then every queued one trained to its end. Here each run's MPI job is a stand-in that
+    runs until a stop signal, which it answers as the trainer does."""
     started = tmp_path / "started"
     mpirun = tmp_path / "mpirun"
     # Python, as the launcher is a background job of the launch script, which starts it with Ctrl-C ignored: a bash
     # trap could not take it back. The script first asks `$MPIRUN --version` (Open MPI or not).
     mpirun.write_text(f"#!{sys.executable}\nimport signal, sys, time\nif sys.argv[1:] != ['--version']:\n"
                       "    for number in (signal.SIGINT, signal.SIGTERM):\n"
-                      "        signal.signal(number, lambda *_: sys.exit(130))\n"
+                      "        signal.signal(number, lambda number, _: sys.exit(128 + number))\n"
                       f"    with open({str(started)!r}, 'a') as started:\n        started.write('run\\n')\n"
                       "    time.sleep(300)\n")
     mpirun.chmod(0o755)
@@ -479,13 +467,16 @@ def test_a_ctrl_c_stops_the_runs_in_progress_and_starts_no_more(tmp_path):
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1)  # the first run under way
-        os.killpg(comparison.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the script and its runs
+        if to_the_group:  # as a terminal's Ctrl-C: the script and its runs
+            os.killpg(comparison.pid, number)
+        else:
+            comparison.send_signal(number)
         _, stderr = comparison.communicate(timeout=60)
     finally:
         if comparison.poll() is None:
             os.killpg(comparison.pid, signal.SIGKILL)
             comparison.communicate()
-    assert comparison.returncode == 130, stderr[-3000:]
+    assert comparison.returncode == 128 + number, stderr[-3000:]
     assert started.read_text() == "run\n"
     assert stderr.endswith("the runs in progress stopped at their checkpoints and 2 runs did not start; the same "
                            "command continues them all\n"), stderr[-3000:]
