@@ -1407,23 +1407,28 @@ runpy.run_module("trainer", run_name="__main__")
 """
 
 
+def train_poisoned(tmp_path, run_dir, manifest, poisoned_steps: str, *overrides) -> tuple[int, str]:
+    """A run of POISONED_TRAINER with POISONED_STEPS=`poisoned_steps`: its exit code and output."""
+    wrapper = tmp_path / "poisoned_trainer.py"
+    wrapper.write_text(POISONED_TRAINER)
+    result = subprocess.run(
+        [sys.executable, str(wrapper), *train_arguments(run_dir, manifest, *overrides)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "POISONED_STEPS": poisoned_steps, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("limit", ["train.checkpoint_every_steps=3", "train.max_steps=3"])
 def test_a_step_whose_loss_is_not_finite_is_skipped_though_a_checkpoint_follows_it(an4_train, tmp_path, limit):
     """One such step at an epoch's start, then a checkpoint inside the epoch (or a stop): the run goes on from it, as
     from any skipped step, rather than refuse it as an epoch that trained nothing, which a resume would meet again."""
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
-    wrapper = tmp_path / "poisoned_trainer.py"
-    wrapper.write_text(POISONED_TRAINER)
     # 2 steps an epoch: step 3 is epoch 2's first.
-    result = subprocess.run(
-        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, "model.hidden=32",
-                                                       "train.global_batch_size=4", "train.epochs=2", limit)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "POISONED_STEPS": "3", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "trained nothing" not in output, output[-3000:]
+    returncode, output = train_poisoned(tmp_path, tmp_path / "run", manifest, "3", "model.hidden=32",
+                                        "train.global_batch_size=4", "train.epochs=2", limit)
+    assert returncode == 0 and "trained nothing" not in output, output[-3000:]
     assert "step 3 skipped: non-finite loss or gradient" in output, output[-3000:]
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["train_state"]["step"] == (3 if "max_steps" in limit else 4)
@@ -1437,15 +1442,8 @@ def test_a_resumed_jobs_non_finite_first_step_in_epoch_1_is_skipped_though_a_sto
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
     common = ["model.hidden=32", "train.global_batch_size=4", "train.epochs=1", "train.resume=auto"]  # 4 steps
     train(tmp_path / "run", manifest, *common, "train.max_steps=1")
-    wrapper = tmp_path / "poisoned_trainer.py"
-    wrapper.write_text(POISONED_TRAINER)
-    result = subprocess.run(
-        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, *common, "train.max_steps=2")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "POISONED_STEPS": "1", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "trained nothing" not in output, output[-3000:]
+    returncode, output = train_poisoned(tmp_path, tmp_path / "run", manifest, "1", *common, "train.max_steps=2")
+    assert returncode == 0 and "trained nothing" not in output, output[-3000:]
     assert "step 2 skipped: non-finite loss or gradient" in output, output[-3000:]
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["train_state"]["step"] == 2
@@ -1457,16 +1455,10 @@ def test_an_epoch_after_the_first_whose_every_loss_is_not_finite_ends_the_run_at
     epoch's end: a run whose second epoch skipped every step was evaluated and saved as if it had trained (a mutant
     that let them pass there too passed every test)."""
     manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
-    wrapper = tmp_path / "poisoned_trainer.py"
-    wrapper.write_text(POISONED_TRAINER)
-    result = subprocess.run(  # 2 steps an epoch: epoch 2 is steps 3 and 4
-        [sys.executable, str(wrapper), *train_arguments(tmp_path / "run", manifest, "model.hidden=32",
-                                                       "train.global_batch_size=4", "train.epochs=2")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "POISONED_STEPS": "3,4", "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
+    # 2 steps an epoch: epoch 2 is steps 3 and 4.
+    returncode, output = train_poisoned(tmp_path, tmp_path / "run", manifest, "3,4", "model.hidden=32",
+                                        "train.global_batch_size=4", "train.epochs=2")
+    assert returncode == 2, output[-3000:]
     assert "epoch 2 trained nothing: each of its 2 steps was skipped" in output, output[-3000:]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 2
 
