@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     """train.resume: null starts afresh, a path resumes from that checkpoint, and "auto" from this run directory's
-    last.pt when there is one (a restarted or requeued job under the same run name continues), afresh otherwise.
+    last.pt, else its best.pt (own_last_checkpoint: a restarted or requeued job under the same run name continues),
+    afresh where it holds neither.
     Raises before the data and the model are built: ValueError rather than start afresh over checkpoints already in
     the run directory, which it would replace, and for a path whose file it cannot read (FileNotFoundError where there
     is none)."""
