@@ -27,6 +27,12 @@ of `gpus-per-node` GPUs the ring runs over NVLink. Across nodes it is hierarchic
 then each GPU allreduces its S / g shard in a ring over the nodes (the g rings of a node share its NICs), then
 all-gather inside the node; the in-node reduce-scatter plus all-gather cost exactly one in-node ring allreduce.
 """
+if __name__ == "__main__":  # first: the imports below take seconds (torch), in which a signal printed a
+    # traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
+    from data.cli import end_at_once_on_a_signal
+
+    end_at_once_on_a_signal()
+
 import argparse
 import bisect
 import importlib

@@ -155,7 +155,8 @@ runpy.run_module(tool, run_name="__main__", alter_sys=True)
     ("trainer.evaluate", "torch"), ("trainer.transcribe", "torch"), ("trainer.lm", "data.manifest"),
     ("benchmarks.rnn_kernels", "torch"), ("benchmarks.rnn_stack", "torch"), ("benchmarks.train_step", "torch"),
     ("benchmarks.scaling", "torch"), ("benchmarks.wer_parity", "yaml"), ("data.prepare", "tqdm"),
-    ("trainer.check_overrides", "hydra"), ("trainer", "tqdm"),
+    ("trainer.check_overrides", "hydra"), ("trainer", "tqdm"), ("benchmarks.support_table", "torch"),
+    ("benchmarks.scaling_model", "torch"),
 ])
 def test_a_tool_stopped_by_a_signal_while_it_imports_says_so_in_one_line(tool, interrupted_at, signal_name, line,
                                                                           code):
