@@ -144,6 +144,20 @@ def test_check_overrides_refuses_a_run_directory_with_a_link_in_place_of_a_file_
                                          "remove the link")
 
 
+def test_a_link_in_place_of_a_skip_list_is_refused(tmp_path):
+    """The training job writes its skip lists to where a link leads (data.files.write_out, as a tool's output file):
+    a run directory copied with skipped_train.jsonl -> a file outside had that file replaced by the list."""
+    from trainer.run_directory import linked_run_file
+
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "skipped_test.jsonl").symlink_to(tmp_path / "pipe")  # a stream: written through, it changes no file
+    assert linked_run_file(tmp_path) is None
+    (tmp_path / "skipped_train.jsonl").symlink_to(tmp_path.parent / "notes.txt")
+    assert linked_run_file(tmp_path) == (f"{tmp_path / 'skipped_train.jsonl'} is a symbolic link to "
+                                         f"{tmp_path.parent / 'notes.txt'}: the run writes skipped_train.jsonl in "
+                                         "place, so it would write that file instead; remove the link")
+
+
 def test_a_link_to_a_stream_in_place_of_a_log_or_the_jobs_record_is_taken(tmp_path):
     """Written through, a character device or a pipe changes no file: the full-disk tests' links to /dev/full, a log
     sent to /dev/stderr. Refused, they stopped those runs."""

@@ -102,10 +102,12 @@ def make_or_exit(directory: str) -> None:
 
 
 RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
-# The files a run or sweep opens in place in its directory, Hydra's log files (*.log) besides: its lock,
-# trainer.records' jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others
-# it writes (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
+# The files a run or sweep opens in place in its directory, Hydra's log files (*.log) and the skip lists
+# (skipped_*.jsonl, written to where a link leads, as a tool's output file is) besides: its lock, trainer.records'
+# jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others it writes
+# (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
 WRITTEN_IN_PLACE = (RUN_LOCK, "jobs.jsonl", "multirun.yaml")
+WRITTEN_IN_PLACE_PATTERNS = ("*.log", "skipped_*.jsonl")
 
 
 def linked_run_file(directory: str | os.PathLike) -> str | None:
@@ -114,7 +116,8 @@ def linked_run_file(directory: str | os.PathLike) -> str | None:
     directory copied from elsewhere (tar, cp -a, rsync -a) held one. A link to a stream, a character device or a pipe
     (__main__.log -> /dev/stderr), is taken: written through, it changes no file."""
     folder = Path(directory)
-    for path in [*(folder / name for name in WRITTEN_IN_PLACE), *sorted(folder.glob("*.log"))]:
+    named = (folder / name for name in WRITTEN_IN_PLACE)
+    for path in [*named, *(path for pattern in WRITTEN_IN_PLACE_PATTERNS for path in sorted(folder.glob(pattern)))]:
         if path.is_symlink() and not _is_a_stream(path):
             return (f"{path} is a symbolic link to {os.readlink(path)}: the run writes {path.name} in place, so it "
                     "would write that file instead; remove the link")
