@@ -735,24 +735,23 @@ def test_fp32_plans_chain_samples_where_the_work_pays(cell, hidden_size, batch_s
     assert [plan["chains"] for plan in plans] == [chains, chains]
 
 
-@pytest.mark.cuda
-def test_refuses_lengths_out_of_range_or_not_integers():
-    leaves, _ = random_layer("relu", 5, 2, 64, torch.float32, True, seed=4)
+# Refused before the support query, so without a GPU too: asked after it, these answered "needs a CUDA GPU" there.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_refuses_lengths_out_of_range_or_not_integers(device):
+    input_proj, hx, weight_hh = (torch.zeros(shape, device=device) for shape in ((5, 2, 64), (2, 64), (64, 64)))
     with pytest.raises(ValueError, match="lengths must lie in"):
-        persistent_layer("relu", *leaves, torch.tensor([5, 6]), False)
+        persistent_layer("relu", input_proj, hx, weight_hh, None, torch.tensor([5, 6]), False)
     with pytest.raises(ValueError, match="lengths must be integers, got torch.float32"):
-        persistent_layer("relu", *leaves, torch.tensor([2.5, 5.0]), False)
-    expected, _ = persistent_layer("relu", *leaves, torch.tensor([5, 3]), False)
-    assert torch.equal(persistent_layer("relu", *leaves, [5, 3], False)[0], expected)  # a list, as a tensor
-    # numpy's unsigned lengths, which torch cannot compare (this raised NotImplementedError), as int64 ones
-    assert torch.equal(persistent_layer("relu", *leaves, np.array([5, 3], dtype=np.uint64), False)[0], expected)
+        persistent_layer("relu", input_proj, hx, weight_hh, None, torch.tensor([2.5, 5.0]), False)
 
 
-@pytest.mark.cuda
-def test_refuses_an_lstm_state_that_is_not_a_pair():
-    input_proj, h0, c0, weight_hh, bias_hh = random_layer("lstm", 5, 2, 64, torch.float32, True, seed=4)[0]
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_refuses_a_state_that_is_not_a_tensor_or_an_lstms_pair(device):
+    input_proj, h0, weight_hh = (torch.zeros(shape, device=device) for shape in ((5, 2, 4 * 64), (2, 64), (4 * 64, 64)))
     with pytest.raises(ValueError, match=r"an LSTM's hx must be a tuple \(h0, c0\)"):
-        persistent_layer("lstm", input_proj, h0, weight_hh, bias_hh, torch.tensor([5, 3]), False)
+        persistent_layer("lstm", input_proj, h0, weight_hh, None, torch.tensor([5, 3]), False)
+    with pytest.raises(ValueError, match=r"hx must be a tensor \(B, H\)"):
+        persistent_layer("gru", input_proj[..., :3 * 64], None, weight_hh[:3 * 64], None, [5, 3], False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -919,8 +918,8 @@ def test_a_layer_on_another_gpu_than_the_current_one_trains_and_reports_there():
 
 @pytest.mark.cuda
 def test_lengths_and_bias_pairs_as_callers_pass_them():
-    """Expanded CUDA lengths (one length for all) run as contiguous ones; a bidirectional layer takes bias_hh=None;
-    an hx of None is refused by name."""
+    """Expanded CUDA lengths (one length for all) run as contiguous ones, a list or numpy's unsigned lengths as an
+    int64 tensor; a bidirectional layer takes bias_hh=None."""
     leaves, _ = random_layer("gru", 9, 3, 64, torch.float32, False, seed=8)
     input_proj, hx, weight_hh, _ = [t.detach() if t is not None else None for t in leaves]
     expanded = torch.full((1,), 7, device=CUDA).expand(3)
@@ -930,8 +929,11 @@ def test_lengths_and_bias_pairs_as_callers_pass_them():
     assert torch.equal(persistent_bidirectional_layer("gru", both, (hx, hx), (weight_hh, weight_hh), None, [9] * 3)[0],
                        persistent_bidirectional_layer("gru", both, (hx, hx), (weight_hh, weight_hh), (None, None),
                                                       [9] * 3)[0])
-    with pytest.raises(ValueError, match=r"hx must be a tensor \(B, H\)"):
-        persistent_layer("gru", input_proj, None, weight_hh, None, [9] * 3, False)
+    expected, _ = persistent_layer("gru", input_proj, hx, weight_hh, None, torch.tensor([9, 5, 3]), False)
+    assert torch.equal(persistent_layer("gru", input_proj, hx, weight_hh, None, [9, 5, 3], False)[0], expected)
+    # numpy's unsigned lengths, which torch cannot compare (this raised NotImplementedError), as int64 ones
+    unsigned = np.array([9, 5, 3], dtype=np.uint64)
+    assert torch.equal(persistent_layer("gru", input_proj, hx, weight_hh, None, unsigned, False)[0], expected)
 
 
 @pytest.mark.cuda
