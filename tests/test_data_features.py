@@ -143,7 +143,7 @@ def test_audio_at_the_ends_of_the_header_limits_is_taken(tmp_path):
                                                        ("a.ogg", "OGG", "VORBIS")])
 def test_audio_decoded_a_block_at_a_time_is_what_decoding_it_whole_gives(tmp_path, monkeypatch, channels, name,
                                                                          audio_format, subtype):
-    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000, raising=False)  # 3.3 blocks
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000)  # 3.3 blocks
     samples = np.random.default_rng(channels).uniform(-0.5, 0.5, (3300, channels)).astype(np.float32)
     soundfile.write(tmp_path / name, samples, 16000, format=audio_format, subtype=subtype)
     whole = torch.from_numpy(soundfile.read(tmp_path / name, dtype="float32", always_2d=True)[0]).mean(dim=1)
@@ -153,7 +153,7 @@ def test_audio_decoded_a_block_at_a_time_is_what_decoding_it_whole_gives(tmp_pat
 def test_channels_are_averaged_without_decoding_them_all_at_once(tmp_path, monkeypatch):
     # An hour of 16 channels at 384 kHz, which the header limits let through, took 88 GB decoded whole (as float32)
     # before its mean; the blocks' channels take what the mono waveform does at most. Tracing sees soundfile's arrays.
-    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096, raising=False)
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096)
     soundfile.write(tmp_path / "array.wav", np.tile(tone(300, 10, 16000)[:, None], (1, MAX_CHANNELS)), 16000)
     tracemalloc.start()
     try:
@@ -168,7 +168,7 @@ def test_channels_are_averaged_without_decoding_them_all_at_once(tmp_path, monke
 
 def test_audio_is_checked_for_non_finite_samples_a_block_at_a_time(tmp_path, monkeypatch):
     # torch.isfinite of a whole waveform takes 1.6 times its size: 1.1 GB more for an hour at 48 kHz.
-    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096, raising=False)
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096)
     checked = []
     isfinite = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda samples: checked.append(samples.numel()) or isfinite(samples))
@@ -194,7 +194,7 @@ def rates(monkeypatch) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000, 100_100])
 def test_audio_resampled_a_block_at_a_time_is_what_resampling_it_whole_gives(tmp_path, monkeypatch, rate):
-    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000, raising=False)
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000)
     samples = np.random.default_rng(rate).uniform(-0.5, 0.5, 7777).astype(np.float32)
     soundfile.write(tmp_path / "a.wav", samples, rate, subtype="FLOAT")
     whole = torchaudio.functional.resample(torch.from_numpy(samples), rate, 16000)
@@ -229,7 +229,7 @@ def test_a_waveform_of_any_length_in_blocks_of_any_sizes_is_resampled_as_it_woul
 def test_audio_is_resampled_a_block_at_a_time(tmp_path, monkeypatch):
     # torchaudio's convolution over a whole waveform takes some seven times its size besides: 38 GB for an hour at
     # 384 kHz, on top of the 5.5 GB waveform.
-    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096, raising=False)
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 4096)
     convolved = []
     conv1d = torch.nn.functional.conv1d
     monkeypatch.setattr(torch.nn.functional, "conv1d",
