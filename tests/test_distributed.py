@@ -304,6 +304,8 @@ def test_in_a_sweep_every_jobs_log_is_rank_0s(an4_slice, tmp_path):
     for log in (path.read_text() for path in logs):
         assert log.count("utterances from") == 2, log
         rank_1 = [line for line in log.splitlines() if "[rank 1]" in line]
+        # Its start line in each job's log: the all() below passed where rank 1 wrote no line there at all.
+        assert any("[rank 1] rank 1 of 2 (local rank 1)" in line for line in rank_1), log
         assert all("[WARNING]" in line or "[ERROR]" in line or "[rank 1] rank 1 of 2" in line for line in rank_1), log
 
 
