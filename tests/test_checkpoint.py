@@ -479,7 +479,9 @@ def test_a_checkpoint_whose_weights_were_stored_in_another_precision_runs_as_tra
     features = torch.randn(2, 30, 40)
     outputs = [build.from_checkpoint(checkpoint_path, torch.device("cpu"))[0](features, torch.tensor([30, 20]))[0]
                for checkpoint_path in (path, tmp_path / "cast.pt")]
-    assert outputs[1].dtype == torch.float32 and relative_error(outputs[1], outputs[0]) < 0.05
+    # The rounding to bf16 moves these log-probs 1e-4 at most; 0.05 passed a model with a layer left at random
+    # weights about half the time (two untrained models' differ by 0.06-0.1: near-uniform over 29 characters).
+    assert outputs[1].dtype == torch.float32 and relative_error(outputs[1], outputs[0]) < 1e-3
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_file(tmp_path):
