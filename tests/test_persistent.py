@@ -472,7 +472,9 @@ def test_the_persistent_backend_composes_a_stack_as_the_reference_backend_does(c
     support query that says yes: every output and gradient is the reference backend's. No test run without a GPU
     reached that code before."""
     monkeypatch.setattr(persistent, "support", lambda *arguments: persistent.Support(True, ""))
-    monkeypatch.setattr(persistent._PersistentLayer, "apply", launch_played_by_the_reference)
+    launched = []  # each launch's number of directions: a module that ran the reference instead passed unlaunched
+    monkeypatch.setattr(persistent._PersistentLayer, "apply",
+                        lambda *arguments: launched.append(arguments[2]) or launch_played_by_the_reference(*arguments))
     torch.manual_seed(5)
     kind = {"relu": prnn_kernels.RNN, "gru": prnn_kernels.GRU, "lstm": prnn_kernels.LSTM}[cell]
     layer = kind(5, 6, num_layers=2, bidirectional=bidirectional, bias=bias, dtype=torch.float64,
@@ -488,6 +490,7 @@ def test_the_persistent_backend_composes_a_stack_as_the_reference_backend_does(c
         loss = sum((value * torch.linspace(-1, 1, value.numel(), dtype=torch.float64).view_as(value)).sum()
                    for value in values)
         results.append([*values, *torch.autograd.grad(loss, [x, *states, *layer.parameters()])])
+    assert launched == [2 if bidirectional else 1] * 2  # one launch a layer, both directions in it
     for on_persistent, on_reference in zip(*results, strict=True):
         assert relative_error(on_persistent, on_reference) < 1e-12
 
