@@ -164,6 +164,17 @@ def test_hundred_layer_residual_stack_trains():
     assert model.front_end.convs[0].weight.grad.abs().sum() > 0
 
 
+# torch.nn's recurrent op of each cell, on a CPU and ahead of cuDNN's on a GPU.
+ATEN_RECURRENT_OPS = {"relu": "aten::rnn_relu", "tanh": "aten::rnn_tanh", "gru": "aten::gru", "lstm": "aten::lstm"}
+
+
+def log_probs_and_recurrent_ops(model, features, lengths):
+    """The model's log-probs, and which of ATen's recurrent ops computing them ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        log_probs = model(features, lengths)[0]
+    return log_probs, {event.name for event in profiled.events()} & set(ATEN_RECURRENT_OPS.values())
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])  # ATen's RNN, then cuDNN
 @pytest.mark.parametrize("cell, bidirectional", [("relu", True), ("tanh", False), ("gru", True), ("lstm", False)])
 def test_reference_and_cudnn_backends_agree(cell, bidirectional, device):
@@ -175,8 +186,10 @@ def test_reference_and_cudnn_backends_agree(cell, bidirectional, device):
     for train in (False, True):
         reference.train(train)
         cudnn.train(train)
-        expected = cudnn(features, lengths)[0]
-        actual = reference(features, lengths)[0]
+        expected, on_cudnn = log_probs_and_recurrent_ops(cudnn, features, lengths)
+        actual, on_reference = log_probs_and_recurrent_ops(reference, features, lengths)
+        # Each on its own backend: a cudnn backend that ran the reference recurrence passed, compared with itself.
+        assert (on_cudnn, on_reference) == ({ATEN_RECURRENT_OPS[cell]}, set()), f"train={train}"
         assert relative_error(actual, expected) < 1e-10, f"train={train}"
     upstream = torch.randn_like(expected)
     expected_grads = torch.autograd.grad((expected * upstream).sum(), list(cudnn.parameters()))
