@@ -222,9 +222,12 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
             with pytest.raises(StoppedBeforeTraining, match=f"{number.name} received before training began"):
                 os.kill(os.getpid(), number)
                 time.sleep(1)
-        with pytest.raises(KeyboardInterrupt):
+        # KeyboardInterrupt itself, which the trainer words as Ctrl-C: pytest.raises takes its subclass
+        # StoppedBeforeTraining too, which the trainer words as a stop signal.
+        with pytest.raises(KeyboardInterrupt) as interrupted:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+        assert interrupted.type is KeyboardInterrupt
         stop.listen()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
@@ -232,9 +235,10 @@ def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)
         assert stop.received == signal.SIGTERM
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as interrupted:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
+        assert interrupted.type is KeyboardInterrupt
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == handlers
     assert early_signal == [signal.SIGTERM]
 
