@@ -47,7 +47,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.fields import COUNT, POSITIVE, DamagedFile, field
-from data.cli import Terminated, input_path, signals_raise, stopped_line
+from data.cli import Terminated, input_path, quiet_where_stdouts_reader_stops, signals_raise, stopped_line
 from data.dataset import Batch
 from data.text import NUM_CLASSES, counted
 from models import MaskedBatchNorm
@@ -386,16 +386,18 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
-    try:
-        signals_raise()
-        main()
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error on rank {launch_ranks.launcher_rank()}: {error}", file=sys.stderr)
-        distributed.abort_job(2)
-    except (KeyboardInterrupt, Terminated) as stopped:  # its results are written once, at the end: none yet
-        line, code = stopped_line(stopped)
-        print(f"{line} on rank {launch_ranks.launcher_rank()}", file=sys.stderr)
-        distributed.abort_job(code)
-    except Exception:
-        print(f"benchmark failed on rank {launch_ranks.launcher_rank()}:\n{traceback.format_exc()}", file=sys.stderr)
-        distributed.abort_job(1)
+    with quiet_where_stdouts_reader_stops():  # --help | head
+        try:
+            signals_raise()
+            main()
+        except (FileNotFoundError, ValueError) as error:
+            print(f"error on rank {launch_ranks.launcher_rank()}: {error}", file=sys.stderr)
+            distributed.abort_job(2)
+        except (KeyboardInterrupt, Terminated) as stopped:  # its results are written once, at the end: none yet
+            line, code = stopped_line(stopped)
+            print(f"{line} on rank {launch_ranks.launcher_rank()}", file=sys.stderr)
+            distributed.abort_job(code)
+        except Exception:
+            print(f"benchmark failed on rank {launch_ranks.launcher_rank()}:\n{traceback.format_exc()}",
+                  file=sys.stderr)
+            distributed.abort_job(1)

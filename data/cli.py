@@ -1,8 +1,9 @@
 """What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
 project (trainer.cli holds the rest): how a Ctrl-C or a SIGTERM ends a tool, in one line, exit code 130 (128 + SIGINT)
-or 143 (128 + SIGTERM), not a traceback or nothing at all, the paths it is given, and whether its progress shows as a
-bar or as lines."""
+or 143 (128 + SIGTERM), not a traceback or nothing at all, and quietly where stdout's reader stops early (`| head`), the
+paths it is given, and whether its progress shows as a bar or as lines."""
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -77,3 +78,25 @@ def stopped_line(stopped: KeyboardInterrupt | Terminated) -> tuple[str, int]:
     if isinstance(stopped, Terminated):
         return TERMINATED, TERMINATED_EXIT_CODE
     return INTERRUPTED, INTERRUPTED_EXIT_CODE
+
+
+@contextlib.contextmanager
+def quiet_where_stdouts_reader_stops():
+    """Ends the process in silence, exit code 1, where stdout's reader stops early (`| head`) as the block prints. What
+    the block leaves in stdout's buffer is written as it ends, a SystemExit's included (argparse's and Hydra's
+    --help): at Python's exit, a reader gone by then was "Exception ignored ... BrokenPipeError", exit code 120, and a
+    full disk's OSError one line too late for trainer.cli.run_tool to say."""
+    try:
+        try:
+            yield
+        finally:
+            if sys.stdout is not None:  # None: closed as the process started (>&-)
+                sys.stdout.flush()
+    except BrokenPipeError:
+        discard_stdout()
+        sys.exit(1)
+
+
+def discard_stdout() -> None:
+    """Python flushes stdout once more as it exits, into the same closed pipe or full disk: send that to /dev/null."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

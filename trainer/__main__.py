@@ -36,11 +36,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from data.cli import quiet_where_stdouts_reader_stops
 from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
-from trainer.cli import log_above_progress_bars, quiet_where_stdouts_reader_stops
+from trainer.cli import log_above_progress_bars
 from trainer.config import RUN_NAME_SETTING, config_error_line
 from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining

@@ -16,7 +16,8 @@ from typing import BinaryIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import Terminated, input_path, raise_terminated, signals_raise, stopped_line
+from data.cli import (Terminated, discard_stdout, input_path, quiet_where_stdouts_reader_stops, raise_terminated,
+                      signals_raise, stopped_line)
 from data.files import FULL_DISK, is_stream, standard_stream_writing_to, write_out, write_whole
 
 
@@ -263,29 +264,7 @@ def run_tool(main: Callable[[], int]) -> int:
         if error.filename is not None or error.errno not in FULL_DISK:
             raise
         print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
-        _discard_stdout()
+        discard_stdout()
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def quiet_where_stdouts_reader_stops():
-    """Ends the process in silence, exit code 1, where stdout's reader stops early (`| head`) as the block prints. What
-    the block leaves in stdout's buffer is written as it ends, a SystemExit's included (argparse's and Hydra's
-    --help): at Python's exit, a reader gone by then was "Exception ignored ... BrokenPipeError", exit code 120, and a
-    full disk's OSError one line too late for run_tool to say."""
-    try:
-        try:
-            yield
-        finally:
-            if sys.stdout is not None:  # None: closed as the process started (>&-)
-                sys.stdout.flush()
-    except BrokenPipeError:
-        _discard_stdout()
-        sys.exit(1)
-
-
-def _discard_stdout() -> None:
-    """Python flushes stdout once more as it exits, into the same closed pipe or full disk: send that to /dev/null."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

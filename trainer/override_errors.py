@@ -15,7 +15,7 @@ from hydra.errors import (ConfigCompositionException, MissingConfigException, Ov
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from trainer.cli import quiet_where_stdouts_reader_stops
+from data.cli import quiet_where_stdouts_reader_stops
 from trainer.config import CONF_DIR, RUN_NAME_SETTING
 from trainer.launch_ranks import rank_tag
 
