@@ -290,6 +290,7 @@ def test_each_writer_puts_its_file_on_disk_before_the_rename_and_leaves_nothing_
 
 @pytest.mark.parametrize("command, unbuffered", [
     ("trainer --help", ""), ("trainer --help", "1"), ("trainer --cfg job", ""), ("trainer --cfg job", "1"),
+    ("trainer --info", ""), ("trainer --info searchpath", "1"),
     ("trainer.check_overrides --help", ""), ("trainer.evaluate --help", ""), ("data.prepare --help", ""),
     ("benchmarks.scaling --help", ""),
 ])
@@ -297,7 +298,8 @@ def test_a_help_into_a_reader_that_stopped_early_ends_quietly(command, unbuffere
     """`| head -1`: what a tool left in stdout's buffer was written at Python's exit, which printed "Exception ignored
     ... BrokenPipeError" with exit code 120; under PYTHONUNBUFFERED=1 the trainer's --help (Hydra's, which prints it
     and its newline apart) and --cfg ended in a BrokenPipeError's traceback. (argparse's --help, unbuffered, ignores a
-    failed write and exits 0.) data.prepare and benchmarks.scaling, which end without run_tool, still exited 120."""
+    failed write and exits 0.) data.prepare and benchmarks.scaling, which end without run_tool, still exited 120; the
+    trainer's --info, which Hydra prints through logging, printed "--- Logging error ---" and a traceback a line."""
     tool = f"{shlex.quote(sys.executable)} -m {command}"
     piped = subprocess.run(["bash", "-c", f"{tool} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=300,

@@ -43,7 +43,8 @@ from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
 from trainer.cli import log_above_progress_bars
 from trainer.config import RUN_NAME_SETTING, config_error_line
-from trainer.override_errors import refuse_a_pickled_config, report_command_line_errors_in_one_line
+from trainer.override_errors import (quiet_info_where_stdouts_reader_stops, refuse_a_pickled_config,
+                                     report_command_line_errors_in_one_line)
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
 
@@ -255,6 +256,7 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
 if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
     report_command_line_errors_in_one_line()
+    quiet_info_where_stdouts_reader_stops()
     leave_the_log_to_rank_0(launch_ranks.launcher_rank())
     # Hydra's --help and --info print outside run_and_report (report_command_line_errors_in_one_line).
     with quiet_where_stdouts_reader_stops():

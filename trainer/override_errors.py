@@ -5,10 +5,12 @@ path), an override it cannot parse (+foo) and the other overrides it cannot appl
 full trace still.
 """
 import difflib
+import logging
 import os
 import sys
 import traceback
 
+import hydra._internal.hydra as hydra_internal
 import hydra._internal.utils as hydra_utils
 from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
                           SearchPathException)
@@ -36,6 +38,31 @@ def report_command_line_errors_in_one_line() -> None:
         return report(reported)
 
     hydra_utils.run_and_report = run_and_report
+
+
+class _InfoLines(logging.StreamHandler):
+    """The handler of Hydra's --info lines on stdout: logging reported each line's BrokenPipeError, once stdout's reader
+    had stopped (`--info | head -1`), as "--- Logging error ---" and a traceback, where --help and --cfg end quietly.
+    It lets that error through, to quiet_where_stdouts_reader_stops."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            raise  # the error emit() is handling
+        super().handleError(record)
+
+
+def _info_log_config(level: int = logging.INFO) -> None:
+    """Hydra's simple_stdout_log_config (hydra/core/utils.py), which --info alone calls, its handler _InfoLines."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    handler = _InfoLines(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(handler)
+
+
+def quiet_info_where_stdouts_reader_stops() -> None:
+    """Hydra's --info prints through logging, not inside run_and_report: its lines' handler is _InfoLines."""
+    hydra_internal.simple_stdout_log_config = _info_log_config
 
 
 def pickled_config_refusal(rerun_file: str | None) -> str | None:
