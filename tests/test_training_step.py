@@ -211,6 +211,10 @@ def test_an_epoch_counts_its_skipped_steps_and_the_utterances_its_batches_droppe
                                             "skipped: non-finite loss or gradient, 1 step skipped: empty shard (all "
                                             "its audio unreadable)")
     assert (tally.mean_loss, tally.utterances) == (3.0, 7)  # of the steps trained only
+    nothing_trained = EpochTally(epoch=0, first_step=0)
+    nothing_trained.count(StepResult(NON_FINITE, math.nan, 4, Counter(), {}))
+    with pytest.raises(ZeroDivisionError):  # where it read 0.0, a loss no step had
+        nothing_trained.mean_loss
 
 
 def test_stop_signals_end_the_run_before_listening_then_the_first_is_kept_and_a_second_ctrl_c_interrupts(monkeypatch):

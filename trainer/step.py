@@ -199,4 +199,6 @@ class EpochTally:
 
     @property
     def mean_loss(self) -> float:
-        return sum(self.losses) / max(len(self.losses), 1)
+        """Of the steps trained. An epoch that trained none has no mean loss (ZeroDivisionError), not one of 0: its line
+        (trainer.records.record_epoch) leaves the loss out."""
+        return sum(self.losses) / len(self.losses)
