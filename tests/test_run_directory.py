@@ -513,8 +513,23 @@ def test_checking_a_jobs_config_leaves_the_callers_config_as_it_was():
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["experiment=cpu_demo"], return_hydra_config=True)
     before = OmegaConf.to_yaml(cfg)
-    run_directory.check_job_config(cfg)
+    run_directory.check_job_config(cfg, Path(cfg.hydra.run.dir))
     assert OmegaConf.to_yaml(cfg) == before
+
+
+def test_checking_a_jobs_inputs_checks_the_checkpoints_in_its_folder(an4_source, tmp_path):
+    """check_job_config's `inputs` are all the files a job reads, the checkpoints in its folder included: its two
+    callers checked those apart, after it, each its own way."""
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=cpu_demo", f"data.an4_source={an4_source}",
+                                                      f"data.manifest_dir={tmp_path / 'manifests'}"],
+                      return_hydra_config=True)
+    run_directory.check_job_config(cfg, tmp_path, inputs=True)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"")
+    run_directory.check_job_config(cfg, tmp_path)  # the callback's check, on every rank, leaves them to the run
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_directory.check_job_config(cfg, tmp_path, inputs=True)
 
 
 @pytest.mark.parametrize("sweep, refusal", [

@@ -174,7 +174,7 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
     """The first of a sweep's jobs that the trainer would refuse, in one line naming it, or None: each job's config
     composed as the sweeper will (Hydra's refusal of a job's overrides, a misspelt key, ends here in one line and exit
     code 2, through trainer.override_errors), its folder taken by no earlier job, its values checked as the job checks
-    them (check_job_config, which checks the files it reads too with `inputs`)."""
+    them (check_job_config, which with `inputs` checks the files it reads and the checkpoints in its folder too)."""
     loader = GlobalHydra.instance().config_loader()
     folders: dict[Path, int] = {}
     jobs = sweep_jobs(config)
@@ -184,9 +184,7 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
             job.hydra.job.num = number  # as Hydra's launcher sets it: hydra.sweep.subdir and ${hydra:job.num} name it
         try:
             folder = claim_job_folder(job, number, folders)
-            check_job_config(job, world_size, inputs)
-            if inputs:
-                checkpoint_to_resume(job.train.resume, folder)
+            check_job_config(job, folder, world_size, inputs)
         except (FileNotFoundError, ValueError) as error:
             own = " ".join(override for override in overrides if not all(override in other for other in jobs))
             return f"sweep job {number}{f' ({own})' if own else ''}: {config_error_line(error)}"
@@ -194,24 +192,22 @@ def sweep_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False)
 
 
 def run_refusal(config: DictConfig, world_size: int = 1, inputs: bool = False) -> str | None:
-    """What the trainer would refuse in a single run's config, in one line naming it, or None (check_job_config). With
-    `inputs` (trainer.check_overrides), a fresh run over the checkpoints its directory holds too, as the trainer's
-    trainer.resume.checkpoint_to_resume refuses it: there, only once every rank of the job has started."""
+    """What the trainer would refuse in a single run's config, in one line naming it, or None (check_job_config)."""
     try:
-        check_job_config(config, world_size, inputs)
-        if inputs:
-            checkpoint_to_resume(config.train.resume, Path(config.hydra.run.dir))
+        check_job_config(config, Path(config.hydra.run.dir), world_size, inputs)
     except (FileNotFoundError, ValueError) as error:
         return config_error_line(error)
     return None
 
 
-def check_job_config(job: DictConfig, world_size: int = 1, inputs: bool = False) -> None:
+def check_job_config(job: DictConfig, folder: Path, world_size: int = 1, inputs: bool = False) -> None:
     """check_config on the config a job's task gets: a copy without its hydra node, which stays readable through
     ${hydra:...} as in the job; `job` itself keeps it. Its global batch too, as `world_size` ranks split it: the
     launch scripts give their count (trainer.check_overrides --world-size), the callback its launcher's. With
-    `inputs`, the files it reads too (trainer.inputs.check_inputs), as trainer.check_overrides asks on the launching
-    node: the callback, on every rank, leaves them to the run, whose ranks past 0 read no AN4 source of their own."""
+    `inputs`, the files it reads too (trainer.inputs.check_inputs), and the checkpoint train.resume names, or a fresh
+    run over the checkpoints its `folder` holds, as trainer.resume.checkpoint_to_resume refuses them: as
+    trainer.check_overrides asks on the launching node. The callback, on every rank, leaves them to the run, whose
+    ranks past 0 read no AN4 source of their own, and which reads the checkpoints only once every rank has started."""
     HydraConfig.instance().set_config(job)
     task = job.copy()
     with open_dict(task):
@@ -220,6 +216,7 @@ def check_job_config(job: DictConfig, world_size: int = 1, inputs: bool = False)
     per_rank_batch_size(task, world_size)
     if inputs:
         check_inputs(task)
+        checkpoint_to_resume(job.train.resume, folder)
 
 
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> Path:
