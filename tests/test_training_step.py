@@ -5,6 +5,7 @@ import contextlib
 import copy
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -352,8 +353,12 @@ def signalled_as_it_starts(worker_id: int) -> None:
 
 def test_a_stop_signal_that_reaches_a_data_worker_as_it_starts_leaves_it_working():
     loader = DataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=signalled_as_it_starts)
-    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid"):  # a plain start: torch's handler ends it
+    with pytest.raises(Exception) as ended:  # a plain start: torch's handler ends it
         list(loader)
+    # Its RuntimeError, or the KeyError of threading's Thread.start where the handler raised inside it (once in a
+    # loaded run's 182 tests), during it.
+    died = ended.value if isinstance(ended.value, RuntimeError) else ended.value.__context__
+    assert re.match(r"DataLoader worker \(pid", str(died)), repr(ended.value)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert [batch.tolist() for batch in start_data_workers(loader)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # this process takes its signals as before
