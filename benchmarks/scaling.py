@@ -47,7 +47,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from benchmarks.fields import COUNT, POSITIVE, DamagedFile, field
-from data.cli import Terminated, input_path, quiet_where_stdouts_reader_stops, signals_raise, stopped_line
+from data.cli import Terminated, input_path, signals_raise, stdout_failures_end_the_tool, stopped_line
 from data.dataset import Batch
 from data.text import NUM_CLASSES, counted
 from models import MaskedBatchNorm
@@ -386,7 +386,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
-    with quiet_where_stdouts_reader_stops():  # --help | head
+    with stdout_failures_end_the_tool():  # --help | head
         try:
             signals_raise()
             main()

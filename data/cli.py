@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from data.files import FULL_DISK
+
 INTERRUPTED = "interrupted by Ctrl-C"
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 TERMINATED = "terminated by SIGTERM"
@@ -81,11 +83,11 @@ def stopped_line(stopped: KeyboardInterrupt | Terminated) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def quiet_where_stdouts_reader_stops():
-    """Ends the process in silence, exit code 1, where stdout's reader stops early (`| head`) as the block prints. What
-    the block leaves in stdout's buffer is written as it ends, a SystemExit's included (argparse's and Hydra's
-    --help): at Python's exit, a reader gone by then was "Exception ignored ... BrokenPipeError", exit code 120, and a
-    full disk's OSError one line too late for trainer.cli.run_tool to say."""
+def stdout_failures_end_the_tool():
+    """Ends the process where stdout fails as the block prints: in silence, exit code 1, where its reader stops early
+    (`| head`), and in one line, exit code 2, where it is a file on a full disk (`> file`). What the block leaves in
+    stdout's buffer is written as it ends, a SystemExit's included (argparse's and Hydra's --help): at Python's exit,
+    either was "Exception ignored ... OSError", exit code 120."""
     try:
         try:
             yield
@@ -95,6 +97,18 @@ def quiet_where_stdouts_reader_stops():
     except BrokenPipeError:
         discard_stdout()
         sys.exit(1)
+    except OSError as error:
+        if not is_stdouts_full_disk(error):
+            raise
+        print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
+        discard_stdout()
+        sys.exit(2)
+
+
+def is_stdouts_full_disk(error: OSError) -> bool:
+    """Whether `error` is stdout's on a full disk: a file the tool opens is named in its error, a print's write() names
+    none."""
+    return error.filename is None and error.errno in FULL_DISK
 
 
 def discard_stdout() -> None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.audio import AudioError, audio_header
-from data.cli import (PROGRESS_LINE_S, Terminated, input_path, quiet_where_stdouts_reader_stops, shows_a_progress_bar,
-                      signals_raise, stopped_line)
+from data.cli import (PROGRESS_LINE_S, Terminated, input_path, shows_a_progress_bar, signals_raise,
+                      stdout_failures_end_the_tool, stopped_line)
 from data.dataset import SkipWarnings, count_reasons
 from data.files import came_of_writing, write_error_line
 from data.manifest import (Utterance, control_character, print_paths_printable, printable, read_manifest,
@@ -333,5 +333,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     print_paths_printable(sys.stdout, sys.stderr)  # an --out that is not UTF-8 named as its skipped audio is
-    with quiet_where_stdouts_reader_stops():
+    with stdout_failures_end_the_tool():
         main(sys.argv[1:])

@@ -307,12 +307,19 @@ def test_a_help_into_a_reader_that_stopped_early_ends_quietly(command, unbuffere
     assert (piped.returncode, piped.stderr) == (1, ""), piped.stderr
 
 
-def test_a_help_left_in_stdouts_buffer_on_a_full_disk_says_so_in_one_line():
-    # Written at Python's exit, past run_tool: "Exception ignored ... OSError: [Errno 28]", exit code 120.
+@pytest.mark.parametrize("command, unbuffered", [
+    ("trainer.check_overrides --help", ""), ("trainer --help", ""), ("trainer --help", "1"), ("trainer --cfg job", ""),
+    ("trainer --info", ""), ("trainer --info searchpath", "1"), ("data.prepare --help", ""),
+    ("benchmarks.scaling --help", ""),
+])
+def test_a_help_on_a_full_disk_says_so_in_one_line(command, unbuffered):
+    """What a tool left in stdout's buffer, written at Python's exit past run_tool: "Exception ignored ... OSError:
+    [Errno 28]", exit code 120. The trainer's --help, --cfg and --info, data.prepare's and benchmarks.scaling's --help,
+    which end without run_tool, still did (or a traceback, or "--- Logging error ---" a line)."""
     with open("/dev/full", "w") as full:
-        result = subprocess.run([sys.executable, "-m", "trainer.check_overrides", "--help"], cwd=REPO_ROOT,
-                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
-                                env={**os.environ, "PYTHONUNBUFFERED": ""})
+        result = subprocess.run([sys.executable, "-m", *command.split()], cwd=REPO_ROOT, stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=300,
+                                env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
     assert (result.returncode, result.stderr) == (2, "error: cannot write stdout: No space left on device\n")
 
 
@@ -373,7 +380,9 @@ def test_a_tool_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path):
     def printing_into_a_full_disk():
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    assert cli.run_tool(printing_into_a_full_disk) == 2
+    with pytest.raises(SystemExit) as ended:
+        cli.run_tool(printing_into_a_full_disk)
+    assert ended.value.code == 2
 
 
 def test_an_output_file_a_tool_cannot_write_ends_it_in_one_line_naming_the_file(tmp_path, capsys):

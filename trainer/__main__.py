@@ -36,14 +36,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from data.cli import quiet_where_stdouts_reader_stops
+from data.cli import stdout_failures_end_the_tool
 from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
 from trainer.cli import log_above_progress_bars
 from trainer.config import RUN_NAME_SETTING, config_error_line
-from trainer.override_errors import (quiet_info_where_stdouts_reader_stops, refuse_a_pickled_config,
+from trainer.override_errors import (let_info_stdout_failures_through, refuse_a_pickled_config,
                                      report_command_line_errors_in_one_line)
 from trainer.stop import DataWorkerDied, DataWorkersTimedOut, StoppedBeforeTraining
 from trainer.train import CONTINUE_RUN, train
@@ -256,10 +256,10 @@ def end_job_before_mpi(leaving: SystemExit) -> None:
 if __name__ == "__main__":
     launch_ranks.refuse_unusable_launch()
     report_command_line_errors_in_one_line()
-    quiet_info_where_stdouts_reader_stops()
+    let_info_stdout_failures_through()
     leave_the_log_to_rank_0(launch_ranks.launcher_rank())
     # Hydra's --help and --info print outside run_and_report (report_command_line_errors_in_one_line).
-    with quiet_where_stdouts_reader_stops():
+    with stdout_failures_end_the_tool():
         try:
             refuse_a_pickled_config(sys.argv[1:])
             main()

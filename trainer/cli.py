@@ -16,9 +16,9 @@ from typing import BinaryIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import (Terminated, discard_stdout, input_path, quiet_where_stdouts_reader_stops, raise_terminated,
-                      signals_raise, stopped_line)
-from data.files import FULL_DISK, is_stream, standard_stream_writing_to, write_out, write_whole
+from data.cli import (Terminated, input_path, raise_terminated, signals_raise, stdout_failures_end_the_tool,
+                      stopped_line)
+from data.files import is_stream, standard_stream_writing_to, write_out, write_whole
 
 
 class _LineInOneWrite(tqdm):
@@ -250,7 +250,7 @@ def run_tool(main: Callable[[], int]) -> int:
     signals_raise()
     signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        with quiet_where_stdouts_reader_stops():
+        with stdout_failures_end_the_tool():
             return main()
     except CannotWrite as error:
         print(f"error: {error}", file=sys.stderr)
@@ -259,12 +259,5 @@ def run_tool(main: Callable[[], int]) -> int:
         line, code = stopped_line(stopped)
         print(line, file=sys.stderr)
         return code
-    except OSError as error:
-        # A file the tool opens is named in its error; a print's write() names none, and so one is stdout's.
-        if error.filename is not None or error.errno not in FULL_DISK:
-            raise
-        print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
-        discard_stdout()
-        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)

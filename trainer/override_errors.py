@@ -17,7 +17,7 @@ from hydra.errors import (ConfigCompositionException, MissingConfigException, Ov
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from data.cli import quiet_where_stdouts_reader_stops
+from data.cli import is_stdouts_full_disk, stdout_failures_end_the_tool
 from trainer.config import CONF_DIR, RUN_NAME_SETTING
 from trainer.launch_ranks import rank_tag
 
@@ -33,7 +33,7 @@ def report_command_line_errors_in_one_line() -> None:
     def run_and_report(step):
         def reported():
             # Hydra reported a BrokenPipeError as any error, a traceback: --cfg job | head -1
-            with quiet_where_stdouts_reader_stops():
+            with stdout_failures_end_the_tool():
                 return refused_in_one_line(step)
         return report(reported)
 
@@ -42,11 +42,13 @@ def report_command_line_errors_in_one_line() -> None:
 
 class _InfoLines(logging.StreamHandler):
     """The handler of Hydra's --info lines on stdout: logging reported each line's BrokenPipeError, once stdout's reader
-    had stopped (`--info | head -1`), as "--- Logging error ---" and a traceback, where --help and --cfg end quietly.
-    It lets that error through, to quiet_where_stdouts_reader_stops."""
+    had stopped (`--info | head -1`), and each line's full disk (`--info > file`), as "--- Logging error ---" and a
+    traceback, where --help and --cfg end quietly or in one line. It lets those errors through, to
+    stdout_failures_end_the_tool."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        if isinstance(sys.exc_info()[1], BrokenPipeError):
+        error = sys.exc_info()[1]
+        if isinstance(error, BrokenPipeError) or (isinstance(error, OSError) and is_stdouts_full_disk(error)):
             raise  # the error emit() is handling
         super().handleError(record)
 
@@ -60,8 +62,9 @@ def _info_log_config(level: int = logging.INFO) -> None:
     root.addHandler(handler)
 
 
-def quiet_info_where_stdouts_reader_stops() -> None:
-    """Hydra's --info prints through logging, not inside run_and_report: its lines' handler is _InfoLines."""
+def let_info_stdout_failures_through() -> None:
+    """Hydra's --info prints through logging, not inside run_and_report: its lines' handler is _InfoLines, which lets
+    stdout's failures through to stdout_failures_end_the_tool."""
     hydra_internal.simple_stdout_log_config = _info_log_config
 
 
