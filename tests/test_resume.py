@@ -1,9 +1,11 @@
 """Resuming: the settings a resume must keep or may change, the checkpoint it continues and whose run that is, the
 parts it restores, and the metrics it keeps."""
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from trainer.distributed import DistEnv
 from trainer.records import open_metrics, steps_from_the_resume
 from trainer.resume import (
     best_to_beat, check_same_training_set, checkpoint_to_resume, continued_run_id, is_own_checkpoint, known_entries,
-    load_finite_model, load_optimizer_state, restore, resume_into, resumed_train_state, run_started_from, settle_best,
+    load_finite_model, load_optimizer_state, recorded_run_id, restore, resume_into, resumed_train_state,
+    run_started_from, settle_best,
 )
 
 
@@ -280,6 +283,44 @@ def test_metrics_of_a_resumed_run_may_hold_lines_that_are_not_utf8(tmp_path):
     with open_metrics(path, {"epoch": 0, "step": 2}):
         pass
     assert path.read_bytes() == steps[0] + steps[1]
+
+
+class StillRunning(Exception):
+    """Not TimeoutError, an OSError, which the code under test may take for a file it cannot read."""
+
+
+@contextlib.contextmanager
+def within_seconds(seconds: int):
+    """StillRunning where the block is still running after `seconds`: a read of a pipe that no one writes ends there
+    (SIGALRM interrupts the wait), where it waited for ever."""
+    def timed_out(number, frame):
+        raise StillRunning(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_resumed_runs_records_that_are_no_files_are_not_read(tmp_path, caplog):
+    """A run directory copied from elsewhere (tar keeps pipes and links) may hold a pipe, or a link to a device or a
+    pipe, in place of metrics.jsonl or jobs.jsonl: read whole as a resume read them, a link to /dev/zero took all the
+    memory and a pipe waited for a writer for ever. Neither holds a record of the run."""
+    metrics, run_dir = tmp_path / "metrics.jsonl", tmp_path / "run"
+    os.mkfifo(metrics)
+    run_dir.mkdir()
+    os.mkfifo(tmp_path / "pipe")
+    (run_dir / "jobs.jsonl").symlink_to(tmp_path / "pipe")  # a link to a pipe, which the run directory's check takes
+    with within_seconds(10):
+        with open_metrics(metrics, {"epoch": 0, "step": 2}) as file:
+            file.write(json.dumps({"step": 3, "epoch": 1, "loss": 1.0}) + "\n")
+        assert recorded_run_id(run_dir) is None
+    assert metrics.is_file() and metrics.read_text() == json.dumps({"step": 3, "epoch": 1, "loss": 1.0}) + "\n"
+    assert f"{metrics} is not a file (a pipe, a device): it holds none of the run's lines; a file replaces it" in (
+        caplog.text)
 
 
 def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints_is_refused(tmp_path, caplog):

@@ -59,7 +59,11 @@ def open_metrics(path: Path, resumed: dict | None):
     train again, and a line a killed job left half written, so that every step and epoch is listed once. The kept lines
     are written beside it, then renamed over it: a full disk leaves the file as it was."""
     kept = []
-    if resumed is not None and path.exists():
+    if resumed is not None and path.exists() and not path.is_file():
+        # A run directory copied from elsewhere may hold a link to a device or a pipe here (metrics.jsonl -> /dev/zero),
+        # which holds none of the run's lines: read whole, it took all the memory or waited for a writer for ever.
+        log.warning("%s is not a file (a pipe, a device): it holds none of the run's lines; a file replaces it", path)
+    elif resumed is not None and path.exists():
         # A line that is not UTF-8 (a note added by hand) is none of the trainer's, whose lines are ASCII: it goes.
         for line in path.read_text(errors="surrogateescape").splitlines():
             try:

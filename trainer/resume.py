@@ -84,8 +84,13 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
 def recorded_run_id(run_dir: Path) -> str | None:
     """The run id in the last whole line of the run directory's jobs.jsonl (a job killed while it wrote its line
     leaves half of one); None without one (no job yet, or jobs from before run ids)."""
+    jobs = run_dir / "jobs.jsonl"
+    # Not a file: a link to a device, which the run writes through (jobs.jsonl -> /dev/null: run_directory takes it),
+    # or a pipe, records no job. Read, /dev/zero took all the memory, and a pipe waited for a writer for ever.
+    if not jobs.is_file():
+        return None
     try:
-        lines = (run_dir / "jobs.jsonl").read_text().splitlines()
+        lines = jobs.read_text().splitlines()
     except (OSError, ValueError):
         return None
     for line in reversed(lines):
