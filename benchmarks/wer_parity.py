@@ -31,8 +31,9 @@ that ran out can be compared where all of them got to. Writes the same, with the
 its output, and left out of the means (the command then exits 1), as is one that stopped short of the epochs its
 config.yaml sets (a run copied without it counts as it stands); the others still count. So is a run with a file that is
 not as the trainer writes it (a config.yaml that is no YAML, an evaluation or job line missing a field or holding
-another type, a file that cannot be read), in one line naming the file and what is wrong; a --report whose every run is
-left out so reports nothing and exits 2, as does one that finds none of its runs in RUNS_DIR (a misspelt --name).
+another type, a file that cannot be read, a pipe or a device in a file's place, which is not read), in one line naming
+the file and what is wrong; a --report whose every run is left out so reports nothing and exits 2, as does one that
+finds none of its runs in RUNS_DIR (a misspelt --name).
 """
 if __name__ == "__main__":  # first: during the imports below a Ctrl-C printed a traceback, and a
     # SIGTERM ended the tool without a word
@@ -71,7 +72,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_text(path: Path) -> str:
-    """A run file's text; "" where the run has not written it yet."""
+    """A run file's text; "" where the run has not written it yet. DamagedFile where it is a pipe or a device (a link
+    to one), which the trainer never writes: a runs folder copied from elsewhere may hold one, and read, a link to
+    /dev/zero took all the memory and a pipe waited for a writer for ever."""
+    if path.exists() and not (path.is_file() or path.is_dir()):  # a folder: read_text names it below
+        raise DamagedFile(f"{path}: not a file (a pipe, a device), which the trainer never writes there")
     try:
         return path.read_text() if path.exists() else ""
     except (OSError, UnicodeDecodeError) as error:  # a folder of that name, no permission, bytes that are no UTF-8
@@ -548,6 +553,8 @@ def write_json(args, argv: list[str], rows: list[dict], summary: list[dict], gpu
 
 def last_line(path: Path) -> str:
     """A run's output's last line that is not blank: what the trainer says when it stops on an error."""
+    if path.exists() and not path.is_file():  # as read_text says: read, /dev/zero or a pipe never ended
+        return f"{path} is not a file (a pipe, a device)"
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
     return lines[-1].strip() if lines else f"{path} is empty"
 

@@ -2,7 +2,9 @@
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
 finds a trainer's data-loading workers and whether a process still runs, how it runs a command that file permissions
 hold for, as root too, the trainer's config composed as Hydra composes it, a small checkpoint of an untrained model,
-Ctrl-C taken however pytest was started, and the benchmarks' JSON written outside the checkout."""
+Ctrl-C taken however pytest was started, a deadline for a read that may wait for ever, and the benchmarks' JSON written
+outside the checkout."""
+import contextlib
 import os
 import shutil
 import signal
@@ -85,6 +87,26 @@ def find_an4() -> Path:
         if (path / "etc" / "an4_train.transcription").exists():
             return path
     raise FileNotFoundError(f"AN4 corpus not found; looked in {', '.join(map(str, candidates))} (set PRNN_AN4)")
+
+
+class StillRunning(Exception):
+    """Not TimeoutError, an OSError, which the code under test may take for a file it cannot read."""
+
+
+@contextlib.contextmanager
+def within_seconds(seconds: int):
+    """StillRunning where the block is still running after `seconds`: a read of a pipe that no one writes ends there
+    (SIGALRM interrupts the wait), where it waited for ever."""
+    def timed_out(number, frame):
+        raise StillRunning(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def wait_for_file(path: Path, job: subprocess.Popen, timeout_s: float) -> None:

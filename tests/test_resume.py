@@ -1,18 +1,16 @@
 """Resuming: the settings a resume must keep or may change, the checkpoint it continues and whose run that is, the
 parts it restores, and the metrics it keeps."""
-import contextlib
 import json
 import math
 import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose_config
+from conftest import compose_config, within_seconds
 from trainer import build, checkpoint
 from trainer.config import RESUME_MUST_MATCH, check_config, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
@@ -283,26 +281,6 @@ def test_metrics_of_a_resumed_run_may_hold_lines_that_are_not_utf8(tmp_path):
     with open_metrics(path, {"epoch": 0, "step": 2}):
         pass
     assert path.read_bytes() == steps[0] + steps[1]
-
-
-class StillRunning(Exception):
-    """Not TimeoutError, an OSError, which the code under test may take for a file it cannot read."""
-
-
-@contextlib.contextmanager
-def within_seconds(seconds: int):
-    """StillRunning where the block is still running after `seconds`: a read of a pipe that no one writes ends there
-    (SIGALRM interrupts the wait), where it waited for ever."""
-    def timed_out(number, frame):
-        raise StillRunning(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, timed_out)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_resumed_runs_records_that_are_no_files_are_not_read(tmp_path, caplog):

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import wer_parity
 from benchmarks.wer_parity import evaluations, summarize, visible_gpus
-from conftest import MPIEXEC, REPO_ROOT, TINY, needs_mpiexec, write_slice
+from conftest import MPIEXEC, REPO_ROOT, TINY, needs_mpiexec, within_seconds, write_slice
 
 # The tiny model's settings less those wer_parity sets for each run itself (and refuses among the overrides).
 TINY_RUN = [setting for setting in TINY if setting.split("=")[0] not in wer_parity.RUN_KEYS]
@@ -553,6 +553,30 @@ def test_a_runs_dir_with_an_interpolation_is_refused_in_one_line(tmp_path, capsy
         wer_parity.main(["--backends", "cudnn", "--seeds", "1", "--runs-dir", str(tmp_path / "home ${oc.env:HOME}")])
     assert exited.value.code == 2 and "--runs-dir" in capsys.readouterr().err.splitlines()[-1]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_file_that_is_a_pipe_or_a_device_is_left_out_in_one_line_unread(tmp_path, capsys):
+    """A runs folder copied from elsewhere (tar keeps pipes and links) may hold a pipe, or a link to a device or a
+    pipe, where the trainer writes a file: read whole, a link to /dev/zero took all the memory and a pipe waited for a
+    writer for ever."""
+    runs = tmp_path / "runs"
+    write_metrics(runs / "x-cudnn-s1", [50.0, 40.0])
+    write_metrics(runs / "x-persistent-s1", [50.0, 30.0])
+    os.mkfifo(tmp_path / "pipe")
+    (runs / "x-cudnn-s1" / "metrics.jsonl").unlink()
+    os.mkfifo(runs / "x-cudnn-s1" / "metrics.jsonl")
+    (runs / "x-persistent-s1" / "config.yaml").symlink_to(tmp_path / "pipe")
+    (runs / "x-persistent-s1.out").symlink_to(tmp_path / "pipe")
+    with within_seconds(10):
+        with pytest.raises(SystemExit) as exited:
+            wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs)])
+        assert wer_parity.last_line(runs / "x-persistent-s1.out") == (f"{runs}/x-persistent-s1.out is not a file (a "
+                                                                       "pipe, a device)")
+    errors = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2 and errors[-1].startswith("--report: nothing to report"), errors
+    assert errors[:2] == [f"{name}: {runs}/{name}/{file}: not a file (a pipe, a device), which the trainer never "
+                          "writes there" for name, file in (("x-cudnn-s1", "metrics.jsonl"),
+                                                            ("x-persistent-s1", "config.yaml"))], errors
 
 
 @pytest.mark.parametrize("file, text, message", [
