@@ -132,6 +132,10 @@ def _librispeech_transcripts(source: Path) -> list[Path]:
             if not path.exists():  # os.walk lists a link to nothing among the files, whatever it once led to
                 logger.warning("skipping %s: a symbolic link to %s, which does not exist", printable(path),
                                printable(os.readlink(path)))
+            elif name.endswith(".trans.txt") and not path.is_file():
+                # A corpus from elsewhere may hold a pipe or a link to a device there: read whole, a link to /dev/zero
+                # took all the memory and a pipe waited for a writer for ever.
+                logger.warning("skipping %s: not a file (a pipe, a device)", printable(path))
             elif name.endswith(".trans.txt"):
                 transcripts.append(path)
     return sorted(transcripts)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from conftest import REPO_ROOT, raw_control_characters, without_root_privilege
+from conftest import REPO_ROOT, raw_control_characters, within_seconds, without_root_privilege
 from data.manifest import Utterance, read_manifest
 from data.prepare import main, prepare_an4, prepare_librispeech
 
@@ -585,6 +585,21 @@ def test_the_readmes_data_commands_prepare_every_manifest_they_train_on(tmp_path
                   for key, _, value in (argument.partition("=") for argument in command[3:])
                   if key in ("data.train_manifests", "data.eval_manifest") for path in value.strip("[]").split(",")]
     assert len(trained_on) >= 2 and [path for path in trained_on if not Path(path).is_file()] == []
+
+
+def test_a_librispeech_transcript_that_is_a_pipe_or_a_device_is_named_and_skipped_unread(tmp_path, caplog):
+    """A corpus from elsewhere (tar keeps pipes and links) may hold a pipe, or a link to a device, as a chapter's
+    *.trans.txt: read whole, a link to /dev/zero took all the memory and a pipe waited for a writer for ever."""
+    source = tmp_path / "subset"
+    for speaker in ("19", "26"):
+        write_librispeech_chapter(source / speaker, "198", "ABBEY")
+    pipe = source / "26" / "198" / "26-198.trans.txt"
+    pipe.unlink()
+    os.mkfifo(pipe)
+    with caplog.at_level(logging.WARNING), within_seconds(10):
+        utterances = read_manifest(prepare_librispeech(source, tmp_path / "out"))
+    assert [Path(utterance.audio_filepath).name for utterance in utterances] == ["19-198-0000.flac"]
+    assert f"skipping {pipe}: not a file (a pipe, a device)" in caplog.text
 
 
 def test_librispeech_folders_that_cannot_be_read_are_named_not_passed_over(tmp_path, monkeypatch, caplog):
