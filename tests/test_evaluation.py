@@ -405,6 +405,22 @@ def test_evaluate_refuses_a_pipe_that_a_checkpoint_names_as_its_test_set(tmp_pat
                                                      "pipe, a device, a folder): give --manifest\n")
 
 
+def test_evaluate_refuses_a_test_set_that_a_checkpoint_names_by_no_path_in_one_line(tmp_path, capsys):
+    """A checkpoint edited by hand whose stored data.eval_manifest is a number, a list, null or missing ended
+    trainer.evaluate in os.fspath's TypeError traceback (exit code 1)."""
+    from trainer import evaluate
+    path = small_checkpoint(tmp_path / "small.pt")
+    saved = torch.load(path, weights_only=True)
+    for value, said in ((5, "5"), (["a.jsonl"], "['a.jsonl']"), (None, "None"), (..., "None")):
+        data = {key: entry for key, entry in saved["config"]["data"].items() if key != "eval_manifest"}
+        edited = {**saved, "config": {**saved["config"], "data": data if value is ... else {**data,
+                                                                                          "eval_manifest": value}}}
+        torch.save(edited, tmp_path / "edited.pt")
+        assert evaluate.main(["--checkpoint", str(tmp_path / "edited.pt"), "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == (f"error: {tmp_path / 'edited.pt'}: its data.eval_manifest is {said}, not a "
+                                           "path: give --manifest\n")
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -119,8 +120,11 @@ def main(argv=None) -> int:
         if args.manifest:
             check_manifest_path(Path(args.manifest))
         model, features, cfg, device = load_model(args)
-        manifest = args.manifest or cfg.data.eval_manifest
+        manifest = args.manifest or OmegaConf.select(cfg, "data.eval_manifest")
         if not args.manifest:  # the run's, which only its checkpoint names
+            if not isinstance(manifest, str):  # a checkpoint edited by hand: a number or a list ended in a traceback
+                raise ValueError(f"{args.checkpoint}: its data.eval_manifest is {manifest!r}, not a path: give "
+                                 "--manifest")
             if not Path(manifest).is_absolute() and not Path(manifest).exists():
                 raise FileNotFoundError(f"the run's data.eval_manifest {manifest} is relative to the folder its "
                                         "training ran in: run this there, or give --manifest")
