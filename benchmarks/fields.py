@@ -1,6 +1,8 @@
 """A field of a file a benchmark reads (a run's metrics.jsonl or config.yaml, a benchmarks.scaling JSON), checked
 against what its writer writes there: another value (a hand edit, a copy cut short) is refused in one line naming the
 file, the field and what it must be, where it ended in a TypeError or KeyError traceback."""
+import reprlib
+
 from data.values import is_int, is_number, is_real
 
 
@@ -31,6 +33,13 @@ KINDS = {
 }
 
 
+# How a refusal quotes the value it found: six entries of a list or object, two levels deep, and the start of a long
+# string. A YAML file's aliases nest one list in the next many times over: 561 bytes of config.yaml held 10^8 strings,
+# whose whole repr ran out of memory.
+_QUOTED = reprlib.Repr()
+_QUOTED.maxlevel, _QUOTED.maxstring, _QUOTED.maxother = 2, 80, 80
+
+
 def field(path, data, *keys: str | int, kind: str, or_null: bool = False, within: str = ""):
     """The value at `keys` (into objects and lists) of `data`, read from `path`, which must be `kind`, one of KINDS,
     or with `or_null` null or missing (None); else DamagedFile naming the file and the field, after `within` (the part
@@ -39,7 +48,8 @@ def field(path, data, *keys: str | int, kind: str, or_null: bool = False, within
     for depth, key in enumerate(keys):
         container = "a list" if isinstance(key, int) else "an object"
         if not KINDS[container](value):
-            raise DamagedFile(f"{path}: {within}{field_name(keys[:depth])} must be {container}, got {value!r}")
+            raise DamagedFile(f"{path}: {within}{field_name(keys[:depth])} must be {container}, got "
+                              f"{_QUOTED.repr(value)}")
         if key not in (range(len(value)) if isinstance(key, int) else value):
             if or_null:
                 return None
@@ -49,7 +59,8 @@ def field(path, data, *keys: str | int, kind: str, or_null: bool = False, within
         return None
     if not KINDS[kind](value):
         # repr, not JSON: a YAML date (epochs: 2020-01-01) is no JSON value.
-        raise DamagedFile(f"{path}: {within}{field_name(keys)} must be {kind}{' or null' * or_null}, got {value!r}")
+        raise DamagedFile(f"{path}: {within}{field_name(keys)} must be {kind}{' or null' * or_null}, got "
+                          f"{_QUOTED.repr(value)}")
     return value
 
 

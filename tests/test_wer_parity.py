@@ -579,6 +579,21 @@ def test_a_run_file_that_is_a_pipe_or_a_device_is_left_out_in_one_line_unread(tm
                                                             ("x-persistent-s1", "config.yaml"))], errors
 
 
+def test_a_config_yaml_whose_aliases_nest_lists_many_times_over_is_quoted_in_a_few_entries(tmp_path):
+    """YAML's aliases put one list in the next many times over: the refusal quoted the whole value, which for the 561
+    bytes of nine levels of ten was 10^8 strings, and the report ran out of memory. Five levels here, 10^5 strings."""
+    run_dir = tmp_path / "runs" / "x-cudnn-s1"
+    write_metrics(run_dir, [50.0, 40.0])
+    levels = ['a0: &a0 ["xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", '
+              '"xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx"]']
+    levels += [f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 10)}]" for level in range(1, 5)]
+    (run_dir / "config.yaml").write_text("\n".join(levels) + "\ntrain: {epochs: *a4}\n")
+    row = wer_parity.report(tmp_path / "runs", "x-cudnn-s1", "cudnn", 1, 1, None)
+    assert row["damaged"].startswith(f"{run_dir}/config.yaml: train.epochs must be a count or null, got [[[...], "
+                                     "[...], "), row["damaged"][:200]
+    assert len(row["damaged"]) < 500, len(row["damaged"])
+
+
 @pytest.mark.parametrize("file, text, message", [
     ("metrics.jsonl", '{"eval_wer": 30.0, "eval_cer": 10.0, "elapsed_s": 15.0}\n',
      "metrics.jsonl lacks an evaluation's epoch, which must be a count"),
