@@ -90,7 +90,9 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in read_text(path).splitlines():
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        # Not JSON, or JSON Python will not read (an integer of more than 4300 digits, nesting past its recursion
+        # limit), which ended the report in a traceback: no line of the trainer's either.
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict):
             records.append(record)
@@ -131,6 +133,8 @@ def planned_epochs(run_dir: Path) -> int | None:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise DamagedFile(f"{config_path}: not YAML ({getattr(error, 'problem', None) or error}{where})") from None
+    except RecursionError:  # YAML's reader nests as deep as the file: a traceback of a thousand lines
+        raise DamagedFile(f"{config_path}: YAML nested too deeply to read") from None
     if not isinstance(config, dict):
         raise DamagedFile(f"{config_path}: not the mapping of settings, train among them, that the trainer writes")
     epochs = field(config_path, config, "train", "epochs", kind="a count", or_null=True)

@@ -283,6 +283,21 @@ def test_metrics_of_a_resumed_run_may_hold_lines_that_are_not_utf8(tmp_path):
     assert path.read_bytes() == steps[0] + steps[1]
 
 
+def test_a_resumed_runs_records_keep_their_lines_around_one_python_does_not_read(tmp_path):
+    """A line nested past Python's recursion limit, or an integer of more than 4300 digits, in a run directory's
+    metrics.jsonl or jobs.jsonl ended the resume in a RecursionError or ValueError traceback: it is no line of the
+    trainer's."""
+    unread = "[" * 100_000 + "\n" + "1" * 5000 + "\n"
+    steps = [json.dumps({"step": step, "epoch": 1, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(steps[0] + unread + steps[1] + steps[2])
+    with open_metrics(path, {"epoch": 0, "step": 2}):
+        pass
+    assert path.read_text() == steps[0] + steps[1]
+    (tmp_path / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n" + unread)
+    assert recorded_run_id(tmp_path) == "a"
+
+
 def test_a_resumed_runs_records_that_are_no_files_are_not_read(tmp_path, caplog):
     """A run directory copied from elsewhere (tar keeps pipes and links) may hold a pipe, or a link to a device or a
     pipe, in place of metrics.jsonl or jobs.jsonl: read whole as a resume read them, a link to /dev/zero took all the

@@ -154,12 +154,14 @@ def test_evaluations_leave_out_those_over_part_of_the_test_set(tmp_path):
 
 def test_report_leaves_out_evaluations_without_a_wer_and_lines_that_are_no_object(tmp_path):
     """A null WER (the trainer's where it read no test utterance) ended the report in TypeError, a NaN one (which json
-    reads) in statistics' AttributeError, and a line that is JSON but no object in TypeError."""
+    reads) in statistics' AttributeError, a line that is JSON but no object in TypeError, and one that Python does not
+    read (nested past its recursion limit, an integer of more than 4300 digits) in RecursionError or ValueError."""
     runs = tmp_path / "runs"
     write_metrics(runs / "x-cudnn-s1", [50.0, math.nan])
     write_metrics(runs / "x-persistent-s1", [40.0, 30.0])
     with open(runs / "x-persistent-s1" / "metrics.jsonl", "a") as metrics:
         metrics.write('7\n{"epoch": 3, "eval_wer": null, "eval_cer": null, "elapsed_s": 15.0}\n')
+        metrics.write("[" * 100_000 + "\n" + "1" * 5000 + "\n")
     wer_parity.main(["--report", "--name", "x", "--seeds", "1", "--runs-dir", str(runs),
                      "--json", str(tmp_path / "wer.json")])
 
@@ -610,6 +612,8 @@ def test_a_config_yaml_whose_aliases_nest_lists_many_times_over_is_quoted_in_a_f
     ("config.yaml", "train: [epochs: 2\n",
      "config.yaml: not YAML (expected ',' or ']', but got '<stream end>' at line 2)"),
     ("config.yaml", "- train\n", "config.yaml: not the mapping of settings, train among them, that the trainer writes"),
+    # YAML's reader nests as deep as the file: a traceback of RecursionError.
+    ("config.yaml", "train: " + "[" * 100_000 + "\n", "config.yaml: YAML nested too deeply to read"),
     ("config.yaml", "train:\n  epochs: ${oc.env:HOME}\n",
      "config.yaml: train.epochs must be a count or null, got '${oc.env:HOME}'"),
     # A YAML date is no JSON value: the refusal ended in json.dumps's TypeError traceback.

@@ -68,7 +68,9 @@ def open_metrics(path: Path, resumed: dict | None):
         for line in path.read_text(errors="surrogateescape").splitlines():
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            # Not JSON, or JSON Python will not read (an integer of more than 4300 digits, nesting past its recursion
+            # limit), which ended the resume in a traceback: no line of the trainer's.
+            except (ValueError, RecursionError):
                 continue
             key = "step" if isinstance(record, dict) and "step" in record else "epoch"
             if not isinstance(record, dict) or type(record.get(key)) is not int:

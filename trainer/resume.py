@@ -96,7 +96,7 @@ def recorded_run_id(run_dir: Path) -> str | None:
     for line in reversed(lines):
         try:
             job = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # nesting past Python's recursion limit ended the resume in a traceback
             continue
         return job.get("run_id") if isinstance(job, dict) else None
     return None
