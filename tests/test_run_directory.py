@@ -464,6 +464,26 @@ def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch
     assert "failed: sweep job 3 (runs/b): RuntimeError" in capsys.readouterr().err
 
 
+def test_a_stop_before_training_names_what_the_run_directory_holds_and_the_sweep_jobs_that_failed(
+        tmp_path, monkeypatch, caplog, capsys):
+    """A second Ctrl-C once a checkpoint is written, or a signal as a resumed run starts: the line names last.pt, and a
+    sweep's the jobs that failed before. The tests that stop a run so had none written and ran no sweep: mutants that
+    always said no checkpoint was written, or named no failed job, passed them all."""
+    monkeypatch.setattr(trainer_main, "_failed_sweep_jobs", [("sweep job 0 (runs/a): bad value", 2)])
+    last = tmp_path / "checkpoints" / "last.pt"
+    for written in (False, True):
+        if written:
+            last.parent.mkdir()
+            last.write_bytes(b"")
+        caplog.clear()
+        with pytest.raises(SystemExit) as stopped:
+            trainer_main.stop_now("interrupted by Ctrl-C", signal.SIGINT, tmp_path)
+        assert stopped.value.code == 128 + signal.SIGINT
+        held = f"{last} holds the run as of its last checkpoint" if written else "no checkpoint of this run was written"
+        assert caplog.messages == [f"interrupted by Ctrl-C; {held}"]
+        assert capsys.readouterr().err == "failed: sweep job 0 (runs/a): bad value\n"
+
+
 def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrides():
     assert job_folder("data.eval_manifest=m/a.jsonl,model.cell=gru") == "data.eval_manifest=m_a.jsonl,model.cell=gru"
     long = ",".join(f"data.train_manifests=[/corpus/{index:03d}.jsonl]" for index in range(20))
