@@ -674,6 +674,18 @@ def test_check_overrides_refuses_a_fresh_run_over_the_checkpoints_its_directory_
     assert main([*overrides, "train.resume=auto"]) == 0
 
 
+def test_check_overrides_refuses_another_config_flag_given_an_empty_value(capsys):
+    """`--config-name "$CONFIG"` with the variable unset: the trainer looks for a primary config named '' on every rank,
+    after the build. The tests gave these flags a name alone, and a mutant that refused only a non-empty value passed
+    them all."""
+    from trainer.check_overrides import main
+
+    assert main(["--config-name", ""]) == 2
+    assert capsys.readouterr().err == ("error: --config-name : the launch scripts and their check of the overrides "
+                                       "take conf/train.yaml only; choose a recipe with experiment=NAME "
+                                       "(conf/experiment/NAME.yaml)\n")
+
+
 def test_check_overrides_refuses_cuda_graphs_over_cudnn(capsys):
     """Refused by every rank at its start on any device, after the build: a graph cannot capture cuDNN's layers."""
     from trainer.check_overrides import main
