@@ -421,6 +421,19 @@ def test_evaluate_refuses_a_test_set_that_a_checkpoint_names_by_no_path_in_one_l
                                            "path: give --manifest\n")
 
 
+def test_evaluate_elsewhere_than_training_ran_names_the_runs_relative_test_set_as_such(tmp_path, monkeypatch, capsys):
+    """Without --manifest, a relative data.eval_manifest is the training folder's: run from another folder, the tool
+    says so and how to go on, where "manifest manifests/test.jsonl does not exist" left the user to guess which
+    manifest that was and why. A mutant without the check passed every test."""
+    from trainer import evaluate
+
+    path = small_checkpoint(tmp_path / "small.pt", "data.eval_manifest=manifests/test.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.main(["--checkpoint", str(path), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("error: the run's data.eval_manifest manifests/test.jsonl is relative to the "
+                                       "folder its training ran in: run this there, or give --manifest\n")
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main
