@@ -108,6 +108,28 @@ def test_an_output_file_that_could_not_be_written_is_refused_before_the_work(tmp
         cli.output_file(str(tmp_path / "x.arpa"))
 
 
+def test_an_output_file_that_is_read_only_is_refused_though_its_folder_takes_files(tmp_path, monkeypatch):
+    """A file is written beside its target and renamed over it, which its folder allows over a read-only file: without
+    the check of the file itself a file kept read-only was replaced (a mutant that checked the folder alone passed
+    every test). As root os.access grants everything: a file not the user's is played."""
+    target = tmp_path / "kept.tsv"
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(target))
+    assert cli.output_file(str(target)) == str(target)  # not there yet: its folder's answer alone counts
+    target.write_text("kept\n")
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{target} cannot be written \\(permissions\\)$"):
+        cli.output_file(str(target))
+
+
+def test_a_number_of_seconds_is_taken_up_to_its_limit_and_not_past_it():
+    """benchmarks.scaling's --timeout-s takes what distributed.timeout_s takes: its limit too (a mutant that refused
+    it passed every test), not 0 or more."""
+    seconds = cli.seconds_up_to(1e9)
+    assert seconds("1e9") == 1e9 and seconds("0.5") == 0.5
+    for refused in ("0", "1.000001e9", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f", not {refused}$"):
+            seconds(refused)
+
+
 def test_a_tool_interrupted_by_ctrl_c_says_so_in_one_line(capsys):
     def interrupted():
         raise KeyboardInterrupt
