@@ -14,9 +14,11 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 import wave
 
 import pytest
+import torch
 
 from conftest import REPO_ROOT, small_checkpoint
 from data.cli import end_at_once_on_a_signal, raise_terminated, shows_a_progress_bar, signals_raise
@@ -151,6 +153,25 @@ def test_a_tool_sent_sigterm_says_so_in_one_line():
     result = subprocess.run([sys.executable, "-c", terminated], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert (result.returncode, result.stdout, result.stderr) == (143, "", "terminated by SIGTERM\n"), result.stderr
+
+
+def test_a_tool_sent_sigterm_as_it_reads_a_file_ends_on_the_signal_not_on_a_refusal_of_the_file(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """Terminated is a BaseException, as KeyboardInterrupt is: raised inside a read that the tools guard with `except
+    Exception` (torch.load of a checkpoint, an audio file's decoding), it would read as the file's fault, refused in
+    one line, exit code 2, or skipped for the next file. The other tests send SIGTERM outside any such read, and a
+    Terminated made an Exception passed them all."""
+    from trainer import transcribe
+
+    model = small_checkpoint(tmp_path / "small.pt")
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # run_tool's handler raises Terminated here
+        time.sleep(60)
+
+    monkeypatch.setattr(torch, "load", terminated)
+    assert cli.run_tool(lambda: transcribe.main(["--checkpoint", str(model), "--device", "cpu", "a.wav"])) == 143
+    assert capsys.readouterr().err == "terminated by SIGTERM\n"
 
 
 # Runs a tool as `python -m` does, sending it a real signal (argv[3], Ctrl-C where none is named) as its first import
