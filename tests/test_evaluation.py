@@ -434,6 +434,22 @@ def test_evaluate_elsewhere_than_training_ran_names_the_runs_relative_test_set_a
                                        "folder its training ran in: run this there, or give --manifest\n")
 
 
+@pytest.mark.parametrize("flag", ["--out", "--skipped"])
+def test_evaluate_refuses_to_write_over_the_test_set_its_checkpoint_names(flag, tmp_path, capsys):
+    """Without --manifest the tool reads the run's data.eval_manifest, which an --out or --skipped naming it would
+    have destroyed: refused as the inputs given on the command line are. A mutant that left out this check passed
+    every test."""
+    from trainer import evaluate
+
+    test_set = tmp_path / "test.jsonl"
+    test_set.write_text("kept\n")
+    path = small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={test_set}")
+    assert evaluate.main(["--checkpoint", str(path), "--device", "cpu", flag, str(test_set)]) == 2
+    assert capsys.readouterr().err == (f"error: {test_set} is also an input of this command: writing it would "
+                                       "destroy it\n")
+    assert test_set.read_text() == "kept\n"
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_refuse_a_missing_checkpoint_or_an_unknown_device_in_one_line(tool, tmp_path, capsys):
     main = importlib.import_module(f"trainer.{tool}").main
