@@ -495,6 +495,12 @@ def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(to
             assert capsys.readouterr().err == f"error: {output} is also an input of this command: writing it would " \
                                               "destroy it\n"
         assert unreadable.read_text() == "not a checkpoint\n"
+        # Left to the batching, a batch size of 0 was refused after the checkpoint was read, in a traceback: a mutant
+        # that took any integer passed every test.
+        with pytest.raises(SystemExit) as refused:
+            main([*common, *inputs, "--batch-size", "0"])
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.endswith("error: argument --batch-size: must be at least 1, not 0\n")
 
 
 def evaluate_manifest(utterances, tmp_path, **options):
