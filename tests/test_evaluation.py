@@ -237,6 +237,7 @@ def test_evaluate_names_a_few_of_a_test_set_left_out_and_skipped_lists_every_one
     """A test set of punctuated transcripts ("YES.") gave one warning line each at the start: 104 lines for a manifest
     of 200. The first 5 of a reason are named, the rest counted; --skipped lists every one."""
     from trainer import evaluate
+
     soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
     punctuated = [f"said{number}.wav" for number in range(7)]
     listings = [("a.wav", "A"), *((name, "YES.") for name in punctuated)]
@@ -373,6 +374,23 @@ def test_evaluate_puts_as_many_utterances_in_a_batch_as_batch_size_asks(tmp_path
         caplog.clear()
         assert evaluate.main([*arguments, "--batch-size", batch_size]) == 0
         assert f"evaluating: batch {batches} of {batches}" in caplog.text, caplog.text
+
+
+def test_evaluate_on_a_terminal_shows_its_progress_as_a_bar_not_as_log_lines(tmp_path, monkeypatch, caplog,
+                                                                             capsys):
+    """The lines on the progress are for a pipe or a batch job's log; where stderr shows a bar, the bar says it. The
+    tests run without a terminal, and a mutant that never drew the bar passed them all."""
+    from trainer import evaluate
+
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a")])
+    monkeypatch.setattr(evaluate, "PROGRESS_LINE_S", 0)  # without the bar, a line each batch
+    monkeypatch.setattr(evaluate, "shows_a_progress_bar", lambda stream: stream is sys.stderr)
+    caplog.set_level(logging.INFO)
+    assert evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu",
+                          "--manifest", str(tmp_path / "m.jsonl")]) == 0
+    assert "evaluating: batch" not in caplog.text, caplog.text
+    assert capsys.readouterr().err.startswith("\revaluating: ")  # the bar, drawn on stderr
 
 
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
