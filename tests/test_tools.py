@@ -155,6 +155,24 @@ def test_a_tool_sent_sigterm_says_so_in_one_line():
     assert (result.returncode, result.stdout, result.stderr) == (143, "", "terminated by SIGTERM\n"), result.stderr
 
 
+def test_a_tool_gives_sigterm_back_to_the_handler_it_found_however_it_ends():
+    """run_tool raises Terminated on a SIGTERM only while its tool runs: a caller's own handler (a test's, a script
+    that runs a tool in-process) was left replaced by it (a mutant that kept it passed every test)."""
+    def caller_handler(number, frame):
+        pass
+
+    def cannot_write():
+        raise cli.CannotWrite("cannot write x: No space left on device")
+
+    previous = signal.signal(signal.SIGTERM, caller_handler)
+    try:
+        for main, code in ((lambda: 0, 0), (cannot_write, 2)):
+            assert cli.run_tool(main) == code
+            assert signal.getsignal(signal.SIGTERM) is caller_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_tool_sent_sigterm_as_it_reads_a_file_ends_on_the_signal_not_on_a_refusal_of_the_file(tmp_path, monkeypatch,
                                                                                                   capsys):
     """Terminated is a BaseException, as KeyboardInterrupt is: raised inside a read that the tools guard with `except
