@@ -272,6 +272,21 @@ def test_the_default_json_files_are_git_ignored_and_one_renamed_to_keep_is_not(t
     assert result.stdout.split() == asked[:len(taken)]
 
 
+def test_the_thousandth_results_file_of_a_second_is_taken_and_the_next_refused_counting_them(tmp_path, monkeypatch):
+    """The other tests take two names a second: the last name taken, and the refusal's count of those that exist,
+    had none (mutants that stopped one short, or counted one too many, passed every test)."""
+    monkeypatch.setenv(cli.RESULTS_FOLDER_VARIABLE, str(tmp_path))
+    second = cli.time.gmtime(0)
+    monkeypatch.setattr(cli.time, "gmtime", lambda *seconds: second)  # every name of one second
+    stem = "tool-19700101-000000"
+    for count in range(1, cli.MAX_RUNS_A_SECOND):
+        (tmp_path / (f"{stem}.json" if count == 1 else f"{stem}-{count}.json")).write_text("{}")
+    assert cli.json_file(None, "tool.py") == str(tmp_path / f"{stem}-1000.json")
+    with pytest.raises(cli.CannotWrite, match=f"^cannot write {tmp_path}/{stem}.json: it and 999 more of that second "
+                                              f"exist{re.escape(cli.JSON_ELSEWHERE)}$"):
+        cli.json_file(None, "tool.py")
+
+
 def test_a_results_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     taken = tmp_path / "results"
     taken.write_text("")
