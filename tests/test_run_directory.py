@@ -2,6 +2,7 @@
 jobs.jsonl, metrics.jsonl and TensorBoard events on a full disk, and which errors are one line."""
 import errno
 import json
+import logging
 import os
 import platform
 import re
@@ -339,7 +340,47 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
         OmegaConf.select(OmegaConf.create({"model": {"hidden": "${nope}"}}), "model.hidden")
     assert user_error_message(unresolved.value, Path("r")) == "model.hidden: Interpolation key 'nope' not found"
     assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
+    # One naming no file would read "cannot open None: ...", nothing the user could fix: a fault too.
+    assert user_error_message(PermissionError(errno.EACCES, "Permission denied"), Path("r")) is None
     assert user_error_message(RuntimeError("CUDA error"), Path("r")) is None
+
+
+@pytest.mark.parametrize("leaving, launched, mpi_started, aborted_with", [
+    (SystemExit(2), True, False, 2), (SystemExit("a message"), True, False, 1), (SystemExit(0), True, False, None),
+    (SystemExit(None), True, False, None), (SystemExit(2), False, False, None), (SystemExit(2), True, True, None)],
+    ids=["refused", "message", "zero", "none", "no-mpi", "mpi-started"])
+def test_a_rank_leaving_before_mpi_ends_the_job_with_its_exit_code_only_where_others_wait_in_mpi_init(
+        monkeypatch, leaving, launched, mpi_started, aborted_with):
+    """The multi-rank tests reach only Hydra's refusal (exit 2): sys.exit("message") ends the job 1, as Python ends
+    the process, and a rank that leaves well, or outside mpiexec, or once MPI has started, ends nothing."""
+    aborted = []
+    monkeypatch.setattr(trainer_main.launch_ranks, "launched_by_mpi", lambda: launched)
+    monkeypatch.setattr(trainer_main.distributed, "abort_job", aborted.append)
+    if mpi_started:
+        monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())
+    else:
+        monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    trainer_main.end_job_before_mpi(leaving)
+    assert aborted == ([] if aborted_with is None else [aborted_with])
+
+
+def test_a_rank_other_than_0_tags_its_log_lines_once_though_each_job_of_a_sweep_sets_it_up_again():
+    """The sweep's multi-rank test asks for "[rank 1] rank 1 of 2" in rank 1's lines, which a second tag before it,
+    one per job, would pass."""
+    factory = logging.getLogRecordFactory()
+    levels = {name: logging.getLogger(name).level for name in ("", "hydra", "trainer.distributed")}
+    try:
+        trainer_main.leave_the_log_to_rank_0(0)
+        assert logging.getLogRecordFactory()("x", logging.INFO, "f", 1, "line", None, None).msg == "line"
+        for _ in range(2):  # the first job, then the second
+            trainer_main.leave_the_log_to_rank_0(3)
+        assert logging.getLogRecordFactory()("x", logging.INFO, "f", 1, "line", None, None).msg == "[rank 3] line"
+        assert logging.getLogger().level == logging.getLogger("hydra").level == logging.WARNING
+        assert logging.getLogger("trainer.distributed").level == logging.INFO
+    finally:
+        logging.setLogRecordFactory(factory)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_results_record_the_commit_and_the_command_as_typed(tmp_path):
