@@ -414,6 +414,15 @@ def test_a_tools_output_to_stdout_is_its_output_alone_its_own_lines_on_stderr(tm
         assert "wrote /dev/stdout" in result.stderr or "WER " in result.stderr, result.stderr
 
 
+def test_a_tools_lines_go_to_stderr_where_stdout_is_closed_though_it_names_no_output_file(monkeypatch, tmp_path):
+    """The test below names an --out file, which is no standard stream, and so finds stderr without the check of a
+    closed stdout (a mutant without it passed every test); trainer.evaluate without --out printed its WER into
+    None, where print() drops it."""
+    monkeypatch.setattr(sys, "stdout", None)
+    # trainer.evaluate without --out or --skipped asks as lines_stream(None, None).
+    assert cli.lines_stream(None, None) is cli.lines_stream(str(tmp_path / "out.tsv")) is sys.stderr
+
+
 def test_a_tool_started_with_stdout_closed_writes_its_out_file_and_its_lines_to_stderr(tmp_path):
     # `python -m trainer.lm ... --out model.arpa >&-` (a daemon, a cron job): print_paths_printable reconfigured the
     # None that Python gives for a closed stdout, an AttributeError's traceback before any work. Then print() dropped
