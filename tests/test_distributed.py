@@ -840,6 +840,16 @@ def test_a_late_rendezvous_leaves_the_collectives_the_whole_timeout():
     assert "summed 2" in rank_0 and "summed 2" in rank_1, rank_0 + rank_1
 
 
+def test_a_run_outside_mpi_ends_with_the_exit_code_its_error_asks_for(monkeypatch):
+    """A single process's error ends through abort_job as a rank's does, exit code 2 for a user's error: only training
+    runs in a subprocess reached this exit, and a mutant that exited 1 passed the one of them tried."""
+    monkeypatch.setattr(distributed, "launched_by_mpi", lambda: False)
+    for code in (1, 2, 130):
+        with pytest.raises(SystemExit) as ended:
+            distributed.abort_job(code)
+        assert ended.value.code == code
+
+
 def test_the_watchdog_of_mpis_start_is_not_forked_once_mpi_has_started(monkeypatch):
     """A sweep's later jobs find MPI started: a fork then makes OpenMPI warn, and InfiniBand's registered memory may
     not survive it."""
