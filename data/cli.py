@@ -1,7 +1,8 @@
 """What every command-line tool shares that data.prepare needs too, here in data, which imports no other part of the
 project (trainer.cli holds the rest): how a Ctrl-C or a SIGTERM ends a tool, in one line, exit code 130 (128 + SIGINT)
-or 143 (128 + SIGTERM), not a traceback or nothing at all, and quietly where stdout's reader stops early (`| head`), the
-paths it is given, and whether its progress shows as a bar or as lines."""
+or 143 (128 + SIGTERM), not a traceback or nothing at all; how stdout's failures end it, quietly where its reader stops
+early (`| head`) and in one line where it is on a full disk; the paths it is given, and whether its progress shows as
+a bar or as lines."""
 import argparse
 import contextlib
 import os
