@@ -222,13 +222,13 @@ def train(cfg: DictConfig, run_dir: Path, continue_with: str = CONTINUE_RUN) -> 
     continue_with: what continues the run where train.max_steps or a stop signal stops it, for the log (a sweep's
     job: the sweep run again)."""
     check_config(cfg)  # before the distributed start, which takes three of its values
-    # Shut down on success only: a rank that raised must keep its connections open until __main__ has logged its
-    # error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
     with StopSignals() as stop_signals:
         env = distributed.init(cfg.device, cfg.distributed.timeout_s, cfg.distributed.share_gpus)
         distributed.check_same_on_every_rank(rank_settings(cfg))
         with hold_run_directory(run_dir, env.is_main):
             result = _train(cfg, run_dir, env, continue_with, stop_signals)
+    # On success only, not in a `finally`: a rank that raised must keep its connections open until __main__ has logged
+    # its error and aborted the job; closing them first lets another rank fail on the closed peer and abort before it.
     distributed.shutdown(cfg.distributed.timeout_s)
     return result
 
