@@ -252,12 +252,12 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
     directory's best.pt, and the name to keep best.pt under where it is another test set's, whose WERs do not compare.
     `saved` is the checkpoint resumed from, read from `resumed`; ValueError naming a best.pt that cannot be read."""
     best = run_dir / "checkpoints" / "best.pt"
-    none = {"best_unreadable": math.inf, "best_wer": math.inf}
+    nothing_to_beat = {"best_unreadable": math.inf, "best_wer": math.inf}
     kept_here = kept_best(best, test_fingerprint)  # this test set's, kept while the run was on another
     back = kept_here.is_file()
     if not best.is_file():
-        if not back:  # none to beat: no evaluation in this run directory yet
-            return BestToBeat(none, None, False)
+        if not back:  # no evaluation in this run directory yet
+            return BestToBeat(nothing_to_beat, None, False)
         # best.pt deleted by hand while the run was on another test set: settle_best makes the kept one best.pt again.
         log.info("no %s: the evaluation to beat is that of %s, the best on this test set", best, kept_here.name)
         return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1], None, True)
@@ -279,7 +279,7 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
         log.info("the test set is not the one %s was evaluated on (%s there, %s here), and WERs over other test sets "
                  "do not compare: %s", best, their_test_set, test_fingerprint, to_beat)
     check_free_to_keep(best, kept_as)
-    return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else none, kept_as, back)
+    return BestToBeat(recorded_best(kept_here, resumed, saved, state)[1] if back else nothing_to_beat, kept_as, back)
 
 
 def best_of_this_test_set(best: Path, figures: dict, kept_here: Path, resumed: Path, saved: dict,
