@@ -365,8 +365,8 @@ def check_same_on_every_rank(settings: dict[str, str], refusal: str = "the ranks
               for rank, theirs in enumerate(every[1:], start=1)
               for key in sorted(set(theirs) | set(every[0])) if theirs.get(key) != every[0].get(key)]
     if differ:
-        raise ValueError(f"{refusal} ({'; '.join(differ[:4])}{f'; {len(differ) - 4} more' if len(differ) > 4 else ''})"
-                         f": {remedy}")
+        named = "; ".join(differ[:4]) + (f"; {len(differ) - 4} more" if len(differ) > 4 else "")
+        raise ValueError(f"{refusal} ({named}): {remedy}")
 
 
 def all_gather_json(value) -> list:
