@@ -306,7 +306,7 @@ def test_a_resumed_runs_records_that_are_no_files_are_not_read(tmp_path, caplog)
     os.mkfifo(metrics)
     run_dir.mkdir()
     os.mkfifo(tmp_path / "pipe")
-    (run_dir / "jobs.jsonl").symlink_to(tmp_path / "pipe")  # a link to a pipe, which the run directory's check takes
+    (run_dir / "jobs.jsonl").symlink_to(tmp_path / "pipe")  # which the run directory's check refuses before this
     with within_seconds(10):
         with open_metrics(metrics, {"epoch": 0, "step": 2}) as file:
             file.write(json.dumps({"step": 3, "epoch": 1, "loss": 1.0}) + "\n")

@@ -148,28 +148,64 @@ def test_check_overrides_refuses_a_run_directory_with_a_link_in_place_of_a_file_
 def test_a_link_in_place_of_a_skip_list_is_refused(tmp_path):
     """The training job writes its skip lists to where a link leads (data.files.write_out, as a tool's output file):
     a run directory copied with skipped_train.jsonl -> a file outside had that file replaced by the list."""
-    from trainer.run_directory import linked_run_file
+    from trainer.run_directory import run_file_refusal
 
-    os.mkfifo(tmp_path / "pipe")
-    (tmp_path / "skipped_test.jsonl").symlink_to(tmp_path / "pipe")  # a stream: written through, it changes no file
-    assert linked_run_file(tmp_path) is None
+    (tmp_path / "skipped_test.jsonl").symlink_to("/dev/null")  # a device: written through, it changes no file
+    assert run_file_refusal(tmp_path) is None
     (tmp_path / "skipped_train.jsonl").symlink_to(tmp_path.parent / "notes.txt")
-    assert linked_run_file(tmp_path) == (f"{tmp_path / 'skipped_train.jsonl'} is a symbolic link to "
-                                         f"{tmp_path.parent / 'notes.txt'}: the run writes skipped_train.jsonl in "
-                                         "place, so it would write that file instead; remove the link")
+    assert run_file_refusal(tmp_path) == (f"{tmp_path / 'skipped_train.jsonl'} is a symbolic link to "
+                                          f"{tmp_path.parent / 'notes.txt'}: the run writes skipped_train.jsonl in "
+                                          "place, so it would write that file instead; remove the link")
 
 
-def test_a_link_to_a_stream_in_place_of_a_log_or_the_jobs_record_is_taken(tmp_path):
-    """Written through, a character device or a pipe changes no file: the full-disk tests' links to /dev/full, a log
-    sent to /dev/stderr. Refused, they stopped those runs."""
-    from trainer.run_directory import linked_run_file
+def test_a_link_to_a_stream_in_place_of_a_log_or_the_jobs_record_is_taken(tmp_path, monkeypatch):
+    """Written through, a character device or this process's own stderr changes no file: the full-disk tests' links
+    to /dev/full, a log sent to /dev/stderr, a pipe under `| tee`. Refused, they stopped those runs."""
+    from trainer.run_directory import run_file_refusal
 
-    os.mkfifo(tmp_path / "pipe")
-    (tmp_path / "jobs.jsonl").symlink_to("/dev/full")
-    (tmp_path / "__main__.log").symlink_to(tmp_path / "pipe")
-    assert linked_run_file(tmp_path) is None
-    (tmp_path / "train.log").symlink_to(tmp_path / "pipe-to-be")  # nothing there: writing would make a file
-    assert linked_run_file(tmp_path).startswith(f"{tmp_path / 'train.log'} is a symbolic link to ")
+    reader, writer = os.pipe()
+    with os.fdopen(reader, "rb"), os.fdopen(writer, "w") as stderr:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        (tmp_path / "jobs.jsonl").symlink_to("/dev/full")
+        (tmp_path / "__main__.log").symlink_to(f"/dev/fd/{writer}")  # /dev/stderr, as this process sees it
+        assert run_file_refusal(tmp_path) is None
+        (tmp_path / "train.log").symlink_to(tmp_path / "pipe-to-be")  # nothing there: writing would make a file
+        assert run_file_refusal(tmp_path).startswith(f"{tmp_path / 'train.log'} is a symbolic link to ")
+
+
+@pytest.mark.parametrize("name", [".lock", "jobs.jsonl", "multirun.yaml", "__main__.log", "skipped_test.jsonl"])
+def test_a_pipe_in_place_of_a_file_the_run_writes_in_place_is_refused(name, tmp_path):
+    """Opening a pipe waits for a reader: a run directory holding one (mkfifo; tar and cp -a copy it) where the run
+    opens its lock, jobs.jsonl or Hydra's log waited for ever, a first SIGTERM and all; one at .lock was refused as
+    'cannot write in the run directory (None)'. A link to a pipe that is not this process's own stream, likewise."""
+    from trainer.run_directory import run_file_refusal
+
+    run_dir, pipe = tmp_path / "run", tmp_path / "pipe"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / name)
+    assert run_file_refusal(run_dir) == (f"{run_dir / name} is a pipe: the run writes {name} in place, and would "
+                                         "wait for ever for a reader of the pipe; remove it")
+    (run_dir / name).unlink()
+    os.mkfifo(pipe)
+    (run_dir / name).symlink_to(pipe)
+    assert run_file_refusal(run_dir) == (f"{run_dir / name} (a symbolic link to {pipe}) is a pipe: the run writes "
+                                         f"{name} in place, and would wait for ever for a reader of the pipe; "
+                                         "remove it")
+
+
+def test_a_run_directory_with_a_pipe_in_place_of_its_log_is_refused_in_one_line(tmp_path):
+    """Hydra opens the log before the trainer's code runs: the run waited there for ever, and a SIGTERM, kept until
+    training would begin, did not end it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "__main__.log")
+    result = subprocess.run([sys.executable, "-m", "trainer", "experiment=cpu_demo", f"hydra.run.dir={run_dir}",
+                             "data.an4_source=null", f"data.train_manifests=[{tmp_path / 'none.jsonl'}]",
+                             f"data.eval_manifest={tmp_path / 'none.jsonl'}"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: {run_dir / '__main__.log'} is a pipe: the run writes __main__.log in place, and "
+                             "would wait for ever for a reader of the pipe; remove it\n")
 
 
 def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):

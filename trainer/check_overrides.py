@@ -6,8 +6,8 @@ feature and SpecAugment settings that work together; that N ranks, default 1, sp
 evenly; and that the files it reads are there and open, trainer.inputs.check_inputs, and train.resume=PATH's
 checkpoint, trainer.resume.checkpoint_to_resume); a sweep's every job, as the
 trainer checks them before its first job (trainer.run_directory.sweep_refusal), and its files too; and the run's
-directory, that it holds no symbolic link where the run writes a file in place
-(trainer.run_directory.linked_run_file), nor checkpoints that a fresh run would overwrite
+directory, that it holds no symbolic link or pipe where the run writes a file in place
+(trainer.run_directory.run_file_refusal), nor checkpoints that a fresh run would overwrite
 (trainer.resume.checkpoint_to_resume). A command that passes prints nothing, exit code 0. The first refusal is one
 line on stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,
 --config-path and --config-dir, which would compose another config than conf/train.yaml, the one checked; its flags
@@ -32,7 +32,7 @@ from hydra.types import RunMode
 from trainer.cli import positive_int, run_tool
 from trainer.config import CONF_DIR
 from trainer.override_errors import pickled_config_refusal, refused_in_one_line
-from trainer.run_directory import check_run_name, linked_run_file, run_refusal, sweep_refusal
+from trainer.run_directory import check_run_name, run_file_refusal, run_refusal, sweep_refusal
 
 
 def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | None:
@@ -42,8 +42,8 @@ def refusal(overrides: list[str], sweep: bool, world_size: int = 1) -> str | Non
                                                           run_mode=RunMode.MULTIRUN if sweep else RunMode.RUN)
         check_run_name(cfg)  # exits 2 in its own line, as the trainer's callback does before the run starts
         if sweep:
-            return linked_run_file(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size, inputs=True)
-        return run_refusal(cfg, world_size, inputs=True) or linked_run_file(cfg.hydra.run.dir)
+            return run_file_refusal(cfg.hydra.sweep.dir) or sweep_refusal(cfg, world_size, inputs=True)
+        return run_refusal(cfg, world_size, inputs=True) or run_file_refusal(cfg.hydra.run.dir)
 
 
 # Hydra's flags that choose another primary config: the trainer would compose it, this check composes train.yaml, and

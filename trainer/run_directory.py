@@ -35,6 +35,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from data.files import standard_stream_writing_to
 from trainer import launch_ranks
 from trainer.config import RUN_NAME_SETTING, check_config, config_error_line, per_rank_batch_size
 from trainer.inputs import check_inputs
@@ -96,28 +97,38 @@ def make_or_exit(directory: str) -> None:
     if not os.access(directory, os.W_OK | os.X_OK):  # one that exists already (a read-only file system, no permission)
         print_refusal(f"cannot write in the run directory {directory}")
         sys.exit(2)
-    if linked := linked_run_file(directory):
-        print_refusal(linked)
+    if refused := run_file_refusal(directory):
+        print_refusal(refused)
         sys.exit(2)
 
 
 RUN_LOCK = ".lock"  # in the run directory: who holds it, for the message of a job it refuses
 # The files a run or sweep opens in place in its directory, Hydra's log files (*.log) and the skip lists
 # (skipped_*.jsonl, written to where a link leads, as a tool's output file is) besides: its lock, trainer.records'
-# jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through. The others it writes
-# (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link and all (data.files.write_whole).
+# jobs.jsonl and Hydra's multirun.yaml. A symbolic link in their place is written through, and a pipe waits for a
+# reader. The others it writes (config.yaml, metrics.jsonl, checkpoints) are replaced whole, link or pipe and all
+# (data.files.write_whole).
 WRITTEN_IN_PLACE = (RUN_LOCK, "jobs.jsonl", "multirun.yaml")
 WRITTEN_IN_PLACE_PATTERNS = ("*.log", "skipped_*.jsonl")
 
 
-def linked_run_file(directory: str | os.PathLike) -> str | None:
-    """A line naming a symbolic link in `directory` in place of a file the run writes in place, or None: the run wrote
-    through it, onto the file it links to outside the run directory (.lock -> ~/.bashrc emptied it), where a run
-    directory copied from elsewhere (tar, cp -a, rsync -a) held one. A link to a stream, a character device or a pipe
-    (__main__.log -> /dev/stderr), is taken: written through, it changes no file."""
+def run_file_refusal(directory: str | os.PathLike) -> str | None:
+    """A line naming what stands in `directory` in place of a file the run writes in place, or None:
+    - a pipe (mkfifo, which tar and cp -a copy), or a link to one: opening it waits for a reader, which Hydra's log and
+      jobs.jsonl did for ever, a first SIGTERM kept until training would begin (trainer.stop), and the lock was refused
+      as 'cannot write in the run directory (None)'. One that is this process's own stdout or stderr (__main__.log ->
+      /dev/stderr under `| tee`) has its reader, and is taken;
+    - a symbolic link: the run wrote through it, onto the file it links to outside the run directory (.lock ->
+      ~/.bashrc emptied it), where a run directory copied from elsewhere (tar, cp -a, rsync -a) held one. A link to a
+      character device (/dev/null, /dev/full, a terminal's /dev/stderr) is taken: written through, it changes no file.
+    """
     folder = Path(directory)
     named = (folder / name for name in WRITTEN_IN_PLACE)
     for path in [*named, *(path for pattern in WRITTEN_IN_PLACE_PATTERNS for path in sorted(folder.glob(pattern)))]:
+        if path.is_fifo() and standard_stream_writing_to(path) is None:
+            through = f" (a symbolic link to {os.readlink(path)})" if path.is_symlink() else ""
+            return (f"{path}{through} is a pipe: the run writes {path.name} in place, and would wait for ever for a "
+                    "reader of the pipe; remove it")
         if path.is_symlink() and not _is_a_stream(path):
             return (f"{path} is a symbolic link to {os.readlink(path)}: the run writes {path.name} in place, so it "
                     "would write that file instead; remove the link")
@@ -222,11 +233,11 @@ def check_job_config(job: DictConfig, folder: Path, world_size: int = 1, inputs:
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> Path:
     """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
     took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
-    names leave out (train.max_steps...). Refuses one whose folder holds a symbolic link in place of a file the job
-    writes in place (linked_run_file) too. Returns the job's folder."""
+    names leave out (train.max_steps...). Refuses one whose folder holds a link or a pipe in place of a file the job
+    writes in place (run_file_refusal) too. Returns the job's folder."""
     folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
-    if linked := linked_run_file(folder):
-        raise ValueError(linked)
+    if refused := run_file_refusal(folder):
+        raise ValueError(refused)
     earlier = folders.setdefault(folder, number)
     if earlier != number:
         excluded = ", ".join(job.hydra.job.config.override_dirname.exclude_keys)
