@@ -42,7 +42,6 @@ if __name__ == "__main__":  # first: during the imports below a Ctrl-C printed a
     end_at_once_on_a_signal()
 
 import argparse
-import json
 import math
 import os
 import re
@@ -62,7 +61,7 @@ import yaml
 from benchmarks.fields import COUNT, DamagedFile, field
 from data.cli import Terminated, input_path, stopped_line
 from data.text import counted
-from data.values import is_number
+from data.values import is_number, json_objects
 from trainer import check_overrides
 from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
                          say_written, write_results)
@@ -86,17 +85,7 @@ def read_text(path: Path) -> str:
 def read_jsonl(path: Path) -> list[dict]:
     """The records of one of a run's JSON-lines files; none where the run has not written it yet. A line a killed job
     left half written, or one that is no JSON object, is skipped, as the trainer skips it when it resumes."""
-    records = []
-    for line in read_text(path).splitlines():
-        try:
-            record = json.loads(line)
-        # Not JSON, or JSON Python will not read (an integer of more than 4300 digits, nesting past its recursion
-        # limit), which ended the report in a traceback: no line of the trainer's either.
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return [record for _, record in json_objects(read_text(path))]
 
 
 # What the report reads of each evaluation line of metrics.jsonl (those with an eval_wer: a WER that is no number is

@@ -1,6 +1,9 @@
 """What a value read from a file (a manifest's JSON, a config's YAML, a checkpoint, a benchmark's JSON) counts as.
-JSON's and YAML's true and false arrive as Python's bool, an int subclass: neither is a number or a count here."""
+JSON's and YAML's true and false arrive as Python's bool, an int subclass: neither is a number or a count here. And
+which lines of a run's JSON-lines records (metrics.jsonl, jobs.jsonl) count as records (json_objects)."""
+import json
 import math
+from collections.abc import Iterator
 
 
 def is_int(value) -> bool:
@@ -14,3 +17,17 @@ def is_real(value) -> bool:
 
 def is_number(value) -> bool:
     return is_real(value) and math.isfinite(value)
+
+
+def json_objects(text: str) -> Iterator[tuple[str, dict]]:
+    """Each line of `text`, a run's JSON-lines record, that holds a JSON object, with that object. The trainer writes
+    objects alone, so any other line is none of its own, and is passed over: half a line a killed job left, a note
+    added by hand, and JSON Python will not read (an integer of more than 4300 digits, nesting past its recursion
+    limit), which ended a resume and the WER report in a traceback."""
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            yield line, record

@@ -298,6 +298,14 @@ def test_a_resumed_runs_records_keep_their_lines_around_one_python_does_not_read
     assert recorded_run_id(tmp_path) == "a"
 
 
+@pytest.mark.parametrize("note", ['"lr lowered by hand"', "[]", "null"])
+def test_the_run_id_is_the_last_jobs_past_a_line_of_json_that_is_no_job(note, tmp_path):
+    """A line added by hand after the last job's, JSON but no object, read as the last job's, gave the run no id: a
+    copy of its own checkpoint was then refused as another run's over its checkpoints."""
+    (tmp_path / "jobs.jsonl").write_text(json.dumps({"run_id": "a", "from_step": 0}) + "\n" + note + "\n")
+    assert recorded_run_id(tmp_path) == "a"
+
+
 def test_a_resumed_runs_records_that_are_no_files_are_not_read(tmp_path, caplog):
     """A run directory copied from elsewhere (tar keeps pipes and links) may hold a pipe, or a link to a device or a
     pipe, in place of metrics.jsonl or jobs.jsonl: read whole as a resume read them, a link to /dev/zero took all the

@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 from data.dataset import SpeechDataset, count_reasons
 from data.files import errors_naming, replace_whole
 from data.text import counted
+from data.values import json_objects
 from trainer.distributed import DistEnv
 from trainer.environment import command_line, device_name, versions
 from trainer.evaluate import left_out
@@ -65,15 +66,9 @@ def open_metrics(path: Path, resumed: dict | None):
         log.warning("%s is not a file (a pipe, a device): it holds none of the run's lines; a file replaces it", path)
     elif resumed is not None and path.exists():
         # A line that is not UTF-8 (a note added by hand) is none of the trainer's, whose lines are ASCII: it goes.
-        for line in path.read_text(errors="surrogateescape").splitlines():
-            try:
-                record = json.loads(line)
-            # Not JSON, or JSON Python will not read (an integer of more than 4300 digits, nesting past its recursion
-            # limit), which ended the resume in a traceback: no line of the trainer's.
-            except (ValueError, RecursionError):
-                continue
-            key = "step" if isinstance(record, dict) and "step" in record else "epoch"
-            if not isinstance(record, dict) or type(record.get(key)) is not int:
+        for line, record in json_objects(path.read_text(errors="surrogateescape")):
+            key = "step" if "step" in record else "epoch"
+            if type(record.get(key)) is not int:
                 continue  # not a line the trainer wrote
             if record[key] <= resumed[key]:  # covered by the checkpoint
                 kept.append(line + "\n")

@@ -4,7 +4,6 @@ naming the file and the part that does not fit (restore); resume_into takes a jo
 Also the run's best.pt: the evaluation a resumed run must beat (best_to_beat), and one best.pt kept per test set
 (settle_best)."""
 import filecmp
-import json
 import logging
 import math
 import os
@@ -14,7 +13,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from data.values import is_int, is_real
+from data.values import is_int, is_real, json_objects
 from trainer import build, checkpoint, distributed
 from trainer.config import RUN_NAME_SETTING, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
@@ -82,24 +81,20 @@ def is_own_checkpoint(path: Path, run_dir: Path) -> bool:
 
 
 def recorded_run_id(run_dir: Path) -> str | None:
-    """The run id in the last whole line of the run directory's jobs.jsonl (a job killed while it wrote its line
-    leaves half of one); None without one (no job yet, or jobs from before run ids)."""
+    """The run id in the last job's line of the run directory's jobs.jsonl, past any line that is none (half of one a
+    job killed while it wrote it left, a note added by hand); None without one (no job yet, or jobs from before run
+    ids)."""
     jobs = run_dir / "jobs.jsonl"
     # Not a file: a link to a device, which the run writes through (jobs.jsonl -> /dev/null: run_directory takes it),
     # or a pipe, records no job. Read, /dev/zero took all the memory, and a pipe waited for a writer for ever.
     if not jobs.is_file():
         return None
     try:
-        lines = jobs.read_text().splitlines()
+        text = jobs.read_text()
     except (OSError, ValueError):
         return None
-    for line in reversed(lines):
-        try:
-            job = json.loads(line)
-        except (ValueError, RecursionError):  # nesting past Python's recursion limit ended the resume in a traceback
-            continue
-        return job.get("run_id") if isinstance(job, dict) else None
-    return None
+    jobs_recorded = [job for _, job in json_objects(text)]
+    return jobs_recorded[-1].get("run_id") if jobs_recorded else None
 
 
 def is_this_runs(saved: dict, path: Path, run_dir: Path) -> bool:
