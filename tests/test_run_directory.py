@@ -75,6 +75,18 @@ def test_a_run_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_train
                                 f"exist: the run writes {written} there")
 
 
+@pytest.mark.parametrize("folder, written", [("checkpoints", "its checkpoints"),
+                                             ("tensorboard", "its TensorBoard events")])
+def test_a_file_in_place_of_a_run_folder_is_refused_before_training(folder, written, tmp_path):
+    """A file named tensorboard (or a pipe) in the run directory ended the run in a traceback of TensorBoard's
+    os.makedirs, 'File exists', exit code 1, as a file named checkpoints did before it was refused here."""
+    (tmp_path / folder).write_text("")
+    with pytest.raises(ValueError) as error:
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    assert str(error.value) == f"{tmp_path / folder} is not a folder: the run writes {written} there"
+
+
 @pytest.mark.parametrize("link", ["runs", "runs/name"])
 def test_a_run_directory_under_a_symbolic_link_to_nothing_names_the_link_and_its_target(link, tmp_path, capsys):
     """runs/ (or the run's own folder) linked to a scratch disk that is not mounted: mkdir said only 'File exists'."""

@@ -290,7 +290,7 @@ def hold_run_directory(run_dir: Path, is_main: bool):
     metrics.jsonl over each other. A POSIX record lock (lockf), which the kernel releases when the job's process ends
     however it ends (killed, out of memory): no stale lock outlives it. Not an flock, which forked data-loading
     workers share: killed alone, the trainer left its lock to them for the seconds they took to notice. A
-    checkpoints/ that cannot be written is refused here too, before training rather than at the first checkpoint."""
+    checkpoints/ or tensorboard/ that cannot be written is refused here too, before training (check_run_folder)."""
     if not is_main:
         yield
         return
@@ -313,24 +313,20 @@ def hold_run_directory(run_dir: Path, is_main: bool):
         lock.truncate(0)
         lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
         lock.flush()
-        check_checkpoint_folder(run_dir / "checkpoints")
-        refuse_link_to_nothing(run_dir / "tensorboard", "its TensorBoard events")
+        for folder, written in (("checkpoints", "its checkpoints"), ("tensorboard", "its TensorBoard events")):
+            check_run_folder(run_dir / folder, written)
         yield
 
 
-def refuse_link_to_nothing(folder: Path, written: str) -> None:
-    """ValueError where `folder` is a symbolic link to nothing: the run makes the folder only when it first writes
-    there, past the training steps."""
-    reason = link_to_nothing(folder)
-    if reason:
+def check_run_folder(folder: Path, written: str) -> None:
+    """ValueError where the run could not write `written` in `folder`, a folder of the run directory: a symbolic link
+    to nothing, a file (or a pipe), a folder it may not write in. The run makes the folder only when it first writes
+    there: the first checkpoint failed an epoch's work in, and TensorBoard's writer in a traceback."""
+    if reason := link_to_nothing(folder):
         raise ValueError(f"{reason}: the run writes {written} there")
-
-
-def check_checkpoint_folder(folder: Path) -> None:
-    refuse_link_to_nothing(folder, "its checkpoints")
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder: the run writes its checkpoints there")
+        raise ValueError(f"{folder} is not a folder: the run writes {written} there")
     writable = folder if folder.exists() else folder.parent
     if not os.access(writable, os.W_OK | os.X_OK):
         raise ValueError(f"{writable} cannot be written by this job (its permissions, or a read-only file system): "
-                         f"the run writes its checkpoints in {folder}")
+                         f"the run writes {written} in {folder}")
