@@ -205,6 +205,17 @@ def test_a_pipe_in_place_of_a_file_the_run_writes_in_place_is_refused(name, tmp_
                                          "remove it")
 
 
+@pytest.mark.parametrize("name", [".lock", "jobs.jsonl", "multirun.yaml", "__main__.log", "skipped_train.jsonl"])
+def test_a_folder_in_place_of_a_file_the_run_writes_in_place_is_refused(name, tmp_path):
+    """A folder named __main__.log ended the run in a traceback of Hydra's logging set-up, exit code 1; one named .lock
+    was refused as 'cannot write in the run directory DIR (Is a directory)'."""
+    from trainer.run_directory import run_file_refusal
+
+    (tmp_path / name).mkdir()
+    assert run_file_refusal(tmp_path) == (f"{tmp_path / name} is a folder: the run writes {name} in place, as a file; "
+                                          "remove or rename the folder")
+
+
 def test_a_run_directory_with_a_pipe_in_place_of_its_log_is_refused_in_one_line(tmp_path):
     """Hydra opens the log before the trainer's code runs: the run waited there for ever, and a SIGTERM, kept until
     training would begin, did not end it."""
@@ -229,6 +240,16 @@ def test_a_run_directory_that_exists_but_cannot_be_written_is_one_line_and_exit_
         run_directory.make_or_exit(str(tmp_path))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"error: cannot write in the run directory {tmp_path}\n"
+
+
+def test_a_folder_in_place_of_the_run_lock_is_refused_naming_it(tmp_path):
+    """A folder named .lock (a copy's leftover) was refused as 'cannot write in the run directory DIR (Is a
+    directory)', which named neither the lock nor anything to remove."""
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(ValueError) as error:
+        with hold_run_directory(tmp_path, is_main=True):
+            pass
+    assert str(error.value) == f"cannot write in the run directory {tmp_path} (Is a directory: {tmp_path / '.lock'})"
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):

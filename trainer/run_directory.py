@@ -120,7 +120,8 @@ def run_file_refusal(directory: str | os.PathLike) -> str | None:
       /dev/stderr under `| tee`) has its reader, and is taken;
     - a symbolic link: the run wrote through it, onto the file it links to outside the run directory (.lock ->
       ~/.bashrc emptied it), where a run directory copied from elsewhere (tar, cp -a, rsync -a) held one. A link to a
-      character device (/dev/null, /dev/full, a terminal's /dev/stderr) is taken: written through, it changes no file.
+      character device (/dev/null, /dev/full, a terminal's /dev/stderr) is taken: written through, it changes no file;
+    - a folder: Hydra's log ended in a traceback, and the lock was refused naming neither itself nor the folder.
     """
     folder = Path(directory)
     named = (folder / name for name in WRITTEN_IN_PLACE)
@@ -132,6 +133,8 @@ def run_file_refusal(directory: str | os.PathLike) -> str | None:
         if path.is_symlink() and not _is_a_stream(path):
             return (f"{path} is a symbolic link to {os.readlink(path)}: the run writes {path.name} in place, so it "
                     "would write that file instead; remove the link")
+        if path.is_dir():
+            return f"{path} is a folder: the run writes {path.name} in place, as a file; remove or rename the folder"
     return None
 
 
@@ -297,8 +300,8 @@ def hold_run_directory(run_dir: Path, is_main: bool):
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = open(run_dir / RUN_LOCK, "a+")
-    except OSError as error:
-        raise ValueError(f"cannot write in the run directory {run_dir} ({error.strerror})") from None
+    except OSError as error:  # the directory, or its lock: a folder named .lock was refused naming neither
+        raise ValueError(f"cannot write in the run directory {run_dir} ({error.strerror}: {error.filename})") from None
     with lock:
         try:
             fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
