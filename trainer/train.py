@@ -337,164 +337,190 @@ def check_cuda_graphs_can_run(cfg: DictConfig, env: DistEnv) -> None:
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals) -> dict:
-    checkpoint_every = cfg.train.checkpoint_every_steps
-    max_steps = cfg.train.max_steps
-    check_cuda_graphs_can_run(cfg, env)
-    if env.device.type == "cpu":
-        # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
-        # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
-        torch.backends.mkldnn.enabled = False
-    resume = checkpoint_to_resume(cfg.train.resume, run_dir)
-    torch.manual_seed(cfg.seed + env.rank)
-    random.seed(cfg.seed + env.rank)
-    if env.is_main:  # hold_run_directory made the run directory
-        log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
-        log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
-
-    features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
-    # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
-    # take its share out of the memory another rank's check divides among all of them.
-    build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
-    per_rank_batch, recurrent_dtype, recurrent_backend = checked_batches(cfg, env, features.num_features)
-    prepare_manifests(cfg.data, env)
-    model = build.model(cfg.model, features.num_features).to(env.device)
-    with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
-        train_set, eval_set = datasets(cfg, features, model.time_stride, run_dir if env.is_main else None)
-    train_fingerprint = train_set.fingerprint()
-    test_fingerprint = eval_set.fingerprint()
-    distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
-    sampler = training_batches(train_set, cfg, env)
-    eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
-    if env.is_main:
-        parameters = sum(p.numel() for p in model.parameters())
-        log.info(
-            "model: %s parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
-            build.millions_or_billions(parameters, decimals=2), len(train_set), len(eval_set),
-            counted(len(sampler), "step"),
-            left_out_of_each_epoch(len(train_set) - len(sampler) * cfg.train.global_batch_size, cfg.data.sortagrad),
-        )
-        slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
-        log.info("recurrent layers on %s: %s a rank%s, %s",
-                 recurrent_backend_name(recurrent_backend, env.device), counted(per_rank_batch, "utterance"), slices,
-                 "bf16" if recurrent_dtype == torch.bfloat16 else "fp32")
-        if warning := cpu_size_warning(parameters, env.device):
-            log.warning(warning)
-
-    optimizer = build.optimizer(cfg.optim, model.parameters())
-    scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
-    # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
-    # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
-    # elapsed_s: seconds of training and evaluation over all of the run's jobs. best_unreadable and best_wer: best.pt's
-    # evaluation (ErrorCounts.beats); best_unreadable is its not_decoded, the test utterances it could not decode.
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
-    # The parts a checkpoint restores besides the training state and the RNGs, as save() below writes them.
-    start = resume_into(resume, state, cfg, run_dir, env, train_fingerprint, test_fingerprint, {
-        "model": lambda saved_model: load_finite_model(model, saved_model),
-        "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
-        "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
-            known_entries(saved_scheduler, scheduler.state_dict())),
-        "sampler": sampler.load_state_dict,
-    })
-    trained_out = state["epoch"] >= cfg.train.epochs or stops_at_max_steps(max_steps, state, len(sampler))
-    if start.checkpoint is not None and trained_out:
+    training = Training(cfg, run_dir, env, continue_with, stop_signals)
+    if training.has_nothing_to_train():
         # Returns before the run's records are touched: rewritten from an earlier checkpoint's step, they would lose
         # the steps that the directory's last.pt, left as it is, holds.
-        log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run directory "
-                 "is left as it was", start.checkpoint, state["step"], position_in_epochs(state), cfg.train.epochs,
-                 "null" if max_steps is None else max_steps)
         return {}
-    run_id = start.run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
-    if env.is_main:  # only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was
-        # As the checkpoints store it: a "${" the command line escaped is text, not an interpolation for its readers.
-        # Whole or not at all: a job killed while writing it left the run's readers (wer_parity --report) half a file.
-        replace_whole(run_dir / "config.yaml",
-                      OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
-        record_job(run_dir / "jobs.jsonl", run_id, state["step"], env, resumed=start.continues,
-                   auto_found_no_checkpoint=cfg.train.resume == "auto" and resume is None)
-        train_set.write_skip_list()
-        eval_set.write_skip_list()
-        if start.best is not None:  # afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one)
-            settle_best(run_dir, start.best, test_fingerprint)
+    return training.run()
 
-    wrapped = model_to_train(model, cfg, env)
-    writer, metrics_file = None, None
-    if env.is_main:
-        # So that each step is listed once: the events and lines of the steps this job trains again are dropped from
-        # the earlier files, and all of them where it starts a run of its own (a failed attempt's, or a fresh run's
-        # over one that left no checkpoint).
-        writer = tensorboard_writer(run_dir / "tensorboard", state["step"] + 1 if start.continues else 1)
-        metrics_file = open_metrics(run_dir / "metrics.jsonl", state if start.continues else None)
 
-    # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
-    run_started = time.perf_counter() - state["elapsed_s"]
+class Training:
+    """One job of a run. The constructor builds the data, the model and the optimizer and resumes the checkpoint
+    train.resume names; run() records the job, then trains epoch by epoch (train_epoch's steps, end_epoch's evaluation
+    and checkpoints) until train.epochs, train.max_steps or a stop signal. `state` is what a checkpoint stores of the
+    training, `result` what train() returns. What only a job that trains has, run() adds: run_id, `wrapped` (the model
+    as train_step runs it), rank 0's `writer` and `metrics_file`, the clock `run_started` and show_progress_bar."""
 
-    def save(name: str, *same: str) -> None:
-        """Rank 0 writes `name`, and makes each of `same` hold the same checkpoint without writing it again; the RNG
-        states of all ranks travel in one list so each rank resumes its own stream."""
-        refuse_if_diverged(model, state["step"], name)
-        state["elapsed_s"] = time.perf_counter() - run_started
-        rng_states = [checkpoint.rng_state_from_json(each) for each in
-                      distributed.all_gather_json(checkpoint.rng_state_as_json(checkpoint.rng_state(env.device)))]
+    def __init__(self, cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, stop_signals: StopSignals):
+        max_steps = cfg.train.max_steps
+        check_cuda_graphs_can_run(cfg, env)
+        if env.device.type == "cpu":
+            # oneDNN's convolution weight gradient corrupts memory on the front end's small frequency maps (torch 2.14
+            # CPU: segfaults and double frees); ATen's own convolution is exact and about 25 % slower.
+            torch.backends.mkldnn.enabled = False
+        resume = checkpoint_to_resume(cfg.train.resume, run_dir)
+        torch.manual_seed(cfg.seed + env.rank)
+        random.seed(cfg.seed + env.rank)
+        if env.is_main:  # hold_run_directory made the run directory
+            log.info("resolved config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+            log.info("run directory: %s (world size %d, device %s)", run_dir, env.world_size, env.device)
+
+        features = build.features(cfg.data)  # before the manifests: preparing a corpus can take minutes
+        # Before the manifests' barrier too, so that no rank has built its model yet: on a CPU, one built already would
+        # take its share out of the memory another rank's check divides among all of them.
+        build.check_model_fits(cfg.model, cfg.optim.name, features.num_features, env.device, env.ranks_on_device)
+        per_rank_batch, recurrent_dtype, recurrent_backend = checked_batches(cfg, env, features.num_features)
+        prepare_manifests(cfg.data, env)
+        model = build.model(cfg.model, features.num_features).to(env.device)
+        with warnings_from_rank_0_alone(env, logging.getLogger(SpeechDataset.__module__)):  # what they leave out
+            train_set, eval_set = datasets(cfg, features, model.time_stride, run_dir if env.is_main else None)
+        train_fingerprint = train_set.fingerprint()
+        test_fingerprint = eval_set.fingerprint()
+        distributed.check_same_on_every_rank({"the training set": train_fingerprint, "the test set": test_fingerprint})
+        sampler = training_batches(train_set, cfg, env)
+        eval_batches = evaluation_batches(eval_set, env, cfg.train.eval_batch_size)
         if env.is_main:
-            # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
-            # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
-            with errors_naming(metrics_file.name):
-                metrics_file.flush()
-                os.fsync(metrics_file.fileno())
-            checkpoint.save(
-                run_dir / "checkpoints" / name,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "sampler": {"epoch": state["epoch"], "position": state["epoch_step"]},
-                    "train_state": state,
-                    "rng": rng_states,
-                    "config": OmegaConf.to_container(cfg, resolve=True),
-                    "train_set": train_fingerprint,
-                    "test_set": test_fingerprint,  # what best_wer was measured on
-                    "run_id": run_id,
-                    "started_from": start.started_from,
-                },
+            parameters = sum(p.numel() for p in model.parameters())
+            log.info(
+                "model: %s parameters; %d training and %d test utterances; %s per epoch, leaving out %s of each",
+                build.millions_or_billions(parameters, decimals=2), len(train_set), len(eval_set),
+                counted(len(sampler), "step"),
+                left_out_of_each_epoch(len(train_set) - len(sampler) * cfg.train.global_batch_size, cfg.data.sortagrad),
             )
-            for other in same:
-                checkpoint.save_same(run_dir / "checkpoints" / name, run_dir / "checkpoints" / other)
+            slices = f" in slices of {cfg.model.batch_slice}" if cfg.model.batch_slice else ""
+            log.info("recurrent layers on %s: %s a rank%s, %s",
+                     recurrent_backend_name(recurrent_backend, env.device), counted(per_rank_batch, "utterance"),
+                     slices, "bf16" if recurrent_dtype == torch.bfloat16 else "fp32")
+            if warning := cpu_size_warning(parameters, env.device):
+                log.warning(warning)
 
-    result = {}
-    # On a terminal that has a width only: in a pipe or a batch job's log each redraw would be a line of its own.
-    show_progress_bar = env.is_main and cfg.train.progress_bar and shows_a_progress_bar(sys.stderr)
-    # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
-    stop_signals.listen()
-    # No epoch starts past train.max_steps: a resume whose checkpoint reached it returned above (nothing to train), and
-    # the epoch's end that reaches it stops below.
-    for epoch in range(state["epoch"], cfg.train.epochs):
+        optimizer = build.optimizer(cfg.optim, model.parameters())
+        scheduler = build.lr_schedule(cfg.optim, optimizer, len(sampler))
+        # epoch_step counts the steps trained this epoch: the sampler's own position runs ahead of it by the batches
+        # a prefetching DataLoader holds, so checkpoints store this count as the sampler position.
+        # elapsed_s: seconds of training and evaluation over all of the run's jobs. best_unreadable and best_wer:
+        # best.pt's evaluation (ErrorCounts.beats); best_unreadable is its not_decoded, the test utterances it could not
+        # decode.
+        state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+                 "elapsed_s": 0.0}
+        # The parts a checkpoint restores besides the training state and the RNGs, as save() writes them.
+        start = resume_into(resume, state, cfg, run_dir, env, train_fingerprint, test_fingerprint, {
+            "model": lambda saved_model: load_finite_model(model, saved_model),
+            "optimizer": lambda saved_optimizer: load_optimizer_state(optimizer, saved_optimizer),
+            "scheduler": lambda saved_scheduler: scheduler.load_state_dict(
+                known_entries(saved_scheduler, scheduler.state_dict())),
+            "sampler": sampler.load_state_dict,
+        })
+        self.cfg, self.run_dir, self.env = cfg, run_dir, env
+        self.continue_with, self.stop_signals = continue_with, stop_signals
+        self.max_steps = max_steps
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_set, self.eval_set, self.sampler, self.eval_batches = train_set, eval_set, sampler, eval_batches
+        self.train_fingerprint, self.test_fingerprint = train_fingerprint, test_fingerprint
+        self.resume, self.state, self.start = resume, state, start
+        self.result = {}  # what train() returns
+
+    def has_nothing_to_train(self) -> bool:
+        """Whether the checkpoint resumed had reached train.epochs or train.max_steps already, which it logs."""
+        state, epochs = self.state, self.cfg.train.epochs
+        trained_out = state["epoch"] >= epochs or stops_at_max_steps(self.max_steps, state, len(self.sampler))
+        if self.start.checkpoint is not None and trained_out:
+            log.info("nothing to train: %s reached step %d (%s; train.epochs=%d, train.max_steps=%s); the run "
+                     "directory is left as it was", self.start.checkpoint, state["step"], position_in_epochs(state),
+                     epochs, "null" if self.max_steps is None else self.max_steps)
+            return True
+        return False
+
+    def write_job_records(self) -> None:
+        """Rank 0 writes the run's config and its record of this job, the sets' skip lists and, from a checkpoint of
+        another run, its best.pt."""
+        cfg, run_dir, env = self.cfg, self.run_dir, self.env
+        self.run_id = self.start.run_id or uuid.uuid4().hex  # a fresh run, or one from another run's checkpoint
+        # Only now: a run that stopped before here (a checkpoint refused) leaves the directory as it was.
+        if env.is_main:
+            # As the checkpoints store it: a "${" the command line escaped is text, not an interpolation for its
+            # readers. Whole or not at all: a job killed while writing it left the run's readers (wer_parity --report)
+            # half a file.
+            replace_whole(run_dir / "config.yaml",
+                          OmegaConf.to_yaml(checkpoint.stored_config(OmegaConf.to_container(cfg, resolve=True))))
+            record_job(run_dir / "jobs.jsonl", self.run_id, self.state["step"], env, resumed=self.start.continues,
+                       auto_found_no_checkpoint=cfg.train.resume == "auto" and self.resume is None)
+            self.train_set.write_skip_list()
+            self.eval_set.write_skip_list()
+            # Afresh, the run directory holds no best.pt (checkpoint_to_resume refuses one).
+            if self.start.best is not None:
+                settle_best(run_dir, self.start.best, self.test_fingerprint)
+
+    def run(self) -> dict:
+        """Records the job, then trains from where the state stands; returns train()'s result."""
+        cfg, env, state = self.cfg, self.env, self.state
+        self.write_job_records()
+        self.wrapped = model_to_train(self.model, cfg, env)
+        self.writer, self.metrics_file = None, None
+        if env.is_main:
+            # So that each step is listed once: the events and lines of the steps this job trains again are dropped from
+            # the earlier files, and all of them where it starts a run of its own (a failed attempt's, or a fresh run's
+            # over one that left no checkpoint).
+            continues = self.start.continues
+            self.writer = tensorboard_writer(self.run_dir / "tensorboard", state["step"] + 1 if continues else 1)
+            self.metrics_file = open_metrics(self.run_dir / "metrics.jsonl", state if continues else None)
+
+        # The clock as if this job had run the whole run, so a resumed run's elapsed_s goes on from its checkpoint's.
+        self.run_started = time.perf_counter() - state["elapsed_s"]
+        # On a terminal that has a width only: in a pipe or a batch job's log each redraw would be a line of its own.
+        self.show_progress_bar = env.is_main and cfg.train.progress_bar and shows_a_progress_bar(sys.stderr)
+        # From here a stop signal ends the run at a step's end with its checkpoint; before, there is nothing to save.
+        self.stop_signals.listen()
+        # No epoch starts past train.max_steps: a resume whose checkpoint reached it returned in _train (nothing to
+        # train), and the epoch's end that reaches it stops (end_epoch).
+        for epoch in range(state["epoch"], cfg.train.epochs):
+            tally, stopped_by = self.train_epoch(epoch)
+            if state["epoch_step"] < len(self.sampler):  # stopped inside the epoch
+                self.save("last.pt")
+                note_stop(self.result, state["step"], f"at step {state['step']}", stopped_by, self.continue_with,
+                          self.run_dir)
+                break
+            if self.end_epoch(epoch, tally, stopped_by):
+                break
+
+        if env.is_main:
+            self.writer.close()
+            self.metrics_file.close()
+        return self.result
+
+    def train_epoch(self, epoch: int) -> tuple[EpochTally, str | None]:
+        """`epoch`'s steps from where the state stands to the epoch's end, or to train.max_steps or a stop signal inside
+        it, with the checkpoints train.checkpoint_every_steps asks for on the way; returns the epoch's tally and why
+        training stops (train.max_steps, the stop signals) or None."""
+        cfg, env, state, sampler = self.cfg, self.env, self.state, self.sampler
+        checkpoint_every = cfg.train.checkpoint_every_steps
         state["epoch"] = epoch
         sampler.set_epoch(epoch)
-        train_set.set_epoch(epoch)
-        loader = train_loader(train_set, sampler, cfg, env, epoch)
+        self.train_set.set_epoch(epoch)
+        loader = train_loader(self.train_set, sampler, cfg, env, epoch)
         tally = EpochTally(epoch, first_step=state["epoch_step"])
         # Each epoch end and checkpoint before this epoch refused one that trained nothing.
         trained_before = epoch > 0 or tally.first_step > 0
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        wrapped.train()
+        self.wrapped.train()
         # Counted by hand: a bar that wraps the loader counts a batch only when the next one is asked for, so a stop
         # at train.max_steps left it a step behind.
         progress = tqdm(
-            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not show_progress_bar,
+            desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not self.show_progress_bar,
             initial=state["epoch_step"], total=len(sampler), dynamic_ncols=True,
         )
         last_progress_line = tally.started
         stopped_by = None  # why training stops in or after this epoch: train.max_steps or stop signals
         # A batch waited on for distributed.timeout_s ends the run, as a collective does; a stop signal ends the wait.
-        for batch in start_data_workers(loader, cfg.distributed.timeout_s, stopping=stop_signals.came):
+        for batch in start_data_workers(loader, cfg.distributed.timeout_s, stopping=self.stop_signals.came):
             if batch is not None and batch.unusable:
-                train_set.warn_once(batch.unusable)
-            learning_rate = scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
-            step = train_step(wrapped, batch, optimizer, scheduler, cfg, env, stop_signals.received)
+                self.train_set.warn_once(batch.unusable)
+            learning_rate = self.scheduler.get_last_lr()[0]  # before train_step moves the schedule on to the next step
+            step = train_step(self.wrapped, batch, self.optimizer, self.scheduler, cfg, env, self.stop_signals.received)
             if step.outcome == STOPPED:  # this batch untrained: a resume starts from it
-                stopped_by = stop_for(step.stop_requests, env.world_size, result)
+                stopped_by = stop_for(step.stop_requests, env.world_size, self.result)
                 break
             state["step"] += 1
             state["epoch_step"] += 1
@@ -507,56 +533,58 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
                 now = time.perf_counter()
                 rate = utterances_per_second(tally.utterances, now - tally.started)
                 progress.set_postfix(loss=f"{step.loss:.3f}", utt_per_s=rate)
-                if not show_progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
+                if not self.show_progress_bar and now - last_progress_line >= cfg.train.progress_line_s:
                     last_progress_line = now
                     log.info("epoch %d: step %d of %d, loss %.3f, %s utterances/s", epoch + 1,
                              state["epoch_step"], len(sampler), step.loss, rate)
-                record_step(state["step"], epoch, step.loss, learning_rate, writer, metrics_file)
+                record_step(state["step"], epoch, step.loss, learning_rate, self.writer, self.metrics_file)
             # Inside the epoch only (stops_at_max_steps): at its last step the evaluation comes first, and the epoch's
-            # end below stops there.
-            if stops_at_max_steps(max_steps, state, len(sampler)):
+            # end (end_epoch) stops there.
+            if stops_at_max_steps(self.max_steps, state, len(sampler)):
                 stopped_by = "train.max_steps"
                 break
             # Mid-epoch only: the epoch's end saves last.pt anyway, after evaluation.
             if checkpoint_every and state["step"] % checkpoint_every == 0 and state["epoch_step"] < len(sampler):
                 tally.refuse_if_nothing_trained(state["epoch_step"], overflows_pass=trained_before)
-                save("last.pt")
+                self.save("last.pt")
         progress.close()
         tally.refuse_if_nothing_trained(state["epoch_step"],
                                         overflows_pass=trained_before and state["epoch_step"] < len(sampler))
-        if state["epoch_step"] < len(sampler):  # stopped inside the epoch
-            save("last.pt")
-            note_stop(result, state["step"], f"at step {state['step']}", stopped_by, continue_with, run_dir)
-            break
+        return tally, stopped_by
 
+    def end_epoch(self, epoch: int, tally: EpochTally, stopped_by: str | None) -> bool:
+        """After `epoch`'s last step: its evaluation, its records, best.pt where it beats the best so far, and last.pt;
+        returns whether training stops here: for a stop signal, train.max_steps, or `stopped_by` (train_epoch's, set
+        where a stop signal came as the batch after the epoch's last was awaited)."""
+        cfg, env, state = self.cfg, self.env, self.state
         tally.trained_s = time.perf_counter() - tally.started
-        local_counts = evaluate_unless_stopped(model, eval_set, eval_batches, cfg, env, stop_signals,
-                                               show_progress_bar, epoch, state["step"])
+        local_counts = evaluate_unless_stopped(self.model, self.eval_set, self.eval_batches, cfg, env,
+                                               self.stop_signals, self.show_progress_bar, epoch, state["step"])
         # One that came during the last batch or after it, too late to cut the evaluation short: the epoch ends as
         # any other, its evaluation recorded, rather than have the resume make the whole evaluation again.
-        requests = stop_requests_of_all_ranks(stop_signals, env)
+        requests = stop_requests_of_all_ranks(self.stop_signals, env)
         if local_counts is None:
-            stopped_by = stop_for(requests, env.world_size, result)
+            stopped_by = stop_for(requests, env.world_size, self.result)
             # A signal during the epoch's last step or its evaluation: a large test set can take longer than a
             # scheduler waits after its signal. last.pt at the epoch's last step, before the evaluation, lets the
             # resume make it.
-            save("last.pt")
-            note_stop(result, state["step"], f"after epoch {epoch + 1}'s training, before its evaluation ended",
-                      stopped_by, continue_with, run_dir, what_continues="it with that evaluation")
-            break
+            self.save("last.pt")
+            note_stop(self.result, state["step"], f"after epoch {epoch + 1}'s training, before its evaluation ended",
+                      stopped_by, self.continue_with, self.run_dir, what_continues="it with that evaluation")
+            return True
         counts = ErrorCounts.from_tensor(distributed.all_reduce_sum(local_counts.as_tensor().to(env.device)).cpu())
         peak_memory = peak_gpu_memory_gib(env.device)
         state["epoch"], state["epoch_step"] = epoch + 1, 0
-        result.update(epoch=epoch + 1, step=state["step"], wer=counts.wer, cer=counts.cer)
+        self.result.update(epoch=epoch + 1, step=state["step"], wer=counts.wer, cer=counts.cer)
         if env.is_main:
-            record_epoch(tally, counts, peak_memory, eval_set, state["step"], len(sampler), run_started, writer,
-                         metrics_file)
+            record_epoch(tally, counts, peak_memory, self.eval_set, state["step"], len(self.sampler), self.run_started,
+                         self.writer, self.metrics_file)
         if counts.beats(state["best_unreadable"], state["best_wer"]):
             state["best_unreadable"], state["best_wer"] = counts.not_decoded, counts.wer
-            save("best.pt", "last.pt")
+            self.save("best.pt", "last.pt")
         else:
-            save("last.pt")
-        reached_max_steps = stops_at_max_steps(max_steps, state, len(sampler))  # the epoch evaluated
+            self.save("last.pt")
+        reached_max_steps = stops_at_max_steps(self.max_steps, state, len(self.sampler))  # the epoch evaluated
         if requests and (epoch + 1 == cfg.train.epochs or reached_max_steps):
             # The job has done its work (as a signal during the step train.max_steps stops at inside an epoch leaves
             # it): stopping on the signal (exit 128 + its number) would have a scheduler's requeue
@@ -564,14 +592,44 @@ def _train(cfg: DictConfig, run_dir: Path, env: DistEnv, continue_with: str, sto
             log.info("%s received after this job's last evaluation, its work done: it ends as a finished run",
                      signals_received(requests, env.world_size))
         elif requests:
-            stopped_by = stop_for(requests, env.world_size, result)
+            stopped_by = stop_for(requests, env.world_size, self.result)
         if reached_max_steps and epoch + 1 < cfg.train.epochs:
             stopped_by = "train.max_steps"
         if stopped_by:
-            note_stop(result, state["step"], f"after epoch {epoch + 1}", stopped_by, continue_with, run_dir)
-            break
+            note_stop(self.result, state["step"], f"after epoch {epoch + 1}", stopped_by, self.continue_with,
+                      self.run_dir)
+            return True
+        return False
 
-    if env.is_main:
-        writer.close()
-        metrics_file.close()
-    return result
+    def save(self, name: str, *same: str) -> None:
+        """Rank 0 writes `name`, and makes each of `same` hold the same checkpoint without writing it again; the RNG
+        states of all ranks travel in one list so each rank resumes its own stream."""
+        state, run_dir = self.state, self.run_dir
+        refuse_if_diverged(self.model, state["step"], name)
+        state["elapsed_s"] = time.perf_counter() - self.run_started
+        rng_states = [checkpoint.rng_state_from_json(each) for each in
+                      distributed.all_gather_json(checkpoint.rng_state_as_json(checkpoint.rng_state(self.env.device)))]
+        if self.env.is_main:
+            # The metrics first: after a crash of the machine, whose page cache is lost, they hold at least the steps
+            # and epochs the checkpoint does (a resume drops those past it), never fewer for good.
+            with errors_naming(self.metrics_file.name):
+                self.metrics_file.flush()
+                os.fsync(self.metrics_file.fileno())
+            checkpoint.save(
+                run_dir / "checkpoints" / name,
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "sampler": {"epoch": state["epoch"], "position": state["epoch_step"]},
+                    "train_state": state,
+                    "rng": rng_states,
+                    "config": OmegaConf.to_container(self.cfg, resolve=True),
+                    "train_set": self.train_fingerprint,
+                    "test_set": self.test_fingerprint,  # what best_wer was measured on
+                    "run_id": self.run_id,
+                    "started_from": self.start.started_from,
+                },
+            )
+            for other in same:
+                checkpoint.save_same(run_dir / "checkpoints" / name, run_dir / "checkpoints" / other)
