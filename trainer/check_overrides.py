@@ -6,7 +6,7 @@ feature and SpecAugment settings that work together; that N ranks, default 1, sp
 evenly; and that the files it reads are there and open, trainer.inputs.check_inputs, and train.resume=PATH's
 checkpoint, trainer.resume.checkpoint_to_resume); a sweep's every job, as the
 trainer checks them before its first job (trainer.run_directory.sweep_refusal), and its files too; and the run's
-directory, that it holds no symbolic link or pipe where the run writes a file in place
+directory, that it holds no symbolic link, pipe or folder where the run writes a file in place
 (trainer.run_directory.run_file_refusal), nor checkpoints that a fresh run would overwrite
 (trainer.resume.checkpoint_to_resume). A command that passes prints nothing, exit code 0. The first refusal is one
 line on stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,

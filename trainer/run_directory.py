@@ -236,8 +236,8 @@ def check_job_config(job: DictConfig, folder: Path, world_size: int = 1, inputs:
 def claim_job_folder(job: DictConfig, number: int, folders: dict[Path, int]) -> Path:
     """Refuses a sweep job whose folder an earlier job of the same sweep took (folders: each folder, and the job that
     took it): one would resume or overwrite the other's run. It happens where the sweep varies a key that job folder
-    names leave out (train.max_steps...). Refuses one whose folder holds a link or a pipe in place of a file the job
-    writes in place (run_file_refusal) too. Returns the job's folder."""
+    names leave out (train.max_steps...). Refuses one whose folder holds a link, a pipe or a folder in place of a
+    file the job writes in place (run_file_refusal) too. Returns the job's folder."""
     folder = Path(job.hydra.sweep.dir) / job.hydra.sweep.subdir
     if refused := run_file_refusal(folder):
         raise ValueError(refused)
