@@ -125,15 +125,15 @@ class Problem:
     def state(self, direction):
         return (self.h0[direction], self.h0[direction]) if self.cell == "lstm" else self.h0[direction]
 
-    def persistent(self, x=None):
-        x = self.x if x is None else x
+    def persistent(self):
         weights = self.directions()
         if self.bidirectional:
-            input_proj = input_projection(x, torch.cat([w[0] for w in weights]), torch.cat([w[2] for w in weights]))
+            input_proj = input_projection(self.x, torch.cat([w[0] for w in weights]),
+                                          torch.cat([w[2] for w in weights]))
             return persistent_bidirectional_layer(self.cell, input_proj, [self.state(0), self.state(1)],
                                                   [w[1] for w in weights], [w[3] for w in weights], self.lengths)
         weight_ih, weight_hh, bias_ih, bias_hh = weights[0]
-        return persistent_layer(self.cell, input_projection(x, weight_ih, bias_ih), self.state(0), weight_hh,
+        return persistent_layer(self.cell, input_projection(self.x, weight_ih, bias_ih), self.state(0), weight_hh,
                                 bias_hh, self.lengths, False)
 
     def cudnn(self):
