@@ -174,12 +174,17 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
     return baseline
 
 
+def layers_in_words(model_config: dict) -> str:
+    """The model's recurrent layers as the benchmarks' tables name them: "5 x bi-GRU 800"."""
+    bidirectional = "bi-" if model_config["bidirectional"] else ""
+    return f"{model_config['depth']} x {bidirectional}{model_config['cell'].upper()} {model_config['hidden']}"
+
+
 def print_table(result: dict) -> None:
     config, model = result["config"], result["model"]
     print(
-        f"DeepSpeech2 {config['model']} ({config['model_config']['depth']} x "
-        f"{'bi-' if config['model_config']['bidirectional'] else ''}{config['model_config']['cell'].upper()} "
-        f"{config['model_config']['hidden']}, {build.millions_or_billions(model['parameters'])} parameters, "
+        f"DeepSpeech2 {config['model']} ({layers_in_words(config['model_config'])}, "
+        f"{build.millions_or_billions(model['parameters'])} parameters, "
         f"{model['gradient_bytes'] / 1e6:.1f} MB of gradients), backend {config['backend']}"
         f"{' + CUDA graphs' if config['cuda_graphs'] else ''}, "
         f"{result['world_size']} x {result['device']}, global batch {config['global_batch']}, "

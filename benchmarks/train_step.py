@@ -32,8 +32,8 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout_flag, compose_config, random_batch,
-                                refuse_graphs_without_warmup, summary, time_ms)
+from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout_flag, compose_config,
+                                layers_in_words, random_batch, refuse_graphs_without_warmup, summary, time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed, launch_ranks
@@ -104,8 +104,7 @@ def add_speedups(rows: list[dict]) -> None:
 
 def print_table(rows: list[dict], configs: dict) -> None:
     for model_name, model_config in configs.items():
-        print(f"{model_name}: {model_config['depth']} x {'bi-' if model_config['bidirectional'] else ''}"
-              f"{model_config['cell'].upper()} {model_config['hidden']}")
+        print(f"{model_name}: {layers_in_words(model_config)}")
     header = (f"{'model':<7} {'backend':<19} {'batch':>5} {'median ms':>10} {'GPU ms':>7} {'samples/s':>10} "
               f"{'peak GB':>8} {'speed-up':>9}")
     print(header)
