@@ -135,9 +135,10 @@ def allreduce_bus_GBps(num_bytes: int, seconds: float, world_size: int) -> float
 
 
 def read_result(path: str) -> dict:
-    """A JSON that this script wrote, read from `path`, with the world_size and config every reader takes from it;
-    DamagedFile in one line naming the file where it cannot be read, is not JSON or is not this script's. The one reader
-    of the format: --baseline and benchmarks.scaling_model's --measured refused the same bad file in other words."""
+    """A JSON that this script wrote, read from `path`, with the world_size and config every reader takes from it
+    (config.cuda_graphs false where it predates --cuda-graphs); DamagedFile in one line naming the file where it cannot
+    be read, is not JSON or is not this script's. The one reader of the format: --baseline and
+    benchmarks.scaling_model's --measured refused the same bad file in other words."""
     try:
         result = json.loads(Path(path).read_text())
     except OSError as error:  # a folder, a missing file: its own text was "[Errno 21] Is a directory: 'PATH'"
@@ -148,6 +149,7 @@ def read_result(path: str) -> dict:
         raise DamagedFile(f'{path} is not a benchmarks.scaling JSON (no "benchmark": "scaling")')
     field(path, result, "world_size", kind=COUNT)
     field(path, result, "config", kind="an object")
+    result["config"].setdefault("cuda_graphs", False)  # JSONs from before --cuda-graphs ran without
     return result
 
 
@@ -161,7 +163,6 @@ def read_baseline(path: str, config: dict, device: str) -> dict:
     if baseline["world_size"] != 1:
         raise ValueError(f"--baseline {path} must be a benchmarks.scaling JSON from one process, not "
                          f"{baseline['world_size']}")
-    baseline["config"].setdefault("cuda_graphs", False)  # JSONs from before --cuda-graphs ran without
     for key in COMPARABLE:
         if baseline["config"].get(key) != config[key]:
             raise ValueError(f"--baseline {path} has {key}={baseline['config'].get(key)!r}, this run {config[key]!r}")

@@ -119,9 +119,7 @@ class Measurement:
         self.batch_norm_channels = self.list_field("model", "sync_batch_norm_channels", kind=COUNT)
         self.bucket_bytes = self.field("model", "ddp_bucket_cap_mb", kind=POSITIVE) * 1024 * 1024
         self.world_size = data["world_size"]
-        # A measurement from before CUDA graphs were measured has no config.cuda_graphs: it ran without.
-        graphed = "cuda_graphs" in data["config"]
-        self.cuda_graphs = graphed and self.field("config", "cuda_graphs", kind="true or false")
+        self.cuda_graphs = self.field("config", "cuda_graphs", kind="true or false")
         self.batches = [batch for batch, _ in points]
         self.compute_times_ms = [ms for _, ms in points]
         if len(set(self.batches)) != len(self.batches) or len(self.batches) < 2:
