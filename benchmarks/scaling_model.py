@@ -76,6 +76,10 @@ class Cluster:
         """Bandwidth of each of `rings_per_node` concurrent inter-node rings: the node's NICs shared among them."""
         return self.nics_per_node * self.nic_Gbps / 8 / rings_per_node
 
+    def can_model(self, num_gpus: int) -> bool:
+        """Whether allreduce_s models `num_gpus`: part of one node, or whole nodes."""
+        return num_gpus <= self.gpus_per_node or num_gpus % self.gpus_per_node == 0
+
 
 def ring_allreduce_s(num_bytes: float, num_ranks: int, bandwidth_GBps: float, latency_us: float) -> float:
     """Seconds to allreduce `num_bytes` over a ring of `num_ranks`: reduce-scatter then all-gather."""
@@ -89,7 +93,7 @@ def allreduce_s(num_bytes: float, num_gpus: int, cluster: Cluster) -> float:
     """Seconds to allreduce `num_bytes` over `num_gpus`: one ring within a node, hierarchical across nodes."""
     in_node = min(num_gpus, cluster.gpus_per_node)
     num_nodes = num_gpus // in_node
-    assert num_nodes * in_node == num_gpus, "validated by check_gpu_counts"
+    assert cluster.can_model(num_gpus), "validated by check_gpu_counts and main"
     inside = ring_allreduce_s(num_bytes, in_node, cluster.nvlink_GBps, cluster.nvlink_latency_us)
     across = ring_allreduce_s(
         num_bytes / in_node, num_nodes, cluster.network_GBps_per_ring(in_node), cluster.network_latency_us
@@ -99,7 +103,7 @@ def allreduce_s(num_bytes: float, num_gpus: int, cluster: Cluster) -> float:
 
 def check_gpu_counts(gpu_counts: list[int], cluster: Cluster) -> None:
     for num_gpus in gpu_counts:
-        if num_gpus > cluster.gpus_per_node and num_gpus % cluster.gpus_per_node:
+        if not cluster.can_model(num_gpus):
             raise ValueError(
                 f"--gpus {num_gpus} must be at most --gpus-per-node {cluster.gpus_per_node} or a multiple of it"
             )
@@ -461,7 +465,7 @@ def main(argv=None) -> int:
         cluster = checked_cluster(args)
         check_projection_arguments(args, cluster)
         measurement = Measurement(args.measured)
-        if measurement.world_size > cluster.gpus_per_node and measurement.world_size % cluster.gpus_per_node:
+        if not cluster.can_model(measurement.world_size):
             raise ValueError(f"the measured run's {measurement.world_size} GPUs are not whole nodes of "
                              f"--gpus-per-node {cluster.gpus_per_node}")
         # All else the projection reads from the measurement, read now: a file without it is refused before any is
