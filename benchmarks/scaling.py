@@ -100,6 +100,16 @@ def random_batch(batch_size: int, num_frames: int, num_features: int, seed: int,
     return batch.to(device)
 
 
+def model_optimizer_schedule(cfg, num_features: int, seed: int, device: torch.device):
+    """The trainer's model on `device`, its weights drawn from `seed`, with its optimizer and learning-rate schedule."""
+    torch.manual_seed(seed)
+    model = build.model(cfg.model, num_features).to(device)
+    optimizer = build.optimizer(cfg.optim, model.parameters())
+    # The epoch length only places the rate's anneal steps, which change no step's time.
+    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
+    return model, optimizer, schedule
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -220,10 +230,8 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     # Before the timings: the checkout may be edited, or switched, while they run.
     measured_on = {"device": device_name(device), "host": platform.node(), "versions": versions(device)}
     num_features = config["num_features"]
-    torch.manual_seed(args.seed)  # the same initial model on every rank
-    model = build.model(cfg.model, num_features).to(device)
-    optimizer = build.optimizer(cfg.optim, model.parameters())
-    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
+    # The same seed on every rank: the same initial model.
+    model, optimizer, schedule = model_optimizer_schedule(cfg, num_features, args.seed, device)
     num_parameters = sum(p.numel() for p in model.parameters())
 
     def graphed(network):

@@ -33,7 +33,8 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.scaling import (MODELS, TIMEOUT_FLAG, add_seed_flag, add_timeout_flag, compose_config,
-                                layers_in_words, random_batch, refuse_graphs_without_warmup, summary, time_ms)
+                                layers_in_words, model_optimizer_schedule, random_batch, refuse_graphs_without_warmup,
+                                summary, time_ms)
 from models.cuda_graphs import CudaGraphed
 from prnn_kernels.persistent import directions_run_together, support
 from trainer import build, distributed, launch_ranks
@@ -76,10 +77,8 @@ def measure(args, model_name: str, backend: str, cuda_graphs: bool, batch_size: 
         if not row["persistent"]["supported"]:
             return row
     num_features = build.features(cfg.data).num_features
-    torch.manual_seed(args.seed)  # the same initial weights for every backend
-    model = build.model(cfg.model, num_features).to(device)
-    optimizer = build.optimizer(cfg.optim, model.parameters())
-    schedule = build.lr_schedule(cfg.optim, optimizer, steps_per_epoch=1000)
+    # The same seed for every backend: the same initial weights.
+    model, optimizer, schedule = model_optimizer_schedule(cfg, num_features, args.seed, device)
     batch = random_batch(batch_size, args.frames, num_features, args.seed, device)
     env = distributed.DistEnv(0, 1, device)
     # The frame count is fixed, so padding to a multiple of it makes one graph, captured in the warm-up.
