@@ -18,6 +18,7 @@ import torch
 from benchmarks import rnn_kernels, rnn_stack, scaling, support_table, train_step
 from conftest import REPO_ROOT
 from prnn_kernels.persistent import support
+from trainer import build
 from trainer.cli import RESULTS_FOLDER_VARIABLE
 
 
@@ -445,6 +446,21 @@ def train_step_row(model, backend, batch, median_ms, cuda_graphs=False):
     if backend == "persistent":
         row["persistent"] = {"supported": True, "reason": "", "directions_in_one_launch": True}
     return row
+
+
+def test_the_benchmarks_model_starts_from_their_seed_whatever_ran_before():
+    """train_step compares its backends from the same initial weights, and scaling's ranks start as one model: both take
+    them from model_optimizer_schedule's seed, which no test ran (train_step measures on a GPU alone)."""
+    cfg = scaling.compose_config("cpu_demo", "reference", None, "none")
+    num_features = build.features(cfg.data).num_features
+    cpu = torch.device("cpu")
+    first, _, _ = scaling.model_optimizer_schedule(cfg, num_features, 7, cpu)
+    torch.rand(10)  # the global generator moved on, as an earlier row's measure moves it
+    again, optimizer, schedule = scaling.model_optimizer_schedule(cfg, num_features, 7, cpu)
+    other, _, _ = scaling.model_optimizer_schedule(cfg, num_features, 8, cpu)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), other.state_dict().values()))
+    assert optimizer.param_groups[0]["params"] == list(again.parameters()) and schedule.optimizer is optimizer
 
 
 def test_a_train_step_speedup_is_cudnns_time_over_the_rows_at_its_own_model_and_batch(capsys):
