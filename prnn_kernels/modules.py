@@ -233,12 +233,13 @@ def _compute_dtype(input):
 
 
 def _state_slice(hx, start, size):
-    """Samples start .. start + size - 1 of an initial state (its dimension 1), for LSTM of both tensors; None stays."""
+    """Samples start .. start + size - 1 of an initial state (its dimension 1), for LSTM of both tensors; None stays.
+    Contiguous: cuDNN refuses a state that is not ("rnn: hx is not contiguous"), as a slice of a stack's is."""
     if hx is None:
         return None
     if isinstance(hx, tuple):
-        return tuple(h[:, start:start + size] for h in hx)
-    return hx[:, start:start + size]
+        return tuple(h[:, start:start + size].contiguous() for h in hx)
+    return hx[:, start:start + size].contiguous()
 
 
 class RNN(_BackendChoice, nn.RNN):

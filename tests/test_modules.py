@@ -283,6 +283,22 @@ def test_batch_slices_compute_the_whole_batch(cell, backend, batch_first, monkey
         assert relative_error(sliced, whole) < TOLERANCE
 
 
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_each_slice_gets_its_initial_state_contiguous(cell, monkeypatch):
+    """cuDNN refuses an hx that is not contiguous ("rnn: hx is not contiguous", torch's _cudnn_rnn), and a slice of
+    a stack's or a bidirectional layer's state, (L * D, B, H) cut along B, is not: on a GPU, batch_slice with an
+    initial state and no lengths (no packing, which copies the state) failed there."""
+    _, module = module_pair(cell, hidden_size=6, num_layers=2, bidirectional=True)
+    module.backend, module.batch_slice = "cudnn", 3
+    handed = []
+    run = module._forward_on
+    monkeypatch.setattr(module, "_forward_on", lambda backend, input, hx, lengths: handed.extend(
+        hx if isinstance(hx, tuple) else [hx]) or run(backend, input, hx, lengths))
+    states = [torch.randn(4, 7, 6, dtype=torch.float64) for _ in range(2 if cell == "lstm" else 1)]
+    module(torch.randn(NUM_STEPS, 7, INPUT_SIZE, dtype=torch.float64), tuple(states) if cell == "lstm" else states[0])
+    assert len(handed) == 3 * len(states) and all(state.is_contiguous() for state in handed)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cudnn"])
 def test_an_initial_state_is_checked_against_the_whole_batch_before_slicing(backend):
     # Checked slice by slice, a state of 6 for a batch of 4 ran, and one of 3 was refused as "(1, 2, 5)".
