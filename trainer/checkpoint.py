@@ -179,8 +179,8 @@ class DamagedArchive(ValueError):
 def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bool = False) -> dict:
     """Loads a checkpoint written by `python -m trainer`, which must hold `parts`; ValueError naming the file else.
     `record_only`: for its plain data alone (a best.pt's WER and test set), its tensors mapped from the file rather
-    than read, and checked against their checksums when read: a resume read a deep model's weights (gigabytes, on
-    every rank) for two numbers."""
+    than read, and only its plain data checked against their checksums, not its tensors: a resume read a deep model's
+    weights (gigabytes, on every rank) for two numbers."""
     path = Path(path)
     check_readable(path)
     if path.stat().st_size == 0:  # a copy that wrote nothing (a full disk): torch's EOFError for it has no message
