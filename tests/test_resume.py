@@ -66,6 +66,23 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
 
 
+def test_a_one_layer_run_resumes_with_model_residual_changed_which_changes_nothing_there(tmp_path):
+    """The first recurrent layer has no residual connection, so at model.depth=1 either setting is the same model."""
+    one_layer = ["model.hidden=64", "model.depth=1"]
+    saved = OmegaConf.to_container(compose_config(one_layer), resolve=True)
+    assert check_resumable(saved, compose_config([*one_layer, "model.residual=true"]), tmp_path / "last.pt") == [
+        "model.residual=false there, true here"]
+    two_layers = ["model.hidden=64", "model.depth=2"]
+    saved = OmegaConf.to_container(compose_config(two_layers), resolve=True)
+    with pytest.raises(ValueError, match=r"settings \(model.residual=false there, true here\); a resume takes"):
+        check_resumable(saved, compose_config([*two_layers, "model.residual=true"]), tmp_path / "last.pt")
+    # From one layer to two, both refused.
+    with pytest.raises(ValueError, match=r"settings \(model.depth=1 there, 2 here; model.residual=false there, true "
+                                         r"here\); a resume takes"):
+        check_resumable(OmegaConf.to_container(compose_config(one_layer), resolve=True),
+                        compose_config([*two_layers, "model.residual=true"]), tmp_path / "last.pt")
+
+
 # One change of each setting a resume must keep (RESUME_MUST_MATCH), from a unidirectional model, whose
 # model.lookahead counts: the weights would load under several of them (model.residual, data.features.normalize,
 # data.max_duration), and a run would train on without a word.

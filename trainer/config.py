@@ -213,10 +213,13 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train
     job's). holds_train_set: the checkpoint holds its training set's digest, which check_same_training_set compares
     instead of the manifests' paths, so that the same corpus in another folder (another machine's) resumes."""
     saved = checkpoint.stored_config(saved_config)
-    # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing. Selected, not read as
-    # an attribute: a config without the key (another program's) is refused below, naming it, not with a traceback.
+    # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing; nor does model.residual
+    # where the one recurrent layer is the first, which has none. Selected, not read as an attribute: a config without
+    # the key (another program's) is refused below, naming it, not with a traceback.
     bidirectional = OmegaConf.select(saved, "model.bidirectional") and cfg.model.bidirectional
     unused = {"model.lookahead"} if bidirectional else set()
+    if OmegaConf.select(saved, "model.depth") == cfg.model.depth == 1:
+        unused.add("model.residual")
     if holds_train_set:
         unused.add("data.train_manifests")
     differ = [difference for key in RESUME_MUST_MATCH if key not in unused
