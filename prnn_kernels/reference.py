@@ -51,6 +51,10 @@ def checked_lengths(name, lengths, batch_size, num_steps, shortest=1):
         lengths = torch.as_tensor(lengths)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{name}: lengths must be integers, got {lengths!r} ({error})") from None
+    # torch reads an empty sequence ([], numpy's np.array([])) as floats; holding no value to cast, it is an empty
+    # batch's lengths.
+    if lengths.numel() == 0:
+        lengths = lengths.to(torch.int64)
     # A float would be cast: 2.5 would run two steps on one backend and three on another.
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise ValueError(f"{name}: lengths must be integers, got {lengths.dtype}")

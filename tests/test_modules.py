@@ -382,11 +382,14 @@ def test_auto_runs_the_persistent_kernel_silently_where_the_support_query_says_i
 
 @pytest.mark.parametrize("cell", ["relu", "gru", "lstm"])
 @pytest.mark.parametrize("backend", ["reference", "cudnn", "auto", "persistent"])  # persistent: nothing to run
-def test_an_empty_batch_with_lengths_gives_empty_outputs(cell, backend):
+# [] and np.array([]) are float tensors to torch, and were refused: "lengths must be integers, got torch.float32".
+@pytest.mark.parametrize("lengths", [torch.zeros(0, dtype=torch.int64), [], np.array([])],
+                         ids=["int64", "list", "numpy"])
+def test_an_empty_batch_with_lengths_gives_empty_outputs(cell, backend, lengths):
     module = prnn_kernels.LSTM if cell == "lstm" else prnn_kernels.GRU if cell == "gru" else prnn_kernels.RNN
     layer = module(3, 5, num_layers=2, bidirectional=True, backend=backend, **({"nonlinearity": "relu"}
                                                                             if cell == "relu" else {}))
-    output, state = layer(torch.randn(4, 0, 3), lengths=torch.zeros(0, dtype=torch.int64))
+    output, state = layer(torch.randn(4, 0, 3), lengths=lengths)
     assert output.shape == (4, 0, 10)
     for tensor in state if cell == "lstm" else (state,):
         assert tensor.shape == (4, 0, 5)
