@@ -63,8 +63,8 @@ from data.cli import Terminated, input_path, stopped_line
 from data.text import counted
 from data.values import is_number, json_objects
 from trainer import check_overrides
-from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, int_at_least, json_file, json_output, positive_int, run_tool,
-                         say_written, write_results)
+from trainer.cli import (DEFAULT_JSON_HELP, CannotWrite, EachOnce, int_at_least, json_file, json_output, positive_int,
+                         run_tool, say_written, write_results)
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -470,8 +470,8 @@ def reported_rows(args, runs_dir: Path, jobs: list[tuple[str, str, int]]) -> lis
 def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path, jobs: list[tuple[str, str, int]],
                           gpus: list[str]) -> None:
     """Makes runs_dir, and ends in a usage error (exit 2) where it cannot be made or Hydra would misread it, where
-    the trainer refuses a backend's overrides, or where a run needs a GPU and `gpus` is empty: found before any run
-    starts, not in each run's output."""
+    the trainer refuses a backend's overrides, or where a run needs a GPU and `gpus` is empty, and in CannotWrite
+    where a run's output file cannot be opened: found before any run starts, not in each run's output."""
     if "${" in str(runs_dir):  # Hydra stores the run's folder resolved, then resolves it again where it reads it
         parser.error(f"--runs-dir {runs_dir}: Hydra would read its ${{ as an interpolation (${{oc.env:HOME}}: "
                      "that variable's value), whatever the escape, and train elsewhere; name a folder without one")
@@ -490,6 +490,14 @@ def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path,
             parser.error("--backends persistent needs a CUDA GPU, and none is visible")
         if args.graphs and set(args.backends) != {"cudnn"}:
             parser.error("--graphs needs a CUDA GPU, and none is visible")
+    # Last, so that a refusal above leaves no file: each opened as train() opens it, where a folder of that name
+    # ended the command in a traceback once the other runs had trained.
+    for name, _, _ in jobs:
+        output = runs_dir / f"{name}.out"
+        try:
+            open(output, "a").close()
+        except OSError as error:
+            raise CannotWrite(f"cannot write {output}: {error.strerror or error}") from None
 
 
 def print_runs(rows: list[dict], runs_dir: Path, at_epoch: int | None) -> None:

@@ -13,6 +13,7 @@ import pytest
 from benchmarks import wer_parity
 from benchmarks.wer_parity import evaluations, summarize, visible_gpus
 from conftest import MPIEXEC, REPO_ROOT, TINY, needs_mpiexec, within_seconds, write_slice
+from trainer.cli import run_tool
 
 # The tiny model's settings less those wer_parity sets for each run itself (and refuses among the overrides).
 TINY_RUN = [setting for setting in TINY if setting.split("=")[0] not in wer_parity.RUN_KEYS]
@@ -491,6 +492,17 @@ def test_a_runs_dir_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         wer_parity.main(["--runs-dir", str(taken)])
     assert exited.value.code == 2 and f"error: --runs-dir {taken}: File exists" in capsys.readouterr().err
+
+
+def test_a_runs_output_file_that_cannot_be_opened_is_refused_in_one_line_before_any_run(tmp_path, monkeypatch, capsys):
+    # A folder in its place ended the command in IsADirectoryError's traceback from the run's thread.
+    started = []
+    runs_end_at_once(monkeypatch, started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    (tmp_path / "wer-reference-s2.out").mkdir()
+    arguments = ["--backends", "cudnn", "reference", "--seeds", "1", "2", "--runs-dir", str(tmp_path)]
+    assert run_tool(lambda: wer_parity.main(arguments)) == 2 and not started
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path}/wer-reference-s2.out: Is a directory\n"
 
 
 @pytest.mark.parametrize("name", ["ab/c", "a,b", ""])
