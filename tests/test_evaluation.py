@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -778,6 +779,21 @@ def test_evaluate_skipped_to_stdout_leaves_stdout_to_the_list(tmp_path, monkeypa
     assert [json.loads(line)["audio_filepath"] for line in stdout_file.read_text().splitlines()] == [
         str(tmp_path / "b.wav")]
     assert capsys.readouterr().err.startswith("WER ")
+
+
+def test_evaluate_skipped_to_a_reader_that_stopped_early_ends_it_quietly(tmp_path):
+    # `--skipped /dev/stdout | head`: the list was written inside the catch of the model's and inputs' errors, which
+    # printed "error: [Errno 32] Broken pipe: '/dev/stdout'" with exit code 2, where --out's table ends the tool
+    # quietly.
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "a.wav"), 1.0, "YES", "a"),
+                                          Utterance(str(tmp_path / "b.wav"), 1.0, "YES.", "b")])
+    evaluate = shlex.join([sys.executable, "-m", "trainer.evaluate", "--checkpoint",
+                           str(small_checkpoint(tmp_path / "small.pt")), "--device", "cpu", "--manifest",
+                           str(tmp_path / "m.jsonl"), "--skipped", "/dev/stdout"])
+    piped = subprocess.run(["bash", "-c", f"{evaluate} | true; exit ${{PIPESTATUS[0]}}"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 1 and "error" not in piped.stderr, piped.stderr
 
 
 def test_evaluate_with_stdout_closed_gives_its_wer_on_stderr(tmp_path, monkeypatch, capsys):

@@ -198,7 +198,7 @@ def write_output(path: str, text: str, so_far: bool = False) -> None:
     stream, which cannot take them back, is left for the last."""
     if so_far and is_stream(path):
         return
-    with _cannot_write(path):
+    with cannot_write(path):
         write_out(path, text.encode("utf-8", errors="surrogateescape"))
 
 
@@ -210,12 +210,12 @@ def write_results(path: str, value, so_far: bool = False) -> None:
 def write_binary_output(path: str, write_into: Callable[[BinaryIO], object]) -> None:
     """A file of bytes (a plot) that `write_into(file)` writes, whole or not at all as write_output writes text: a full
     disk or a Ctrl-C mid-write leaves an earlier file as it was. CannotWrite naming it where it cannot be written."""
-    with _cannot_write(path):
+    with cannot_write(path):
         write_whole(Path(path).resolve(), write_into)
 
 
 @contextlib.contextmanager
-def _cannot_write(path: str):
+def cannot_write(path: str | None):
     """An OSError inside as CannotWrite, in one line naming `path`; a BrokenPipeError let through."""
     try:
         yield

@@ -27,8 +27,8 @@ from data.manifest import check_manifest_path, print_paths_printable
 from data.sampler import eval_shards
 from data.text import counted, normalize_text
 from trainer import build, decode
-from trainer.cli import (check_not_an_input, lines_stream, log_above_progress_bars, output_file, positive_int, run_tool,
-                         write_output)
+from trainer.cli import (cannot_write, check_not_an_input, lines_stream, log_above_progress_bars, output_file,
+                         positive_int, run_tool, write_output)
 from trainer.inference import MODEL_ERRORS, add_model_arguments, load_model
 from trainer.metrics import ErrorCounts
 from trainer.stop import ignore_in_data_workers, start_data_workers
@@ -135,11 +135,14 @@ def main(argv=None) -> int:
             for output in (args.out, args.skipped):
                 check_not_an_input(output, [manifest])
         dataset = SpeechDataset([manifest], features, None, model.time_stride, skip_list=args.skipped)
-        dataset.write_skip_list()
         decoder = decode.from_arguments(args)
     except MODEL_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    # Outside the catch above: a reader that stopped early (--skipped /dev/stdout | head) is run_tool's to end quietly,
+    # and a list that cannot be written is named in one line, as --out's table is.
+    with cannot_write(args.skipped):
+        dataset.write_skip_list()
     (batches,) = eval_shards(dataset.durations, 1, args.batch_size)
     try:
         with log_above_progress_bars():
