@@ -139,7 +139,9 @@ def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
 
 def check_config(cfg: DictConfig) -> None:
     """Raises ValueError naming the first key no config file defines, or else the first value CONFIG_RULES refuses
-    (interpolations resolved first), or else feature and SpecAugment settings that cannot work together."""
+    (interpolations resolved first), or else the chosen optimizer's own setting refused or the other optimizer's
+    given (OPTIMIZER_KEYS), train.cuda_graphs=true with model.backend=cudnn or device=cpu, feature and SpecAugment
+    settings that cannot work together, or a model.backend that device=cpu cannot run."""
     unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known_config_keys())
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]}: conf/train.yaml and conf/{{{','.join(CONFIG_GROUPS)}}}/ "
