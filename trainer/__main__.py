@@ -181,7 +181,7 @@ def leave_the_log_to_rank_0(rank: int) -> None:
     # Again for each job of a sweep: Hydra sets the root's level up anew for every job.
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger(distributed.__name__).setLevel(logging.INFO)
-    if getattr(logging.getLogRecordFactory(), "tags_rank", False):  # a sweep's later job: its records tagged already
+    if getattr(logging.getLogRecordFactory(), "tags_rank", False):  # tagged by an earlier call (before Hydra)
         return
     make_record = logging.getLogRecordFactory()
 
