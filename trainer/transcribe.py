@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                 feats = features(waveform)
                 if detail := non_finite_detail(feats, waveform):
                     raise AudioError(f"{printable(path)}: {detail}")
-            except (AudioError, FileNotFoundError) as error:
+            except AudioError as error:  # NoSuchAudioFile too: load_audio raises it for a missing file
                 print(f"{path}\terror: {str(error).removeprefix(f'{printable(path)}: ')}", file=sys.stderr, flush=True)
                 failures += 1
                 continue
