@@ -578,6 +578,20 @@ def test_a_launchers_variable_that_holds_no_number_is_refused_in_one_line_before
         "launch/single_node.sh N (mpirun) or srun, which set it, or unset it"]
 
 
+def test_check_overrides_names_a_refused_override_whatever_launcher_variables_its_shell_holds(monkeypatch, capsys):
+    """The launch scripts run the check in their own shell, whose leftover launcher variables are not the ranks': there
+    a misspelt key under PMI_SIZE=abc ended in a ValueError's traceback about PMI_SIZE, the key's line lost."""
+    from trainer.check_overrides import main
+
+    clear_launcher_variables(monkeypatch)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setenv("PMI_SIZE", "abc")
+    with pytest.raises(SystemExit) as refused:
+        main(["model.depthh=2"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == "error: unknown config key model.depthh (did you mean model.depth?)\n"
+
+
 # Each launcher's size at 0, then a node's count at 0 where the launch's size says the process is one of several.
 COUNTS_OF_0 = [*({names[1]: "0"} for names in launch_ranks.LAUNCHER_VARIABLES),
                {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "00"}]

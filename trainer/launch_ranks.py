@@ -89,8 +89,14 @@ def _rank_of_launch(rank_name: str, size_name: str) -> int:
 def rank_tag() -> str:
     """"[rank N] " on a rank other than 0, as its log lines are tagged (trainer.__main__.leave_the_log_to_rank_0), for
     the lines a rank prints before its log is set up: every rank refuses a bad override alike, and rank 1's line read
-    as a second refusal of the job's. "" on rank 0 and without a launcher."""
-    rank = launcher_rank()
+    as a second refusal of the job's. "" on rank 0 and without a launcher, and where a launcher's variables name no
+    rank (refuse_unusable_launch's refusals): trainer.check_overrides runs in the launch script's shell, whose leftover
+    variables are not the ranks' (mpirun and srun set their own), and a bad one there (PMI_SIZE=abc) ended the line it
+    tags, a misspelt key's, in a traceback about that variable."""
+    try:
+        rank = launcher_rank()
+    except ValueError:
+        return ""
     return f"[rank {rank}] " if rank else ""
 
 
