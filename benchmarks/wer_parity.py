@@ -63,8 +63,8 @@ from data.cli import Terminated, input_path, stopped_line
 from data.text import counted
 from data.values import is_number, json_objects
 from trainer import check_overrides
-from trainer.cli import (DEFAULT_JSON_HELP, CannotWrite, EachOnce, int_at_least, json_file, json_output, positive_int,
-                         run_tool, say_written, write_results)
+from trainer.cli import (DEFAULT_JSON_HELP, EachOnce, cannot_write, int_at_least, json_file, json_output,
+                         positive_int, run_tool, say_written, write_results)
 from trainer.config import MAX_SEED
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -494,10 +494,8 @@ def check_before_training(parser: argparse.ArgumentParser, args, runs_dir: Path,
     # ended the command in a traceback once the other runs had trained.
     for name, _, _ in jobs:
         output = runs_dir / f"{name}.out"
-        try:
+        with cannot_write(output):
             open(output, "a").close()
-        except OSError as error:
-            raise CannotWrite(f"cannot write {output}: {error.strerror or error}") from None
 
 
 def print_runs(rows: list[dict], runs_dir: Path, at_epoch: int | None) -> None:
