@@ -45,14 +45,19 @@ run_mpi_job() {
 # MPICH's mpiexec passes a first Ctrl-C on to the ranks, but takes a second as an order to kill the job at once, before
 # a rank can say what it holds: from the second on, this node's ranks (the children of mpiexec's proxies) get it
 # themselves, and the first to get it ends the job (trainer/__main__.py: one line naming the last checkpoint, exit 130).
+# Where no rank runs (not started yet, or all ended), there is nothing to say, and mpiexec gets it. No early `return`
+# here: in a trap it returns the status of the command the trap cut short (the wait's 130), which set -e exits on.
 mpich_ctrl_c_passed=""
 pass_ctrl_c_on_under_mpich() {
-    local launcher=$1
+    local launcher=$1 proxies
     if [[ -z $mpich_ctrl_c_passed ]]; then
         mpich_ctrl_c_passed=1
         kill -INT "$launcher" || true
     else
-        pkill -INT -P "$(pgrep -d, -P "$launcher")" -f ' -m trainer ' || true
+        proxies=$(pgrep -d, -P "$launcher") || true
+        if [[ -z $proxies ]] || ! pkill -INT -P "$proxies" -f ' -m trainer '; then
+            kill -INT "$launcher" || true
+        fi
     fi
 }
 

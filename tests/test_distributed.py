@@ -1243,24 +1243,28 @@ exit $status
 """
 
 
+def start_single_node_script(tmp_path: Path, mpirun: str, **environment: str) -> subprocess.Popen:
+    """`single_node.sh 2 experiment=cpu_demo` under `mpirun`, in a session of its own, its output piped, in `tmp_path`
+    with a stand-in `trainer` package there: its check of the overrides passes, and its ranks run RANK_STAND_IN."""
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
+    (tmp_path / "trainer" / "check_overrides.py").write_text("")
+    return subprocess.Popen(
+        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
+        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": mpirun, "PYTHONPATH": str(REPO_ROOT), **environment},
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def start_launch_script(tmp_path, mpirun: str | None = None, version: str = "mpirun (Open MPI) 4.1.6",
                         stop_s: float = 1.5) -> subprocess.Popen:
     """single_node.sh with 2 ranks under `mpirun` (default: the stand-in OpenMPI mpirun, saying `version`), whose
     ranks run a stand-in `trainer` package in the working directory; returns once both ranks have started."""
-    (tmp_path / "trainer").mkdir()
-    (tmp_path / "trainer" / "__init__.py").write_text("")
-    (tmp_path / "trainer" / "__main__.py").write_text(RANK_STAND_IN)
-    (tmp_path / "trainer" / "check_overrides.py").write_text("")  # the script's check of the overrides: passed
     if mpirun is None:
         mpirun = str(tmp_path / "mpirun")
         (tmp_path / "mpirun").write_text(OPENMPI_STAND_IN.replace("VERSION", version))
         (tmp_path / "mpirun").chmod(0o755)
-    script = subprocess.Popen(
-        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
-        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": mpirun, "PYTHONPATH": str(REPO_ROOT),
-             "STOP_S": str(stop_s)},
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    script = start_single_node_script(tmp_path, mpirun, STOP_S=str(stop_s))
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
         if script.poll() is not None or time.monotonic() > deadline:
@@ -1307,13 +1311,7 @@ def test_under_openmpi_a_stop_signal_reaches_mpirun_where_this_node_runs_no_rank
                       f'trap \'kill $connection; touch terminated; exit {mpirun_exit}\' TERM\n'
                       'touch started\nwait $connection\n')
     mpirun.chmod(0o755)
-    (tmp_path / "trainer").mkdir()
-    (tmp_path / "trainer" / "__init__.py").write_text("")
-    (tmp_path / "trainer" / "check_overrides.py").write_text("")  # the script's check of the overrides: passed
-    script = subprocess.Popen(
-        [str(REPO_ROOT / "launch" / "single_node.sh"), "2", "experiment=cpu_demo"], cwd=tmp_path,
-        env={**os.environ, "PYTHON": sys.executable, "MPIRUN": str(mpirun), "PYTHONPATH": str(REPO_ROOT)},
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    script = start_single_node_script(tmp_path, str(mpirun))
     try:
         wait_for_file(tmp_path / "started", script, timeout_s=60)
         script.send_signal(signal.SIGTERM)
@@ -1342,6 +1340,39 @@ def test_under_mpich_a_second_ctrl_c_reaches_the_ranks_not_mpiexec(tmp_path):
             os.killpg(script.pid, signal.SIGKILL)
     assert script.returncode == 128 + signal.SIGINT, output
     assert [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)] == ["interrupted"] * 2, output
+
+
+def test_under_mpich_a_second_ctrl_c_where_no_rank_runs_reaches_mpiexec(tmp_path):
+    """Before mpiexec has started a rank, or after they have all ended, a second Ctrl-C found no rank to pass to and
+    went nowhere (`pkill -P ""`, its usage on the terminal), and the job ran on; mpiexec gets it there."""
+    # MPICH's as far as the script can tell, with no child: it takes a first Ctrl-C, and a second ends it. In Python,
+    # as bash cannot trap the SIGINT that a script's background command starts with ignored.
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
+        import pathlib, signal, sys, time
+        if sys.argv[1:] == ["--version"]:
+            sys.exit(print("HYDRA build details:"))
+        def interrupted(number, frame):
+            if pathlib.Path("interrupted").exists():
+                sys.exit(130)
+            pathlib.Path("interrupted").write_text("")
+        signal.signal(signal.SIGINT, interrupted)
+        pathlib.Path("started").write_text("")
+        time.sleep(60)
+        sys.exit(99)
+        """))
+    mpiexec.chmod(0o755)
+    script = start_single_node_script(tmp_path, str(mpiexec))
+    try:
+        wait_for_file(tmp_path / "started", script, timeout_s=60)
+        os.killpg(script.pid, signal.SIGINT)
+        wait_for_file(tmp_path / "interrupted", script, timeout_s=30)
+        os.killpg(script.pid, signal.SIGINT)
+        output = script.communicate(timeout=30)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == 130 and "Usage" not in output, output
 
 
 def test_under_openmpi_a_launch_script_killed_outright_takes_mpirun_with_it(tmp_path):
