@@ -612,7 +612,7 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
     assert name.startswith("data.eval_manifest=#") and f",model.note={kept},run_name=#" in name, name
 
 
-def test_run_names_hydra_parses_as_numbers_are_names_too():
+def test_run_names_hydra_parses_as_numbers_are_names_too(capsys):
     from trainer.run_directory import check_run_name
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
@@ -622,8 +622,11 @@ def test_run_names_hydra_parses_as_numbers_are_names_too():
         check_run_name(cfg)  # returns: runs/1.5 is one folder of runs/
     for name in (None, True, "", "  ", "..", "a/b", "a\\b"):
         cfg.run_name = name
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as refused:  # any exit passed, an exit 0 without a word too
             check_run_name(cfg)
+        assert refused.value.code == 2 and capsys.readouterr().err == (
+            f"error: run_name={name!r} must name one folder of runs/: a name, not empty, null or true/false, not dots "
+            "alone, no / or \\\n"), name
 
 
 @pytest.mark.parametrize("sweep", [False, True])
