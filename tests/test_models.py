@@ -353,6 +353,16 @@ def test_one_valid_value_leaves_the_running_variance_as_it_was():
     assert torch.allclose(norm.running_mean, 0.1 * x[0, 0])
 
 
+def test_a_constant_channel_normalises_to_its_bias_though_its_variance_rounds_below_zero():
+    """The variance is the mean square less the squared mean: of 100 frames of 13.1 about a running mean of 0 it rounds
+    to -8e-5 in fp32, past eps, which made every output of the channel non-finite."""
+    norm = MaskedBatchNorm(4, channel_dim=2)
+    with torch.no_grad():
+        norm.bias.copy_(torch.linspace(-1, 1, 4))
+    output = norm(torch.full((100, 1, 4), 13.1), torch.ones(100, 1, 1, dtype=torch.bool))
+    assert torch.allclose(output, norm.bias.detach().expand_as(output), atol=1e-2)
+
+
 def test_an_empty_training_batch_leaves_the_running_statistics_as_they_were():
     model = small_model("gru", False)
     before = {name: buffer.clone() for name, buffer in model.named_buffers()}
