@@ -111,6 +111,11 @@ def test_an_epoch_of_audio_refused_for_what_it_holds_is_told_why_not_of_relative
     tally.count(empty_shard, (low, gone))
     with pytest.raises(ValueError, match="; a manifest's relative audio paths are taken relative to its own folder"):
         tally.refuse_if_nothing_trained(2, overflows_pass=False)
+    # One not there stays the one named where a file refused for what it holds comes after it.
+    tally = EpochTally(epoch=0, first_step=0)
+    tally.count(empty_shard, (gone, low))
+    with pytest.raises(ValueError, match="; a manifest's relative audio paths are taken relative to its own folder"):
+        tally.refuse_if_nothing_trained(1, overflows_pass=False)
 
 
 def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
