@@ -118,6 +118,17 @@ def test_an_epoch_of_audio_refused_for_what_it_holds_is_told_why_not_of_relative
         tally.refuse_if_nothing_trained(1, overflows_pass=False)
 
 
+def test_an_utterance_this_rank_dropped_for_its_transcript_is_not_named_as_its_unreadable_one():
+    """The line names this rank's first unreadable file; one it dropped as too long for stride is no reason why
+    another rank's audio was unreadable."""
+    too_long = Unusable(0, "skipping a.wav: its transcript is longer than its frames", counted_as=TOO_LONG_FOR_STRIDE)
+    tally = EpochTally(epoch=0, first_step=0)
+    tally.count(StepResult("empty shard (all its audio unreadable)", math.nan, 1,
+                           Counter({UNREADABLE: 1, TOO_LONG_FOR_STRIDE: 1}), {}), (too_long,))
+    with pytest.raises(ValueError, match="; other ranks could not read theirs: every rank must be able to read"):
+        tally.refuse_if_nothing_trained(1, overflows_pass=False)
+
+
 def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
     torch.manual_seed(0)
     cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "model.backend=reference",
