@@ -129,6 +129,16 @@ def test_an_utterance_this_rank_dropped_for_its_transcript_is_not_named_as_its_u
         tally.refuse_if_nothing_trained(1, overflows_pass=False)
 
 
+def test_a_resumed_epoch_is_refused_for_the_steps_of_this_job_alone():
+    """Its steps before the resume are the checkpoint's, which was refused then if it trained nothing."""
+    tally = EpochTally(epoch=1, first_step=5)
+    tally.refuse_if_nothing_trained(5, overflows_pass=False)  # stopped before its first step: nothing to refuse
+    for _ in range(2):
+        tally.count(StepResult(NON_FINITE, math.nan, 4, Counter(), {}))
+    with pytest.raises(ValueError, match=r"^epoch 2 trained nothing: each of its 2 steps was skipped"):
+        tally.refuse_if_nothing_trained(7, overflows_pass=False)
+
+
 def tiny_setup(nan_in_features: bool, optimizer_name: str = "adamw"):
     torch.manual_seed(0)
     cfg = compose_config(["model.depth=1", "model.hidden=16", "model.conv_channels=2", "model.backend=reference",
