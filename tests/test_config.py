@@ -173,6 +173,9 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("data.max_duration=abc", "data.max_duration must be a positive number of seconds or null, not 'abc'"),
     ("optim.betas=[0.9]", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not [0.9]" + PICK),
     ("optim.betas=null", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not None" + PICK),
+    # Three passed the check, and fused AdamW trained on the first two, the third ignored.
+    ("optim.betas=[0.9,0.99,0.5]", "optim.betas must be two numbers in [0, 1) for optim.name=adamw, not "
+                                   "[0.9, 0.99, 0.5]" + PICK),
     ("optim.weight_decay=-1", "optim.weight_decay must be a non-negative number, not -1"),
     ("optim=sgd optim.momentum=-0.9", MOMENTUM + " for optim.name=sgd, not -0.9" + PICK),
     ("optim=sgd optim.momentum=0", MOMENTUM + " for optim.name=sgd, not 0" + PICK),
