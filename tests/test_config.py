@@ -276,7 +276,7 @@ def test_an_empty_prnn_an4_is_refused_naming_it(monkeypatch):
     "data.features.sample_rate=1000 data.features.kind=spectrogram", "data.features.sample_rate=384000",
     "data.augment.masks.max_time_fraction=0", "data.augment.masks.max_time_fraction=1", "distributed.timeout_s=1e9",
     "data.features.window_ms=1000", "data.features.hop_ms=1000 data.features.window_ms=1000", "model.lookahead=0",
-    "train.num_workers=0",
+    "train.num_workers=0", "data.max_duration=null",  # null: no utterance left out for its length
     # A frequency mask as wide as the demo's 40 features: its widths are drawn below 40, so one always keeps a feature.
     "data.augment.enabled=true data.augment.masks.freq_mask=40",
     # Each rule's lower edge: with train.epochs' >= 1 made > 1, or weight decay's >= 0 made > 0, every test passed.
