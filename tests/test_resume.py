@@ -190,7 +190,8 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
         edited = {**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}}
         with pytest.raises(ValueError, match=rf"^its state 'step' of parameter 1 is {described}, not a count of up"):
             checkpoint.check_optimizer_state(edited, optimizer)
-    for step in (torch.tensor(3.0), 3, 3.0):  # as torch writes it, and as older versions did
+    # As torch writes it, and as older versions did; 0 as a fused step skipped for its non-finite gradient leaves it.
+    for step in (torch.tensor(3.0), 3, 3.0, torch.tensor(0.0)):
         checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}},
                                          optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
