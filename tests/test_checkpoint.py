@@ -60,6 +60,7 @@ def test_a_checkpoint_saved_as_well_under_another_name_keeps_it_when_either_is_s
     best, last = tmp_path / "best.pt", tmp_path / "last.pt"
     checkpoint.save(best, {"model": {"w": torch.zeros(3)}, "config": {}})
     checkpoint.save_same(best, last)
+    assert last.samefile(best)  # one file, not a copy of the large one: the 100-layer model's checkpoint is gigabytes
     os.link(best, files.temporary_beside(last))
     checkpoint.save(last, {"model": {"w": torch.ones(3)}, "config": {}})
     assert torch.equal(torch.load(best, weights_only=True)["model"]["w"], torch.zeros(3))
