@@ -451,6 +451,13 @@ def test_sync_stats_off_normalises_each_rank_by_its_own_frames(sync_ranks):
             assert relative_error(results[False][key], value) < 1e-12, f"rank {rank}: {key}"
 
 
+def test_sync_stats_without_a_process_group_normalises_this_process_alone():
+    """sync_stats needs a process group up to take effect: a single process, which has none, normalises on its own."""
+    alone = normalise(*sync_batch(), sync_stats=False)
+    for key, value in normalise(*sync_batch(), sync_stats=True).items():
+        assert torch.equal(value, alone[key]), key
+
+
 def test_sync_batch_norm_switches_every_batch_norm_and_nothing_else():
     model = DeepSpeech2(num_features=40, num_classes=29, depth=3, hidden=8, conv_channels=2)
     norms = [module for module in model.modules() if isinstance(module, MaskedBatchNorm)]
