@@ -345,6 +345,15 @@ def test_evaluation_in_bf16_normalises_far_from_zero_as_training_does():
     assert relative_error(output.double(), expected) < 2**-8  # the output's own rounding
 
 
+def test_training_normalises_a_bf16_input_into_bf16_as_evaluation_does():
+    """Its statistics are taken in float32; what it returns is the next layer's input, in the input's dtype."""
+    x = torch.randn(5, 2, 4, dtype=torch.bfloat16, requires_grad=True)
+    output = MaskedBatchNorm(4, channel_dim=2)(x, torch.ones(5, 2, 1, dtype=torch.bool))
+    assert output.dtype == torch.bfloat16
+    output.sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+
+
 def test_one_valid_value_leaves_the_running_variance_as_it_was():
     norm = MaskedBatchNorm(3, channel_dim=2)
     x = torch.randn(2, 1, 3)
