@@ -449,6 +449,10 @@ def test_arpa_reader_names_the_file_and_line_of_a_bad_model(tmp_path):
     bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=two"))
     with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram 2=two'"):
         NGramLM.from_arpa(bad)
+    # The order too: "two" was read by int() alone, its ValueError naming neither the file nor the line.
+    bad.write_text(ARPA.replace("ngram 2=2", "ngram two=2"))
+    with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line: 'ngram two=2'"):
+        NGramLM.from_arpa(bad)
     bad.write_text(ARPA.replace("ngram 2=2", "ngram 2=" + "9" * 5000))  # past int()'s 4300 digits
     with pytest.raises(ValueError, match=rf"{bad}:3: not an ARPA header line"):
         NGramLM.from_arpa(bad)
