@@ -208,6 +208,14 @@ def test_a_pruning_threshold_above_every_class_keeps_the_likeliest():
     assert search(log_probs_over(frames), torch.tensor([1])) == ["A"]
 
 
+def test_a_character_at_the_pruning_threshold_is_tried():
+    # Only characters below it are left out: with those at it left out too, "B" won, "A" (0.45) never tried.
+    frames = [{"A": 0.45, "B": 0.55}, {"A": 0.45, "_": 0.55}]
+    log_probs = log_probs_over(frames)
+    at_a = log_probs.float()[0, 0, ALPHABET.index("A")].item()  # as the search reads it
+    assert BeamSearch(beam_width=4, prune_log_prob=at_a)(log_probs, torch.tensor([2])) == ["A"]
+
+
 UNIGRAMS = """\\data\\
 ngram 1=5
 
