@@ -229,6 +229,7 @@ def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
         ("{}", r"no 'audio_filepath' field \(the line's keys: none\)$"),
         ('{"\\u001b[2J": 1}', r"no 'audio_filepath' field \(the line's keys: '\\x1b\[2J'\)$"),
         ("{" + ", ".join(f'"k{i}": {i}' for i in range(10)) + "}", r"keys: 'k0', .*, 'k7' and 2 more\)$"),
+        ("{" + ", ".join(f'"k{i}": {i}' for i in range(8)) + "}", r"keys: 'k0', .*, 'k7'\)$"),  # not "and 0 more"
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": null}', "'text' must be a string, got None$"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": true}', "'speaker' must be a string or"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "text": "A", "speaker": [1]}', "'speaker' must be a string or"),
