@@ -426,6 +426,9 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
                                    "that hold no FFT bin, features that never change: at most 114 bands work there"),
     (dict(kind="mel", n_mels=300), "n_mels=300 at 16000 Hz and window_ms=20 (an FFT of 512 points) gives mel bands "
                                    "that hold no FFT bin, features that never change: at most 114 bands work there"),
+    # Refused by the count of bins before any filter is made: a bank of 10**12 bands would take terabytes.
+    (dict(kind="mel", n_mels=10**12), "n_mels=1000000000000 at 16000 Hz and window_ms=20 (an FFT of 512 points) gives "
+                                      "mel bands that hold no FFT bin"),
     (dict(kind="mel", n_mels=100, sample_rate=8000), "n_mels=100 at 8000 Hz and window_ms=20 (an FFT of 256 points) "
                                                      "gives mel bands that hold no FFT bin, features that never "
                                                      "change: at most 86 bands work there"),
