@@ -450,6 +450,7 @@ def test_normalised_features_have_zero_mean_unit_std_per_feature(kind):
     (dict(kind="mel", window_ms=1e7, hop_ms=10), "window_ms=10000000.0 and hop_ms=10 numbers of milliseconds in "
                                                  "(0, 1000]"),
     (dict(window_ms="20"), "window_ms='20'"),
+    (dict(hop_ms=True), "hop_ms=True numbers of milliseconds"),  # not a hop of 1 ms
 ])
 def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complaint):
     with pytest.raises(ValueError, match=re.escape(complaint)):
