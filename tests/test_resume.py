@@ -660,3 +660,29 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     assert (fine_tuned.run_id, fine_tuned.continues, fine_tuned.started_from) == ("ft", True, parent)
     other = start(saved(tmp_path / "parent.pt", run_id="parent"), tmp_path / "new")
     assert (other.run_id, other.continues, other.started_from) == (None, False, parent)
+
+
+def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_one_the_last_ones(tmp_path):
+    """The checkpoint holds one RNG state per rank that wrote it. Only a two-rank MPI test held it, and no test that
+    runs without mpiexec failed where every rank resumed rank 0's stream."""
+    cfg = compose_config(["experiment=cpu_demo"])
+    fresh = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+             "elapsed_s": 0.0}
+    streams = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        streams.append(checkpoint.rng_state(torch.device("cpu")))
+    path = tmp_path / "run" / "checkpoints" / "last.pt"
+    checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
+                           "config": OmegaConf.to_container(cfg, resolve=True),
+                           "train_state": {**fresh, "epoch_step": 3, "step": 3}, "rng": streams})
+    before = checkpoint.rng_state(torch.device("cpu"))
+    try:
+        for rank, world_size, stream in ((1, 2, 1), (2, 3, 1), (0, 2, 0)):
+            env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cpu"))
+            resume_into(path, dict(fresh), cfg, path.parent.parent, env, "train set", "test set", {})
+            resumed = torch.rand(4)
+            torch.set_rng_state(streams[stream]["torch"])
+            assert torch.equal(resumed, torch.rand(4)), (rank, world_size)
+    finally:
+        checkpoint.set_rng_state(before, torch.device("cpu"))
