@@ -62,6 +62,31 @@ def test_a_run_directory_is_free_once_its_job_is_killed_though_its_children_live
         job.communicate()
 
 
+def test_only_rank_0_holds_the_run_directory_the_other_ranks_pass_its_lock_and_make_nothing(tmp_path):
+    """Every rank enters hold_run_directory: one past rank 0 that took the lock too was refused by rank 0's, on a
+    node that shares the run directory, and made the folder on one that does not; no test that runs without mpiexec
+    failed."""
+    script = ("import sys\n"
+              "from pathlib import Path\n"
+              "from trainer.run_directory import hold_run_directory\n"
+              "with hold_run_directory(Path(sys.argv[1]), is_main=True):\n"
+              "    print('held', flush=True)\n"
+              "    sys.stdin.read()\n")
+    rank_0 = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank_0.stdout.readline() == "held\n"
+        lock_line = (tmp_path / ".lock").read_text()
+        with hold_run_directory(tmp_path, is_main=False):
+            pass
+        assert (tmp_path / ".lock").read_text() == lock_line
+    finally:
+        rank_0.communicate("")
+    with hold_run_directory(tmp_path / "not on this node", is_main=False):
+        pass
+    assert not (tmp_path / "not on this node").exists()
+
+
 @pytest.mark.parametrize("folder, written", [("checkpoints", "its checkpoints"),
                                              ("tensorboard", "its TensorBoard events")])
 def test_a_run_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_training(folder, written, tmp_path):
