@@ -189,6 +189,16 @@ def test_a_split_that_lists_no_utterance_exits_2_naming_its_listing(tiny_an4, tm
     assert not (tmp_path / "out" / f"{'an4_test' if corpus == 'an4' else 'dev-clean'}.jsonl").exists()
 
 
+def test_an4_audio_in_more_than_one_format_is_listed_in_the_first_of_flac_wav_and_sph(tiny_an4, tmp_path):
+    wav = tiny_an4 / "wav" / "an4_clstk"
+    write_audio(wav / "fash/an253-fash-b.sph", 0.5, format="NIST", subtype="PCM_16")
+    write_audio(wav / "mgah/cen1-mgah-b.wav", 0.75)
+    write_audio(wav / "mgah/cen1-mgah-b.flac", 0.75)
+    train = read_manifest(prepare_an4(tiny_an4, tmp_path / "out")["train"])
+    assert [Path(utterance.audio_filepath).name for utterance in train] == [
+        "an251-fash-b.flac", "an253-fash-b.wav", "cen1-mgah-b.flac"]
+
+
 def test_an4_is_rewritten_only_when_a_source_is_newer(tiny_an4, tmp_path):
     manifests = prepare_an4(tiny_an4, tmp_path / "out")
     assert set(manifests) == {"train", "test"}
