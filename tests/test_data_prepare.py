@@ -344,8 +344,8 @@ def test_librispeech_layout(tmp_path, caplog):
     assert len(read_manifest(tmp_path / "out" / "dev.jsonl")) == 3
     main(["librispeech", "--source", str(source), "--out", str(tmp_path / "out"), "--name", "dev2.jsonl"])
     assert len(read_manifest(tmp_path / "out" / "dev2.jsonl")) == 3  # was written as dev2.jsonl.jsonl
-    # A line breaks at "\n" only, and a tab after the id separates it as a space does.
-    (other / "174-50561.trans.txt").write_text("174-50561-0000\tFORGOTTEN\x85 TOO\n174-50561-0001 A\u2028B\n")
+    # A line breaks at "\n" only, a tab after the id separates it as a space does, and one of white space is none.
+    (other / "174-50561.trans.txt").write_text("174-50561-0000\tFORGOTTEN\x85 TOO\n \t\r\n174-50561-0001 A\u2028B\n")
     manifest = prepare_librispeech(source, tmp_path / "out")
     assert [(u.audio_filepath, u.text) for u in read_manifest(manifest) if u.speaker == "174"] == [
         (str(other / "174-50561-0000.flac"), "FORGOTTEN TOO")]  # the whole line; \x85 is white space to Python
