@@ -579,6 +579,27 @@ def test_librispeech_speakers_linked_into_the_source_are_read_once_each(tmp_path
         "19-198-0000.flac", "26-198-0000.flac", "27-124-0000.flac"]
 
 
+def test_of_two_links_to_one_speakers_folder_the_first_by_name_is_read_whatever_order_the_folder_lists_in(
+        tmp_path, monkeypatch):
+    """The manifest's paths do not depend on the order in which the file system lists a folder (ext4's is by hash)."""
+    elsewhere = tmp_path / "train-clean-100"
+    write_librispeech_chapter(elsewhere / "26", "198", "NORTHANGER ABBEY")
+    subset = tmp_path.resolve() / "subset"
+    subset.mkdir()
+    for name in ("26", "26-again"):
+        (subset / name).symlink_to(elsewhere / "26", target_is_directory=True)
+    walk = os.walk
+
+    def walk_listing_last_name_first(*args, **kwargs):  # a file system that lists a folder's names in that order
+        for folder, subfolders, files in walk(*args, **kwargs):
+            subfolders.sort(reverse=True)
+            yield folder, subfolders, files
+
+    monkeypatch.setattr(os, "walk", walk_listing_last_name_first)
+    utterances = read_manifest(prepare_librispeech(subset, tmp_path / "out"))
+    assert [utterance.audio_filepath for utterance in utterances] == [str(subset / "26" / "198" / "26-198-0000.flac")]
+
+
 def test_the_readmes_data_commands_prepare_every_manifest_they_train_on(tmp_path, monkeypatch):
     """The README prepared train-clean-100, then trained with manifests/dev-clean.jsonl as the test set, which none of
     its commands wrote: followed as written, the trainer stopped on a manifest that does not exist."""
