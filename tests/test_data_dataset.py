@@ -206,6 +206,19 @@ def test_a_skip_list_that_is_a_pipe_behind_a_link_is_written_into_never_renamed_
         os.close(reader)
 
 
+def test_a_skip_list_that_is_a_link_to_a_file_is_kept_and_its_file_emptied_where_none_is_left_out(tmp_path):
+    """The link (a run's list kept on a shared disk) stays, and the file it leads to no longer names files since
+    mended."""
+    write_noise(tmp_path / "good.wav", 1.0)
+    write_manifest(tmp_path / "m.jsonl", [Utterance(str(tmp_path / "good.wav"), 1.0, "YES", "a")])
+    listed, link = tmp_path / "lists" / "skipped.jsonl", tmp_path / "skipped.jsonl"
+    listed.parent.mkdir()
+    listed.write_text('{"audio_filepath": "said.wav", "reason": "unreadable", "detail": "an earlier job\'s"}\n')
+    link.symlink_to(listed)
+    SpeechDataset(tmp_path / "m.jsonl", FeatureExtractor("spectrogram"), skip_list=link).write_skip_list()
+    assert link.is_symlink() and listed.read_text() == ""
+
+
 def test_a_skip_list_written_to_stdout_under_a_shells_append_keeps_what_the_file_held(tmp_path):
     """trainer.evaluate --skipped /dev/stdout >> log.txt: the list was written beside the file /dev/stdout led to and
     renamed over it, losing what `>>` appended to, where `--out /dev/stdout` already wrote through the stream."""
