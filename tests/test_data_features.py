@@ -86,6 +86,7 @@ def test_unusable_audio_raises_audio_error_naming_file_and_reason(tmp_path):
         "empty.wav": "audio holds no samples",
         "zero-bytes.flac": r"an empty file \(0 bytes\), not audio$",
         "missing.wav": "no such audio file",
+        "a.wav/missing.wav": "no such audio file",  # a file where the path has a folder: Not a directory
         "folder.wav": "a folder, not an audio file",
         "pipe.wav": r"not a file \(a pipe, <\(...\), a device\); save the audio to one and name that",
         "device.wav": "not a file",
