@@ -260,6 +260,9 @@ def test_signals_raise_after_the_imports_only_where_the_tool_took_it_over():
         end_at_once_on_a_signal()
         signals_raise()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a tool's main() called from Python: nothing taken over
+        signals_raise()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
