@@ -457,6 +457,12 @@ def test_a_tool_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path):
         cli.run_tool(printing_into_a_full_disk)
     assert ended.value.code == 2
 
+    def writing_a_file_into_a_full_disk():  # its error names the file, which "cannot write stdout" would hide
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "out.json"))
+
+    with pytest.raises(OSError, match="out.json"):
+        cli.run_tool(writing_a_file_into_a_full_disk)
+
 
 def test_an_output_file_a_tool_cannot_write_ends_it_in_one_line_naming_the_file(tmp_path, capsys):
     # benchmarks.rnn_kernels, rnn_stack, train_step and wer_parity let write_output's error out as a traceback: each
