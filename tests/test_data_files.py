@@ -102,11 +102,15 @@ def test_leftovers_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
     target = tmp_path / "last.pt"
     leftover = files.temporary_beside(target)
     leftover.write_bytes(b"part of a checkpoint")
-    for kept in ("last.pt", ".best.pt.1-ab.tmp", ".last.pt.tmp.keep", "notes.txt"):
+    for kept in ("last.pt", ".best.pt.1-ab.tmp", ".last.pt.tmp.keep", ".last.pt2.1-ab.tmp", "notes.txt"):
         (tmp_path / kept).write_text("")
     files.remove_leftover_temporaries(target)
-    assert sorted(path.name for path in tmp_path.iterdir()) == [".best.pt.1-ab.tmp", ".last.pt.tmp.keep", "last.pt",
-                                                               "notes.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".best.pt.1-ab.tmp", ".last.pt.tmp.keep",
+                                                               ".last.pt2.1-ab.tmp", "last.pt", "notes.txt"]
+    bracketed = tmp_path / "step[1].pt"  # brackets that a glob pattern would take for a set of characters
+    files.temporary_beside(bracketed).write_bytes(b"part of a checkpoint")
+    files.remove_leftover_temporaries(bracketed)
+    assert not any(path.name.startswith(".step[1].pt.") for path in tmp_path.iterdir())
 
 
 def test_the_space_left_is_said_where_the_file_system_says_it_and_left_out_where_the_folder_is_gone(tmp_path):
