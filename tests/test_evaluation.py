@@ -568,6 +568,15 @@ def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source
     assert "evaluating" not in caplog.text
 
 
+def test_evaluation_stops_after_the_batch_in_progress_once_asked_to_and_returns_what_it_has(an4_source, tmp_path):
+    """A training run's stop signal mid-evaluation: the ranks waited for the whole test set to decode."""
+    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
+    five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
+    asked = iter([False, True])
+    counts, rows = evaluate_manifest(five, tmp_path, stop=lambda: next(asked))
+    assert len(rows) == 4 and counts.words == 4
+
+
 def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path, caplog):
     audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
     counts, rows = evaluate_manifest([(str(audio), 2.0, "TWO", "x"), (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")],
