@@ -258,6 +258,18 @@ def test_evaluate_names_a_few_of_a_test_set_left_out_and_skipped_lists_every_one
     assert "left out: 7 utterances (characters outside the alphabet)" in capsys.readouterr().out
 
 
+def test_evaluate_names_a_skip_list_it_cannot_write_in_one_line(tmp_path, capsys):
+    from trainer import cli, evaluate
+
+    soundfile.write(tmp_path / "a.wav", 0.1 * np.random.default_rng(0).standard_normal(16000), 16000)
+    (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
+                                              for name, text in [("a.wav", "A"), ("said.wav", "YES.")]))
+    assert cli.run_tool(lambda: evaluate.main(["--checkpoint", str(small_checkpoint(tmp_path / "small.pt")),
+                                               "--device", "cpu", "--manifest", str(tmp_path / "m.jsonl"),
+                                               "--skipped", "/dev/full"])) == 2
+    assert capsys.readouterr().err.endswith("error: cannot write /dev/full: No space left on device\n")
+
+
 @pytest.mark.parametrize("tool", ["evaluate", "transcribe"])
 def test_the_model_tools_decode_with_the_beam_search_that_beam_asks_for(tool, tmp_path, capsys):
     # A decoder built from --beam and then not passed on gave the greedy transcript, exit code 0. This untrained model
