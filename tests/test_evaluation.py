@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -566,8 +567,10 @@ def test_evaluation_compares_against_the_normalised_transcript(an4_source, tmp_p
     assert rows[0]["reference"] == "TWO SIX EIGHT" and counts.words == 3 and counts.unreadable == 0
 
 
-def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source, tmp_path, caplog):
+def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source, tmp_path, caplog, monkeypatch):
     """A batch job's log, where a large test set ran for minutes without a word."""
+    from trainer import evaluate
+
     caplog.set_level(logging.INFO)
     audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
     five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
@@ -578,6 +581,13 @@ def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source
     evaluate_manifest(five, tmp_path, progress_line_s=3600)
     evaluate_manifest(five, tmp_path, progress_bar=True, progress_line_s=0)  # the bar says it; stderr not captured
     assert "evaluating" not in caplog.text
+    # A clock 11 s later at each reading: asked for a line every 10 s, each batch gets one. At 0 s and an hour, above,
+    # a line every 20 s passed too.
+    readings = iter(range(0, 1000, 11))
+    monkeypatch.setattr(evaluate, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    evaluate_manifest(five, tmp_path, progress_line_s=10)
+    assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
+        "evaluating: batch 1 of 2", "evaluating: batch 2 of 2"]
 
 
 def test_evaluation_stops_after_the_batch_in_progress_once_asked_to_and_returns_what_it_has(an4_source, tmp_path):
