@@ -16,7 +16,7 @@ from conftest import REPO_ROOT, compose_config
 from prnn_kernels import relative_error
 from trainer import build
 from trainer.config import SET_MANIFESTS, check_config, known_config_keys, rank_settings
-from trainer.override_errors import command_line_error_line
+from trainer.override_errors import command_line_error_line, refused_by_hydra
 
 
 @pytest.mark.parametrize("experiment", ["cpu_demo", "an4_gpu", "deep100"])
@@ -119,6 +119,17 @@ def test_a_misspelling_close_to_several_names_is_offered_the_closest(override, s
     with pytest.raises(ConfigCompositionException) as error:
         compose_config([override])
     assert suggestion in command_line_error_line(error.value)
+
+
+def test_a_value_error_of_the_jobs_own_is_not_taken_for_hydras_refusal_of_the_command_line():
+    """Hydra's defaults list refuses a group given no option (experiment=null) in a ValueError of its own; one raised
+    anywhere else, taken for it, was reported as a config group's missing option, in one line with no traceback."""
+    with pytest.raises(ValueError) as hydras:
+        compose_config(["experiment=null"])
+    assert refused_by_hydra(hydras.value)
+    with pytest.raises(ValueError) as the_jobs:
+        check_config(compose_config(["model.depth=0"]))
+    assert not refused_by_hydra(the_jobs.value)
 
 
 PICK = " (optim=NAME picks an optimizer with its settings)"
