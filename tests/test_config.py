@@ -132,6 +132,16 @@ def test_a_value_error_of_the_jobs_own_is_not_taken_for_hydras_refusal_of_the_co
     assert not refused_by_hydra(the_jobs.value)
 
 
+def test_an_override_hydra_cannot_merge_is_refused_with_its_reason():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as error:
+        compose_config(["hydra.job.chdir=maybe"])
+    # Hydra's line names the override, its cause's what is wrong with it: without it, the line gave no reason
+    assert command_line_error_line(error.value) == ("Error merging override hydra.job.chdir=maybe; Value 'maybe' is "
+                                                    "not a valid bool (type str)")
+
+
 PICK = " (optim=NAME picks an optimizer with its settings)"
 
 
