@@ -1401,7 +1401,8 @@ def slurm_script(tmp_path: Path, *arguments: str, trainer_exit: int = 0,
 def slurm_stand_ins(tmp_path: Path, calls: Path, srun: str) -> dict:
     """The environment of a batch job of node07-08 whose srun runs the bash `srun` and whose scontrol records its
     calls in `calls`: both stand-ins in `tmp_path`, first on PATH."""
-    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && echo node07; exit 0'
+    # Both of the allocation's nodes, as `scontrol show hostnames node[07-08]` lists them: rank 0's is the first.
+    scontrol = f'echo "scontrol $*" >> {calls}; [[ $1 == show ]] && printf "node07\\nnode08\\n"; exit 0'
     for tool, body in (("srun", srun), ("scontrol", scontrol)):
         (tmp_path / tool).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (tmp_path / tool).chmod(0o755)
