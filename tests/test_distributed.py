@@ -887,9 +887,9 @@ def launch_script(script: str, *arguments: str, **environment: str | None) -> su
 
 def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp_path):
     # Every character a run name may hold besides letters and digits.
-    ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", RUN_NAME="first try_v1.2+b@ib-0")
+    ran = launch_script("single_node.sh", "4", "experiment=cpu_demo", RUN_NAME="first try_v1.2+b@ib-0")
     command = ran.stdout.splitlines()[-1]
-    assert ran.returncode == 0 and command.startswith("-np 2 --bind-to none "), ran.stderr
+    assert ran.returncode == 0 and command.startswith("-np 4 --bind-to none "), ran.stderr
     # Quoted, so that Hydra keeps any name a string: unquoted, 1e5 named the run 100000.0 and null None.
     assert command.endswith("-m trainer run_name='first try_v1.2+b@ib-0' experiment=cpu_demo")
     hosts = tmp_path / "hosts.txt"
