@@ -207,6 +207,9 @@ def test_a_cached_extension_that_does_not_load_says_to_remove_it(tmp_path):
 
 
 def test_a_cuda_home_that_is_no_toolkit_is_named_when_passed_over(tmp_path, monkeypatch, caplog):
+    # An nvcc without the toolkit's headers beside it (a wrapper script, as /usr/local/bin/nvcc): no toolkit either.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").touch(mode=0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     assert build.cuda_home() != tmp_path
     assert f"CUDA_HOME={tmp_path} is no CUDA toolkit" in caplog.text
