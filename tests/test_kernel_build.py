@@ -226,9 +226,14 @@ def test_the_toolkit_is_cuda_home_then_cuda_path_then_the_nvcc_on_path(tmp_path,
         return folder
 
     on_path, cuda_path, cuda_home = toolkit("on_path"), toolkit("cuda_path"), toolkit("cuda_home")
-    monkeypatch.setenv("PATH", f"{on_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc: the default place, where it holds a toolkit
+    usual = Path("/usr/local/cuda")
+    has_toolkit = (usual / "bin" / "nvcc").exists() and (usual / "include" / "cuda_runtime.h").exists()
+    assert build.cuda_home() == (usual if has_toolkit else None)
+    monkeypatch.setenv("PATH", f"{on_path / 'bin'}{os.pathsep}{path}")
     assert build.cuda_home() == on_path
     monkeypatch.setenv("CUDA_PATH", str(cuda_path))
     assert build.cuda_home() == cuda_path
