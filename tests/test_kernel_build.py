@@ -302,6 +302,12 @@ def test_a_build_whose_host_compiler_is_missing_names_it():
     assert build.first_build_error(only_nvcc_says) == "nvcc fatal   : Failed to preprocess host compiler properties."
 
 
+def test_a_build_error_of_a_thousand_characters_is_cut_short():
+    # A template's instantiation names every argument in nvcc's error line; auto's one warning would repeat it all.
+    error = RuntimeError(f"Error building extension 'x'\nfp32_forward.cu(12): error: no instance of {'T' * 1000}\n")
+    assert build.first_build_error(error) == f"fp32_forward.cu(12): error: no instance of {'T' * 1000}"[:300]
+
+
 def test_a_build_whose_library_does_not_load_is_a_reason_not_a_crash(broken_toolkit, monkeypatch):
     """torch's loader raises ImportError where the finished library does not load (built against a toolkit whose CUDA
     runtime this machine lacks); it escaped the support query, so backend auto ended the run instead of using cuDNN.
