@@ -25,6 +25,7 @@ import soundfile
 import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from conftest import REPO_ROOT, TINY, compose_config, data_loading_workers, wait_for_file, wait_for_text, write_slice
 from data.manifest import read_manifest
@@ -249,9 +250,16 @@ def test_resume_continues_exactly_where_it_stopped(an4_train, tmp_path):
     attempt.mkdir()
     (attempt / "metrics.jsonl").write_text(json.dumps({"step": 1, "epoch": 1, "loss": 1.0}) + "\n")
     (attempt / "jobs.jsonl").write_text(json.dumps({"run_id": "a failed attempt's", "from_step": 0}) + "\n")
+    with SummaryWriter(attempt / "tensorboard") as attempts_events:
+        attempts_events.add_scalar("train/loss", 1.0, 1)
     own = train(attempt, utterances, *common, "train.max_steps=4", f"train.resume={tmp_path / 'step3.pt'}")
     assert "another run directory's checkpoint: this run writes to" in own.output
     assert sorted(read_metrics(attempt)[0]) == [4]
+    # TensorBoard too: purged from the checkpoint's next step on, as a continued run's events are, the attempt's
+    # step 1 was left among this run's.
+    events = EventAccumulator(str(attempt / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == [4]
     assert [json.loads(line)["from_step"] for line in (attempt / "jobs.jsonl").read_text().splitlines()] == [3]
 
 
