@@ -589,6 +589,12 @@ def test_a_cpu_rank_names_its_thread_count_in_words_that_agree():
         torch.set_num_threads(threads)
 
 
+def test_a_gpu_rank_is_named_by_its_gpu(monkeypatch):
+    # Only a CUDA test checked it: a mutant that named the CPU in a GPU job's records passed wherever there is no GPU.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert device_name(torch.device("cuda", 0)) == "NVIDIA H100 80GB HBM3"
+
+
 def test_a_sweep_exits_2_where_every_failure_was_a_user_error_else_1(monkeypatch, capsys):
     monkeypatch.setattr(trainer_main, "_failed_sweep_jobs", [])
     assert trainer_main.sweep_exit_code() == 0
