@@ -438,7 +438,7 @@ device, ending = sys.argv[1:]
 loader = DataLoader(StuckAtTheThirdBatch(), batch_size=2, num_workers=1, pin_memory=device == "cuda",
                     worker_init_fn=ignore_in_data_workers)
 stop = StopSignals()
-batches = start_data_workers(loader, stopping=stop.came if ending == "a stop signal" else None)
+batches = start_data_workers(loader, stopping=stop.came if ending.startswith("a stop signal") else None)
 for batch in itertools.islice(batches, 2):
     print(batch.tolist())
 if ending == "a second Ctrl-C":  # as the third batch is waited on
@@ -452,6 +452,12 @@ elif ending == "a stop signal":  # a scheduler's, as the third batch is waited o
         stop.listen()
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
         print(next(batches))
+elif ending == "a stop signal before the batch is asked for":  # the worker is stuck already: None comes at once
+    with stop:
+        stop.listen()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
+        print(next(batches))
 elif ending == "the training process killed":  # by the out-of-memory killer, as the worker reads the third batch
     print(*(worker.pid for worker in multiprocessing.active_children()), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -461,7 +467,8 @@ else:  # as a training loop's break at train.max_steps or on a stop signal lets 
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("ending", ["a second Ctrl-C", "a stop signal", "no more batches wanted"])
+@pytest.mark.parametrize("ending", ["a second Ctrl-C", "a stop signal", "a stop signal before the batch is asked for",
+                                    "no more batches wanted"])
 def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, ending):
     """Torch's shutdown of its workers sends SIGTERM, which they ignore, and Python's exit then waited for a stuck one
     for ever: after a run's "interrupted by Ctrl-C", or its stop at train.max_steps. On a GPU the batches pass through
@@ -477,7 +484,8 @@ def test_batches_that_end_early_leave_no_stuck_data_worker_to_wait_for(device, e
             os.killpg(job.pid, signal.SIGKILL)
     said = ("SIGTERM received: stopping when the training step or evaluation in progress ends, writing "
             "checkpoints/last.pt")
-    last = {"a second Ctrl-C": ["interrupted"], "a stop signal": [said, "None"], "no more batches wanted": []}[ending]
+    last = {"a second Ctrl-C": ["interrupted"], "a stop signal": [said, "None"],
+            "a stop signal before the batch is asked for": [said, "None"], "no more batches wanted": []}[ending]
     assert job.returncode == 0 and output.splitlines() == ["[0, 1]", "[2, 3]", *last], output
 
 
