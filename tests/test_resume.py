@@ -21,6 +21,10 @@ from trainer.resume import (
     run_started_from, settle_best,
 )
 
+# A run's train state before its first step, as trainer.train starts it.
+FRESH_STATE = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
+               "elapsed_s": 0.0}
+
 
 def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_backend(tmp_path):
     saved = OmegaConf.to_container(compose_config(["model.hidden=64", "optim=adamw"]), resolve=True)
@@ -409,8 +413,7 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
     """A resume from an earlier checkpoint or a copy took its figures (or none): an epoch worse than best.pt's
     replaced it."""
     run_dir, earlier = tmp_path / "run", tmp_path / "copy.pt"
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
+    state = dict(FRESH_STATE)
 
     def saved(step, best_wer, test_set="A"):
         return {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": test_set,
@@ -451,8 +454,7 @@ def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_b
     this one, so its first evaluation, however worse, became best.pt, and the next resume removed the kept best-A.pt
     as an alias of it, losing the best model on this test set."""
     run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
+    state = dict(FRESH_STATE)
     kept = {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": "8 utterances, sha256 A",
             "train_state": {**state, "epoch": 1, "step": 2, "best_unreadable": 0, "best_wer": 10.0}}
     later = {**kept, "test_set": "8 utterances, sha256 B", "train_state": {**kept["train_state"], "step": 4}}
@@ -474,8 +476,7 @@ def test_a_kept_best_that_scores_better_than_best_pt_on_its_test_set_is_best_pt_
     evaluation back on this one, however worse, became best.pt beside the better best-A.pt kept for it. The next resume
     took best.pt's evaluation as the one to beat and removed best-A.pt as an alias of it, losing the best model."""
     run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
+    state = dict(FRESH_STATE)
 
     def best_on_a(step, best_unreadable, best_wer):
         return {**{part: {} for part in checkpoint.TRAINING_PARTS}, "test_set": "8 utterances, sha256 A",
@@ -511,8 +512,7 @@ def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_
     """One from before checkpoints recorded their test set was taken as this test set's: its WER, perhaps over another
     set, was the one to beat, so an evaluation here might never replace it, and the best model here was lost."""
     run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
+    state = dict(FRESH_STATE)
     old_best = {**{part: {} for part in checkpoint.TRAINING_PARTS},
                 "train_state": {**state, "epoch": 4, "step": 8, "best_unreadable": 0, "best_wer": 5.0}}
     resumed.write_bytes(b"")  # what it holds is old_best's
@@ -537,8 +537,7 @@ def test_a_second_best_pt_that_records_no_test_set_is_refused_rather_than_kept_o
     """best-unknown-test-set.pt was replaced by the next best.pt without a test set (one put back by hand), silently:
     the first was lost."""
     run_dir, resumed = tmp_path / "run", tmp_path / "last.pt"
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
+    state = dict(FRESH_STATE)
 
     def old_best(step):
         return {**{part: {} for part in checkpoint.TRAINING_PARTS},
@@ -639,18 +638,16 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     refused)."""
     cfg = compose_config(["experiment=cpu_demo"])
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
-    fresh = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
 
     def saved(path, **record):
         checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
                                "config": OmegaConf.to_container(cfg, resolve=True),
-                               "train_state": {**fresh, "epoch_step": 3, "step": 3},
+                               "train_state": {**FRESH_STATE, "epoch_step": 3, "step": 3},
                                "rng": [checkpoint.rng_state(env.device)], **record})
         return path
 
     def start(path, run_dir):
-        return resume_into(path, dict(fresh), cfg, run_dir, env, "train set", "test set", {})
+        return resume_into(path, dict(FRESH_STATE), cfg, run_dir, env, "train set", "test set", {})
 
     own = tmp_path / "run" / "checkpoints" / "last.pt"
     before_run_ids = start(saved(own), own.parent.parent)
@@ -666,8 +663,6 @@ def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_o
     """The checkpoint holds one RNG state per rank that wrote it. Only a two-rank MPI test held it, and no test that
     runs without mpiexec failed where every rank resumed rank 0's stream."""
     cfg = compose_config(["experiment=cpu_demo"])
-    fresh = {"epoch": 0, "epoch_step": 0, "step": 0, "best_unreadable": math.inf, "best_wer": math.inf,
-             "elapsed_s": 0.0}
     streams = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -675,12 +670,12 @@ def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_o
     path = tmp_path / "run" / "checkpoints" / "last.pt"
     checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
                            "config": OmegaConf.to_container(cfg, resolve=True),
-                           "train_state": {**fresh, "epoch_step": 3, "step": 3}, "rng": streams})
+                           "train_state": {**FRESH_STATE, "epoch_step": 3, "step": 3}, "rng": streams})
     before = checkpoint.rng_state(torch.device("cpu"))
     try:
         for rank, world_size, stream in ((1, 2, 1), (2, 3, 1), (0, 2, 0)):
             env = DistEnv(rank=rank, world_size=world_size, device=torch.device("cpu"))
-            resume_into(path, dict(fresh), cfg, path.parent.parent, env, "train set", "test set", {})
+            resume_into(path, dict(FRESH_STATE), cfg, path.parent.parent, env, "train set", "test set", {})
             resumed = torch.rand(4)
             torch.set_rng_state(streams[stream]["torch"])
             assert torch.equal(resumed, torch.rand(4)), (rank, world_size)
