@@ -318,11 +318,21 @@ def signal_after_a_sweep_jobs_work() -> None:
         time.sleep(0.01)  # Python runs a handler between bytecodes, soon after the signal
 
 
-@pytest.mark.parametrize("signal_outside_the_block", [signal_as_the_trainer_imports, signal_after_a_sweep_jobs_work])
+def signal_before_a_sweep_job_fails() -> None:
+    with contextlib.suppress(ValueError), StopSignals() as stop:
+        stop.listen()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        raise ValueError("the job's own error, before it could stop")
+
+
+@pytest.mark.parametrize("signal_outside_the_block", [signal_as_the_trainer_imports, signal_after_a_sweep_jobs_work,
+                                                      signal_before_a_sweep_job_fails])
 def test_a_stop_signal_outside_the_trainers_block_ends_the_next_one_before_training(signal_outside_the_block,
                                                                                    monkeypatch):
-    """One that came while `python -m trainer` imported torch, or after a sweep job's last evaluation began (too late
-    to stop it), is not lost: the next StopSignals block (the job's training, the sweep's next job) ends on it."""
+    """One that came while `python -m trainer` imported torch, after a sweep job's last evaluation began (too late
+    to stop it), or before a sweep job failed (the sweep ran its next job as if none came), is not lost: the next
+    StopSignals block (the job's training, the sweep's next job) ends on it."""
     monkeypatch.setattr("trainer.stop._early_signal", [])  # none an earlier test's block kept
     handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
     signal_outside_the_block()

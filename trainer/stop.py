@@ -119,11 +119,11 @@ class StopSignals:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
-        if self.received is not None and exception_type is None:
-            # One the run ended without stopping on, its work done (after its last evaluation): a sweep's next job
-            # ends on it before training begins, as on one that comes between jobs, rather than run as if none came.
-            # (One the run stopped on is kept too, unread: the process exits with its code right after, trainer's
-            # __main__.)
+        if self.received is not None:
+            # One the run ended without stopping on, its work done (after its last evaluation) or an error raised: a
+            # sweep's next job ends on it before training begins, as on one that comes between jobs, rather than run
+            # as if none came. (One the run stopped on is kept too, unread: the process exits with its code right
+            # after, trainer's __main__.)
             _early_signal.append(self.received)
             self.received = None
 
