@@ -366,6 +366,22 @@ def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
         assert relative_error(parameter.double(), twin.double()) <= 1e-6
 
 
+@pytest.mark.parametrize("amp, device, dtype", [("bf16", "cuda", torch.bfloat16), ("none", "cuda", torch.float32),
+                                                ("bf16", "cpu", torch.float32), ("none", "cpu", torch.float32)])
+def test_only_train_amp_bf16_on_a_gpu_computes_in_bf16(amp, device, dtype):
+    """The README's train.amp: bf16 autocast on a GPU, or none; a CPU always runs fp32. Asked of a device that is
+    named, not used, so a CPU checks the GPU's answers too."""
+    device = torch.device(device)
+    assert build.uses_amp(amp, device) == (dtype == torch.bfloat16)
+    assert build.compute_dtype(amp, device) == dtype
+
+
+@pytest.mark.parametrize("amp", ["bf16", "none"])
+def test_a_forward_pass_on_a_cpu_runs_in_fp32_whatever_train_amp_says(amp):
+    with build.autocast(amp, torch.device("cpu")):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
 def test_lr_schedule_warms_up_then_anneals_per_epoch():
     cfg = compose_config(["optim=adamw", "optim.lr=1.0", "optim.warmup_steps=4", "optim.anneal=0.5"])
     parameter = torch.nn.Parameter(torch.zeros(1))
