@@ -435,6 +435,24 @@ def test_a_mistyped_huge_depth_is_refused_at_once(optim, need):
     assert time.monotonic() - started < 30
 
 
+def test_a_unidirectional_model_too_large_is_refused_naming_its_lookahead():
+    """A unidirectional model's lookahead convolution holds weights of its own: its refusal names it."""
+    cfg = compose_config(["experiment=cpu_demo", "model.depth=100000", "model.hidden=800", "model.bidirectional=false"])
+    with pytest.raises(ValueError, match=rf"model.bidirectional=false model.conv_channels=\d+ "
+                                         rf"model.lookahead={cfg.model.lookahead}\) has "):
+        build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
+
+
+def test_a_refusal_names_what_a_rank_has_and_what_its_ranks_share(monkeypatch):
+    """One rank has the whole device and is told so without a share; four each have a quarter of it."""
+    monkeypatch.setattr(build, "device_memory", lambda device: 8 * 2**30)
+    cfg = compose_config(["experiment=cpu_demo", "model.depth=100000", "model.hidden=800"])
+    with pytest.raises(ValueError, match=r"more than the 8.0 GiB cpu has for it$"):
+        build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"more than the 2.0 GiB cpu has for it \(8.0 GiB shared by 4 ranks\)$"):
+        build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"), ranks_on_device=4)
+
+
 # Another value for each key a rank may hold apart from the others (RANKS_MAY_DIFFER), as a rank on another node
 # started a second later would.
 ANOTHER_RANKS_VALUE = {
