@@ -1,5 +1,6 @@
 """The config: every experiment composes, the README lists each key, each bad value is refused naming its key; the
 optimizer, its schedule and the model size built from it."""
+import io
 import os
 import re
 import shutil
@@ -451,6 +452,29 @@ def test_a_refusal_names_what_a_rank_has_and_what_its_ranks_share(monkeypatch):
         build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"more than the 2.0 GiB cpu has for it \(8.0 GiB shared by 4 ranks\)$"):
         build.check_model_fits(cfg.model, cfg.optim.name, 40, torch.device("cpu"), ranks_on_device=4)
+
+
+MEMINFO = "MemTotal:       16000000 kB\nMemFree:          500000 kB\n{available}SwapTotal:       4000000 kB\n" \
+          "SwapFree:        1000000 kB\n"
+
+
+def test_a_cpu_has_its_available_memory_and_free_swap_not_its_total(monkeypatch):
+    """What Linux gives before its out-of-memory killer: MemTotal counts memory that other processes hold."""
+    meminfo = MEMINFO.format(available="MemAvailable:    3000000 kB\n")
+    monkeypatch.setattr(build, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert build.device_memory(torch.device("cpu")) == 1024 * (3000000 + 1000000)
+
+
+def unreadable(path):
+    raise PermissionError(f"[Errno 13] Permission denied: {path!r}")
+
+
+@pytest.mark.parametrize("opened", [unreadable, lambda path: io.StringIO(MEMINFO.format(available=""))],
+                         ids=["unreadable", "without MemAvailable"])
+def test_a_cpu_without_a_meminfo_to_read_has_its_physical_memory(monkeypatch, opened):
+    """Linux before 3.14 gives no MemAvailable; a sandbox may give no /proc."""
+    monkeypatch.setattr(build, "open", opened, raising=False)
+    assert build.device_memory(torch.device("cpu")) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # Another value for each key a rank may hold apart from the others (RANKS_MAY_DIFFER), as a rank on another node
