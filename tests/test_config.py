@@ -477,6 +477,13 @@ def test_a_cpu_without_a_meminfo_to_read_has_its_physical_memory(monkeypatch, op
     assert build.device_memory(torch.device("cpu")) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+@pytest.mark.parametrize("count, decimals, reads", [
+    (1_306_000, 1, "1.3M"), (1_306_000, 2, "1.31M"), (999_940_000, 1, "999.9M"), (10**9, 1, "1.0B"),
+    (769_116_600_000, 1, "769.1B"), (1_234_567_000_000, 1, "1,234.6B")])
+def test_a_parameter_count_reads_in_millions_or_billions(count, decimals, reads):
+    assert build.millions_or_billions(count, decimals) == reads
+
+
 # Another value for each key a rank may hold apart from the others (RANKS_MAY_DIFFER), as a rank on another node
 # started a second later would.
 ANOTHER_RANKS_VALUE = {
