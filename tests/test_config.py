@@ -340,9 +340,10 @@ def test_unknown_optimizer_names_the_key():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
-    # AdamW's betas other than torch's defaults: a build that ignored optim.betas passed.
-    betas = ["optim.betas=[0.8,0.99]"] if name == "adamw" else []
-    cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=1e-2", *betas])
+    # Settings other than torch's defaults and the config's: a build that ignored optim.betas, optim.momentum or
+    # AdamW's optim.weight_decay passed.
+    chosen = ["optim.betas=[0.8,0.99]"] if name == "adamw" else ["optim.momentum=0.8"]
+    cfg = compose_config([f"optim={name}", "optim.lr=1e-2", "optim.weight_decay=3e-2", *chosen])
     generator = torch.Generator().manual_seed(0)
     shapes = [(800, 161), (3, 3), (2400,)]
     parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
@@ -353,9 +354,9 @@ def test_optimizers_are_fused_and_step_as_torch_default_does(name, device):
     # Torch's default (foreach kernels) with the settings as the config and the README give them, not as the fused
     # optimizer took them.
     if name == "sgd":
-        default = torch.optim.SGD(expected, lr=1e-2, momentum=cfg.optim.momentum, nesterov=True, weight_decay=1e-2)
+        default = torch.optim.SGD(expected, lr=1e-2, momentum=0.8, nesterov=True, weight_decay=3e-2)
     else:
-        default = torch.optim.AdamW(expected, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2)
+        default = torch.optim.AdamW(expected, lr=1e-2, betas=(0.8, 0.99), weight_decay=3e-2)
     for _ in range(3):
         for parameter, twin in zip(parameters, expected):
             parameter.grad = torch.randn(parameter.shape, generator=generator).to(device)
