@@ -552,6 +552,12 @@ def evaluate_manifest(utterances, tmp_path, **options):
     return evaluate(model, dataset, eval_shards(dataset.durations, 1, 4)[0], torch.device("cpu"), **options)
 
 
+def five_test_utterances(an4_source):
+    """Five of AN4's test files as manifest rows, each said to be "TWO": batches of 4 make two of them."""
+    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
+    return [(str(path), 2.0, "TWO", "x") for path in audio]
+
+
 def test_evaluation_counts_audio_too_short_for_its_transcript_apart_from_unreadable_audio(tmp_path):
     soundfile.write(tmp_path / "short.wav", np.full(1, 0.1, np.float32), 16000)  # its manifest says 2 s
     counts, rows = evaluate_manifest([(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
@@ -572,8 +578,7 @@ def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source
     from trainer import evaluate
 
     caplog.set_level(logging.INFO)
-    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
-    five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
+    five = five_test_utterances(an4_source)
     evaluate_manifest(five, tmp_path, progress_line_s=0)
     assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
         "evaluating: batch 1 of 2", "evaluating: batch 2 of 2"]
@@ -592,8 +597,7 @@ def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source
 
 def test_evaluation_stops_after_the_batch_in_progress_once_asked_to_and_returns_what_it_has(an4_source, tmp_path):
     """A training run's stop signal mid-evaluation: the ranks waited for the whole test set to decode."""
-    audio = sorted((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))[:5]
-    five = [(str(path), 2.0, "TWO", "x") for path in audio]  # batches of 4: two
+    five = five_test_utterances(an4_source)
     asked = iter([False, True])
     counts, rows = evaluate_manifest(five, tmp_path, stop=lambda: next(asked))
     assert len(rows) == 4 and counts.words == 4
