@@ -553,6 +553,19 @@ def test_fp32_parameters_of_a_bf16_layer_get_unrounded_fp32_gradients(cell):
         assert not torch.equal(fp32_grad.to(torch.bfloat16).float(), fp32_grad)  # not rounded on the way
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_an_fp32_initial_state_of_a_bf16_layer_runs_as_its_bf16_rounding(cell):
+    """A bf16 layer handed an fp32 state (as a model under autocast may hold it) runs it rounded to bf16."""
+    leaves, lengths = random_layer(cell, 17, 4, 300, torch.bfloat16, True, seed=5)
+    input_proj, hx, weight_hh, bias_hh = layer_arguments(cell, [t.detach() for t in leaves])
+    in_fp32 = tuple(h.float() for h in hx) if cell == "lstm" else hx.float()
+    expected, _ = persistent_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, False)
+    output, _ = persistent_layer(cell, input_proj, in_fp32, weight_hh, bias_hh, lengths, False)
+    persistent.raise_if_failed()
+    assert torch.equal(output, expected)
+
+
 @pytest.mark.parametrize("cell, batch_size, dtype, message", [
     ("conv", 4, torch.float32, "is not one of"), ("relu", 33, torch.float32, "batch size 33"),
     ("gru", 4, torch.float16, "dtype")])
@@ -906,6 +919,34 @@ def test_raise_if_failed_waits_for_launches_on_other_streams(monkeypatch):
 
 
 @pytest.mark.cuda
+def test_a_failed_launch_is_raised_by_the_next_pass_on_its_device(monkeypatch):
+    """The lazy check the module promises, without raise_if_failed: once a failed launch's status has reached the host
+    (here after a synchronisation), the next forward or backward on the device raises it before launching."""
+    leaves, lengths = random_layer("relu", 64, 4, 2048, torch.float32, True, seed=5)
+
+    def forward(timeout_s):
+        monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", timeout_s)  # 0: every wait that finds a flag unset fails
+        return persistent_layer("relu", *leaves, lengths, False)[0]
+
+    forward(0.0)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="timed out"):
+        forward(4.0)  # after a failed forward
+    output = forward(0.0)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 4.0)
+    with pytest.raises(RuntimeError, match="timed out"):
+        output.sum().backward()  # the backward of a failed forward
+    output = forward(4.0)
+    monkeypatch.setattr(persistent, "SPIN_TIMEOUT_S", 0.0)
+    output.sum().backward()
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="timed out"):
+        forward(4.0)  # after a failed backward
+    assert_the_next_launch_is_right("relu", leaves, lengths, torch.float32)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_layer_on_another_gpu_than_the_current_one_trains_and_reports_there():
     """The status word's copy and its event on the word's own GPU: recorded on the current one, the backward (on
@@ -934,6 +975,10 @@ def test_lengths_and_bias_pairs_as_callers_pass_them():
                                                       [9] * 3)[0])
     expected, _ = persistent_layer("gru", input_proj, hx, weight_hh, None, torch.tensor([9, 5, 3]), False)
     assert torch.equal(persistent_layer("gru", input_proj, hx, weight_hh, None, [9, 5, 3], False)[0], expected)
+    # gate inputs in another layout than the kernel reads (a caller's own projection) as their contiguous copy
+    strided = input_proj.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    assert torch.equal(persistent_layer("gru", strided, hx, weight_hh, None, [9, 5, 3], False)[0], expected)
     # numpy's unsigned lengths, which torch cannot compare (this raised NotImplementedError), as int64 ones
     unsigned = np.array([9, 5, 3], dtype=np.uint64)
     assert torch.equal(persistent_layer("gru", input_proj, hx, weight_hh, None, unsigned, False)[0], expected)
