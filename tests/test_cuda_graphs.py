@@ -11,6 +11,7 @@ from data.dataset import Sample, collate
 from data.text import NUM_CLASSES
 from models.cuda_graphs import CudaGraphed, check_capturable, collector_paused
 from prnn_kernels import GRU, relative_error
+from prnn_kernels.persistent import support
 from conftest import compose_config
 from trainer import build
 from trainer.distributed import DistEnv
@@ -133,6 +134,42 @@ def test_graphed_steps_match_eager_steps(amp, no_tf32):
 ], ids=lambda value: ",".join(value) if isinstance(value, list) else value)
 def test_graphed_steps_of_other_models_match_eager_steps(amp, model_overrides, no_tf32):
     assert_graphed_steps_match_eager_steps(amp, model_overrides)
+
+
+@pytest.mark.cuda
+def test_the_graphed_model_gives_the_models_outputs_and_evaluates_eagerly(no_tf32):
+    """Training mode replays graphs of the batch padded to 150 frames and returns the model's own frames; evaluation
+    mode runs the model itself, with its running statistics, and captures nothing."""
+    device = torch.device("cuda")
+    cfg = compose_config(["model.depth=2", "model.hidden=64", "model.conv_channels=4", "model.backend=persistent",
+                          "data.features.kind=mel", f"data.features.n_mels={NUM_FEATURES}", "train.amp=none"])
+    model, _, _ = setup(cfg, device)
+    graphed = CudaGraphed(model, PAD_FRAMES, amp=False)
+    batch = random_batch(torch.Generator().manual_seed(3), 4, 120)
+    features, lengths = batch.features.to(device), batch.feature_lengths.to(device)
+    for mode in ("train", "eval"):
+        getattr(graphed, mode)()
+        log_probs, out_lengths = graphed(features, lengths)
+        expected, expected_lengths = model(features, lengths)
+        assert log_probs.shape == expected.shape and torch.equal(out_lengths, expected_lengths), mode
+        valid = torch.arange(expected.shape[0], device=device)[:, None] < expected_lengths[None, :]
+        assert relative_error(log_probs[valid].double(), expected[valid].double()) <= 1e-5, mode
+    assert graphed._graphed.keys() == {(4, 150)}
+
+
+@pytest.mark.cuda
+def test_a_layer_that_runs_persistent_only_in_bf16_is_captured_under_bf16_autocast():
+    """The capture asks each layer's backend at the dtype the graphs run in: a GRU of 3072 units fits on chip in bf16,
+    not in fp32, where backend auto would run cuDNN, which a graph cannot hold."""
+    device = torch.device("cuda")
+    assert support("gru", 3072, 4, torch.bfloat16, device).ok and not support("gru", 3072, 4, torch.float32, device).ok
+    cfg = compose_config(["model.depth=1", "model.hidden=3072", "model.bidirectional=false", "model.conv_channels=2",
+                          "model.backend=auto", "data.features.kind=mel", f"data.features.n_mels={NUM_FEATURES}"])
+    model, _, _ = setup(cfg, device)
+    graphed = CudaGraphed(model, PAD_FRAMES, amp=True)
+    batch = random_batch(torch.Generator().manual_seed(4), 4, 120)
+    log_probs, _ = graphed(batch.features.to(device), batch.feature_lengths.to(device))
+    assert graphed.is_captured((4, 150)) and torch.isfinite(log_probs).all()
 
 
 @pytest.mark.cuda
