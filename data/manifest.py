@@ -117,8 +117,9 @@ def _parse_line(line: str, path: Path, line_number: int, audio_folder: Path | No
     if not (is_real(duration) and 0 <= duration <= MAX_DURATION):
         raise ValueError(f"{where}: 'duration' must be a number of seconds from 0 to {MAX_DURATION:g}, "
                          f"got {duration!r}")
-    if record.get("offset") not in (None, 0):
-        raise ValueError(f"{where}: 'offset' {record['offset']!r} (a segment of a longer file) is not supported; "
+    offset = record.get("offset")
+    if offset is not None and not (is_real(offset) and offset == 0):
+        raise ValueError(f"{where}: 'offset' {offset!r} (a segment of a longer file) is not supported; "
                          "cut the segment into a file of its own")
     if not isinstance(text, str):
         raise ValueError(f"{where}: 'text' must be a string, got {text!r}")

@@ -214,6 +214,8 @@ def test_an_empty_manifest_file_is_refused_by_its_size(tmp_path):
          "nested too deeply"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": 2.5, "text": "A"}', "'offset' 2.5 .* not supported"),
         ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": -1.0, "text": "A"}', "'offset' -1.0 .* not supported"),
+        ('{"audio_filepath": "a.wav", "duration": 1.0, "offset": false, "text": "A"}',
+         "'offset' False .* not supported"),  # JSON's false is no number here, 0 though it compares
         ('{"duration": 1.0, "text": "A"}', "'audio_filepath'"),
         ('{"audio_filepath": "", "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got ''"),
         ('{"audio_filepath": 7, "duration": 1.0, "text": "A"}', "'audio_filepath' must be a non-empty string, got 7"),
