@@ -618,6 +618,19 @@ def test_a_language_model_of_an_order_past_the_longest_transcript_is_that_transc
     assert lm.build_arpa([["YES"]], 10**9) == lm.build_arpa([["YES"]], 3)
 
 
+def test_a_language_model_of_an_order_its_reader_cannot_take_is_refused_before_it_is_built(tmp_path, capsys):
+    # --order 150 over a transcript of 120 words wrote a 122-gram model that trainer.evaluate and trainer.transcribe
+    # then refused ("not an ARPA header line: 'ngram 100=5'"): the reader takes orders of two digits.
+    text = "yes no " * 60
+    (tmp_path / "m.jsonl").write_text(f'{{"audio_filepath": "a.wav", "duration": 1.0, "text": "{text}"}}\n')
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "100", "--out", str(tmp_path / "m.arpa")])
+    assert refused.value.code == 2 and not (tmp_path / "m.arpa").exists()
+    assert "argument --order: must be at most 99, not 100" in capsys.readouterr().err
+    assert lm.main(["--manifest", str(tmp_path / "m.jsonl"), "--order", "99", "--out", str(tmp_path / "m.arpa")]) == 0
+    assert lm.NGramLM.from_arpa(tmp_path / "m.arpa").order == 99
+
+
 def test_a_language_model_counts_an_audio_files_transcript_once(tmp_path, monkeypatch, capsys):
     # A manifest given twice (as it is, as ./m.jsonl, through a link) counted its transcripts twice: every n-gram's
     # count doubled, and the discounts and backoff weights with them. Training keeps an audio file listed again once.

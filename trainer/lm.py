@@ -27,7 +27,7 @@ from typing import BinaryIO
 from data.cli import input_path
 from data.manifest import file_identity, numbered_lines, print_paths_printable, printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
-from trainer.cli import check_not_an_input, lines_stream, output_file, positive_int, run_tool, write_output
+from trainer.cli import check_not_an_input, int_at_least, lines_stream, output_file, run_tool, write_output
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
@@ -38,6 +38,9 @@ NEVER_LOG10 = -99.0  # ARPA's log10 probability for <s>, which is only ever a hi
 # A number as ARPA files write it (inf and nan are taken here to be refused as not finite): float() also reads "-0_7"
 # as -7 and "-٠.٧" (digits of another script) as -0.7, which took a damaged model's numbers for others.
 _ARPA_NUMBER = re.compile(r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.I)
+# The highest order the reader takes (two digits in "ngram N=" and "\N-grams:"): trainer.lm builds none past it, which
+# the tools that decode with it would refuse.
+MAX_ORDER = 99
 # How a KenLM binary model (build_binary's output, which deepspeech.pytorch and ctcdecode take) begins, complete or not.
 _KENLM_BINARY_MAGIC = b"mmap lm http://kheafield.com/code"
 
@@ -277,8 +280,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, type=input_path,
                         help="JSONL manifests whose transcripts to count")
-    parser.add_argument("--order", type=positive_int, default=3,
-                        help="the longest n-gram (default: 3; at most the longest transcript with <s> and </s>)")
+    parser.add_argument("--order", type=int_at_least(1, at_most=MAX_ORDER), default=3,
+                        help=f"the longest n-gram, at most {MAX_ORDER} (default: 3; at most the longest transcript "
+                             "with <s> and </s>)")
     parser.add_argument("--out", type=output_file, required=True, help="the ARPA file to write")
     args = parser.parse_args(argv)
     try:
