@@ -227,6 +227,12 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
                        "key (misspelt in an experiment file, or added by a + override?)"),
     ("+data.features.rate=8000", "unknown config key data.features.rate: conf/train.yaml and conf/{model,data,optim}/ "
                                  "define no such key (misspelt in an experiment file, or added by a + override?)"),
+    # A known group of keys given a value in place of its keys: it was called a key no config file defines.
+    ("train=null", "train must be a mapping of its keys (train.amp, train.checkpoint_every_steps, ...), not None"),
+    ("data.features=null", "data.features must be a mapping of its keys (data.features.hop_ms, data.features.kind, "
+                           "...), not None"),
+    ("data.augment.masks=5", "data.augment.masks must be a mapping of its keys (data.augment.masks.freq_mask, "
+                             "data.augment.masks.max_time_fraction, ...), not 5"),
     # Each rule's bound, just past it: mutating any bound (>= 1 into >= 0, < 1 into <= 1, dropping a check) passed.
     ("seed=-1", "seed must be an integer from 0 to 2**32 - 1, not -1"),
     ("seed=4294967296", "seed must be an integer from 0 to 2**32 - 1, not 4294967296"),

@@ -138,11 +138,18 @@ def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Raises ValueError naming the first key no config file defines, or else the first value CONFIG_RULES refuses
-    (interpolations resolved first), or else the chosen optimizer's own setting refused or the other optimizer's
-    given (OPTIMIZER_KEYS), train.cuda_graphs=true with model.backend=cudnn or device=cpu, feature and SpecAugment
-    settings that cannot work together, or a model.backend that device=cpu cannot run."""
-    unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known_config_keys())
+    """Raises ValueError naming the first key no config file defines (or a group of keys given a value of its own), or
+    else the first value CONFIG_RULES refuses (interpolations resolved first), or else the chosen optimizer's own
+    setting refused or the other optimizer's given (OPTIMIZER_KEYS), train.cuda_graphs=true with model.backend=cudnn
+    or device=cpu, feature and SpecAugment settings that cannot work together, or a model.backend that device=cpu
+    cannot run."""
+    known = known_config_keys()
+    unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known)
+    # A known group given a value in place of its keys (train=null) is a leaf no config file defines, yet no misspelt
+    # key: said so, it sent the user looking for one.
+    if unknown and (inside := sorted(key for key in known if key.startswith(f"{unknown[0]}."))):
+        raise ValueError(f"{unknown[0]} must be a mapping of its keys ({', '.join(inside[:2])}, ...), not "
+                         f"{OmegaConf.select(cfg, unknown[0])!r}")
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]}: conf/train.yaml and conf/{{{','.join(CONFIG_GROUPS)}}}/ "
                          "define no such key (misspelt in an experiment file, or added by a + override?)")
