@@ -241,8 +241,12 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
         ("train.checkpoint_every_steps", True), ("train.graph_pad_frames", False), ("model.depth", False),
         ("model.hidden", False), ("model.conv_channels", False))),
     *((f"{key}=-1", f"{key} must be a non-negative integer, not -1") for key in (
-        "train.num_workers", "model.lookahead", "optim.warmup_steps", "data.augment.masks.time_mask",
-        "data.augment.masks.num_freq_masks", "data.augment.masks.num_time_masks")),
+        "train.num_workers", "model.lookahead", "optim.warmup_steps", "data.augment.masks.time_mask")),
+    *((f"data.augment.masks.{key}=-1", f"data.augment.masks.{key} must be an integer from 0 to 100, not -1")
+      for key in ("num_freq_masks", "num_time_masks")),
+    # Each mask a module, built as the config is checked: 10**11 took all the memory for minutes, without a word.
+    *((f"data.augment.masks.{key}=101", f"data.augment.masks.{key} must be an integer from 0 to 100, not 101")
+      for key in ("num_freq_masks", "num_time_masks")),
     ("train.grad_clip_norm=0", "train.grad_clip_norm must be a positive number, not 0"),
     ("optim.lr=0", "optim.lr must be a positive number, not 0"),
     ("optim.lr=inf", "optim.lr must be a positive number, not inf"),
@@ -314,6 +318,7 @@ def test_an_empty_prnn_an4_is_refused_naming_it(monkeypatch):
     *(f"{key}=0" for key in ("optim.warmup_steps", "optim.weight_decay", "train.progress_line_s",
                              "data.augment.masks.freq_mask", "data.augment.masks.time_mask",
                              "data.augment.masks.num_freq_masks", "data.augment.masks.num_time_masks")),
+    "data.augment.enabled=true data.augment.masks.num_freq_masks=100 data.augment.masks.num_time_masks=100",
     "train.grad_clip_norm=1e-9", "optim.lr=1e-9", "optim.anneal=1e-9", "data.max_duration=1e-9",
     "distributed.timeout_s=1e-9", "optim=sgd optim.momentum=1e-9", "optim=sgd optim.momentum=0.999999"])
 def test_a_config_value_at_the_end_of_its_range_is_taken(override):

@@ -24,6 +24,8 @@ OPTIMIZER_KEYS = {
     "sgd": ("optim.momentum", lambda v: is_number(v) and 0 < v < 1,
             "a number in (0, 1) (Nesterov momentum needs one; at 1 or more the momentum never decays)"),
 }
+# The most SpecAugment masks of a kind an utterance takes: its published policies use a few.
+MAX_MASKS = 100
 # The largest seed the trainer takes: the benchmarks' --seed and --seeds refuse one above it before they start.
 MAX_SEED = 2**32 - 1
 # A checkpoint's config holds at most checkpoint.MAX_CONFIG_ENTRIES entries, one a training manifest and some 60 the
@@ -82,7 +84,11 @@ CONFIG_RULES = (
        f"a number of milliseconds in (0, {MAX_WINDOW_MS}]") for key in ("window_ms", "hop_ms")),
     ("data.features.n_mels", lambda v: is_int(v) and v >= 1, "a positive integer"),
     *((f"data.augment.masks.{key}", lambda v: is_int(v) and v >= 0, "a non-negative integer")
-      for key in ("freq_mask", "time_mask", "num_freq_masks", "num_time_masks")),
+      for key in ("freq_mask", "time_mask")),
+    # Each mask is a module of its own, built whenever the config is checked and run on every utterance: 10**11 (a
+    # width typed as a count) took all the memory for minutes, without a word.
+    *((f"data.augment.masks.{key}", lambda v: is_int(v) and 0 <= v <= MAX_MASKS, f"an integer from 0 to {MAX_MASKS}")
+      for key in ("num_freq_masks", "num_time_masks")),
     ("data.augment.masks.max_time_fraction", lambda v: is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
     ("train.resume", lambda v: v is None or isinstance(v, str) and v.strip() != "",
      "null, auto or a checkpoint's path"),
