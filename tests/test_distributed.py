@@ -1099,6 +1099,16 @@ def test_the_launch_scripts_answer_help_with_their_usage_and_settings():
             assert "#" not in ran.stdout and "-np " not in ran.stdout, ran.stdout  # no comment marks, nothing launched
 
 
+@pytest.mark.parametrize("flag", ["--hel", "--he", "-mh"])
+def test_the_launch_scripts_refuse_a_help_abbreviated_or_grouped_before_the_build(flag):
+    """Hydra's parser takes `--hel` and `-mh` for --help, which the scripts' own answer, to -h and --help alone, let
+    through: the check of the overrides printed its help, exit code 0, then the script started the job, every rank
+    printing the trainer's."""
+    ran = launch_script("single_node.sh", "2", "experiment=cpu_demo", flag)
+    assert ran.returncode == 2 and "-np " not in ran.stdout, (ran.stdout, ran.stderr)
+    assert ran.stderr.startswith("error: ") and "--help" in ran.stderr and len(ran.stderr.splitlines()) == 1, ran.stderr
+
+
 @pytest.mark.parametrize("arguments", [["--help"], ["-m", "experiment=an4_gpu", "-h"]])
 def test_the_slurm_script_answers_help_with_its_usage_and_starts_nothing(tmp_path, arguments):
     """Outside an allocation `launch/slurm.sbatch --help` was refused as not a batch job; inside one, among the

@@ -12,7 +12,8 @@ directory, that it holds no symbolic link, pipe or folder where the run writes a
 line on stderr, as the trainer's, and exit code 2; nothing is written. So is an unknown flag; Hydra's --config-name,
 --config-path and --config-dir, which would compose another config than conf/train.yaml, the one checked; its flags
 that print instead of training (--cfg, --info, --hydra-help, --shell-completion, --version), which every rank would
-print; and --experimental-rerun, which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
+print; -h / --help abbreviated or grouped (--hel, -mh), which the launch scripts do not answer themselves; and
+--experimental-rerun, which the trainer refuses too (trainer.override_errors.pickled_config_refusal).
 """
 if __name__ == "__main__":  # first: the imports below take a second or two (Hydra), in which a signal printed
     # a traceback (Ctrl-C) or ended the tool without a word (SIGTERM)
@@ -77,6 +78,16 @@ def printing_flag_refusal(command_line: argparse.Namespace) -> str | None:
     return None
 
 
+def abbreviated_help_refusal(command_line: argparse.Namespace, arguments: list[str]) -> str | None:
+    """Where Hydra's parser took an argument for -h / --help that is neither, an abbreviation (--hel) or a group of
+    short flags (-mh): the launch scripts answer -h and --help alone, and this one, answered here with exit code 0,
+    let them start the job, every rank printing the trainer's help."""
+    if not command_line.help or {"-h", "--help"} & set(arguments):
+        return None
+    return ("an abbreviated or grouped -h / --help (--hel, -mh) prints the trainer's help and trains nothing, once on "
+            "every rank a launch script starts: give --help alone for the script's usage")
+
+
 def exit_on_argument_error(message: str) -> NoReturn:
     """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
     print(f"error: {message}", file=sys.stderr)
@@ -92,6 +103,9 @@ def main(arguments: list[str]) -> int:
     parser.exit = lambda status=0, message=None: exit_on_argument_error(
         "--version prints and trains nothing, once on every rank a launch script starts")
     command_line = parser.parse_args(arguments)
+    if refused := abbreviated_help_refusal(command_line, arguments):
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     if command_line.help:  # Hydra's parser only notes -h / --help, which the trainer answers itself: ended silently
         print(__doc__.strip())
         return 0
