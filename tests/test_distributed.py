@@ -1051,6 +1051,16 @@ def test_the_launch_scripts_refuse_an_unknown_flag_in_one_line_before_the_build(
     assert refused.stderr == "error: unrecognized arguments: --foo\n", refused.stderr
 
 
+@pytest.mark.parametrize("flag", [["--world-size", "4"], ["--wor", "4"], ["--world-size=4"]])
+def test_the_launch_scripts_refuse_a_world_size_among_the_overrides_before_the_build(flag):
+    """The trainer takes no --world-size: the check took one among the overrides for its count of ranks in place of
+    the script's, passing a global batch of 8 that 3 ranks cannot split, then every rank failed on the flag."""
+    refused = launch_script("single_node.sh", "3", "experiment=cpu_demo", *flag, RUN_NAME="counted")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.startswith("error: ") and "--world-size" in refused.stderr, refused.stderr
+    assert len(refused.stderr.splitlines()) == 1, refused.stderr
+
+
 def test_the_launch_scripts_refuse_a_sweep_two_of_whose_jobs_get_one_folder_before_the_build():
     """As the trainer refuses it before its first job: here it was found out after the build and every rank's start."""
     refused = launch_script("single_node.sh", "2", "-m", "train.max_steps=1,2", RUN_NAME="one")

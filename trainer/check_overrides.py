@@ -88,6 +88,18 @@ def abbreviated_help_refusal(command_line: argparse.Namespace, arguments: list[s
             "every rank a launch script starts: give --help alone for the script's usage")
 
 
+class GivenOnce(argparse.Action):
+    """--world-size's action, which refuses a second one: the launch scripts give theirs first, and one among their
+    overrides (--world-size 4, abbreviated --wor 4), which the trainer takes for an unknown flag, replaced their count
+    of ranks unchecked."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} {value}: --world-size is given once, the launch scripts' count of ranks; "
+                         "the trainer takes no such flag")
+        setattr(namespace, self.dest, value)
+
+
 def exit_on_argument_error(message: str) -> NoReturn:
     """argparse's refusal of the command line without its usage block, nine lines of Hydra's flags before it."""
     print(f"error: {message}", file=sys.stderr)
@@ -97,7 +109,7 @@ def exit_on_argument_error(message: str) -> NoReturn:
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     parser = get_args_parser()
-    parser.add_argument("--world-size", type=positive_int, default=1)  # the launch scripts' count of ranks
+    parser.add_argument("--world-size", type=positive_int, action=GivenOnce)  # the launch scripts' count of ranks
     parser.error = exit_on_argument_error
     # Its one call left, once --version has printed Hydra's version: the flag trains nothing, as PRINTING_FLAGS.
     parser.exit = lambda status=0, message=None: exit_on_argument_error(
@@ -112,7 +124,7 @@ def main(arguments: list[str]) -> int:
     refused = (other_config_refusal(command_line) or printing_flag_refusal(command_line)
                or pickled_config_refusal(command_line.experimental_rerun)
                or refused_in_one_line(lambda: refusal(command_line.overrides, command_line.multirun,  # Hydra's: exit 2
-                                                      command_line.world_size)))
+                                                      command_line.world_size or 1)))
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 2
