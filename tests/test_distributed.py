@@ -706,6 +706,19 @@ def test_master_addr_is_rank_0s_address_over_its_host_names(monkeypatch):
     assert distributed._main_address() == socket.gethostbyname(socket.gethostname())
 
 
+def test_a_host_name_that_does_not_resolve_is_refused_naming_master_addr(monkeypatch):
+    """Rank 0 of a container whose host name is in no /etc/hosts nor DNS ended the job on socket.gaierror's
+    traceback, which named neither the host nor MASTER_ADDR."""
+    def unresolved(name):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "pod-7f3c")
+    monkeypatch.setattr(socket, "gethostbyname", unresolved)
+    with pytest.raises(ValueError, match=r"host name pod-7f3c does not resolve .*Name or service not known.*MASTER_ADDR"):
+        distributed._main_address()
+
+
 @pytest.mark.parametrize("address, port, refusal", [
     (None, "29511", "MASTER_ADDR unset: without mpi4py, every rank needs rank 0's address"),
     ("192.0.2.7", None, "MASTER_PORT unset: without mpi4py"),

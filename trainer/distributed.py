@@ -138,8 +138,17 @@ def _free_port() -> int:
 
 
 def _main_address() -> str:
-    """MASTER_ADDR wins (multi-node jobs name the interface there); otherwise this host's resolved address."""
-    return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+    """MASTER_ADDR wins (multi-node jobs name the interface there); otherwise this host's resolved address, or
+    ValueError naming MASTER_ADDR where its name does not resolve (a container's, in no /etc/hosts nor DNS), which
+    ended the job on socket.gaierror's traceback."""
+    if address := os.environ.get("MASTER_ADDR"):
+        return address
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except socket.gaierror as error:
+        raise ValueError(f"rank 0's host name {name} does not resolve to an address ({error.strerror}), which the "
+                         "other ranks need to reach it: set MASTER_ADDR to its address") from None
 
 
 def check_reachable_from_other_nodes(address: str, on_rank_0s_node: bool) -> None:
