@@ -715,7 +715,8 @@ def test_a_host_name_that_does_not_resolve_is_refused_naming_master_addr(monkeyp
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.setattr(socket, "gethostname", lambda: "pod-7f3c")
     monkeypatch.setattr(socket, "gethostbyname", unresolved)
-    with pytest.raises(ValueError, match=r"host name pod-7f3c does not resolve .*Name or service not known.*MASTER_ADDR"):
+    with pytest.raises(ValueError,
+                       match=r"host name pod-7f3c does not resolve .*Name or service not known.*MASTER_ADDR"):
         distributed._main_address()
 
 
