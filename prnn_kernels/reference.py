@@ -124,7 +124,7 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     Computed in input_proj's dtype (the state in hx's where that is wider: an fp32 hx under autocast) and returned in
     input_proj's dtype, with autograd through the loop.
     """
-    _, (state,) = checked_layer("reference_layer", cell, input_proj, [hx], [weight_hh], [bias_hh])
+    hidden_size, (state,) = checked_layer("reference_layer", cell, input_proj, [hx], [weight_hh], [bias_hh])
     step = _STEPS[cell]
     num_steps, batch_size = input_proj.shape[:2]
     lengths = checked_lengths("reference_layer", lengths, batch_size, num_steps, shortest=0).to(input_proj.device)
@@ -145,8 +145,9 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
         # torch.where, not a multiply by the mask, so nothing computed from padding reaches the state.
         state = tuple(torch.where(valid[t], new, old) for new, old in zip(new_state, state))
         outputs[t] = torch.where(valid[t], new_state[0], 0.0)
-    # As the persistent kernel returns them: the wider state would otherwise reach h_n, and an LSTM's output.
-    output = torch.stack(outputs).to(input_proj.dtype)
+    # As the persistent kernel returns them: the wider state would otherwise reach h_n, and an LSTM's output. No steps
+    # (T = 0), which its binding runs, are an empty output: torch.stack refuses an empty list.
+    output = torch.stack(outputs).to(input_proj.dtype) if outputs else input_proj.new_zeros(0, batch_size, hidden_size)
     state = tuple(part.to(input_proj.dtype) for part in state)
     return output, (state if cell == "lstm" else state[0])
 

@@ -191,6 +191,23 @@ def test_lengths_as_persistent_layer_takes_them():
             assert torch.equal(actual, wanted), type(lengths)
 
 
+@pytest.mark.parametrize("cell", ["tanh", "lstm"])
+def test_no_time_steps_give_an_empty_output_and_the_initial_state(cell):
+    # As persistent_layer's binding does for T = 0; torch.stack of no steps ended here in "stack expects a non-empty
+    # TensorList".
+    hidden_size, gates = 3, NUM_GATES[cell]
+    h0 = torch.randn(2, hidden_size, dtype=torch.float64, requires_grad=True)
+    hx = (h0, torch.randn(2, hidden_size, dtype=torch.float64)) if cell == "lstm" else h0
+    input_proj = torch.randn(0, 2, gates * hidden_size, dtype=torch.float64)
+    weight_hh = torch.randn(gates * hidden_size, hidden_size, dtype=torch.float64)
+    output, h_n = reference_layer(cell, input_proj, hx, weight_hh, None, [0, 0], False)
+    assert output.shape == (0, 2, hidden_size) and output.dtype == torch.float64
+    for actual, wanted in zip(h_n if cell == "lstm" else (h_n,), hx if cell == "lstm" else (hx,), strict=True):
+        assert torch.equal(actual, wanted)
+    (h_n[0] if cell == "lstm" else h_n).sum().backward()
+    assert torch.equal(h0.grad, torch.ones_like(h0))
+
+
 def test_relative_error_refuses_tensors_of_different_shapes():
     # Broadcast, a final state of (B, H) matched torch.nn's (num_layers * num_directions, B, H), so a layer that
     # returned the wrong shape passed every comparison with the reference.
