@@ -35,7 +35,8 @@ class _BackendChoice:
 
     forward(input, hx=None, lengths=None):
         input: (T, B, F), or (B, T, F) with batch_first.
-        hx: (num_layers * num_directions, B, H), for LSTM a tuple (h0, c0); zeros if None.
+        hx: (num_layers * num_directions, B, H) in input's dtype (any under autocast), for LSTM a tuple (h0, c0);
+            zeros if None.
         lengths: (B,) integers, the valid steps per sample, 1 <= lengths[b] <= T: a tensor on any device or a
             sequence (prnn_kernels.checked_lengths); None means every sample has T steps.
     Returns (output, h_n) as torch.nn does: output (T, B, num_directions * H) (batch-first if batch_first), zero at
@@ -95,6 +96,16 @@ class _BackendChoice:
             self.check_input(input, None)
         else:
             self.check_forward_args(input, hx, None)
+            # As torch.nn's cuDNN path does ("Input and hidden tensors are not the same dtype"), for every backend:
+            # ATen's CPU recurrence failed inside (get_mkldnn_dtype), the reference ran an LSTM's c0 of another dtype
+            # at T = 1, and the persistent kernel casts. Autocast casts the state with the input.
+            if not torch.is_autocast_enabled(input.device.type):
+                states = hx if self.cell == "lstm" else (hx,)
+                for index, state in enumerate(states):
+                    if state.dtype != input.dtype:
+                        argument = f"hx[{index}]" if self.cell == "lstm" else "hx"
+                        raise ValueError(f"{name}: {argument} must have the input's dtype {input.dtype}, got "
+                                         f"{state.dtype}")
         if lengths is not None:
             lengths = checked_lengths(name, lengths, batch_size, input.shape[1 - batch_dim])
         backend = self.backend_for(batch_size, _compute_dtype(input), input.device)

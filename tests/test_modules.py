@@ -300,6 +300,21 @@ def test_each_slice_gets_its_initial_state_contiguous(cell, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cudnn"])
+def test_an_initial_state_of_another_dtype_than_the_input_is_refused_naming_it(backend):
+    # Unchecked, the backends disagreed: the reference ran an LSTM's float64 c0 at T = 1 and returned c_n in float32,
+    # ATen's recurrence refused it as "get_mkldnn_dtype: unsupported data type", a GRU's h0 as "mat1 and mat2 must have
+    # the same dtype", and the persistent kernel cast it.
+    gru, lstm = prnn_kernels.GRU(4, 3, backend=backend), prnn_kernels.LSTM(4, 3, backend=backend)
+    x, state = torch.randn(1, 2, 4), torch.zeros(1, 2, 3)
+    with pytest.raises(ValueError, match="GRU: hx must have the input's dtype torch.float32, got torch.float64"):
+        gru(x, state.double())
+    with pytest.raises(ValueError, match=r"LSTM: hx\[1\] must have the input's dtype torch.float32, got torch.float64"):
+        lstm(x, (state, state.double()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # which casts the state with the input, as torch.nn's does
+        assert gru(x, state.bfloat16())[1].shape == (1, 2, 3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn"])
 def test_an_initial_state_is_checked_against_the_whole_batch_before_slicing(backend):
     # Checked slice by slice, a state of 6 for a batch of 4 ran, and one of 3 was refused as "(1, 2, 5)".
     gru = prnn_kernels.GRU(5, 5, backend=backend, batch_slice=2)
