@@ -1731,6 +1731,19 @@ def test_a_rank_that_leaves_before_mpi_starts_ends_the_job(an4_slice, tmp_path):
 
 
 @needs_mpiexec
+def test_a_rank_refused_before_mpi_ends_the_job_past_the_timeout_where_another_is_stopped_before_mpi(tmp_path):
+    """Rank 0's Hydra refuses an override and it starts MPI to end the job, while rank 1 stops before MPI (stuck
+    importing): MPI_Init waits for every rank, so rank 0 waited there for ever."""
+    refused = [sys.executable, "-m", "trainer", "train.epoch=3", "distributed.timeout_s=5", f"hydra.run.dir={tmp_path}"]
+    stopped = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"]
+    code, output = run_job([MPIEXEC, "-n", 1, *refused, ":", "-n", 1, *stopped], FAILURE_TIMEOUT_S)
+    assert code != 0, output
+    assert "error: unknown config key train.epoch (did you mean train.epochs?)" in output, output
+    assert ("error on rank 0: MPI did not start within distributed.timeout_s (5 s): another rank stopped answering "
+            "before it started MPI") in output, output
+
+
+@needs_mpiexec
 def test_an_override_every_rank_refuses_is_one_untagged_line_and_the_other_ranks_tagged(tmp_path):
     """A bare mpiexec (no launch script checked the overrides first): every rank refuses it alike, and rank 1's line,
     untagged, read as a second refusal."""

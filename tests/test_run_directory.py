@@ -1,5 +1,6 @@
 """A run's directory and what a run records there: its lock, links to nothing, run names and sweep job folders,
 jobs.jsonl, metrics.jsonl and TensorBoard events on a full disk, and which errors are one line."""
+import contextlib
 import errno
 import json
 import logging
@@ -447,15 +448,36 @@ def test_a_rank_leaving_before_mpi_ends_the_job_with_its_exit_code_only_where_ot
         monkeypatch, leaving, launched, mpi_started, aborted_with):
     """The multi-rank tests reach only Hydra's refusal (exit 2): sys.exit("message") ends the job 1, as Python ends
     the process, and a rank that leaves well, or outside mpiexec, or once MPI has started, ends nothing."""
-    aborted = []
+    aborted, watched = [], []
+
+    @contextlib.contextmanager
+    def watching(timeout_s, rank):
+        watched.append(timeout_s)
+        yield
+        watched.append("ended")
+
     monkeypatch.setattr(trainer_main.launch_ranks, "launched_by_mpi", lambda: launched)
-    monkeypatch.setattr(trainer_main.distributed, "abort_job", aborted.append)
+    monkeypatch.setattr(trainer_main.distributed, "abort_job", lambda code: aborted.append((code, list(watched))))
+    monkeypatch.setattr(trainer_main.distributed, "ended_past", watching)
     if mpi_started:
         monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())
     else:
         monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
-    trainer_main.end_job_before_mpi(leaving)
-    assert aborted == ([] if aborted_with is None else [aborted_with])
+    trainer_main.end_job_before_mpi(leaving, ["train.epoch=3", "distributed.timeout_s=7"])
+    assert aborted == ([] if aborted_with is None else [(aborted_with, [7.0])])  # MPI's start under its watchdog
+
+
+@pytest.mark.parametrize("overrides, timeout_s", [
+    ([], 300.0), (["distributed.timeout_s=5"], 5.0), (["++distributed.timeout_s=2.5", "x=1"], 2.5),
+    (["distributed.timeout_s=5", "distributed.timeout_s=9"], 9.0), (["distributed.timeout_s=-1"], 300.0),
+    (["distributed.timeout_s=nan"], 300.0), (["distributed.timeout_s=1e10"], 300.0),
+    (["distributed.timeout_s=5,10"], 300.0), (["distributed.timeout_s"], 300.0), (["distributed.timeout_sx=5"], 300.0),
+    (["distributed.timeout_s=5", "distributed.timeout_s=oops"], 300.0)])
+def test_a_rank_leaving_before_mpi_reads_its_timeout_from_the_command_line(overrides, timeout_s):
+    """Its config may not have loaded (Hydra refused an override): a value the config would refuse, or a sweep's list,
+    gives the default, which is conf/train.yaml's."""
+    assert OmegaConf.load(REPO_ROOT / "conf" / "train.yaml").distributed.timeout_s == 300.0
+    assert trainer_main.timeout_on_the_command_line(overrides) == timeout_s
 
 
 def test_a_rank_other_than_0_tags_its_log_lines_once_though_each_job_of_a_sweep_sets_it_up_again():

@@ -244,13 +244,31 @@ def stop_now(what: str, number: signal.Signals, run_dir: Path) -> None:
     distributed.abort_job(128 + number)
 
 
-def end_job_before_mpi(leaving: SystemExit) -> None:
+def end_job_before_mpi(leaving: SystemExit, overrides: list[str]) -> None:
     """A rank that leaves before it started MPI (Hydra refused an override, its run directory could not be made, a
     node whose conf/ differs) while the others wait for it in MPI_Init, where MPICH's mpiexec leaves them for ever:
-    it starts MPI too and ends the job with its exit code."""
+    it starts MPI too and ends the job with its exit code. MPI_Init waits for every rank, so a job with another rank
+    hung before MPI (stuck importing) ends past the timeout `overrides` give, as a rank's start does (ended_past)."""
     code = leaving.code if isinstance(leaving.code, int) or leaving.code is None else 1  # sys.exit("message"): 1
     if code and launch_ranks.launched_by_mpi() and "mpi4py.MPI" not in sys.modules:
-        distributed.abort_job(code)
+        with distributed.ended_past(timeout_on_the_command_line(overrides), launch_ranks.launcher_rank()):
+            distributed.abort_job(code)
+
+
+def timeout_on_the_command_line(overrides: list[str]) -> float:
+    """distributed.timeout_s as the last of `overrides` to set it gives it, where that is a number the config takes;
+    its default otherwise. Read from the command line itself: a rank leaving before MPI may have no config."""
+    for override in reversed(overrides):
+        key, given, value = override.lstrip("+").partition("=")
+        if key.strip() == "distributed.timeout_s" and given:
+            try:
+                seconds = float(value)
+            except ValueError:
+                break
+            if 0 < seconds <= distributed.MAX_TIMEOUT_S:
+                return seconds
+            break
+    return distributed.DEFAULT_TIMEOUT_S
 
 
 if __name__ == "__main__":
@@ -264,6 +282,6 @@ if __name__ == "__main__":
             refuse_a_pickled_config(sys.argv[1:])
             main()
         except SystemExit as leaving:
-            end_job_before_mpi(leaving)
+            end_job_before_mpi(leaving, sys.argv[1:])
             raise
     sys.exit(sweep_exit_code())
