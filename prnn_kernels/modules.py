@@ -99,7 +99,7 @@ class _BackendChoice:
             # As torch.nn's cuDNN path does ("Input and hidden tensors are not the same dtype"), for every backend:
             # ATen's CPU recurrence failed inside (get_mkldnn_dtype), the reference ran an LSTM's c0 of another dtype
             # at T = 1, and the persistent kernel casts. Autocast casts the state with the input.
-            if not torch.is_autocast_enabled(input.device.type):
+            if not _autocast_enabled(input.device.type):
                 states = hx if self.cell == "lstm" else (hx,)
                 for index, state in enumerate(states):
                     if state.dtype != input.dtype:
@@ -238,9 +238,15 @@ def _compute_dtype(input):
     """The dtype the recurrence runs in: under autocast the input projection comes out in autocast's dtype, whatever
     the input's, but for float64, which autocast leaves as it is."""
     device_type = input.device.type
-    if input.is_floating_point() and input.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+    if input.is_floating_point() and input.dtype != torch.float64 and _autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return input.dtype
+
+
+def _autocast_enabled(device_type):
+    """Whether autocast is on for a device type; off for one autocast has none for (the meta device, on which a
+    model is built to size it), where torch.is_autocast_enabled raises "unknown device type for autocast"."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _state_slice(hx, start, size):

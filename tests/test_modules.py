@@ -422,3 +422,24 @@ def test_batch_slice_is_checked_and_shown():
     with pytest.raises(ValueError, match="batch_slice=-1"):  # set on a built module, as a sweep of slices would
         gru.batch_slice = -1
     assert gru.batch_slice == 4
+
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn", "auto"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no_hx", "hx"])
+def test_a_layer_on_the_meta_device_gives_torch_nns_shapes(backend, with_state):
+    # As torch.nn's layers do, for a model built on the meta device to size it: asking whether autocast was on for a
+    # device type autocast has none for raised "unknown device type for autocast".
+    theirs = nn.LSTM(4, 3, num_layers=2, bidirectional=True, device="meta")
+    ours = prnn_kernels.LSTM(4, 3, num_layers=2, bidirectional=True, device="meta", backend=backend)
+    x = torch.randn(5, 2, 4, device="meta")
+    hx = (torch.zeros(4, 2, 3, device="meta"),) * 2 if with_state else None
+    output, (h_n, c_n) = ours(x, hx)
+    expected_output, (expected_h_n, expected_c_n) = theirs(x, hx)
+    assert output.device.type == "meta"
+    assert (output.shape, h_n.shape, c_n.shape) == (expected_output.shape, expected_h_n.shape, expected_c_n.shape)
+
+
+def test_the_persistent_backend_on_the_meta_device_says_it_needs_a_gpu():
+    layer = prnn_kernels.GRU(4, 3, device="meta", backend="persistent")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        layer(torch.randn(5, 2, 4, device="meta"))
