@@ -149,7 +149,8 @@ def matmul_nt(a, b, bias=None, reverse_b_blocks_of=0):
     """a (M, K) @ b (N, K)^T [+ bias (N,)] -> (M, N) fp32 on the current stream, for CUDA fp32 tensors where
     `supported`, in any layout; its rows padded to a multiple of 4 (contiguous where N is a multiple of 4). With
     reverse_b_blocks_of = n, b's K index runs in blocks of n taken in reverse order (a sequence's steps, backwards)."""
-    extension = _loaded(a.device.index)
+    # Off a GPU, before asking for one: _loaded(None) would ask the current GPU's capability, and raise without one.
+    extension = _loaded(a.device.index) if a.is_cuda else None
     if extension is None:
         raise RuntimeError(f"prnn_kernels.products: the product does not run on {a.device} (see products.supported)")
     return extension.product(a, b, bias, reverse_b_blocks_of)

@@ -57,6 +57,14 @@ def test_input_projection_off_the_gpu_is_f_linear():
     assert not products.supported(x, weight)
 
 
+
+def test_matmul_nt_off_the_gpu_says_where_it_does_not_run():
+    # It asked for the current GPU's capability first: "Found no NVIDIA driver" without one, and with one the
+    # extension's launch was handed CPU tensors.
+    with pytest.raises(RuntimeError, match=r"the product does not run on cpu \(see products.supported\)"):
+        products.matmul_nt(torch.randn(3, 4), torch.randn(5, 4))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows, columns, depth", [
     (1, 1, 1), (3, 5, 7), (17, 33, 129), (128, 128, 64), (130, 250, 1000), (1024, 2048, 2048), (1000, 3456, 1152),
