@@ -121,7 +121,7 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
 
     Raises ValueError, naming the argument, for a cell or a shape other than these.
 
-    Computed in input_proj's dtype (the state in hx's where that is wider: an fp32 hx under autocast) and returned in
+    Computed in input_proj's dtype (the state in hx's where that is wider: an fp32 hx of a bf16 layer) and returned in
     input_proj's dtype, with autograd through the loop.
     """
     hidden_size, (state,) = checked_layer("reference_layer", cell, input_proj, [hx], [weight_hh], [bias_hh])
@@ -138,8 +138,9 @@ def reference_layer(cell, input_proj, hx, weight_hh, bias_hh, lengths, reverse):
     for t in reversed(range(num_steps)) if reverse else range(num_steps):
         # A cast per step: under autocast F.linear would reuse one bf16 copy of the parameters for every step, and
         # autograd would sum the steps' gradients of that copy in bf16 (1.7 % off float64 at T = 256). This way each
-        # step's gradient reaches the parameters in their own dtype and is summed there. Outside autocast, a no-op.
-        hidden_gates = F.linear(state[0], weight_hh.to(input_proj.dtype),
+        # step's gradient reaches the parameters in their own dtype and is summed there. The state is cast as autocast
+        # casts it, so that one of another dtype (an fp32 hx of a bf16 layer) runs the same outside autocast.
+        hidden_gates = F.linear(state[0].to(input_proj.dtype), weight_hh.to(input_proj.dtype),
                                 None if bias_hh is None else bias_hh.to(input_proj.dtype))
         new_state = step(step_inputs[t], hidden_gates, state)
         # torch.where, not a multiply by the mask, so nothing computed from padding reaches the state.

@@ -208,6 +208,25 @@ def test_no_time_steps_give_an_empty_output_and_the_initial_state(cell):
     assert torch.equal(h0.grad, torch.ones_like(h0))
 
 
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_an_initial_state_of_another_dtype_runs_as_under_autocast(cell):
+    # persistent_layer takes an fp32 state for a bf16 layer; here it ended outside autocast in F.linear's "expected m1
+    # and m2 to have the same dtype", which names neither hx nor the layer.
+    torch.manual_seed(4)
+    hidden_size, gates = 3, NUM_GATES[cell]
+    input_proj = torch.randn(5, 2, gates * hidden_size).bfloat16()
+    weight_hh, bias_hh = torch.randn(gates * hidden_size, hidden_size), torch.randn(gates * hidden_size)
+    h0 = torch.randn(2, hidden_size)
+    hx = (h0, torch.randn(2, hidden_size)) if cell == "lstm" else h0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference_layer(cell, input_proj, hx, weight_hh, bias_hh, [5, 3], False)
+    actual = reference_layer(cell, input_proj, hx, weight_hh, bias_hh, [5, 3], False)
+    for got, want in zip([actual[0], *actual[1]] if cell == "lstm" else actual,
+                         [expected[0], *expected[1]] if cell == "lstm" else expected, strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_relative_error_refuses_tensors_of_different_shapes():
     # Broadcast, a final state of (B, H) matched torch.nn's (num_layers * num_directions, B, H), so a layer that
     # returned the wrong shape passed every comparison with the reference.
