@@ -47,6 +47,11 @@ class _BackendChoice:
     def __init__(self, *args, backend="auto", batch_slice=None, **kwargs):
         self.backend = backend  # checked before torch.nn allocates the weights
         super().__init__(*args, **kwargs)
+        # As torch.nn checks bias and batch_first: the reference would run 2 as two directions, torch's own forward
+        # refuses any but a bool deep inside ("gru() received an invalid combination of arguments").
+        if not isinstance(self.bidirectional, bool):
+            raise TypeError(f"prnn_kernels.{type(self).__name__}: bidirectional should be of type bool, got: "
+                            f"{type(self.bidirectional).__name__}")
         if self.proj_size:
             raise ValueError(f"prnn_kernels.{type(self).__name__}: proj_size={self.proj_size} is not supported; use "
                              "proj_size=0")

@@ -174,6 +174,19 @@ def test_backend_errors():
         prnn_kernels.GRU(4, 8, backend="reference")(torch.randn(5, 2, 3))
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "cudnn", "auto"])
+@pytest.mark.parametrize("bidirectional", [1, 2, 0, "yes"])
+def test_bidirectional_that_is_no_bool_is_refused_naming_it(backend, bidirectional):
+    # torch.nn checks bias and batch_first so, but not bidirectional: the reference ran 1 or 2 as two directions, and
+    # cuDNN's path ended in torch's "gru() received an invalid combination of arguments".
+    with pytest.raises(TypeError, match=f"prnn_kernels.GRU: bidirectional should be of type bool, got: "
+                                        f"{type(bidirectional).__name__}"):
+        prnn_kernels.GRU(4, 3, bidirectional=bidirectional, backend=backend)
+    with pytest.raises(TypeError, match="bidirectional should be of type bool"):  # positional, as torch.nn takes it
+        prnn_kernels.GRU(4, 3, 1, True, False, 0.0, bidirectional, backend=backend)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cudnn"])
 def test_arguments_torch_would_misread_are_refused_naming_them(backend):
     # Left unchecked, the backends disagreed: cuDNN's packing dropped a sample that a short lengths left out while the
