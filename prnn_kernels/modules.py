@@ -93,6 +93,12 @@ class _BackendChoice:
         if self.cell == "lstm" and hx is not None and not (isinstance(hx, tuple) and len(hx) == 2):
             got = f"a tuple of {len(hx)}" if isinstance(hx, tuple) else type(hx).__name__
             raise ValueError(f"{name}: hx must be a tuple (h0, c0), got {got}")
+        initial_states = () if hx is None else hx if self.cell == "lstm" else (hx,)
+        not_tensors = [state for state in initial_states if not isinstance(state, torch.Tensor)]
+        if not_tensors:  # torch.nn's size check fails on it with "'tuple' object has no attribute 'size'"
+            shape = (self.num_layers * (2 if self.bidirectional else 1), batch_size, self.hidden_size)
+            expected = "a tuple of two tensors" if self.cell == "lstm" else "a tensor"
+            raise ValueError(f"{name}: hx must be {expected} {shape}, got {type(not_tensors[0]).__name__}")
         if input.shape[1 - batch_dim] == 0:
             raise ValueError(f"{name}: input has no time steps, shape {tuple(input.shape)}")
         # torch.nn's own checks of the input's and the state's sizes, with its messages, made once for every backend
@@ -105,8 +111,7 @@ class _BackendChoice:
             # ATen's CPU recurrence failed inside (get_mkldnn_dtype), the reference ran an LSTM's c0 of another dtype
             # at T = 1, and the persistent kernel casts. Autocast casts the state with the input.
             if not _autocast_enabled(input.device.type):
-                states = hx if self.cell == "lstm" else (hx,)
-                for index, state in enumerate(states):
+                for index, state in enumerate(initial_states):
                     if state.dtype != input.dtype:
                         argument = f"hx[{index}]" if self.cell == "lstm" else "hx"
                         raise ValueError(f"{name}: {argument} must have the input's dtype {input.dtype}, got "

@@ -204,6 +204,9 @@ def test_arguments_torch_would_misread_are_refused_naming_them(backend):
         (lambda: gru(torch.nn.utils.rnn.pack_padded_sequence(x, [5, 3])), "a PackedSequence is not taken"),
         (lambda: lstm(x, torch.zeros(1, 2, 3)), r"LSTM: hx must be a tuple \(h0, c0\), got Tensor"),
         (lambda: lstm(x, (torch.zeros(1, 2, 3),) * 3), r"hx must be a tuple \(h0, c0\), got a tuple of 3"),
+        # An LSTM's pair handed to a GRU, and lists: torch.nn's own "'tuple' object has no attribute 'size'".
+        (lambda: gru(x, (torch.zeros(1, 2, 3),) * 2), r"GRU: hx must be a tensor \(1, 2, 3\), got tuple"),
+        (lambda: lstm(x, ([0.0] * 3, [0.0] * 3)), r"LSTM: hx must be a tuple of two tensors \(1, 2, 3\), got list"),
         (lambda: gru(x[:0]), r"GRU: input has no time steps, shape \(0, 2, 4\)"),
     ]
     for call, message in refusals:
