@@ -74,6 +74,8 @@ def support(cell: str, hidden_size: int, batch_size: int, dtype: torch.dtype, de
     # What no GPU would run comes first, so that a machine without one names it too.
     if cell not in CELLS:
         return Support(False, f"cell {cell!r} is not one of {CELLS}")
+    if not isinstance(dtype, torch.dtype):  # a name would read "dtype float32 is unsupported (float32 or ...)"
+        return Support(False, f"dtype {dtype!r} is not a torch.dtype (torch.float32 or torch.bfloat16)")
     if dtype not in DTYPES:
         return Support(False, f"dtype {dtype} is unsupported (float32 or bfloat16)")
     for name, size in (("hidden size", hidden_size), ("batch size", batch_size)):

@@ -39,6 +39,10 @@ def test_support_without_cuda_says_why():
     # float64 too: answered as fp32, "auto" would take the kernel for a float64 layer, which its binding refuses.
     for dtype in (torch.float16, torch.float64, torch.int32):
         assert support("gru", 256, 4, dtype, "cpu").reason == f"dtype {dtype} is unsupported (float32 or bfloat16)"
+    # A dtype's name, which read "dtype float32 is unsupported (float32 or bfloat16)".
+    for name in ("float32", np.float32):
+        reason = f"dtype {name!r} is not a torch.dtype (torch.float32 or torch.bfloat16)"
+        assert support("gru", 256, 4, name, "cpu").reason == reason
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)], ids=["current", "0", "1"])
