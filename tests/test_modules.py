@@ -174,7 +174,6 @@ def test_backend_errors():
         prnn_kernels.GRU(4, 8, backend="reference")(torch.randn(5, 2, 3))
 
 
-
 @pytest.mark.parametrize("backend", ["reference", "cudnn", "auto"])
 @pytest.mark.parametrize("bidirectional", [1, 2, 0, "yes"])
 def test_bidirectional_that_is_no_bool_is_refused_naming_it(backend, bidirectional):

@@ -57,7 +57,6 @@ def test_input_projection_off_the_gpu_is_f_linear():
     assert not products.supported(x, weight)
 
 
-
 def test_matmul_nt_off_the_gpu_says_where_it_does_not_run():
     # It asked for the current GPU's capability first: "Found no NVIDIA driver" without one, and with one the
     # extension's launch was handed CPU tensors.

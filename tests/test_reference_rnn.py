@@ -208,7 +208,6 @@ def test_no_time_steps_give_an_empty_output_and_the_initial_state(cell):
     assert torch.equal(h0.grad, torch.ones_like(h0))
 
 
-
 @pytest.mark.parametrize("cell", ["gru", "lstm"])
 def test_an_initial_state_of_another_dtype_runs_as_under_autocast(cell):
     # persistent_layer takes an fp32 state for a bf16 layer; here it ended outside autocast in F.linear's "expected m1
