@@ -580,3 +580,22 @@ def test_a_value_repeated_in_a_list_flag_is_refused_naming_it(name, monkeypatch,
             parser.parse_args([*required, flag, text, text])
         assert exited.value.code == 2
         assert capsys.readouterr().err.endswith(f"error: argument {flag}: {shown} is given more than once\n"), flag
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_list_flag_given_twice_is_refused_not_its_first_values_dropped(name, monkeypatch, capsys):
+    """`--batches 1 --batches 4` measured batch 4 alone, and `--cells relu --cells gru` the GRU alone: argparse keeps
+    a list flag's last values, and the first were dropped without a word."""
+    parser = benchmark_parser(name, monkeypatch)
+    required = [word for action in parser._actions if action.required and action.option_strings
+                for word in (action.option_strings[0], "x")]  # scaling_model's --measured and --out
+    list_flags = [action for action in parser._actions
+                  if action.nargs == "+" and action.option_strings and action.dest != "backend_overrides"]
+    for action in list_flags:
+        first, second = [*action.choices][:2] if action.choices else ["1", "2"]
+        flag = action.option_strings[0]
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*required, flag, first, flag, second])
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.endswith(
+            f"error: argument {flag}: is given more than once: name all its values after one {flag}\n"), flag

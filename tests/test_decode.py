@@ -550,6 +550,18 @@ def test_a_language_model_refuses_an_empty_manifest_path(tmp_path, capsys):
     assert capsys.readouterr().err.endswith("error: argument --manifest: an empty path (an unset shell variable?)\n")
 
 
+def test_a_language_model_refuses_a_second_manifest_flag_rather_than_drop_the_first(tmp_path, capsys):
+    # argparse kept the last --manifest's list: a model of b.jsonl's transcripts alone, said to be the model built.
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text(f'{{"audio_filepath": "{name}.wav", "duration": 1.0, "text": "yes"}}\n')
+    with pytest.raises(SystemExit) as refused:
+        lm.main(["--manifest", str(tmp_path / "a.jsonl"), "--manifest", str(tmp_path / "b.jsonl"), "--out",
+                 str(tmp_path / "m.arpa")])
+    assert refused.value.code == 2 and not (tmp_path / "m.arpa").exists()
+    assert capsys.readouterr().err.endswith(
+        "error: argument --manifest: is given more than once: name all its values after one --manifest\n")
+
+
 def test_a_language_model_leaves_out_transcripts_the_model_cannot_spell(tmp_path, capsys):
     # None of the audio is here, as where a model is built from transcripts alone: each missing file is its own.
     (tmp_path / "m.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1.0, "text": "yes no"}\n'

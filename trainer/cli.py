@@ -167,15 +167,26 @@ def _remove_if_empty(path: Path) -> None:
             path.unlink()
 
 
-class EachOnce(argparse.Action):
-    """The action of a list flag (nargs="+") whose values are each given once: a repeat, `--batches 4 4`, would be
-    measured or run twice. It is refused naming the value."""
+class GivenOnce(argparse.Action):
+    """The action of a list flag (nargs="+") given once: argparse keeps a repeated flag's last values, so that
+    `--manifest a.jsonl --manifest b.jsonl` counted b's transcripts alone, without a word. A repeat is refused."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, self.default) is not self.default:  # set by an earlier use of the flag
+            raise argparse.ArgumentError(self, "is given more than once: name all its values after one "
+                                               + option_string)
+        setattr(namespace, self.dest, values)
+
+
+class EachOnce(GivenOnce):
+    """The action of a list flag (nargs="+") given once, whose values are each given once: a repeat, `--batches 4 4`,
+    would be measured or run twice. It is refused naming the value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         repeated = [value for index, value in enumerate(values) if value in values[:index]]
         if repeated:
             raise argparse.ArgumentError(self, f"{repeated[0]} is given more than once")
-        setattr(namespace, self.dest, values)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def check_not_an_input(path: str | None, inputs: list[str]) -> None:

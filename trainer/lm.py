@@ -27,7 +27,8 @@ from typing import BinaryIO
 from data.cli import input_path
 from data.manifest import file_identity, numbered_lines, print_paths_printable, printable, read_manifest
 from data.text import counted, invalid_characters, normalize_text
-from trainer.cli import check_not_an_input, int_at_least, lines_stream, output_file, run_tool, write_output
+from trainer.cli import (GivenOnce, check_not_an_input, int_at_least, lines_stream, output_file, run_tool,
+                         write_output)
 
 SENTENCE_START, SENTENCE_END, UNKNOWN = "<s>", "</s>", "<unk>"
 # How an ARPA file's words are read: the markers as they are, "<UNK>" (as some models spell it, and KenLM reads it) as
@@ -278,7 +279,7 @@ def read_transcripts(manifests: list[str]) -> tuple[list[list[str]], int, list[s
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.lm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--manifest", nargs="+", required=True, type=input_path,
+    parser.add_argument("--manifest", nargs="+", action=GivenOnce, required=True, type=input_path,
                         help="JSONL manifests whose transcripts to count")
     parser.add_argument("--order", type=int_at_least(1, at_most=MAX_ORDER), default=3,
                         help=f"the longest n-gram, at most {MAX_ORDER} (default: 3; at most the longest transcript "
