@@ -404,7 +404,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", metavar="PATH", type=json_output,
                         help="write the runs, the summary and the configuration here" + DEFAULT_JSON_HELP)
     parser.add_argument("--backend-overrides", nargs="+", action="append", metavar=("BACKEND", "OVERRIDE"),
-                        help="trainer overrides for that backend's runs alone (repeat for another backend)")
+                        help="trainer overrides for that backend's runs alone (repeat for another backend, once each)")
     parser.add_argument("overrides", nargs="*", help="trainer overrides, after --")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -438,7 +438,10 @@ def check_arguments(parser: argparse.ArgumentParser, args, argv: list[str]) -> N
     if args.backend_overrides and "--" not in argv:  # else the common overrides went to the last backend alone
         parser.error("--backend-overrides takes every word after it up to --: end it with --, then the overrides "
                      "common to every backend (none: end with --)")
+    given_for = [backend for backend, *_ in args.backend_overrides or []]
     for backend, *overrides in args.backend_overrides or []:
+        if given_for.count(backend) > 1:  # backend_overrides keeps the last one's: the others' would be dropped
+            parser.error(f"--backend-overrides {backend} is given more than once: give all its overrides after one")
         if backend not in args.backends or not overrides or not all("=" in override for override in overrides):
             parser.error(f"--backend-overrides {backend} {' '.join(overrides)}: give one of --backends "
                          f"({' '.join(args.backends)}), then KEY=VALUE overrides")

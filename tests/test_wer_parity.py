@@ -343,6 +343,10 @@ def test_backend_overrides_reach_that_backends_runs_alone(tmp_path, monkeypatch,
         (["--backend-overrides", "persistent", "model.batch_slice", "--"],
          "--backend-overrides persistent model.batch_slice: give one of --backends"),
         (["--graphs", "--ranks", "2"], "--graphs needs one GPU per rank (NCCL)"),
+        # The last one's overrides alone reached the runs: model.batch_slice=4 was dropped without a word.
+        (["--backend-overrides", "persistent", "model.batch_slice=4", "--backend-overrides", "persistent",
+          "train.epochs=3", "--"], "--backend-overrides persistent is given more than once: give all its overrides "
+                                   "after one"),
     ]:
         with pytest.raises(SystemExit) as exited:
             wer_parity.main(arguments)
