@@ -144,15 +144,24 @@ def allreduce_bus_GBps(num_bytes: int, seconds: float, world_size: int) -> float
     return 2 * (world_size - 1) / world_size * num_bytes / seconds / 1e9
 
 
+# Far past the few kilobytes this script writes.
+MAX_RESULT_BYTES = 64 << 20
+
+
 def read_result(path: str) -> dict:
     """A JSON that this script wrote, read from `path`, with the world_size and config every reader takes from it
     (config.cuda_graphs false where it predates --cuda-graphs); DamagedFile in one line naming the file where it cannot
     be read, is not JSON or is not this script's. The one reader of the format: --baseline and
     benchmarks.scaling_model's --measured refused the same bad file in other words."""
     try:
-        result = json.loads(Path(path).read_text())
+        with open(path, "rb") as file:
+            text = file.read(MAX_RESULT_BYTES + 1)
     except OSError as error:  # a folder, a missing file: its own text was "[Errno 21] Is a directory: 'PATH'"
         raise DamagedFile(f"{path}: {error.strerror or error}") from None
+    if len(text) > MAX_RESULT_BYTES:  # /dev/zero, or a pipe that never ends: read whole, it took all the memory
+        raise DamagedFile(f"{path} is larger than {MAX_RESULT_BYTES >> 20} MiB, which no benchmarks.scaling JSON is")
+    try:
+        result = json.loads(text)
     except ValueError as error:  # not JSON (or not UTF-8): its own text names no file
         raise DamagedFile(f"{path} is not JSON: {error}") from None
     if not isinstance(result, dict) or result.get("benchmark") != "scaling":

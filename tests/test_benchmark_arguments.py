@@ -353,6 +353,17 @@ def test_a_measurement_that_cannot_be_read_is_named_without_errnos_words(tmp_pat
         assert capsys.readouterr().err == f"error: {measured}: {why}\n"
     assert not (tmp_path / "out").exists()
 
+
+def test_a_measurement_without_end_is_refused_once_past_any_json_of_the_script(tmp_path, capsys):
+    """--measured /dev/zero (or a link to it, or a pipe that never ends) was read whole: all the memory, then a
+    MemoryError traceback. --baseline reads the file the same way."""
+    from benchmarks import scaling_model
+
+    assert scaling_model.main(["--measured", "/dev/zero", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("error: /dev/zero is larger than 64 MiB, which no benchmarks.scaling JSON "
+                                       "is\n")
+
+
 def test_scaling_model_refuses_an_overlap_that_is_not_a_number(tmp_path, capsys):
     """--overlap nan was taken, and the projection written with every efficiency NaN (exit 0)."""
     from benchmarks import scaling_model
