@@ -51,7 +51,7 @@ from data.cli import Terminated, input_path, signals_raise, stdout_failures_end_
 from data.dataset import Batch
 from data.text import NUM_CLASSES, counted
 from models import MaskedBatchNorm
-from models.cuda_graphs import CudaGraphed
+from models.cuda_graphs import CudaGraphed, check_capturable
 from models.deepspeech2 import CELLS
 from prnn_kernels import BACKENDS
 from trainer import build, distributed, launch_ranks
@@ -255,17 +255,24 @@ def measure(args, env: DistEnv, cfg, config: dict, baseline: dict | None) -> dic
     def timed(function):
         return time_ms(function, args.warmup, args.steps, device)
 
-    # Every batch asked first: backend=persistent raises, naming why, at a batch its kernels cannot run, which would
-    # otherwise end the run after the smaller batches' measures, with nothing written.
+    # Every batch asked first: backend=persistent raises, naming why, at a batch its kernels cannot run, and under
+    # --cuda-graphs a batch run on cuDNN is refused, either of which would otherwise end the run after the smaller
+    # batches' measures, with nothing written.
     per_rank_batch = args.global_batch // env.world_size
     dtype = build.compute_dtype(cfg.train.amp, device)
+
+    def check_runs(batch_size):
+        model.recurrent_backend(batch_size, dtype, device)
+        if args.cuda_graphs:  # backend=auto runs a batch past the kernels' on cuDNN, whose capture would fail
+            check_capturable(model, batch_size, dtype, device)
+
     try:
-        model.recurrent_backend(1, dtype, device)
+        check_runs(1)
     except ValueError as error:  # refused whatever the batch (on a CPU, say): no batch option is why
         raise ValueError(f"--backend {args.backend}: {error}") from None
     for batch_size in sorted({*args.compute_batches, per_rank_batch}):
         try:
-            model.recurrent_backend(batch_size, dtype, device)
+            check_runs(batch_size)
         except ValueError as error:
             given_by = ("--compute-batches names the batches measured" if batch_size in args.compute_batches else
                         f"the step's: --global-batch {args.global_batch} over {counted(env.world_size, 'rank')}")

@@ -113,6 +113,32 @@ def test_scaling_asks_the_backend_for_the_steps_per_rank_batch_too_before_measur
     assert "(the step's: --global-batch 4096 over 1 rank)" in result.stderr, result.stderr[-2000:]
 
 
+def test_scaling_refuses_cuda_graphs_at_a_batch_run_on_cudnn_before_measuring_any(monkeypatch):
+    """--cuda-graphs with --backend auto, the default, whose batches past what the persistent kernels hold run on
+    cuDNN: the graphs' capture refused the first such batch, ending the run after the smaller batches' measures with
+    nothing written. Here on a CPU, its recurrent layers answering as a GPU's would: persistent up to batch 1."""
+    from benchmarks import scaling
+    from prnn_kernels.modules import _BackendChoice
+
+    timed = []
+    monkeypatch.setattr(scaling, "time_ms", lambda *arguments: timed.append(arguments) or [1.0])
+    monkeypatch.setattr(_BackendChoice, "backend_for", lambda layer, batch_size, dtype, device:
+                        "persistent" if batch_size <= 1 else "cudnn")
+    args = argparse.Namespace(model="cpu_demo", backend="auto", cell=None, global_batch=1, frames=20, steps=1,
+                              warmup=1, compute_batches=[1, 2], amp="none", cuda_graphs=True, seed=1)
+    cfg = scaling.compose_config(args.model, args.backend, args.cell, args.amp)
+    config = {"num_features": scaling.build.features(cfg.data).num_features, "amp": False}
+    env = scaling.DistEnv(0, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^per-rank batch 2: CUDA graphs: recurrent layer .* runs on cuDNN at batch 2 "
+                                         r".*\(--compute-batches names the batches measured\)$"):
+        scaling.measure(args, env, cfg, config, None)
+    # On cuDNN at every batch, as --backend cudnn: no batch option is why.
+    monkeypatch.setattr(_BackendChoice, "backend_for", lambda layer, batch_size, dtype, device: "cudnn")
+    with pytest.raises(ValueError, match=r"^--backend auto: CUDA graphs: recurrent layer .* runs on cuDNN at batch 1 "):
+        scaling.measure(args, env, cfg, config, None)
+    assert timed == []
+
+
 def test_scaling_names_the_backend_where_no_batch_would_run():
     """On a CPU the persistent backend refuses every batch: the line blamed the smallest and pointed at
     --compute-batches, which no value of would help."""
