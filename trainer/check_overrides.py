@@ -30,7 +30,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 
-from trainer.cli import positive_int, run_tool
+from trainer.cli import GivenOnce, positive_int, run_tool
 from trainer.config import CONF_DIR
 from trainer.override_errors import pickled_config_refusal, refused_in_one_line
 from trainer.run_directory import check_run_name, run_file_refusal, run_refusal, sweep_refusal
@@ -88,16 +88,14 @@ def abbreviated_help_refusal(command_line: argparse.Namespace, arguments: list[s
             "every rank a launch script starts: give --help alone for the script's usage")
 
 
-class GivenOnce(argparse.Action):
+class WorldSizeGivenOnce(GivenOnce):
     """--world-size's action, which refuses a second one: the launch scripts give theirs first, and one among their
     overrides (--world-size 4, abbreviated --wor 4), which the trainer takes for an unknown flag, replaced their count
     of ranks unchecked."""
 
-    def __call__(self, parser, namespace, value, option_string=None):
-        if getattr(namespace, self.dest) is not None:
-            parser.error(f"{option_string} {value}: --world-size is given once, the launch scripts' count of ranks; "
-                         "the trainer takes no such flag")
-        setattr(namespace, self.dest, value)
+    def refuse_repeat(self, parser, value, option_string):
+        parser.error(f"{option_string} {value}: --world-size is given once, the launch scripts' count of ranks; the "
+                     "trainer takes no such flag")
 
 
 def exit_on_argument_error(message: str) -> NoReturn:
@@ -109,7 +107,7 @@ def exit_on_argument_error(message: str) -> NoReturn:
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     parser = get_args_parser()
-    parser.add_argument("--world-size", type=positive_int, action=GivenOnce)  # the launch scripts' count of ranks
+    parser.add_argument("--world-size", type=positive_int, action=WorldSizeGivenOnce)  # the launch scripts' count of ranks
     parser.error = exit_on_argument_error
     # Its one call left, once --version has printed Hydra's version: the flag trains nothing, as PRINTING_FLAGS.
     parser.exit = lambda status=0, message=None: exit_on_argument_error(

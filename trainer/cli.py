@@ -168,14 +168,16 @@ def _remove_if_empty(path: Path) -> None:
 
 
 class GivenOnce(argparse.Action):
-    """The action of a list flag (nargs="+") given once: argparse keeps a repeated flag's last values, so that
-    `--manifest a.jsonl --manifest b.jsonl` counted b's transcripts alone, without a word. A repeat is refused."""
+    """The action of a flag given once: argparse keeps a repeated flag's last values, so that `--manifest a.jsonl
+    --manifest b.jsonl` counted b's transcripts alone, without a word. A repeat is refused (refuse_repeat)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, self.default) is not self.default:  # set by an earlier use of the flag
-            raise argparse.ArgumentError(self, "is given more than once: name all its values after one "
-                                               + option_string)
+            self.refuse_repeat(parser, values, option_string)
         setattr(namespace, self.dest, values)
+
+    def refuse_repeat(self, parser, values, option_string):
+        raise argparse.ArgumentError(self, f"is given more than once: name all its values after one {option_string}")
 
 
 class EachOnce(GivenOnce):
