@@ -233,6 +233,9 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
                            "...), not None"),
     ("data.augment.masks=5", "data.augment.masks must be a mapping of its keys (data.augment.masks.freq_mask, "
                              "data.augment.masks.max_time_fraction, ...), not 5"),
+    # And a key given a mapping in place of its value: its leaves were called keys no config file defines, misspelt.
+    ("model.depth={layers:5}", "model.depth must be a value, not the mapping {'layers': 5}"),
+    ("run_name={name:a}", "run_name must be a value, not the mapping {'name': 'a'}"),
     # Each rule's bound, just past it: mutating any bound (>= 1 into >= 0, < 1 into <= 1, dropping a check) passed.
     ("seed=-1", "seed must be an integer from 0 to 2**32 - 1, not -1"),
     ("seed=4294967296", "seed must be an integer from 0 to 2**32 - 1, not 4294967296"),

@@ -144,11 +144,11 @@ def global_batch_refusal(cfg: DictConfig, error: ValueError) -> ValueError:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Raises ValueError naming the first key no config file defines (or a group of keys given a value of its own), or
-    else the first value CONFIG_RULES refuses (interpolations resolved first), or else the chosen optimizer's own
-    setting refused or the other optimizer's given (OPTIMIZER_KEYS), train.cuda_graphs=true with model.backend=cudnn
-    or device=cpu, feature and SpecAugment settings that cannot work together, or a model.backend that device=cpu
-    cannot run."""
+    """Raises ValueError naming the first key no config file defines (or a group of keys given a value of its own, or a
+    key given a mapping), or else the first value CONFIG_RULES refuses (interpolations resolved first), or else the
+    chosen optimizer's own setting refused or the other optimizer's given (OPTIMIZER_KEYS), train.cuda_graphs=true
+    with model.backend=cudnn or device=cpu, feature and SpecAugment settings that cannot work together, or a
+    model.backend that device=cpu cannot run."""
     known = known_config_keys()
     unknown = sorted(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)) - known)
     # A known group given a value in place of its keys (train=null) is a leaf no config file defines, yet no misspelt
@@ -156,6 +156,10 @@ def check_config(cfg: DictConfig) -> None:
     if unknown and (inside := sorted(key for key in known if key.startswith(f"{unknown[0]}."))):
         raise ValueError(f"{unknown[0]} must be a mapping of its keys ({', '.join(inside[:2])}, ...), not "
                          f"{OmegaConf.select(cfg, unknown[0])!r}")
+    # Nor is a leaf under a known key given a mapping in place of its value (model.depth={layers:5}).
+    above = [unknown[0].rsplit(".", dots)[0] for dots in range(unknown[0].count("."), 0, -1)] if unknown else []
+    if valued_key := next((key for key in above if key in known), None):
+        raise ValueError(f"{valued_key} must be a value, not the mapping {OmegaConf.select(cfg, valued_key)!r}")
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]}: conf/train.yaml and conf/{{{','.join(CONFIG_GROUPS)}}}/ "
                          "define no such key (misspelt in an experiment file, or added by a + override?)")
