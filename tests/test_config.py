@@ -170,8 +170,16 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("data.augment.masks.freq_mask=-5", "data.augment.masks.freq_mask must be a non-negative integer, not -5"),
     ("data.augment.masks.max_time_fraction=5", "data.augment.masks.max_time_fraction must be a number from 0 to 1, "
                                                "not 5"),
-    ("model.conv_channels=-2", "model.conv_channels must be a positive integer, not -2"),
-    ("model.lookahead=2.5", "model.lookahead must be a non-negative integer, not 2.5"),
+    ("model.conv_channels=-2", "model.conv_channels must be an integer from 1 to 1,048,576, not -2"),
+    ("model.lookahead=2.5", "model.lookahead must be an integer from 0 to 1,048,576, not 2.5"),
+    # A weight of more bytes than torch can count: the model built on the meta device to count them, a traceback.
+    ("model.hidden=10000000000", "model.hidden must be an integer from 1 to 1,048,576, not 10000000000"),
+    ("model.conv_channels=10000000000", "model.conv_channels must be an integer from 1 to 1,048,576, not "
+                                        "10000000000"),
+    ("model.bidirectional=false model.lookahead=4611686018427387904", "model.lookahead must be an integer from 0 to "
+                                                                      "1,048,576, not 4611686018427387904"),
+    *((f"{key}=1048577", f"{key} must be an integer from {least} to 1,048,576, not 1048577") for key, least in (
+        ("model.hidden", 1), ("model.conv_channels", 1), ("model.lookahead", 0))),
     ("model.bidirectional=no", "model.bidirectional must be true or false, not 'no'"),  # a true string
     ("model.residual=3", "model.residual must be true or false, not 3"),
     ("model.cell=bogus", "model.cell must be one of relu, tanh, gru, lstm, not 'bogus'"),
@@ -241,10 +249,12 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
     ("seed=4294967296", "seed must be an integer from 0 to 2**32 - 1, not 4294967296"),
     *((f"{key}=0", f"{key} must be a positive integer{' or null' if nullable else ''}, not 0") for key, nullable in (
         ("train.epochs", False), ("train.global_batch_size", False), ("train.eval_batch_size", False),
-        ("train.checkpoint_every_steps", True), ("train.graph_pad_frames", False), ("model.depth", False),
-        ("model.hidden", False), ("model.conv_channels", False))),
+        ("train.checkpoint_every_steps", True), ("train.graph_pad_frames", False), ("model.depth", False))),
+    *((f"{key}=0", f"{key} must be an integer from 1 to 1,048,576, not 0") for key in (
+        "model.hidden", "model.conv_channels")),
+    ("model.lookahead=-1", "model.lookahead must be an integer from 0 to 1,048,576, not -1"),
     *((f"{key}=-1", f"{key} must be a non-negative integer, not -1") for key in (
-        "train.num_workers", "model.lookahead", "optim.warmup_steps", "data.augment.masks.time_mask")),
+        "train.num_workers", "optim.warmup_steps", "data.augment.masks.time_mask")),
     *((f"data.augment.masks.{key}=-1", f"data.augment.masks.{key} must be an integer from 0 to 100, not -1")
       for key in ("num_freq_masks", "num_time_masks")),
     # Each mask a module, built as the config is checked: 10**11 took all the memory for minutes, without a word.
@@ -322,6 +332,7 @@ def test_an_empty_prnn_an4_is_refused_naming_it(monkeypatch):
                              "data.augment.masks.freq_mask", "data.augment.masks.time_mask",
                              "data.augment.masks.num_freq_masks", "data.augment.masks.num_time_masks")),
     "data.augment.enabled=true data.augment.masks.num_freq_masks=100 data.augment.masks.num_time_masks=100",
+    "model.hidden=1048576", "model.conv_channels=1048576", "model.lookahead=1048576",
     "train.grad_clip_norm=1e-9", "optim.lr=1e-9", "optim.anneal=1e-9", "data.max_duration=1e-9",
     "distributed.timeout_s=1e-9", "optim=sgd optim.momentum=1e-9", "optim=sgd optim.momentum=0.999999"])
 def test_a_config_value_at_the_end_of_its_range_is_taken(override):

@@ -26,6 +26,10 @@ OPTIMIZER_KEYS = {
 }
 # The most SpecAugment masks of a kind an utterance takes: its published policies use a few.
 MAX_MASKS = 100
+# The most units, channels or lookahead frames a model's layer takes. One recurrent layer of 2**20 units already holds
+# trillions of parameters, which build.check_model_fits refuses naming the sizes; at 10**10 a weight held more bytes
+# than torch can count, and the model it counts them on (on the meta device) ended in a traceback.
+MAX_MODEL_WIDTH = 2**20
 # The largest seed the trainer takes: the benchmarks' --seed and --seeds refuse one above it before they start.
 MAX_SEED = 2**32 - 1
 # A checkpoint's config holds at most checkpoint.MAX_CONFIG_ENTRIES entries, one a training manifest and some 60 the
@@ -57,9 +61,9 @@ CONFIG_RULES = (
     ("model.backend", lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
     ("model.batch_slice", lambda v: v is None or is_int(v) and v >= 1, "a positive integer or null"),
     ("model.depth", lambda v: is_int(v) and v >= 1, "a positive integer"),
-    ("model.hidden", lambda v: is_int(v) and v >= 1, "a positive integer"),
-    ("model.conv_channels", lambda v: is_int(v) and v >= 1, "a positive integer"),
-    ("model.lookahead", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
+    *((f"model.{key}", lambda v, least=least: is_int(v) and least <= v <= MAX_MODEL_WIDTH,
+       f"an integer from {least} to {MAX_MODEL_WIDTH:,}") for key, least in (
+        ("hidden", 1), ("conv_channels", 1), ("lookahead", 0))),
     ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
     ("optim.warmup_steps", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
     # A factor: deepspeech.pytorch's learning_anneal of 1.1 (a divisor) is 0.9091 here, and 1.1 would grow the rate.
