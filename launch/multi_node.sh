@@ -74,6 +74,14 @@ done
     run_name="'$run_name'" "$@"
 
 "${PYTHON:-python3}" -m prnn_kernels.build --if-gpu
+# OpenMPI's hostfile parser takes a Windows line end's \r for a parse error in the hostfile: mpirun, which alone reads
+# it, reads a copy without them, removed when this script ends.
+if grep -q $'\r' "$hostfile"; then
+    lf_hostfile=$(mktemp "${TMPDIR:-/tmp}/hostfile.XXXXXX")
+    trap 'rm -f "$lf_hostfile"' EXIT
+    tr -d '\r' < "$hostfile" > "$lf_hostfile"
+    hostfile=$lf_hostfile
+fi
 # shellcheck disable=SC2086  # MPIRUN is split into the command and its options
 run_mpi_job ${MPIRUN:-mpirun} --hostfile "$hostfile" -np "$num_processes" --bind-to none \
     --map-by ppr:"${first_slots#slots=}":node \

@@ -916,7 +916,8 @@ def test_launch_scripts_pass_the_job_on_and_refuse_what_mpirun_would_misread(tmp
                         GLOO_SOCKET_IFNAME="ib0")
     command = ran.stdout.splitlines()[-1]
     # --bind-to none: OpenMPI binds each rank by default (to a core, or a socket past two ranks), its data workers too.
-    assert ran.returncode == 0 and command.startswith(f"--hostfile {hosts} -np 16 --bind-to none "), ran.stderr
+    # mpirun reads a copy without the \r (test_the_multi_node_script_gives_mpirun_a_windows_hostfile_without_its_...).
+    assert ran.returncode == 0 and re.match(r"--hostfile \S+ -np 16 --bind-to none ", command), ran.stderr
     assert "--map-by ppr:8:node" in command and "-x NCCL_P2P_DISABLE" in command and "-x NCCL_IB_HCA" in command
     assert "-x TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" in command and "-x TORCH_EXTENSIONS_DIR" in command, command
     assert "-x GLOO_SOCKET_IFNAME" in command, command
@@ -1179,6 +1180,29 @@ def test_the_multi_node_script_gives_the_ranks_the_first_hosts_address_unless_on
     for master_addr, expected in [(None, "node01"), ("node01-ib", "node01-ib")]:
         ran = launch_script("multi_node.sh", str(hosts), "16", MPIRUN=str(mpirun), MASTER_ADDR=master_addr)
         assert ran.returncode == 0 and ran.stdout.splitlines()[-1] == f"MASTER_ADDR={expected}", ran.stdout + ran.stderr
+
+
+def test_the_multi_node_script_gives_mpirun_a_windows_hostfile_without_its_carriage_returns(tmp_path):
+    """OpenMPI's hostfile lexer (ORTE's and PRRTE's hostfile_lex.l) takes no \\r for white space: a hostfile saved by
+    a Windows editor passed the script's own checks, which take the \\r off, and mpirun then stopped on it with "a
+    parse error in the hostfile", after the check and the build."""
+    mpirun = tmp_path / "mpirun"  # says what the hostfile it was given holds, \r as <CR>, and its path
+    mpirun.write_text('#!/bin/sh\n[ "$1" = --hostfile ] || exit 0\necho "path=$2"\nsed "s/\\r/<CR>/g" "$2"\n')
+    mpirun.chmod(0o755)
+    folder = tmp_path / "a folder"
+    folder.mkdir()
+    for text, path_given in [("# the allocation\r\nnode01 slots=8\r\nnode02 slots=8", False),
+                             ("# the allocation\nnode01 slots=8\nnode02 slots=8\n", True)]:
+        hosts = folder / "hosts.txt"
+        hosts.write_bytes(text.encode())
+        ran = launch_script("multi_node.sh", str(hosts), "16", MPIRUN=str(mpirun), TMPDIR=str(folder),
+                            PRNN_AN4=str(find_an4()))
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        given, *lines = ran.stdout.split("path=", 1)[-1].splitlines()
+        assert lines == ["# the allocation", "node01 slots=8", "node02 slots=8"], ran.stdout
+        assert (given == str(hosts)) == path_given, given
+        assert sorted(folder.iterdir()) == [hosts], "the copy is left behind"
+        assert hosts.read_bytes() == text.encode()
 
 
 def test_the_launch_scripts_build_the_extension_once_after_the_check_and_before_the_ranks(tmp_path):
