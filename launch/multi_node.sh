@@ -37,6 +37,14 @@ bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]
 [[ -z $bad_line ]] || {
     echo "$hostfile: every host line must read 'NAME $first_slots', the first line's count, line $bad_line" >&2
     exit 2; }
+# OpenMPI takes a host listed twice for one node (its slots added up), where --map-by places the first line's count:
+# its second line's ranks were counted below, and mpirun found them out after the build.
+repeated=$(tr -d '\r' < "$hostfile" | awk '!/^[[:space:]]*(#|$)/ {
+    if ($1 in line) {print $1 " is listed twice, lines " line[$1] " and " NR; exit} line[$1] = NR}')
+[[ -z $repeated ]] || {
+    echo "$hostfile: host $repeated, which OpenMPI takes for one node of ${first_slots#slots=} ranks:" \
+         "list each node once" >&2
+    exit 2; }
 # More ranks than the hosts' slots in all were found out by mpirun, after the check and the build.
 host_lines=$(tr -d '\r' < "$hostfile" | grep -c -v -E '^[[:space:]]*(#|$)')
 slots_in_all=$(( host_lines * ${first_slots#slots=} ))

@@ -969,6 +969,17 @@ def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_b
     assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8', the first line's count, {refusal}\n"
 
 
+def test_the_multi_node_script_refuses_a_host_listed_twice_before_the_build(tmp_path):
+    """OpenMPI takes a host listed twice for one node, its slots added up, where --map-by ppr:N:node places N ranks:
+    8 ranks on `node01 slots=4` twice passed the script's count of 8 slots, and mpirun refused them after the build."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=4\n# the second node\nnode01 slots=4\n")
+    refused = launch_script("multi_node.sh", str(hosts), "8", "experiment=cpu_demo")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == (f"{hosts}: host node01 is listed twice, lines 1 and 3, which OpenMPI takes for one node "
+                              "of 4 ranks: list each node once\n")
+
+
 def test_the_multi_node_script_refuses_more_ranks_than_the_hosts_slots_before_the_build(tmp_path):
     """9 ranks on two nodes of 4 slots went on to the check, the build and mpirun, which refused them then."""
     calls, python = tmp_path / "python_calls.txt", tmp_path / "python"
