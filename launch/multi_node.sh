@@ -22,9 +22,12 @@ run_name=${RUN_NAME:-$(date +%Y%m%d-%H%M%S)}
 # A name of dots alone would be runs/ itself or the working directory.
 [[ $run_name =~ ^[A-Za-z0-9._+@\ -]+$ && ! $run_name =~ ^\.+$ ]] || {
     echo "RUN_NAME '$run_name': use letters, digits, spaces and ._+@-, not dots alone" >&2; exit 2; }
-# The first host line, past blank lines and comments (a Windows line end taken off): its name and its slots, the
-# processes each node runs, wherever the slots= field stands.
-first_line=$(tr -d '\r' < "$hostfile" | awk '!/^[[:space:]]*(#|$)/ {print; exit}')
+# The hostfile as OpenMPI's parser reads it: a Windows line end taken off, and each line's comment, from its # on (a
+# slots= there was taken for a second count, or for the line's own).
+hosts=$(tr -d '\r' < "$hostfile" | sed 's/[[:space:]]*#.*//')
+# The first host line, past blank lines and comments: its name and its slots, the processes each node runs, wherever
+# the slots= field stands.
+first_line=$(awk '!/^[[:space:]]*$/ {print; exit}' <<< "$hosts")
 read -r first_host _ <<< "$first_line" || true
 first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "$first_line" |
               tr -d '[:space:]' || true)
@@ -32,21 +35,22 @@ first_slots=$(grep -o -E '(^|[[:space:]])slots=[1-9][0-9]*([[:space:]]|$)' <<< "
     echo "$hostfile: its first host line must read 'NAME slots=GPUS', got '$first_line'" >&2; exit 2; }
 # Every node runs the first line's count of ranks (--map-by below): a later line without a name or that count was
 # found out by mpirun after the build, or put more ranks on a node than it has GPUs.
-bad_line=$(tr -d '\r' < "$hostfile" | awk -v slots="$first_slots" '!/^[[:space:]]*(#|$)/ &&
-    !($1 !~ /=/ && (" " $0 " ") ~ ("[[:space:]]" slots "[[:space:]]")) {print NR ": \047" $0 "\047"; exit}')
+bad_line=$(awk -v slots="$first_slots" '!/^[[:space:]]*$/ &&
+    !($1 !~ /=/ && (" " $0 " ") ~ ("[[:space:]]" slots "[[:space:]]")) {print NR ": \047" $0 "\047"; exit}' \
+    <<< "$hosts")
 [[ -z $bad_line ]] || {
     echo "$hostfile: every host line must read 'NAME $first_slots', the first line's count, line $bad_line" >&2
     exit 2; }
 # OpenMPI takes a host listed twice for one node (its slots added up), where --map-by places the first line's count:
 # its second line's ranks were counted below, and mpirun found them out after the build.
-repeated=$(tr -d '\r' < "$hostfile" | awk '!/^[[:space:]]*(#|$)/ {
-    if ($1 in line) {print $1 " is listed twice, lines " line[$1] " and " NR; exit} line[$1] = NR}')
+repeated=$(awk '!/^[[:space:]]*$/ {
+    if ($1 in line) {print $1 " is listed twice, lines " line[$1] " and " NR; exit} line[$1] = NR}' <<< "$hosts")
 [[ -z $repeated ]] || {
     echo "$hostfile: host $repeated, which OpenMPI takes for one node of ${first_slots#slots=} ranks:" \
          "list each node once" >&2
     exit 2; }
 # More ranks than the hosts' slots in all were found out by mpirun, after the check and the build.
-host_lines=$(tr -d '\r' < "$hostfile" | grep -c -v -E '^[[:space:]]*(#|$)')
+host_lines=$(grep -c -v -E '^[[:space:]]*$' <<< "$hosts")
 slots_in_all=$(( host_lines * ${first_slots#slots=} ))
 (( num_processes <= slots_in_all )) || {
     echo "NUM_PROCESSES $num_processes is more than the $(counted "$slots_in_all" slot) of $hostfile" \

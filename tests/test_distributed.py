@@ -969,6 +969,20 @@ def test_the_multi_node_script_refuses_a_host_line_unlike_the_first_before_the_b
     assert refused.stderr == f"{hosts}: every host line must read 'NAME slots=8', the first line's count, {refusal}\n"
 
 
+def test_the_multi_node_script_reads_a_hosts_slots_past_a_comment_at_the_lines_end(tmp_path):
+    """OpenMPI's hostfile parser ends a line at its #: a slots= in a comment after a host's own was taken for a
+    second count (refused as the garbled 'NAME slots=4slots=8'), or for the line's count, where it hid another."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01 slots=4  # was slots=8\nnode02 slots=4#slots=8\n")
+    ran = launch_script("multi_node.sh", str(hosts), "8", "experiment=cpu_demo", PRNN_AN4=str(find_an4()))
+    assert ran.returncode == 0 and " --map-by ppr:4:node " in ran.stdout.splitlines()[-1], ran.stdout + ran.stderr
+    hosts.write_text("node01 slots=8\nnode02 slots=4 # was slots=8\n")
+    refused = launch_script("multi_node.sh", str(hosts), "16", "experiment=cpu_demo")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr == (f"{hosts}: every host line must read 'NAME slots=8', the first line's count, "
+                              "line 2: 'node02 slots=4'\n")
+
+
 def test_the_multi_node_script_refuses_a_host_listed_twice_before_the_build(tmp_path):
     """OpenMPI takes a host listed twice for one node, its slots added up, where --map-by ppr:N:node places N ranks:
     8 ranks on `node01 slots=4` twice passed the script's count of 8 slots, and mpirun refused them after the build."""
