@@ -16,7 +16,14 @@ def is_real(value) -> bool:
 
 
 def is_number(value) -> bool:
-    return is_real(value) and math.isfinite(value)
+    """A finite int or float; not an int past a float's range (10**400), which math.isfinite and every computation
+    with floats end in an OverflowError."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def json_objects(text: str) -> Iterator[tuple[str, dict]]:

@@ -152,6 +152,8 @@ MOMENTUM = ("optim.momentum must be a number in (0, 1) (Nesterov momentum needs 
 
 @pytest.mark.parametrize("override, complaint", [
     ("train.grad_clip_norm=-1", "train.grad_clip_norm must be a positive number, not -1"),  # would flip the gradient
+    # Past a float's range: a traceback of OverflowError.
+    (f"optim.lr={10**400}", f"optim.lr must be a positive number, not {10**400}"),
     ("train.max_steps=0", "train.max_steps must be a positive integer or null, not 0"),
     ("train.global_batch_size=abc", "train.global_batch_size must be a positive integer, not 'abc'"),
     ("train.checkpoint_every_steps=true", "train.checkpoint_every_steps must be a positive integer or null, not True"),

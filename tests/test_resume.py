@@ -190,7 +190,8 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
     # Infinity and True passed for counts where the finite and bool checks were left out, and every test passed.
     for step, described in ((torch.tensor(-1.0), "-1.0"), (torch.tensor(math.nan), "nan"), (-2, "-2"),
                             (torch.tensor(math.inf), "inf"), (True, "a bool"),
-                            (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), ("3", "a str")):
+                            (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), ("3", "a str"),
+                            (10**400, f"{10**400}")):  # past a float's range: it ended in an OverflowError
         edited = {**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}}
         with pytest.raises(ValueError, match=rf"^its state 'step' of parameter 1 is {described}, not a count of up"):
             checkpoint.check_optimizer_state(edited, optimizer)
@@ -261,6 +262,8 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
         ("train_state", {"epoch": 2, "step": 9, "best_wer": -1.0}, r"for best_wer=-1.0\)$"),
         ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.inf}, r"for elapsed_s=inf\)$"),
         ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.nan}, r"for elapsed_s=nan\)$"),
+        # Past a float's range: a traceback of OverflowError, where every other odd value is one line.
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": 10**400}, rf"for best_wer={10**400}\)$"),
         ("rng", [], "list index out of range"),
     ]
     for part, value, reason in cases:

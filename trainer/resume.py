@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from data.values import is_int, is_real, json_objects
+from data.values import is_int, is_number, json_objects
 from trainer import build, checkpoint, distributed
 from trainer.config import RUN_NAME_SETTING, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
@@ -206,8 +206,7 @@ def resumed_train_state(state: dict, saved_state: dict) -> dict:
     def fits(key, value):
         if isinstance(state[key], int):
             return is_int(value) and value >= 0
-        return (is_real(value) and value >= 0
-                and (math.isfinite(value) or math.isinf(state[key])))
+        return value == math.inf == state[key] or is_number(value) and value >= 0
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
     if wrong:
