@@ -68,6 +68,11 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     with pytest.raises(ValueError,
                        match=r"settings \(model.bidirectional=\(not set\) there, true here\); a resume takes"):
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
+    # A list where a group belongs: omegaconf's ConfigTypeError ("Index 'bidirectional' (str) is not an int"), with a
+    # traceback, where its keys are simply not set.
+    with pytest.raises(ValueError, match=r"settings \(model.depth=\(not set\) there, 5 here; .*; train.global_batch_"
+                                         r"size=\(not set\) there, 16 here\); a resume takes"):
+        check_resumable({**saved, "model": [1, 2], "train": [3]}, compose_config([]), tmp_path / "last.pt")
 
 
 def test_a_one_layer_run_resumes_with_model_residual_changed_which_changes_nothing_there(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigTypeError, OmegaConfBaseException
 
 from data.audio import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from data.features import FEATURE_KINDS, MAX_WINDOW_MS
@@ -239,9 +239,9 @@ def check_resumable(saved_config: dict, cfg: DictConfig, path: Path, holds_train
     # A bidirectional model has no lookahead convolution: its model.lookahead changes nothing; nor does model.residual
     # where the one recurrent layer is the first, which has none. Selected, not read as an attribute: a config without
     # the key (another program's) is refused below, naming it, not with a traceback.
-    bidirectional = OmegaConf.select(saved, "model.bidirectional") and cfg.model.bidirectional
+    bidirectional = _selected(saved, "model.bidirectional", None) and cfg.model.bidirectional
     unused = {"model.lookahead"} if bidirectional else set()
-    if OmegaConf.select(saved, "model.depth") == cfg.model.depth == 1:
+    if _selected(saved, "model.depth", None) == cfg.model.depth == 1:
         unused.add("model.residual")
     if holds_train_set:
         unused.add("data.train_manifests")
@@ -267,9 +267,19 @@ def noting_what_does_nothing_here(changes: list[str], device: torch.device) -> l
 _UNSET = object()  # a key one config lacks, told apart from one set to null
 
 
+def _selected(config: DictConfig, key: str, default=_UNSET):
+    """The value at `key`, a dotted path, or `default` where the config lacks it: also where the path runs through a
+    list or a value (a checkpoint's config edited to hold model: [1, 2]), which OmegaConf.select indexed with a name
+    and ended the resume in its ConfigTypeError, a traceback."""
+    try:
+        return OmegaConf.select(config, key, default=default)
+    except ConfigTypeError:
+        return default
+
+
 def _differences(saved: DictConfig, cfg: DictConfig, key: str) -> list[str]:
     """How `key` differs between a checkpoint's config and this one's, a group's entries one by one."""
-    there, here = OmegaConf.select(saved, key, default=_UNSET), OmegaConf.select(cfg, key, default=_UNSET)
+    there, here = _selected(saved, key), _selected(cfg, key)
     if isinstance(there, DictConfig) and isinstance(here, DictConfig):
         return [difference for entry in sorted(set(there) | set(here))
                 for difference in _differences(saved, cfg, f"{key}.{entry}")]
