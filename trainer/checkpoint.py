@@ -301,9 +301,9 @@ MAX_CONFIG_ENTRIES = 10_000
 
 def _unresolved(config: dict) -> str | None:
     """What in a stored config OmegaConf would not take as plain data, named with its key: its missing value `???`,
-    nesting past MAX_CONFIG_DEPTH, more than MAX_CONFIG_ENTRIES entries, or a value or key of a type it holds none of
-    (a tensor, a key of None), which a resume said without the file, over three lines where no key was named; else
-    None."""
+    nesting past MAX_CONFIG_DEPTH, more than MAX_CONFIG_ENTRIES entries, or a value of a type it holds none of (a
+    tensor), which a resume said without the file; or a key that is no name (5, None): a resume sorted the keys of
+    its config among this run's in a TypeError's traceback, and OmegaConf refused None over three lines. Else None."""
     pending, entries = [("config", config, 0)], 0
     while pending:
         key, value, depth = pending.pop()
@@ -314,6 +314,9 @@ def _unresolved(config: dict) -> str | None:
             return f"{key} nests deeper than {MAX_CONFIG_DEPTH} levels"
         if isinstance(value, str) and value == "???":
             return f"{key} holds a missing value (???)"
+        not_names = [name for name in value if not isinstance(name, str)] if isinstance(value, dict) else []
+        if not_names:
+            return f"{key} has the key {not_names[0]!r}, {a_type(not_names[0])}"
         pending += [(f"{key}.{name}", entry, depth + 1) for name, entry in reversed(_entries(value))]
     try:
         stored_config(config)
