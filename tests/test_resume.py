@@ -665,6 +665,12 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     assert (fine_tuned.run_id, fine_tuned.continues, fine_tuned.started_from) == ("ft", True, parent)
     other = start(saved(tmp_path / "parent.pt", run_id="parent"), tmp_path / "new")
     assert (other.run_id, other.continues, other.started_from) == (None, False, parent)
+    # A run id the trainer never writes, in an edited file: a tensor ended the job in a traceback as it took the run
+    # up, a list went on into jobs.jsonl and the run's next checkpoints.
+    for run_id, kind in ((torch.zeros(2), "a Tensor"), ([1], "a list")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(own))} is not a checkpoint written by python -m "
+                                             rf"trainer: its run_id is {kind}, not a run's id \(a string\)$"):
+            start(saved(own, run_id=run_id), own.parent.parent)
 
 
 def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_one_the_last_ones(tmp_path):

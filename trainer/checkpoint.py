@@ -221,6 +221,10 @@ def load(path: str | Path, parts: tuple[str, ...] = MODEL_PARTS, record_only: bo
     unresolved = _unresolved(saved["config"])
     if unresolved:
         raise ValueError(f"{not_the_trainers}: its {unresolved}, which the trainer's resolved config never holds")
+    # The trainer writes uuid's hex, or None before run ids. An edited file's tensor ended a resume in a traceback as it
+    # took the run up, and a list went on into jobs.jsonl and the run's next checkpoints.
+    if saved.get("run_id") is not None and not isinstance(saved["run_id"], str):
+        raise ValueError(f"{not_the_trainers}: its run_id is {a_type(saved['run_id'])}, not a run's id (a string)")
     odd_tensor = _odd_tensor(saved)
     if odd_tensor:
         raise ValueError(f"{not_the_trainers}: its {odd_tensor}, where the trainer writes dense tensors with values")
