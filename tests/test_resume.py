@@ -648,7 +648,7 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     env = DistEnv(rank=0, world_size=1, device=torch.device("cpu"))
 
     def saved(path, **record):
-        checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
+        checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {"epoch": 0, "position": 3},
                                "config": OmegaConf.to_container(cfg, resolve=True),
                                "train_state": {**FRESH_STATE, "epoch_step": 3, "step": 3},
                                "rng": [checkpoint.rng_state(env.device)], **record})
@@ -671,6 +671,11 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
         with pytest.raises(ValueError, match=rf"^{re.escape(str(own))} is not a checkpoint written by python -m "
                                              rf"trainer: its run_id is {kind}, not a run's id \(a string\)$"):
             start(saved(own, run_id=run_id), own.parent.parent)
+    # A sampler elsewhere in its epochs than its training state, as the trainer never saves them: the epoch's batches
+    # before it were trained again (or those after it skipped) as the step count went on from the training state's.
+    with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(own))}: its sampler \(epoch 0, position "
+                                         r"0\) is not where its train_state stands \(epoch 0, epoch_step 3\)$"):
+        start(saved(own, sampler={"epoch": 0, "position": 0}), own.parent.parent)
 
 
 def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_one_the_last_ones(tmp_path):
@@ -682,7 +687,7 @@ def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_o
         torch.manual_seed(seed)
         streams.append(checkpoint.rng_state(torch.device("cpu")))
     path = tmp_path / "run" / "checkpoints" / "last.pt"
-    checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {},
+    checkpoint.save(path, {"model": {}, "optimizer": {}, "scheduler": {}, "sampler": {"epoch": 0, "position": 3},
                            "config": OmegaConf.to_container(cfg, resolve=True),
                            "train_state": {**FRESH_STATE, "epoch_step": 3, "step": 3}, "rng": streams})
     before = checkpoint.rng_state(torch.device("cpu"))

@@ -196,6 +196,16 @@ def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
                          f"{fingerprint} here): a manifest changed since (prepared again, or edited)")
 
 
+def check_sampler_position(saved_sampler: dict, state: dict, path: Path) -> None:
+    """ValueError unless a checkpoint's sampler stands where its restored training `state` does, as the trainer saves
+    them: at global batch epoch_step of its epoch. An edited file's other position trained the epoch's batches before
+    it again, or skipped those after it, while the step count went on from the training state's."""
+    sampler_at = (saved_sampler.get("epoch"), saved_sampler.get("position"))
+    if sampler_at != (state["epoch"], state["epoch_step"]):
+        raise ValueError(f"cannot resume from {path}: its sampler (epoch {sampler_at[0]}, position {sampler_at[1]}) is "
+                         f"not where its train_state stands (epoch {state['epoch']}, epoch_step {state['epoch_step']})")
+
+
 def resumed_train_state(state: dict, saved_state: dict) -> dict:
     """A checkpoint's train_state, each of `state`'s entries a number from 0 up (infinite only where `state`'s is:
     best.pt's figures before any evaluation), a count (a non-negative integer) where `state` holds one; ValueError
@@ -391,6 +401,7 @@ def resume_into(resume: Path | None, state: dict, cfg: DictConfig, run_dir: Path
             "train_state": lambda saved_state: state.update(resumed_train_state(state, saved_state)),
             "rng": lambda states: checkpoint.set_rng_state(states[min(env.rank, len(states) - 1)], env.device),
         })
+        check_sampler_position(saved["sampler"], state, resume)
         best = best_to_beat(run_dir, resume, saved, state, test_fingerprint)
         state.update(best.figures)
         start = RunStart(resume, run_id, continues, saved.get("started_from") if continues else start_of_run(saved),
