@@ -206,16 +206,22 @@ def check_sampler_position(saved_sampler: dict, state: dict, path: Path) -> None
                          f"not where its train_state stands (epoch {state['epoch']}, epoch_step {state['epoch_step']})")
 
 
+# Past the largest step TensorBoard's events hold (an int64), a resumed step failed its first record in "Value out of
+# range", which named neither the checkpoint nor the key.
+MAX_COUNT = 2**63 - 1
+
+
 def resumed_train_state(state: dict, saved_state: dict) -> dict:
     """A checkpoint's train_state, each of `state`'s entries a number from 0 up (infinite only where `state`'s is:
-    best.pt's figures before any evaluation), a count (a non-negative integer) where `state` holds one; ValueError
-    naming those that are not and their values. No evaluation beats a NaN best_wer: best.pt would stay as it was."""
+    best.pt's figures before any evaluation), a count (an integer from 0 below MAX_COUNT) where `state` holds one;
+    ValueError naming those that are not and their values. No evaluation beats a NaN best_wer: best.pt would stay as
+    it was."""
     # Checkpoints from before elapsed_s count from here; those from before best_unreadable read whole test sets.
     resumed = {"elapsed_s": 0.0, "best_unreadable": 0, **saved_state}
 
     def fits(key, value):
         if isinstance(state[key], int):
-            return is_int(value) and value >= 0
+            return is_int(value) and 0 <= value < MAX_COUNT
         return value == math.inf == state[key] or is_number(value) and value >= 0
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
