@@ -393,6 +393,16 @@ def test_starting_afresh_or_from_another_runs_checkpoint_over_a_runs_checkpoints
     with pytest.raises(ValueError, match=r"\(best.pt, last.pt in checkpoints/\)"):
         checkpoint_to_resume(None, run_dir)
     assert checkpoint_to_resume(str(elsewhere), run_dir) == elsewhere  # continued_run_id decides, once it is read
+    # A last.pt linked to a disk not mounted: auto passed it over for best.pt, an older checkpoint, said to be "written
+    # at the same step", and the run's records since were dropped. Refused, naming the link, as train.resume=PATH is.
+    last = run_dir / "checkpoints" / "last.pt"
+    last.unlink()
+    last.symlink_to(tmp_path / "unmounted" / "last.pt")
+    for resume in ("auto", str(last)):
+        with pytest.raises(FileNotFoundError, match=rf"^checkpoint {re.escape(str(last))} is a symbolic link to "
+                                                    rf"{re.escape(str(tmp_path / 'unmounted' / 'last.pt'))}, which "
+                                                    "does not exist"):
+            checkpoint_to_resume(resume, run_dir)
 
 
 def test_a_checkpoint_from_outside_resumed_over_a_runs_checkpoints_must_be_one_of_that_runs(tmp_path):

@@ -154,6 +154,9 @@ def check_readable(path: Path) -> None:
         if stat.S_ISREG(mode):  # only a file: opening a pipe would wait for a writer
             open(path, "rb").close()
     except FileNotFoundError:
+        if path.is_symlink():  # `ls` lists it: "not found" alone left the user to find the link's target missing
+            raise FileNotFoundError(f"checkpoint {path} is a symbolic link to {os.readlink(path)}, which does not "
+                                    "exist") from None
         raise FileNotFoundError(f"checkpoint not found: {path}{_last_instead(path)}") from None
     except OSError as error:  # no permission (to the file or a folder on its way), a name past the file system's limit
         raise ValueError(f"cannot read checkpoint {path}: {error.strerror or error}") from None

@@ -27,13 +27,14 @@ def checkpoint_to_resume(resume: str | None, run_dir: Path) -> Path | None:
     last.pt, else its best.pt (own_last_checkpoint: a restarted or requeued job under the same run name continues),
     afresh where it holds neither.
     Raises before the data and the model are built: ValueError rather than start afresh over checkpoints already in
-    the run directory, which it would replace, and for a path whose file it cannot read (FileNotFoundError where there
-    is none)."""
+    the run directory, which it would replace, and for a path or auto's checkpoint whose file it cannot read
+    (FileNotFoundError where there is none)."""
     if resume is not None and resume != "auto":
         return readable_resume(resume)
     last = run_dir / "checkpoints" / "last.pt"
     own = own_last_checkpoint(run_dir) if resume == "auto" else None
     if own is not None:
+        checkpoint.check_readable(own)
         if own != last:
             log.info("train.resume=auto: no %s, continuing from %s, written at the same step", last, own)
         return own
@@ -60,10 +61,11 @@ def readable_resume(path: str) -> Path:
 
 def own_last_checkpoint(run_dir: Path) -> Path | None:
     """The run directory's checkpoint that train.resume=auto continues from: last.pt, else best.pt (written just before
-    last.pt, whose first save did not finish); None where it holds neither."""
+    last.pt, whose first save did not finish); None where it holds neither. A link to nothing (a disk not mounted) is
+    one, for the resume to refuse naming it: passed over, an older best.pt was taken, and the run's records since."""
     for name in ("last.pt", "best.pt"):
         path = run_dir / "checkpoints" / name
-        if path.is_file():
+        if path.is_file() or path.is_symlink():
             return path
     return None
 
