@@ -204,11 +204,25 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
     for step in (torch.tensor(3.0), 3, 3.0, torch.tensor(0.0)):
         checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 1: {**saved["state"][1], "step": step}}},
                                          optimizer)
+    # A rate, beta or decay that is not a finite number from 0 up turned every weight to NaN at the first step (or
+    # trained up the gradient), and the run was then said to have diverged, as if a lower optim.lr could help.
+    # Betas of 3, a float's place in them, ended that step in a traceback.
+    for name, value in (("lr", math.nan), ("betas", (math.nan, 0.999)), ("weight_decay", math.inf), ("lr", -1.0),
+                        ("betas", 3), ("betas", (0.9, "0.999")), ("amsgrad", None)):
+        edited = {**saved, "param_groups": [{**saved["param_groups"][0], name: value}]}
+        with pytest.raises(ValueError, match=rf"^its param_groups' {name} is {re.escape(repr(value))}, not of the "
+                                             rf"form of this run's {re.escape(repr(optimizer.param_groups[0][name]))} "
+                                             r"\(finite numbers from 0 up\)$"):
+            load_optimizer_state(optimizer, edited)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     current = schedule.state_dict()
     assert known_entries({**current, "optimizer": 1}, current) == current
     with pytest.raises(ValueError, match="its last_epoch is a float, not an int"):
         known_entries({**current, "last_epoch": 0.5}, current)
+    for base_lrs in ([math.nan], ["x"], [-1.0], [0.1, 0.1]):
+        with pytest.raises(ValueError, match=rf"^its base_lrs is {re.escape(repr(base_lrs))}, not of the form of this "
+                                             r"run's \[0.001\] \(finite numbers from 0 up\)$"):
+            known_entries({**current, "base_lrs": base_lrs}, current)
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])

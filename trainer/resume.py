@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from data.values import is_int, is_number, json_objects
+from data.values import is_int, is_number, is_real, json_objects
 from trainer import build, checkpoint, distributed
 from trainer.config import RUN_NAME_SETTING, check_resumable, noting_what_does_nothing_here
 from trainer.distributed import DistEnv
@@ -172,6 +172,10 @@ def load_finite_model(model: torch.nn.Module, saved: dict) -> None:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     checkpoint.check_optimizer_state(saved, optimizer)
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        for name, value in saved_group.items():
+            if name in group and name not in ("params", *IMPLEMENTATION_OPTIONS):
+                check_setting(f"param_groups' {name}", value, group[name])
     groups = [{**saved_group, **{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group}}
               for saved_group, group in zip(saved["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({**saved, "param_groups": groups})
@@ -180,14 +184,39 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
 def known_entries(saved: dict, current: dict) -> dict:
     """The entries of a saved state dict that the current one has, each refused (ValueError) unless of the same type:
     a scheduler copies whatever keys it is given onto itself (an "optimizer" of 1 replaced its optimizer), and torch
-    versions add and drop a key or two."""
+    versions add and drop a key or two; and unless of the form of the current one's (check_setting)."""
     if not isinstance(saved, dict):
         raise ValueError(f"it is {checkpoint.a_type(saved)}, not a mapping")
     odd = [key for key, value in current.items() if key in saved and type(saved[key]) is not type(value)]
     if odd:
         key = odd[0]
         raise ValueError(f"its {key} is {checkpoint.a_type(saved[key])}, not {checkpoint.a_type(current[key])}")
+    for key, value in current.items():
+        if key in saved:
+            check_setting(key, saved[key], value)
     return {key: value for key, value in saved.items() if key in current}
+
+
+def fits_setting(value, current) -> bool:
+    """Whether a saved optimizer's or schedule's setting `value` has the form of this run's (`current`): a finite number
+    from 0 up where it holds a number (a rate, a beta, a decay, a count), as many of them where it holds a list or a
+    tuple (betas, base_lrs), else a value of its type (a bool, None)."""
+    if is_real(current):
+        return is_number(value) and value >= 0
+    if isinstance(current, list | tuple):
+        return (isinstance(value, list | tuple) and len(value) == len(current)
+                and all(fits_setting(entry, entry_here) for entry, entry_here in zip(value, current)))
+    return type(value) is type(current)
+
+
+def check_setting(name: str, value, current) -> None:
+    """ValueError unless a saved setting fits this run's (fits_setting). The trainer saves those its config checks
+    (trainer.config: finite, none below 0) and the rates its schedule gives: another, resumed, turned every weight to
+    NaN at the first step (or trained up the gradient), the run then said to have diverged as if a lower optim.lr could
+    help, or ended that step in a traceback (betas of 3)."""
+    if not fits_setting(value, current):
+        raise ValueError(f"its {name} is {value!r}, not of the form of this run's {current!r} (finite numbers from 0 "
+                         "up)")
 
 
 def check_same_training_set(saved: dict, fingerprint: str, path: Path) -> None:
