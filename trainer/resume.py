@@ -264,11 +264,12 @@ def resumed_train_state(state: dict, saved_state: dict) -> dict:
 
 def restore(path: Path, saved: dict, loaders: dict) -> None:
     """Hands each part of a checkpoint to its loader; ValueError naming the file and the part one refuses (a file
-    edited by hand or written by other code: a checkpoint holds plain data, which nothing else checks)."""
+    edited by hand or written by other code: a checkpoint holds plain data, which nothing else checks). OverflowError
+    too: Python's generator refuses a word of its state past a C long so."""
     for part, load_part in loaders.items():
         try:
             load_part(saved[part])
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as error:
             reason = " ".join(str(error).split()[:40]) or type(error).__name__
             raise ValueError(f"cannot resume from {path}: its {part} does not fit this run ({reason})") from error
 
