@@ -483,6 +483,13 @@ def test_the_evaluation_to_beat_is_the_one_best_pt_records_not_the_resumed_check
                                          r"whose evaluation a resumed run must beat to replace it: move it away to "
                                          r"resume without it\)$"):
         best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
+    # Linked to a disk not mounted: taken for no best.pt, it was replaced by the first evaluation, however worse.
+    best.unlink()
+    best.symlink_to(tmp_path / "unmounted" / "best.pt")
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(str(best))} is a symbolic link to .*unmounted/"
+                                         r"best.pt, which does not exist \(the run's best.pt, whose evaluation a "
+                                         r"resumed run must beat"):
+        best_to_beat(run_dir, earlier, saved(2, 80.0), state, "A")
 
 
 def test_without_best_pt_the_one_kept_for_this_test_set_is_the_one_to_beat_and_best_pt_again(tmp_path, caplog):

@@ -297,7 +297,9 @@ def best_to_beat(run_dir: Path, resumed: Path, saved: dict, state: dict, test_fi
     nothing_to_beat = {"best_unreadable": math.inf, "best_wer": math.inf}
     kept_here = kept_best(best, test_fingerprint)  # this test set's, kept while the run was on another
     back = kept_here.is_file()
-    if not best.is_file():
+    # A best.pt linked to nothing (a disk not mounted) is refused, as one that cannot be read is: taken for none, it was
+    # replaced by the first evaluation, however worse.
+    if not best.is_file() and not best.is_symlink():
         if not back:  # no evaluation in this run directory yet
             return BestToBeat(nothing_to_beat, None, False)
         # best.pt deleted by hand while the run was on another test set: settle_best makes the kept one best.pt again.
@@ -360,11 +362,12 @@ def recorded_best(path: Path, resumed: Path, saved: dict, state: dict) -> tuple[
     be read. `saved` where it is the file resumed from, which is not read again (the 100-layer model's is large)."""
     figures = {}
     try:
+        checkpoint.check_readable(path)
         best_saved = saved if path.samefile(resumed) else checkpoint.load(path, checkpoint.TRAINING_PARTS,
                                                                           record_only=True)
         restore(path, best_saved, {"train_state": lambda best_state: figures.update(
             resumed_train_state(state, best_state))})
-    except ValueError as error:
+    except (FileNotFoundError, ValueError) as error:
         raise ValueError(f"{error} {REFUSED_BEST.format(name=path.name)}") from None
     return best_saved, {key: figures[key] for key in ("best_unreadable", "best_wer")}
 
