@@ -283,6 +283,7 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
         ("train_state", {"epoch": 2, "step": 9, "best_wer": 50.0, "elapsed_s": math.nan}, r"for elapsed_s=nan\)$"),
         # Past a float's range: a traceback of OverflowError, where every other odd value is one line.
         ("train_state", {"epoch": 2, "step": 9, "best_wer": 10**400}, rf"for best_wer={10**400}\)$"),
+        ("train_state", {"epoch": 2, "step": 9, "best_wer": torch.zeros(2)}, r"for best_wer=tensor\(\[0., 0.\]\)\)$"),
         # Past TensorBoard's int64 steps: the first step's record failed in "Value out of range: 2**63 + 1" alone.
         ("train_state", {"epoch": 2, "step": 2**63, "best_wer": 50.0}, rf"for step={2**63}\)$"),
         ("rng", [], "list index out of range"),

@@ -253,7 +253,7 @@ def resumed_train_state(state: dict, saved_state: dict) -> dict:
     def fits(key, value):
         if isinstance(state[key], int):
             return is_int(value) and 0 <= value < MAX_COUNT
-        return value == math.inf == state[key] or is_number(value) and value >= 0
+        return is_real(value) and (value == math.inf == state[key] or is_number(value) and value >= 0)
 
     wrong = [key for key in state if not fits(key, resumed.get(key))]
     if wrong:
