@@ -435,6 +435,19 @@ def test_a_console_whose_reader_ends_leaves_the_run_to_finish_in_its_log(an4_tra
     assert "final test WER" not in errors and "epoch 1: loss " in (tmp_path / "run" / "__main__.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_run_started_with_stdout_closed_trains_and_gives_its_log_and_last_line_on_stderr(an4_train, tmp_path):
+    """python -m trainer ... >&- (a cron job, a daemon): Python gives a closed stdout as None, and the run ended at once
+    in an AttributeError's traceback, exit code 1, before it trained."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    trainer = shlex.join([sys.executable, "-m", "trainer", *train_arguments(
+        tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")])
+    job = subprocess.run(["bash", "-c", f"{trainer} >&-"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": python_path})
+    assert job.returncode == 0 and "Traceback" not in job.stderr, job.stderr[-3000:]
+    assert "epoch 1: loss " in job.stderr and job.stderr.splitlines()[-1].startswith("final test WER "), job.stderr
+
 def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     def parameters(overrides):
         cfg = compose_config(overrides)

@@ -41,7 +41,7 @@ from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
-from trainer.cli import log_above_progress_bars
+from trainer.cli import lines_stream, log_above_progress_bars
 from trainer.config import RUN_NAME_SETTING, config_error_line
 from trainer.override_errors import (let_info_stdout_failures_through, refuse_a_pickled_config,
                                      report_command_line_errors_in_one_line)
@@ -197,8 +197,10 @@ def leave_the_log_to_rank_0(rank: int) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     # Hydra's console log goes to stdout, which a pipe or a batch job's log buffers: a line would land after the
-    # progress shown on stderr since, or be lost with the job.
-    sys.stdout.reconfigure(line_buffering=True)
+    # progress shown on stderr since, or be lost with the job. A stdout closed (>&-, Python's None) leaves logging's
+    # console handler on stderr, where the last line goes too (lines_stream).
+    if sys.stdout is not None:
+        sys.stdout.reconfigure(line_buffering=True)
     print_paths_printable(sys.stdout, sys.stderr)  # a path that is not UTF-8 as the tools and the log file name it
     leave_the_log_to_rank_0(launch_ranks.launcher_rank())
     hydra_cfg = HydraConfig.get()
@@ -231,7 +233,7 @@ def main(cfg: DictConfig) -> None:
             name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
             sys.exit(128 + result["stop_signal"])
         if result and launch_ranks.launcher_rank() == 0:  # every rank holds the same figures; one line says them
-            print(summary_line(result))
+            print(summary_line(result), file=lines_stream())
 
 
 def stop_now(what: str, number: signal.Signals, run_dir: Path) -> None:
