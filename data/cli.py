@@ -31,8 +31,9 @@ def input_path(text: str) -> str:
 def shows_a_progress_bar(stream) -> bool:
     """Whether a tqdm bar drawn on `stream` is seen: a terminal that has a width. One of 0 columns, a terminal no one
     gave a size (`docker run -t` or a Kubernetes pod's tty with none attached, `script -c`), is where tqdm draws
-    nothing at all: there, as in a pipe, a tool logs a line on its progress every while instead."""
-    return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    nothing at all: there, as in a pipe, a tool logs a line on its progress every while instead. A stream the tool
+    started without (`2>&-`), which Python gives as None, shows none."""
+    return stream is not None and stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
 
 
 def end_at_once_on_a_signal() -> None:

@@ -41,6 +41,12 @@ def test_a_progress_bar_shows_on_a_terminal_that_has_a_width_only(tmp_path):
         os.close(controller)
 
 
+
+def test_a_stream_the_tool_started_without_shows_no_progress_bar():
+    # `python -m data.prepare ... 2>&-` (a cron job): Python gives a closed stderr as None, and data.prepare,
+    # trainer.evaluate and the trainer ended in an AttributeError's traceback where they asked whether to draw a bar.
+    assert not shows_a_progress_bar(None)
+
 class WritesSeen(io.StringIO):
     def __init__(self):
         super().__init__()

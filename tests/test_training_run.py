@@ -436,17 +436,23 @@ def test_a_console_whose_reader_ends_leaves_the_run_to_finish_in_its_log(an4_tra
 
 
 @pytest.mark.slow
-def test_a_run_started_with_stdout_closed_trains_and_gives_its_log_and_last_line_on_stderr(an4_train, tmp_path):
-    """python -m trainer ... >&- (a cron job, a daemon): Python gives a closed stdout as None, and the run ended at once
-    in an AttributeError's traceback, exit code 1, before it trained."""
+@pytest.mark.parametrize("closed, console", [(">&-", "stderr"), ("2>&-", "stdout")])
+def test_a_run_started_with_stdout_or_stderr_closed_trains_and_gives_its_log_and_last_line_on_the_other(
+        an4_train, tmp_path, closed, console):
+    """python -m trainer ... >&- or 2>&- (a cron job, a daemon): Python gives a closed stream as None, and the run
+    ended in an AttributeError's traceback, exit code 1: at once for stdout, once training began for stderr (where the
+    progress bar would be drawn)."""
     utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     trainer = shlex.join([sys.executable, "-m", "trainer", *train_arguments(
-        tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")])
-    job = subprocess.run(["bash", "-c", f"{trainer} >&-"], cwd=REPO_ROOT, capture_output=True, text=True,
+        tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1",
+        "train.progress_bar=true")])
+    job = subprocess.run(["bash", "-c", f"{trainer} {closed}"], cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=600, env={**os.environ, "PYTHONPATH": python_path})
-    assert job.returncode == 0 and "Traceback" not in job.stderr, job.stderr[-3000:]
-    assert "epoch 1: loss " in job.stderr and job.stderr.splitlines()[-1].startswith("final test WER "), job.stderr
+    output = getattr(job, console)
+    assert job.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert "epoch 1: loss " in output and output.splitlines()[-1].startswith("final test WER "), output[-3000:]
+
 
 def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     def parameters(overrides):
