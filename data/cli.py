@@ -97,13 +97,13 @@ def stdout_failures_end_the_tool():
             if sys.stdout is not None:  # None: closed as the process started (>&-)
                 sys.stdout.flush()
     except BrokenPipeError:
-        discard_stdout()
+        discard(sys.stdout)
         sys.exit(1)
     except OSError as error:
         if not is_stdouts_full_disk(error):
             raise
         print(f"error: cannot write stdout: {error.strerror}", file=sys.stderr)
-        discard_stdout()
+        discard(sys.stdout)
         sys.exit(2)
 
 
@@ -113,6 +113,8 @@ def is_stdouts_full_disk(error: OSError) -> bool:
     return error.filename is None and error.errno in FULL_DISK
 
 
-def discard_stdout() -> None:
-    """Python flushes stdout once more as it exits, into the same closed pipe or full disk: send that to /dev/null."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+def discard(stream) -> None:
+    """Sends what `stream` (stdout, stderr) writes from now on to /dev/null: its reader stopped early or its disk is
+    full, and each later write, Python's flush of it as it exits included, would fail again."""
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), stream.fileno())

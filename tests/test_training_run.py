@@ -435,6 +435,32 @@ def test_a_console_whose_reader_ends_leaves_the_run_to_finish_in_its_log(an4_tra
     assert "final test WER" not in errors and "epoch 1: loss " in (tmp_path / "run" / "__main__.log").read_text()
 
 
+
+# A trainer whose console's reader ends (`| head`) just after its run's last log line, before the job's last line.
+READER_GONE_BEFORE_THE_LAST_LINE = trainer_with(
+    "import os, trainer.train\n"
+    "real_train = trainer.train.train\n"
+    "def train_then_lose_the_reader(*args, **kwargs):\n"
+    "    result = real_train(*args, **kwargs)\n"
+    "    sys.stdout.flush()\n"
+    "    reader, writer = os.pipe()\n"
+    "    os.close(reader)\n"
+    "    os.dup2(writer, sys.stdout.fileno())\n"
+    "    return result\n"
+    "trainer.train.train = train_then_lose_the_reader\n")
+
+
+@pytest.mark.slow
+def test_a_console_whose_reader_ends_just_before_the_last_line_leaves_the_run_finished(an4_train, tmp_path):
+    """`python -m trainer ... | head -n N` whose N lines end with the run's last log line: the job's last line, the
+    first write after, failed the finished run in Hydra's "Error executing job", exit code 1."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    result = subprocess.run([sys.executable, "-c", READER_GONE_BEFORE_THE_LAST_LINE, *train_arguments(
+        tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    assert "epoch 1: loss " in result.stdout and "final test WER" not in result.stdout, result.stdout[-3000:]
+
 @pytest.mark.slow
 @pytest.mark.parametrize("closed, console", [(">&-", "stderr"), ("2>&-", "stdout")])
 def test_a_run_started_with_stdout_or_stderr_closed_trains_and_gives_its_log_and_last_line_on_the_other(

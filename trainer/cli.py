@@ -16,8 +16,8 @@ from typing import BinaryIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from data.cli import (Terminated, input_path, raise_terminated, signals_raise, stdout_failures_end_the_tool,
-                      stopped_line)
+from data.cli import (Terminated, discard, input_path, raise_terminated, signals_raise,
+                      stdout_failures_end_the_tool, stopped_line)
 from data.files import is_stream, standard_stream_writing_to, write_out, write_whole
 
 
@@ -33,9 +33,7 @@ class _LineInOneWrite(tqdm):
         except BrokenPipeError:
             # The console's reader ended (`| head`): logging printed a traceback for each later line, and the run's
             # last line failed a finished run. The stream goes on into /dev/null; the run's log file keeps every line.
-            stream = file or sys.stdout
-            with open(os.devnull, "w") as devnull:
-                os.dup2(devnull.fileno(), stream.fileno())
+            discard(file or sys.stdout)
 
 
 def log_above_progress_bars():
