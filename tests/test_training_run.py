@@ -436,30 +436,55 @@ def test_a_console_whose_reader_ends_leaves_the_run_to_finish_in_its_log(an4_tra
 
 
 
-# A trainer whose console's reader ends (`| head`) just after its run's last log line, before the job's last line.
-READER_GONE_BEFORE_THE_LAST_LINE = trainer_with(
+# A trainer whose console's reader ends (`| head`), or whose console's disk fills up, just after its run's last log
+# line, before the job's last line: its stdout then writes into a pipe of no reader (CONSOLE_GONE=pipe) or /dev/full.
+CONSOLE_GONE_BEFORE_THE_LAST_LINE = trainer_with(
     "import os, trainer.train\n"
     "real_train = trainer.train.train\n"
-    "def train_then_lose_the_reader(*args, **kwargs):\n"
+    "def train_then_lose_the_console(*args, **kwargs):\n"
     "    result = real_train(*args, **kwargs)\n"
     "    sys.stdout.flush()\n"
-    "    reader, writer = os.pipe()\n"
-    "    os.close(reader)\n"
-    "    os.dup2(writer, sys.stdout.fileno())\n"
+    "    if os.environ['CONSOLE_GONE'] == 'pipe':\n"
+    "        reader, console = os.pipe()\n"
+    "        os.close(reader)\n"
+    "    else:\n"
+    "        console = os.open('/dev/full', os.O_WRONLY)\n"
+    "    os.dup2(console, sys.stdout.fileno())\n"
     "    return result\n"
-    "trainer.train.train = train_then_lose_the_reader\n")
+    "trainer.train.train = train_then_lose_the_console\n")
 
 
 @pytest.mark.slow
-def test_a_console_whose_reader_ends_just_before_the_last_line_leaves_the_run_finished(an4_train, tmp_path):
-    """`python -m trainer ... | head -n N` whose N lines end with the run's last log line: the job's last line, the
-    first write after, failed the finished run in Hydra's "Error executing job", exit code 1."""
+@pytest.mark.parametrize("gone, said", [
+    ("pipe", ""), ("full", "warning: cannot write the console (No space left on device): the run's log file has its "
+                           "lines\n")])
+def test_a_console_lost_just_before_the_last_line_leaves_the_run_finished(an4_train, tmp_path, gone, said):
+    """`python -m trainer ... | head -n N` whose N lines end with the run's last log line, or `> train.out` on a disk
+    that fills up there: the job's last line, the first write after, failed the finished run in Hydra's "Error
+    executing job", exit code 1 (2 and "error: cannot write stdout" for the full disk)."""
     utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
-    result = subprocess.run([sys.executable, "-c", READER_GONE_BEFORE_THE_LAST_LINE, *train_arguments(
+    result = subprocess.run([sys.executable, "-c", CONSOLE_GONE_BEFORE_THE_LAST_LINE, *train_arguments(
         tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "CONSOLE_GONE": gone})
+    assert result.returncode == 0 and result.stderr == said, result.stderr[-3000:]
     assert "epoch 1: loss " in result.stdout and "final test WER" not in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_a_console_on_a_full_disk_is_said_once_and_the_run_finishes_with_its_log_file(an4_train, tmp_path):
+    """`python -m trainer ... > train.out` on a disk that fills up (another than the run's): each log line printed
+    logging's traceback of some 30 lines, and the run, trained to its end, failed on its last line with Hydra's "Error
+    executing job" and exit code 2."""
+    utterance = write_slice(tmp_path / "one.jsonl", [u for u in an4_train if u.duration < 2.5][:1])
+    with open("/dev/full", "w") as full:
+        job = subprocess.run([sys.executable, "-m", "trainer", *train_arguments(
+            tmp_path / "run", utterance, "model.hidden=32", "train.global_batch_size=1", "train.epochs=1")],
+            cwd=REPO_ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert job.returncode == 0 and job.stderr == ("warning: cannot write the console (No space left on device): "
+                                                  "the run's log file has its lines\n"), job.stderr[-3000:]
+    assert "epoch 1: loss " in (tmp_path / "run" / "__main__.log").read_text()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("closed, console", [(">&-", "stderr"), ("2>&-", "stdout")])

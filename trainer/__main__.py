@@ -36,12 +36,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from data.cli import discard, stdout_failures_end_the_tool
+from data.cli import stdout_failures_end_the_tool
 from data.dataset import SharedMemoryFull
 from data.files import FULL_DISK, came_of_writing, file_size_limit, space_left, write_error_line
 from data.manifest import print_paths_printable
 from trainer import distributed, launch_ranks
-from trainer.cli import lines_stream, log_above_progress_bars
+from trainer.cli import log_above_progress_bars, write_console_line
 from trainer.config import RUN_NAME_SETTING, config_error_line
 from trainer.override_errors import (let_info_stdout_failures_through, refuse_a_pickled_config,
                                      report_command_line_errors_in_one_line)
@@ -233,18 +233,7 @@ def main(cfg: DictConfig) -> None:
             name_failed_sweep_jobs()  # a sweep stopped here still names the jobs that failed before
             sys.exit(128 + result["stop_signal"])
         if result and launch_ranks.launcher_rank() == 0:  # every rank holds the same figures; one line says them
-            print_last_line(summary_line(result))
-
-
-
-def print_last_line(line: str) -> None:
-    """The job's last line, on stdout (stderr where stdout is closed). Where the console's reader has ended (`| head`)
-    it is dropped, as the log's lines are (trainer.cli): the run has finished, and its log file holds its figures."""
-    stream = lines_stream()
-    try:
-        print(line, file=stream, flush=True)
-    except BrokenPipeError:
-        discard(stream)
+            write_console_line(summary_line(result))
 
 
 def stop_now(what: str, number: signal.Signals, run_dir: Path) -> None:

@@ -18,7 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from data.cli import (Terminated, discard, input_path, raise_terminated, signals_raise,
                       stdout_failures_end_the_tool, stopped_line)
-from data.files import is_stream, standard_stream_writing_to, write_out, write_whole
+from data.files import FULL_DISK, is_stream, standard_stream_writing_to, write_out, write_whole
 
 
 class _LineInOneWrite(tqdm):
@@ -34,11 +34,26 @@ class _LineInOneWrite(tqdm):
             # The console's reader ended (`| head`): logging printed a traceback for each later line, and the run's
             # last line failed a finished run. The stream goes on into /dev/null; the run's log file keeps every line.
             discard(file or sys.stdout)
+        except OSError as error:
+            if error.errno not in FULL_DISK:
+                raise
+            # The console on a full disk (`> train.out`): logging printed a traceback for each later line, and the
+            # run's last line failed a finished run, exit code 2. Said once: the stream goes on into /dev/null first.
+            discard(file or sys.stdout)
+            print(f"warning: cannot write the console ({error.strerror}): the run's log file has its lines",
+                  file=sys.stderr)
 
 
 def log_above_progress_bars():
     """A context in which log lines go above a tqdm progress bar, not glued to its end, each line in one write."""
     return logging_redirect_tqdm(tqdm_class=_LineInOneWrite)
+
+
+def write_console_line(line: str) -> None:
+    """A line of the trainer's own on the console, stdout (stderr where stdout is closed), written as the log's lines
+    are (log_above_progress_bars): dropped where the console's reader has ended (`| head`) or its disk is full, which
+    failed a finished run on its last line."""
+    _LineInOneWrite.write(line, file=lines_stream())
 
 
 def int_at_least(minimum: int, at_most: int | None = None) -> Callable[[str], int]:
