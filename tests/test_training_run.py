@@ -505,6 +505,24 @@ def test_a_run_started_with_stdout_or_stderr_closed_trains_and_gives_its_log_and
     assert "epoch 1: loss " in output and output.splitlines()[-1].startswith("final test WER "), output[-3000:]
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("closed, console", [(">&-", "stderr"), ("2>&-", "stdout")])
+def test_a_run_started_with_stdout_or_stderr_closed_that_fails_ends_in_its_one_line_on_the_other(
+        an4_train, tmp_path, closed, console):
+    """Its error logged, the job's end flushed both streams, the closed one (Python's None) too: an AttributeError's
+    traceback after the line, and exit code 1 rather than the error's 2."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:8])
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    trainer = shlex.join([sys.executable, "-m", "trainer", *train_arguments(
+        tmp_path / "run", manifest, "model.hidden=32", "train.epochs=1", "train.global_batch_size=2",
+        "optim.lr=1e38", "optim.warmup_steps=0")])  # weights that diverge: refused at the epoch's evaluation
+    job = subprocess.run(["bash", "-c", f"{trainer} {closed}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": python_path, "HYDRA_FULL_ERROR": "0"})
+    output = getattr(job, console)
+    assert job.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "error on rank 0: evaluating after epoch 1 (step 4): " in output.splitlines()[-1], output[-3000:]
+
 def test_the_default_model_on_a_cpu_is_warned_of_and_the_cpu_demos_is_not():
     def parameters(overrides):
         cfg = compose_config(overrides)

@@ -493,8 +493,9 @@ def tell_others_this_rank_failed() -> None:
 
 def abort_job(exit_code: int = 1) -> None:
     """Ends every rank now. A rank that raised calls this so the others exit instead of waiting on a collective."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: closed as the process started (>&-)
+            stream.flush()
     if launched_by_mpi():
         # The launcher forwards each rank's output through its own pipes and drops whatever is still in them when
         # Abort ends the job (MPICH under load lost the error line 3 runs in 10); a moment lets the message through.
