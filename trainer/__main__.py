@@ -198,7 +198,7 @@ def leave_the_log_to_rank_0(rank: int) -> None:
 def main(cfg: DictConfig) -> None:
     # Hydra's console log goes to stdout, which a pipe or a batch job's log buffers: a line would land after the
     # progress shown on stderr since, or be lost with the job. A stdout closed (>&-, Python's None) leaves logging's
-    # console handler on stderr, where the last line goes too (lines_stream).
+    # console handler on stderr, where the last line goes too (write_console_line).
     if sys.stdout is not None:
         sys.stdout.reconfigure(line_buffering=True)
     print_paths_printable(sys.stdout, sys.stderr)  # a path that is not UTF-8 as the tools and the log file name it
