@@ -152,6 +152,15 @@ def test_decoders_refuse_a_nan():
             decoder(log_probs, torch.tensor([1]))
 
 
+def test_decoders_refuse_a_nan_in_any_utterance_of_a_batch_and_any_class():
+    # Checks of the first utterance only, or of every class but the last (the space), passed the test above.
+    log_probs = one_hot_log_probs(["A_", "B_"])
+    log_probs[1, 1, ALPHABET.index(" ")] = math.nan
+    for decoder in (greedy_decode, BeamSearch()):
+        with pytest.raises(ValueError, match="log_probs hold NaN"):
+            decoder(log_probs, torch.tensor([2, 2]))
+
+
 def test_beam_search_sums_paths_where_the_best_path_does_not():
     """Best path: "_" on every frame (0.4^3 = 0.064). But "A" collects the paths A__, _A_, __A, AA_, ... whose
     probabilities add to 0.936 - the paths of "AA" and "" - and wins."""
