@@ -92,17 +92,25 @@ def test_order_depends_on_seed_and_epoch_only():
         BucketBatchSampler(DURATIONS, GLOBAL_BATCH, jitter=0.0))
 
 
+def mixed_batches(durations: list[float], **kwargs) -> int:
+    """Global batches of 8 over 20 shuffled epochs that hold more than one of `durations`' lengths."""
+    sampler = BucketBatchSampler(durations, 8, sortagrad=False, **kwargs)
+    batches = [batch for epoch in range(20) for batch in sampler.global_batches(epoch)]
+    return sum(len({durations[i] for i in batch}) > 1 for batch in batches)
+
+
 def test_the_jitter_lengthens_and_shortens_durations():
     # 8 utterances of 1.0 s and 8 of 1.15 s in global batches of 8: only a jitter that can shorten a duration by up to
     # 10 % (1.15 * 0.9 < 1.0 * 1.1) ever puts both lengths in one batch; no jitter, or one that only lengthens, never.
     durations = [1.0] * 8 + [1.15] * 8
+    assert mixed_batches(durations, jitter=0.0) == 0 and mixed_batches(durations, jitter=0.1) > 0
 
-    def mixed_batches(jitter):
-        sampler = BucketBatchSampler(durations, 8, sortagrad=False, jitter=jitter)
-        batches = [batch for epoch in range(20) for batch in sampler.global_batches(epoch)]
-        return sum(len({durations[i] for i in batch}) > 1 for batch in batches)
 
-    assert mixed_batches(0.0) == 0 and mixed_batches(0.1) > 0
+def test_the_default_jitter_of_training_mixes_lengths_15_but_not_25_percent_apart():
+    # Training takes the default (train.training_batches passes none): a default of 0.05 or 0.15 passed every test.
+    # +-10 % lets 1.15 s fall below 1.0 s (1.15 * 0.9 < 1.0 * 1.1) but never 1.25 s (1.25 * 0.9 > 1.0 * 1.1).
+    assert mixed_batches([1.0] * 8 + [1.15] * 8) > 0
+    assert mixed_batches([1.0] * 8 + [1.25] * 8) == 0
 
 
 def test_neighbouring_seeds_do_not_share_their_orders_an_epoch_apart():
