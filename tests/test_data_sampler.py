@@ -48,6 +48,9 @@ def test_global_batch_must_split_evenly_across_ranks():
             BucketBatchSampler(DURATIONS, 8, rank=rank, world_size=4)
     with pytest.raises(ValueError, match="^3 utterances do not fill one global batch of global_batch_size 4$"):
         BucketBatchSampler([1.0, 2.0, 3.0], 4)
+    # Over 2 ranks too: a check against a rank's shard of 2 let 3 utterances through to epochs of no steps.
+    with pytest.raises(ValueError, match="^3 utterances do not fill one global batch of global_batch_size 4$"):
+        BucketBatchSampler([1.0, 2.0, 3.0], 4, rank=0, world_size=2)
     # 0 splits evenly across any world, into shards of none: it reached len() and divided by zero.
     with pytest.raises(ValueError, match="^global_batch_size 0 must be a positive multiple of world_size 1$"):
         BucketBatchSampler(DURATIONS, 0)
@@ -177,6 +180,9 @@ def test_set_epoch_to_another_epoch_starts_it_from_the_beginning():
     sampler.load_state_dict({"epoch": 1, "position": 4})
     sampler.set_epoch(2)
     assert sampler.state_dict() == {"epoch": 2, "position": 0}
+    sampler.load_state_dict({"epoch": 3, "position": 4})
+    sampler.set_epoch(1)  # back, too: a check for a later epoch only kept epoch 3 at position 4
+    assert sampler.state_dict() == {"epoch": 1, "position": 0}
     with pytest.raises(ValueError, match="position 13"):
         sampler.load_state_dict({"epoch": 0, "position": 13})
     # A checkpoint from the first epoch, and one from the start of an epoch, resume as saved.
