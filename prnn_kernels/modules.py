@@ -254,9 +254,10 @@ def _compute_dtype(input):
 
 
 def _autocast_enabled(device_type):
-    """Whether autocast is on for a device type; off for one autocast has none for (the meta device, on which a
-    model is built to size it), where torch.is_autocast_enabled raises "unknown device type for autocast"."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """Whether autocast is on for a device type; off on the meta device (a model built there to size it), where
+    torch.is_autocast_enabled raises "unknown device type for autocast". Not torch.amp.is_autocast_available, which
+    torch.compile (torch 2.11) cannot trace: it warned so from every compiled model with these layers."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 def _state_slice(hx, start, size):
