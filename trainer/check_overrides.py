@@ -107,7 +107,8 @@ def exit_on_argument_error(message: str) -> NoReturn:
 def main(arguments: list[str]) -> int:
     # Hydra's own parser, as the trainer's command line is read: a sweep's -m after its overrides is a sweep there too.
     parser = get_args_parser()
-    parser.add_argument("--world-size", type=positive_int, action=WorldSizeGivenOnce)  # the launch scripts' count of ranks
+    # The launch scripts' count of ranks.
+    parser.add_argument("--world-size", type=positive_int, action=WorldSizeGivenOnce)
     parser.error = exit_on_argument_error
     # Its one call left, once --version has printed Hydra's version: the flag trains nothing, as PRINTING_FLAGS.
     parser.exit = lambda status=0, message=None: exit_on_argument_error(
