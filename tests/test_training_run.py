@@ -1487,17 +1487,21 @@ def test_a_model_whose_weights_diverged_is_not_saved_inside_an_epoch_either(an4_
 
 
 # `python -m trainer` whose CTC loss is NaN at the training steps POISONED_STEPS names (this process's count), as one
-# batch's overflow under bf16 gives: a fake for what a CPU run cannot make happen on its own.
-POISONED_TRAINER = """import os, runpy, sys
+# batch's overflow under bf16 gives: a fake for what a CPU run cannot make happen on its own. It sends itself SIGTERM
+# during the step SIGTERM_AT_STEP names, where given.
+POISONED_TRAINER = """import os, runpy, signal, sys
 import torch
 import torch.nn.functional as F
 poisoned = {int(step) for step in os.environ["POISONED_STEPS"].split(",")}
+sigterm_at_step = int(os.environ.get("SIGTERM_AT_STEP", 0))
 ctc_loss, steps = F.ctc_loss, [0]
 def poisoned_ctc_loss(*args, **kwargs):
     loss = ctc_loss(*args, **kwargs)
     if torch.is_grad_enabled():  # a training step, not an evaluation
         steps[0] += 1
         loss = loss * float("nan") if steps[0] in poisoned else loss
+        if steps[0] == sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
     return loss
 F.ctc_loss = poisoned_ctc_loss
 sys.argv[0] = "trainer"
@@ -1505,14 +1509,17 @@ runpy.run_module("trainer", run_name="__main__")
 """
 
 
-def train_poisoned(tmp_path, run_dir, manifest, poisoned_steps: str, *overrides) -> tuple[int, str]:
-    """A run of POISONED_TRAINER with POISONED_STEPS=`poisoned_steps`: its exit code and output."""
+def train_poisoned(tmp_path, run_dir, manifest, poisoned_steps: str, *overrides,
+                   sigterm_at_step: int = 0) -> tuple[int, str]:
+    """A run of POISONED_TRAINER with POISONED_STEPS=`poisoned_steps` (and SIGTERM_AT_STEP): its exit code and
+    output."""
     wrapper = tmp_path / "poisoned_trainer.py"
     wrapper.write_text(POISONED_TRAINER)
     result = subprocess.run(
         [sys.executable, str(wrapper), *train_arguments(run_dir, manifest, *overrides)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "POISONED_STEPS": poisoned_steps, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
+        env={**os.environ, "POISONED_STEPS": poisoned_steps, "SIGTERM_AT_STEP": str(sigterm_at_step),
+             "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"},
     )
     return result.returncode, result.stdout + result.stderr
 
@@ -1545,6 +1552,19 @@ def test_a_resumed_jobs_non_finite_first_step_in_epoch_1_is_skipped_though_a_sto
     assert "step 2 skipped: non-finite loss or gradient" in output, output[-3000:]
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["train_state"]["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_stop_signal_after_a_first_step_whose_loss_is_not_finite_stops_the_run_for_its_resume(an4_train, tmp_path):
+    """A first step that overflowed (fp16's first loss scales often do), then SIGTERM: the run stops as on any signal,
+    exit code 143 and last.pt for the resume, which goes on from the skipped step. It was refused as an epoch that
+    trained nothing, exit code 2, which a scheduler's requeue on the signal's exit code took for a failure."""
+    manifest = write_slice(tmp_path / "slice.jsonl", [u for u in an4_train if u.duration < 2.5][:16])
+    common = ["model.hidden=32", "train.global_batch_size=4", "train.epochs=1"]  # 4 steps
+    returncode, output = train_poisoned(tmp_path, tmp_path / "run", manifest, "1", *common, sigterm_at_step=1)
+    assert returncode == 128 + signal.SIGTERM and "trained nothing" not in output, output[-3000:]
+    assert "step 1 skipped: non-finite loss or gradient" in output, output[-3000:]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["train_state"]["step"] == 1
 
 
 @pytest.mark.slow

@@ -548,8 +548,12 @@ class Training:
                 tally.refuse_if_nothing_trained(state["epoch_step"], overflows_pass=trained_before)
                 self.save("last.pt")
         progress.close()
-        tally.refuse_if_nothing_trained(state["epoch_step"],
-                                        overflows_pass=trained_before and state["epoch_step"] < len(sampler))
+        # A stop signal's last.pt is one the resume goes on from, as from a checkpoint inside the epoch: steps skipped
+        # for losses that were not finite pass there too, where refusing ended the run with exit code 2, not the
+        # signal's, which a scheduler's requeue looks for (launch/slurm.sbatch).
+        stopped_on_a_signal = stopped_by not in (None, "train.max_steps")
+        overflows_pass = (trained_before or stopped_on_a_signal) and state["epoch_step"] < len(sampler)
+        tally.refuse_if_nothing_trained(state["epoch_step"], overflows_pass=overflows_pass)
         return tally, stopped_by
 
     def end_epoch(self, epoch: int, tally: EpochTally, stopped_by: str | None) -> bool:
