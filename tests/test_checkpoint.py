@@ -123,7 +123,10 @@ def test_a_checkpoint_holds_the_random_state_of_its_own_gpu_only(monkeypatch):
     every_gpu = [torch.full((2,), index, dtype=torch.uint8) for index in range(4)]  # a checkpoint before the change
     checkpoint.set_rng_state({**state, "cuda": every_gpu}, second)
     checkpoint.set_rng_state({**state, "cuda": every_gpu[:1]}, second)
-    assert calls == [("get", second), ("set", [1, 1], first), ("set", [1, 1], second), ("set", [0, 0], second)]
+    checkpoint.set_rng_state({**state, "cuda": every_gpu[:2]}, torch.device("cuda", 3))  # GPU 0's, not the last one's
+    checkpoint.set_rng_state(state, torch.device("cpu"))  # a GPU run's checkpoint resumed on a CPU sets no GPU's
+    assert calls == [("get", second), ("set", [1, 1], first), ("set", [1, 1], second), ("set", [0, 0], second),
+                     ("set", [0, 0], torch.device("cuda", 3))]
     assert "cuda" not in checkpoint.rng_state(torch.device("cpu"))
 
 
@@ -255,6 +258,8 @@ def test_checkpoint_with_code_is_refused(tmp_path, capsys):
             checkpoint.load(tmp_path / name)
         # One line, and not torch's advice to load it with weights_only=False.
         assert "\n" not in str(error.value) and "weights_only" not in str(error.value), str(error.value)
+        if name == "evil.pt":  # the sentence saying what it found, without the name of torch's unpickler before it
+            assert re.search(r"\(UnpicklingError: Unsupported global: [^()]*\)$", str(error.value)), str(error.value)
     assert "this must never run" not in capsys.readouterr().out
 
 
@@ -309,6 +314,12 @@ def test_a_file_that_is_not_a_trainer_checkpoint_names_what_it_lacks(tmp_path):
     torch.save({"model": {}, "config": {"a": deep}}, tmp_path / "deep.pt")
     with pytest.raises(ValueError, match=r"deep.pt .*: its config(\.a){17} nests deeper than 16 levels"):
         checkpoint.load(tmp_path / "deep.pt")
+    # 10,000 entries are taken (the config, its list and 9,998 strings), 10,001 are not.
+    torch.save({"model": {}, "config": {"data": ["x"] * (checkpoint.MAX_CONFIG_ENTRIES - 2)}}, tmp_path / "many.pt")
+    assert len(checkpoint.load(tmp_path / "many.pt")["config"]["data"]) == checkpoint.MAX_CONFIG_ENTRIES - 2
+    torch.save({"model": {}, "config": {"data": ["x"] * (checkpoint.MAX_CONFIG_ENTRIES - 1)}}, tmp_path / "many.pt")
+    with pytest.raises(ValueError, match=r"many.pt .*: its config holds more than 10,000 entries, which"):
+        checkpoint.load(tmp_path / "many.pt")
     # Nor what OmegaConf holds no type of: a resume said it without the file, a key of None over three lines.
     torch.save({"model": {}, "config": {"data": {"kind": torch.zeros(2)}}}, tmp_path / "tensor_config.pt")
     with pytest.raises(ValueError, match=r"tensor_config.pt .*: its config.data.kind holds what OmegaConf refuses "
@@ -422,6 +433,14 @@ def test_a_checkpoint_read_for_its_record_alone_maps_its_weights_rather_than_rea
     saved = checkpoint.load(tmp_path / "best.pt", record_only=True)
     assert str(tmp_path / "best.pt") in Path("/proc/self/maps").read_text()
     assert saved["train_state"] == {"best_wer": 12.5}
+
+
+def test_a_checkpoint_in_torchs_format_from_before_its_zip_archives_is_read_for_its_record_too(tmp_path):
+    """torch.save's format before torch 1.6 cannot be mapped: read for its record alone (a resume reading the run's
+    best.pt), it is read whole, as torch.load reads it, rather than refused."""
+    torch.save({"model": {"w": torch.arange(3.0)}, "config": {}, "train_state": {"best_wer": 12.5}},
+               tmp_path / "best.pt", _use_new_zipfile_serialization=False)
+    assert checkpoint.load(tmp_path / "best.pt", record_only=True)["train_state"] == {"best_wer": 12.5}
 
 
 def test_a_checkpoint_whose_config_holds_dollar_braces_is_read_as_text(tmp_path, monkeypatch):
@@ -552,10 +571,13 @@ def test_a_checkpoint_holding_a_tensor_no_model_can_use_is_one_line_naming_the_f
             assert str(error.value) == (f"{path} is not a checkpoint written by python -m trainer: its "
                                         f"model.layers.0.rnn.weight_ih_l0 is a {kind} tensor, where the trainer "
                                         "writes dense tensors with values")
-    # Anywhere in it: a resume hands the optimizer's state, a list's entries among them, to torch as well. One part at
-    # a time: in one checkpoint, a walk that skipped the lists (or the dicts) named the other part and passed.
+    # Anywhere in it: a resume hands the optimizer's state, its lists' and tuples' entries among them, to torch as well.
+    # One part at a time: in one checkpoint, a walk that skipped the lists (or the dicts, or the tuples) named the other
+    # part and passed.
     for part, named in (({"optimizer": {"state": {0: {"exp_avg": weight.to_sparse()}}, "param_groups": []}},
                          "optimizer.state.0.exp_avg is a torch.sparse_coo (not dense)"),
+                        ({"optimizer": {"state": {}, "param_groups": [{"betas": (weight.to("meta"), 0.999)}]}},
+                         "optimizer.param_groups.0.betas.0 is a meta (shape alone, no values)"),
                         ({"rng": [{"torch": torch.zeros(3, dtype=torch.uint8).to("meta")}]},
                          "rng.0.torch is a meta (shape alone, no values)")):
         torch.save({**good, **part}, tmp_path / "training.pt")
