@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,24 @@ def test_a_resumed_optimizer_or_schedule_must_fit_its_parameters():
             known_entries({**current, "base_lrs": base_lrs}, current)
 
 
+def test_a_resumed_optimizer_state_as_torch_writes_it_is_taken():
+    """What the checks of an optimizer's state must let through: moments as large as float32 holds (their 2-norm
+    overflows, their largest value does not), an empty parameter's (whose largest value torch refuses to find), and an
+    entry that is no tensor (older torch's SGD saved momentum_buffer=None without momentum)."""
+    network = torch.nn.Linear(3, 2)
+    network.empty = torch.nn.Parameter(torch.empty(0))
+    optimizer = torch.optim.AdamW(network.parameters(), fused=True)
+    network(torch.randn(4, 3)).sum().backward()
+    network.empty.grad = torch.empty(0)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    largest = torch.full((2, 3), torch.finfo(torch.float32).max)
+    checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 0: {**saved["state"][0],
+                                                                              "exp_avg_sq": largest}}}, optimizer)
+    checkpoint.check_optimizer_state({**saved, "state": {**saved["state"], 0: {**saved["state"][0],
+                                                                              "momentum_buffer": None}}}, optimizer)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_an_optimizer_state_from_before_fused_optimizers_resumes_fused(name):
     """Checkpoints from before 2026-11-27 hold fused=None: loaded as saved, the step took torch's unfused path, which
@@ -286,6 +305,7 @@ def test_a_checkpoint_part_that_does_not_fit_names_the_file_and_the_part(tmp_pat
         ("train_state", {"epoch": 2, "step": 9, "best_wer": torch.zeros(2)}, r"for best_wer=tensor\(\[0., 0.\]\)\)$"),
         # Past TensorBoard's int64 steps: the first step's record failed in "Value out of range: 2**63 + 1" alone.
         ("train_state", {"epoch": 2, "step": 2**63, "best_wer": 50.0}, rf"for step={2**63}\)$"),
+        ("train_state", {"epoch": 2, "step": 2**63 - 1, "best_wer": 50.0}, rf"for step={2**63 - 1}\)$"),  # its next
         ("rng", [], "list index out of range"),
         # Python's generator refuses a word past its range in an OverflowError, which ended the resume in a traceback.
         ("rng", [{**good["rng"][0], "python": (3, (1,) * 624 + (10**30,), None)}], "too large to convert to C long"),
@@ -690,8 +710,9 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
                                "rng": [checkpoint.rng_state(env.device)], **record})
         return path
 
-    def start(path, run_dir):
-        return resume_into(path, dict(FRESH_STATE), cfg, run_dir, env, "train set", "test set", {})
+    def start(path, run_dir, config=cfg, state=None):
+        return resume_into(path, dict(FRESH_STATE) if state is None else state, config, run_dir, env, "train set",
+                           "test set", {})
 
     own = tmp_path / "run" / "checkpoints" / "last.pt"
     before_run_ids = start(saved(own), own.parent.parent)
@@ -703,7 +724,7 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     assert (other.run_id, other.continues, other.started_from) == (None, False, parent)
     # A run id the trainer never writes, in an edited file: a tensor ended the job in a traceback as it took the run
     # up, a list went on into jobs.jsonl and the run's next checkpoints.
-    for run_id, kind in ((torch.zeros(2), "a Tensor"), ([1], "a list")):
+    for run_id, kind in ((torch.zeros(2), "a Tensor"), ([1], "a list"), (OrderedDict(), "an OrderedDict")):
         with pytest.raises(ValueError, match=rf"^{re.escape(str(own))} is not a checkpoint written by python -m "
                                              rf"trainer: its run_id is {kind}, not a run's id \(a string\)$"):
             start(saved(own, run_id=run_id), own.parent.parent)
@@ -712,6 +733,21 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(own))}: its sampler \(epoch 0, position "
                                          r"0\) is not where its train_state stands \(epoch 0, epoch_step 3\)$"):
         start(saved(own, sampler={"epoch": 0, "position": 0}), own.parent.parent)
+    # Refused by restore, not ended in a traceback by what the run's start records of it.
+    with pytest.raises(ValueError, match=r"its train_state does not fit this run"):
+        start(saved(own, run_id="ft", train_state=[3]), own.parent.parent)
+    # The corpus moved to another folder: its digest, where the checkpoint holds one, says whether it is the same; the
+    # manifests' paths must match where it holds none.
+    moved = compose_config(["experiment=cpu_demo", "data.train_manifests=[/elsewhere/an4_train.jsonl]"])
+    start(saved(own, train_set="train set"), own.parent.parent, moved)
+    with pytest.raises(ValueError, match=r"other settings \(data.train_manifests=\['manifests/an4_train.jsonl'\] "):
+        start(saved(own), own.parent.parent, moved)
+    # The evaluation to beat is best.pt's (best_to_beat), not that of the checkpoint resumed from, which has none.
+    best_state = {**FRESH_STATE, "epoch_step": 3, "step": 3, "best_unreadable": 1, "best_wer": 20.0}
+    saved(own.with_name("best.pt"), train_state=best_state, test_set="test set")
+    state = dict(FRESH_STATE)
+    start(saved(own), own.parent.parent, state=state)
+    assert (state["best_unreadable"], state["best_wer"]) == (1, 20.0)
 
 
 def test_each_rank_resumes_its_own_rng_stream_and_a_rank_past_those_that_saved_one_the_last_ones(tmp_path):
