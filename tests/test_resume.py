@@ -343,13 +343,17 @@ def test_metrics_of_a_resumed_run_keep_what_its_checkpoint_covers(tmp_path):
 def test_metrics_of_a_resumed_run_may_hold_lines_that_are_not_utf8(tmp_path):
     """A note added by hand in Latin-1 ended the resume, after its jobs.jsonl line, in "'utf-8' codec can't decode
     byte 0xe9", naming no file: such a line is no line of the trainer's (its lines are ASCII), so it goes as others
-    do."""
+    do. In jobs.jsonl, it left the whole file unread: the run had no id, and a copy of its own checkpoint was refused
+    as another run's."""
     path = tmp_path / "metrics.jsonl"
     steps = [json.dumps({"step": step, "epoch": 1, "loss": 1.0}).encode() + b"\n" for step in (1, 2, 3)]
     path.write_bytes(steps[0] + b"lr lowered, caf\xe9\n" + b'{"note": "caf\xe9"}\n' + steps[1] + steps[2])
     with open_metrics(path, {"epoch": 0, "step": 2}):
         pass
     assert path.read_bytes() == steps[0] + steps[1]
+    (tmp_path / "jobs.jsonl").write_bytes(json.dumps({"run_id": "a", "from_step": 0}).encode() + b"\nlr lowered, "
+                                          b"caf\xe9\n")
+    assert recorded_run_id(tmp_path) == "a"
 
 
 def test_a_resumed_runs_records_keep_their_lines_around_one_python_does_not_read(tmp_path):

@@ -92,8 +92,10 @@ def recorded_run_id(run_dir: Path) -> str | None:
     if not jobs.is_file():
         return None
     try:
-        text = jobs.read_text()
-    except (OSError, ValueError):
+        # A line that is not UTF-8 (a note added by hand) is none of the trainer's, whose lines are ASCII: it is passed
+        # over as the others are, not the whole file with it.
+        text = jobs.read_text(errors="surrogateescape")
+    except OSError:
         return None
     jobs_recorded = [job for _, job in json_objects(text)]
     return jobs_recorded[-1].get("run_id") if jobs_recorded else None
