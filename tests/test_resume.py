@@ -566,14 +566,16 @@ def test_a_kept_best_that_scores_better_than_best_pt_on_its_test_set_is_best_pt_
         assert f"{best.with_name('best-A.pt')}, the best on this test set, is {best} again" in caplog.text
         assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
         assert torch.load(best, weights_only=True)["train_state"]["step"] == 2
-    # The other way round, best-A.pt worse: best.pt stays the best and the stale name goes, as before.
-    checkpoint.save(best, best_on_a(2, 0, 10.0))
-    checkpoint.save(best.with_name("best-A.pt"), best_on_a(6, 0, 50.0))
-    found = best_to_beat(run_dir, resumed, best_on_a(8, 0, 50.0), state, "8 utterances, sha256 A")
-    assert found.figures == {"best_unreadable": 0, "best_wer": 10.0}
-    settle_best(run_dir, found, "8 utterances, sha256 A")
-    assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
-    assert torch.load(best, weights_only=True)["train_state"]["step"] == 2
+    # The other way round, best-A.pt worse or as good (most often the model best.pt was kept as, which a tie replaced
+    # with the kept copy, said to score better): best.pt stays the best and the stale name goes, as before.
+    for kept in (best_on_a(6, 0, 50.0), best_on_a(6, 0, 10.0)):
+        checkpoint.save(best, best_on_a(2, 0, 10.0))
+        checkpoint.save(best.with_name("best-A.pt"), kept)
+        found = best_to_beat(run_dir, resumed, best_on_a(8, 0, 50.0), state, "8 utterances, sha256 A")
+        assert found == ({"best_unreadable": 0, "best_wer": 10.0}, None, False)
+        settle_best(run_dir, found, "8 utterances, sha256 A")
+        assert sorted(path.name for path in best.parent.iterdir()) == ["best.pt"]
+        assert torch.load(best, weights_only=True)["train_state"]["step"] == 2
 
 
 def test_a_best_pt_that_records_no_test_set_is_kept_aside_rather_than_beaten_on_this_one(tmp_path, caplog):
@@ -698,7 +700,7 @@ def test_a_runs_own_checkpoints_in_a_folder_linked_to_another_disk_are_its_own(t
     assert not is_own_checkpoint(tmp_path / "copy.pt", run_dir)
 
 
-def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_is_the_runs_own(tmp_path):
+def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_is_the_runs_own(tmp_path, caplog):
     """Where a job takes its run up decides whether metrics.jsonl and jobs.jsonl go on and which start the run's
     checkpoints record. Only slow end-to-end tests checked it, and no test failed where a run's own last.pt from before
     run ids started its records afresh (its metrics.jsonl emptied), or where a run started from another run's
@@ -726,6 +728,10 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     assert (fine_tuned.run_id, fine_tuned.continues, fine_tuned.started_from) == ("ft", True, parent)
     other = start(saved(tmp_path / "parent.pt", run_id="parent"), tmp_path / "new")
     assert (other.run_id, other.continues, other.started_from) == (None, False, parent)
+    # The same command run again, once that run wrote its own checkpoints: it continues from them (run_started_from).
+    new_last = saved(tmp_path / "new" / "checkpoints" / "last.pt", run_id="new", started_from=parent)
+    again = start(tmp_path / "parent.pt", tmp_path / "new")
+    assert (again.checkpoint, again.run_id, again.continues, again.started_from) == (new_last, "new", True, parent)
     # A run id the trainer never writes, in an edited file: a tensor ended the job in a traceback as it took the run
     # up, a list went on into jobs.jsonl and the run's next checkpoints.
     for run_id, kind in ((torch.zeros(2), "a Tensor"), ([1], "a list"), (OrderedDict(), "an OrderedDict")):
@@ -737,13 +743,19 @@ def test_a_resume_goes_on_with_its_runs_records_and_start_where_the_checkpoint_i
     with pytest.raises(ValueError, match=rf"^cannot resume from {re.escape(str(own))}: its sampler \(epoch 0, position "
                                          r"0\) is not where its train_state stands \(epoch 0, epoch_step 3\)$"):
         start(saved(own, sampler={"epoch": 0, "position": 0}), own.parent.parent)
+    # The manifests changed since: its sampler position names batches of another training set.
+    with pytest.raises(ValueError, match=r"it was written for another training set \(another train set; train set"):
+        start(saved(own, train_set="another train set"), own.parent.parent)
     # Refused by restore, not ended in a traceback by what the run's start records of it.
     with pytest.raises(ValueError, match=r"its train_state does not fit this run"):
         start(saved(own, run_id="ft", train_state=[3]), own.parent.parent)
     # The corpus moved to another folder: its digest, where the checkpoint holds one, says whether it is the same; the
     # manifests' paths must match where it holds none.
     moved = compose_config(["experiment=cpu_demo", "data.train_manifests=[/elsewhere/an4_train.jsonl]"])
-    start(saved(own, train_set="train set"), own.parent.parent, moved)
+    with caplog.at_level("INFO", logger="trainer.resume"):
+        start(saved(own, train_set="train set"), own.parent.parent, moved)
+    assert (f"settings other than those {own} was written under, taken from here on: data.train_manifests="
+            "['manifests/an4_train.jsonl'] there, ['/elsewhere/an4_train.jsonl'] here") in caplog.text
     with pytest.raises(ValueError, match=r"other settings \(data.train_manifests=\['manifests/an4_train.jsonl'\] "):
         start(saved(own), own.parent.parent, moved)
     # The evaluation to beat is best.pt's (best_to_beat), not that of the checkpoint resumed from, which has none.
