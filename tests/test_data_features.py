@@ -117,6 +117,9 @@ def test_audio_that_cannot_be_opened_is_said_so_with_the_reason(tmp_path):
     too_long = tmp_path / ("x" * 300 + ".wav")
     with pytest.raises(AudioError, match=f"^{re.escape(str(too_long))}: cannot read audio \\(File name too long\\)$"):
         load_audio(too_long)
+    # Its name quoted in escapes, as every other reason's is: raw, an ESC in it wrote to the terminal.
+    with pytest.raises(AudioError, match=f"^{re.escape(str(tmp_path))}/\\\\x1b\\[2Jx+\\.wav: cannot read audio "):
+        load_audio(tmp_path / ("\x1b[2J" + "x" * 300 + ".wav"))
     locked = tmp_path / "locked.wav"
     soundfile.write(locked, tone(300, 0.1, 16000), 16000)
     locked.chmod(0)
@@ -259,6 +262,33 @@ def test_audio_whose_header_claims_more_frames_than_it_holds_holds_only_what_it_
     torch.testing.assert_close(waveform[:16000], load_audio(tmp_path / "a.ogg", sample_rate=16000))
     held = waveform.untyped_storage().nbytes()
     assert held == len(waveform) * 4, held
+
+
+def test_audio_whose_header_claims_frames_but_holds_none_is_refused(tmp_path):
+    # An Ogg whose one audio page is cut to its header, a granule position of 1 s and no packet: the header's frame
+    # count passes its checks, and nothing is decoded.
+    soundfile.write(tmp_path / "a.ogg", tone(440, 1, 16000), 16000, format="OGG", subtype="VORBIS")
+    ogg = (tmp_path / "a.ogg").read_bytes()
+    last_page = ogg.rindex(b"OggS")
+    page = bytearray(ogg[last_page:last_page + 27])  # the page's header up to its count of segments
+    page[26] = 0  # no segments, so no packet
+    struct.pack_into("<I", page, 22, 0)
+    struct.pack_into("<I", page, 22, ogg_page_crc(page))
+    (tmp_path / "hollow.ogg").write_bytes(ogg[:last_page] + page)
+    assert audio_header(tmp_path / "hollow.ogg").frames == 16000
+    with pytest.raises(AudioError, match="hollow.ogg: audio holds no samples$"):
+        load_audio(tmp_path / "hollow.ogg")
+
+
+def test_audio_is_decoded_no_further_than_the_frames_of_the_header_given(tmp_path, monkeypatch):
+    # The dataset reads a file's header (for max_duration) and passes it to load_audio: a file written again, longer,
+    # in between gave more samples than the waveform had room for, and torch's error rather than an AudioError.
+    monkeypatch.setattr("data.audio.BLOCK_FRAMES", 1000)
+    samples = np.random.default_rng(0).uniform(-0.5, 0.5, 4000).astype(np.float32)
+    soundfile.write(tmp_path / "a.wav", samples[:3300], 16000, subtype="FLOAT")
+    header = audio_header(tmp_path / "a.wav")
+    soundfile.write(tmp_path / "a.wav", samples, 16000, subtype="FLOAT")
+    assert torch.equal(load_audio(tmp_path / "a.wav", 16000, header), torch.from_numpy(samples[:3300]))
 
 
 def ogg_page_crc(page: bytes) -> int:
