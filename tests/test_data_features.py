@@ -490,11 +490,11 @@ def test_feature_settings_that_cannot_work_are_refused_by_name(settings, complai
 
 @pytest.mark.parametrize("settings", [
     dict(window_ms=20, hop_ms=20), dict(window_ms=MAX_WINDOW_MS, hop_ms=MAX_WINDOW_MS),
-    dict(sample_rate=MIN_SAMPLE_RATE), dict(sample_rate=MAX_SAMPLE_RATE, kind="mel"),
+    dict(sample_rate=MIN_SAMPLE_RATE), dict(sample_rate=MAX_SAMPLE_RATE, kind="mel"), dict(kind="mel", n_mels=1),
 ])
 def test_feature_settings_at_the_ends_of_their_ranges_are_taken(settings):
-    """Only settings past the ends were tried: a hop as long as the window, a window of MAX_WINDOW_MS or the lowest
-    rate refused passed every test."""
+    """Only settings past the ends were tried: a hop as long as the window, a window of MAX_WINDOW_MS, the lowest
+    rate or a single mel band refused passed every test."""
     extractor = FeatureExtractor(**settings)
     assert extractor(torch.zeros(4000)).shape == (extractor.num_frames(4000), extractor.num_features)
 
