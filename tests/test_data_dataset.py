@@ -400,7 +400,9 @@ def test_audio_longer_than_its_manifest_says_or_with_overflowing_samples_is_unus
     write_noise(tmp_path / "lecture.wav", 25.0)
     soundfile.write(tmp_path / "loud.wav", np.array([3e38, -3e38] * 8000, np.float32), RATE, subtype="FLOAT")
     samples = np.zeros(RATE, np.float32)
-    samples[8000:8002] = 3e38  # overflows the spectrum in some bins only: features that are finite in part
+    # Overflows the spectrum in some bins only: features that are finite in part. Downwards, its largest sample is
+    # the one of largest magnitude.
+    samples[8000:8002] = -3e38
     soundfile.write(tmp_path / "click.wav", samples, RATE, subtype="FLOAT")
     write_manifest(tmp_path / "m.jsonl", [
         Utterance(str(tmp_path / "good.wav"), 1.0, "A", "a"),
