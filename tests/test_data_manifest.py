@@ -298,3 +298,8 @@ def test_a_line_that_is_not_utf8_is_named_and_a_byte_order_mark_is_skipped(tmp_p
         read_manifest(path)
     path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good + b"\n")
     assert [utterance.text for utterance in read_manifest(path)] == ["A", "A"]
+    # Before a later line only where files were joined (`cat a.jsonl b.jsonl`): no longer a byte-order mark there, but
+    # a character before the line's JSON.
+    path.write_bytes(good + b"\n" + b"\xef\xbb\xbf" + good + b"\n")
+    with pytest.raises(ValueError, match=r"m.jsonl:2: not valid JSON \(Unexpected UTF-8 BOM"):
+        read_manifest(path)
