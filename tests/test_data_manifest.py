@@ -27,6 +27,7 @@ def test_write_then_read_gives_the_same_utterances(tmp_path):
     write_manifest(path, utterances)
     assert read_manifest(path) == utterances
     assert [p.name for p in path.parent.iterdir()] == ["m.jsonl"]  # no partial file left behind
+    assert "caf\u00e9.wav" in path.read_text(encoding="utf-8")  # as UTF-8, not "\\u00e9": grep finds the name
 
 
 def test_a_failed_write_names_the_manifest_and_leaves_no_partial_file(tmp_path):
@@ -159,6 +160,7 @@ def test_printable_names_each_path_by_escapes_no_other_path_writes_the_same_way(
     not_utf8, spelled_out = Path(os.fsdecode(b"b\xff.wav")), Path("b\\xff.wav")
     assert printable(escape) == "a\\x1b[2J.wav" and printable(backslashed) == "a\\\\x1b[2J.wav"
     assert printable(not_utf8) == "b\\xff.wav" and printable(spelled_out) == "b\\\\xff.wav"
+    assert printable(Path(os.fsdecode(b"b\x80.wav"))) == "b\\x80.wav"  # the lowest byte that is not UTF-8 alone
     assert printable("c\ud800.wav") == "c\\ud800.wav"  # a lone surrogate a JSON manifest may hold
     # Each category it names: a control (NEL), format characters (U+202E, the soft hyphen), the line and paragraph
     # separators.
