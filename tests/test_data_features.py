@@ -552,6 +552,21 @@ def test_audio_shorter_than_half_a_window_gives_one_frame(kind):
     assert features.shape == (1, extractor.num_features) and torch.isfinite(features).all()
 
 
+def test_features_are_float32_whatever_the_waveforms_dtype():
+    # Without the conversion a float64 waveform (numpy's default) gave float64 features, which a float32 model does
+    # not take, and int16 PCM none.
+    for dtype in (torch.float64, torch.int16):
+        assert FeatureExtractor()(torch.ones(4000, dtype=dtype)).dtype == torch.float32, dtype
+
+
+def test_spec_augment_with_no_masks_of_either_kind_leaves_the_features_as_they_are():
+    # data.augment.masks takes 0 of each kind: a time mask drawn where none was asked for passed.
+    features = torch.ones(300, 161)
+    torch.manual_seed(0)
+    augment = SpecAugment(freq_mask=30, time_mask=100, num_freq_masks=0, num_time_masks=0)
+    assert torch.equal(augment(features), features)
+
+
 def test_spec_augment_masks_are_narrower_than_their_settings():
     # torchaudio draws a mask's width from [0, freq_mask) and floors it: freq_mask=15 zeros 0 to 14 features, each
     # width as likely, and freq_mask=1 never masks; a time mask stays under max_time_fraction of the frames too.
