@@ -301,6 +301,8 @@ def test_a_bad_config_value_is_refused_naming_its_key(override, complaint):
                                            f"{SET_MANIFESTS}, not ['a.jsonl', ' ']"),
     ("data.eval_manifest=' '", f"data.eval_manifest must be a manifest's path{SET_MANIFESTS}, not ' '"),
     ("train.resume=' '", "train.resume must be null, auto or a checkpoint's path, not ' '"),
+    ("data.an4_source=' '", "data.an4_source must be null or AN4's folder (PRNN_AN4 sets its default), not ' '"),
+    ("data.manifest_dir=' '", "data.manifest_dir must be a folder's path, not ' '"),
 ])
 def test_a_path_of_only_whitespace_is_refused_naming_its_key(override, complaint):
     """A quoted shell variable that is unset but for a space: "manifest   does not exist", the path unseen."""
