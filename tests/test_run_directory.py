@@ -663,6 +663,12 @@ def test_a_sweep_job_folder_is_one_folder_of_a_legal_length_named_by_its_overrid
     kept, digested = "k" * LONG_VALUE, "d" * (LONG_VALUE + 1)
     name = job_folder(f"data.eval_manifest=/tmp/{'x' * 250}/t.jsonl,model.note={kept},run_name={digested}")
     assert name.startswith("data.eval_manifest=#") and f",model.note={kept},run_name=#" in name, name
+    # A name of MAX_FOLDER_NAME bytes stays as it is, one a byte longer has its long value digested (a threshold 10
+    # bytes higher cut that one, losing the key a sweep varies).
+    at_the_limit = "data.eval_manifest=/" + "x" * (MAX_FOLDER_NAME - 43) + "/t.jsonl,model.cell=gru"
+    assert len(at_the_limit) == MAX_FOLDER_NAME and job_folder(at_the_limit) == at_the_limit.replace("/", "_")
+    assert re.fullmatch(r"data\.eval_manifest=#[0-9a-f]{12},model\.cell=gru",
+                        job_folder(at_the_limit.replace("=/", "=/x")))
 
 
 def test_run_names_hydra_parses_as_numbers_are_names_too(capsys):
