@@ -139,6 +139,16 @@ def test_a_file_in_the_way_of_the_run_directory_is_named(file, tmp_path, capsys)
                                        f"{tmp_path / file} is a file, not a folder\n")
 
 
+def test_a_run_directory_mkdir_refuses_is_named_once(tmp_path, capsys):
+    """A run_name longer than a file system takes: mkdir's error names the folder it could not make, the run directory
+    itself here, which the line names already."""
+    directory = str(tmp_path / "runs" / ("x" * 256))
+    with pytest.raises(SystemExit) as exit_info:
+        run_directory.make_or_exit(directory)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: cannot make the run directory {directory}: File name too long\n"
+
+
 def test_a_run_directory_with_a_link_in_place_of_its_lock_or_log_is_refused_and_the_linked_files_stay(tmp_path):
     """A run directory copied from elsewhere (tar, cp -a) may hold links where the run writes in place: its .lock,
     opened and emptied for the job's pid, and Hydra's log, appended to, emptied and wrote into the files they linked
