@@ -101,6 +101,16 @@ def test_a_run_folder_that_is_a_symbolic_link_to_nothing_is_refused_before_train
                                 f"exist: the run writes {written} there")
 
 
+def test_run_folders_linked_to_a_disk_that_is_there_are_taken(tmp_path):
+    """Linked to a scratch disk that is mounted: a link is refused only where it leads to nothing."""
+    for folder in ("checkpoints", "tensorboard"):
+        (tmp_path / "scratch" / folder).mkdir(parents=True)
+        (tmp_path / "run" / folder).parent.mkdir(exist_ok=True)
+        (tmp_path / "run" / folder).symlink_to(tmp_path / "scratch" / folder)
+    with hold_run_directory(tmp_path / "run", is_main=True):
+        pass
+
+
 @pytest.mark.parametrize("folder, written", [("checkpoints", "its checkpoints"),
                                              ("tensorboard", "its TensorBoard events")])
 def test_a_file_in_place_of_a_run_folder_is_refused_before_training(folder, written, tmp_path):
