@@ -50,6 +50,11 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     with pytest.raises(ValueError, match=r"settings \(model.lookahead=20 there, 5 here\); a resume takes"):
         check_resumable(unidirectional, compose_config(["model.hidden=64", "model.bidirectional=false",
                                                         "model.lookahead=5"]), tmp_path / "last.pt")
+    # A bidirectional model's lookahead, unused there, is named where this run's unidirectional one would use it.
+    with pytest.raises(ValueError, match=r"settings \(model.bidirectional=true there, false here; model.lookahead=20 "
+                                         r"there, 5 here\); a resume takes"):
+        check_resumable(saved, compose_config(["model.hidden=64", "model.bidirectional=false", "model.lookahead=5"]),
+                        tmp_path / "last.pt")
     # Its sampler position counts global batches of its own size, order and utterances.
     with pytest.raises(ValueError, match="train.global_batch_size=16 there, 32 here; seed=1234 there, 7 here"):
         check_resumable(saved, compose_config(["model.hidden=64", "train.global_batch_size=32", "seed=7"]),
