@@ -74,6 +74,11 @@ def test_resuming_needs_the_same_model_features_and_optimizer_but_not_the_same_b
     with pytest.raises(ValueError,
                        match=r"settings \(model.bidirectional=\(not set\) there, true here\); a resume takes"):
         check_resumable(saved, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
+    # A group it lacks is named whole, as a key it lacks is.
+    without_features = OmegaConf.to_container(compose_config(["model.hidden=64"]), resolve=True)
+    del without_features["data"]["features"]
+    with pytest.raises(ValueError, match=r"settings \(data.features=\(not set\) there, \{'kind': .*\} here\); a "):
+        check_resumable(without_features, compose_config(["model.hidden=64"]), tmp_path / "last.pt")
     # A list where a group belongs: omegaconf's ConfigTypeError ("Index 'bidirectional' (str) is not an int"), with a
     # traceback, where its keys are simply not set.
     with pytest.raises(ValueError, match=r"settings \(model.depth=\(not set\) there, 5 here; .*; train.global_batch_"
