@@ -454,6 +454,10 @@ def test_only_what_the_user_fixes_is_a_one_line_error():
     with pytest.raises(ValueError) as unresolved:
         OmegaConf.select(OmegaConf.create({"model": {"hidden": "${nope}"}}), "model.hidden")
     assert user_error_message(unresolved.value, Path("r")) == "model.hidden: Interpolation key 'nope' not found"
+    # One in a list, which OmegaConf names no key of: not "None: Interpolation key...".
+    with pytest.raises(ValueError) as in_a_list:
+        list(OmegaConf.create({"data": {"train_manifests": ["${nope}"]}}).data.train_manifests)
+    assert user_error_message(in_a_list.value, Path("r")) == "Interpolation key 'nope' not found"
     assert user_error_message(OSError(errno.EIO, "Input/output error"), Path("r")) is None  # a fault: its traceback
     # One naming no file would read "cannot open None: ...", nothing the user could fix: a fault too.
     assert user_error_message(PermissionError(errno.EACCES, "Permission denied"), Path("r")) is None
