@@ -141,6 +141,9 @@ def test_a_resume_names_the_settings_it_changes(tmp_path):
                               tmp_path / "last.pt")
     assert changed == ["data.augment.enabled=true there, false here", "train.grad_clip_norm=400.0 there, 5 here",
                        "train.max_steps=null there, 9 here"]
+    # A setting of the checkpoint's that this trainer no longer has is named too.
+    assert check_resumable({**saved, "retired_setting": 3}, compose_config(["model.hidden=64"]),
+                           tmp_path / "last.pt") == ["retired_setting=3 there, (not set) here"]
 
 
 def test_a_refused_resume_names_each_value_as_an_override_gives_it_back(tmp_path):
