@@ -221,8 +221,10 @@ def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_no
     # 160 samples: 2 frames, 1 output frame at the model's time stride of 2, too few for "NO"'s 2; a dataset built
     # without the model's stride (1) decoded it.
     soundfile.write(tmp_path / "short.wav", noise[:160], 16000)
-    (tmp_path / "corrupt.flac").write_bytes(b"not audio at all" * 64)
-    utterances = [("a.wav", "A"), ("short.wav", "NO"), ("corrupt.flac", "GO")]
+    # Two unreadable to one too short: with one of each, a mutant that swapped the two counts passed every test.
+    for name in ("corrupt.flac", "corrupt2.flac"):
+        (tmp_path / name).write_bytes(b"not audio at all" * 64)
+    utterances = [("a.wav", "A"), ("short.wav", "NO"), ("corrupt.flac", "GO"), ("corrupt2.flac", "ON")]
     (tmp_path / "m.jsonl").write_text("".join(f'{{"audio_filepath": "{name}", "duration": 1.0, "text": "{text}"}}\n'
                                               for name, text in utterances))
     # Trained on utterances up to half a second: a test set is scored whole, a.wav's second too, whatever the
@@ -231,7 +233,7 @@ def test_evaluate_counts_audio_too_short_for_its_transcript_under_that_reason_no
     assert evaluate.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--manifest",
                           str(tmp_path / "m.jsonl")]) == 0
     # The utterances and words the WER is over are those decoded: a.wav's alone.
-    summary = "(1 utterance, 1 word; left out: 1 utterance (unreadable), 1 utterance (too long for stride))"
+    summary = "(1 utterance, 1 word; left out: 2 utterances (unreadable), 1 utterance (too long for stride))"
     assert summary in capsys.readouterr().out
 
 
@@ -464,6 +466,12 @@ def test_evaluate_elsewhere_than_training_ran_names_the_runs_relative_test_set_a
     assert evaluate.main(["--checkpoint", str(path), "--device", "cpu"]) == 2
     assert capsys.readouterr().err == ("error: the run's data.eval_manifest manifests/test.jsonl is relative to the "
                                        "folder its training ran in: run this there, or give --manifest\n")
+    # An absolute one that is not there is no matter of the folder: said to be missing (a mutant that called every
+    # missing one relative passed every test).
+    gone = tmp_path / "gone" / "test.jsonl"
+    path = small_checkpoint(tmp_path / "small.pt", f"data.eval_manifest={gone}")
+    assert evaluate.main(["--checkpoint", str(path), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == f"error: manifest {gone} does not exist\n"
 
 
 @pytest.mark.parametrize("flag", ["--out", "--skipped"])
@@ -535,9 +543,9 @@ def test_the_model_tools_refuse_their_arguments_before_reading_the_checkpoint(to
         assert capsys.readouterr().err.endswith("error: argument --batch-size: must be at least 1, not 0\n")
 
 
-def evaluate_manifest(utterances, tmp_path, **options):
-    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments), `options` to
-    evaluate."""
+def evaluate_manifest(utterances, tmp_path, batch_size=4, **options):
+    """(counts, rows) of a tiny untrained model over a manifest of `utterances` (Utterance arguments) in batches of
+    `batch_size`, `options` to evaluate."""
     from data.dataset import SpeechDataset
     from data.manifest import Utterance, write_manifest
     from data.sampler import eval_shards
@@ -549,7 +557,7 @@ def evaluate_manifest(utterances, tmp_path, **options):
     features = build.features(cfg.data)
     model = build.model(cfg.model, features.num_features)
     dataset = SpeechDataset([tmp_path / "m.jsonl"], features, None, model.time_stride)
-    return evaluate(model, dataset, eval_shards(dataset.durations, 1, 4)[0], torch.device("cpu"), **options)
+    return evaluate(model, dataset, eval_shards(dataset.durations, 1, batch_size)[0], torch.device("cpu"), **options)
 
 
 def five_test_utterances(an4_source):
@@ -563,6 +571,13 @@ def test_evaluation_counts_audio_too_short_for_its_transcript_apart_from_unreada
     counts, rows = evaluate_manifest([(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
                                       (str(tmp_path / "gone.flac"), 2.0, "SIX", "x")], tmp_path)
     assert (len(rows), counts.unreadable, counts.too_long_for_stride, counts.not_decoded) == (0, 1, 1, 2)
+    # Summed over batches: one a batch, a mutant that kept the last batch's count of those too short passed.
+    soundfile.write(tmp_path / "short2.wav", np.full(1, 0.1, np.float32), 16000)
+    counts, _ = evaluate_manifest([(str(tmp_path / "short.wav"), 2.0, "TWO", "x"),
+                                   (str(tmp_path / "short2.wav"), 2.0, "SIX", "x"),
+                                   (str(tmp_path / "gone.flac"), 2.0, "SIX", "x"),
+                                   (str(tmp_path / "gone2.flac"), 2.0, "TWO", "x")], tmp_path, batch_size=1)
+    assert (counts.unreadable, counts.too_long_for_stride) == (2, 2)
     # best.pt's choice goes by both, as before they were told apart: a checkpoint's best_unreadable counted both
     assert not counts.beats(1, math.inf) and ErrorCounts(words=1, too_long_for_stride=1).beats(2, math.inf)
 
@@ -593,6 +608,14 @@ def test_evaluation_without_a_bar_logs_its_progress_as_often_as_asked(an4_source
     evaluate_manifest(five, tmp_path, progress_line_s=10)
     assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
         "evaluating: batch 1 of 2", "evaluating: batch 2 of 2"]
+    # Counted from the last line, not the start, and one due at exactly 10 s: read at 0 (the start), 10 (batch 1's
+    # check, a line), 10 (the line's time) and 15 (batch 2's check, 5 s after the line). Mutants that kept the start's
+    # time, or waited for more than 10 s, passed the readings above.
+    caplog.clear()
+    readings = iter([0, 10, 10, 15])
+    evaluate_manifest(five, tmp_path, progress_line_s=10)
+    assert [record.getMessage() for record in caplog.records if "evaluating" in record.getMessage()] == [
+        "evaluating: batch 1 of 2"]
 
 
 def test_evaluation_stops_after_the_batch_in_progress_once_asked_to_and_returns_what_it_has(an4_source, tmp_path):
@@ -601,6 +624,20 @@ def test_evaluation_stops_after_the_batch_in_progress_once_asked_to_and_returns_
     asked = iter([False, True])
     counts, rows = evaluate_manifest(five, tmp_path, stop=lambda: next(asked))
     assert len(rows) == 4 and counts.words == 4
+    # And asks no more: in three batches, a mutant that went on to the next batch (decoding none) passed above; a
+    # training run's every rank asks the others (a collective) and read the rest of the test set.
+    answers = [False, True]
+    counts, rows = evaluate_manifest(five, tmp_path, batch_size=2, stop=lambda: answers.pop(0))
+    assert len(rows) == 2 and answers == []
+
+
+def test_evaluation_ends_where_its_stop_signal_ended_the_wait_for_a_batch(an4_source, tmp_path):
+    """`stopping()` true as its workers start: no batch comes (None instead), and the evaluation returns with nothing
+    decoded, whatever `stop()` says yet (a mutant that went on to decode the None passed every test: the trainer's
+    stop() is true by then)."""
+    counts, rows = evaluate_manifest(five_test_utterances(an4_source), tmp_path, num_workers=1,
+                                     stop=lambda: False, stopping=lambda: True)
+    assert (rows, counts.words, counts.not_decoded) == ([], 0, 0)
 
 
 def test_evaluation_counts_the_utterances_it_could_not_read(an4_source, tmp_path, caplog):
@@ -624,8 +661,12 @@ def test_evaluation_leaves_the_model_in_its_mode_and_an_earlier_table_when_nothi
     dataset = SpeechDataset([tmp_path / "one.jsonl"], features, None, model.time_stride)
     for training in (False, True):
         model.train(training)
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         evaluate(model, dataset, [[0]], torch.device("cpu"))
         assert model.training is training
+        # Decoded in eval mode: a run's model, in training mode after its epoch, moved its batch-norm statistics
+        # towards the test set's (a mutant that left the mode as it came passed every test).
+        assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
 
     write_manifest(tmp_path / "gone.jsonl", [Utterance(str(tmp_path / "gone.flac"), 1.0, "TWO", "x")])
     table = tmp_path / "errors.tsv"
