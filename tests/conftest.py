@@ -2,8 +2,8 @@
 the small trainer configuration the training runs use, the mpiexec that multi-rank jobs start under, how a test
 finds a trainer's data-loading workers and whether a process still runs, how it runs a command that file permissions
 hold for, as root too, the trainer's config composed as Hydra composes it, a small checkpoint of an untrained model,
-Ctrl-C taken however pytest was started, a deadline for a read that may wait for ever, and the benchmarks' JSON written
-outside the checkout."""
+bf16 autocast on the CPU and a model that notes whether it ran under it, Ctrl-C taken however pytest was started, a
+deadline for a read that may wait for ever, and the benchmarks' JSON written outside the checkout."""
 import contextlib
 import os
 import shutil
@@ -196,6 +196,26 @@ def write_slice(path: Path, utterances) -> Path:
 def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
+
+
+class NotesAutocast(torch.nn.Module):
+    """A model that notes, at each forward, whether it ran under CPU autocast. With build.uses_amp told to take bf16
+    on the CPU (cpu_takes_bf16), the tests of a CPU see whether a pass ran under the autocast train.amp asks for."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.under_autocast = []
+
+    def forward(self, *args, **kwargs):
+        self.under_autocast.append(torch.is_autocast_enabled("cpu"))
+        return self.model(*args, **kwargs)
+
+
+@pytest.fixture
+def cpu_takes_bf16(monkeypatch):
+    """bf16 autocast on the CPU, as on a GPU (build.uses_amp): what no CPU run of the trainer does."""
+    monkeypatch.setattr(build, "uses_amp", lambda amp, device: amp == "bf16")
 
 
 def small_checkpoint(path, *overrides: str):

@@ -20,7 +20,7 @@ import pytest
 import soundfile
 import torch
 
-from conftest import REPO_ROOT, compose_config, small_checkpoint
+from conftest import REPO_ROOT, NotesAutocast, compose_config, small_checkpoint
 from data.manifest import Utterance, write_manifest
 from trainer import build, checkpoint, inference, lm
 from trainer.metrics import ErrorCounts, edit_distance
@@ -674,6 +674,22 @@ def test_evaluation_leaves_the_model_in_its_mode_and_an_earlier_table_when_nothi
     assert main(["--checkpoint", str(path), "--manifest", str(tmp_path / "gone.jsonl"), "--out", str(table)]) == 1
     assert "none of the 1 utterance of" in capsys.readouterr().err
     assert table.read_text() == "an earlier run's table\n"
+
+
+@pytest.mark.parametrize("amp", ["bf16", "none"])
+def test_evaluation_runs_the_model_under_the_autocast_amp_asks_for(amp, an4_source, tmp_path, cpu_takes_bf16):
+    """An evaluation that ran the model without autocast passed every test of a CPU, which never takes bf16 (a GPU
+    run then evaluated in fp32 whatever train.amp said)."""
+    from data.dataset import SpeechDataset
+    from trainer.evaluate import evaluate
+
+    model, features, _ = build.from_checkpoint(small_checkpoint(tmp_path / "small.pt"), torch.device("cpu"))
+    audio = next((an4_source / "wav" / "an4test_clstk").rglob("*.flac"))
+    write_manifest(tmp_path / "one.jsonl", [Utterance(str(audio), 2.0, "TWO", "x")])
+    dataset = SpeechDataset([tmp_path / "one.jsonl"], features, None, model.time_stride)
+    noted = NotesAutocast(model)
+    evaluate(noted, dataset, [[0]], torch.device("cpu"), amp)
+    assert noted.under_autocast == [amp == "bf16"]
 
 
 def test_evaluate_refuses_to_write_its_table_over_the_language_model_it_reads(tmp_path, capsys):

@@ -18,7 +18,7 @@ import soundfile
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO_ROOT, compose_config, running
+from conftest import REPO_ROOT, NotesAutocast, compose_config, running
 from data.dataset import (
     LONGER_THAN_MAX_DURATION, TOO_LONG_FOR_STRIDE, UNREADABLE, UNUSABLE_REASONS, Sample, SpeechDataset, Unusable,
     collate,
@@ -668,6 +668,17 @@ def test_a_step_whose_gradient_overflows_to_infinity_is_skipped_as_one_whose_los
     assert state.keys() == state_before.keys()
     for index, moments in state_before.items():
         assert all(torch.equal(value, state[index][name]) for name, value in moments.items()), (index, moments.keys())
+
+
+@pytest.mark.parametrize("amp", ["bf16", "none"])
+def test_the_step_runs_its_forward_under_the_autocast_train_amp_asks_for(amp, cpu_takes_bf16):
+    """A step that ran its forward without autocast passed every test of a CPU, which never takes bf16 (a GPU run
+    then trained in fp32 whatever train.amp said)."""
+    cfg, model, optimizer, schedule, batch = tiny_setup(nan_in_features=False)
+    cfg.train.amp = amp
+    noted = NotesAutocast(model)
+    assert train_step(noted, batch, optimizer, schedule, cfg, DistEnv(0, 1, torch.device("cpu"))).outcome == "ok"
+    assert noted.under_autocast == [amp == "bf16"]
 
 
 def test_only_the_training_set_is_augmented_and_cut_at_max_duration_each_from_its_own_manifests(tmp_path):
